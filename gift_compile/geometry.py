@@ -1,0 +1,273 @@
+"""Geometry: the coordinates in which a layer's gradient is quantized.
+
+A transform acts on the *input* dimension (the last dim of a `[out, in]` weight gradient),
+row by row, so it commutes with FSDP's dim-0 sharding and with the sum over ranks:
+`sum_r G_r T^T = (sum_r G_r) T^T` when every rank holds the same `T`.
+
+Each transform is a `kind` (static: it fixes the graph) plus a tuple of tensors (data: they
+are refreshed in place, so a compiled graph never recompiles). `apply_forward` /
+`apply_inverse` are the pure functions of `(kind, tensors)` that the collectives, the FX pass
+and the benchmarks all call.
+
+Kinds:
+- identity: `G~ = G`.
+- hadamard: random signs then an orthonormal block Walsh-Hadamard butterfly; a 0-d `gate`
+  tensor switches it off by data.
+- dense: `T = L^{-1}` with `A + delta I = L L^T` (Cholesky), applied as two `d_in x d_in` matmuls.
+- lowrank: `A ~= D^{1/2} (I + V S^2 V^T) D^{1/2}` (top-r eigenpairs plus the damped diagonal of
+  the residual), `T = M D^{-1/2}`, `M = I + V((I+S^2)^{-1/2} - I)V^T`, applied in
+  O(d_in * r) per row; `M^{-1} = I + V((I+S^2)^{1/2} - I)V^T`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+KINDS = ("identity", "hadamard", "dense", "lowrank")
+_MAX_HADAMARD_BLOCK = 1024
+
+
+def hadamard_block(d_in: int) -> int:
+    """Largest power of two dividing `d_in` (capped): the butterfly's block length."""
+    return min(d_in & -d_in, _MAX_HADAMARD_BLOCK)
+
+
+def _fwht(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Orthonormal Walsh-Hadamard transform over consecutive blocks of the last dim."""
+    shape = x.shape
+    y = x.reshape(-1, shape[-1] // block, block)
+    h = 1
+    while h < block:
+        y = y.reshape(y.shape[0], y.shape[1], block // (2 * h), 2, h)
+        a, b = y[..., 0, :], y[..., 1, :]
+        y = torch.stack((a + b, a - b), dim=-2)
+        h *= 2
+    return (y.reshape(shape) * (1.0 / math.sqrt(block)))
+
+
+def apply_forward(kind: str, g: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """`G T^T` for a gradient `g` of shape `[..., d_in]` (fp32)."""
+    if kind == "identity":
+        return g
+    if kind == "hadamard":
+        signs, gate = tensors
+        return torch.where(gate > 0, _fwht(g * signs, hadamard_block(g.shape[-1])), g)
+    if kind == "dense":
+        tt, _ = tensors
+        return g @ tt
+    dinv, v, cf, _, _ = tensors
+    h = g * dinv
+    return h + ((h @ v) * cf) @ v.t()
+
+
+def apply_inverse(kind: str, gt: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """`G~ T^{-T}`: exact inverse of `apply_forward` (up to fp32 rounding)."""
+    if kind == "identity":
+        return gt
+    if kind == "hadamard":
+        signs, gate = tensors
+        return torch.where(gate > 0, _fwht(gt, hadamard_block(gt.shape[-1])) * signs, gt)
+    if kind == "dense":
+        _, tinv = tensors
+        return gt @ tinv
+    _, v, _, ci, dsq = tensors
+    return (gt + ((gt @ v) * ci) @ v.t()) * dsq
+
+
+def _floor(a: torch.Tensor, damping: float) -> torch.Tensor:
+    """Damping floor: `damping` times the mean eigenvalue (trace / n), never zero."""
+    mean_eig = torch.diagonal(a).mean().clamp(min=0.0)
+    return (damping * mean_eig).clamp(min=torch.finfo(torch.float32).tiny)
+
+
+class Transform:
+    """A kind plus its tensors; `refresh_from` rewrites the tensors in place.
+
+    The tensors are allocated once at their final shapes, so graphs that captured them stay
+    valid across refreshes (no recompilation).
+    """
+
+    def __init__(self, kind: str, d_in: int, rank: int = 32, *, seed: int = 0, device: torch.device | str = "cpu"):
+        if kind not in KINDS:
+            raise ValueError(f"unknown transform kind {kind!r}; allowed: {', '.join(KINDS)}")
+        self.kind = kind
+        self.d_in = d_in
+        self.rank = min(rank, d_in)
+        f32 = dict(dtype=torch.float32, device=device)
+        if kind == "identity":
+            self.tensors: tuple[torch.Tensor, ...] = ()
+        elif kind == "hadamard":
+            gen = torch.Generator().manual_seed(seed)
+            signs = torch.randint(0, 2, (d_in,), generator=gen).float() * 2 - 1
+            self.tensors = (signs.to(**f32), torch.ones((), **f32))
+        elif kind == "dense":
+            eye = torch.eye(d_in, **f32)
+            self.tensors = (eye, eye.clone())
+        else:
+            r = self.rank
+            self.tensors = (
+                torch.ones(d_in, **f32),
+                torch.zeros(d_in, r, **f32),
+                torch.zeros(r, **f32),
+                torch.zeros(r, **f32),
+                torch.ones(d_in, **f32),
+            )
+
+    def forward(self, g: torch.Tensor) -> torch.Tensor:
+        return apply_forward(self.kind, g, self.tensors)
+
+    def inverse(self, gt: torch.Tensor) -> torch.Tensor:
+        return apply_inverse(self.kind, gt, self.tensors)
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether `refresh_from` has anything to do (dense/lowrank follow the statistics)."""
+        return self.kind in ("dense", "lowrank")
+
+    @torch.no_grad()
+    def set_identity(self) -> None:
+        """Make the map the identity while keeping the graph (used to deselect a layer)."""
+        if self.kind == "dense":
+            for t in self.tensors:
+                t.copy_(torch.eye(self.d_in))
+        elif self.kind == "lowrank":
+            dinv, v, cf, ci, dsq = self.tensors
+            dinv.fill_(1.0), v.zero_(), cf.zero_(), ci.zero_(), dsq.fill_(1.0)
+        elif self.kind == "hadamard":
+            self.tensors[1].zero_()
+
+    @torch.no_grad()
+    def activate(self) -> None:
+        """Undo `set_identity` for the fixed rotation (adaptive kinds are rebuilt by `refresh_from`)."""
+        if self.kind == "hadamard":
+            self.tensors[1].fill_(1.0)
+
+    @torch.no_grad()
+    def refresh_from(self, a: torch.Tensor, damping: float) -> None:
+        """Recompute the whitening of the SPD factor `a` (`[d_in, d_in]`) in place."""
+        if self.kind == "dense":
+            tt, tinv = dense_whitening(a, damping)
+            self.tensors[0].copy_(tt)
+            self.tensors[1].copy_(tinv)
+        elif self.kind == "lowrank":
+            for dst, src in zip(self.tensors, lowrank_whitening(a, self.rank, damping)):
+                dst.copy_(src)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {f"t{i}": t for i, t in enumerate(self.tensors)}
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        for i, t in enumerate(self.tensors):
+            t.copy_(sd[f"t{i}"])
+
+
+def dense_whitening(a: torch.Tensor, damping: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(L^{-T}, L^T)` with `L L^T = A + delta I`: `G L^{-T}` whitens, `G~ L^T` maps back."""
+    a64 = a.double()
+    a64 = 0.5 * (a64 + a64.t())
+    n = a64.shape[0]
+    l = torch.linalg.cholesky(a64 + _floor(a64, damping) * torch.eye(n, dtype=a64.dtype, device=a64.device))
+    linv = torch.linalg.solve_triangular(l, torch.eye(n, dtype=a64.dtype, device=a64.device), upper=False)
+    return linv.t().float(), l.t().float()
+
+
+def lowrank_whitening(a: torch.Tensor, rank: int, damping: float) -> tuple[torch.Tensor, ...]:
+    """Tensors `(D^{-1/2}, V, (1+S^2)^{-1/2}-1, (1+S^2)^{1/2}-1, D^{1/2})` for `apply_forward`.
+
+    Top-`rank` eigenpairs of `A` give `U L U^T`; the diagonal of the residual (floored by the
+    damping) is `D`; a thin SVD of `D^{-1/2} U L^{1/2}` gives `V S`.
+    """
+    a64 = a.double()
+    a64 = 0.5 * (a64 + a64.t())
+    n = a64.shape[0]
+    r = min(rank, n)
+    evals, evecs = torch.linalg.eigh(a64)
+    lam = evals[-r:].clamp(min=0.0)
+    u = evecs[:, -r:]
+    floor = _floor(a64, damping)
+    d = (torch.diagonal(a64) - (u * u * lam).sum(dim=1)).clamp(min=floor)
+    b = u * lam.sqrt() / d.sqrt().unsqueeze(1)
+    v, s, _ = torch.linalg.svd(b, full_matrices=False)
+    s2 = s * s
+    return (
+        d.rsqrt().float(),
+        v.float(),
+        (torch.rsqrt(1.0 + s2) - 1.0).float(),
+        (torch.sqrt(1.0 + s2) - 1.0).float(),
+        d.sqrt().float(),
+    )
+
+
+class KFACStatistics:
+    """Running K-FAC input factor `A = E[x x^T]` of one linear layer.
+
+    `observe(x)` runs inside the (compiled) forward every training step on a strided subsample
+    of at most `max_tokens` tokens and accumulates into tensors in place; `consolidate` runs
+    eagerly at a refresh: it averages the accumulator over the data-parallel group (so every
+    rank ends with the same `A`) and folds it into the EMA.
+    """
+
+    def __init__(self, d_in: int, *, ema: float, max_tokens: int, device: torch.device | str = "cpu"):
+        self.ema = ema
+        self.max_tokens = max_tokens
+        self.acc = torch.zeros(d_in, d_in, dtype=torch.float32, device=device)
+        self.count = torch.zeros((), dtype=torch.float32, device=device)
+        self.tokens = torch.zeros((), dtype=torch.float32, device=device)
+        self.factor = torch.zeros(d_in, d_in, dtype=torch.float32, device=device)
+        self.initialized = torch.zeros((), dtype=torch.bool, device=device)
+
+    def observe(self, x: torch.Tensor) -> None:
+        x2 = x.detach().reshape(-1, x.shape[-1])
+        n = x2.shape[0]
+        stride = max(1, -(-n // self.max_tokens))
+        sub = x2[::stride].float()
+        self.acc.add_(sub.t() @ sub)
+        self.count.add_(sub.shape[0])
+        self.tokens.add_(n)
+
+    @torch.no_grad()
+    def consolidate(self, group: dist.ProcessGroup | None) -> torch.Tensor:
+        """EMA-updated `A`, identical on all ranks of `group`; resets the accumulator."""
+        acc = torch.cat([self.acc.reshape(-1), self.count.reshape(1)])
+        if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(acc, group=group)
+        count = acc[-1].clamp(min=1.0)
+        new = (acc[:-1] / count).reshape_as(self.acc)
+        if bool(acc[-1] > 0):
+            if bool(self.initialized):
+                self.factor.mul_(self.ema).add_(new, alpha=1.0 - self.ema)
+            else:
+                self.factor.copy_(new)
+                self.initialized.fill_(True)
+        self.acc.zero_()
+        self.count.zero_()
+        return self.factor
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"acc": self.acc, "count": self.count, "tokens": self.tokens, "factor": self.factor,
+                "initialized": self.initialized}
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        for k, t in self.state_dict().items():
+            t.copy_(sd[k])
+
+
+@torch.no_grad()
+def gradient_factor(grad: torch.Tensor, group: dist.ProcessGroup | None = None, *, sharded: bool = False) -> torch.Tensor:
+    """Gradient-side factor `R = G^T G / out` of a reduced gradient (no hooks needed).
+
+    With `sharded=True` each rank holds a dim-0 shard and the partial products are summed
+    over `group`, so the result is the same on every rank.
+    """
+    g = grad.detach().reshape(-1, grad.shape[-1]).double()
+    r = g.t() @ g
+    rows = torch.tensor(float(g.shape[0]), dtype=torch.float64, device=g.device)
+    if sharded and group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(r, group=group)
+        dist.all_reduce(rows, group=group)
+    return (r / rows.clamp(min=1.0)).float()
