@@ -1,0 +1,108 @@
+"""Which managed layers take the transformed (GIFT) path, decided from measurements.
+
+The gain of whitening depends on the layer and on the scaling granularity (DESIGN.md
+section 5: per layer from 0.89x to 1.93x), so the default policy measures it: at each
+geometry refresh it quantizes a sample of the layer's real, not yet quantized local
+gradient both ways, and enables the transform only where the error drops by at least
+`auto_min_gain` and the transform's FLOPs stay below `auto_max_overhead` of the layer's
+backward FLOPs. The paper's offline rule (top-K by E5M2 saturation share) and explicit
+globs are also available.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+import torch
+
+from gift_compile.config import GiftConfig
+from gift_compile.collectives import CommPlan, gift_all_reduce
+from gift_compile.formats import FormatSpec, as_rows, choose_scales, encode
+
+_E5M2_MAX_CODE = 0x7B  # 0 11110 11: 57344, the largest finite E5M2 magnitude
+
+
+@dataclass
+class LayerMeasurement:
+    """Relative L2 errors (original coordinates) of one round trip on a gradient sample."""
+
+    err_euclidean: float
+    err_transformed: float
+    overhead: float
+    boundary_hits: float
+
+    @property
+    def gain(self) -> float:
+        return self.err_euclidean / max(self.err_transformed, 1e-30)
+
+
+def round_trip(g: torch.Tensor, spec: FormatSpec, kind: str, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Transform, quantize, dequantize, inverse on one rank: the collective with no peers."""
+    plan = CommPlan(spec, kind, world=1, rank=0, group_name=None, average=False)
+    return gift_all_reduce(g.float(), tensors, None, 0, plan)[0]
+
+
+def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    return float((approx - exact).norm() / exact.norm().clamp(min=1e-30))
+
+
+def boundary_hit_ratio(g: torch.Tensor) -> float:
+    """Share of E5M2 per-tensor codes that land on the format maximum (the paper's statistic)."""
+    spec = FormatSpec("fp8_e5m2", "tensor")
+    scales, _ = choose_scales(g, spec)
+    codes = encode(g, spec, scales) & 0x7F
+    return float((codes == _E5M2_MAX_CODE).float().mean())
+
+
+def transform_flops(kind: str, rows: int, d_in: int, rank: int) -> float:
+    """FLOPs of forward plus inverse transform of a `[rows, d_in]` gradient."""
+    if kind == "lowrank":
+        return 2 * (4.0 * rows * d_in * rank + 2.0 * rows * d_in)
+    if kind == "dense":
+        return 2 * 2.0 * rows * d_in * d_in
+    if kind == "hadamard":
+        block = d_in & -d_in
+        return 2 * rows * d_in * max(1, block.bit_length() - 1)
+    return 0.0
+
+
+def backward_flops(rows: int, d_in: int, tokens: float) -> float:
+    """Weight- plus input-gradient matmuls of a linear layer: 2 * (2 * tokens * out * in)."""
+    return 4.0 * max(tokens, 1.0) * rows * d_in
+
+
+def measure(
+    sample: torch.Tensor, config: GiftConfig, kind: str, tensors: tuple[torch.Tensor, ...], shape: tuple[int, int], tokens: float
+) -> LayerMeasurement:
+    spec = FormatSpec(config.format, config.scaling, config.block_size)
+    g = as_rows(sample).float()
+    if not bool(torch.isfinite(g).all()) or float(g.norm()) == 0.0:
+        return LayerMeasurement(float("nan"), float("nan"), 0.0, 0.0)
+    e_euc = relative_error(round_trip(g, spec, "identity", ()), g)
+    e_t = relative_error(round_trip(g, spec, kind, tensors), g)
+    over = transform_flops(kind, shape[0], shape[1], tensors[1].shape[1] if kind == "lowrank" else 0) / backward_flops(
+        shape[0], shape[1], tokens
+    )
+    return LayerMeasurement(e_euc, e_t, over, boundary_hit_ratio(g))
+
+
+def decide(config: GiftConfig, measurements: dict[str, LayerMeasurement], boundary_scores: dict[str, float]) -> set[str]:
+    """The set of layer FQNs that take the transformed path under `config.select`."""
+    select = config.select
+    names = list(measurements)
+    if config.geometry == "none" or select == "none":
+        return set()
+    if select == "all":
+        return set(names)
+    if isinstance(select, tuple):
+        return {n for n in names if any(fnmatch.fnmatch(n, pat) for pat in select)}
+    k = config.boundary_hits_k
+    if k is not None:
+        ranked = sorted(names, key=lambda n: boundary_scores.get(n, 0.0), reverse=True)
+        return set(ranked[:k])
+    chosen = set()
+    for n, m in measurements.items():
+        if m.gain == m.gain and m.gain >= config.auto_min_gain and m.overhead <= config.auto_max_overhead:
+            chosen.add(n)
+    return chosen
