@@ -140,6 +140,23 @@ def _finite_amax(t: torch.Tensor, dims: tuple[int, ...] | int, keepdim: bool = T
     return torch.where(torch.isfinite(a), a, torch.full_like(a, math.inf))
 
 
+def _pow2_scale(amax: torch.Tensor, fmax: float) -> torch.Tensor:
+    """Smallest power of two `s` with `amax / s <= fmax`, by exponent arithmetic.
+
+    Power-of-two scales make scaling exact: eager and compiled code (which may rewrite a
+    division as a reciprocal multiply) produce the same codes even on the exact rounding
+    ties that sums of decoded codes create, and no transcendental function is involved.
+    Zero maps to 1.
+    """
+    mant, exp2 = math.frexp(fmax)  # fmax = mant * 2**exp2, mant in [0.5, 1)
+    max_exp, max_mant_bits = exp2 - 1, int((2 * mant - 1) * (1 << 23))
+    bits = amax.contiguous().view(torch.int32)
+    exp = ((bits >> 23) & 0xFF) - 127
+    k = exp - max_exp + ((bits & 0x7FFFFF) > max_mant_bits).to(torch.int32)
+    k = torch.where(amax > 0, k, torch.zeros_like(k)).clamp(-126, 127)
+    return ((k + 127) << 23).view(torch.float32)
+
+
 def _e4m3_code(v: torch.Tensor) -> torch.Tensor:
     """Positive fp32 -> E4M3 byte (round to nearest even, saturating); +inf -> NaN code."""
     code = v.clamp(max=E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
@@ -175,7 +192,8 @@ def choose_scales(
         else:
             amax = _finite_amax(_blocks(x2, spec.block_size), -1, keepdim=False)
         amax = agree(amax)
-        return torch.where(amax > 0, amax / fmax, torch.ones_like(amax)), None
+        scale = _pow2_scale(amax, fmax)
+        return torch.where(torch.isinf(amax), amax, scale), None
     if spec.name == "mxfp8":
         amax = _finite_amax(_blocks(x2, MX_BLOCK), -1, keepdim=False)
         # OCP MX: shared exponent floor(log2(amax)) - emax(E4M3 = 8), biased by 127.
@@ -187,7 +205,7 @@ def choose_scales(
     # 16-element block gets an E4M3 scale so that its amax maps onto E2M1's maximum 6.
     bamax = _finite_amax(_blocks(x2, NVFP4_BLOCK), -1, keepdim=False)
     gamax = agree(bamax.amax().reshape(1))
-    gscale = torch.where(gamax > 0, gamax / (E4M3_MAX * E2M1_MAX), torch.ones_like(gamax))
+    gscale = torch.where(torch.isinf(gamax), gamax, _pow2_scale(gamax, E4M3_MAX * E2M1_MAX))
     code = _e4m3_code(bamax / (E2M1_MAX * gscale))
     return agree(code), gscale
 
@@ -244,19 +262,23 @@ def encode(
             v = _blocks(x2, MX_BLOCK) / s
         else:
             dtype, fmax, mbits, emin = _FP8[spec.name]
+            # Multiply by an explicit reciprocal: Inductor may rewrite `x / s` as `x * (1/s)`,
+            # which moves exact rounding ties (frequent after summing decoded codes) to one
+            # side; spelling it this way keeps compiled codes bit-identical to eager ones.
+            inv = 1.0 / scales
             if spec.scaling == "block":
-                v = _blocks(x2, spec.block_size) / scales.unsqueeze(-1)
+                v = _blocks(x2, spec.block_size) * inv.unsqueeze(-1)
             elif spec.scaling == "row":
-                v = x2 / scales.unsqueeze(-1)
+                v = x2 * inv.unsqueeze(-1)
             else:
-                v = x2 / scales
+                v = x2 * inv
         v = v.reshape(rows, cols)
         if u is not None:
             v = _stochastic_grid(v, mbits, emin, u)
         return v.clamp(-fmax, fmax).to(dtype).view(torch.uint8)
     # nvfp4
     bscale = _e4m3_decode(scales) * tensor_scale
-    v = _blocks(x2, NVFP4_BLOCK) / bscale.unsqueeze(-1)
+    v = _blocks(x2, NVFP4_BLOCK) * (1.0 / bscale).unsqueeze(-1)
     v = torch.where(bscale.unsqueeze(-1) > 0, v, torch.zeros_like(v)).reshape(rows, cols)
     if u is not None:
         a = v.abs()

@@ -253,7 +253,9 @@ def rewrite_gradient_collectives(gm: fx.GraphModule | fx.Graph) -> RewriteReport
     """Entry point: rewrite every managed gradient collective of a graph, in place."""
     graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
     report = RewriteReport(ops_before=count_ops(graph))
+    _REPORTS.append(report)
     if not any(_is_mark(n) for n in graph.nodes):
+        report.ops_after = report.ops_before
         return report
     for match in find_gradient_collectives(graph):
         reason = _why_not(match, match.layer)
@@ -273,5 +275,4 @@ def rewrite_gradient_collectives(gm: fx.GraphModule | fx.Graph) -> RewriteReport
         "GIFT pass: rewrote %d gradient collectives (%d -> %d bytes per step)",
         len(report.rewritten), report.fp32_bytes, report.wire_bytes,
     )
-    _REPORTS.append(report)
     return report
