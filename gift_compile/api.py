@@ -35,6 +35,7 @@ logger = logging.getLogger("gift_compile")
 _c10d = torch.ops._c10d_functional
 _LAYER_SEED_STRIDE = 7919
 _warned_unrewritten: set[int] = set()
+_applied: set[int] = set()  # ids of models with GIFT applied: the Inductor pass stays while any is left
 
 
 @torch.library.custom_op("gift::mark", mutates_args=())
@@ -185,6 +186,7 @@ def apply(model: nn.Module, config: GiftConfig | None = None, *, group: dist.Pro
         handles = _install_sync_hooks(model, state, managed, group)
     model._gift_state = state
     model._gift_handles = handles
+    _applied.add(id(model))
     from gift_compile.passes.inductor import register_inductor_pass
 
     register_inductor_pass()
@@ -235,6 +237,11 @@ def remove(model: nn.Module) -> nn.Module:
         h.remove()
     del model._gift_state
     del model._gift_handles
+    _applied.discard(id(model))
+    if not _applied:
+        from gift_compile.passes.inductor import unregister_inductor_pass
+
+        unregister_inductor_pass()
     return model
 
 

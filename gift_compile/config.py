@@ -18,6 +18,7 @@ SCALINGS = ("tensor", "row", "block")
 GEOMETRIES = ("none", "hadamard", "dense", "lowrank", "gradient")
 NONFINITE = ("error", "propagate")
 REDUCE_OPS = ("avg", "sum")
+SELECT_METRICS = ("euclidean", "whitened")
 _SELECT_KEYWORDS = ("auto", "all", "none")
 _BOUNDARY_RE = re.compile(r"^boundary_hits:(\d+)$")
 
@@ -61,6 +62,9 @@ class GiftConfig:
             result into NaN on every rank (never a silently finite value).
         reduce_op: "avg" (data-parallel mean) or "sum".
         seed: base seed of stochastic rounding and of the Hadamard signs.
+        select_metric: how select="auto" compares the two paths: "euclidean" (relative L2
+            error of the gradient) or "whitened" (the error seen in the layer's whitened
+            geometry, which is what preconditioned optimizers such as Muon/Shampoo amplify).
         auto_min_gain: with select="auto", the transformed path must cut the measured error
             by at least this factor to be enabled.
         auto_max_overhead: with select="auto", the transform's FLOPs may be at most this
@@ -84,6 +88,7 @@ class GiftConfig:
     nonfinite: str = "error"
     reduce_op: str = "avg"
     seed: int = 0
+    select_metric: str = "euclidean"
     auto_min_gain: float = 1.05
     auto_max_overhead: float = 0.25
 
@@ -96,6 +101,8 @@ class GiftConfig:
             _fail("geometry", self.geometry, ", ".join(GEOMETRIES))
         if self.nonfinite not in NONFINITE:
             _fail("nonfinite", self.nonfinite, ", ".join(NONFINITE))
+        if self.select_metric not in SELECT_METRICS:
+            _fail("select_metric", self.select_metric, ", ".join(SELECT_METRICS))
         if self.reduce_op not in REDUCE_OPS:
             _fail("reduce_op", self.reduce_op, ", ".join(REDUCE_OPS))
         for name in ("block_size", "rank", "refresh_every", "stats_tokens"):

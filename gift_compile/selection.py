@@ -3,7 +3,8 @@
 The gain of whitening depends on the layer and on the scaling granularity (DESIGN.md
 section 5: per layer from 0.89x to 1.93x), so the default policy measures it: at each
 geometry refresh it quantizes a sample of the layer's real, not yet quantized local
-gradient both ways, and enables the transform only where the error drops by at least
+gradient both ways (error in plain L2, or with `select_metric="whitened"` in the layer's
+whitened geometry, the one a preconditioned optimizer amplifies), and enables the transform only where the error drops by at least
 `auto_min_gain` and the transform's FLOPs stay below `auto_max_overhead` of the layer's
 backward FLOPs. The paper's offline rule (top-K by E5M2 saturation share) and explicit
 globs are also available.
@@ -19,13 +20,15 @@ import torch
 from gift_compile.config import GiftConfig
 from gift_compile.collectives import CommPlan, gift_all_reduce
 from gift_compile.formats import FormatSpec, as_rows, choose_scales, encode
+from gift_compile.geometry import apply_forward
 
 _E5M2_MAX_CODE = 0x7B  # 0 11110 11: 57344, the largest finite E5M2 magnitude
 
 
 @dataclass
 class LayerMeasurement:
-    """Relative L2 errors (original coordinates) of one round trip on a gradient sample."""
+    """Relative errors of one round trip on a gradient sample, Euclidean path vs transformed
+    path, in the metric of `GiftConfig.select_metric`."""
 
     err_euclidean: float
     err_transformed: float
@@ -79,8 +82,10 @@ def measure(
     g = as_rows(sample).float()
     if not bool(torch.isfinite(g).all()) or float(g.norm()) == 0.0:
         return LayerMeasurement(float("nan"), float("nan"), 0.0, 0.0)
-    e_euc = relative_error(round_trip(g, spec, "identity", ()), g)
-    e_t = relative_error(round_trip(g, spec, kind, tensors), g)
+    euclidean, transformed = round_trip(g, spec, "identity", ()), round_trip(g, spec, kind, tensors)
+    if config.select_metric == "whitened":  # both errors seen in the candidate's geometry
+        g, euclidean, transformed = (apply_forward(kind, t, tensors) for t in (g, euclidean, transformed))
+    e_euc, e_t = relative_error(euclidean, g), relative_error(transformed, g)
     over = transform_flops(kind, shape[0], shape[1], tensors[1].shape[1] if kind == "lowrank" else 0) / backward_flops(
         shape[0], shape[1], tokens
     )
