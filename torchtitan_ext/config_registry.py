@@ -1,0 +1,116 @@
+"""Config functions for ``--module gift_compile.torchtitan_ext --config <fn>``.
+
+torchtitan's ``ConfigManager`` imports ``<module>.config_registry`` and calls the
+function named by ``--config``; ``--section.key value`` then overrides fields (tyro).
+
+==========================  ==============================================  ==========
+config function             trainer                                          GIFT
+==========================  ==============================================  ==========
+llama3_debug_gift_graph     graph_trainer: SimpleFSDP + aot_fx_trace         on
+llama3_debug_nogift_graph   graph_trainer: SimpleFSDP + aot_fx_trace         off
+llama3_debug_gift_fsdp2     stock trainer, FSDP2 ``fully_shard``             on
+llama3_debug_nogift_fsdp2   stock trainer, FSDP2 ``fully_shard``             off
+==========================  ==============================================  ==========
+
+All four train the ``gift_debug`` Llama3 (see :mod:`.models`) on the embedded Shakespeare
+corpus with its 4096-token BPE tokenizer, so no download is needed. GIFT-off and GIFT-on
+variants of a trainer differ only in ``gift.enable`` (same seed, data order, init), so
+their losses are directly comparable. Both graph configs select the ``gift`` pass
+pipeline, which is the default pipeline plus the GIFT rewrite when ``gift.enable``.
+On a machine without an accelerator, :mod:`.cpu_compat` adds its config-level choices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from . import cpu_compat
+
+# Before the torchtitan imports below: on a CPU box without Triton they only import
+# through cpu_compat (see its docstring); on an accelerator box this is a no-op.
+cpu_compat.activate()
+
+from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.loss import CrossEntropyLoss
+from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+from torchtitan.components.validate import Validator
+from torchtitan.config import ParallelismConfig, TrainingConfig
+from torchtitan.config.configs import DebugConfig
+from torchtitan.experiments.graph_trainer.configs import GraphTrainerCompileConfig
+from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
+
+from .data import corpus_paths
+from .models import gift_model_spec
+from .pipeline import GIFT_PASS_PIPELINE
+from .section import GiftSection
+from .telemetry import GiftMetricsProcessor
+from .trainers import GiftGraphTrainer, GiftTrainer
+
+__all__ = [
+    "llama3_debug_gift_fsdp2",
+    "llama3_debug_gift_graph",
+    "llama3_debug_nogift_fsdp2",
+    "llama3_debug_nogift_graph",
+]
+
+_FLAVOR = "gift_debug"
+
+
+def _stock_config(*, gift: bool) -> GiftTrainer.Config:
+    model_spec = gift_model_spec(_FLAVOR, attn_backend=cpu_compat.attention_backend(), graph_trainer=False)
+    config = GiftTrainer.Config(
+        model_spec=model_spec,
+        hf_assets_path=str(corpus_paths().tokenizer_dir),
+        dump_folder="./outputs/gift_debug",
+        loss=CrossEntropyLoss.Config(global_vocab_size=model_spec.model.vocab_size),
+        optimizer=default_adamw(lr=2e-3),
+        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=5, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.1),
+        training=TrainingConfig(local_batch_size=4, seq_len=128, steps=20, mixed_precision_param="float32"),
+        # graph_trainer requires partial_dtensor (to_graph_trainer_config forces it); the
+        # FSDP2 configs use it too so both trainers shard alike (with torch 2.13 the
+        # spmd_types default rejects this model: "all parameters must be DTensors").
+        parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
+        dataloader=HuggingFaceTextDataLoader.Config(dataset="gift_shakespeare"),
+        metrics=GiftMetricsProcessor.Config(log_freq=1),
+        checkpoint=CheckpointManager.Config(interval=10, last_save_model_only=False),
+        # The model is tiny; graph_trainer's parallelize_fn ignores this field anyway (its
+        # activation memory policy is a graph pass).
+        activation_checkpoint=None,
+        validator=Validator.Config(
+            enable=True,
+            freq=10,
+            steps=4,
+            dataloader=HuggingFaceTextDataLoader.Config(dataset="gift_shakespeare_val", infinite=False),
+        ),
+        debug=DebugConfig(seed=0),
+        gift=GiftSection(enable=gift),
+    )
+    return cpu_compat.apply_config_defaults(config)
+
+
+def _graph_config(*, gift: bool) -> GiftGraphTrainer.Config:
+    stock = _stock_config(gift=gift)
+    values = {f.name: getattr(stock, f.name) for f in fields(stock)}
+    values["model_spec"] = gift_model_spec(_FLAVOR, attn_backend=cpu_compat.attention_backend(), graph_trainer=True)
+    values["compile"] = GraphTrainerCompileConfig(enable=True, pass_pipeline=GIFT_PASS_PIPELINE)
+    return cpu_compat.apply_config_defaults(GiftGraphTrainer.Config(**values))
+
+
+def llama3_debug_gift_graph() -> GiftGraphTrainer.Config:
+    """graph_trainer (SimpleFSDP + whole-step trace), gradient collectives rewritten by GIFT."""
+    return _graph_config(gift=True)
+
+
+def llama3_debug_nogift_graph() -> GiftGraphTrainer.Config:
+    """graph_trainer, fp32 gradient reduce-scatters (the GIFT-off reference)."""
+    return _graph_config(gift=False)
+
+
+def llama3_debug_gift_fsdp2() -> GiftTrainer.Config:
+    """Stock trainer with FSDP2; GIFT through FSDP2's custom reduce-scatter hook."""
+    return _stock_config(gift=True)
+
+
+def llama3_debug_nogift_fsdp2() -> GiftTrainer.Config:
+    """Stock trainer with FSDP2, fp32 reduce-scatters (the GIFT-off reference)."""
+    return _stock_config(gift=False)

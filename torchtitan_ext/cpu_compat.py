@@ -1,0 +1,305 @@
+"""Run torchtitan 0.3.0 on CPU with the gloo backend.
+
+torchtitan has no CPU device option: it assumes an accelerator everywhere. This module
+is the single place where GIFT's torchtitan integration makes it run on a CPU-only box
+(our CI and development machines have no GPU). Everything here is inert when an
+accelerator is present: :func:`activate` only installs the ``set_timeout`` alias (a
+torch-version gap, see below) and the other helpers leave torchtitan's defaults alone.
+
+Two kinds of adjustments, preferring the first:
+
+* Choices made through torchtitan's and torch's own switches (no patching), applied by
+  the config functions in :mod:`gift_compile.torchtitan_ext.config_registry` through
+  :func:`attention_backend` and :func:`apply_config_defaults`, and by the trainers
+  through :func:`after_fsdp2`:
+
+  - SDPA instead of FlexAttention: FlexAttention has no CPU backward.
+  - ``training.disable_cuda_graphs``: CUDA graphs need CUDA.
+  - graph_trainer passes put in ``compile.disable_passes`` (each measured on torch 2.13
+    CPU): ``joint_transformer_block_bucketing_reordering_pass`` (Inductor's overlap
+    scheduler estimates runtimes from GPU DRAM bandwidth via ``triton.testing``),
+    ``selective_activation_remat_pass`` (the CPU graph has RNG ops inside recompute
+    regions, which the pass rejects), ``cudagraph_pass`` (CUDA graphs; on CPU it only
+    logs an incompatibility warning).
+  - FSDP2 reductions forced to plain SUM (:func:`after_fsdp2`): torchtitan disables
+    FSDP's gradient division (it normalises by the global token count itself), which
+    makes FSDP2 pick ``ReduceOp.PREMUL_SUM``; gloo only implements SUM/MAX/MIN/PRODUCT.
+    ``FSDPModule.set_force_sum_reduction_for_comms(True)`` is FSDP2's own switch for it.
+
+* Runtime shims in :func:`activate`, where torchtitan hard-codes the accelerator:
+
+  - device type: ``torchtitan.tools.utils`` computes ``device_type =
+    _get_available_device_type() or "cuda"`` at import time and several modules copy it
+    (and ``device_module``) with ``from ... import``. We rebind those module globals to
+    ``"cpu"`` and to :class:`_CpuDeviceModule`.
+  - ``_CpuDeviceModule``: ``torch.cpu`` plus the memory API torchtitan's
+    ``DeviceMemoryMonitor`` calls (``get_device_name``, ``get_device_properties``,
+    ``memory_stats``, ``reset_peak_memory_stats``, ``empty_cache``), reporting the
+    process's peak resident set size, and an integer ``current_device`` for
+    ``barrier(device_ids=...)``. It is a separate namespace: ``torch.cpu`` itself is not
+    modified.
+  - ``torch.distributed.set_timeout``: torchtitan calls it after the first step; torch
+    2.13 only has ``torch.distributed.distributed_c10d._set_pg_timeout``. The alias is
+    installed only where the public name is missing (it is a torch-version gap, not a CPU
+    one, so it is installed on any device).
+  - ``triton`` importable: ``torchtitan.trainer`` imports
+    ``torchtitan.distributed.minimal_async_ep.kernels`` (expert-parallel Triton kernels)
+    unconditionally, and that module does ``import triton`` at import time. On a box
+    without Triton, :func:`import_torchtitan` imports it with a placeholder ``triton``
+    module visible only while that one module body executes (so
+    ``torch.utils._triton.has_triton_package`` and Inductor never see it). The kernels
+    are never launched on CPU; calling one raises a clear error.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import resource
+import sys
+import types
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+__all__ = [
+    "CPU_DISABLED_GRAPH_PASSES",
+    "accelerator_available",
+    "activate",
+    "after_fsdp2",
+    "apply_config_defaults",
+    "attention_backend",
+    "import_torchtitan",
+    "is_active",
+]
+
+CPU_DISABLED_GRAPH_PASSES: tuple[str, ...] = (
+    "cudagraph_pass",
+    "selective_activation_remat_pass",
+    "joint_transformer_block_bucketing_reordering_pass",
+)
+"""graph_trainer passes that need CUDA (see the module docstring for each reason)."""
+
+_active = False
+
+
+def accelerator_available() -> bool:
+    """True when torch sees any accelerator (CUDA, ROCm, XPU, MPS, ...)."""
+    return torch.accelerator.is_available()
+
+
+def is_active() -> bool:
+    """True once :func:`activate` has applied the CPU shims in this process."""
+    return _active
+
+
+def attention_backend() -> str:
+    """Attention backend for config functions: FlexAttention has no CPU backward."""
+    return "flex" if accelerator_available() else "sdpa"
+
+
+class _CpuDeviceProperties:
+    """What torchtitan reads from ``get_device_properties``: the memory capacity."""
+
+    def __init__(self) -> None:
+        self.total_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        self.name = "cpu"
+
+
+class _CpuDeviceModule(types.SimpleNamespace):
+    """``torch.cpu`` with the memory-statistics API torchtitan's metrics expect.
+
+    Peak memory is the process's peak resident set size (``ru_maxrss``), which cannot be
+    reset, so ``reset_peak_memory_stats`` is a no-op and the reported peak is the peak
+    since process start.
+    """
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cpu, name)
+
+    @staticmethod
+    def current_device() -> int:
+        # torch.cpu.current_device() returns the string "cpu"; barrier(device_ids=[...])
+        # needs an index.
+        return 0
+
+    @staticmethod
+    def get_device_name(device: Any = None) -> str:
+        return "cpu"
+
+    @staticmethod
+    def get_device_properties(device: Any = None) -> _CpuDeviceProperties:
+        return _CpuDeviceProperties()
+
+    @staticmethod
+    def memory_stats(device: Any = None) -> dict[str, int]:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return {
+            "active_bytes.all.peak": peak,
+            "reserved_bytes.all.peak": peak,
+            "num_alloc_retries": 0,
+            "num_ooms": 0,
+        }
+
+    @staticmethod
+    def reset_peak_memory_stats(device: Any = None) -> None:
+        return None
+
+    @staticmethod
+    def empty_cache() -> None:
+        return None
+
+
+class _TritonPlaceholder(types.ModuleType):
+    """Stands in for ``triton`` / ``triton.language`` while torchtitan is imported.
+
+    Every attribute is another placeholder, calling one returns a placeholder (so
+    ``@triton.jit(...)``, ``tl.pointer_type(tl.int64)`` evaluate), and a decorated
+    kernel raises when it is launched.
+    """
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _TritonPlaceholder(f"{self.__name__}.{name}")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if len(args) == 1 and callable(args[0]) and not kwargs:
+            return _unavailable_kernel(args[0])
+        return self
+
+    def __getitem__(self, item: Any) -> Any:
+        return self
+
+
+def _unavailable_kernel(fn: Any) -> Any:
+    name = getattr(fn, "__qualname__", repr(fn))
+
+    class _Kernel:
+        def __getitem__(self, grid: Any) -> Any:
+            return self
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError(
+                f"Triton kernel {name} was called, but Triton is not installed "
+                "(gift_compile.torchtitan_ext.cpu_compat imported torchtitan without it)."
+            )
+
+    return _Kernel()
+
+
+_TRITON_KERNELS = "torchtitan.distributed.minimal_async_ep.kernels"
+
+
+def import_torchtitan() -> None:
+    """Import ``torchtitan.trainer`` (and graph_trainer) even when Triton is missing.
+
+    Only ``torchtitan/distributed/minimal_async_ep/kernels.py`` needs Triton at import
+    time. It is executed from its file with the placeholder ``triton`` modules in
+    ``sys.modules`` for the duration of that one module body and registered under its
+    own name, so the later package import finds it; nothing else (torch's Inductor in
+    particular, which probes ``import triton``) ever sees the placeholder.
+    """
+    try:
+        importlib.import_module("triton")
+    except ImportError:
+        if _TRITON_KERNELS not in sys.modules:
+            _load_kernels_with_placeholder()
+    importlib.import_module("torchtitan.trainer")
+    importlib.import_module("torchtitan.experiments.graph_trainer.trainer")
+
+
+def _load_kernels_with_placeholder() -> None:
+    root = importlib.util.find_spec("torchtitan")
+    assert root is not None and root.submodule_search_locations
+    path = os.path.join(root.submodule_search_locations[0], *_TRITON_KERNELS.split(".")[1:]) + ".py"
+    spec = importlib.util.spec_from_file_location(_TRITON_KERNELS, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    names = ("triton", "triton.language")
+    sys.modules["triton"] = _TritonPlaceholder("triton")
+    sys.modules["triton.language"] = sys.modules["triton"].language
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        for name in names:
+            sys.modules.pop(name, None)
+    sys.modules[_TRITON_KERNELS] = module
+
+
+def _install_set_timeout_alias() -> None:
+    import torch.distributed as dist
+
+    if hasattr(dist, "set_timeout"):
+        return
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    def set_timeout(timeout: timedelta, group: Any = None) -> None:
+        """Alias of ``_set_pg_timeout`` (torchtitan 0.3.0 calls the public name)."""
+        _set_pg_timeout(timeout, group)
+
+    dist.set_timeout = set_timeout  # type: ignore[attr-defined]
+
+
+def _rebind_device_globals() -> None:
+    """Point every loaded torchtitan module's ``device_type``/``device_module`` at CPU."""
+    import torchtitan.tools.utils as tt_utils
+
+    stale_type, stale_module = tt_utils.device_type, tt_utils.device_module
+    if stale_type == "cpu":
+        return
+    cpu_module = _CpuDeviceModule()
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("torchtitan") or module is None:
+            continue
+        namespace = vars(module)
+        if namespace.get("device_type") == stale_type:
+            namespace["device_type"] = "cpu"
+        if namespace.get("device_module") is stale_module:
+            namespace["device_module"] = cpu_module
+
+
+def activate() -> bool:
+    """Apply the runtime shims when no accelerator is present. Idempotent.
+
+    Returns True when the CPU shims are (now) active, False on an accelerator box,
+    where only the ``set_timeout`` alias (a torch-version gap) may be installed.
+    """
+    global _active
+    _install_set_timeout_alias()
+    if accelerator_available():
+        return False
+    if not _active:
+        import_torchtitan()
+        _rebind_device_globals()
+        _active = True
+    return True
+
+
+def apply_config_defaults(config: Any) -> Any:
+    """Config-level CPU choices on a torchtitan ``Trainer.Config`` (in place).
+
+    No-op on an accelerator box. Returns ``config`` for chaining.
+    """
+    if accelerator_available():
+        return config
+    config.training.disable_cuda_graphs = True
+    compile_config = config.compile
+    if hasattr(compile_config, "disable_passes"):
+        for name in CPU_DISABLED_GRAPH_PASSES:
+            if name not in compile_config.disable_passes:
+                compile_config.disable_passes.append(name)
+    return config
+
+
+def after_fsdp2(model: torch.nn.Module) -> None:
+    """Force SUM reductions on every FSDP2 module (gloo has no PREMUL_SUM). CPU only."""
+    if accelerator_available():
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)

@@ -1,0 +1,76 @@
+"""Launch a torchtitan run of one of our config functions and collect its results.
+
+Used by the integration tests and usable by benchmarks: it runs the same command a user
+runs (``torchrun ... -m gift_compile.torchtitan_ext.train --module ... --config ...``),
+waits, and returns the per-step records that :class:`.telemetry.GiftMetricsProcessor`
+wrote, so callers compare losses and telemetry without parsing logs.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .telemetry import read_jsonl
+
+__all__ = ["RunResult", "run_config"]
+
+MODULE = "gift_compile.torchtitan_ext"
+
+
+@dataclass
+class RunResult:
+    """Outcome of :func:`run_config`."""
+
+    command: list[str]
+    returncode: int
+    output: str
+    wall_s: float
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    def losses(self) -> dict[int, float]:
+        """Training loss by step (a resumed run's records override earlier ones)."""
+        return {r["step"]: r["loss"] for r in self.records if "loss" in r}
+
+    def last(self, key: str) -> Any:
+        """Value of ``key`` in the last record that has it."""
+        return next(r[key] for r in reversed(self.records) if key in r)
+
+    def check(self) -> "RunResult":
+        """Raise with the tail of the output unless the run succeeded."""
+        if self.returncode != 0:
+            raise RuntimeError(f"run failed ({self.returncode}): {' '.join(self.command)}\n{self.output[-6000:]}")
+        return self
+
+
+def run_config(
+    config: str,
+    overrides: Sequence[str] = (),
+    *,
+    dump_folder: str,
+    nproc: int = 2,
+    timeout_s: float = 600,
+) -> RunResult:
+    """Train ``--config config`` on ``nproc`` gloo/NCCL ranks into ``dump_folder``.
+
+    ``overrides`` are torchtitan CLI arguments (``--training.steps 4``). One intra-op thread
+    per rank unless ``OMP_NUM_THREADS`` is set (two ranks share two cores here).
+    """
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        "-m", f"{MODULE}.train", "--module", MODULE, "--config", config,
+        "--dump-folder", dump_folder, "--metrics.disable-color-printing", *overrides,
+    ]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    start = time.perf_counter()
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s)
+    wall = time.perf_counter() - start
+    jsonl = os.path.join(dump_folder, "gift_metrics.jsonl")
+    records = read_jsonl(jsonl) if os.path.exists(jsonl) else []
+    return RunResult(command, proc.returncode, proc.stdout + proc.stderr, wall, records)

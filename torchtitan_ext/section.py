@@ -1,0 +1,105 @@
+"""The ``[gift]`` section of the torchtitan config tree (``--gift.*`` on the CLI).
+
+torchtitan parses its config with tyro from dataclasses, so the section is a plain
+dataclass whose fields mirror :class:`gift_compile.GiftConfig`, plus ``enable`` and ``fuse``
+(integration switches). Values are validated by converting to ``GiftConfig`` in ``__post_init__``: a bad ``--gift.format`` or
+TOML value fails while the command line is parsed, before any process group exists, with
+``GiftConfig``'s message naming the field and the allowed values.
+
+``reduce_op`` is not a field: torchtitan divides the loss by the global token count and
+disables FSDP's gradient division, so gradient collectives must SUM. The section always
+converts with ``reduce_op="sum"``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from gift_compile.config import GiftConfig
+
+__all__ = ["GiftSection"]
+
+_DEFAULTS = GiftConfig()
+# Fields that steer the torchtitan integration rather than GIFT's numerics.
+_INTEGRATION_FIELDS = ("enable", "fuse")
+
+
+@dataclass(kw_only=True, slots=True)
+class GiftSection:
+    """GIFT toggles: ``enable`` and ``fuse`` steer the integration, the rest is GiftConfig."""
+
+    enable: bool = False
+    """Rewrite the gradient collectives into GIFT's low-precision collectives."""
+
+    fuse: bool = True
+    """graph_trainer: compile GIFT's inserted ops with Inductor (regional) so they fuse.
+
+    Costs compile time at the first step (CPU, gift_debug: ~60 s cold, ~35 s warm); no
+    effect with --compile.inductor_compilation full (all compiled) or on FSDP2 (its
+    reduce-scatter hook runs eagerly)."""
+
+    format: str = _DEFAULTS.format
+    """Wire format: fp32, bf16, fp8_e4m3, fp8_e5m2, mxfp8, nvfp4."""
+
+    scaling: str = _DEFAULTS.scaling
+    """Scale granularity for the fp8 formats: tensor, row, block."""
+
+    block_size: int = _DEFAULTS.block_size
+    """Block length for scaling=block."""
+
+    geometry: str = _DEFAULTS.geometry
+    """Quantization coordinates: none, hadamard, dense, lowrank, gradient."""
+
+    rank: int = _DEFAULTS.rank
+    """Rank of the low-rank part of the whitening."""
+
+    refresh_every: int = _DEFAULTS.refresh_every
+    """Steps between geometry refreshes."""
+
+    ema: float = _DEFAULTS.ema
+    """EMA decay of the K-FAC statistics."""
+
+    damping: float = _DEFAULTS.damping
+    """Relative diagonal floor of the whitening."""
+
+    select: str = "auto"
+    """auto | all | none | boundary_hits:K | comma-separated FQN globs."""
+
+    exclude: list[str] = field(default_factory=lambda: list(_DEFAULTS.exclude))
+    """Comma-separated FQN globs that always stay at full precision."""
+
+    error_feedback: bool = _DEFAULTS.error_feedback
+    """Carry the quantization residual (in transformed coordinates) to the next step."""
+
+    stochastic_rounding: bool = _DEFAULTS.stochastic_rounding
+    """Stochastic rounding of the codes (seeded)."""
+
+    min_numel: int = _DEFAULTS.min_numel
+    """2-D weights with fewer elements stay at full precision."""
+
+    stats_tokens: int = _DEFAULTS.stats_tokens
+    """Tokens per step and layer that enter the K-FAC statistics."""
+
+    nonfinite: str = _DEFAULTS.nonfinite
+    """What a NaN/Inf gradient does: error | propagate."""
+
+    seed: int = _DEFAULTS.seed
+    """Seed of stochastic rounding and Hadamard signs."""
+
+    select_metric: str = _DEFAULTS.select_metric
+    """select=auto compares the paths by: euclidean | whitened (the error preconditioners see)."""
+
+    auto_min_gain: float = _DEFAULTS.auto_min_gain
+    """select=auto: minimum error reduction for a layer to take the transformed path."""
+
+    auto_max_overhead: float = _DEFAULTS.auto_max_overhead
+    """select=auto: maximum transform FLOPs as a fraction of the layer's backward."""
+
+    def __post_init__(self) -> None:
+        self.to_gift_config()
+
+    def to_gift_config(self) -> GiftConfig:
+        """The validated GiftConfig (raises ValueError naming the bad field)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _INTEGRATION_FIELDS}
+        values["exclude"] = tuple(values["exclude"])
+        return GiftConfig(reduce_op="sum", **values)
