@@ -8,8 +8,8 @@ See `GiftConfig` for the knobs, `gift_compile.formats` / `gift_compile.collectiv
 core, and `gift_compile.passes` for the FX rewrite.
 """
 
-from gift_compile.api import GiftLinear, apply, remove, state
+from gift_compile.api import apply, remove, state
 from gift_compile.config import GiftConfig
 
-__all__ = ["GiftConfig", "GiftLinear", "apply", "remove", "state"]
+__all__ = ["GiftConfig", "apply", "remove", "state"]
 __version__ = "0.1.0"

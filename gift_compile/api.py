@@ -1,8 +1,8 @@
 """`apply` / `remove`: put a model's weight gradients on the GIFT path.
 
-`apply` swaps each managed `nn.Linear` to `GiftLinear` (same parameters, same state-dict
-keys) whose forward feeds the K-FAC statistics and routes the weight through an identity
-autograd function. Its backward emits, in a traced graph,
+`apply` gives each managed linear module a subclass of its own class (same parameters,
+same state-dict keys) whose `weight` property routes the weight through an identity autograd
+function, and a forward pre-hook that feeds the K-FAC statistics. Its backward emits, in a traced graph,
 
     gift::mark(grad, [transform tensors, residual?, probe, seed], layer_id)
 
@@ -24,7 +24,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
 from gift_compile import collectives
@@ -109,25 +108,62 @@ class _GiftSync(torch.autograd.Function):
         return (out, *nones)
 
 
-class GiftLinear(nn.Linear):
-    """`nn.Linear` whose weight gradient takes the GIFT path (installed by class swap)."""
+def observe_inputs(module: nn.Module, args: tuple[Any, ...]) -> None:
+    """Forward pre-hook feeding a managed layer's K-FAC statistics (training passes only)."""
+    if torch.is_grad_enabled():
+        module._gift_layer.stats.observe(args[0])
 
-    _gift_layer: LayerState
-    _gift_group_name: str | None
-    _gift_seed: torch.Tensor
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        if torch.is_grad_enabled() and w.requires_grad:
-            layer = self._gift_layer
-            if layer.stats is not None:
-                layer.stats.observe(x)
-            state = layer.graph_tensors(self._gift_seed)
-            if self._gift_group_name is None:
-                w = _GiftTag.apply(w, layer.layer_id, *state)
-            else:
-                w = _GiftSync.apply(w, layer.layer_id, self._gift_group_name, layer.config.reduce_op, *state)
-        return F.linear(x, w, self.bias)
+_MANAGED_CLASSES: dict[type, type] = {}
+
+
+def _managed_class(cls: type) -> type:
+    """Cached subclass of `cls` whose `weight` routes through GIFT while grads are recorded.
+
+    A `weight` property (rather than a new `forward`) works for any linear class, for
+    frameworks that store a bound `forward` on the instance (torchtitan's graph_trainer),
+    and on top of SimpleFSDP's own `weight` property, which all-gathers the shard: the
+    marked gradient then flows into SimpleFSDP's reduce-scatter.
+    """
+    if cls in _MANAGED_CLASSES:
+        return _MANAGED_CLASSES[cls]
+    base = getattr(cls, "weight", None)
+
+    def weight(self: nn.Module) -> torch.Tensor:
+        w = base.__get__(self, cls) if isinstance(base, property) else self._parameters["weight"]
+        if not (torch.is_grad_enabled() and w.requires_grad):
+            return w
+        layer: LayerState = self._gift_layer
+        state = layer.graph_tensors(self._gift_seed)
+        if self._gift_group_name is None:
+            return _GiftTag.apply(w, layer.layer_id, *state)
+        return _GiftSync.apply(w, layer.layer_id, self._gift_group_name, layer.config.reduce_op, *state)
+
+    managed = type(f"Gift{cls.__name__}", (cls,), {"weight": property(weight), "_gift_base_class": cls})
+    _MANAGED_CLASSES[cls] = managed
+    return managed
+
+
+def manage_module(module: nn.Module, layer: LayerState, seed: torch.Tensor, group_name: str | None) -> list[Any]:
+    """Put `module.weight` on the GIFT path; returns the hook handles to remove later.
+
+    `group_name=None` only marks the gradient (the framework owns the collective); a group
+    name makes the weight's backward all-reduce over that group itself.
+    """
+    module._gift_layer = layer
+    module._gift_seed = seed
+    module._gift_group_name = group_name
+    module.__class__ = _managed_class(type(module))
+    return [module.register_forward_pre_hook(observe_inputs)] if layer.stats is not None else []
+
+
+def unmanage_module(module: nn.Module) -> None:
+    """Undo `manage_module` (the caller removes the returned hooks)."""
+    base = getattr(type(module), "_gift_base_class", None)
+    if base is not None:
+        module.__class__ = base
+    for attr in ("_gift_layer", "_gift_group_name", "_gift_seed"):
+        module.__dict__.pop(attr, None)
 
 
 def _has_traceable_dp(model: nn.Module) -> bool:
@@ -168,22 +204,22 @@ def apply(model: nn.Module, config: GiftConfig | None = None, *, group: dist.Pro
         logger.warning("gift_compile.apply: single process, no gradient communication to compress; nothing managed")
     group_name = None if owns_sync else (group.group_name if world > 1 else None)
     managed: list[nn.Parameter] = []
+    handles: list[Any] = []
     for fqn, mod in model.named_modules():
-        if type(mod) is not nn.Linear or (not owns_sync and world == 1):
+        if not isinstance(mod, nn.Linear) or (not owns_sync and world == 1):
             continue
-        w = mod.weight
+        w = mod._parameters.get("weight")
         name = f"{fqn}.weight" if fqn else "weight"
-        if w.dim() != 2 or w.numel() < config.min_numel or config.is_excluded(name) or not w.is_floating_point():
+        if w is None or w.dim() != 2 or w.numel() < config.min_numel or config.is_excluded(name):
+            continue
+        if not w.is_floating_point() or (owns_sync and w.shape[0] % world):
+            logger.warning("GIFT: %s stays at full precision (dtype %s, shape %s)", name, w.dtype, tuple(w.shape))
             continue
         layer = state.add_layer(name, tuple(w.shape), w.device)
-        mod.__class__ = GiftLinear
-        mod._gift_layer = layer
-        mod._gift_group_name = group_name
-        mod._gift_seed = state.seed
+        handles += manage_module(mod, layer, state.seed, group_name)
         managed.append(w)
-    handles = []
     if not owns_sync and world > 1:
-        handles = _install_sync_hooks(model, state, managed, group)
+        handles += _install_sync_hooks(model, state, managed, group)
     model._gift_state = state
     model._gift_handles = handles
     _applied.add(id(model))
@@ -229,10 +265,7 @@ def remove(model: nn.Module) -> nn.Module:
     if state is None:
         return model
     for mod in model.modules():
-        if isinstance(mod, GiftLinear):
-            mod.__class__ = nn.Linear
-            for attr in ("_gift_layer", "_gift_group_name", "_gift_seed"):
-                mod.__dict__.pop(attr, None)
+        unmanage_module(mod)
     for h in model._gift_handles:
         h.remove()
     del model._gift_state

@@ -121,6 +121,10 @@ class GiftState:
     """All layers managed by one `apply`, plus the step counter that drives refreshes.
 
     Implements `state_dict`/`load_state_dict` (torch.distributed.checkpoint's Stateful).
+    Replicated across ranks: `seed`, `steps`, transforms, the K-FAC factor (EMA), the
+    gradient-side factor, selection and boundary scores. Per rank: the K-FAC accumulator of
+    the current window, the error-feedback residuals and the gradient probes, so a
+    checkpoint keeps one copy per rank.
     """
 
     def __init__(self, config: GiftConfig, group: dist.ProcessGroup | None, collective: str = "all_reduce"):
@@ -135,6 +139,8 @@ class GiftState:
 
     def add_layer(self, fqn: str, shape: tuple[int, int], device: torch.device | str) -> LayerState:
         """Register a managed weight; a fixed rotation chosen by a static rule starts active."""
+        if not self.layers and self.seed.device != torch.device(device):
+            self.seed = self.seed.to(device)  # graphs read it where the weights live
         layer = LayerState(fqn, shape, self.config, device)
         self.layers[fqn] = layer
         if not layer.transform.adaptive and layer.kind != "identity":

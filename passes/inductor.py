@@ -13,7 +13,6 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch._inductor import config as inductor_config
