@@ -220,6 +220,8 @@ def apply(model: nn.Module, config: GiftConfig | None = None, *, group: dist.Pro
         managed.append(w)
     if not owns_sync and world > 1:
         handles += _install_sync_hooks(model, state, managed, group)
+    by_name = dict(zip(state.layers, managed))
+    state.grad_source = lambda name: by_name[name].grad  # geometry="gradient": the reduced grad
     model._gift_state = state
     model._gift_handles = handles
     _applied.add(id(model))

@@ -121,3 +121,20 @@ def test_auto_selection_follows_the_measurement():
     assert whitened["gain"] > 2 and whitened["selected"], whitened
     euclidean = _auto_record("euclidean")
     assert euclidean["gain"] < 1.05 and not euclidean["selected"], euclidean
+
+
+def _gradient_geometry_body(rank: int, world: int) -> list[bool]:
+    m = MLP()
+    gift_compile.apply(m, GiftConfig(geometry="gradient", min_numel=1024, refresh_every=2, select="all", rank=8))
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    x = torch.randn(64, 96, generator=torch.Generator().manual_seed(rank))
+    for _ in range(2):
+        m(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    st = gift_compile.state(m)
+    return [bool(layer.transform.tensors[1].abs().sum() > 0) for layer in st.layers.values()]
+
+
+def test_gradient_side_geometry_refreshes_from_the_reduced_gradient():
+    assert all(run_ranks(_gradient_geometry_body, 2)[0])
