@@ -197,6 +197,15 @@ def _prepare(
     return CommPlan.make(config, group, kind), tensors
 
 
+def _run(core, x: torch.Tensor, tensors: tuple[torch.Tensor, ...], residual: torch.Tensor | None,
+         seed: torch.Tensor | int, plan: CommPlan) -> torch.Tensor:
+    """Call a functional core on the row view of `x`; update `residual` in place."""
+    out, new_res = core(as_rows(x), tensors, None if residual is None else as_rows(residual), seed, plan)
+    if residual is not None:
+        residual.copy_(new_res.reshape(residual.shape))
+    return out.to(x.dtype)
+
+
 def reduce_scatter(
     x: torch.Tensor,
     group: dist.ProcessGroup | str | None,
@@ -214,11 +223,8 @@ def reduce_scatter(
     plan, tensors = _prepare(x, config, group, transform)
     if x.shape[0] % plan.world:
         raise ValueError(f"reduce_scatter: dim 0 ({x.shape[0]}) is not divisible by the world size {plan.world}")
-    x2 = as_rows(x)
-    out, new_res = gift_reduce_scatter(x2, tensors, None if residual is None else as_rows(residual), seed, plan)
-    if residual is not None:
-        residual.copy_(new_res.reshape(residual.shape))
-    return out.to(x.dtype).reshape(x.shape[0] // plan.world, *x.shape[1:])
+    out = _run(gift_reduce_scatter, x, tensors, residual, seed, plan)
+    return out.reshape(x.shape[0] // plan.world, *x.shape[1:])
 
 
 def all_reduce(
@@ -232,11 +238,7 @@ def all_reduce(
 ) -> torch.Tensor:
     """Low-bit all-reduce of `x` (any shape): bit-identical result on every rank."""
     plan, tensors = _prepare(x, config, group, transform)
-    x2 = as_rows(x)
-    out, new_res = gift_all_reduce(x2, tensors, None if residual is None else as_rows(residual), seed, plan)
-    if residual is not None:
-        residual.copy_(new_res.reshape(residual.shape))
-    return out.to(x.dtype).reshape(x.shape)
+    return _run(gift_all_reduce, x, tensors, residual, seed, plan).reshape(x.shape)
 
 
 def wire_bytes_per_rank(op: str, shape: torch.Size | tuple[int, ...], spec: FormatSpec, world: int) -> int:
