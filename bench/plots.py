@@ -1,0 +1,214 @@
+"""PNG figures of the benchmark results (matplotlib, Agg backend: no display needed).
+
+Each function takes its section's JSON-ready result dict and writes one file into `out`,
+returning the file name, so the report can link exactly the figures that were produced.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+import numpy as np  # noqa: E402
+
+# Formats the per-layer/eigen/multi-rank figures show: the paper's setting, the best fp8
+# setting of DESIGN.md section 5, and the 4-bit format.
+FOCUS_FORMATS = ("e5m2/tensor", "e4m3/row", "nvfp4")
+_ARM_COLORS = {"fp32": "black", "euclid-fp8": "tab:blue", "gift-fp8": "tab:orange",
+               "euclid-nvfp4": "tab:green", "gift-nvfp4": "tab:red"}
+
+
+def _save(fig: plt.Figure, out: Path, name: str) -> str:
+    fig.tight_layout()
+    fig.savefig(out / name, dpi=110)
+    plt.close(fig)
+    return name
+
+
+def fidelity_heatmap(fid: dict, out: Path) -> str:
+    """Energy-weighted relative error per format x transform; colour = gain over Euclidean."""
+    formats, transforms = fid["formats"], fid["transforms"]
+    err = np.array([[fid["energy_weighted"][f][t] for t in transforms] for f in formats])
+    gain = err[:, :1] / err
+    fig, ax = plt.subplots(figsize=(1.2 * len(transforms) + 2.5, 0.55 * len(formats) + 1.8))
+    im = ax.imshow(np.log2(gain), cmap="RdBu", vmin=-1.5, vmax=1.5, aspect="auto")
+    for i in range(len(formats)):
+        for j in range(len(transforms)):
+            ax.text(j, i, f"{err[i, j]:.4f}", ha="center", va="center", fontsize=7)
+    ax.set_xticks(range(len(transforms)), transforms, rotation=30, ha="right")
+    ax.set_yticks(range(len(formats)), [f"{f}  (RD {fid['rd_bound'][f]:.4f})" for f in formats])
+    fig.colorbar(im, ax=ax, label="log2(Euclidean error / error)")
+    ax.set_title("One round trip: energy-weighted relative L2 error (blue = better than Euclidean)")
+    return _save(fig, out, "fidelity_heatmap.png")
+
+
+def fidelity_layers(fid: dict, out: Path) -> str:
+    """Per-layer gain over Euclidean of K-FAC rank-32 and dense whitening, in both metrics."""
+    layers = fid["layers"]
+    fig, axes = plt.subplots(2, 2, figsize=(13, 7.5), sharey=True, sharex=True)
+    x = np.arange(len(layers))
+    for row, (metric, key) in enumerate((("plain L2", "per_layer"), ("whitened metric", "per_layer_whitened"))):
+        for col, transform in enumerate(("kfac-r32", "kfac-dense")):
+            ax = axes[row][col]
+            for f in FOCUS_FORMATS:
+                if f in fid[key]:
+                    pl = fid[key][f]
+                    ax.plot(x, [pl["euclidean"][n] / pl[transform][n] for n in layers], "o-", ms=4, lw=0.8, label=f)
+            ax.axhline(1.0, color="gray", lw=0.8)
+            ax.set_yscale("log")
+            ax.set_title(f"{transform}: gain in the {metric} (Euclidean error / error)", fontsize=9)
+            ax.legend(fontsize=7)
+    for ax in axes[1]:
+        ax.set_xticks(x, [n.removeprefix("layers.").removesuffix(".weight") for n in layers], rotation=90, fontsize=6)
+    return _save(fig, out, "fidelity_layers.png")
+
+
+def fidelity_eigen(fid: dict, out: Path) -> str:
+    """Relative error along the eigendirections of A (strong to weak): flat = isotropic."""
+    shown = [f for f in FOCUS_FORMATS if f in fid["eigen_buckets"]]
+    fig, axes = plt.subplots(1, len(shown), figsize=(4.6 * len(shown), 3.8), sharey=True, squeeze=False)
+    for ax, f in zip(axes[0], shown):
+        for t in ("euclidean", "hadamard", "kfac-dense", "kfac-r32", "grad-r32"):
+            if t in fid["eigen_buckets"][f]:
+                values = fid["eigen_buckets"][f][t]
+                ax.plot(range(1, len(values) + 1), values, "o-", ms=4, label=t)
+        ax.set_yscale("log")
+        ax.set_xlabel("eigendirection bucket of A (1 = largest eigenvalues)")
+        ax.set_title(f)
+    axes[0][0].set_ylabel("relative L2 error in the bucket")
+    axes[0][-1].legend(fontsize=8)
+    return _save(fig, out, "fidelity_eigen.png")
+
+
+def multirank(fid: dict, out: Path) -> str:
+    """Error of the P-rank mean: our collective vs summing FP8 codes with local scales."""
+    mr = fid["multirank"]
+    ranks = sorted(int(p) for p in mr)
+    shown = [f for f in ("e5m2/tensor", "e4m3/row", "nvfp4") if f in mr[str(ranks[0])]]
+    fig, axes = plt.subplots(1, len(shown), figsize=(4.6 * len(shown), 3.8), sharey=True, squeeze=False)
+    for ax, f in zip(axes[0], shown):
+        for t, style in (("euclidean", "-"), ("kfac-r32", "--")):
+            for what, color in (("ours_reduce_scatter", "tab:blue"), ("ours_all_reduce", "tab:green"),
+                                ("original", "tab:red")):
+                ys = [mr[str(p)][f][t].get(what, math.nan) for p in ranks]
+                if not all(math.isnan(y) for y in ys):
+                    ax.plot(ranks, ys, style, marker="o", color=color, label=f"{what} / {t}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("simulated ranks P")
+        ax.set_title(f)
+    axes[0][0].set_ylabel("relative L2 error of the mean")
+    axes[0][0].legend(fontsize=7)
+    return _save(fig, out, "multirank.png")
+
+
+def overhead(ov: dict, out: Path) -> str:
+    """Median kernel time per path, grouped by gradient shape."""
+    rows = ov["rows"]
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    paths = list(dict.fromkeys(r["path"] for r in rows))
+    fig, ax = plt.subplots(figsize=(2.2 * len(shapes) + 4, 4))
+    width = 0.8 / len(paths)
+    for k, path in enumerate(paths):
+        ys = [next(r["median_ms"] for r in rows if r["shape"] == s and r["path"] == path) for s in shapes]
+        ax.bar(np.arange(len(shapes)) + k * width, ys, width, label=path)
+    ax.set_xticks(np.arange(len(shapes)) + 0.4 - width / 2, shapes, fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel(f"median ms ({ov['mode']}, CPU, {ov['threads']} threads)")
+    ax.set_title("Codec kernel time per gradient (transform + quantize + dequantize + inverse)")
+    ax.legend(fontsize=8)
+    return _save(fig, out, "overhead.png")
+
+
+def wire(wr: dict, out: Path, world: int = 64, op: str = "all_reduce") -> str:
+    """Bytes per rank per step relative to fp32, per format and model."""
+    rows = [r for r in wr["rows"] if r["world"] == world and r["op"] == op]
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    formats = list(dict.fromkeys(r["format"] for r in rows))
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.8 / len(models)
+    for k, m in enumerate(models):
+        ys = [next(r["vs_fp32"] for r in rows if r["model"] == m and r["format"] == f) for f in formats]
+        ax.bar(np.arange(len(formats)) + k * width, ys, width, label=m)
+    ax.set_xticks(np.arange(len(formats)) + 0.4 - width / 2, formats)
+    ax.set_ylabel("bytes per step / fp32")
+    ax.set_title(f"Gradient bytes per rank per step ({op}, {world} ranks; unmanaged params at fp32)")
+    ax.legend()
+    return _save(fig, out, "wire.png")
+
+
+def convergence(cv: dict, out: Path) -> str:
+    """Training loss, its paired difference to fp32, and held-out bits/byte per arm."""
+    fig, (ax1, ax3, ax2) = plt.subplots(1, 3, figsize=(17, 4.2))
+    seeds = cv["seeds"]
+    fp32 = {r["seed"]: np.array(r["losses"]) for r in cv["runs"] if r["arm"] == "fp32"}
+    k = max(1, cv["steps"] // 20)
+    kernel = np.ones(k) / k
+    for arm in cv["arms"]:
+        runs = [r for r in cv["runs"] if r["arm"] == arm]
+        curves = np.array([r["losses"] for r in runs])
+        color = _ARM_COLORS.get(arm)
+        smooth = np.convolve(curves.mean(axis=0), kernel, mode="valid")
+        ax1.plot(np.arange(len(smooth)) + k, smooth, label=arm, color=color, lw=1)
+        if fp32 and arm != "fp32":
+            diff = np.array([np.array(r["losses"]) - fp32[r["seed"]] for r in runs]).mean(axis=0)
+            d = np.convolve(diff, kernel, mode="valid")
+            ax3.plot(np.arange(len(d)) + k, d, label=arm, color=color, lw=1)
+        steps = [s for s, _ in runs[0]["evals"]]
+        bpb = np.array([[v for _, v in r["evals"]] for r in runs])
+        ax2.errorbar(steps, bpb.mean(axis=0), yerr=bpb.std(axis=0) if len(runs) > 1 else None,
+                     marker="o", ms=4, capsize=3, label=arm, color=color)
+    ax1.set_xlabel("step")
+    ax1.set_ylabel(f"training loss (nats, moving average of {k})")
+    ax1.legend(fontsize=8)
+    ax3.axhline(0, color="black", lw=0.8)
+    ax3.set_xlabel("step")
+    ax3.set_ylabel("training loss minus fp32, same seed (nats)")
+    ax3.legend(fontsize=8)
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("held-out bits per byte (mean ± std over seeds)")
+    ax2.legend(fontsize=8)
+    fig.suptitle(f"{cv['world']}-rank gloo pretraining, {len(seeds)} seed(s), {cv['mode']}")
+    return _save(fig, out, "convergence.png")
+
+
+def step_model(sm: dict, out: Path) -> str:
+    """Projected step-time breakdown and the change against fp32 communication."""
+    scenarios = sm["scenarios"]
+    arms = list(next(iter(scenarios.values()))["arms"])
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 4.6))
+    base = scenarios["defaults, sharded refresh"]["arms"]
+    bottom = np.zeros(len(arms))
+    for part in ("compute_s", "exposed_comm_s", "kernels_s", "refresh_s"):
+        ys = np.array([base[a][part] for a in arms])
+        ax1.bar(range(len(arms)), ys, bottom=bottom, label=part.removesuffix("_s"))
+        bottom += ys
+    ax1.set_xticks(range(len(arms)), arms, rotation=30, ha="right", fontsize=8)
+    ax1.set_ylabel("seconds per step")
+    ax1.set_title("Llama-600M, 64 GPUs: defaults, sharded refresh")
+    ax1.legend(fontsize=8)
+    width = 0.8 / len(scenarios)
+    limit = 40.0
+    for k, (name, sc) in enumerate(scenarios.items()):
+        ys = [100 * sc["arms"][a]["vs_fp32"] for a in arms]
+        xs = np.arange(len(arms)) + k * width
+        ax2.bar(xs, np.clip(ys, -limit, limit), width, label=name)
+        for x, y in zip(xs, ys):
+            if abs(y) > limit:  # clipped bar: print its value
+                ax2.text(x, np.sign(y) * limit, f"{y:+.0f}%", fontsize=6, ha="center", rotation=90,
+                         va="top" if y > 0 else "bottom")
+    for arm, value in sm["paper"].items():
+        if arm in arms:
+            i = arms.index(arm)
+            ax2.plot([i - 0.1, i + 0.9], [100 * value] * 2, "k--", lw=1.2)
+            ax2.text(i + 0.4, 100 * value, f"paper {100 * value:+.1f}%", fontsize=7, ha="center", va="bottom")
+    ax2.axhline(0, color="gray", lw=0.8)
+    ax2.set_xticks(np.arange(len(arms)) + 0.4 - width / 2, arms, rotation=30, ha="right", fontsize=8)
+    ax2.set_ylabel("step time vs fp32 communication (%)")
+    ax2.set_ylim(-limit, limit)
+    ax2.legend(fontsize=7)
+    return _save(fig, out, "step_model.png")

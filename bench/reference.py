@@ -1,0 +1,183 @@
+"""The reference model and the real gradients every fidelity number is measured on.
+
+Quantization error depends on the gradient's statistics (heavy tails, row-norm spread, the
+anisotropy of the layer inputs), which random matrices do not have and which change as a
+model trains. So the bench trains a small Llama on the Shakespeare corpus itself, for a fixed
+budget, caches it next to the corpus (keyed by every training setting, so a change retrains
+instead of reusing a stale model), and then back-propagates held-out batches through it.
+
+For each managed linear weight and held-out batch it keeps the batch gradient, the
+per-micro-batch gradients (the simulated ranks of the multi-rank experiment), the K-FAC input
+factor `A = E[x x^T]` of this batch (the metric) and of the previous batch (what GIFT, which
+refreshes from past statistics, would whiten with), and the gradient-side factor of the
+previous batch's gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from bench.settings import FidelitySettings, ReferenceSettings
+from gift_compile import corpus
+from gift_compile.config import GiftConfig
+from gift_compile.geometry import gradient_factor
+from gift_compile.tiny_llama import TinyLlama, loss
+
+Log = Callable[[str], None]
+_HELDOUT_SEED = 1234
+
+
+@dataclass
+class LayerSample:
+    """One managed weight on one held-out batch (all tensors fp32, CPU)."""
+
+    name: str
+    batch: int
+    grad: torch.Tensor  # [out, in], gradient of the batch's mean loss
+    micro: torch.Tensor | None  # [micro_batches, out, in] or None (kept for multi-rank batches only)
+    a_prev: torch.Tensor  # [in, in], K-FAC factor of the previous batch
+    a_cur: torch.Tensor  # [in, in], K-FAC factor of this batch
+    g_prev: torch.Tensor  # [in, in], gradient-side factor of the previous batch's gradient
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.grad.shape[0]), int(self.grad.shape[1]))
+
+
+def managed_linears(model: nn.Module, config: GiftConfig | None = None) -> dict[str, nn.Linear]:
+    """Linear layers whose weights `gift_compile.apply` would manage under `config`'s rules."""
+    config = config or GiftConfig()
+    out = {}
+    for fqn, mod in model.named_modules():
+        if isinstance(mod, nn.Linear):
+            name = f"{fqn}.weight"
+            if mod.weight.numel() >= config.min_numel and not config.is_excluded(name):
+                out[name] = mod
+    return out
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+    """Linear warmup then cosine decay to 10% of `peak` (the usual LLM pretraining schedule)."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * (0.1 + 0.45 * (1.0 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def cache_path(settings: ReferenceSettings, paths: corpus.CorpusPaths, cache_dir: Path | None) -> Path:
+    key = json.dumps(dataclasses.asdict(settings), sort_keys=True) + corpus.CORPUS_VERSION
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    root = cache_dir if cache_dir is not None else paths.root / "bench"
+    return root / f"reference-{digest}.pt"
+
+
+def reference_model(
+    settings: ReferenceSettings, paths: corpus.CorpusPaths, log: Log, cache_dir: Path | None = None
+) -> tuple[TinyLlama, dict[str, object]]:
+    """The trained reference model and its training record (from the cache when present)."""
+    path = cache_path(settings, paths, cache_dir)
+    model = TinyLlama(settings.model, seed=settings.seed)
+    if path.is_file():
+        blob = torch.load(path, weights_only=False)
+        model.load_state_dict(blob["state_dict"])
+        log(f"reference model loaded from cache {path}")
+        return model, blob["record"]
+    log(f"training the reference model ({settings.steps} steps of {settings.batch_size}x{settings.seq_len} "
+        f"tokens); cached afterwards at {path}")
+    record = _train(model, settings, paths, log)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp-{os.getpid()}")
+    torch.save({"state_dict": model.state_dict(), "record": record}, tmp)
+    os.replace(tmp, path)
+    return model, record
+
+
+def _train(model: TinyLlama, s: ReferenceSettings, paths: corpus.CorpusPaths, log: Log) -> dict[str, object]:
+    tokens = corpus.token_stream("train", paths)
+    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    losses: list[float] = []
+    start = time.perf_counter()
+    for step, (x, y) in enumerate(corpus.batches(tokens, s.batch_size, s.seq_len, seed=s.seed, steps=s.steps)):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, s.steps, s.lr, s.warmup)
+        value = loss(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        value.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(float(value.detach()))
+        if (step + 1) % max(1, s.steps // 8) == 0 or step + 1 == s.steps:
+            log(f"  reference step {step + 1}/{s.steps} loss {value.item():.3f} "
+                f"({time.perf_counter() - start:.0f} s)")
+    bpb = corpus.bits_per_byte(model, "val", paths, seq_len=s.seq_len, max_tokens=16384)
+    log(f"  reference model: held-out bits/byte {bpb:.4f}")
+    return {
+        "params": sum(p.numel() for p in model.parameters()),
+        "tokens": s.steps * s.batch_size * s.seq_len,
+        "final_loss": sum(losses[-10:]) / len(losses[-10:]),
+        "val_bpb": bpb,
+        "seconds": time.perf_counter() - start,
+        "losses": losses,
+    }
+
+
+def collect_samples(model: TinyLlama, s: FidelitySettings, paths: corpus.CorpusPaths, log: Log) -> list[LayerSample]:
+    """Gradients and factors of `s.heldout_batches` held-out (validation-split) batches.
+
+    Each batch has `s.micro_batches` sequences, back-propagated one at a time: the batch
+    gradient is the mean of the micro-batch gradients (every sequence has the same number of
+    tokens), so both come from the same passes. Batch 0 only supplies factors.
+    """
+    linears = managed_linears(model)
+    val = corpus.token_stream("val", paths)
+    sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, int] = {}
+
+    def hook_for(name: str) -> Callable[[nn.Module, tuple[torch.Tensor, ...]], None]:
+        def hook(_mod: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
+            sums[name] = sums.get(name, 0) + x.t() @ x
+            counts[name] = counts.get(name, 0) + x.shape[0]
+        return hook
+
+    handles = [mod.register_forward_pre_hook(hook_for(name)) for name, mod in linears.items()]
+    model.train()
+    samples: list[LayerSample] = []
+    prev_a: dict[str, torch.Tensor] = {}
+    prev_g: dict[str, torch.Tensor] = {}
+    try:
+        batches = corpus.batches(val, s.micro_batches, s.seq_len, seed=_HELDOUT_SEED, steps=s.heldout_batches + 1)
+        for b, (x, y) in enumerate(batches):
+            sums.clear()
+            counts.clear()
+            micro = {name: torch.empty(s.micro_batches, *mod.weight.shape) for name, mod in linears.items()}
+            for i in range(s.micro_batches):
+                model.zero_grad(set_to_none=True)
+                loss(model(x[i:i + 1]), y[i:i + 1]).backward()
+                for name, mod in linears.items():
+                    micro[name][i] = mod.weight.grad
+            keep_micro = 1 <= b <= s.multirank_batches
+            for name in linears:
+                grad = micro[name].mean(dim=0)
+                a_cur = (sums[name] / counts[name]).float()
+                if b > 0:
+                    samples.append(LayerSample(name, b, grad, micro[name] if keep_micro else None,
+                                               prev_a[name], a_cur, prev_g[name]))
+                prev_a[name], prev_g[name] = a_cur, gradient_factor(grad)
+            log(f"  held-out batch {b}/{s.heldout_batches}: {s.micro_batches} micro-batches back-propagated")
+    finally:
+        for h in handles:
+            h.remove()
+        model.zero_grad(set_to_none=True)
+    return samples

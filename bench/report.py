@@ -1,0 +1,373 @@
+"""REPORT.md from the results dict of `bench.run` (every number in it comes from that dict).
+
+Sections that were not run (`--only`) are left out; every table states its units, and the
+caveats that decide how far a number can be trusted (CPU timings, model size, seeds) sit
+next to the number rather than at the end.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+from bench.plots import FOCUS_FORMATS
+
+
+def _fmt(v: Any, digits: int = 4) -> str:
+    if isinstance(v, bool) or v is None:
+        return str(v)
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "n/a"
+        if v != 0 and (abs(v) < 1e-3 or abs(v) >= 1e5):
+            return f"{v:.{digits - 1}e}"
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], digits: int = 4) -> str:
+    """A GitHub-flavoured markdown table; floats with `digits` decimals."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(_fmt(v, digits) for v in row) + " |")
+    return "\n".join(lines)
+
+
+def _pm(s: dict[str, float], digits: int = 4, scale: float = 1.0) -> str:
+    if s["n"] > 1:
+        return f"{s['mean'] * scale:.{digits}f} ± {s['std'] * scale:.{digits}f}"
+    return f"{s['mean'] * scale:.{digits}f}"
+
+
+def _header(meta: dict) -> list[str]:
+    return [
+        "# GIFT benchmark report",
+        "",
+        f"Produced by `{meta['command'].strip()}` (profile `{meta['profile']}`) on {meta['started']}, "
+        f"{meta['duration_s'] / 60:.1f} min. torch {meta['torch']}, {meta['cpu_count']} CPU cores, "
+        f"{meta['threads']} torch threads, load average at start {meta['loadavg_start']:.1f} "
+        f"(the machine is shared), gloo for multi-rank runs.",
+        "",
+        "**No GPU was lent to this task: every time in this report is a CPU time.** "
+        "Kernel-time ratios on CPU are not GPU ratios (a CPU is compute-bound where a GPU codec "
+        "kernel is memory-bound); the GPU-scale claims are the projections of section 6, built "
+        "from byte and FLOP accounting and documented hardware assumptions.",
+        "",
+        "Results JSON: `results.json` (same directory). Re-run: `python -m bench.run --quick` "
+        "(minutes once the reference model is cached) or `python -m bench.run` (full: several seeds; "
+        "~25-30 min on 2 shared cores). `--from-json results.json` re-renders this report and the figures.",
+        "",
+    ]
+
+
+def _headlines(r: dict) -> list[str]:
+    out = ["## Headline numbers", ""]
+    fid = r.get("fidelity")
+    if fid:
+        rows = []
+        for f in fid["formats"]:
+            e, w = fid["energy_weighted"][f], fid["whitened"][f]
+            rows.append([f, e["euclidean"], e["kfac-r32"], e["euclidean"] / e["kfac-r32"],
+                         w["euclidean"], w["kfac-r32"], w["euclidean"] / w["kfac-r32"],
+                         w["euclidean"] / w["kfac-dense"], fid["rd_bound"][f]])
+        out += ["Single round trip over all managed layers of the reference model (transforms from the previous "
+                "batch's K-FAC factor). Plain = relative L2 error in original coordinates, energy-weighted; "
+                "whitened = the same error measured in the geometry of this batch's A (||E T^T|| / ||G T^T||, "
+                "what a preconditioned optimizer sees; GIFT's target). Ratio = Euclidean / GIFT (> 1: GIFT better).",
+                "", table(["format", "plain Eucl.", "plain GIFT r32", "ratio", "whitened Eucl.", "whitened GIFT r32",
+                           "ratio", "ratio dense", "Gaussian RD"], rows), ""]
+    ov = r.get("overhead")
+    if ov:
+        rows = []
+        for shape in dict.fromkeys(x["shape"] for x in ov["rows"]):
+            m = {x["path"]: x["median_ms"] for x in ov["rows"] if x["shape"] == shape}
+            if {"bf16", "euclid-fp8", "gift-fp8"} <= m.keys():
+                rows.append([shape, m["gift-fp8"] / m["euclid-fp8"], m["euclid-fp8"] / m["bf16"],
+                             m["gift-fp8"] / m["bf16"]])
+        out += [f"Codec kernel time ratios ({ov['mode']}, CPU, median of {ov['repeats']}):", "",
+                table(["gradient", "GIFT / Euclidean", "Euclidean / bf16 cast", "GIFT / bf16 cast"], rows, 2), ""]
+    wr = r.get("wire")
+    if wr:
+        rows = [[x["format"], x["vs_fp32"], x["sent_vs_fp32"], x["vs_bf16"], x["managed_bits_per_element"]]
+                for x in wr["rows"] if x["world"] == 64 and x["op"] == "all_reduce" and x["model"] == "Llama-600M"
+                and x["format"] != "fp32"]
+        out += ["Wire bytes per step, Llama-600M, 64 ranks, all-reduce (unmanaged params at fp32); handed to "
+                "collectives (library convention) and actually sent:", "",
+                table(["format", "handed vs fp32", "sent vs fp32", "handed vs bf16", "managed bits/element"], rows, 3),
+                ""]
+    cv = r.get("convergence")
+    if cv:
+        rows = [[a, _pm(cv["summary"][a]["final_bpb"]), _pm(cv["summary"][a]["paired_diff_bpb"])]
+                for a in cv["arms"]]
+        out += [f"Convergence ({cv['world']} gloo ranks, {cv['steps']} steps, {len(cv['seeds'])} seed(s), "
+                f"{cv['mode']}): final held-out bits/byte and paired difference to fp32:", "",
+                table(["arm", "bits/byte", "minus fp32 (paired)"], rows), ""]
+    sm = r.get("step_model")
+    if sm:
+        names = list(sm["scenarios"])
+        arms = list(sm["scenarios"][names[0]]["arms"])
+        rows = [[a] + [f"{100 * sm['scenarios'][n]['arms'][a]['vs_fp32']:+.1f}%" for n in names]
+                + [f"{100 * sm['paper'][a]:+.1f}%" if a in sm["paper"] else ""] for a in arms]
+        out += ["Projected Llama-600M step time on 64 GPUs vs fp32 communication (section 6):", "",
+                table(["arm", *names, "paper"], rows), ""]
+    return out
+
+
+def _reference(ref: dict) -> list[str]:
+    s = ref["settings"]
+    m = s["model"]
+    return [
+        "## 1. Reference model", "",
+        f"`TinyLlama` dim {m['dim']}, {m['n_layers']} layers, {m['n_heads']} heads, vocab {m['vocab_size']} "
+        f"({ref['params']:,} parameters), trained by the bench on the Shakespeare corpus (train split) for "
+        f"{s['steps']} AdamW steps of {s['batch_size']}x{s['seq_len']} tokens ({ref['tokens']:,} tokens, "
+        f"peak lr {s['lr']}, warmup {s['warmup']}, cosine), {ref['seconds']:.0f} s when trained; cached at "
+        f"`{ref['cache']}`. Final training loss {ref['final_loss']:.3f} nats, held-out bits/byte "
+        f"{ref['val_bpb']:.4f}.", "",
+        f"Fidelity inputs: {ref['heldout_batches']} held-out (validation-split) batches of "
+        f"{ref['micro_batches']} sequences x {ref['seq_len']} tokens, each sequence back-propagated alone "
+        f"(the per-micro-batch gradients are the simulated ranks); for each of the {ref['layers']} managed "
+        "linear weights (GiftConfig defaults: embeddings and head excluded) the batch gradient, the K-FAC "
+        "input factor A = E[xx^T] of the same batch (the metric) and of the previous batch (what the "
+        "transforms are built from, as a refreshed GIFT would), and the gradient-side factor G^T G/out of "
+        "the previous batch's gradient.", "",
+    ]
+
+
+def _fidelity(fid: dict, plots: dict) -> list[str]:
+    formats, transforms = fid["formats"], fid["transforms"]
+    out = ["## 2. Fidelity", "",
+           "Round trip = `gift_compile.collectives.all_reduce(g, None, GiftConfig(format, scaling), transform)`: "
+           "transform, agree scales, encode, decode, inverse; error in original coordinates. Transforms are "
+           "`gift_compile.geometry.Transform(kind, d_in, rank).refresh_from(factor, 1e-3)`. RD = Gaussian "
+           "rate-distortion 2^-R at the format's exact wire bits R per element (payload + scales): what an "
+           "ideal R-bit code achieves at worst (the Gaussian is the hardest source at a given variance).", "",
+           "### 2.1 Energy-weighted relative L2 error of one round trip", ""]
+    rows = [[f, fid["bits_per_element"][f], fid["rd_bound"][f]] + [fid["energy_weighted"][f][t] for t in transforms]
+            for f in formats]
+    out += [table(["format", "bits/el", "RD bound", *transforms], rows), ""]
+    same = [f"{a} = {b}" for a, b in (("e4m3/tensor", "e4m3/row"), ("e4m3/row", "e4m3/block32"),
+                                      ("e5m2/tensor", "e5m2/row"), ("e5m2/row", "e5m2/block32"))
+            if a in formats and b in formats and fid["energy_weighted"][a] == fid["energy_weighted"][b]]
+    if same:
+        out += [f"Identical rows ({', '.join(same)}): the fp8 scales are powers of two, so the rounding grid "
+                "relative to each value does not depend on the scale; a finer scale granularity changes the "
+                "error only where values leave the format's normal range, which none of these gradients do.", ""]
+    rows = [[f] + [fid["energy_weighted"][f]["euclidean"] / fid["energy_weighted"][f][t] for t in transforms[1:]]
+            for f in formats]
+    out += ["Gain (Euclidean error / error; > 1 is better than Euclidean):", "",
+            table(["format", *transforms[1:]], rows, 3), ""]
+    out += [f"![heatmap]({plots['fidelity_heatmap']})", ""]
+    out += ["### 2.2 Per-layer spread", "",
+            "Gain (Euclidean error / GIFT error) per layer, min / median / max over layers and the number of "
+            "layers where GIFT is worse, in both metrics:", ""]
+    rows = []
+    for f in FOCUS_FORMATS:
+        for t in ("kfac-r32", "kfac-dense"):
+            for metric, key in (("plain", "per_layer"), ("whitened", "per_layer_whitened")):
+                pl = fid[key][f]
+                gains = sorted(pl["euclidean"][n] / pl[t][n] for n in fid["layers"])
+                rows.append([f, t, metric, gains[0], gains[len(gains) // 2], gains[-1],
+                             f"{sum(g < 1 for g in gains)}/{len(gains)}"])
+    out += [table(["format", "transform", "metric", "min gain", "median", "max", "layers worse"], rows, 3), ""]
+    kinds = list(dict.fromkeys(n.split(".")[-2] for n in fid["layers"]))
+    rows = []
+    for f in FOCUS_FORMATS:
+        for t in ("kfac-r32", "kfac-dense"):
+            row: list[object] = [f, t]
+            for kind in kinds:
+                names = [n for n in fid["layers"] if n.split(".")[-2] == kind]
+                for key in ("per_layer", "per_layer_whitened"):
+                    pl = fid[key][f]
+                    row.append(math.exp(sum(math.log(pl["euclidean"][n] / pl[t][n]) for n in names) / len(names)))
+            rows.append(row)
+    out += ["Gain per layer kind (geometric mean over blocks; plain / whitened). The paper whitened only "
+            "`fc2` = `w2`, the down projection:", "",
+            table(["format", "transform", *[f"{k} {m}" for k in kinds for m in ("plain", "wh.")]], rows, 2), "",
+            f"![per-layer]({plots['fidelity_layers']})", ""]
+    out += ["### 2.3 Error per eigendirection of A and in the whitened metric", "",
+            f"Directions of this batch's A sorted by eigenvalue into {len(next(iter(fid['eigen_buckets'][formats[0]].values())))} "
+            "equal-size buckets (1 = strongest); cell = relative error of the gradient's component in "
+            "that bucket, ||E U_b|| / ||G U_b||. Euclidean noise is white, so it swamps the weak directions; "
+            "GIFT should be flat.", ""]
+    for f in FOCUS_FORMATS:
+        if f not in fid["eigen_buckets"]:
+            continue
+        eb = fid["eigen_buckets"][f]
+        nb = len(eb["euclidean"])
+        rows = [[t] + eb[t] + [eb[t][-1] / eb[t][0]] for t in transforms]
+        out += [f"**{f}**", "", table(["transform", *[f"b{i + 1}" for i in range(nb)], "weak/strong"], rows, 4), ""]
+    rows = [[f] + [fid["whitened"][f][t] for t in transforms] for f in formats]
+    out += ["Whitened-metric relative error ||E T^T|| / ||G T^T|| with T A T^T = I (A of this batch, "
+            "damped 1e-3): the error as a natural-gradient / K-FAC-preconditioned optimizer sees it.", "",
+            table(["format", *transforms], rows), "", f"![eigen]({plots['fidelity_eigen']})", ""]
+    out += _multirank(fid, plots)
+    return out
+
+
+def _multirank(fid: dict, plots: dict) -> list[str]:
+    mr = fid["multirank"]
+    out = ["### 2.4 Summing over P ranks: our collective vs the original FP8-code sum", "",
+           "Each simulated rank holds the gradient of its own micro-batches; target = their mean (fp32). "
+           "`ours RS`: scales agreed by all-reduce MAX before encoding, codes decoded with those scales and "
+           "summed in fp32 (the reduce-scatter, FSDP). `ours AR`: plus the all-reduce's second stage "
+           "(each rank's summed shard re-quantized with its own scales, all-gathered). `original`: each rank "
+           "encodes with its local scale, the collective adds the FP8 codes in FP8 in ring order (each "
+           "partial sum rounded to FP8, saturating at the format maximum rather than overflowing to NaN), "
+           "replica 0 decodes the sum with its own scale. `replica spread`: largest distance between two replicas' decoded results "
+           "(original method; ours is bit-identical by construction), relative to the target. "
+           "Energy-weighted over layers.", ""]
+    rows = []
+    for p in sorted(mr, key=int):
+        for f, by_t in mr[p].items():
+            for t, v in by_t.items():
+                rows.append([p, f, t, v.get("ours_reduce_scatter"), v.get("ours_all_reduce"),
+                             v.get("original", math.nan), v.get("replica_spread", math.nan)])
+    out += [table(["P", "format", "transform", "ours RS", "ours AR", "original", "replica spread"], rows), "",
+            f"![multirank]({plots['multirank']})", ""]
+    return out
+
+
+def _overhead(ov: dict, plots: dict) -> list[str]:
+    out = ["## 3. Overhead", "",
+           f"Single-rank body of the collective (`gift_compile.collectives.gift_all_reduce` with no peers), "
+           f"{'compiled with `torch.compile(dynamic=False)`' if ov['mode'] == 'compiled' else 'eager'}, "
+           f"CPU, {ov['threads']} threads, load average {ov['loadavg']:.1f} when it started (other jobs share "
+           f"the 2 cores: absolute times are noisy, ratios less so); paths timed round-robin in one process, "
+           f"median of {ov['repeats']} "
+           "samples (each sample loops enough calls to last ~20 ms). `bf16` = cast to bf16 and back; "
+           f"`gift-*` = low-rank rank-{ov['rank']} whitening; `*-fp8` = E4M3 per-row. "
+           "Transform FLOPs (forward + inverse) from `gift_compile.selection.transform_flops`; bytes = "
+           "idealised memory traffic of a fused GPU implementation (`bench.overhead.bytes_per_element`).", ""]
+    rows = [[x["shape"], x["path"], x["median_ms"], x["min_ms"], x["iqr_ms"], x["vs_euclid"], x["vs_bf16"],
+             x["transform_gflop"], x["mbytes_moved"]] for x in ov["rows"]]
+    out += [table(["gradient", "path", "median ms", "min ms", "IQR ms", "vs Euclidean", "vs bf16", "GFLOP",
+                   "MB moved"], rows, 3), ""]
+    rows = [[p, b] for p, b in ov["bytes_per_element"].items()]
+    out += ["Bytes moved per gradient element (accounting):", "", table(["path", "bytes/element"], rows, 1), ""]
+    if ov["refresh"]:
+        rows = [[x["d_in"], x["lowrank_s"], x["dense_s"], x["lowrank_gflops_9n3"]] for x in ov["refresh"]]
+        out += ["Geometry refresh per layer as implemented (eager, fp64, every rank, every `refresh_every` "
+                "steps): low-rank = full `eigh` + thin SVD; dense = Cholesky + triangular inverse.", "",
+                table(["d_in", "low-rank s", "dense s", "eigh GFLOP/s (9n^3)"], rows, 3), ""]
+    out += [f"![overhead]({plots['overhead']})", ""]
+    return out
+
+
+def _wire(wr: dict, plots: dict) -> list[str]:
+    out = ["## 4. Wire bytes per step", "",
+           "`gift_compile.collectives.wire_bytes_per_rank` for the managed weights (codes + every scale; "
+           "for an all-reduce, the all-to-all of codes plus the all-gather of this rank's re-quantized "
+           "shard), unmanaged parameters at fp32; baselines `numel x 4` / `numel x 2`. Shapes assumed:", ""]
+    rows = [[m["name"], m["description"], m["params"], m["managed_params"],
+             "; ".join(f"{n} [{r},{c}] x{k}" for n, r, c, k in m["managed"])] for m in wr["models"]]
+    out += [table(["model", "architecture", "params", "managed", "managed shapes"], rows), ""]
+    formats = list(dict.fromkeys(x["format"] for x in wr["rows"]))
+    groups = list(dict.fromkeys((x["model"], x["world"], x["op"]) for x in wr["rows"]))
+    rows = []
+    for model, world, op in groups:
+        by = {x["format"]: x for x in wr["rows"] if (x["model"], x["world"], x["op"]) == (model, world, op)}
+        rows.append([model, world, op, by["fp32"]["bytes"] / 1e6]
+                    + [f"{by[f]['vs_fp32']:.3f} / {by[f]['sent_vs_fp32']:.3f}" for f in formats[1:]])
+    out += ["Cells: bytes handed to collectives / bytes sent, both relative to fp32 (sent = ring / pairwise "
+            "algorithms, `bench.wire.sent_bytes`).", "",
+            table(["model", "ranks", "collective", "fp32 MB/step/rank", *formats[1:]], rows, 1), ""]
+    rows = [[m["name"]] + [next(x["managed_bits_per_element"] for x in wr["rows"] if x["model"] == m["name"]
+                                and x["world"] == 64 and x["op"] == "reduce_scatter" and x["format"] == f)
+                           for f in formats] for m in wr["models"]]
+    out += ["Exact wire bits per managed element (payload + scales, reduce-scatter):", "",
+            table(["model", *formats], rows, 3), "", f"![wire]({plots['wire']})", ""]
+    return out
+
+
+def _convergence(cv: dict, plots: dict) -> list[str]:
+    out = ["## 5. Convergence", "",
+           f"{cv['world']}-rank gloo data parallelism, {cv['steps']} AdamW steps of {cv['tokens_per_step']:,} "
+           f"tokens (global), seeds {cv['seeds']} (a seed fixes init and data order; all arms of a seed "
+           "share both). Driver: `gift_compile.apply(model, GiftConfig(...), group=WORLD)` run "
+           f"**{cv['mode']}** (the backward calls the same quantized all-reduce the compiled graph would; "
+           "compiling 2 ranks x 5 arms would cost minutes of compile time on 2 cores). fp32 = plain fp32 "
+           "all-reduce of every gradient. Arm configs: "
+           + "; ".join(f"`{a}` {c}" for a, c in cv["arm_configs"].items()) + ".", ""]
+    rows = []
+    for a in cv["arms"]:
+        s = cv["summary"][a]
+        run = next(r for r in cv["runs"] if r["arm"] == a)
+        whitened = f"{run['selected_layers']}/{run['managed_layers']}" if "managed_layers" in run else "-"
+        rows.append([a, whitened, _pm(s["final_train_loss"]), _pm(s["final_bpb"]), _pm(s["paired_diff_bpb"]),
+                     _pm(s["paired_rel_diff_bpb"], 3, 100.0) + " %", f"{s['seconds']:.0f}"])
+    out += ["`whitened` = layers on the transformed path at the end / layers managed by `apply`; `s/run` = "
+            "wall time of one run (eager CPU codec cost included).", "",
+            table(["arm", "whitened", "final train loss", "held-out bits/byte", "minus fp32 (paired)", "relative",
+                   "s/run"], rows), ""]
+    if cv["gift_minus_euclid_bpb"]:
+        rows = [[f, _pm(v)] for f, v in cv["gift_minus_euclid_bpb"].items()]
+        out += ["Paired GIFT minus Euclidean at the same format (negative = GIFT better):", "",
+                table(["format", "bits/byte difference"], rows), ""]
+    noise = cv["noise_floor_bpb"]
+    out += [f"Run-to-run noise (std over seeds of the fp32 arm): "
+            f"{'n/a (one seed)' if math.isnan(noise) else f'{noise:.4f} bits/byte'}. "
+            f"Replicas bit-identical at the end of every run: {cv['all_replicas_identical']}.", "",
+            f"![convergence]({plots['convergence']})", ""]
+    return out
+
+
+def _step_model(sm: dict, plots: dict) -> list[str]:
+    first = next(iter(sm["scenarios"].values()))
+    x = first["inputs"]
+    out = ["## 6. Step-time model (projection, not a measurement)", "",
+           f"{first['model']} ({first['model_description']}, {first['params']:,} parameters), pure data "
+           f"parallelism on {x['gpus']} GPUs: step = compute + exposed comm + codec kernels + refresh. "
+           "Inputs (override in `bench.step_model.StepModelInputs`):", ""]
+    notes = {
+        "gpus": "the paper's 64 GH200", "tokens_per_gpu": "assumption: 1M-token global batch",
+        "peak_tflops": "H100/GH200 dense BF16 (NVIDIA datasheet)", "mfu": "assumption, typical for sub-1B Megatron",
+        "link_gbytes": "InfiniBand NDR 400 Gb/s per GPU", "link_efficiency": "nccl-tests bus bandwidth share",
+        "hbm_tbytes": "GH200 HBM3 (NVIDIA datasheet)", "kernel_efficiency": "assumption, elementwise kernels",
+        "matmul_efficiency": "assumption, skinny whitening matmuls", "exposed_fraction": "share of comm not overlapped",
+        "stats_tokens": "GiftConfig.stats_tokens", "refresh_every": "GiftConfig.refresh_every",
+        "eigh_tflops": "assumption: effective fp64 dense eigensolver rate (memory-bound tridiagonalisation)",
+        "refresh_sharded": "False = every rank eigendecomposes every factor (as implemented)",
+        "rank": "GiftConfig.rank",
+    }
+    out += [table(["input", "default", "source"], [[k, v, notes.get(k, "")] for k, v in x.items()], 3), ""]
+    f = sm["calibrated_exposed_fraction"]
+    out += [f"Calibrated scenarios: exposed-communication share chosen so that Euclidean FP8 reproduces the "
+            f"paper's {100 * sm['paper']['euclid-fp8']:+.1f}%: "
+            f"{'no share in [0, 1] fits' if f is None else f'{f:.3f}'}.", ""]
+    names = list(sm["scenarios"])
+    arms = list(first["arms"])
+    rows = [[a] + [f"{100 * sm['scenarios'][n]['arms'][a]['vs_fp32']:+.1f}%" for n in names]
+            + [f"{100 * sm['paper'][a]:+.1f}%" if a in sm["paper"] else ""] for a in arms]
+    out += [table(["arm", *names, "paper"], rows), ""]
+    base = sm["scenarios"]["defaults"]["arms"]
+    rows = [[a, v["compute_s"] * 1e3, v["comm_s"] * 1e3, v["kernels_s"] * 1e3, v["refresh_s"] * 1e3,
+             v["message_bytes"] / 1e9] for a, v in base.items()]
+    out += ["Breakdown with the defaults (ms per step; refresh as implemented):", "",
+            table(["arm", "compute", "comm", "codec kernels", "refresh", "message GB"], rows, 1), "",
+            f"![step model]({plots['step_model']})", ""]
+    return out
+
+
+def render(r: dict) -> str:
+    """The whole report as markdown."""
+    plots = r.get("plots", {})
+    lines = _header(r["meta"]) + _headlines(r)
+    if "reference" in r:
+        lines += _reference(r["reference"])
+    if "fidelity" in r:
+        lines += _fidelity(r["fidelity"], plots)
+    if "overhead" in r:
+        lines += _overhead(r["overhead"], plots)
+    if "wire" in r:
+        lines += _wire(r["wire"], plots)
+    if "convergence" in r:
+        lines += _convergence(r["convergence"], plots)
+    if "step_model" in r:
+        lines += _step_model(r["step_model"], plots)
+    lines += ["## 7. Hardware", "",
+              "No GPU was lent to this task. Overhead numbers are CPU numbers (section 3); "
+              "GPU-scale step times are projections (section 6).", ""]
+    return "\n".join(lines) + "\n"

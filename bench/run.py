@@ -1,0 +1,166 @@
+"""`python -m bench.run [--quick]`: run the GIFT benchmarks and write REPORT.md, PNGs, results.json.
+
+Sections (each its own module): wire bytes, the reference model and its gradients,
+fidelity, kernel overhead, 2-rank convergence, and the step-time projection. Progress is
+printed as it goes; results.json is rewritten after every section, so an interrupted run
+keeps what it finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from bench import convergence, fidelity, overhead, plots, reference, report, step_model, wire
+from bench.settings import BenchSettings, profile
+from gift_compile import corpus
+
+SECTIONS = ("wire", "fidelity", "overhead", "convergence", "step_model")
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="the quick profile (a few minutes, one seed)")
+    p.add_argument("--profile", choices=("smoke", "quick", "full"), default=None,
+                   help="sizes of the run (default: full; --quick means quick; smoke is for CI)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="directory for REPORT.md, PNGs, results.json")
+    p.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
+    p.add_argument("--cache-dir", type=Path, default=None,
+                   help="where the trained reference model is cached (default: <corpus cache>/bench)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads of the main process")
+    p.add_argument("--conv-compile", action="store_true", help="torch.compile the convergence models")
+    p.add_argument("--from-json", type=Path, default=None,
+                   help="only re-render REPORT.md and the figures into --out from an earlier results.json")
+    args = p.parse_args(argv)
+    if args.quick and args.profile not in (None, "quick"):
+        p.error("--quick conflicts with --profile " + args.profile)
+    args.profile = "quick" if args.quick else (args.profile or "full")
+    unknown = set(args.only.split(",")) - set(SECTIONS)
+    if unknown:
+        p.error(f"unknown section(s) {sorted(unknown)}; allowed: {', '.join(SECTIONS)}")
+    return args
+
+
+class _Progress:
+    """Timestamped progress lines on stdout (flushed: the run is long and often piped)."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __call__(self, message: str) -> None:
+        print(f"[bench {time.perf_counter() - self.start:6.0f}s] {message}", flush=True)
+
+
+def _write_json(path: Path, results: dict) -> None:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the selected sections; returns the results dict that REPORT.md was written from."""
+    args = _parse(argv)
+    if args.from_json is not None:
+        return _render(json.loads(args.from_json.read_text()), args.out)
+    settings: BenchSettings = profile(args.profile)
+    if args.conv_compile:
+        settings = dataclasses.replace(settings, convergence=dataclasses.replace(settings.convergence, compile=True))
+    only = set(args.only.split(","))
+    torch.set_num_threads(args.threads or settings.threads)
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    log = _Progress()
+    results: dict = {"meta": {
+        "command": " ".join(["python -m bench.run", *(argv if argv is not None else sys.argv[1:])]),
+        "profile": settings.profile, "started": datetime.datetime.now().isoformat(timespec="seconds"),
+        "torch": torch.__version__, "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
+        "loadavg_start": os.getloadavg()[0], "gpu": torch.cuda.is_available(), "settings": settings.to_dict(),
+    }}
+    json_path = out / "results.json"
+    log(f"profile {settings.profile}: sections {', '.join(s for s in SECTIONS if s in only)}; output {out}")
+    paths = corpus.prepare()
+
+    if "wire" in only:
+        log("wire bytes per step")
+        results["wire"] = wire.run()
+        _write_json(json_path, results)
+
+    if "fidelity" in only:
+        log("reference model")
+        model, record = reference.reference_model(settings.reference, paths, log, args.cache_dir)
+        log("collecting held-out gradients and K-FAC factors")
+        samples = reference.collect_samples(model, settings.fidelity, paths, log)
+        fs = settings.fidelity
+        results["reference"] = {
+            **{k: v for k, v in record.items() if k != "losses"},
+            "settings": dataclasses.asdict(settings.reference),
+            "cache": str(reference.cache_path(settings.reference, paths, args.cache_dir)),
+            "heldout_batches": fs.heldout_batches, "micro_batches": fs.micro_batches, "seq_len": fs.seq_len,
+            "layers": len({x.name for x in samples}),
+        }
+        log(f"fidelity: {len(samples)} layer samples x {len(settings.formats)} formats x "
+            f"{len(settings.transforms)} transforms; multi-rank P = {fs.ranks}")
+        results["fidelity"] = fidelity.run(samples, settings.formats, settings.transforms, fs, log)
+        del samples, model
+        _write_json(json_path, results)
+
+    if "overhead" in only:
+        log(f"overhead ({'compiled' if settings.overhead.compile else 'eager'} kernels, CPU)")
+        results["overhead"] = overhead.run(settings.overhead, log)
+        _write_json(json_path, results)
+
+    if "convergence" in only:
+        log("convergence (2-rank gloo pretraining)")
+        results["convergence"] = convergence.run(settings.convergence, paths, log)
+        _write_json(json_path, results)
+
+    if "step_model" in only:
+        log("step-time model (projection)")
+        results["step_model"] = step_model.run()
+
+    log("plots and report")
+    results["meta"]["duration_s"] = time.perf_counter() - log.start
+    _render(results, out)
+    log(f"wrote {out / 'REPORT.md'}, {len(results['plots'])} figures and {json_path.name}")
+    return results
+
+
+def _render(results: dict, out: Path) -> dict:
+    """Figures, results.json and REPORT.md in `out` from a results dict."""
+    out.mkdir(parents=True, exist_ok=True)
+    results["plots"] = _plots(results, out)
+    _write_json(out / "results.json", results)
+    (out / "REPORT.md").write_text(report.render(results))
+    return results
+
+
+def _plots(results: dict, out: Path) -> dict[str, str]:
+    made: dict[str, str] = {}
+    if "fidelity" in results:
+        fid = results["fidelity"]
+        made["fidelity_heatmap"] = plots.fidelity_heatmap(fid, out)
+        made["fidelity_layers"] = plots.fidelity_layers(fid, out)
+        made["fidelity_eigen"] = plots.fidelity_eigen(fid, out)
+        made["multirank"] = plots.multirank(fid, out)
+    if "overhead" in results:
+        made["overhead"] = plots.overhead(results["overhead"], out)
+    if "wire" in results:
+        made["wire"] = plots.wire(results["wire"], out)
+    if "convergence" in results:
+        made["convergence"] = plots.convergence(results["convergence"], out)
+    if "step_model" in results:
+        made["step_model"] = plots.step_model(results["step_model"], out)
+    return made
+
+
+if __name__ == "__main__":
+    main()

