@@ -42,7 +42,6 @@ E2M1_MAX = 6.0
 # Decision thresholds between neighbouring E2M1 magnitudes {0,.5,1,1.5,2,3,4,6}; `>` vs `>=`
 # implements round-half-to-even on the 3-bit code.
 _E2M1_STEPS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
-_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _E8M0_NAN = 255
 _E4M3_NAN = 127
 
@@ -238,6 +237,18 @@ def _e2m1_code(v: torch.Tensor) -> torch.Tensor:
     return mag + (v < 0).to(torch.uint8) * 8
 
 
+def _e2m1_magnitude(m: torch.Tensor) -> torch.Tensor:
+    """|value| of 3-bit E2M1 magnitude codes, by exact arithmetic rather than a table.
+
+    A lookup table would be a tensor constant, which the FX pass cannot splice into a
+    graph it does not own; this spelling is all elementwise ops (Inductor fuses it).
+    Codes 0-1 are subnormal (0, 0.5); code m >= 2 is (2 + (m & 1)) * 2^(m >> 1) / 4.
+    """
+    m = m.to(torch.int32)
+    normal = ((2 + (m & 1)) << (m >> 1)).to(torch.float32) * 0.25
+    return torch.where(m < 2, m.to(torch.float32) * 0.5, normal)
+
+
 def encode(
     x: torch.Tensor,
     spec: FormatSpec,
@@ -308,8 +319,7 @@ def decode(
         lo = payload & 0xF
         hi = payload >> 4
         nib = torch.stack([lo, hi], dim=-1).reshape(*lead, -1)
-        table = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=payload.device)
-        mag = table[(nib & 7).long()]
+        mag = _e2m1_magnitude(nib & 7)
         vals = torch.where(nib >= 8, -mag, mag)
         bscale = _e4m3_decode(scales) * tensor_scale
         bscale = torch.where(scales == _E4M3_NAN, math.nan, bscale)

@@ -26,6 +26,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from gift_compile.sync import all_reduce_
+
 KINDS = ("identity", "hadamard", "dense", "lowrank")
 _MAX_HADAMARD_BLOCK = 1024
 
@@ -233,8 +235,7 @@ class KFACStatistics:
     def consolidate(self, group: dist.ProcessGroup | None) -> torch.Tensor:
         """EMA-updated `A`, identical on all ranks of `group`; resets the accumulator."""
         acc = torch.cat([self.acc.reshape(-1), self.count.reshape(1)])
-        if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(acc, group=group)
+        all_reduce_(acc, group)
         count = acc[-1].clamp(min=1.0)
         new = (acc[:-1] / count).reshape_as(self.acc)
         if bool(acc[-1] > 0):
@@ -267,7 +268,7 @@ def gradient_factor(grad: torch.Tensor, group: dist.ProcessGroup | None = None, 
     g = grad.detach().reshape(-1, grad.shape[-1]).double()
     r = g.t() @ g
     rows = torch.tensor(float(g.shape[0]), dtype=torch.float64, device=g.device)
-    if sharded and group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(r, group=group)
-        dist.all_reduce(rows, group=group)
+    if sharded:
+        all_reduce_(r, group)
+        all_reduce_(rows, group)
     return (r / rows.clamp(min=1.0)).float()

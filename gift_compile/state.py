@@ -25,6 +25,7 @@ from gift_compile.config import GiftConfig
 from gift_compile.formats import FormatSpec
 from gift_compile.geometry import KFACStatistics, Transform, apply_forward, apply_inverse, gradient_factor
 from gift_compile.selection import LayerMeasurement, decide, measure
+from gift_compile.sync import all_reduce_, broadcast_, world_size
 
 logger = logging.getLogger("gift_compile")
 
@@ -150,9 +151,7 @@ class GiftState:
         return layer
 
     def world(self) -> int:
-        if self.group is None or not dist.is_initialized():
-            return 1
-        return dist.get_world_size(self.group)
+        return world_size(self.group)
 
     # ---- step driver -------------------------------------------------------------------
     def step(self) -> None:
@@ -210,9 +209,8 @@ class GiftState:
         stacked = torch.tensor(
             [[m.err_euclidean, m.err_transformed, m.boundary_hits] for m in measured.values()], dtype=torch.float64
         ).reshape(-1, 3)
-        if self.world() > 1 and stacked.numel():
-            dist.all_reduce(stacked, group=self.group)
-            stacked /= self.world()
+        if stacked.numel():
+            all_reduce_(stacked, self.group).div_(self.world())
         for (name, m), row in zip(measured.items(), stacked.tolist()):
             m.err_euclidean, m.err_transformed, m.boundary_hits = row
             layer = self.layers[name]
@@ -243,11 +241,10 @@ class GiftState:
     def _broadcast_transforms(self) -> None:
         if self.world() <= 1:
             return
-        src = dist.get_global_rank(self.group, 0)
         flat = [t for layer in self.layers.values() for t in layer.transform.tensors]
         if flat:
             buf = torch.cat([t.reshape(-1) for t in flat])
-            dist.broadcast(buf, src=src, group=self.group)
+            broadcast_(buf, self.group)
             offset = 0
             for t in flat:
                 t.copy_(buf[offset:offset + t.numel()].view_as(t))

@@ -1,0 +1,48 @@
+"""Blocking host collectives for refresh-time statistics (off the compiled hot path).
+
+Refresh averages K-FAC factors, gradient factors and selection measurements over the
+data-parallel group and broadcasts the new transforms. These are ordinary blocking
+``torch.distributed`` calls, with one catch on gloo: its worker thread releases a finished
+collective's tensors a moment *after* the caller's ``wait`` returns. When that release is
+the tensor's last reference (a temporary), the worker must take the GIL to free the
+Python object; if the interpreter is already shutting down (a refresh on the final step,
+then exit) it cannot, and the process aborts with "terminate called without an active
+exception". Every collective here therefore keeps its tensor referenced until a few later
+collectives have run, so the worker's release is never the last one.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["all_reduce_", "broadcast_", "world_size"]
+
+# The most recent communicated tensors (see the module docstring). Bounded so at most a few
+# refresh buffers outlive their use.
+_RECENT: deque[torch.Tensor] = deque(maxlen=4)
+
+
+def world_size(group: dist.ProcessGroup | None) -> int:
+    """Ranks in ``group``; 1 without a group or an initialised process group."""
+    if group is None or not dist.is_available() or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def all_reduce_(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Sum ``t`` over ``group`` in place (no-op on one rank); returns ``t``."""
+    if world_size(group) > 1:
+        _RECENT.append(t)
+        dist.all_reduce(t, group=group)
+    return t
+
+
+def broadcast_(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Overwrite ``t`` with group rank 0's copy, in place (no-op on one rank); returns ``t``."""
+    if world_size(group) > 1:
+        _RECENT.append(t)
+        dist.broadcast(t, src=dist.get_global_rank(group, 0), group=group)
+    return t
