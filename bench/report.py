@@ -249,8 +249,8 @@ def _overhead(ov: dict, plots: dict) -> list[str]:
     out += ["Bytes moved per gradient element (accounting):", "", table(["path", "bytes/element"], rows, 1), ""]
     if ov["refresh"]:
         rows = [[x["d_in"], x["lowrank_s"], x["dense_s"], x["lowrank_gflops_9n3"]] for x in ov["refresh"]]
-        out += ["Geometry refresh per layer as implemented (eager, fp64, every rank, every `refresh_every` "
-                "steps): low-rank = full `eigh` + thin SVD; dense = Cholesky + triangular inverse.", "",
+        out += ["Geometry refresh per layer as implemented (eager, fp64, on the layer's owner rank, every "
+                "`refresh_every` steps): low-rank = full `eigh` + thin SVD; dense = Cholesky + triangular inverse.", "",
                 table(["d_in", "low-rank s", "dense s", "eigh GFLOP/s (9n^3)"], rows, 3), ""]
     out += [f"![overhead]({plots['overhead']})", ""]
     return out
@@ -283,13 +283,18 @@ def _wire(wr: dict, plots: dict) -> list[str]:
 
 
 def _convergence(cv: dict, plots: dict) -> list[str]:
+    gift_runs = [r for r in cv["runs"] if "pass_rewritten" in r]
+    if cv["mode"] == "compiled":
+        how = (f"the FX pass rewrote {sum(r['pass_rewritten'] for r in gift_runs)} managed gradient all-reduces "
+               f"over the quantized arms' graphs; {sum(r['pass_fallbacks'] for r in gift_runs)} stayed at full precision")
+    else:
+        how = ("the backward hooks call the same quantized all-reduce the compiled graph would; "
+               "`--conv-compile` runs the pass instead, at minutes of compile time per arm on 2 cores")
     out = ["## 5. Convergence", "",
            f"{cv['world']}-rank gloo data parallelism, {cv['steps']} AdamW steps of {cv['tokens_per_step']:,} "
            f"tokens (global), seeds {cv['seeds']} (a seed fixes init and data order; all arms of a seed "
            "share both). Driver: `gift_compile.apply(model, GiftConfig(...), group=WORLD)` run "
-           f"**{cv['mode']}** (the backward calls the same quantized all-reduce the compiled graph would; "
-           "compiling 2 ranks x 5 arms would cost minutes of compile time on 2 cores). fp32 = plain fp32 "
-           "all-reduce of every gradient. Arm configs: "
+           f"**{cv['mode']}** ({how}). fp32 = plain fp32 all-reduce of every gradient. Arm configs: "
            + "; ".join(f"`{a}` {c}" for a, c in cv["arm_configs"].items()) + ".", ""]
     rows = []
     for a in cv["arms"]:
@@ -329,7 +334,7 @@ def _step_model(sm: dict, plots: dict) -> list[str]:
         "matmul_efficiency": "assumption, skinny whitening matmuls", "exposed_fraction": "share of comm not overlapped",
         "stats_tokens": "GiftConfig.stats_tokens", "refresh_every": "GiftConfig.refresh_every",
         "eigh_tflops": "assumption: effective fp64 dense eigensolver rate (memory-bound tridiagonalisation)",
-        "refresh_sharded": "False = every rank eigendecomposes every factor (as implemented)",
+        "refresh_sharded": "True = each rank rebuilds 1/gpus of the transforms, owners broadcast (as implemented)",
         "rank": "GiftConfig.rank",
     }
     out += [table(["input", "default", "source"], [[k, v, notes.get(k, "")] for k, v in x.items()], 3), ""]

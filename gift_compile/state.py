@@ -25,7 +25,7 @@ from gift_compile.config import GiftConfig
 from gift_compile.formats import FormatSpec
 from gift_compile.geometry import KFACStatistics, Transform, apply_forward, apply_inverse, gradient_factor
 from gift_compile.selection import LayerMeasurement, decide, measure
-from gift_compile.sync import all_reduce_, broadcast_, world_size
+from gift_compile.sync import all_reduce_, broadcast_, group_rank, world_size
 
 logger = logging.getLogger("gift_compile")
 
@@ -161,11 +161,26 @@ class GiftState:
         if self.steps % self.config.refresh_every == 0:
             self.refresh()
 
+    def owners(self) -> dict[str, int]:
+        """Group rank that rebuilds each layer's transform at a refresh (round robin).
+
+        The eigendecompositions are the expensive part of a refresh; sharding them over the
+        data-parallel ranks divides that cost by the world size, and the owner's broadcast
+        is what makes every rank's transform bit-identical.
+        """
+        world = self.world()
+        return {name: i % world for i, name in enumerate(self.layers)}
+
     @torch.no_grad()
     def refresh(self) -> RefreshRecord:
-        """Rebuild every layer's geometry and selection; identical on all ranks."""
+        """Rebuild every layer's geometry and selection; identical on all ranks.
+
+        Every rank averages the statistics (collectives), each layer's owner rebuilds its
+        transform, and the owners broadcast them.
+        """
         cfg = self.config
         old = {n: tuple(t.clone() for t in l.transform.tensors) for n, l in self.layers.items() if l.residual is not None}
+        owners, me = self.owners(), group_rank(self.group)
         for name, layer in self.layers.items():
             if not layer.transform.adaptive:
                 continue
@@ -185,8 +200,9 @@ class GiftState:
             if not bool(torch.isfinite(factor).all()):
                 logger.warning("GIFT: non-finite statistics for %s; keeping its previous transform", name)
                 continue
-            layer.transform.refresh_from(factor, cfg.damping)
-        self._broadcast_transforms()
+            if owners[name] == me:
+                layer.transform.refresh_from(factor, cfg.damping)
+        self._broadcast_transforms(owners)
         record = self._select()
         for name, layer in self.layers.items():
             if layer.residual is not None:
@@ -238,13 +254,15 @@ class GiftState:
         else:
             layer.transform.set_identity()
 
-    def _broadcast_transforms(self) -> None:
+    def _broadcast_transforms(self, owners: dict[str, int]) -> None:
+        """Every layer's transform tensors from its owner, one packed broadcast per owner."""
         if self.world() <= 1:
             return
-        flat = [t for layer in self.layers.values() for t in layer.transform.tensors]
-        if flat:
-            buf = torch.cat([t.reshape(-1) for t in flat])
-            broadcast_(buf, self.group)
+        for src in range(self.world()):
+            flat = [t for name, layer in self.layers.items() if owners[name] == src for t in layer.transform.tensors]
+            if not flat:
+                continue
+            buf = broadcast_(torch.cat([t.reshape(-1) for t in flat]), self.group, src)
             offset = 0
             for t in flat:
                 t.copy_(buf[offset:offset + t.numel()].view_as(t))

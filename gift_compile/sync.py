@@ -18,7 +18,7 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_reduce_", "broadcast_", "world_size"]
+__all__ = ["all_reduce_", "broadcast_", "group_rank", "world_size"]
 
 # The most recent communicated tensors (see the module docstring). Bounded so at most a few
 # refresh buffers outlive their use.
@@ -32,6 +32,11 @@ def world_size(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group)
 
 
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    """This process's rank within ``group`` (0 without communication)."""
+    return dist.get_rank(group) if world_size(group) > 1 else 0
+
+
 def all_reduce_(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Sum ``t`` over ``group`` in place (no-op on one rank); returns ``t``."""
     if world_size(group) > 1:
@@ -40,9 +45,9 @@ def all_reduce_(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tenso
     return t
 
 
-def broadcast_(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Overwrite ``t`` with group rank 0's copy, in place (no-op on one rank); returns ``t``."""
+def broadcast_(t: torch.Tensor, group: dist.ProcessGroup | None, src: int = 0) -> torch.Tensor:
+    """Overwrite ``t`` with group rank ``src``'s copy, in place (no-op on one rank); returns ``t``."""
     if world_size(group) > 1:
         _RECENT.append(t)
-        dist.broadcast(t, src=dist.get_global_rank(group, 0), group=group)
+        dist.broadcast(t, src=dist.get_global_rank(group, src), group=group)
     return t

@@ -64,7 +64,7 @@ def test_ddp_wrapper_is_rejected():
 
 def _eager_training_body(rank: int, world: int, fmt: str) -> tuple[list[torch.Tensor], list[dict]]:
     m = MLP()
-    gift_compile.apply(m, GiftConfig(format=fmt, min_numel=1024, refresh_every=4, error_feedback=True, rank=8))
+    gift_compile.apply(m, GiftConfig(format=fmt, min_numel=1024, refresh_every=4, error_feedback=True, rank=8, select="all"))
     opt = torch.optim.SGD(m.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(64, 96, generator=g) @ torch.diag(torch.logspace(0, -2, 96))
@@ -74,12 +74,19 @@ def _eager_training_body(rank: int, world: int, fmt: str) -> tuple[list[torch.Te
         opt.step()
         opt.zero_grad()
     st = gift_compile.state(m)
-    return [p.detach().clone() for p in m.parameters()], [r.layers for r in st.history]
+    transforms = {n: [t.clone() for t in layer.transform.tensors] for n, layer in st.layers.items()}
+    return [p.detach().clone() for p in m.parameters()], [r.layers for r in st.history], transforms, st.owners()
 
 
 def test_eager_training_identical_ranks_and_refresh_records():
-    (p0, hist0), (p1, hist1) = run_ranks(_eager_training_body, 2, "fp8_e5m2")
+    (p0, hist0, tr0, own0), (p1, hist1, tr1, own1) = run_ranks(_eager_training_body, 2, "fp8_e5m2")
     assert all(torch.equal(a, b) for a, b in zip(p0, p1))
+    # the refresh is sharded (each rank rebuilds its own layers) and the broadcast makes
+    # every transform bit-identical
+    assert own0 == own1 and set(own0.values()) == {0, 1}
+    for name in tr0:
+        assert all(torch.equal(a, b) for a, b in zip(tr0[name], tr1[name])), name
+        assert not torch.equal(tr0[name][0], torch.ones_like(tr0[name][0])), "transform was rebuilt"
     assert len(hist0) == 2 and hist0 == hist1  # selection decided identically on both ranks
     for rec in hist0[-1].values():
         assert 0 < rec["err_euclidean"] < 0.1 and 0 < rec["err_transformed"] < 0.2
