@@ -17,6 +17,8 @@ float8/float4 dtypes, so every payload travels as uint8.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -197,10 +199,22 @@ def _prepare(
     return CommPlan.make(config, group, kind), tensors
 
 
-def _run(core, x: torch.Tensor, tensors: tuple[torch.Tensor, ...], residual: torch.Tensor | None,
-         seed: torch.Tensor | int, plan: CommPlan) -> torch.Tensor:
+@functools.cache
+def _compiled(core: Callable) -> Callable:
+    """`core` under `torch.compile(fullgraph=True, dynamic=False)`.
+
+    Transform tensors, residual and seed are graph inputs and the plan is a frozen dataclass,
+    so one graph serves every layer of a given gradient shape and plan; a new shape compiles
+    once. Past dynamo's recompile limit a shape runs eagerly (same numbers, bit for bit).
+    """
+    return torch.compile(core, fullgraph=True, dynamic=False)
+
+
+def _run(core: Callable, x: torch.Tensor, tensors: tuple[torch.Tensor, ...], residual: torch.Tensor | None,
+         seed: torch.Tensor | int, plan: CommPlan, compiled: bool) -> torch.Tensor:
     """Call a functional core on the row view of `x`; update `residual` in place."""
-    out, new_res = core(as_rows(x), tensors, None if residual is None else as_rows(residual), seed, plan)
+    fn = _compiled(core) if compiled else core
+    out, new_res = fn(as_rows(x), tensors, None if residual is None else as_rows(residual), seed, plan)
     if residual is not None:
         residual.copy_(new_res.reshape(residual.shape))
     return out.to(x.dtype)
@@ -214,16 +228,19 @@ def reduce_scatter(
     residual: torch.Tensor | None = None,
     *,
     seed: torch.Tensor | int = 0,
+    compiled: bool = False,
 ) -> torch.Tensor:
     """Low-bit reduce-scatter along dim 0: this rank's shard of the sum (or mean) of `x`.
 
     `x.shape[0]` must be divisible by the world size. `residual` (if given, fp32, shape of
-    `x`) is error feedback in transformed coordinates and is updated in place.
+    `x`) is error feedback in transformed coordinates and is updated in place. `compiled`
+    runs the functional core through `torch.compile` (fused kernels for eager callers such
+    as FSDP2's comm hook; one compile per gradient shape).
     """
     plan, tensors = _prepare(x, config, group, transform)
     if x.shape[0] % plan.world:
         raise ValueError(f"reduce_scatter: dim 0 ({x.shape[0]}) is not divisible by the world size {plan.world}")
-    out = _run(gift_reduce_scatter, x, tensors, residual, seed, plan)
+    out = _run(gift_reduce_scatter, x, tensors, residual, seed, plan, compiled)
     return out.reshape(x.shape[0] // plan.world, *x.shape[1:])
 
 
@@ -235,10 +252,14 @@ def all_reduce(
     residual: torch.Tensor | None = None,
     *,
     seed: torch.Tensor | int = 0,
+    compiled: bool = False,
 ) -> torch.Tensor:
-    """Low-bit all-reduce of `x` (any shape): bit-identical result on every rank."""
+    """Low-bit all-reduce of `x` (any shape): bit-identical result on every rank.
+
+    `compiled` as in `reduce_scatter`.
+    """
     plan, tensors = _prepare(x, config, group, transform)
-    return _run(gift_all_reduce, x, tensors, residual, seed, plan).reshape(x.shape)
+    return _run(gift_all_reduce, x, tensors, residual, seed, plan, compiled).reshape(x.shape)
 
 
 def wire_bytes_per_rank(op: str, shape: torch.Size | tuple[int, ...], spec: FormatSpec, world: int) -> int:

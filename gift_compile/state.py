@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable
@@ -116,6 +117,7 @@ class RefreshRecord:
 
     step: int
     layers: dict[str, dict[str, float | bool]] = field(default_factory=dict)
+    seconds: float = 0.0  # wall time of the whole refresh on this rank (host-synchronous work)
 
 
 class GiftState:
@@ -179,6 +181,7 @@ class GiftState:
         transform, and the owners broadcast them.
         """
         cfg = self.config
+        start = time.perf_counter()
         old = {n: tuple(t.clone() for t in l.transform.tensors) for n, l in self.layers.items() if l.residual is not None}
         owners, me = self.owners(), group_rank(self.group)
         for name, layer in self.layers.items():
@@ -209,6 +212,7 @@ class GiftState:
                 prev = old[name]
                 back = apply_inverse(layer.kind, layer.residual, prev)
                 layer.residual.copy_(apply_forward(layer.kind, back, layer.transform.tensors))
+        record.seconds = time.perf_counter() - start
         self.history.append(record)
         return record
 

@@ -118,13 +118,16 @@ def _compiled_body(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor, t
 
     eager = f(x, res_e, seed)
     compiled = torch.compile(f, fullgraph=True, dynamic=False)(x, res_c, seed)
-    return eager, compiled, res_e, res_c
+    # what eager callers (FSDP2's comm hook) use: the library compiles its functional core
+    res_k = torch.zeros(16, 96)
+    core = C.all_reduce(x, dist.group.WORLD, cfg, t, res_k, seed=seed, compiled=True)
+    return eager, compiled, res_e, res_c, core, res_k
 
 
 def test_compiled_collective_matches_eager_bitwise():
-    for eager, compiled, res_e, res_c in run_ranks(_compiled_body, 2):
-        assert torch.equal(eager, compiled)
-        assert torch.equal(res_e, res_c) and float(res_e.abs().sum()) > 0
+    for eager, compiled, res_e, res_c, core, res_k in run_ranks(_compiled_body, 2):
+        assert torch.equal(eager, compiled) and torch.equal(eager, core)
+        assert torch.equal(res_e, res_c) and torch.equal(res_e, res_k) and float(res_e.abs().sum()) > 0
 
 
 def test_bad_inputs_are_clear_errors():

@@ -21,15 +21,19 @@ parameters that received no gradient), the per-parameter layout cannot be recove
 whole buffer then takes the full-precision reduce-scatter and the call is counted in the
 ``gift/fsdp2_unmapped_calls`` telemetry.
 
-The comm runs eagerly (like the rest of FSDP2's backward hooks); the core collective is
-the same traced code the graph path compiles, so both paths compute the same numbers.
+The comm hook itself runs eagerly (like the rest of FSDP2's backward hooks); the core
+collective it calls is the same functional code the graph path splices into its graph,
+``torch.compile``d by default (``--gift.no-fuse``: op by op), so both paths compute the
+same numbers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -48,17 +52,39 @@ __all__ = ["GiftReduceScatter", "WireCounters", "install"]
 
 @dataclass
 class WireCounters:
-    """Bytes this rank handed to gradient reduce-scatters since the last ``take``."""
+    """Bytes this rank handed to gradient reduce-scatters, and the time spent in them,
+    since the last ``take``."""
 
     wire: int = 0
     fp32: int = 0
     bf16: int = 0
     unmapped_calls: int = 0
+    seconds: float = 0.0
+    _events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
+
+    @contextlib.contextmanager
+    def timing(self, device: torch.device) -> Iterator[None]:
+        """Time one comm call: CUDA events on the current stream (read at ``take``, so the
+        hot path never synchronizes); host wall time elsewhere (CPU work is synchronous)."""
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self.seconds += time.perf_counter() - t0
 
     def take(self) -> "WireCounters":
         """Return the current counts and reset them (one logged step's worth)."""
-        out = WireCounters(self.wire, self.fp32, self.bf16, self.unmapped_calls)
+        for start, end in self._events:
+            end.synchronize()
+            self.seconds += start.elapsed_time(end) / 1e3
+        out = WireCounters(self.wire, self.fp32, self.bf16, self.unmapped_calls, self.seconds)
         self.wire = self.fp32 = self.bf16 = self.unmapped_calls = 0
+        self.seconds, self._events = 0.0, []
         return out
 
 
@@ -79,11 +105,12 @@ class _Segment:
 class GiftReduceScatter(ReduceScatter):
     """FSDP2 custom reduce-scatter of one FSDP module (see the module docstring)."""
 
-    def __init__(self, segments: Sequence[_Segment], state: GiftState, counters: WireCounters) -> None:
+    def __init__(self, segments: Sequence[_Segment], state: GiftState, counters: WireCounters, compiled: bool) -> None:
         self.segments = list(segments)
         self.chunk_numel = sum(s.numel for s in self.segments)
         self.state = state
         self.counters = counters
+        self.compiled = compiled
         self.spec = FormatSpec(state.config.format, state.config.scaling, state.config.block_size)
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -102,6 +129,11 @@ class GiftReduceScatter(ReduceScatter):
                 f"GIFT's FSDP2 reduce-scatter sums gradients; got {op}. install() forces SUM "
                 "reductions (set_force_sum_reduction_for_comms); do not undo it."
             )
+        with self.counters.timing(input_tensor.device):
+            self._reduce_scatter(output_tensor, input_tensor, group)
+        return None
+
+    def _reduce_scatter(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
         world = group.size()
         numel = input_tensor.numel()
         self.counters.fp32 += numel * 4
@@ -110,7 +142,7 @@ class GiftReduceScatter(ReduceScatter):
             self.counters.unmapped_calls += 1
             self.counters.wire += numel * 4
             dist.reduce_scatter_tensor(output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=group)
-            return None
+            return
         chunks = input_tensor.view(world, self.chunk_numel)
         plain = [s for s in self.segments if s.layer is None]
         for seg in self.segments:
@@ -122,7 +154,7 @@ class GiftReduceScatter(ReduceScatter):
                 layer.probe.copy_(grad[: layer.probe.shape[0]])
                 shard = collectives.reduce_scatter(
                     grad, group, layer.config, layer.transform, layer.residual,
-                    seed=layer_seed(layer, self.state.seed),
+                    seed=layer_seed(layer, self.state.seed), compiled=self.compiled,
                 )
             output_tensor[seg.offset:seg.offset + seg.numel].copy_(shard.reshape(-1))
             self.counters.wire += wire_bytes_per_rank("reduce_scatter", (world * seg.rows, seg.cols), self.spec, world)
@@ -135,7 +167,6 @@ class GiftReduceScatter(ReduceScatter):
             for s in plain:
                 output_tensor[s.offset:s.offset + s.numel].copy_(reduced[start:start + s.numel])
                 start += s.numel
-        return None
 
 
 def _segments(module: FSDPModule, layers: dict[int, LayerState]) -> list[_Segment]:
@@ -161,8 +192,11 @@ def _segments(module: FSDPModule, layers: dict[int, LayerState]) -> list[_Segmen
     return segments
 
 
-def install(model: nn.Module, state: GiftState) -> WireCounters:
+def install(model: nn.Module, state: GiftState, *, compiled: bool = True) -> WireCounters:
     """Put every FSDP module of ``model`` on :class:`GiftReduceScatter`; returns its counters.
+
+    ``compiled`` runs the core collective through ``torch.compile`` (fused kernels; one
+    compile per gradient shape) instead of op by op.
 
     Also forces FSDP2's SUM reduction (torchtitan disables FSDP's gradient division, and
     GIFT's collective sums) so the comm sees ``ReduceOp.SUM`` on every device.
@@ -172,5 +206,5 @@ def install(model: nn.Module, state: GiftState) -> WireCounters:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_force_sum_reduction_for_comms(True)
-            module.set_custom_reduce_scatter(GiftReduceScatter(_segments(module, layers), state, counters))
+            module.set_custom_reduce_scatter(GiftReduceScatter(_segments(module, layers), state, counters, compiled))
     return counters

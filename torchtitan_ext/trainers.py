@@ -136,6 +136,7 @@ class _GiftMixin:
             record = state.history[-1]
             self._gift_reported_refreshes = len(state.history)
             out["gift/refresh_step"] = float(record.step)
+            out["gift/refresh_s"] = record.seconds
             rows = list(record.layers.values())
             if rows:
                 out["gift/err_euclidean_mean"] = sum(float(r["err_euclidean"]) for r in rows) / len(rows)
@@ -177,6 +178,8 @@ class GiftTrainer(_GiftMixin, Trainer):
 
     def __init__(self, config: Config) -> None:
         self._gift_init(config)
+        self._gift_last_counts = fsdp2.WireCounters()  # the interval last logged
+        self._gift_steps_counted = 1
         super().__init__(config)
         self._gift_connect_metrics()
 
@@ -184,19 +187,22 @@ class GiftTrainer(_GiftMixin, Trainer):
         cpu_compat.after_fsdp2(model)
         if self.config.gift.enable:
             state = self._gift_manage(model, tag_gradients=False)
-            self._gift_counters = fsdp2.install(model, state)
+            self._gift_counters = fsdp2.install(model, state, compiled=self.config.gift.fuse)
 
     def _gift_bytes(self) -> tuple[float, float, float]:
         assert self._gift_counters is not None
         steps = max(self.step - self._gift_logged_step, 1)
         self._gift_logged_step = self.step
         counts = self._gift_counters.take()
+        self._gift_steps_counted = steps
+        self._gift_last_counts = counts
         return counts.wire / steps, counts.fp32 / steps, counts.bf16 / steps
 
     def _gift_telemetry(self) -> dict[str, float]:
-        unmapped = self._gift_counters.unmapped_calls if self._gift_counters is not None else 0
-        out = super()._gift_telemetry()
-        out["gift/fsdp2_unmapped_calls"] = float(unmapped)
+        out = super()._gift_telemetry()  # takes the counters (via _gift_bytes)
+        counts = self._gift_last_counts
+        out["gift/fsdp2_unmapped_calls"] = float(counts.unmapped_calls)
+        out["gift/comm_s_per_step"] = counts.seconds / self._gift_steps_counted
         return out
 
     def train_step(self, data_iterator: Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]) -> None:
