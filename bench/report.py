@@ -248,10 +248,11 @@ def _overhead(ov: dict, plots: dict) -> list[str]:
     rows = [[p, b] for p, b in ov["bytes_per_element"].items()]
     out += ["Bytes moved per gradient element (accounting):", "", table(["path", "bytes/element"], rows, 1), ""]
     if ov["refresh"]:
-        rows = [[x["d_in"], x["lowrank_s"], x["dense_s"], x["lowrank_gflops_9n3"]] for x in ov["refresh"]]
+        rows = [[x["d_in"], x["lowrank_s"], x["dense_s"], x["lowrank_gflops"]] for x in ov["refresh"]]
         out += ["Geometry refresh per layer as implemented (eager, fp64, on the layer's owner rank, every "
-                "`refresh_every` steps): low-rank = full `eigh` + thin SVD; dense = Cholesky + triangular inverse.", "",
-                table(["d_in", "low-rank s", "dense s", "eigh GFLOP/s (9n^3)"], rows, 3), ""]
+                "`refresh_every` steps): low-rank = top-r eigenpairs by subspace iteration + thin SVD; dense = "
+                "Cholesky + triangular inverse.", "",
+                table(["d_in", "low-rank s", "dense s", "low-rank GFLOP/s"], rows, 3), ""]
     out += [f"![overhead]({plots['overhead']})", ""]
     return out
 
@@ -333,7 +334,7 @@ def _step_model(sm: dict, plots: dict) -> list[str]:
         "hbm_tbytes": "GH200 HBM3 (NVIDIA datasheet)", "kernel_efficiency": "assumption, elementwise kernels",
         "matmul_efficiency": "assumption, skinny whitening matmuls", "exposed_fraction": "share of comm not overlapped",
         "stats_tokens": "GiftConfig.stats_tokens", "refresh_every": "GiftConfig.refresh_every",
-        "eigh_tflops": "assumption: effective fp64 dense eigensolver rate (memory-bound tridiagonalisation)",
+        "refresh_tflops": "assumption: effective fp64 rate of the refresh (matmuls and tall-skinny QR)",
         "refresh_sharded": "True = each rank rebuilds 1/gpus of the transforms, owners broadcast (as implemented)",
         "rank": "GiftConfig.rank",
     }

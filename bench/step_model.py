@@ -15,11 +15,11 @@ assumption:
 - codec kernels: memory-bound; bytes per element from `bench.overhead.bytes_per_element`
   over HBM bandwidth, plus the whitening FLOPs (`gift_compile.selection.transform_flops`)
   at a fraction of peak, plus the K-FAC statistics (`2 * stats_tokens * d_in^2` per layer).
-- refresh: the low-rank whitening is rebuilt from a full fp64 eigendecomposition of each
-  `d_in x d_in` factor every `refresh_every` steps (`gift_compile.geometry.lowrank_whitening`);
-  `9 n^3` FLOPs at an effective eigensolver rate. Each layer is rebuilt by one owner rank
-  and broadcast (`GiftState.owners`), so a rank does `1/gpus` of them; the "unsharded"
-  scenarios show the cost if every rank rebuilt every layer.
+- refresh: the low-rank whitening is rebuilt from the top-`rank` eigenpairs of each
+  `d_in x d_in` factor (fp64 subspace iteration) every `refresh_every` steps, FLOPs from
+  `gift_compile.geometry.lowrank_refresh_flops`, at an effective fp64 rate. Each layer is
+  rebuilt by one owner rank and broadcast (`GiftState.owners`), so a rank does `1/gpus` of
+  them; the "unsharded" scenarios show the cost if every rank rebuilt every layer.
 
 Because the paper's exposed-communication share is unknown, a second scenario calibrates it
 so that Euclidean FP8 reproduces the paper's -10.8%, and then predicts GIFT.
@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from bench.overhead import bytes_per_element
 from bench.wire import ModelShapes, llama
 from gift_compile.formats import FormatSpec, wire_bytes_for
+from gift_compile.geometry import lowrank_refresh_flops
 from gift_compile.selection import transform_flops
 
 PAPER = {"gift-fp8 (paper: 13 fc2)": -0.076, "euclid-fp8": -0.108}
@@ -54,9 +55,9 @@ class StepModelInputs:
     exposed_fraction: float = 1.0  # share of gradient communication not hidden behind backward
     stats_tokens: int = 1024  # GiftConfig.stats_tokens
     refresh_every: int = 50  # GiftConfig.refresh_every
-    eigh_tflops: float = 0.5  # assumption: effective fp64 rate of a dense symmetric eigensolver
-    #                          (cuSOLVER syevd at n ~ 4k reaches well under 1 TFLOP/s: it is
-    #                          bound by the memory-bound tridiagonalisation, not the tensor cores)
+    refresh_tflops: float = 5.0  # assumption: effective fp64 rate of the refresh, which is
+    #                              matmuls (A @ Q) and tall-skinny QR; GH200's fp64 tensor-core
+    #                              peak is 67 TFLOP/s, QR reaches a small fraction of it
     refresh_sharded: bool = True  # True: each rank rebuilds 1/gpus of the transforms, then the
     #                               owners broadcast (as implemented: GiftState.owners);
     #                               False: every rank eigendecomposes every factor
@@ -110,7 +111,7 @@ def project(inputs: StepModelInputs, model: ModelShapes | None = None) -> dict[s
             kernels += (bytes_per_element(gift_path) - bytes_per_element(path)) * r * c * n / hbm
             flops = transform_flops("lowrank", r, c, x.rank) + 2.0 * x.stats_tokens * c * c
             kernels += n * flops / (x.peak_tflops * 1e12 * x.matmul_efficiency)
-            refresh += n * 9.0 * c ** 3 / (x.eigh_tflops * 1e12) / x.refresh_every
+            refresh += n * lowrank_refresh_flops(c, x.rank) / (x.refresh_tflops * 1e12) / x.refresh_every
         if x.refresh_sharded:
             refresh /= x.gpus
         rows[arm] = {"compute_s": compute, "comm_s": comm, "exposed_comm_s": x.exposed_fraction * comm,

