@@ -86,10 +86,12 @@ class _GiftMixin:
     _gift_counters: fsdp2.WireCounters | None
     _gift_logged_step: int
     _gift_reported_refreshes: int
-    # Defined by each trainer: what to do with the parallelized model, and the bytes per
-    # step (wire, fp32, bf16) this rank hands to gradient collectives.
+    # Defined by each trainer: what to do with the parallelized model, and its gradient
+    # communication per step: the bytes this rank hands to gradient collectives
+    # (gift/wire_bytes_per_step, gift/fp32_bytes_per_step, gift/bf16_bytes_per_step) plus
+    # any path-specific counters.
     _gift_after_parallelize: Callable[[nn.Module], None]
-    _gift_bytes: Callable[[], tuple[float, float, float]]
+    _gift_comm: Callable[[], dict[str, float]]
 
     def _gift_init(self, config: Any) -> None:
         cpu_compat.activate()
@@ -122,13 +124,12 @@ class _GiftMixin:
     def _gift_telemetry(self) -> dict[str, float]:
         state = self._gift
         assert state is not None
-        wire, fp32, bf16 = self._gift_bytes()
+        comm = self._gift_comm()
+        wire, fp32, bf16 = (comm[f"gift/{k}_bytes_per_step"] for k in ("wire", "fp32", "bf16"))
         out: dict[str, float] = {
             "gift/managed_layers": float(len(state.layers)),
             "gift/selected_layers": float(sum(layer.selected for layer in state.layers.values())),
-            "gift/wire_bytes_per_step": wire,
-            "gift/fp32_bytes_per_step": fp32,
-            "gift/bf16_bytes_per_step": bf16,
+            **comm,
             "gift/compression_vs_fp32": fp32 / wire if wire else float("nan"),
             "gift/compression_vs_bf16": bf16 / wire if wire else float("nan"),
         }
@@ -178,8 +179,6 @@ class GiftTrainer(_GiftMixin, Trainer):
 
     def __init__(self, config: Config) -> None:
         self._gift_init(config)
-        self._gift_last_counts = fsdp2.WireCounters()  # the interval last logged
-        self._gift_steps_counted = 1
         super().__init__(config)
         self._gift_connect_metrics()
 
@@ -189,21 +188,18 @@ class GiftTrainer(_GiftMixin, Trainer):
             state = self._gift_manage(model, tag_gradients=False)
             self._gift_counters = fsdp2.install(model, state, compiled=self.config.gift.fuse)
 
-    def _gift_bytes(self) -> tuple[float, float, float]:
+    def _gift_comm(self) -> dict[str, float]:
         assert self._gift_counters is not None
         steps = max(self.step - self._gift_logged_step, 1)
         self._gift_logged_step = self.step
         counts = self._gift_counters.take()
-        self._gift_steps_counted = steps
-        self._gift_last_counts = counts
-        return counts.wire / steps, counts.fp32 / steps, counts.bf16 / steps
-
-    def _gift_telemetry(self) -> dict[str, float]:
-        out = super()._gift_telemetry()  # takes the counters (via _gift_bytes)
-        counts = self._gift_last_counts
-        out["gift/fsdp2_unmapped_calls"] = float(counts.unmapped_calls)
-        out["gift/comm_s_per_step"] = counts.seconds / self._gift_steps_counted
-        return out
+        return {
+            "gift/wire_bytes_per_step": counts.wire / steps,
+            "gift/fp32_bytes_per_step": counts.fp32 / steps,
+            "gift/bf16_bytes_per_step": counts.bf16 / steps,
+            "gift/fsdp2_unmapped_calls": float(counts.unmapped_calls),
+            "gift/comm_s_per_step": counts.seconds / steps,
+        }
 
     def train_step(self, data_iterator: Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]) -> None:
         super().train_step(data_iterator)
@@ -247,13 +243,14 @@ class GiftGraphTrainer(_GiftMixin, GraphTrainer):
         if self.config.gift.enable:
             self._gift_manage(model, tag_gradients=True)
 
-    def _gift_bytes(self) -> tuple[float, float, float]:
+    def _gift_comm(self) -> dict[str, float]:
         # The rewritten graph is fixed, so the bytes per step are too: the managed weights'
         # quantized reduce-scatters plus every other gradient at fp32.
         report = last_reports()[-1]
         total = 4.0 * sum(p.numel() for m in self.model_parts for p in m.parameters() if p.requires_grad)
         wire = report.wire_bytes + (total - report.fp32_bytes)
-        return wire, total, total / 2
+        return {"gift/wire_bytes_per_step": wire, "gift/fp32_bytes_per_step": total,
+                "gift/bf16_bytes_per_step": total / 2}
 
     def train_step(self, data_iterator: Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]) -> None:
         super().train_step(data_iterator)
