@@ -1,223 +1,483 @@
-"""Quantized gradient collectives built from `torch.ops._c10d_functional` ops.
+"""Quantized gradient collectives over buckets, built from `torch.ops._c10d_functional` ops.
 
-    transform -> (+ residual) -> agree scales (all-reduce MAX) -> encode -> all_to_all of codes
-    -> decode every sender's codes and sum in fp32 (fixed order) -> inverse transform
+One bucket (a framework's bucketed reduce-scatter, an FSDP2 module's flat buffer, a DDP bucket,
+or a single weight) becomes ONE all_to_all of bytes:
 
-`all_reduce` continues from that reduce-scatter: each rank re-encodes its own fp32 shard with
-its own scales, all-gathers codes and scales, decodes them all and applies the inverse. No
-collective is ever asked to add low-bit codes, every receiver decodes with the scales the
-sender encoded with, and every rank of an all-reduce decodes the very same bytes, so all
-replicas end with bit-identical gradients.
+    per managed item: transform (+ EF residual) -> local scales -> encode -> row block j of the
+                      codes and of their scales goes to rank j
+    per other item:   raw bytes of row block j go to rank j
+    + a 16-byte header to every rank: the bucket plan's fingerprint and a non-finite flag
+    -> all_to_all_single (uint8)
+    -> per item: decode every sender's block with that sender's scales, sum in fp32 in rank
+       order, (average), inverse transform
 
-The functions are plain traceable PyTorch: the FX pass splices `gift_reduce_scatter` /
-`gift_all_reduce` into backward graphs, the FSDP2 fallback calls them eagerly or compiled,
-and the benchmarks call them with `group=None` (a single-rank round trip). gloo cannot carry
-float8/float4 dtypes, so every payload travels as uint8.
+For an all-reduce the reduced shards (still in transformed coordinates) are re-encoded with
+local scales and all-gathered (one all_gather_into_tensor of codes + scales), and every rank
+decodes the very same bytes, so replicas stay bit-identical.
+
+Why this shape:
+- no collective ever adds low-bit codes, and every receiver decodes with the scales the sender
+  encoded with (no scale agreement round: one collective launch per bucket, exactly as many as
+  the reduce-scatter it replaces, and tighter local scales);
+- the header lets every rank see, in the same step, whether any rank's plan differs (same
+  bytes but another format, say) or any rank's gradient was non-finite; that is how all ranks
+  fail together instead of one raising while its peers wait (see `GiftState.check_health`);
+- the rank is data (a tensor, used only for stochastic-rounding seeds), never a graph
+  constant, so one traced graph serves every rank;
+- every byte handed to a collective is counted, when it is handed over, into a `counters`
+  tensor (in place; compiled graphs do it too), so telemetry reports what was sent, and
+  `bucket_wire_bytes` (the shape-based accounting) can be checked against it.
+
+The functions are plain traceable PyTorch: the FX pass splices `launch`/`finish` into graphs
+(the launch where the framework launched its collective, the finish where it waited, so the
+scheduler's overlap is kept); FSDP2's and DDP's hooks and the public `reduce_scatter` /
+`all_reduce` call `run_bucket` eagerly or through `torch.compile`. gloo carries no float8 or
+float4 dtypes, so everything travels as uint8.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from dataclasses import dataclass
+import logging
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from gift_compile.config import GiftConfig
-from gift_compile.formats import FormatSpec, as_rows, choose_scales, decode, encode, wire_bytes_for
+from gift_compile.formats import FormatSpec, choose_scales, decode, encode
 from gift_compile.geometry import Transform, apply_forward, apply_inverse
+from gift_compile.plan import BucketPlan, ItemPlan, dtype_name
+
+logger = logging.getLogger("gift_compile")
 
 _c10d = torch.ops._c10d_functional
-_RANK_SEED_STRIDE = 1_000_003
+HEADER_BYTES = 16
+RANK_SEED_STRIDE = 1_000_003
+_ALL_GATHER_SEED = 7
+
+# Slots of the int64 `counters` tensor every GiftState keeps (updated in place on every call).
+C_WIRE = 0  # bytes handed to GIFT's collectives (codes, scales, headers, full-precision items)
+C_BASELINE = 1  # bytes the replaced collective would have been handed (the gradients' own dtype)
+C_CALLS = 2  # bucket collectives run
+C_NONFINITE = 3  # calls in which some rank's managed gradient had NaN/Inf
+C_MISMATCH = 4  # calls in which some rank's plan differed from this rank's
+N_COUNTERS = 8
+
+__all__ = [
+    "ItemTensors", "Shared", "all_reduce", "bucket_wire_bytes", "finish", "gather_finish", "gather_launch",
+    "group_info", "launch", "reduce_scatter", "run_bucket", "wire_bytes_per_rank",
+]
 
 
-@dataclass(frozen=True)
-class CommPlan:
-    """Everything static about one quantized collective: it fixes the traced graph."""
+class ItemTensors(NamedTuple):
+    """Runtime tensors of one managed item (`None` for a full-precision item)."""
 
-    spec: FormatSpec
-    kind: str
-    world: int
-    rank: int
-    group_name: str | None
-    average: bool
-    stochastic_rounding: bool = False
+    transform: tuple[torch.Tensor, ...]
+    residual: torch.Tensor | None = None
+    probe: torch.Tensor | None = None
 
-    @classmethod
-    def make(cls, config: GiftConfig, group: dist.ProcessGroup | str | None, kind: str = "identity") -> "CommPlan":
-        name, world, rank = group_info(group)
-        return cls(FormatSpec(config.format, config.scaling, config.block_size), kind, world, rank, name,
-                   config.reduce_op == "avg", config.stochastic_rounding)
+
+class Shared(NamedTuple):
+    """Runtime tensors shared by every item of a GiftState.
+
+    `seed` (int64, advanced once per optimizer step) and `rank` (int64, this process's rank in
+    the group) drive stochastic rounding; `counters` (int64 [N_COUNTERS]) receives the byte
+    counts and health flags. Any of them may be None for one-off calls.
+    """
+
+    seed: torch.Tensor | int = 0
+    rank: torch.Tensor | int = 0
+    counters: torch.Tensor | None = None
 
 
 def group_info(group: dist.ProcessGroup | str | None) -> tuple[str | None, int, int]:
     """`(group_name, world_size, rank)`; `None` or a one-rank group means no communication."""
-    if group is None:
+    if group is None or not dist.is_available() or not dist.is_initialized():
         return None, 1, 0
-    if isinstance(group, str):
-        pg = dist.distributed_c10d._resolve_process_group(group)
-    else:
-        pg = group
+    pg = dist.distributed_c10d._resolve_process_group(group) if isinstance(group, str) else group
     world = dist.get_world_size(pg)
     if world == 1:
         return None, 1, 0
     return pg.group_name, world, dist.get_rank(pg)
 
 
-def _wait(t: torch.Tensor) -> torch.Tensor:
-    return _c10d.wait_tensor(t)
+# ---- scale layout ---------------------------------------------------------------------------
+@functools.cache
+def _scale_layout(spec: FormatSpec, cols: int) -> tuple[bool, torch.dtype | None, int, bool]:
+    """`(per_row, dtype, count, has_tensor_scale)` of `choose_scales` for `[rows, cols]` inputs.
 
-
-def _agree_max(plan: CommPlan):
-    if plan.group_name is None:
-        return lambda t: t
-    return lambda t: _wait(_c10d.all_reduce(t, "max", plan.group_name))
-
-
-def _all_to_all_rows(t: torch.Tensor, plan: CommPlan) -> torch.Tensor:
-    """Row block j of `t` goes to rank j; returns `[world, rows/world, ...]` (sender-major)."""
-    rows = t.shape[0] // plan.world
-    if plan.group_name is not None:
-        splits = [rows] * plan.world
-        t = _wait(_c10d.all_to_all_single(t.contiguous(), splits, splits, plan.group_name))
-    return t.reshape(plan.world, rows, *t.shape[1:])
-
-
-def _all_gather(t: torch.Tensor, plan: CommPlan) -> torch.Tensor:
-    """`[world * d0, ...]` concatenation of every rank's `t` (rank order)."""
-    if plan.group_name is None:
-        return t
-    return _wait(_c10d.all_gather_into_tensor(t.contiguous(), plan.world, plan.group_name))
-
-
-def _shard_rows(t: torch.Tensor | None, plan: CommPlan, rows: int) -> torch.Tensor | None:
-    """This rank's rows of a per-row/per-block scale tensor (per-tensor scales pass through)."""
-    if t is None or t.dim() == 0 or t.shape[0] != rows * plan.world:
-        return t
-    return t[plan.rank * rows:(plan.rank + 1) * rows]
-
-
-def _reduce_scatter_transformed(
-    x: torch.Tensor,
-    tensors: tuple[torch.Tensor, ...],
-    residual: torch.Tensor | None,
-    seed: torch.Tensor | int,
-    plan: CommPlan,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Reduce-scatter stage, result left in transformed coordinates (see `gift_reduce_scatter`)."""
-    g = apply_forward(plan.kind, x.float(), tensors)
-    if residual is not None:
-        g = g + residual
-    spec = plan.spec
-    scales, tscale = choose_scales(g, spec, _agree_max(plan))
-    sr_seed = seed + plan.rank * _RANK_SEED_STRIDE if plan.stochastic_rounding else 0
-    payload = encode(g, spec, scales, tscale, stochastic_rounding=plan.stochastic_rounding, seed=sr_seed)
-    cols = g.shape[-1]
-    new_residual = None
-    if residual is not None:
-        new_residual = g - decode(payload, spec, scales, tscale, cols)
-    rows = g.shape[0] // plan.world
-    recv = _all_to_all_rows(payload, plan)
-    parts = decode(recv, spec, _shard_rows(scales, plan, rows), tscale, cols)
-    total = parts.sum(dim=0)
-    if plan.average:
-        total = total / plan.world
-    return total, new_residual
-
-
-def gift_reduce_scatter(
-    x: torch.Tensor,
-    tensors: tuple[torch.Tensor, ...],
-    residual: torch.Tensor | None,
-    seed: torch.Tensor | int,
-    plan: CommPlan,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Functional core of `reduce_scatter`: returns `(fp32 shard [rows/world, cols], new residual)`.
-
-    `x` is the local gradient viewed as `[rows, cols]` (rows divisible by the world size);
-    `tensors` are the transform's tensors for `plan.kind`; `residual` (transformed
-    coordinates, same shape as `x`) is added before encoding and the new residual returned.
+    `count` is scales per row when `per_row`, else the total (a per-tensor scale). Found by
+    running `choose_scales` on the meta device, so any format's layout is read off the codec.
     """
-    total, new_residual = _reduce_scatter_transformed(x, tensors, residual, seed, plan)
-    return apply_inverse(plan.kind, total, tensors), new_residual
+    if spec.passthrough:
+        return False, None, 0, False
+    scales, tscale = choose_scales(torch.empty(2, cols, device="meta"), spec)
+    per_row = scales.dim() >= 1 and scales.shape[0] == 2 and not (spec.block is None and spec.scaling == "tensor")
+    count = scales.numel() // 2 if per_row else scales.numel()
+    return per_row, scales.dtype, count, tscale is not None
 
 
-def gift_all_reduce(
-    x: torch.Tensor,
-    tensors: tuple[torch.Tensor, ...],
-    residual: torch.Tensor | None,
-    seed: torch.Tensor | int,
-    plan: CommPlan,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Functional core of `all_reduce` on a `[rows, cols]` view: `(fp32 result, new residual)`.
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
-    Rows are zero-padded to a multiple of the world size for the reduce-scatter stage.
+
+def _item_bytes_per_dest(spec: FormatSpec, rows_per_dest: int, cols: int) -> int:
+    """Bytes of one managed item's block that one destination receives (codes + scales)."""
+    per_row, sdtype, count, has_t = _scale_layout(spec, cols)
+    n = rows_per_dest * spec.payload_cols(cols)
+    if sdtype is not None:
+        n += (rows_per_dest * count if per_row else count) * _itemsize(sdtype)
+    return n + (4 if has_t else 0)
+
+
+def bucket_wire_bytes(plan: BucketPlan) -> int:
+    """Bytes this rank hands to collectives for one call of `plan` (shape-based accounting).
+
+    The all_to_all input (`world` blocks, each with its header) plus, for an all-reduce, the
+    all_gather input. `run_bucket` counts what it really hands over at run time; the tests
+    check the two agree.
     """
-    rows = x.shape[0]
-    pad = (-rows) % plan.world
-    if pad:
-        x = torch.nn.functional.pad(x, (0, 0, 0, pad))
-        if residual is not None:
-            residual = torch.nn.functional.pad(residual, (0, 0, 0, pad))
-    shard, new_residual = _reduce_scatter_transformed(x, tensors, residual, seed, plan)
-    if plan.world > 1:
-        spec = plan.spec
+    w = plan.world
+    total = w * HEADER_BYTES
+    gather = 0
+    for item in plan.items:
+        if item.managed:
+            r = plan.rows_sent(item) // w
+            total += w * _item_bytes_per_dest(item.spec, r, item.cols)
+            gather += _item_bytes_per_dest(item.spec, r, item.cols)
+        else:
+            n = plan.flat_sent(item)
+            total += n * _itemsize(item.torch_dtype)
+            gather += (n // w) * _itemsize(item.torch_dtype)
+    if plan.op == "all_reduce" and w > 1:
+        total += gather
+    return total
+
+
+def wire_bytes_per_rank(op: str, shape: Sequence[int], spec: FormatSpec, world: int) -> int:
+    """`bucket_wire_bytes` of a single managed `[rows, cols]` float32 gradient (for cost tables).
+
+    A `fp32`/`bf16` spec means the plain collective at that precision: `numel * 4` / `* 2`.
+    """
+    rows, cols = (1, int(shape[0])) if len(shape) == 1 else (int(torch.Size(shape[:-1]).numel()), int(shape[-1]))
+    if spec.passthrough:
+        return rows * cols * (4 if spec.name == "fp32" else 2)
+    item = ItemPlan("w", rows, cols, "float32", True, spec.name, spec.scaling, spec.block_size)
+    return bucket_wire_bytes(BucketPlan((item,), world, None, False, op))
+
+
+# ---- encode side ----------------------------------------------------------------------------
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def _scale_blocks(spec: FormatSpec, cols: int, scales: torch.Tensor, tscale: torch.Tensor | None,
+                  world: int) -> list[torch.Tensor]:
+    """Scale bytes, one row per destination: each rank receives the scales of its rows (or a
+    copy of the per-tensor scale)."""
+    per_row, sdtype, _, _ = _scale_layout(spec, cols)
+    out = []
+    if sdtype is not None:
+        b = _as_bytes(scales.reshape(scales.shape[0], -1) if per_row else scales.reshape(1, -1))
+        out.append(b.reshape(world, -1) if per_row else b.reshape(1, -1).expand(world, -1))
+    if tscale is not None:
+        out.append(_as_bytes(tscale.reshape(1)).reshape(1, -1).expand(world, -1))
+    return out
+
+
+def _rank_seed(shared: Shared, item: ItemPlan, extra: int = 0) -> torch.Tensor | int:
+    return shared.seed + item.seed_offset + shared.rank * RANK_SEED_STRIDE + extra
+
+
+def _count(shared: Shared, wire: int, baseline: int, calls: int, nonfinite: torch.Tensor | int = 0,
+           mismatch: torch.Tensor | int = 0) -> None:
+    """Add to the counters in one in-place op (no tensor constants: graph-spliceable)."""
+    c = shared.counters
+    if c is None:
+        return
+    idx = torch.arange(c.shape[0], device=c.device)
+    delta = ((idx == C_WIRE) * wire + (idx == C_BASELINE) * baseline + (idx == C_CALLS) * calls
+             + (idx == C_NONFINITE) * nonfinite + (idx == C_MISMATCH) * mismatch)
+    c.add_(delta.to(c.dtype))
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    return x if x.shape[0] == rows else torch.nn.functional.pad(x, (0, 0, 0, rows - x.shape[0]))
+
+
+def _pad_flat(x: torch.Tensor, n: int) -> torch.Tensor:
+    return x if x.shape[0] == n else torch.nn.functional.pad(x, (0, n - x.shape[0]))
+
+
+def launch(xs: Sequence[torch.Tensor], items: Sequence[ItemTensors | None], shared: Shared,
+           plan: BucketPlan) -> torch.Tensor:
+    """Encode every item, pack one block per destination and start the all_to_all.
+
+    Returns the collective's (not yet waited) output `[world * N]` uint8, or the packed input
+    itself on one rank. Updates error-feedback residuals, gradient probes and the counters.
+    """
+    w = plan.world
+    blocks: list[torch.Tensor] = []
+    nonfinite = None
+    baseline = 0
+    for x, state, item in zip(xs, items, plan.items):
+        baseline += x.numel() * x.element_size()
+        if not item.managed:
+            blocks.append(_as_bytes(_pad_flat(x.reshape(-1), plan.flat_sent(item))).reshape(w, -1))
+            continue
+        assert state is not None, f"GIFT: no runtime tensors for managed item {item.name}"
+        spec, rows = item.spec, plan.rows_sent(item)
+        g = x.reshape(item.rows, item.cols)
+        if state.probe is not None:
+            state.probe.copy_(g[: state.probe.shape[0]])
+        g = apply_forward(item.kind, _pad_rows(g.float(), rows), state.transform)
+        if state.residual is not None:
+            g = g + _pad_rows(state.residual, rows)
+        bad = ~torch.isfinite(g).all()
+        nonfinite = bad if nonfinite is None else nonfinite | bad
+        scales, tscale = choose_scales(g, spec)
+        seed = _rank_seed(shared, item) if item.stochastic_rounding else 0
+        codes = encode(g, spec, scales, tscale, stochastic_rounding=item.stochastic_rounding, seed=seed)
+        if state.residual is not None:
+            new = g - decode(codes, spec, scales, tscale, item.cols)
+            state.residual.copy_(new[: item.rows])
+        blocks.append(codes.reshape(w, -1))
+        blocks.extend(_scale_blocks(spec, item.cols, scales, tscale, w))
+    flag = torch.zeros((), dtype=torch.int64, device=xs[0].device) if nonfinite is None else nonfinite.to(torch.int64)
+    header = torch.stack([torch.full_like(flag, plan.fingerprint()), flag])
+    blocks.insert(0, _as_bytes(header).reshape(1, -1).expand(w, -1))
+    send = torch.cat(blocks, dim=1)
+    _count(shared, send.numel(), baseline, 1)
+    if plan.group_name is None:
+        return send.reshape(-1)
+    n = send.shape[1]
+    return _c10d.all_to_all_single(send.reshape(-1), [n] * w, [n] * w, plan.group_name)
+
+
+def _take(recv: torch.Tensor, offset: int, n: int) -> tuple[torch.Tensor, int]:
+    """Columns `[offset, offset + n)` of every sender's block, as a dense `[world, n]` copy
+    (a clone, not `contiguous()`: with one sender the slice already counts as contiguous
+    but keeps the parent's row stride, which a dtype view cannot reinterpret)."""
+    return recv[:, offset:offset + n].clone(memory_format=torch.contiguous_format), offset + n
+
+
+def _parse_scales(recv: torch.Tensor, offset: int, spec: FormatSpec, cols: int,
+                  rows: int) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
+    """Scales of every sender for a `rows`-row block: shaped for `decode` with a sender dim."""
+    per_row, sdtype, count, has_t = _scale_layout(spec, cols)
+    w = recv.shape[0]
+    scales = tscale = None
+    if sdtype is not None:
+        n = (rows * count if per_row else count) * _itemsize(sdtype)
+        raw, offset = _take(recv, offset, n)
+        s = raw.view(sdtype)
+        if per_row:
+            scales = s.reshape(w, rows) if count == 1 and spec.block is None else s.reshape(w, rows, count)
+        else:
+            scales = s.reshape(w, 1, 1)
+    if has_t:
+        raw, offset = _take(recv, offset, 4)
+        tscale = raw.view(torch.float32).reshape(w, 1, 1)
+    return scales, tscale, offset
+
+
+def finish(recv: torch.Tensor, items: Sequence[ItemTensors | None], shared: Shared, plan: BucketPlan, *,
+           transformed: bool = False) -> list[torch.Tensor]:
+    """Decode and sum what `launch`'s all_to_all delivered (already waited).
+
+    Returns one fp32 tensor per item: a managed item's `[rows_sent/world, cols]` shard (in the
+    item's original coordinates, or still transformed with `transformed=True`, which the
+    all-reduce's second stage needs), a passthrough item's flat shard. Reads the headers: a
+    plan mismatch or a non-finite gradient on any rank is added to the counters.
+    """
+    w = plan.world
+    recv = recv.reshape(w, -1)
+    header = _take(recv, 0, HEADER_BYTES)[0].view(torch.int64)  # [w, 2]
+    mismatch = (header[:, 0] != plan.fingerprint()).any().to(torch.int64)
+    nonfinite = (header[:, 1] != 0).any().to(torch.int64)
+    _count(shared, 0, 0, 0, nonfinite, mismatch)
+    offset = HEADER_BYTES
+    outs = []
+    for state, item in zip(items, plan.items):
+        if not item.managed:
+            per = plan.flat_sent(item) // w
+            raw, offset = _take(recv, offset, per * _itemsize(item.torch_dtype))
+            total = raw.view(item.torch_dtype).float().sum(dim=0)
+            outs.append(total / w if plan.average else total)
+            continue
+        spec, r = item.spec, plan.rows_sent(item) // w
+        payload, offset = _take(recv, offset, r * spec.payload_cols(item.cols))
+        scales, tscale, offset = _parse_scales(recv, offset, spec, item.cols, r)
+        parts = decode(payload.reshape(w, r, -1), spec, scales, tscale, item.cols)
+        total = parts.sum(dim=0)
+        if plan.average:
+            total = total / w
+        outs.append(total if transformed else apply_inverse(item.kind, total, state.transform))
+    return outs
+
+
+def gather_launch(shards: Sequence[torch.Tensor], items: Sequence[ItemTensors | None], shared: Shared,
+                  plan: BucketPlan) -> torch.Tensor:
+    """All-reduce stage 2: re-encode this rank's reduced shards (transformed coordinates) with
+    local scales and start one all_gather of codes + scales (not yet waited)."""
+    pieces = []
+    for shard, item in zip(shards, plan.items):
+        if not item.managed:
+            pieces.append(_as_bytes(shard.to(item.torch_dtype)).reshape(-1))
+            continue
+        spec = item.spec
         scales, tscale = choose_scales(shard, spec)
-        sr_seed = seed + plan.rank * _RANK_SEED_STRIDE + 7 if plan.stochastic_rounding else 0
-        payload = encode(shard, spec, scales, tscale, stochastic_rounding=plan.stochastic_rounding, seed=sr_seed)
-        w, r = plan.world, shard.shape[0]
-        gp = _all_gather(payload, plan).reshape(w, r, -1)
-        gs = _all_gather(scales, plan) if scales.numel() else scales
-        if gs.numel():
-            gs = gs.reshape(w, 1, 1) if spec.scaling == "tensor" and spec.block is None else gs.reshape(w, r, *scales.shape[1:])
-        gt = _all_gather(tscale, plan).reshape(w, 1, 1) if tscale is not None else None
-        shard = decode(gp, spec, gs, gt, shard.shape[-1]).reshape(w * r, -1)
-    out = apply_inverse(plan.kind, shard, tensors)
-    if pad:
-        out = out[:rows]
-        if new_residual is not None:
-            new_residual = new_residual[:rows]
-    return out, new_residual
+        seed = _rank_seed(shared, item, _ALL_GATHER_SEED) if item.stochastic_rounding else 0
+        codes = encode(shard, spec, scales, tscale, stochastic_rounding=item.stochastic_rounding, seed=seed)
+        pieces.append(codes.reshape(-1))
+        pieces.extend(b.reshape(-1) for b in _scale_blocks(spec, item.cols, scales, tscale, 1))
+    buf = torch.cat(pieces)
+    _count(shared, buf.numel(), 0, 0)
+    if plan.group_name is None:
+        return buf
+    return _c10d.all_gather_into_tensor(buf, plan.world, plan.group_name)
 
 
-def _prepare(
-    x: torch.Tensor, config: GiftConfig, group: dist.ProcessGroup | str | None, transform: Transform | None
-) -> tuple[CommPlan, tuple[torch.Tensor, ...]]:
-    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError(f"GIFT collective: unsupported gradient dtype {x.dtype}; expected float32, bfloat16 or float16")
-    kind = "identity" if transform is None else transform.kind
-    tensors = () if transform is None else transform.tensors
-    if transform is not None and x.shape[-1] != transform.d_in:
-        raise ValueError(f"GIFT collective: gradient last dim {x.shape[-1]} != transform d_in {transform.d_in}")
-    if config.nonfinite == "error" and not torch.compiler.is_compiling():
-        if not bool(torch.isfinite(x).all()):
-            raise ValueError(
-                "GIFT collective: the local gradient has NaN/Inf values; set nonfinite='propagate' to "
-                "communicate them as NaN rows instead of raising"
-            )
-    return CommPlan.make(config, group, kind), tensors
+def gather_finish(gathered: torch.Tensor, items: Sequence[ItemTensors | None], plan: BucketPlan) -> list[torch.Tensor]:
+    """Decode every rank's shard (the same bytes on every rank), inverse-transform, crop the
+    padding: full fp32 results, managed items as `[rows, cols]`, passthrough items flat."""
+    w = plan.world
+    allb = gathered.reshape(w, -1)
+    offset = 0
+    outs = []
+    for state, item in zip(items, plan.items):
+        if not item.managed:
+            per = plan.flat_sent(item) // w
+            raw, offset = _take(allb, offset, per * _itemsize(item.torch_dtype))
+            outs.append(raw.view(item.torch_dtype).reshape(-1)[: item.numel].float())
+            continue
+        spec, r = item.spec, plan.rows_sent(item) // w
+        payload, offset = _take(allb, offset, r * spec.payload_cols(item.cols))
+        scales, tscale, offset = _parse_scales(allb, offset, spec, item.cols, r)
+        full = decode(payload.reshape(w, r, -1), spec, scales, tscale, item.cols).reshape(w * r, item.cols)
+        outs.append(apply_inverse(item.kind, full, state.transform)[: item.rows])
+    return outs
+
+
+def _wait(t: torch.Tensor, plan: BucketPlan) -> torch.Tensor:
+    return t if plan.group_name is None else _c10d.wait_tensor(t)
+
+
+def bucket_core(xs: Sequence[torch.Tensor], items: Sequence[ItemTensors | None], shared: Shared,
+                plan: BucketPlan) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The whole collective in one function: `(fp32 outputs, headers [world, 2] int64)`.
+
+    Reduce-scatter outputs are shards, all-reduce outputs full tensors (see `finish` /
+    `gather_finish`). The headers let an eager caller raise on every rank at once.
+    """
+    recv = _wait(launch(xs, items, shared, plan), plan)
+    headers = _take(recv.reshape(plan.world, -1), 0, HEADER_BYTES)[0].view(torch.int64)
+    if plan.op == "reduce_scatter":
+        return finish(recv, items, shared, plan), headers
+    shards = finish(recv, items, shared, plan, transformed=True)
+    gathered = _wait(gather_launch(shards, items, shared, plan), plan)
+    return gather_finish(gathered, items, plan), headers
 
 
 @functools.cache
-def _compiled(core: Callable) -> Callable:
-    """`core` under `torch.compile(fullgraph=True, dynamic=False)`.
+def _compiled_core() -> object:
+    """`bucket_core` under `torch.compile(fullgraph=True, dynamic=False)`: one graph per plan
+    (the plan is a frozen, hashable dataclass), tensors as inputs."""
+    return torch.compile(bucket_core, fullgraph=True, dynamic=False)
 
-    Transform tensors, residual and seed are graph inputs and the plan is a frozen dataclass,
-    so one graph serves every layer of a given gradient shape and plan; a new shape compiles
-    once. Past dynamo's recompile limit a shape runs eagerly (same numbers, bit for bit).
+
+_CHECKED_PLANS: set[tuple[str | None, int]] = set()
+
+
+def check_plan_agreement(plan: BucketPlan, group: dist.ProcessGroup | None, *, always: bool = False) -> None:
+    """Raise on every rank, naming both plans, unless all ranks call with the same plan.
+
+    A mismatched all_to_all would hang (different sizes) or decode garbage (same sizes), so
+    eager paths check once per plan (or every call with `always`) with a small host
+    collective of the plans' descriptions, before the data moves.
     """
-    return torch.compile(core, fullgraph=True, dynamic=False)
+    if plan.group_name is None or group is None:
+        return
+    key = (plan.group_name, plan.fingerprint())
+    if key in _CHECKED_PLANS and not always:
+        return
+    mine = (plan.fingerprint(), plan.describe())
+    theirs: list[tuple[int, str] | None] = [None] * plan.world
+    dist.all_gather_object(theirs, mine, group=group)
+    bad = [r for r, t in enumerate(theirs) if t is None or t[0] != mine[0]]
+    if bad:
+        other = theirs[bad[0]]
+        raise RuntimeError(
+            f"GIFT: ranks disagree on a collective's plan (rank(s) {bad} differ from rank "
+            f"{dist.get_rank(group)}).\n  this rank: {mine[1]}\n  rank {bad[0]}: {other[1] if other else None}"
+        )
+    _CHECKED_PLANS.add(key)
 
 
-def _run(core: Callable, x: torch.Tensor, tensors: tuple[torch.Tensor, ...], residual: torch.Tensor | None,
-         seed: torch.Tensor | int, plan: CommPlan, compiled: bool) -> torch.Tensor:
-    """Call a functional core on the row view of `x`; update `residual` in place."""
-    fn = _compiled(core) if compiled else core
-    out, new_res = fn(as_rows(x), tensors, None if residual is None else as_rows(residual), seed, plan)
-    if residual is not None:
-        residual.copy_(new_res.reshape(residual.shape))
-    return out.to(x.dtype)
+def raise_on_bad_headers(headers: torch.Tensor, plan: BucketPlan, nonfinite_policy: str) -> None:
+    """Eager callers: raise on every rank (all read the same headers) for a plan mismatch, or
+    for a non-finite gradient under `nonfinite="error"`, naming the offending ranks."""
+    fps, flags = headers[:, 0].tolist(), headers[:, 1].tolist()
+    differ = [r for r, f in enumerate(fps) if f != plan.fingerprint()]
+    if differ:
+        raise RuntimeError(f"GIFT: rank(s) {differ} ran a different collective plan than {plan.describe()}")
+    bad = [r for r, f in enumerate(flags) if f]
+    if bad and nonfinite_policy == "error":
+        names = ", ".join(i.name for i in plan.items if i.managed)
+        raise FloatingPointError(
+            f"GIFT: non-finite (NaN/Inf) gradient on rank(s) {bad} in {names}; raised on every rank "
+            "(nonfinite='error'). Set nonfinite='propagate' to communicate NaN rows instead."
+        )
+
+
+def run_bucket(xs: Sequence[torch.Tensor], items: Sequence[ItemTensors | None], shared: Shared, plan: BucketPlan,
+               *, compiled: bool = False) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Eager entry point of one bucket: `bucket_core`, op by op or compiled (fused kernels).
+
+    `compiled` runs it through `torch.compile` (one compile per plan). Returns the outputs and
+    the headers; callers without a GiftState check them with `raise_on_bad_headers`, stateful
+    callers leave it to the counters (checked once per optimizer step, so the hot path never
+    synchronizes the host).
+    """
+    fn = _compiled_core() if compiled else bucket_core
+    with torch.no_grad():
+        return fn(list(xs), list(items), shared, plan)
+
+
+# ---- one-tensor public API -----------------------------------------------------------------------
+@torch.compiler.disable
+def _single(x: torch.Tensor, group: dist.ProcessGroup | str | None, config: GiftConfig, transform: Transform | None,
+            residual: torch.Tensor | None, seed: torch.Tensor | int, op: str, compiled: bool) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"GIFT {op}: x must be a tensor, got {type(x).__name__}")
+    dtype_name(x.dtype)
+    if x.dim() < 1 or x.numel() == 0:
+        raise ValueError(f"GIFT {op}: x must have at least one dimension and one element, got shape {tuple(x.shape)}")
+    rows, cols = (1, x.shape[0]) if x.dim() == 1 else (x.numel() // x.shape[-1], x.shape[-1])
+    if op == "reduce_scatter":
+        rows, cols = x.shape[0], x.numel() // x.shape[0]
+    kind = "identity" if transform is None else transform.kind
+    tensors = () if transform is None else transform.tensors
+    if transform is not None and cols != transform.d_in:
+        raise ValueError(f"GIFT {op}: x's last dim {cols} != transform d_in {transform.d_in}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"GIFT {op}: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    name, world, rank = group_info(group)
+    if op == "reduce_scatter" and rows % world:
+        raise ValueError(f"GIFT reduce_scatter: dim 0 of x ({rows}) is not divisible by the world size {world}")
+    item = ItemPlan(name="x", rows=rows, cols=cols, dtype=dtype_name(x.dtype), managed=True, format=config.format,
+                    scaling=config.scaling, block_size=config.block_size, kind=kind, n_tensors=len(tensors),
+                    error_feedback=residual is not None, stochastic_rounding=config.stochastic_rounding)
+    plan = BucketPlan((item,), world, name, config.reduce_op == "avg", op)
+    pg = dist.distributed_c10d._resolve_process_group(group) if isinstance(group, str) else group
+    check_plan_agreement(plan, pg if name else None, always=config.plan_check == "always")
+    res2 = None if residual is None else residual.reshape(rows, cols)
+    state = ItemTensors(tensors, res2, None)
+    outs, headers = run_bucket([x.reshape(rows, cols)], [state], Shared(seed, rank, None), plan, compiled=compiled)
+    raise_on_bad_headers(headers, plan, config.nonfinite)
+    return outs[0]
 
 
 def reduce_scatter(
@@ -232,16 +492,16 @@ def reduce_scatter(
 ) -> torch.Tensor:
     """Low-bit reduce-scatter along dim 0: this rank's shard of the sum (or mean) of `x`.
 
-    `x.shape[0]` must be divisible by the world size. `residual` (if given, fp32, shape of
-    `x`) is error feedback in transformed coordinates and is updated in place. `compiled`
-    runs the functional core through `torch.compile` (fused kernels for eager callers such
-    as FSDP2's comm hook; one compile per gradient shape).
+    `x.shape[0]` must be divisible by the world size. `residual` (fp32, shape of `x`) is error
+    feedback in transformed coordinates, updated in place. A non-finite `x` on any rank raises
+    on every rank under `config.nonfinite == "error"`; ranks calling with different plans raise
+    before any data moves. `compiled` runs the core through `torch.compile`.
+
+    This is an eager API (its checks talk to the host); inside your own compiled code call
+    `bucket_core` with a `BucketPlan`, which traces with `fullgraph=True`.
     """
-    plan, tensors = _prepare(x, config, group, transform)
-    if x.shape[0] % plan.world:
-        raise ValueError(f"reduce_scatter: dim 0 ({x.shape[0]}) is not divisible by the world size {plan.world}")
-    out = _run(gift_reduce_scatter, x, tensors, residual, seed, plan, compiled)
-    return out.reshape(x.shape[0] // plan.world, *x.shape[1:])
+    out = _single(x, group, config, transform, residual, seed, "reduce_scatter", compiled)
+    return out.to(x.dtype).reshape(-1, *x.shape[1:])
 
 
 def all_reduce(
@@ -254,25 +514,8 @@ def all_reduce(
     seed: torch.Tensor | int = 0,
     compiled: bool = False,
 ) -> torch.Tensor:
-    """Low-bit all-reduce of `x` (any shape): bit-identical result on every rank.
+    """Low-bit all-reduce of `x` (at least 1-D): bit-identical result on every rank.
 
-    `compiled` as in `reduce_scatter`.
+    Arguments as in `reduce_scatter`; rows need not divide by the world size (padded).
     """
-    plan, tensors = _prepare(x, config, group, transform)
-    return _run(gift_all_reduce, x, tensors, residual, seed, plan, compiled).reshape(x.shape)
-
-
-def wire_bytes_per_rank(op: str, shape: torch.Size | tuple[int, ...], spec: FormatSpec, world: int) -> int:
-    """Bytes this rank hands to collectives for one quantized `op` on a tensor of `shape`.
-
-    Counts the codes entering the all-to-all, the scale statistics entering the agreement
-    all-reduce and, for `all_reduce`, this rank's codes and scales entering the all-gather.
-    The fp32/bf16 baselines are `numel * 4` / `numel * 2` under the same convention.
-    """
-    rows, cols = as_rows(torch.empty(shape, device="meta")).shape
-    if op == "all_reduce":
-        rows += (-rows) % world
-    total = wire_bytes_for(spec, rows, cols)
-    if op == "all_reduce" and world > 1:
-        total += wire_bytes_for(spec, rows // world, cols)
-    return total
+    return _single(x, group, config, transform, residual, seed, "all_reduce", compiled).to(x.dtype).reshape(x.shape)

@@ -19,6 +19,8 @@ GEOMETRIES = ("none", "hadamard", "dense", "lowrank", "gradient")
 NONFINITE = ("error", "propagate")
 REDUCE_OPS = ("avg", "sum")
 SELECT_METRICS = ("euclidean", "whitened")
+UNREWRITTEN = ("error", "warn")
+PLAN_CHECKS = ("first", "always")
 _SELECT_KEYWORDS = ("auto", "all", "none")
 _BOUNDARY_RE = re.compile(r"^boundary_hits:(\d+)$")
 
@@ -69,6 +71,14 @@ class GiftConfig:
             by at least this factor to be enabled.
         auto_max_overhead: with select="auto", the transform's FLOPs may be at most this
             fraction of the layer's backward FLOPs.
+        unrewritten: what a managed gradient does when it reaches GIFT's `gift::mark` op
+            without the pass having rewritten its collective (a backend without Inductor's
+            post-grad hooks, a pass that did not run): "error" raises, "warn" logs once per
+            layer and lets the gradient travel at full precision.
+        plan_check: eager collectives compare their static plan across ranks (a small host
+            collective) on the "first" call of each plan, or on "always" every call (debug
+            mode). Compiled graphs always compare a plan fingerprint carried in every
+            collective's header, at no extra collective.
     """
 
     format: str = "fp8_e4m3"
@@ -91,6 +101,8 @@ class GiftConfig:
     select_metric: str = "euclidean"
     auto_min_gain: float = 1.05
     auto_max_overhead: float = 0.25
+    unrewritten: str = "error"
+    plan_check: str = "first"
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -105,6 +117,10 @@ class GiftConfig:
             _fail("select_metric", self.select_metric, ", ".join(SELECT_METRICS))
         if self.reduce_op not in REDUCE_OPS:
             _fail("reduce_op", self.reduce_op, ", ".join(REDUCE_OPS))
+        if self.unrewritten not in UNREWRITTEN:
+            _fail("unrewritten", self.unrewritten, ", ".join(UNREWRITTEN))
+        if self.plan_check not in PLAN_CHECKS:
+            _fail("plan_check", self.plan_check, ", ".join(PLAN_CHECKS))
         for name in ("block_size", "rank", "refresh_every", "stats_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

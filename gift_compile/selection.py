@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from gift_compile.config import GiftConfig
-from gift_compile.collectives import CommPlan, gift_all_reduce
+from gift_compile.collectives import ItemTensors, Shared, bucket_core
+from gift_compile.plan import BucketPlan, ItemPlan
 from gift_compile.formats import FormatSpec, as_rows, choose_scales, encode
 from gift_compile.geometry import apply_forward
 
@@ -42,8 +43,10 @@ class LayerMeasurement:
 
 def round_trip(g: torch.Tensor, spec: FormatSpec, kind: str, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """Transform, quantize, dequantize, inverse on one rank: the collective with no peers."""
-    plan = CommPlan(spec, kind, world=1, rank=0, group_name=None, average=False)
-    return gift_all_reduce(g.float(), tensors, None, 0, plan)[0]
+    rows, cols = g.shape
+    item = ItemPlan("probe", rows, cols, "float32", True, spec.name, spec.scaling, spec.block_size, kind, len(tensors))
+    plan = BucketPlan((item,), 1, None, False, "all_reduce")
+    return bucket_core([g.float()], [ItemTensors(tuple(tensors))], Shared(), plan)[0][0]
 
 
 def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:

@@ -1,55 +1,57 @@
-"""Per-layer GIFT state and the refresh that keeps it current.
+"""Per-layer GIFT state, the step driver and the refresh that keeps the geometry current.
 
-Everything a compiled graph reads (transform tensors, error-feedback residual, the gradient
-probe, the stochastic-rounding seed) is a tensor allocated once and updated in place, so
-graphs never recompile. The refresh itself runs eagerly, outside any compiled region, every
-`refresh_every` steps: it folds the statistics into the geometry, rebuilds the transforms,
-measures every layer's errors on its probe, decides the selection, re-expresses the
-error-feedback residuals in the new coordinates, and finally broadcasts the transform
-tensors from rank 0 so every rank holds bit-identical maps.
+Everything a compiled graph reads or writes (transform tensors, error-feedback residual, the
+gradient probe, the stochastic-rounding seed, this process's rank, the byte/health counters)
+is a tensor allocated once and updated in place, so graphs never recompile. The refresh runs
+eagerly, outside any compiled region, every `refresh_every` optimizer steps: it folds the
+statistics into the geometry, rebuilds the transforms (each on one owner rank, then
+broadcast, so every rank holds bit-identical maps), measures every layer's errors on its
+probe, decides the selection and re-expresses the error-feedback residuals in the new
+coordinates.
+
+`GiftState.step()` is called once per optimizer step (an optimizer hook installed by
+`gift_compile.apply(..., optimizer=...)`, `gift_compile.step(model)`, or a framework adapter),
+never per backward pass, so refresh cadence and seeds count optimizer steps whatever the
+gradient accumulation or the subset of layers that received gradients. It first checks the
+health counters that every collective fills from the headers all ranks exchanged: a plan
+mismatch or (under `nonfinite="error"`) a non-finite gradient on any rank raises on every
+rank in the same step.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
-import weakref
+import zlib
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from gift_compile.collectives import wire_bytes_per_rank
+from gift_compile.collectives import (
+    C_BASELINE, C_CALLS, C_MISMATCH, C_NONFINITE, C_WIRE, N_COUNTERS, ItemTensors, Shared, bucket_wire_bytes,
+)
 from gift_compile.config import GiftConfig
-from gift_compile.formats import FormatSpec
 from gift_compile.geometry import KFACStatistics, Transform, apply_forward, apply_inverse, gradient_factor
+from gift_compile.plan import TRANSFORM_KIND, BucketPlan, ItemPlan
 from gift_compile.selection import LayerMeasurement, decide, measure
-from gift_compile.sync import all_reduce_, broadcast_, group_rank, world_size
+from gift_compile.sync import all_gather_object_, all_reduce_, broadcast_, group_rank, world_size
 
 logger = logging.getLogger("gift_compile")
 
 PROBE_ROWS = 128
-_KIND = {"none": "identity", "hadamard": "hadamard", "dense": "dense", "lowrank": "lowrank", "gradient": "lowrank"}
-
-# Layer ids are global so that a marker node in any traced graph names exactly one layer.
-_LAYERS: "weakref.WeakValueDictionary[int, LayerState]" = weakref.WeakValueDictionary()
-_next_id = [0]
-
-
-def lookup_layer(layer_id: int) -> "LayerState":
-    try:
-        return _LAYERS[layer_id]
-    except KeyError:
-        raise KeyError(f"GIFT layer id {layer_id} is not registered (was gift_compile.remove called?)") from None
+STATE_VERSION = 2
 
 
 class LayerState:
     """What GIFT keeps for one managed weight `[out, in]`.
 
-    `transform.tensors`, `residual`, `probe` and the owning state's `seed` enter traced
-    graphs as inputs of the `gift::mark` op; `stats` is updated by the layer's forward.
+    `plan` is the static description the `gift::mark` op carries into graphs; the transform
+    tensors, `residual` and `probe` are the layer's runtime tensors; `stats` is fed by the
+    layer's forward pre-hook.
     """
 
     def __init__(self, fqn: str, shape: tuple[int, int], config: GiftConfig, device: torch.device | str):
@@ -57,7 +59,9 @@ class LayerState:
         self.shape = (int(shape[0]), int(shape[1]))
         self.config = config
         out, d_in = self.shape
-        self.transform = Transform(_KIND[config.geometry], d_in, config.rank, seed=config.seed + _next_id[0], device=device)
+        kind = TRANSFORM_KIND[config.geometry]
+        stable = zlib.crc32(fqn.encode()) & 0x7FFFFFFF
+        self.transform = Transform(kind, d_in, config.rank, seed=config.seed + stable, device=device)
         self.stats = (
             KFACStatistics(d_in, ema=config.ema, max_tokens=config.stats_tokens, device=device)
             if config.geometry in ("dense", "lowrank")
@@ -68,22 +72,29 @@ class LayerState:
         )
         self.residual = torch.zeros(out, d_in, device=device) if config.error_feedback else None
         self.probe = torch.zeros(min(out, PROBE_ROWS), d_in, device=device)
+        self.plan = ItemPlan.managed_layer(fqn, self.shape, config, len(self.transform.tensors))
+        self.plan_str = self.plan.to_str()  # precomputed: the forward passes it to traced code
+        # GIFT's own sync: "sync", "accumulate" (inside `gift_compile.no_sync`) or
+        # "sync_pending" (the next backward sends gradient + `pending`, allocated on first use).
+        self.mode = "sync"
+        self.pending: torch.Tensor | None = None
         self.selected = False
         self.measurement: LayerMeasurement | None = None
         self.boundary_score = 0.0
-        self.layer_id = _next_id[0]
-        _next_id[0] += 1
-        _LAYERS[self.layer_id] = self
         self.transform.set_identity()  # Euclidean until a refresh (or a static rule) selects it
 
     @property
     def kind(self) -> str:
         return self.transform.kind
 
-    def graph_tensors(self, seed: torch.Tensor) -> list[torch.Tensor]:
-        """Inputs of the marker op, in the order `passes` expects: transform, [residual], probe, seed."""
+    def tensors(self) -> ItemTensors:
+        """Runtime tensors for `gift_compile.collectives`."""
+        return ItemTensors(self.transform.tensors, self.residual, self.probe)
+
+    def mark_tensors(self, shared: Shared) -> list[torch.Tensor]:
+        """Inputs of the `gift::mark` op, in the order `unpack_mark_tensors` reads them."""
         extra = [self.residual] if self.residual is not None else []
-        return [*self.transform.tensors, *extra, self.probe, seed]
+        return [*self.transform.tensors, *extra, self.probe, shared.seed, shared.rank, shared.counters]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         sd = {f"transform.{k}": v for k, v in self.transform.state_dict().items()}
@@ -98,17 +109,14 @@ class LayerState:
         sd["boundary_score"] = torch.tensor(self.boundary_score)
         return sd
 
-    @torch.no_grad()
-    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        self.transform.load_state_dict({k[len("transform."):]: v for k, v in sd.items() if k.startswith("transform.")})
-        if self.stats is not None:
-            self.stats.load_state_dict({k[len("stats."):]: v for k, v in sd.items() if k.startswith("stats.")})
-        for name in ("grad_factor", "residual", "probe"):
-            t = getattr(self, name)
-            if t is not None:
-                t.copy_(sd[name])
-        self.selected = bool(sd["selected"])
-        self.boundary_score = float(sd["boundary_score"])
+
+def unpack_mark_tensors(plan: ItemPlan, tensors: list[Any]) -> tuple[ItemTensors, Shared]:
+    """Inverse of `LayerState.mark_tensors` (works on tensors and on FX nodes alike)."""
+    n = plan.n_tensors
+    transform = tuple(tensors[:n])
+    residual = tensors[n] if plan.error_feedback else None
+    probe, seed, rank, counters = tensors[-4:]
+    return ItemTensors(transform, residual, probe), Shared(seed, rank, counters)
 
 
 @dataclass
@@ -120,14 +128,18 @@ class RefreshRecord:
     seconds: float = 0.0  # wall time of the whole refresh on this rank (host-synchronous work)
 
 
-class GiftState:
-    """All layers managed by one `apply`, plus the step counter that drives refreshes.
+class GiftHealthError(RuntimeError):
+    """Raised on every rank when the collectives' headers reported a plan mismatch."""
 
-    Implements `state_dict`/`load_state_dict` (torch.distributed.checkpoint's Stateful).
+
+class GiftState:
+    """All layers managed by one `apply` (or one framework adapter), plus the step driver.
+
+    Implements `state_dict`/`load_state_dict` (torch.distributed.checkpoint's Stateful);
+    loading validates layer names, shapes, geometry, rank, error feedback and finiteness.
     Replicated across ranks: `seed`, `steps`, transforms, the K-FAC factor (EMA), the
     gradient-side factor, selection and boundary scores. Per rank: the K-FAC accumulator of
-    the current window, the error-feedback residuals and the gradient probes, so a
-    checkpoint keeps one copy per rank.
+    the current window, the error-feedback residuals, the gradient probes and the counters.
     """
 
     def __init__(self, config: GiftConfig, group: dist.ProcessGroup | None, collective: str = "all_reduce"):
@@ -136,28 +148,125 @@ class GiftState:
         self.collective = collective
         self.layers: dict[str, LayerState] = {}
         self.seed = torch.full((), config.seed, dtype=torch.int64)
+        self.rank = torch.full((), group_rank(group), dtype=torch.int64)
+        self.counters = torch.zeros(N_COUNTERS, dtype=torch.int64)
         self.steps = 0
         self.history: list[RefreshRecord] = []
         self.grad_source: Callable[[str], torch.Tensor | None] | None = None
+        self._health_seen = torch.zeros(N_COUNTERS, dtype=torch.int64)
+        # Set by `gift_compile.api.manage` and friends.
+        self.modules: dict[str, torch.nn.Module] = {}
+        self.handles: list[Any] = []
+        self.active = True
+        # GIFT's own sync: "sync" or "accumulate" (inside `gift_compile.no_sync`), and the
+        # unmanaged parameters whose `.grad` holds unsynchronised local contributions.
+        self.sync_mode = "sync"
+        self.dirty_params: set[int] = set()
+
+    @property
+    def shared(self) -> Shared:
+        return Shared(self.seed, self.rank, self.counters)
 
     def add_layer(self, fqn: str, shape: tuple[int, int], device: torch.device | str) -> LayerState:
         """Register a managed weight; a fixed rotation chosen by a static rule starts active."""
+        if fqn in self.layers:
+            raise ValueError(f"GiftState.add_layer: {fqn} is already managed")
         if not self.layers and self.seed.device != torch.device(device):
-            self.seed = self.seed.to(device)  # graphs read it where the weights live
+            # graphs read these where the weights live
+            self.seed, self.rank, self.counters = (t.to(device) for t in (self.seed, self.rank, self.counters))
         layer = LayerState(fqn, shape, self.config, device)
         self.layers[fqn] = layer
-        if not layer.transform.adaptive and layer.kind != "identity":
-            static = decide(self.config, {fqn: LayerMeasurement(1.0, 1.0, 0.0, 0.0)}, {})
-            if fqn in static and self.config.select != "auto":
+        if not layer.transform.adaptive and layer.kind != "identity" and self.config.select != "auto":
+            if fqn in decide(self.config, {fqn: LayerMeasurement(1.0, 1.0, 0.0, 0.0)}, {}):
                 self.set_selected(layer, True)
         return layer
 
     def world(self) -> int:
         return world_size(self.group)
 
+    def layer_plan(self, fqn: str) -> BucketPlan:
+        """The one-layer collective this state's own sync runs for `fqn` (for accounting)."""
+        group_name = self.group.group_name if self.world() > 1 else None
+        return BucketPlan((self.layers[fqn].plan,), self.world(), group_name, self.config.reduce_op == "avg",
+                          self.collective)
+
+    # ---- gradient accumulation (GIFT's own sync) -----------------------------------------
+    def enter_accumulate(self) -> None:
+        """`no_sync` entered: managed weights accumulate into their pending buffers."""
+        self.sync_mode = "accumulate"
+        for layer in self.layers.values():
+            if layer.pending is None:
+                layer.pending = torch.zeros(layer.shape, device=layer.probe.device)
+            layer.mode = "accumulate"
+
+    def exit_accumulate(self) -> None:
+        """`no_sync` left: the next backward sends gradient + pending once."""
+        self.sync_mode = "sync"
+        for layer in self.layers.values():
+            layer.mode = "sync_pending"
+
+    def check_pending(self) -> None:
+        """Refuse an optimizer step that would drop gradients accumulated under `no_sync`
+        (inside it, or after it without a synchronising backward)."""
+        waiting = [n for n, l in self.layers.items() if l.mode == "accumulate"
+                   or (l.mode == "sync_pending" and bool(l.pending.any()))]
+        if waiting or self.dirty_params:
+            raise RuntimeError(
+                f"GIFT: gradients accumulated under gift_compile.no_sync were never synchronised "
+                f"({len(waiting)} managed weights, {len(self.dirty_params)} other parameters); run the last "
+                "micro-batch's backward outside no_sync before the optimizer step"
+            )
+
+    # ---- agreement ---------------------------------------------------------------------
+    def describe(self) -> str:
+        """Everything ranks must agree on: config and every layer's plan, in order."""
+        return json.dumps({"config": self.config.to_dict(), "layers": [l.plan.to_str() for l in self.layers.values()]},
+                          sort_keys=True)
+
+    def check_agreement(self) -> None:
+        """Raise on every rank, naming the first difference, unless all ranks manage the same
+        layers with the same config (checked once, when the model is set up)."""
+        if self.world() <= 1:
+            return
+        mine = self.describe()
+        everyone = all_gather_object_(mine, self.group)
+        for r, other in enumerate(everyone):
+            if other != mine:
+                a, b = json.loads(mine), json.loads(other)
+                diff = _first_difference(a, b)
+                raise ValueError(f"GIFT: rank {r} set up a different GIFT plan than rank {group_rank(self.group)}: {diff}")
+
     # ---- step driver -------------------------------------------------------------------
+    def check_health(self) -> None:
+        """Raise on every rank if the collectives since the last check saw a plan mismatch or
+        (under `nonfinite="error"`) a non-finite gradient on any rank.
+
+        Every rank decoded the same headers, so every rank raises in the same step; the
+        counters are consumed first, so a caller that catches the error, drops the step's
+        gradients and goes on is not raised at again.
+        """
+        now = self.counters.detach().to("cpu", copy=True)
+        new = now - self._health_seen
+        self._health_seen = now
+        if int(new[C_MISMATCH]):
+            raise GiftHealthError(
+                f"GIFT: {int(new[C_MISMATCH])} collective(s) since the last step ran with a plan that differs "
+                "between ranks (different format, shapes or layers); the gradients of this step are garbage"
+            )
+        if int(new[C_NONFINITE]) and self.config.nonfinite == "error":
+            raise FloatingPointError(
+                f"GIFT: {int(new[C_NONFINITE])} gradient collective(s) in this step carried NaN/Inf from at least "
+                "one rank; raised on every rank (nonfinite='error'). Skip the step (zero the gradients) or set "
+                "nonfinite='propagate'."
+            )
+
     def step(self) -> None:
-        """Call once per optimizer step, after backward (apply() wires this up)."""
+        """Once per optimizer step, after it: health check, seed, and the refresh every
+        `refresh_every` steps."""
+        self.check_health()
+        for layer in self.layers.values():
+            if layer.mode == "sync_pending":
+                layer.mode = "sync"
         self.steps += 1
         self.seed.add_(1)
         if self.steps % self.config.refresh_every == 0:
@@ -175,11 +284,7 @@ class GiftState:
 
     @torch.no_grad()
     def refresh(self) -> RefreshRecord:
-        """Rebuild every layer's geometry and selection; identical on all ranks.
-
-        Every rank averages the statistics (collectives), each layer's owner rebuilds its
-        transform, and the owners broadcast them.
-        """
+        """Rebuild every layer's geometry and selection; identical on all ranks."""
         cfg = self.config
         start = time.perf_counter()
         old = {n: tuple(t.clone() for t in l.transform.tensors) for n, l in self.layers.items() if l.residual is not None}
@@ -197,6 +302,9 @@ class GiftState:
                     continue
                 local, sharded = _local_grad(grad)
                 new = gradient_factor(local, self.group, sharded=sharded)
+                if not bool(torch.isfinite(new).all()):
+                    logger.warning("GIFT: non-finite gradient factor for %s dropped at step %d", name, self.steps)
+                    continue
                 f = layer.grad_factor
                 f.copy_(new) if float(f.abs().sum()) == 0.0 else f.mul_(cfg.ema).add_(new, alpha=1 - cfg.ema)
                 factor = f
@@ -209,8 +317,7 @@ class GiftState:
         record = self._select()
         for name, layer in self.layers.items():
             if layer.residual is not None:
-                prev = old[name]
-                back = apply_inverse(layer.kind, layer.residual, prev)
+                back = apply_inverse(layer.kind, layer.residual, old[name])
                 layer.residual.copy_(apply_forward(layer.kind, back, layer.transform.tensors))
         record.seconds = time.perf_counter() - start
         self.history.append(record)
@@ -219,10 +326,8 @@ class GiftState:
     def _select(self) -> RefreshRecord:
         """Measure each layer on its probe (averaged over ranks) and apply the selection."""
         cfg = self.config
-        names = list(self.layers)
         measured: dict[str, LayerMeasurement] = {}
-        for name in names:
-            layer = self.layers[name]
+        for name, layer in self.layers.items():
             tokens = float(layer.stats.tokens) / max(self.steps, 1) if layer.stats is not None else 8192.0
             layer.transform.activate()
             measured[name] = measure(layer.probe, cfg, layer.kind, layer.transform.tensors, layer.shape, tokens)
@@ -245,9 +350,8 @@ class GiftState:
                 "selected": layer.selected, "err_euclidean": m.err_euclidean, "err_transformed": m.err_transformed,
                 "gain": m.gain, "overhead": m.overhead, "boundary_hits": m.boundary_hits,
             }
-        logger.info(
-            "GIFT refresh at step %d: %d/%d layers on the transformed path", self.steps, len(chosen), len(self.layers)
-        )
+        logger.info("GIFT refresh at step %d: %d/%d layers on the transformed path", self.steps, len(chosen),
+                    len(self.layers))
         return record
 
     def set_selected(self, layer: LayerState, selected: bool) -> None:
@@ -273,17 +377,21 @@ class GiftState:
                 offset += t.numel()
 
     # ---- telemetry ---------------------------------------------------------------------
-    def wire_bytes_per_step(self) -> dict[str, int]:
-        """Bytes this rank hands to gradient collectives per step for the managed weights,
-        in the configured format and at fp32/bf16 for comparison."""
-        world = max(self.world(), 1)
-        spec = FormatSpec(self.config.format, self.config.scaling, self.config.block_size)
-        total = {"gift": 0, "fp32": 0, "bf16": 0}
-        for layer in self.layers.values():
-            total["gift"] += wire_bytes_per_rank(self.collective, layer.shape, spec, world)
-            total["fp32"] += wire_bytes_per_rank(self.collective, layer.shape, FormatSpec("fp32"), world)
-            total["bf16"] += wire_bytes_per_rank(self.collective, layer.shape, FormatSpec("bf16"), world)
-        return total
+    def comm_totals(self) -> dict[str, int]:
+        """Cumulative counts since the state was created, as counted by the collectives when
+        they handed bytes over: `wire` (bytes handed to GIFT's collectives, and to the
+        full-precision sync of unmanaged parameters where GIFT does that sync), `baseline`
+        (bytes the replaced collectives would have been handed), `calls`, `nonfinite`,
+        `mismatch`."""
+        c = self.counters.tolist()
+        return {"wire": c[C_WIRE], "baseline": c[C_BASELINE], "calls": c[C_CALLS], "nonfinite": c[C_NONFINITE],
+                "mismatch": c[C_MISMATCH]}
+
+    def accounted_bytes_per_step(self) -> int:
+        """Shape-based accounting of the managed layers' bytes per step under this state's own
+        one-layer collectives (what `comm_totals()["wire"]` should grow by per step when every
+        managed layer is communicated once and nothing else is counted)."""
+        return sum(bucket_wire_bytes(self.layer_plan(name)) for name in self.layers)
 
     def summary(self) -> list[dict[str, object]]:
         """One row per layer: selection and the errors measured at the last refresh."""
@@ -298,19 +406,98 @@ class GiftState:
         return rows
 
     # ---- checkpointing -----------------------------------------------------------------
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        sd: dict[str, torch.Tensor] = {"seed": self.seed, "steps": torch.tensor(self.steps)}
+    def _meta(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION,
+            "config": self.config.to_dict(),
+            "layers": {n: {"shape": list(l.shape), "kind": l.kind, "rank": l.transform.rank,
+                           "error_feedback": l.residual is not None} for n, l in self.layers.items()},
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        sd: dict[str, Any] = {"meta": json.dumps(self._meta(), sort_keys=True), "seed": self.seed,
+                              "steps": torch.tensor(self.steps)}
         for name, layer in self.layers.items():
             sd.update({f"{name}.{k}": v for k, v in layer.state_dict().items()})
         return sd
 
     @torch.no_grad()
-    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        self.seed.copy_(sd["seed"])
-        self.steps = int(sd["steps"])
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Load a checkpoint after validating it against this state; raises ValueError naming
+        the layer and key that do not fit, before anything is modified.
+
+        Accepted with a logged conversion: a different wire format, refresh cadence, EMA,
+        damping or selection rule (the saved geometry stays valid), and turning error feedback
+        on (residuals start at zero). Refused: other layers, shapes, geometry kind or rank,
+        turning error feedback off with saved residuals, and non-finite tensors.
+        """
+        if "meta" not in sd:
+            raise ValueError("GIFT checkpoint has no 'meta' entry: it was not written by this version of GiftState")
+        meta = json.loads(sd["meta"]) if isinstance(sd["meta"], str) else sd["meta"]
+        mine = self._meta()
+        if meta.get("version") != STATE_VERSION:
+            raise ValueError(f"GIFT checkpoint version {meta.get('version')} != {STATE_VERSION}")
+        saved_layers, my_layers = meta["layers"], mine["layers"]
+        missing, extra = sorted(set(my_layers) - set(saved_layers)), sorted(set(saved_layers) - set(my_layers))
+        if missing or extra:
+            raise ValueError(f"GIFT checkpoint layers differ: missing {missing}, unexpected {extra}")
+        converted = []
+        for name, want in my_layers.items():
+            got = saved_layers[name]
+            for key in ("shape", "kind", "rank"):
+                if got[key] != want[key]:
+                    raise ValueError(f"GIFT checkpoint: layer {name}: {key} {got[key]} != expected {want[key]}")
+            if got["error_feedback"] and not want["error_feedback"]:
+                raise ValueError(f"GIFT checkpoint: layer {name} has an error-feedback residual but error_feedback "
+                                 "is off now; its accumulated error would be lost")
+            if want["error_feedback"] and not got["error_feedback"]:
+                converted.append(f"{name}: residual starts at zero (error feedback newly on)")
+        plan: list[tuple[torch.Tensor, torch.Tensor]] = []
         for name, layer in self.layers.items():
-            prefix = f"{name}."
-            layer.load_state_dict({k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)})
+            for key, dst in layer.state_dict().items():
+                full = f"{name}.{key}"
+                if key == "residual" and full not in sd and not saved_layers[name]["error_feedback"]:
+                    continue
+                if full not in sd:
+                    raise ValueError(f"GIFT checkpoint: layer {name}: key {key!r} is missing")
+                src = torch.as_tensor(sd[full])
+                if src.shape != dst.shape:
+                    raise ValueError(f"GIFT checkpoint: layer {name}: key {key!r} has shape {tuple(src.shape)}, "
+                                     f"expected {tuple(dst.shape)}")
+                if src.is_floating_point() and not bool(torch.isfinite(src).all()):
+                    raise ValueError(f"GIFT checkpoint: layer {name}: key {key!r} holds NaN/Inf values")
+                if key not in ("selected", "boundary_score"):
+                    plan.append((dst, src))
+        unknown = sorted(k for k in sd if k not in ("meta", "seed", "steps")
+                         and not any(k.startswith(f"{n}.") for n in self.layers))
+        if unknown:
+            raise ValueError(f"GIFT checkpoint has unexpected keys {unknown[:5]}")
+        for dst, src in plan:
+            dst.copy_(src)
+        for name, layer in self.layers.items():
+            layer.selected = bool(sd[f"{name}.selected"])
+            layer.boundary_score = float(sd[f"{name}.boundary_score"])
+        self.seed.copy_(torch.as_tensor(sd["seed"]))
+        self.steps = int(sd["steps"])
+        changed = {k: (meta["config"].get(k), v) for k, v in mine["config"].items() if meta["config"].get(k) != v}
+        if changed:
+            converted.append(f"config changed since the checkpoint: {changed}")
+        for line in converted:
+            logger.warning("GIFT checkpoint loaded with a conversion: %s", line)
+
+
+def _first_difference(a: Any, b: Any, path: str = "") -> str:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b)):
+            if a.get(k) != b.get(k):
+                return _first_difference(a.get(k), b.get(k), f"{path}.{k}" if path else k)
+    if isinstance(a, list) and isinstance(b, list):
+        if len(a) != len(b):
+            return f"{path}: {len(a)} vs {len(b)} entries"
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                return _first_difference(x, y, f"{path}[{i}]")
+    return f"{path}: {a!r} vs {b!r}"
 
 
 def _local_grad(grad: torch.Tensor) -> tuple[torch.Tensor, bool]:

@@ -18,7 +18,7 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_reduce_", "broadcast_", "group_rank", "world_size"]
+__all__ = ["all_gather_object_", "all_reduce_", "broadcast_", "group_rank", "world_size"]
 
 # The most recent communicated tensors (see the module docstring). Bounded so at most a few
 # refresh buffers outlive their use.
@@ -51,3 +51,12 @@ def broadcast_(t: torch.Tensor, group: dist.ProcessGroup | None, src: int = 0) -
         _RECENT.append(t)
         dist.broadcast(t, src=dist.get_global_rank(group, src), group=group)
     return t
+
+
+def all_gather_object_(obj: object, group: dist.ProcessGroup | None) -> list[object]:
+    """Every rank's ``obj`` (picklable), in group rank order; ``[obj]`` on one rank."""
+    if world_size(group) <= 1:
+        return [obj]
+    out: list[object] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out

@@ -1,32 +1,45 @@
-"""Rewrite gradient collectives of GIFT-managed weights into quantized collectives.
+"""Rewrite gradient collectives of GIFT-managed weights into GIFT's bucketed collective.
 
-`find_gradient_collectives` returns one small `CollectiveMatch` per functional
-`all_reduce` / `reduce_scatter_tensor` (with its `wait_tensor`) whose input is, through
-shape-preserving casts and views only, the output of a `gift::mark` node; every other
-collective (tensor/sequence parallel, forward all-gathers, unmanaged parameters) is left
-alone. `rewrite_collective` splices the core's traced `gift_all_reduce` /
-`gift_reduce_scatter` in its place, keeping the original group, world size and reduce op,
-and copies the collective's metadata (`autograd_backward`, stack trace, ...) onto every new
-node. `rewrite_gradient_collectives` is the entry point over a graph; it also removes marks
-that feed no recognised collective (logging why, so a full-precision fallback is never
-silent) and returns a `RewriteReport`.
+A pure function of the graph: every managed weight's gradient carries a `gift::mark` node whose
+arguments are its state tensors and its static plan (`gift_compile.plan.ItemPlan`, as text), so
+nothing outside the graph is consulted.
+
+`find_gradient_collectives` returns one `BucketMatch` per functional `reduce_scatter_tensor` /
+`all_reduce` (with its `wait_tensor`) that carries at least one marked gradient, either
+directly (through views and casts) or as an entry of a bucket built by Inductor's
+`bucketing::_pre_bucket_reduce_scatter` (torchtitan's graph_trainer buckets each transformer
+block's reduce-scatters into one). Every other collective (tensor/sequence parallel, forward
+all-gathers, buckets of unmanaged parameters) is left alone.
+
+`rewrite_bucket` replaces a match by `gift_compile.collectives`: the encode side and the
+all_to_all (`launch`) where the framework launched its collective, the decode side
+(`finish`, and for an all-reduce the all_gather stage) where it waited, so whatever overlap a
+scheduler arranged is kept and the collective count does not grow for reduce-scatters. Entries
+of a bucket without a mark travel at full precision inside the same all_to_all. Each new node
+gets the replaced collective's metadata (`autograd_backward`, module FQN, stack trace, ...).
+
+A marked gradient that cannot be rewritten raises (or, where its plan says
+`unrewritten="warn"`, is logged and sent at full precision): never a silent fp32 fallback.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 
-from gift_compile.collectives import CommPlan, gift_all_reduce, gift_reduce_scatter, wire_bytes_per_rank
-from gift_compile.formats import FormatSpec
-from gift_compile.state import LayerState, lookup_layer
+from gift_compile.collectives import (
+    ItemTensors, Shared, bucket_wire_bytes, finish, gather_finish, gather_launch, launch,
+)
+from gift_compile.plan import BucketPlan, ItemPlan, dtype_name
+from gift_compile.state import unpack_mark_tensors
 
 logger = logging.getLogger("gift_compile")
 
@@ -43,33 +56,45 @@ _PASSTHROUGH = {
 _META_KEYS = ("autograd_backward", "stack_trace", "nn_module_stack", "seq_nr", "fwd_nn_module_stack", "custom")
 
 
+def _pre_bucket_op() -> Any:
+    """`bucketing::_pre_bucket_reduce_scatter` (registered when Inductor's bucketing loads)."""
+    import torch._inductor.fx_passes.bucketing  # noqa: F401  (registers the op)
+
+    return torch.ops.bucketing._pre_bucket_reduce_scatter.default
+
+
+class GiftRewriteError(RuntimeError):
+    """A marked gradient whose collective the pass cannot rewrite (it would go at fp32)."""
+
+
 @dataclass
-class CollectiveMatch:
-    """A gradient collective fed (through `chain`) by the mark of one managed layer."""
+class BucketMatch:
+    """A gradient collective (+ wait) and the tensors it carries, some of them marked."""
 
     collective: fx.Node
     wait: fx.Node
-    mark: fx.Node
-    chain: list[fx.Node]
+    inputs: list[fx.Node]  # what the framework handed to the collective, per bucket entry
+    marks: list[fx.Node | None]  # the mark each entry traces back to (None: unmanaged)
+    pre_bucket: fx.Node | None
     op: str
     reduce_op: str
     group_size: int
     group_name: str
 
-    @property
-    def layer(self) -> LayerState:
-        return lookup_layer(self.mark.args[2])
+    def plans(self) -> list[ItemPlan | None]:
+        return [None if m is None else ItemPlan.from_str(m.args[2]) for m in self.marks]
 
 
 @dataclass
 class RewriteRecord:
-    fqn: str
+    """One rewritten collective: its items and the bytes per call (shape-based accounting;
+    the runtime counters count what is really handed over)."""
+
     op: str
-    shape: tuple[int, int]
-    format: str
-    geometry: str
+    layers: list[str]
+    passthrough: int
     wire_bytes: int
-    fp32_bytes: int
+    baseline_bytes: int
 
 
 @dataclass
@@ -82,27 +107,36 @@ class RewriteReport:
     ops_after: dict[str, int] = field(default_factory=dict)
 
     @property
+    def layers(self) -> list[str]:
+        return [name for r in self.rewritten for name in r.layers]
+
+    @property
     def wire_bytes(self) -> int:
         return sum(r.wire_bytes for r in self.rewritten)
 
     @property
-    def fp32_bytes(self) -> int:
-        return sum(r.fp32_bytes for r in self.rewritten)
+    def baseline_bytes(self) -> int:
+        return sum(r.baseline_bytes for r in self.rewritten)
+
+    def launches(self, ops: dict[str, int]) -> int:
+        """Collective launches in a graph's op counts (every `_c10d_functional` op but waits)."""
+        return sum(n for k, n in ops.items() if "_c10d_functional" in k and "wait_tensor" not in k)
 
 
 def count_ops(graph: fx.Graph) -> dict[str, int]:
-    """Counts of the call_function targets that matter here (collectives, marks, matmuls)."""
+    """Counts of the call_function targets that matter here (collectives, marks, buckets, mm)."""
     c: Counter[str] = Counter()
     for n in graph.nodes:
         if n.op == "call_function":
             name = str(n.target)
-            if "_c10d_functional" in name or "gift." in name or name in ("aten.mm.default", "aten.copy_.default"):
+            if ("_c10d_functional" in name or "gift." in name or "bucketing." in name
+                    or name in ("aten.mm.default", "aten.copy_.default")):
                 c[name] += 1
     return dict(c)
 
 
-def _is_mark(n: fx.Node) -> bool:
-    return n.op == "call_function" and n.target is torch.ops.gift.mark.default
+def _is_mark(n: Any) -> bool:
+    return isinstance(n, fx.Node) and n.op == "call_function" and n.target is torch.ops.gift.mark.default
 
 
 def _wait_of(n: fx.Node) -> fx.Node | None:
@@ -112,37 +146,69 @@ def _wait_of(n: fx.Node) -> fx.Node | None:
     return None
 
 
-def _trace_to_mark(n: fx.Node) -> tuple[fx.Node | None, list[fx.Node]]:
-    chain: list[fx.Node] = []
+def _trace_to_mark(n: Any) -> fx.Node | None:
+    """The mark `n` is a view/cast of (through single-use links), or None."""
     while isinstance(n, fx.Node) and not _is_mark(n):
         if n.op != "call_function" or n.target not in _PASSTHROUGH or len(n.users) != 1:
-            return None, chain
-        chain.append(n)
+            return None
         n = n.args[0]
-    return (n if isinstance(n, fx.Node) else None), chain
+    return n if _is_mark(n) else None
 
 
-def find_gradient_collectives(graph: fx.Graph) -> list[CollectiveMatch]:
-    """Every all_reduce / reduce_scatter_tensor whose input is a marked gradient."""
+def _group_size(group_name: str) -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size(dist.distributed_c10d._resolve_process_group(group_name))
+
+
+def find_gradient_collectives(graph: fx.Graph) -> list[BucketMatch]:
+    """Every all_reduce / reduce_scatter_tensor that carries at least one marked gradient."""
+    pre_bucket = _pre_bucket_op()
     matches = []
     for n in graph.nodes:
         if n.op != "call_function" or n.target not in _COLLECTIVES:
             continue
-        mark, chain = _trace_to_mark(n.args[0])
         wait = _wait_of(n)
-        if mark is None or wait is None:
+        src = n.args[0]
+        bucket = src if isinstance(src, fx.Node) and src.target is pre_bucket and len(src.users) == 1 else None
+        inputs = list(bucket.args[0]) if bucket is not None else [src]
+        marks = [_trace_to_mark(x) for x in inputs]
+        if wait is None or not any(marks):
             continue
         op = _COLLECTIVES[n.target]
         if op == "all_reduce":
             reduce_op, group_name = n.args[1], n.args[2]
-            group_size = dist.get_world_size(dist.distributed_c10d._resolve_process_group(group_name))
+            group_size = _group_size(group_name)
         else:
             reduce_op, group_size, group_name = n.args[1], n.args[2], n.args[3]
-        matches.append(CollectiveMatch(n, wait, mark, chain, op, reduce_op, group_size, group_name))
+        matches.append(BucketMatch(n, wait, inputs, marks, bucket, op, reduce_op, group_size, group_name))
     return matches
 
 
-def _fake_mode(vals: list[torch.Tensor]) -> contextlib.AbstractContextManager:
+def _why_not(match: BucketMatch) -> str | None:
+    if match.reduce_op not in ("sum", "avg"):
+        return f"reduce op {match.reduce_op!r} is not a sum"
+    for x, m in zip(match.inputs, match.marks):
+        val = x.meta.get("val")
+        if val is None:
+            return f"no shape metadata on {x.name}"
+        try:
+            dtype_name(val.dtype)
+        except TypeError as e:
+            return str(e)
+        if m is None:
+            if match.op == "reduce_scatter" and val.numel() % match.group_size:
+                return f"{x.name} ({val.numel()} elements) does not split over {match.group_size} ranks"
+            continue
+        plan = ItemPlan.from_str(m.args[2])
+        if val.numel() != plan.numel:
+            return f"{plan.name}: gradient has {val.numel()} elements, the weight {plan.numel}"
+        if match.op == "reduce_scatter" and plan.rows % match.group_size:
+            return f"{plan.name}: {plan.rows} rows do not split evenly over {match.group_size} ranks"
+    return None
+
+
+def _fake_mode(vals: list[Any]) -> contextlib.AbstractContextManager:
     from torch._guards import detect_fake_mode
     from torch._inductor.virtualized import V
 
@@ -152,93 +218,121 @@ def _fake_mode(vals: list[torch.Tensor]) -> contextlib.AbstractContextManager:
     return mode if mode is not None else contextlib.nullcontext()
 
 
-def _replacement(match: CollectiveMatch, layer: LayerState, plan: CommPlan, out_shape: torch.Size, out_dtype: torch.dtype) -> Callable:
-    n_t = len(layer.transform.tensors)
-    has_residual = layer.residual is not None
-    rows, cols = layer.shape
-    core = gift_all_reduce if match.op == "all_reduce" else gift_reduce_scatter
-    from gift_compile.api import layer_seed
-
-    def gift_collective(grad: torch.Tensor, *state: torch.Tensor) -> torch.Tensor:
-        tensors = tuple(state[:n_t])
-        residual = state[n_t] if has_residual else None
-        probe, seed = state[-2], state[-1]
-        x = grad.reshape(rows, cols)
-        probe.copy_(x[: probe.shape[0]])
-        out, new_residual = core(x, tensors, residual, layer_seed(layer, seed), plan)
-        if residual is not None:
-            residual.copy_(new_residual)
-        return out.to(out_dtype).reshape(out_shape)
-
-    return gift_collective
-
-
-def _why_not(match: CollectiveMatch, layer: LayerState) -> str | None:
-    grad = match.mark.args[0].meta.get("val")
-    rows, cols = layer.shape
-    if match.reduce_op not in ("sum", "avg"):
-        return f"reduce op {match.reduce_op!r} is not a sum"
-    if grad is None or grad.numel() != rows * cols:
-        return "gradient shape unknown or not the weight's shape"
-    if grad.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return f"gradient dtype {grad.dtype} unsupported"
-    if match.op == "reduce_scatter" and rows % match.group_size:
-        return f"{rows} rows do not split evenly over {match.group_size} ranks"
-    return None
-
-
-def rewrite_collective(graph: fx.Graph, match: CollectiveMatch) -> RewriteRecord:
-    """Replace one matched collective (+ wait) by the traced GIFT collective."""
+def _splice(graph: fx.Graph, fn: Callable, args: list[fx.Node], before: fx.Node, meta: dict[str, Any]) -> fx.Node:
+    """Trace `fn(*args' values)` and copy its nodes into `graph` before `before`; returns the
+    node of its (single tensor) output."""
     from torch._inductor.pattern_matcher import fwd_only
 
-    layer = match.layer
-    grad_node = match.mark.args[0]
-    state_nodes = list(match.mark.args[1])
-    cfg = layer.config
-    spec = FormatSpec(cfg.format, cfg.scaling, cfg.block_size)
-    pg = dist.distributed_c10d._resolve_process_group(match.group_name)
-    plan = CommPlan(spec, layer.kind, match.group_size, dist.get_rank(pg), match.group_name,
-                    match.reduce_op == "avg", cfg.stochastic_rounding)
-    out_val = match.wait.meta["val"]
-    fn = _replacement(match, layer, plan, out_val.shape, out_val.dtype)
-    args = [grad_node, *state_nodes]
     vals = [a.meta["val"] for a in args]
     with _fake_mode(vals):
         sub = fwd_only(fn, vals, run_functional_passes=False)
     placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
-    meta = {k: match.collective.meta[k] for k in _META_KEYS if k in match.collective.meta}
-    with graph.inserting_before(match.wait):
-        env = dict(zip(placeholders, args))
+    env = dict(zip(placeholders, args))
+    with graph.inserting_before(before):
         for node in sub.graph.nodes:
             if node.op in ("placeholder", "output"):
                 continue
             new = graph.node_copy(node, lambda a: env[a])
-            new.meta.update(meta)
+            new.meta.update(copy.deepcopy(meta))
             env[node] = new
-        (out_node,) = torch.utils._pytree.tree_leaves(sub.graph.output_node().args[0])
-        result = env[out_node]
+    (out,) = torch.utils._pytree.tree_leaves(sub.graph.output_node().args[0])
+    return env[out]
+
+
+def rewrite_bucket(graph: fx.Graph, match: BucketMatch) -> RewriteRecord:
+    """Replace one matched collective (+ its wait, and its bucket op) by GIFT's collective."""
+    items: list[ItemPlan] = []
+    layouts: list[tuple[int, int]] = []  # (first index of the item's state in `state_nodes`, count)
+    state_nodes: list[fx.Node] = []
+    shared_nodes: list[fx.Node] | None = None
+    for x, m in zip(match.inputs, match.marks):
+        val = x.meta["val"]
+        if m is None:
+            items.append(ItemPlan.passthrough(x.name, val.numel(), val.dtype))
+            layouts.append((0, 0))
+            continue
+        plan = ItemPlan.from_str(m.args[2]).with_dtype(val.dtype)
+        items.append(plan)
+        tensors = list(m.args[1])
+        layouts.append((len(state_nodes), len(tensors) - 3))
+        state_nodes.extend(tensors[:-3])
+        if shared_nodes is None:
+            shared_nodes = tensors[-3:]  # seed, rank, counters: one set per GiftState
+    assert shared_nodes is not None
+    plan = BucketPlan(tuple(items), match.group_size, match.group_name, match.reduce_op == "avg", match.op)
+    n_x = len(match.inputs)
+    out_val = match.wait.meta["val"]
+
+    def unpack(args: tuple[torch.Tensor, ...]) -> tuple[list[torch.Tensor], list[ItemTensors | None], Shared]:
+        xs, rest = list(args[:n_x]), args[n_x:]
+        state, shared = rest[:len(state_nodes)], Shared(*rest[len(state_nodes):])
+        per_item: list[ItemTensors | None] = []
+        for item, (start, count) in zip(items, layouts):
+            if not item.managed:
+                per_item.append(None)
+                continue
+            it, _ = unpack_mark_tensors(item, [*state[start:start + count], *shared])
+            per_item.append(it)
+        return xs, per_item, shared
+
+    def launch_fn(*args: torch.Tensor) -> torch.Tensor:
+        xs, per_item, shared = unpack(args)
+        return launch(xs, per_item, shared, plan)
+
+    def finish_fn(recv: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+        _, per_item, shared = unpack((*[None] * n_x, *args))
+        if match.op == "reduce_scatter":
+            outs = finish(recv, per_item, shared, plan)
+            flat = torch.cat([o.reshape(-1) for o in outs])
+            return flat.to(out_val.dtype).reshape(out_val.shape)
+        shards = finish(recv, per_item, shared, plan, transformed=True)
+        gathered = _c10d.wait_tensor(gather_launch(shards, per_item, shared, plan))
+        (full,) = gather_finish(gathered, per_item, plan)
+        return full.to(out_val.dtype).reshape(out_val.shape)
+
+    meta = {k: match.collective.meta[k] for k in _META_KEYS if k in match.collective.meta}
+    launched = _splice(graph, launch_fn, [*match.inputs, *state_nodes, *shared_nodes], match.collective, meta)
+    with graph.inserting_before(match.wait):
+        recv = graph.call_function(_c10d.wait_tensor.default, (launched,))
+        recv.meta.update(copy.deepcopy(meta))
+        recv.meta["val"] = launched.meta["val"]
+    result = _splice(graph, finish_fn, [recv, *state_nodes, *shared_nodes], match.wait, meta)
     match.wait.replace_all_uses_with(result)
     graph.erase_node(match.wait)
     graph.erase_node(match.collective)
-    for n in match.chain:
-        if not n.users:
-            graph.erase_node(n)
-    return RewriteRecord(
-        layer.fqn, match.op, layer.shape, cfg.format, cfg.geometry,
-        wire_bytes_per_rank(match.op, layer.shape, spec, match.group_size),
-        wire_bytes_per_rank(match.op, layer.shape, FormatSpec("fp32"), match.group_size),
-    )
+    if match.pre_bucket is not None and not match.pre_bucket.users:
+        graph.erase_node(match.pre_bucket)
+    baseline = sum(x.meta["val"].numel() * x.meta["val"].element_size() for x in match.inputs)
+    return RewriteRecord(match.op, [i.name for i in items if i.managed], sum(not i.managed for i in items),
+                         bucket_wire_bytes(plan), baseline)
+
+
+def _fallback(report: RewriteReport, plans: list[ItemPlan], reason: str) -> None:
+    """A marked gradient that stays at full precision: raise, or log where its plan allows."""
+    for plan in plans:
+        report.fallbacks.append((plan.name, reason))
+    strict = [p.name for p in plans if p.unrewritten == "error"]
+    if strict:
+        raise GiftRewriteError(
+            f"GIFT pass cannot rewrite the gradient collective of {strict}: {reason}. It would travel at full "
+            "precision; set GiftConfig(unrewritten='warn') to allow that."
+        )
+    for plan in plans:
+        logger.warning("GIFT: %s stays at full precision: %s", plan.name, reason)
 
 
 def _drop_marks(graph: fx.Graph, report: RewriteReport) -> None:
-    """Marks left over (their gradient fed no rewritable collective) become identities."""
+    """Marks become identities once their collective is rewritten; a mark whose gradient
+    reached no recognised collective is a fallback."""
+    orphans = []
     for n in list(graph.nodes):
         if _is_mark(n):
-            if n.users:
-                fqn = lookup_layer(n.args[2]).fqn
-                report.fallbacks.append((fqn, "gradient does not reach a recognised gradient collective"))
-                n.replace_all_uses_with(n.args[0])
+            if n.meta.get("gift_rewritten") is not True and n.users:
+                orphans.append(ItemPlan.from_str(n.args[2]))
+            n.replace_all_uses_with(n.args[0])
             graph.erase_node(n)
+    if orphans:
+        _fallback(report, orphans, "its gradient does not reach a recognised gradient collective")
 
 
 _REPORTS: list[RewriteReport] = []
@@ -258,21 +352,23 @@ def rewrite_gradient_collectives(gm: fx.GraphModule | fx.Graph) -> RewriteReport
         report.ops_after = report.ops_before
         return report
     for match in find_gradient_collectives(graph):
-        reason = _why_not(match, match.layer)
+        reason = _why_not(match)
         if reason is not None:
-            report.fallbacks.append((match.layer.fqn, reason))
+            _fallback(report, [p for p in match.plans() if p is not None], reason)
             continue
-        report.rewritten.append(rewrite_collective(graph, match))
+        report.rewritten.append(rewrite_bucket(graph, match))
+        for m in match.marks:
+            if m is not None:
+                m.meta["gift_rewritten"] = True
     _drop_marks(graph, report)
     graph.eliminate_dead_code()
     graph.lint()
     if isinstance(gm, fx.GraphModule):
         gm.recompile()
     report.ops_after = count_ops(graph)
-    for fqn, reason in report.fallbacks:
-        logger.warning("GIFT: %s stays at full precision: %s", fqn, reason)
     logger.info(
-        "GIFT pass: rewrote %d gradient collectives (%d -> %d bytes per step)",
-        len(report.rewritten), report.fp32_bytes, report.wire_bytes,
+        "GIFT pass: rewrote %d gradient collectives (%d managed weights; collective launches %d -> %d; "
+        "%d -> %d bytes per call)", len(report.rewritten), len(report.layers), report.launches(report.ops_before),
+        report.launches(report.ops_after), report.baseline_bytes, report.wire_bytes,
     )
     return report

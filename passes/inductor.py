@@ -3,8 +3,10 @@
 The pass is appended to `torch._inductor.config.post_grad_custom_post_pass` (turned into a
 list if the user already installed one, so theirs keeps running). It runs after Inductor's
 own post-grad pattern passes and before re-inplacing, on the functional post-grad graph.
-Its `uuid` covers this package's source, the configuration of every registered layer and
-the rank, so the FX graph cache never serves a graph rewritten for another format or rank.
+Its `uuid` covers this package's source only: the pass is a pure function of the graph (every
+managed gradient's plan is an argument of its `gift::mark` node, and the rank is a tensor),
+so the FX graph cache key already distinguishes formats and layers, and one cached artifact
+serves every rank.
 """
 
 from __future__ import annotations
@@ -13,13 +15,11 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
 import torch.fx as fx
 from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from gift_compile.passes.gift_pass import rewrite_gradient_collectives
-from gift_compile.state import _LAYERS
 
 _SOURCES = tuple(
     str(p) for d in (Path(__file__).parent, Path(__file__).parent.parent / "gift_compile")
@@ -34,13 +34,7 @@ class GiftGraphPass(CustomGraphPass):
         rewrite_gradient_collectives(graph)
 
     def uuid(self) -> Any:
-        h = hashlib.sha256(get_hash_for_files(_SOURCES))
-        for lid in sorted(_LAYERS.keys()):
-            layer = _LAYERS.get(lid)
-            if layer is not None:
-                h.update(repr((lid, layer.fqn, layer.shape, layer.kind, sorted(layer.config.to_dict().items()))).encode())
-        h.update(repr(dist.get_rank() if dist.is_initialized() else 0).encode())
-        return h.hexdigest()
+        return hashlib.sha256(get_hash_for_files(_SOURCES)).hexdigest()
 
 
 _PASS = GiftGraphPass()

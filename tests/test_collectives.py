@@ -58,27 +58,26 @@ def test_all_reduce_identical_on_every_rank_and_accurate(world):
 def _traced_ops_body(rank: int, world: int) -> list[tuple[str, str]]:
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    plan = C.CommPlan.make(GiftConfig(format="fp8_e5m2", scaling="row"), dist.group.WORLD, "lowrank")
+    from gift_compile.plan import BucketPlan, ItemPlan
+
     t = Transform("lowrank", 96, rank=8)
-    gm = make_fx(lambda x, *ts: C.gift_all_reduce(x, ts, None, 0, plan)[0])(local_grad(rank), *t.tensors)
-    ops = []
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and "_c10d_functional" in str(n.target) and "wait" not in str(n.target):
-            inp = n.args[0].meta["val"]
-            extra = n.args[1] if "all_reduce" in str(n.target) else ""
-            ops.append((str(n.target).split(".")[1], f"{inp.dtype}{extra}"))
-    return ops
+    managed = ItemPlan("w", 16, 96, "float32", True, "fp8_e5m2", "row", 32, "lowrank", 5)
+    plan = BucketPlan((managed, ItemPlan.passthrough("b", 32, torch.float32)), world,
+                      dist.group.WORLD.group_name, True, "all_reduce")
+
+    def core(x, b, *ts):
+        return C.bucket_core([x, b], [C.ItemTensors(ts), None], C.Shared(), plan)[0]
+
+    gm = make_fx(core)(local_grad(rank), torch.ones(32), *t.tensors)
+    return [(str(n.target).split(".")[1], str(n.args[0].meta["val"].dtype)) for n in gm.graph.nodes
+            if n.op == "call_function" and "_c10d_functional" in str(n.target) and "wait" not in str(n.target)]
 
 
 def test_no_collective_ever_sums_low_bit_codes():
+    # one bucket (a managed weight + a full-precision tensor) is one all_to_all of bytes and,
+    # for an all-reduce, one all_gather of bytes: no reduction collective at all
     ops = run_ranks(_traced_ops_body, 2)[0]
-    kinds = [k for k, _ in ops]
-    assert kinds.count("all_to_all_single") == 1 and kinds.count("all_gather_into_tensor") >= 1
-    for kind, dtype in ops:
-        if kind == "all_reduce":
-            assert dtype.endswith("max"), ops  # only the scale agreement reduces, by MAX
-        else:
-            assert dtype.startswith("torch.uint8") or dtype.startswith("torch.float32"), ops
+    assert sorted(ops) == [("all_gather_into_tensor", "torch.uint8"), ("all_to_all_single", "torch.uint8")], ops
 
 
 def _error_feedback_body(rank: int, world: int, steps: int) -> tuple[float, float]:
@@ -104,23 +103,27 @@ def test_error_feedback_shrinks_the_mean_error():
     assert ef < 0.6 * no_ef, (no_ef, ef)
 
 
-def _compiled_body(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _compiled_body(rank: int, world: int) -> tuple[torch.Tensor, ...]:
+    from gift_compile.plan import BucketPlan, ItemPlan
+
     cfg = GiftConfig(format="fp8_e4m3", stochastic_rounding=True, error_feedback=True)
     t = Transform("lowrank", 96, rank=8)
     a = torch.randn(256, 96, generator=torch.Generator().manual_seed(0))
     t.refresh_from(a.t() @ a, 1e-3)
-    res_e, res_c = torch.zeros(16, 96), torch.zeros(16, 96)
+    res_e, res_c, res_k = torch.zeros(16, 96), torch.zeros(16, 96), torch.zeros(16, 96)
     seed = torch.tensor(3)
     x = local_grad(rank)
-
-    def f(x, residual, seed):
-        return C.all_reduce(x, dist.group.WORLD, cfg, t, residual, seed=seed)
-
-    eager = f(x, res_e, seed)
-    compiled = torch.compile(f, fullgraph=True, dynamic=False)(x, res_c, seed)
-    # what eager callers (FSDP2's comm hook) use: the library compiles its functional core
-    res_k = torch.zeros(16, 96)
+    eager = C.all_reduce(x, dist.group.WORLD, cfg, t, res_e, seed=seed)
+    # what eager callers (FSDP2's and DDP's hooks) use: the library compiles its core
     core = C.all_reduce(x, dist.group.WORLD, cfg, t, res_k, seed=seed, compiled=True)
+    # user code compiling the functional core itself, fullgraph, with the rank as data
+    item = ItemPlan("x", 16, 96, "float32", True, "fp8_e4m3", "row", 32, "lowrank", 5, True, True)
+    plan = BucketPlan((item,), world, dist.group.WORLD.group_name, True, "all_reduce")
+
+    def f(x, residual, seed, rank_t):
+        return C.bucket_core([x], [C.ItemTensors(t.tensors, residual)], C.Shared(seed, rank_t), plan)[0][0]
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=False)(x, res_c, seed, torch.tensor(rank))
     return eager, compiled, res_e, res_c, core, res_k
 
 
@@ -133,8 +136,13 @@ def test_compiled_collective_matches_eager_bitwise():
 def test_bad_inputs_are_clear_errors():
     x = torch.randn(4, 8)
     x[0, 0] = float("nan")
-    with pytest.raises(ValueError, match="NaN/Inf"):
+    with pytest.raises(FloatingPointError, match="NaN/Inf"):
         C.all_reduce(x, None, GiftConfig())
+    nan_rows = C.all_reduce(x, None, GiftConfig(nonfinite="propagate"))
+    assert torch.isnan(nan_rows[0]).all() and torch.isfinite(nan_rows[1:]).all()
+    for bad in (torch.ones(()), torch.ones(0, 8)):
+        with pytest.raises(ValueError, match="x must have"):
+            C.all_reduce(bad, None, GiftConfig())
     with pytest.raises(TypeError, match="dtype"):
         C.all_reduce(torch.ones(4, 8, dtype=torch.float64), None, GiftConfig())
     with pytest.raises(ValueError, match="d_in"):
@@ -144,8 +152,93 @@ def test_bad_inputs_are_clear_errors():
 def test_wire_bytes_accounting():
     from gift_compile.formats import FormatSpec
 
-    # fp8 row scaling, 2 ranks, all-reduce of [64, 256]: codes + agreed row scales, then the
-    # re-encoded half shard (codes + its own row scales)
+    # fp8 row scaling, 2 ranks, all-reduce of [64, 256]: the all_to_all carries a 16-byte
+    # header per rank + codes + row scales, then the re-encoded half shard (codes + row scales)
     spec = FormatSpec("fp8_e4m3", "row")
-    assert C.wire_bytes_per_rank("all_reduce", (64, 256), spec, 2) == (64 * 256 + 64 * 4) + (32 * 256 + 32 * 4)
+    assert C.wire_bytes_per_rank("all_reduce", (64, 256), spec, 2) == (2 * 16 + 64 * 256 + 64 * 4) + (32 * 256 + 32 * 4)
     assert C.wire_bytes_per_rank("reduce_scatter", (64, 256), FormatSpec("fp32"), 2) == 64 * 256 * 4
+
+
+def _bucket_body(rank: int, world: int) -> dict:
+    """One bucket of two managed weights (different transforms) and one fp32 tensor, against
+    the same tensors sent one by one; bytes counted at run time vs the accounting."""
+    from gift_compile.plan import BucketPlan, ItemPlan
+
+    g = torch.Generator().manual_seed(rank)
+    xs = [torch.randn(16, 96, generator=g), torch.randn(8, 64, generator=g), torch.randn(40, generator=g)]
+    t = Transform("lowrank", 96, rank=8)
+    a = torch.randn(256, 96, generator=torch.Generator().manual_seed(5))
+    t.refresh_from(a.t() @ a, 1e-3)
+    items = (ItemPlan("a", 16, 96, "float32", True, "fp8_e4m3", "row", 32, "lowrank", 5),
+             ItemPlan("b", 8, 64, "float32", True, "nvfp4", "row", 32, "identity", 0),
+             ItemPlan.passthrough("c", 40, torch.float32))
+    counters = torch.zeros(C.N_COUNTERS, dtype=torch.int64)
+    shared = C.Shared(0, rank, counters)
+    plan = BucketPlan(items, world, dist.group.WORLD.group_name, True, "reduce_scatter")
+    outs, headers = C.run_bucket(xs, [C.ItemTensors(t.tensors), C.ItemTensors(()), None], shared, plan)
+    single = [C.reduce_scatter(xs[0], dist.group.WORLD, GiftConfig(format="fp8_e4m3"), t),
+              C.reduce_scatter(xs[1], dist.group.WORLD, GiftConfig(format="nvfp4"))]
+    exact = [x.clone() for x in xs]
+    for e in exact:
+        dist.all_reduce(e)
+        e /= world
+    return {"outs": outs, "single": single, "exact": exact, "counters": counters, "accounted": C.bucket_wire_bytes(plan),
+            "headers": headers}
+
+
+def test_bucket_equals_items_sent_alone_and_counts_its_bytes():
+    world = 2
+    res = run_ranks(_bucket_body, world)
+    for rank, r in enumerate(res):
+        assert torch.equal(r["outs"][0], r["single"][0]) and torch.equal(r["outs"][1], r["single"][1])
+        rows = slice(rank * 8, (rank + 1) * 8)
+        err = float((r["outs"][0] - r["exact"][0][rows]).norm() / r["exact"][0][rows].norm())
+        assert 0.005 < err < 0.05, err  # quantized: neither exact nor garbage
+        assert torch.allclose(r["outs"][2], r["exact"][2].reshape(world, -1)[rank], atol=1e-6)  # fp32 item
+        c = r["counters"]
+        assert int(c[C.C_WIRE]) == r["accounted"] and int(c[C.C_CALLS]) == 1
+        assert int(c[C.C_BASELINE]) == 4 * (16 * 96 + 8 * 64 + 40)
+        assert int(c[C.C_NONFINITE]) == 0 and int(c[C.C_MISMATCH]) == 0
+
+
+def _fail_together_body(rank: int, world: int) -> list[str]:
+    """Rank 1 has a NaN: both ranks raise in the same call, and the group stays in step."""
+    outcome = []
+    for step in range(3):
+        x = local_grad(rank)
+        if rank == 1 and step == 1:
+            x[3, 5] = float("nan")
+        try:
+            y = C.all_reduce(x, dist.group.WORLD, GiftConfig(format="fp8_e4m3"))
+            outcome.append(f"ok {float(y.sum()):.4f}")
+        except FloatingPointError as e:
+            outcome.append("raised: " + str(e).split(";")[0])
+    return outcome
+
+
+def test_nonfinite_on_one_rank_raises_on_every_rank_and_the_group_stays_in_step():
+    a, b = run_ranks(_fail_together_body, 2, timeout=120)
+    assert a[1] == b[1] and a[1].startswith("raised") and "rank(s) [1]" in a[1], (a, b)
+    assert a[0] == b[0] and a[2] == b[2] and a[2].startswith("ok"), (a, b)  # same results after the error
+
+
+def _mismatch_body(rank: int, world: int, case: str) -> str:
+    x = local_grad(rank)
+    cfg = GiftConfig(format="fp8_e4m3")
+    if case == "format" and rank == 1:
+        cfg = GiftConfig(format="fp8_e5m2")  # same bytes on the wire: would decode garbage
+    if case == "rows" and rank == 1:
+        x = x[:8]  # different sizes: the all_to_all would hang
+    try:
+        C.reduce_scatter(x, dist.group.WORLD, cfg)
+        return "no error"
+    except RuntimeError as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("case", ["format", "rows"])
+def test_mismatched_plans_raise_on_every_rank_naming_both(case):
+    msgs = run_ranks(_mismatch_body, 2, case, timeout=120)
+    for m in msgs:
+        assert "disagree on a collective's plan" in m, msgs
+        assert ("fp8_e5m2" in m and "fp8_e4m3" in m) if case == "format" else ("[8, 96]" in m and "[16, 96]" in m), m

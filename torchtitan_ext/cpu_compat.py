@@ -54,6 +54,7 @@ Two kinds of adjustments, preferring the first:
 from __future__ import annotations
 
 import importlib
+import operator
 import importlib.util
 import os
 import resource
@@ -77,8 +78,8 @@ __all__ = [
 
 CPU_DISABLED_GRAPH_PASSES: tuple[str, ...] = (
     "cudagraph_pass",
-    "selective_activation_remat_pass",
-    "joint_transformer_block_bucketing_reordering_pass",
+    #"selective_activation_remat_pass",
+    #"joint_transformer_block_bucketing_reordering_pass",
 )
 """graph_trainer passes that need CUDA (see the module docstring for each reason)."""
 
@@ -261,6 +262,70 @@ def _rebind_device_globals() -> None:
             namespace["device_module"] = cpu_module
 
 
+# Runtime-estimate inputs for Inductor's overlap scheduler on CPU (see _install_cpu_roofline).
+CPU_DRAM_GBPS = 20
+CPU_TFLOPS = 0.1
+
+
+def _install_cpu_roofline() -> None:
+    """Give Inductor's runtime estimator CPU figures instead of asking Triton for GPU ones.
+
+    graph_trainer's FSDP bucketing/reordering pass (``JointManualOverlapScheduler``) estimates
+    every node's runtime as a roofline: bytes over DRAM bandwidth
+    (``torch._inductor.utils.get_gpu_dram_gbps``, which imports ``triton.testing``) and FLOPs
+    over peak (``get_device_tflops``, which warns and returns 0 without CUDA). The estimates
+    only order and group collectives; the pass's decisions do not need to be accurate, only
+    defined, so documented round figures for a CPU socket are enough. Patched where torch
+    imported the names (``torch.utils._runtime_estimation``, ``torch._inductor.scheduler``).
+    """
+    import torch._inductor.scheduler as scheduler
+    import torch._inductor.utils as inductor_utils
+    import torch.utils._runtime_estimation as runtime_estimation
+
+    def cpu_dram_gbps() -> int:
+        return CPU_DRAM_GBPS
+
+    def cpu_tflops(dtype: torch.dtype) -> float:
+        return CPU_TFLOPS
+
+    for module in (inductor_utils, runtime_estimation, scheduler):
+        if hasattr(module, "get_gpu_dram_gbps"):
+            module.get_gpu_dram_gbps = cpu_dram_gbps
+        if hasattr(module, "get_device_tflops"):
+            module.get_device_tflops = cpu_tflops
+
+
+_SDPA_CPU_OPS = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_attention_math")
+
+
+def save_deterministic_sdpa_pass(gm: torch.fx.GraphModule, example_inputs: Any = None) -> torch.fx.GraphModule:
+    """graph_trainer pass (CPU): keep CPU attention out of recompute regions.
+
+    On a GPU the model's attention is FlexAttention, which graph_trainer's memory policy
+    recomputes in backward. FlexAttention has no CPU backward, so CPU runs use SDPA, whose
+    ATen ops carry the ``nondeterministic_seeded`` tag (they *can* apply dropout) and
+    ``selective_activation_remat_pass`` refuses seeded ops inside recompute regions. With
+    ``dropout_p == 0`` they are deterministic; this pass checks that and marks them (and the
+    ``getitem``s of their outputs) ``MUST_SAVE``, so the remat pass runs on CPU with
+    attention outputs saved instead of recomputed. A nonzero dropout is an error: it would
+    make recomputation change the numbers.
+    """
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    targets = {getattr(torch.ops.aten, name).default for name in _SDPA_CPU_OPS}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in targets or "recompute" not in node.meta:
+            continue
+        dropout = node.kwargs.get("dropout_p", node.args[3] if len(node.args) > 3 else 0.0)
+        if dropout:
+            raise ValueError(f"CPU attention node {node.name} uses dropout_p={dropout}; it cannot be recomputed")
+        node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+        for user in node.users:
+            if user.target is operator.getitem:
+                user.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+    return gm
+
+
 def activate() -> bool:
     """Apply the runtime shims when no accelerator is present. Idempotent.
 
@@ -272,6 +337,7 @@ def activate() -> bool:
     if accelerator_available():
         return False
     if not _active:
+        _install_cpu_roofline()
         import_torchtitan()
         _rebind_device_globals()
         _active = True

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 from gift_compile.passes import rewrite_gradient_collectives
+
+from . import cpu_compat
 from torchtitan.experiments.graph_trainer.passes import (
     construct_default_graph_passes,
     final_inductor_compile_passes,
@@ -51,6 +53,11 @@ def gift_rewrite_pass(gm: torch.fx.GraphModule, example_inputs: Any, *, fuse: bo
     of them could be rewritten: the run would silently train at full precision.
     """
     before = set(gm.graph.nodes)
+    import os
+    if os.environ.get("GIFT_DUMP"):
+        import torch.distributed as _d
+        if _d.get_rank() == 0:
+            open(os.environ["GIFT_DUMP"], "w").write(gm.print_readable(print_output=False))
     report = rewrite_gradient_collectives(gm)
     if report.fallbacks and not report.rewritten:
         raise RuntimeError(f"GIFT rewrote no gradient collective; every managed layer fell back: {report.fallbacks}")
@@ -69,6 +76,10 @@ def gift_rewrite_pass(gm: torch.fx.GraphModule, example_inputs: Any, *, fuse: bo
 def gift_pass_pipeline(traced_result: Any, config: Any, *, parallel_dims: Any = None) -> list[Callable]:
     """Default graph_trainer passes, plus the GIFT rewrite when ``config.gift.enable``."""
     passes = construct_default_graph_passes(traced_result, config, parallel_dims=parallel_dims)
+    if cpu_compat.is_active():
+        remat = next((i for i, p in enumerate(passes) if _pass_name(p) == "selective_activation_remat_pass"), None)
+        if remat is not None:
+            passes.insert(remat, cpu_compat.save_deterministic_sdpa_pass)
     if not config.gift.enable:
         return passes
     if config.compile.precompile_artifact_dir:

@@ -1,0 +1,178 @@
+"""GIFT for FSDP2 (`fully_shard`): each FSDP module's reduce-scatter replaced by GIFT's.
+
+FSDP2 runs its gradient reduce-scatter from `torch._dynamo.disable`d hooks, so no graph pass
+ever sees it. It offers `FSDPModule.set_custom_reduce_scatter`: the custom comm receives the
+flat reduce-scatter input of one FSDP module, in which FSDP2 packs all of that module's
+gradients (`chunk_cat`). For `world` ranks::
+
+    input.view(world, N)[r] = concat_i( rows [r*c_i, (r+1)*c_i) of grad_i, flattened )
+
+with `c_i` rows of parameter `i` per rank (dim 0 padded to a multiple of `world`). That is
+exactly a bucket: `GiftReduceScatter` cuts the buffer into one item per parameter (a managed
+weight is `input.view(world, N)[:, off_i:off_i + c_i*cols_i]` reshaped to `[world*c_i, cols_i]`,
+its full gradient) and runs `gift_compile.collectives.run_bucket` on them: one all_to_all per
+FSDP module, managed weights quantized with their transform/residual/seed, every other
+parameter at full precision in the same collective. The graph path (a bucketed reduce-scatter
+rewritten by the pass) runs the same functions on the same layout.
+
+`install` also asks FSDP2 to reduce-scatter unused parameters (zeros,
+`set_reduce_scatter_unused_params`), so every call holds every parameter that requires a
+gradient and the layout always maps; a buffer that does not match raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+from gift_compile.collectives import ItemTensors, check_plan_agreement, run_bucket
+from gift_compile.plan import BucketPlan, ItemPlan
+from gift_compile.state import GiftState, LayerState
+
+__all__ = ["GiftReduceScatter", "install", "shard_group", "uninstall"]
+
+
+class CommTimer:
+    """Time spent in GIFT's reduce-scatter hooks: CUDA events on the current stream (read at
+    `take`, so the hot path never synchronizes), host wall time elsewhere."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._events: list[tuple[Any, Any]] = []
+
+    @contextlib.contextmanager
+    def timing(self, device: torch.device) -> Iterator[None]:
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self.seconds += time.perf_counter() - t0
+
+    def take(self) -> float:
+        """Seconds since the last `take`."""
+        for start, end in self._events:
+            end.synchronize()
+            self.seconds += start.elapsed_time(end) / 1e3
+        out, self.seconds, self._events = self.seconds, 0.0, []
+        return out
+
+
+class GiftReduceScatter(ReduceScatter):
+    """FSDP2 custom reduce-scatter of one FSDP module (see the module docstring)."""
+
+    def __init__(self, module: FSDPModule, state: GiftState, timer: CommTimer, compiled: bool) -> None:
+        self.module = module
+        self.state = state
+        self.timer = timer
+        self.compiled = compiled
+
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def _segments(self) -> list[tuple[str, int, int, LayerState | None]]:
+        """`(name, rows per rank, cols, layer)` of every parameter FSDP2 packs in this call:
+        those requiring a gradient, in FSDP2's order."""
+        group = self.module._get_fsdp_state()._fsdp_param_group
+        out = []
+        for fsdp_param in group.fsdp_params:
+            if not fsdp_param.sharded_param.requires_grad:
+                continue
+            size = fsdp_param.padded_sharded_param_size
+            rows, cols = int(size[0]), int(math.prod(size[1:]))
+            info = fsdp_param._module_info
+            layer = getattr(info.module, "_gift_layer", None) if info.param_name == "weight" else None
+            if layer is not None and (fsdp_param.fsdp_placement.dim != 0 or cols != layer.shape[1]):
+                layer = None
+            out.append((fsdp_param._param_fqn or info.param_name, rows, cols, layer))
+        return out
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op: Any, async_op: bool = False) -> dist.Work | None:
+        if op != dist.ReduceOp.SUM:
+            raise ValueError(
+                f"GIFT's FSDP2 reduce-scatter sums gradients; got {op}. install() forces SUM reductions "
+                "(set_force_sum_reduction_for_comms: FSDP2 then divides before/after the comm); do not undo it."
+            )
+        world = group.size()
+        segments = self._segments()
+        chunk = sum(r * c for _, r, c, _ in segments)
+        if input_tensor.numel() != world * chunk:
+            raise RuntimeError(
+                f"GIFT FSDP2: the reduce-scatter buffer has {input_tensor.numel()} elements, the module's "
+                f"parameters that require gradients make {world} x {chunk}; cannot map it to parameters"
+            )
+        chunks = input_tensor.view(world, chunk)
+        xs, items, tensors = [], [], []
+        offset = 0
+        for name, rows, cols, layer in segments:
+            piece = chunks[:, offset:offset + rows * cols]
+            offset += rows * cols
+            if layer is None:
+                xs.append(piece)
+                items.append(ItemPlan.passthrough(name, world * rows * cols, input_tensor.dtype))
+                tensors.append(None)
+            else:
+                xs.append(piece.reshape(world * rows, cols))
+                items.append(layer.plan.with_dtype(input_tensor.dtype))
+                tensors.append(layer.tensors())
+        plan = BucketPlan(tuple(items), world, group.group_name, False, "reduce_scatter")
+        check_plan_agreement(plan, group, always=self.state.config.plan_check == "always")
+        with self.timer.timing(input_tensor.device):
+            outs, _ = run_bucket(xs, tensors, self.state.shared, plan, compiled=self.compiled)
+        output_tensor.copy_(torch.cat([o.reshape(-1) for o in outs]))
+        return None
+
+
+def shard_group(model: nn.Module, group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """The process group FSDP2 reduce-scatters over (must be one for the whole model)."""
+    groups = set()
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            pg = m._get_fsdp_state()._fsdp_param_group
+            if pg is not None:
+                groups.add(pg.mesh_info.shard_process_group)
+    if len(groups) != 1:
+        raise ValueError(f"gift_compile: FSDP2 model reduce-scatters over {len(groups)} process groups; GIFT needs one")
+    (pg,) = groups
+    if group is not None and group is not dist.group.WORLD and group is not pg:
+        raise ValueError("gift_compile.apply: group= differs from the process group FSDP2 reduce-scatters over")
+    return pg
+
+
+def install(model: nn.Module, state: GiftState, *, compiled: bool = True) -> CommTimer:
+    """Put every FSDP module of `model` on `GiftReduceScatter`; returns the comm timer.
+
+    Forces FSDP2's SUM reduction (FSDP2 then applies its gradient divide factor itself) and
+    the reduce-scatter of unused parameters, so every buffer maps onto the parameters.
+    """
+    timer = CommTimer()
+    for module in model.modules():
+        if isinstance(module, FSDPModule) and module._get_fsdp_state()._fsdp_param_group is not None:
+            module.set_force_sum_reduction_for_comms(True)
+            module.set_reduce_scatter_unused_params(True)
+            module.set_custom_reduce_scatter(GiftReduceScatter(module, state, timer, compiled))
+    state.comm_timer = timer
+    return timer
+
+
+def uninstall(model: nn.Module) -> None:
+    """FSDP2's default reduce-scatter back on every FSDP module of `model`."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule) and module._get_fsdp_state()._fsdp_param_group is not None:
+            module.set_custom_reduce_scatter(DefaultReduceScatter())
