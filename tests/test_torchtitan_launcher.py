@@ -157,7 +157,7 @@ _JOB = '[job]\nmodule = "gift_compile.torchtitan_ext"\nconfig = "llama3_debug_gi
         ("[gift]\nexclude = [1]\n", "key 'gift.exclude' = [1] (list) has the wrong type; expected a list of str"),
         ('[gift]\nexclude = ["a,b"]\n', "key 'gift.exclude' = ['a,b']: list elements cannot contain ','"),
         ("[training]\nsteps = 2.5\n", "key 'training.steps' = 2.5 (float) has the wrong type; expected int"),
-        ('[training]\ndtype = "float16"\n', "key 'training.dtype' = 'float16' (str) has the wrong type; expected one of 'bfloat16', 'float32'"),
+        ('[training]\ndtype = "float16"\n', "key 'training.dtype' = 'float16' (str) is not allowed; expected one of 'bfloat16', 'float32'"),
         ("[training]\nmax_norm = true\n", "key 'training.max_norm' = True (bool) has the wrong type; expected float or int"),
         ("dump_folder = 3\n", "key 'dump_folder' = 3 (int) has the wrong type; expected str"),
         # Ranges, checked on the merged values before --dry-run can succeed.

@@ -176,9 +176,9 @@ def _check_toml_value(key: str, value: Any, annotation: Any, source: str) -> Non
     if isinstance(value, float) and math.isnan(value):  # TOML `nan` is never a meaningful setting
         raise ValueError(f"{source}: key '{key}' = nan is not a number; expected {_type_name(annotation)}")
     if _matches(value, annotation) is False:
+        problem = "is not allowed" if typing.get_origin(annotation) is Literal else "has the wrong type"
         raise ValueError(
-            f"{source}: key '{key}' = {value!r} ({type(value).__name__}) has the wrong type; "
-            f"expected {_type_name(annotation)}"
+            f"{source}: key '{key}' = {value!r} ({type(value).__name__}) {problem}; expected {_type_name(annotation)}"
         )
 
 
