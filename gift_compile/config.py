@@ -2,16 +2,20 @@
 
 Validation happens at construction so that a typo in a TOML file or a CLI flag fails
 before any process group is created, with a message that names the field and lists the
-allowed values, instead of surfacing as a shape error deep inside a compiled graph.
+allowed values, instead of surfacing as a shape error deep inside a compiled graph. Types
+are checked strictly: ints reject bools and floats, floats accept ints but must be finite,
+strings must be `str`; every failure is a `GiftConfigError` (a ValueError) naming the field.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 FORMATS = ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "mxfp8", "nvfp4")
 SCALINGS = ("tensor", "row", "block")
@@ -23,10 +27,59 @@ UNREWRITTEN = ("error", "warn")
 PLAN_CHECKS = ("first", "always")
 _SELECT_KEYWORDS = ("auto", "all", "none")
 _BOUNDARY_RE = re.compile(r"^boundary_hits:(\d+)$")
+# `seed` lives in an int64 tensor (the stochastic-rounding seed of every rank), so it must fit.
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
-def _fail(name: str, value: Any, allowed: str) -> None:
-    raise ValueError(f"GiftConfig.{name}={value!r} is invalid; allowed: {allowed}")
+class GiftConfigError(ValueError):
+    """A `GiftConfig` field holds a bad value.
+
+    A ValueError whose `field` attribute names the field, so that front ends (the
+    torchtitan launcher) can point at the TOML key or CLI flag that set it rather than
+    parse the message.
+    """
+
+    def __init__(self, field: str, value: Any, allowed: str) -> None:
+        super().__init__(f"GiftConfig.{field}={value!r} is invalid; allowed: {allowed}")
+        self.field = field
+        self.value = value
+        self.allowed = allowed
+
+
+def _fail(name: str, value: Any, allowed: str) -> NoReturn:
+    raise GiftConfigError(name, value, allowed)
+
+
+def _is_int(value: Any) -> bool:
+    # bool is an int subclass: `rank=True` is a typo for a number, not the number 1.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_float(name: str, value: Any, allowed: str, in_range: Callable[[float], bool]) -> float:
+    """`value` as a float: ints are accepted; bools, strings, NaN and +-Inf are not. NaN
+    compares false to everything, so a bare `value < bound` rejection would let it through
+    to the statistics or the selection rule."""
+    finite = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not finite or not in_range(float(value)):
+        _fail(name, value, allowed)
+    return float(value)
+
+
+def _globs(name: str, value: Any, allowed: str) -> tuple[str, ...]:
+    """A comma-separated string, list or tuple of FQN globs -> tuple of non-empty globs.
+
+    An empty piece (`","`, `"a.*,,b.*"`) is an error, not dropped: it is a typo in a flag,
+    and dropping it could silently turn a glob list into an empty one.
+    """
+    if isinstance(value, str):
+        globs: Any = tuple(s.strip() for s in value.split(","))
+    elif isinstance(value, list):
+        globs = tuple(value)
+    else:
+        globs = value
+    if not isinstance(globs, tuple) or not all(isinstance(s, str) and s.strip() for s in globs):
+        _fail(name, value, allowed)
+    return globs
 
 
 @dataclass(frozen=True)
@@ -51,8 +104,9 @@ class GiftConfig:
         select: which managed layers take the transformed path: "auto" (measured per layer
             at each refresh), "all", "none" (Euclidean low-bit everywhere),
             "boundary_hits:K" (the paper's rule: top-K layers by E5M2 saturation share), or
-            a tuple of fnmatch globs over parameter FQNs.
-        exclude: globs of parameter FQNs that always stay at full precision.
+            a tuple of fnmatch globs over parameter FQNs (a comma-separated string is split).
+        exclude: globs of parameter FQNs that always stay at full precision (a
+            comma-separated string is split; an empty tuple excludes nothing).
         error_feedback: keep the quantization residual (in transformed coordinates) and add
             it to the next step's gradient.
         stochastic_rounding: round fp codes stochastically (seeded, reproducible).
@@ -63,7 +117,8 @@ class GiftConfig:
             graphs, or with "propagate", a non-finite input turns the affected rows of the
             result into NaN on every rank (never a silently finite value).
         reduce_op: "avg" (data-parallel mean) or "sum".
-        seed: base seed of stochastic rounding and of the Hadamard signs.
+        seed: base seed of stochastic rounding and of the Hadamard signs; must fit int64
+            (it is held in an int64 tensor).
         select_metric: how select="auto" compares the two paths: "euclidean" (relative L2
             error of the gradient) or "whitened" (the error seen in the layer's whitened
             geometry, which is what preconditioned optimizers such as Muon/Shampoo amplify).
@@ -105,56 +160,48 @@ class GiftConfig:
     plan_check: str = "first"
 
     def __post_init__(self) -> None:
-        if self.format not in FORMATS:
-            _fail("format", self.format, ", ".join(FORMATS))
-        if self.scaling not in SCALINGS:
-            _fail("scaling", self.scaling, ", ".join(SCALINGS))
-        if self.geometry not in GEOMETRIES:
-            _fail("geometry", self.geometry, ", ".join(GEOMETRIES))
-        if self.nonfinite not in NONFINITE:
-            _fail("nonfinite", self.nonfinite, ", ".join(NONFINITE))
-        if self.select_metric not in SELECT_METRICS:
-            _fail("select_metric", self.select_metric, ", ".join(SELECT_METRICS))
-        if self.reduce_op not in REDUCE_OPS:
-            _fail("reduce_op", self.reduce_op, ", ".join(REDUCE_OPS))
-        if self.unrewritten not in UNREWRITTEN:
-            _fail("unrewritten", self.unrewritten, ", ".join(UNREWRITTEN))
-        if self.plan_check not in PLAN_CHECKS:
-            _fail("plan_check", self.plan_check, ", ".join(PLAN_CHECKS))
+        # Types first (a str where a float belongs must not surface as a TypeError from a
+        # comparison), then ranges; every failure is a GiftConfigError naming the field.
+        for name, choices in (("format", FORMATS), ("scaling", SCALINGS), ("geometry", GEOMETRIES),
+                              ("nonfinite", NONFINITE), ("select_metric", SELECT_METRICS),
+                              ("reduce_op", REDUCE_OPS), ("unrewritten", UNREWRITTEN),
+                              ("plan_check", PLAN_CHECKS)):
+            value = getattr(self, name)
+            if not isinstance(value, str) or value not in choices:
+                _fail(name, value, ", ".join(choices))
         for name in ("block_size", "rank", "refresh_every", "stats_tokens"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not _is_int(value) or value < 1:
                 _fail(name, value, "a positive integer")
-        if not isinstance(self.min_numel, int) or self.min_numel < 0:
-            _fail("min_numel", self.min_numel, "a non-negative integer")
         if self.block_size % 2:
             _fail("block_size", self.block_size, "an even positive integer")
-        if not 0.0 <= self.ema < 1.0:
-            _fail("ema", self.ema, "a float in [0, 1)")
-        if not 0.0 < self.damping < 1.0:
-            _fail("damping", self.damping, "a float in (0, 1)")
-        if self.auto_min_gain < 1.0:
-            _fail("auto_min_gain", self.auto_min_gain, "a float >= 1")
-        if self.auto_max_overhead <= 0.0:
-            _fail("auto_max_overhead", self.auto_max_overhead, "a positive float")
+        if not _is_int(self.min_numel) or self.min_numel < 0:
+            _fail("min_numel", self.min_numel, "a non-negative integer")
+        if not _is_int(self.seed) or not _INT64_MIN <= self.seed <= _INT64_MAX:
+            _fail("seed", self.seed, f"an integer in [{_INT64_MIN}, {_INT64_MAX}] (int64)")
+        floats = {
+            "ema": _check_float("ema", self.ema, "a finite float in [0, 1)", lambda v: 0.0 <= v < 1.0),
+            "damping": _check_float("damping", self.damping, "a finite float in (0, 1)", lambda v: 0.0 < v < 1.0),
+            "auto_min_gain": _check_float("auto_min_gain", self.auto_min_gain, "a finite float >= 1",
+                                          lambda v: v >= 1.0),
+            "auto_max_overhead": _check_float("auto_max_overhead", self.auto_max_overhead, "a finite float > 0",
+                                              lambda v: v > 0.0),
+        }
+        for name, value in floats.items():  # ema=0 is stored as 0.0: the annotated type
+            object.__setattr__(self, name, value)
         for name in ("error_feedback", "stochastic_rounding"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, getattr(self, name), "true or false")
         self._validate_select()
-        if isinstance(self.exclude, str):
-            object.__setattr__(self, "exclude", (self.exclude,))
-        if isinstance(self.exclude, list):
-            object.__setattr__(self, "exclude", tuple(self.exclude))
+        object.__setattr__(self, "exclude", _globs("exclude", self.exclude,
+                                                   "a list (or comma-separated string) of non-empty FQN globs"))
 
     def _validate_select(self) -> None:
-        allowed = '"auto", "all", "none", "boundary_hits:K" (K >= 1) or a list of FQN globs'
+        allowed = '"auto", "all", "none", "boundary_hits:K" (K >= 1) or a non-empty list of non-empty FQN globs'
         select = self.select
-        if isinstance(select, list):
-            select = tuple(select)
-            object.__setattr__(self, "select", select)
         if isinstance(select, str):
             if "," in select:  # "a.*,b.*" from a CLI flag: a glob list
-                object.__setattr__(self, "select", tuple(s.strip() for s in select.split(",") if s.strip()))
+                object.__setattr__(self, "select", _globs("select", select, allowed))
                 return
             if select in _SELECT_KEYWORDS:
                 return
@@ -167,9 +214,11 @@ class GiftConfig:
                 object.__setattr__(self, "select", (select,))
                 return
             _fail("select", select, allowed)
-        elif isinstance(select, tuple):
-            if not select or not all(isinstance(s, str) and s for s in select):
+        elif isinstance(select, (list, tuple)):
+            select = _globs("select", select, allowed)
+            if not select:
                 _fail("select", select, allowed)
+            object.__setattr__(self, "select", select)
         else:
             _fail("select", select, allowed)
 

@@ -1,8 +1,13 @@
 """GiftConfig validation: every bad value names its field and the allowed values."""
 
+import dataclasses
+
 import pytest
 
 from gift_compile import GiftConfig
+from gift_compile.config import GiftConfigError
+
+NAN, INF = float("nan"), float("inf")
 
 
 @pytest.mark.parametrize("kwargs,field", [
@@ -11,10 +16,55 @@ from gift_compile import GiftConfig
     ({"damping": 0.0}, "damping"), ({"select": "boundary_hits:0"}, "select"), ({"select": "best"}, "select"),
     ({"error_feedback": "yes"}, "error_feedback"), ({"block_size": 3}, "block_size"),
     ({"nonfinite": "ignore"}, "nonfinite"), ({"reduce_op": "max"}, "reduce_op"),
+    ({"unrewritten": "ignore"}, "unrewritten"), ({"plan_check": "never"}, "plan_check"),
 ])
 def test_invalid_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"GiftConfig\.{field}=.*allowed"):
         GiftConfig(**kwargs)
+
+
+# Wrong types and non-finite numbers, one case per field (several for the numeric ones):
+# each must fail at construction with a GiftConfigError naming the field, never a TypeError
+# from a comparison or a silent acceptance that fails later.
+BAD_TYPES = [
+    ("format", 3), ("format", None), ("scaling", b"row"), ("geometry", ["lowrank"]),
+    ("nonfinite", 0), ("reduce_op", 1), ("select_metric", None), ("unrewritten", False), ("plan_check", 2),
+    ("block_size", 32.0), ("block_size", True), ("rank", True), ("rank", "8"), ("refresh_every", False),
+    ("refresh_every", 10.0), ("stats_tokens", "1024"), ("min_numel", True), ("min_numel", 4096.0),
+    ("min_numel", -1), ("seed", "0"), ("seed", True), ("seed", 1.5), ("seed", 2**70), ("seed", 2**63),
+    ("seed", -(2**63) - 1),
+    ("ema", "0.9"), ("ema", True), ("ema", NAN), ("ema", INF), ("damping", "1e-3"), ("damping", NAN),
+    ("damping", None), ("auto_min_gain", NAN), ("auto_min_gain", INF), ("auto_min_gain", True),
+    ("auto_min_gain", "2"), ("auto_max_overhead", INF), ("auto_max_overhead", NAN), ("auto_max_overhead", False),
+    ("error_feedback", 1), ("error_feedback", "false"), ("stochastic_rounding", 0), ("stochastic_rounding", "true"),
+    ("select", ","), ("select", "a.*,,b.*"), ("select", ()), ("select", []), ("select", ("a.*", "")),
+    ("select", ("a.*", 3)), ("select", 5), ("select", None),
+    ("exclude", 5), ("exclude", None), ("exclude", ("*embed*", 3)), ("exclude", ("",)), ("exclude", ""),
+    ("exclude", "a.*,"), ("exclude", ["  "]),
+]
+
+
+@pytest.mark.parametrize("field,value", BAD_TYPES, ids=[f"{f}={v!r}" for f, v in BAD_TYPES])
+def test_wrong_types_and_nonfinite_values_name_the_field(field, value):
+    with pytest.raises(GiftConfigError, match=rf"^GiftConfig\.{field}=.* is invalid; allowed: ") as info:
+        GiftConfig(**{field: value})
+    assert info.value.field == field
+    assert isinstance(info.value, ValueError)
+
+
+def test_every_field_has_a_bad_type_case():
+    assert {f.name for f in dataclasses.fields(GiftConfig)} == {f for f, _ in BAD_TYPES}
+
+
+def test_accepted_edge_values_are_normalised():
+    cfg = GiftConfig(ema=0, damping=1e-6, auto_min_gain=1, auto_max_overhead=3, exclude="*embed*, *lm_head*")
+    # Ints given to float fields are stored as floats; exclude strings split like select's.
+    assert (cfg.ema, cfg.auto_min_gain, cfg.auto_max_overhead) == (0.0, 1.0, 3.0)
+    assert all(type(v) is float for v in (cfg.ema, cfg.auto_min_gain, cfg.auto_max_overhead))
+    assert cfg.exclude == ("*embed*", "*lm_head*")
+    assert GiftConfig(exclude=()).exclude == () and GiftConfig(exclude=["a.*"]).exclude == ("a.*",)
+    for seed in (-(2**63), -1, 2**63 - 1):  # the int64 range of the seed tensor
+        assert GiftConfig(seed=seed).seed == seed
 
 
 def test_select_forms():
@@ -27,5 +77,9 @@ def test_select_forms():
 def test_dict_round_trip_and_unknown_keys():
     cfg = GiftConfig(format="nvfp4", rank=16, exclude=("*embed*",))
     assert GiftConfig.from_dict(cfg.to_dict()) == cfg
+    cfg = GiftConfig(select="a.*,b.*", ema=0, seed=2**63 - 1, exclude="x.*", stochastic_rounding=True)
+    assert GiftConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="unknown GiftConfig field.*formt"):
         GiftConfig.from_dict({"formt": "fp8_e4m3"})
+    with pytest.raises(GiftConfigError, match=r"GiftConfig\.seed='0'"):
+        GiftConfig.from_dict({**GiftConfig().to_dict(), "seed": "0"})

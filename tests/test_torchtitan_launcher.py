@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -138,3 +139,112 @@ def test_gift_section_covers_gift_config() -> None:
     assert config - section == {"reduce_op"}
     assert section - config == {"enable", "fuse"}
     assert GiftSection().to_gift_config().reduce_op == "sum"
+
+
+_JOB = '[job]\nmodule = "gift_compile.torchtitan_ext"\nconfig = "llama3_debug_gift_fsdp2"\n'
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ("[gift]\nerror_feedback = 1\n", "key 'gift.error_feedback' = 1 (int) has the wrong type; expected bool"),
+        ('[gift]\nerror_feedback = "false"\n', "key 'gift.error_feedback' = 'false' (str) has the wrong type; expected bool"),
+        ("[gift]\nrank = true\n", "key 'gift.rank' = True (bool) has the wrong type; expected int"),
+        ('[gift]\nrank = "8"\n', "key 'gift.rank' = '8' (str) has the wrong type; expected int"),
+        ('[gift]\nema = "0.9"\n', "key 'gift.ema' = '0.9' (str) has the wrong type; expected float"),
+        ("[gift]\nema = nan\n", "key 'gift.ema' = nan is not a number; expected float"),
+        ('[gift]\nexclude = "x.*"\n', "key 'gift.exclude' = 'x.*' (str) has the wrong type; expected a list of str"),
+        ("[gift]\nexclude = [1]\n", "key 'gift.exclude' = [1] (list) has the wrong type; expected a list of str"),
+        ('[gift]\nexclude = ["a,b"]\n', "key 'gift.exclude' = ['a,b']: list elements cannot contain ','"),
+        ("[training]\nsteps = 2.5\n", "key 'training.steps' = 2.5 (float) has the wrong type; expected int"),
+        ('[training]\ndtype = "float16"\n', "key 'training.dtype' = 'float16' (str) is not allowed; expected one of 'bfloat16', 'float32'"),
+        ("[training]\nmax_norm = true\n", "key 'training.max_norm' = True (bool) has the wrong type; expected float or int"),
+        ("dump_folder = 3\n", "key 'dump_folder' = 3 (int) has the wrong type; expected str"),
+        # Ranges, checked on the merged values before --dry-run can succeed.
+        ("[training]\nsteps = -5\n", "key 'training.steps' = -5 is invalid; allowed: an integer >= 1"),
+        ("[training]\nlocal_batch_size = 0\n", "key 'training.local_batch_size' = 0 is invalid; allowed: an integer >= 1"),
+        ("[training]\nseq_len = 0\n", "key 'training.seq_len' = 0 is invalid; allowed: an integer >= 1"),
+        ("[gift]\nema = 1\n", "key 'gift.ema' = 1: GiftConfig.ema=1 is invalid; allowed: a finite float in [0, 1)"),
+        ("[gift]\nauto_min_gain = 0.5\n", "key 'gift.auto_min_gain' = 0.5: GiftConfig.auto_min_gain=0.5 is invalid"),
+        ("[gift]\nauto_max_overhead = inf\n", "key 'gift.auto_max_overhead' = inf: GiftConfig.auto_max_overhead=inf is invalid"),
+        ('[gift]\nselect = ","\n', "key 'gift.select' = ',': GiftConfig.select=',' is invalid"),
+        ("[gift]\nseed = 9223372036854775808\n", "key 'gift.seed' = 9223372036854775808: GiftConfig.seed="),
+    ],
+)
+def test_bad_toml_values_name_the_key_file_value_and_type(tmp_path: Path, body: str, message: str) -> None:
+    toml = _write(tmp_path, body + _JOB)
+    with pytest.raises(ValueError) as info:
+        build_plan(toml, [], None)
+    assert str(info.value).startswith(f"{toml}: {message}")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["--gift.rank", "true"], "command line: key 'gift.rank' = 'true' (--gift.rank) is not a valid value; expected int"),
+        (["--gift.ema=abc"], "command line: key 'gift.ema' = 'abc' (--gift.ema) is not a valid value; expected float"),
+        (["--gift.ema", "nan"], "command line: key 'gift.ema' = 'nan' (--gift.ema) is not a valid value; expected float"),
+        (["--training.dtype", "fp16"], "command line: key 'training.dtype' = 'fp16' (--training.dtype) is not a valid value; expected one of"),
+        (["--gift.error-feedback", "false"], "command line: key 'gift.error_feedback' (--gift.error-feedback 'false') is a bool flag"),
+        (["--gift.enable=true"], "command line: key 'gift.enable' (--gift.enable 'true') is a bool flag"),
+        (["--gift.no-rank"], "command line: --gift.no-rank: key 'gift.rank' is not a bool flag"),
+        (["--gift.rank"], "command line: key 'gift.rank' (--gift.rank) expects a value: int"),
+        (["--training.steps", "-5"], "command line: key 'training.steps' = -5 is invalid; allowed: an integer >= 1"),
+        (["--gift.rank=0"], "command line: key 'gift.rank' = 0: GiftConfig.rank=0 is invalid"),
+        (["--gift.select", "a.*,,b.*"], "command line: key 'gift.select' = 'a.*,,b.*': GiftConfig.select='a.*,,b.*' is invalid"),
+    ],
+)
+def test_bad_command_line_values_name_the_key(tmp_path: Path, overrides: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        build_plan(_write(tmp_path, _JOB), overrides, None)
+
+
+def test_merged_values_are_checked_cli_first(tmp_path: Path) -> None:
+    # A bad TOML value that the command line overrides is not an error (CLI > TOML) ...
+    toml = _write(tmp_path, _JOB + "[training]\nsteps = -5\n[gift]\nrank = 0\n")
+    plan = build_plan(toml, ["--training.steps", "3", "--gift.rank=4", "--gift.exclude", ""], None)
+    config = _parse(plan.args)
+    assert config.training.steps == 3 and config.gift.rank == 4
+    # ... and `--gift.exclude ""` (tyro's [""]) means "exclude nothing".
+    assert config.gift.to_gift_config().exclude == ()
+    # The error names where the offending value came from: here the command line.
+    with pytest.raises(ValueError, match=r"^command line: key 'gift.ema' = 1\.5: GiftConfig\.ema=1\.5"):
+        build_plan(toml, ["--training.steps", "3", "--gift.rank=4", "--gift.ema", "1.5"], None)
+
+
+def test_dry_run_refuses_negative_steps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    toml = _write(tmp_path, "[training]\nsteps = -5\n" + _JOB)
+    with pytest.raises(SystemExit) as info:
+        main(["--toml", toml, "--dry-run"])
+    assert info.value.code == 2
+    captured = capsys.readouterr()
+    assert f"{toml}: key 'training.steps' = -5 is invalid; allowed: an integer >= 1" in captured.err
+    assert "gift_compile.torchtitan_ext.train" not in captured.out  # no command printed
+    with pytest.raises(SystemExit):
+        main(["--toml", str(GIFT_TOML), "--gift.rank", "true", "--dry-run"])
+    assert "command line: key 'gift.rank' = 'true'" in capsys.readouterr().err
+
+
+def test_gift_section_rejects_non_bool_switches() -> None:
+    with pytest.raises(ValueError, match=r"GiftSection\.enable=1 is invalid"):
+        GiftSection(enable=1)
+    with pytest.raises(ValueError, match=r"GiftSection\.fuse='no' is invalid"):
+        GiftSection(fuse="no")
+
+
+def test_range_errors_name_the_config_function_for_its_own_values() -> None:
+    from gift_compile.torchtitan_ext.launcher import _check_ranges
+
+    @dataclasses.dataclass
+    class Training:
+        steps: int = 0
+        local_batch_size: int = 1
+        seq_len: int = 1
+
+    @dataclasses.dataclass
+    class Root:
+        training: Training = dataclasses.field(default_factory=Training)
+
+    with pytest.raises(ValueError, match=r"^config function m\.f: key 'training\.steps' = 0 is invalid"):
+        _check_ranges(Root(), {}, "config function m.f")
+    _check_ranges(Root(), {"training.steps": (2, "job.toml")}, "config function m.f")  # the override wins

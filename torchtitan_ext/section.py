@@ -98,10 +98,15 @@ class GiftSection:
     """select=auto: maximum transform FLOPs as a fraction of the layer's backward."""
 
     def __post_init__(self) -> None:
+        for name in _INTEGRATION_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"GiftSection.{name}={getattr(self, name)!r} is invalid; allowed: true or false")
         self.to_gift_config()
 
     def to_gift_config(self) -> GiftConfig:
         """The validated GiftConfig (raises ValueError naming the bad field)."""
         values = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _INTEGRATION_FIELDS}
-        values["exclude"] = tuple(values["exclude"])
+        # tyro parses list[str] from one "a,b,c" token, so `--gift.exclude ""` ([""]) is how the
+        # command line says "exclude nothing"; any other empty glob is an error in GiftConfig.
+        values["exclude"] = () if values["exclude"] == [""] else values["exclude"]
         return GiftConfig(reduce_op="sum", **values)
