@@ -72,11 +72,17 @@ __all__ = [
 
 
 class ItemTensors(NamedTuple):
-    """Runtime tensors of one managed item (`None` for a full-precision item)."""
+    """Runtime tensors of one managed item (`None` for a full-precision item).
+
+    `seed_offset` (int64, 0-d) decorrelates the layer's stochastic rounding from other
+    layers'; as data, not a plan constant, it lets equally shaped layers share one graph.
+    Without it the plan's name-derived offset is used.
+    """
 
     transform: tuple[torch.Tensor, ...]
     residual: torch.Tensor | None = None
     probe: torch.Tensor | None = None
+    seed_offset: torch.Tensor | None = None
 
 
 class Shared(NamedTuple):
@@ -187,8 +193,9 @@ def _scale_blocks(spec: FormatSpec, cols: int, scales: torch.Tensor, tscale: tor
     return out
 
 
-def _rank_seed(shared: Shared, item: ItemPlan, extra: int = 0) -> torch.Tensor | int:
-    return shared.seed + item.seed_offset + shared.rank * RANK_SEED_STRIDE + extra
+def _rank_seed(shared: Shared, item: ItemPlan, state: ItemTensors, extra: int = 0) -> torch.Tensor | int:
+    offset = item.seed_offset if state.seed_offset is None else state.seed_offset
+    return shared.seed + offset + shared.rank * RANK_SEED_STRIDE + extra
 
 
 def _count(shared: Shared, wire: int, baseline: int, calls: int, nonfinite: torch.Tensor | int = 0,
@@ -238,7 +245,7 @@ def launch(xs: Sequence[torch.Tensor], items: Sequence[ItemTensors | None], shar
         bad = ~torch.isfinite(g).all()
         nonfinite = bad if nonfinite is None else nonfinite | bad
         scales, tscale = choose_scales(g, spec)
-        seed = _rank_seed(shared, item) if item.stochastic_rounding else 0
+        seed = _rank_seed(shared, item, state) if item.stochastic_rounding else 0
         codes = encode(g, spec, scales, tscale, stochastic_rounding=item.stochastic_rounding, seed=seed)
         if state.residual is not None:
             new = g - decode(codes, spec, scales, tscale, item.cols)
@@ -323,13 +330,13 @@ def gather_launch(shards: Sequence[torch.Tensor], items: Sequence[ItemTensors | 
     """All-reduce stage 2: re-encode this rank's reduced shards (transformed coordinates) with
     local scales and start one all_gather of codes + scales (not yet waited)."""
     pieces = []
-    for shard, item in zip(shards, plan.items):
+    for shard, state, item in zip(shards, items, plan.items):
         if not item.managed:
             pieces.append(_as_bytes(shard.to(item.torch_dtype)).reshape(-1))
             continue
         spec = item.spec
         scales, tscale = choose_scales(shard, spec)
-        seed = _rank_seed(shared, item, _ALL_GATHER_SEED) if item.stochastic_rounding else 0
+        seed = _rank_seed(shared, item, state, _ALL_GATHER_SEED) if item.stochastic_rounding else 0
         codes = encode(shard, spec, scales, tscale, stochastic_rounding=item.stochastic_rounding, seed=seed)
         pieces.append(codes.reshape(-1))
         pieces.extend(b.reshape(-1) for b in _scale_blocks(spec, item.cols, scales, tscale, 1))

@@ -10,7 +10,7 @@ pass), and writes the results back into the buffer. The returned future is compl
 collective has run (DDP overlaps buckets with the rest of the backward either way).
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations`: DDP checks the comm hook's annotations at runtime.
 
 import logging
 
@@ -39,7 +39,7 @@ class _HookState:
         self.layers = {id(m._parameters["weight"]): m._gift_layer for m in state.modules.values()}
 
 
-def _gift_hook(hs: _HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def _gift_hook(hs: "_HookState", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     buf = bucket.buffer()
     name, world, _ = group_info(hs.group)
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()

@@ -100,6 +100,15 @@ class GiftReduceScatter(ReduceScatter):
             out.append((fsdp_param._param_fqn or info.param_name, rows, cols, layer))
         return out
 
+    def plan(self, world: int, dtype: torch.dtype, group_name: str | None = None) -> BucketPlan:
+        """The bucket this module's reduce-scatter runs: one item per parameter (managed
+        weights quantized, the others at full precision), FSDP2's order."""
+        items = tuple(
+            ItemPlan.passthrough(name, world * rows * cols, dtype) if layer is None else layer.plan.with_dtype(dtype)
+            for name, rows, cols, layer in self._segments()
+        )
+        return BucketPlan(items, world, group_name, False, "reduce_scatter")
+
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: Any, async_op: bool = False) -> dist.Work | None:
         if op != dist.ReduceOp.SUM:
@@ -116,20 +125,14 @@ class GiftReduceScatter(ReduceScatter):
                 f"parameters that require gradients make {world} x {chunk}; cannot map it to parameters"
             )
         chunks = input_tensor.view(world, chunk)
-        xs, items, tensors = [], [], []
+        xs, tensors = [], []
         offset = 0
-        for name, rows, cols, layer in segments:
+        for _, rows, cols, layer in segments:
             piece = chunks[:, offset:offset + rows * cols]
             offset += rows * cols
-            if layer is None:
-                xs.append(piece)
-                items.append(ItemPlan.passthrough(name, world * rows * cols, input_tensor.dtype))
-                tensors.append(None)
-            else:
-                xs.append(piece.reshape(world * rows, cols))
-                items.append(layer.plan.with_dtype(input_tensor.dtype))
-                tensors.append(layer.tensors())
-        plan = BucketPlan(tuple(items), world, group.group_name, False, "reduce_scatter")
+            xs.append(piece if layer is None else piece.reshape(world * rows, cols))
+            tensors.append(None if layer is None else layer.tensors())
+        plan = self.plan(world, input_tensor.dtype, group.group_name)
         check_plan_agreement(plan, group, always=self.state.config.plan_check == "always")
         with self.timer.timing(input_tensor.device):
             outs, _ = run_bucket(xs, tensors, self.state.shared, plan, compiled=self.compiled)

@@ -137,7 +137,9 @@ class BucketPlan:
             raise ValueError(f"BucketPlan.op={self.op!r}; allowed: reduce_scatter, all_reduce")
         if not self.items:
             raise ValueError("BucketPlan: a bucket needs at least one item")
-        text = repr((tuple(i.to_str() for i in self.items), self.world, self.average, self.op))
+        # Names stay out: same-shaped buckets of different blocks share one compiled graph.
+        anonymous = tuple(dataclasses.replace(i, name="").to_str() for i in self.items)
+        text = repr((anonymous, self.world, self.average, self.op))
         digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
         object.__setattr__(self, "_fingerprint", int.from_bytes(digest, "little", signed=True))
 
@@ -155,8 +157,9 @@ class BucketPlan:
         return item.numel
 
     def fingerprint(self) -> int:
-        """A signed 64-bit hash of everything static (not the group name, which may be spelled
-        differently on different ranks for the same group)."""
+        """A signed 64-bit hash of everything static that decides the bytes and their meaning
+        (not the group name, which may be spelled differently on different ranks, nor item
+        names, so that equally shaped buckets compile to one graph)."""
         return self._fingerprint
 
     def describe(self) -> str:

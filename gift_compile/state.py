@@ -74,6 +74,7 @@ class LayerState:
         self.probe = torch.zeros(min(out, PROBE_ROWS), d_in, device=device)
         self.plan = ItemPlan.managed_layer(fqn, self.shape, config, len(self.transform.tensors))
         self.plan_str = self.plan.to_str()  # precomputed: the forward passes it to traced code
+        self.seed_offset = torch.tensor(self.plan.seed_offset, dtype=torch.int64, device=device)
         # GIFT's own sync: "sync", "accumulate" (inside `gift_compile.no_sync`) or
         # "sync_pending" (the next backward sends gradient + `pending`, allocated on first use).
         self.mode = "sync"
@@ -89,12 +90,12 @@ class LayerState:
 
     def tensors(self) -> ItemTensors:
         """Runtime tensors for `gift_compile.collectives`."""
-        return ItemTensors(self.transform.tensors, self.residual, self.probe)
+        return ItemTensors(self.transform.tensors, self.residual, self.probe, self.seed_offset)
 
     def mark_tensors(self, shared: Shared) -> list[torch.Tensor]:
         """Inputs of the `gift::mark` op, in the order `unpack_mark_tensors` reads them."""
         extra = [self.residual] if self.residual is not None else []
-        return [*self.transform.tensors, *extra, self.probe, shared.seed, shared.rank, shared.counters]
+        return [*self.transform.tensors, *extra, self.probe, self.seed_offset, shared.seed, shared.rank, shared.counters]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         sd = {f"transform.{k}": v for k, v in self.transform.state_dict().items()}
@@ -115,8 +116,8 @@ def unpack_mark_tensors(plan: ItemPlan, tensors: list[Any]) -> tuple[ItemTensors
     n = plan.n_tensors
     transform = tuple(tensors[:n])
     residual = tensors[n] if plan.error_feedback else None
-    probe, seed, rank, counters = tensors[-4:]
-    return ItemTensors(transform, residual, probe), Shared(seed, rank, counters)
+    probe, seed_offset, seed, rank, counters = tensors[-5:]
+    return ItemTensors(transform, residual, probe, seed_offset), Shared(seed, rank, counters)
 
 
 @dataclass
@@ -415,10 +416,12 @@ class GiftState:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        sd: dict[str, Any] = {"meta": json.dumps(self._meta(), sort_keys=True), "seed": self.seed,
+        """A snapshot (detached copies): loaders such as DCP write into the tensors they are
+        given before `load_state_dict` validates them, which must not touch the live state."""
+        sd: dict[str, Any] = {"meta": json.dumps(self._meta(), sort_keys=True), "seed": self.seed.detach().clone(),
                               "steps": torch.tensor(self.steps)}
         for name, layer in self.layers.items():
-            sd.update({f"{name}.{k}": v for k, v in layer.state_dict().items()})
+            sd.update({f"{name}.{k}": v.detach().clone() for k, v in layer.state_dict().items()})
         return sd
 
     @torch.no_grad()

@@ -72,7 +72,7 @@ dataset = "gift_shakespeare"
     plan = build_plan(toml, ["--config", "llama3_debug_gift_fsdp2"], 1)
     assert plan.nproc == 1  # --nproc beats job.nproc
     config = _parse(plan.args)
-    assert type(config).__name__ == "Config" and config.gift.enable is True  # --config beats [job]
+    assert type(config).__name__ == "GiftTrainerConfig" and config.gift.enable is True  # --config beats [job]
     assert config.gift.exclude == ["*embed*", "*lm_head*"]
     assert config.gift.to_gift_config().boundary_hits_k == 3
     assert config.validator.dataloader.dataset == "gift_shakespeare"

@@ -30,7 +30,6 @@ from . import cpu_compat
 # through cpu_compat (see its docstring); on an accelerator box this is a no-op.
 cpu_compat.activate()
 
-from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import CrossEntropyLoss
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 from torchtitan.components.validate import Validator
@@ -39,12 +38,13 @@ from torchtitan.config.configs import DebugConfig
 from torchtitan.experiments.graph_trainer.configs import GraphTrainerCompileConfig
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 
+from .checkpoint import GiftCheckpointManager
 from .data import corpus_paths
 from .models import gift_model_spec
 from .pipeline import GIFT_PASS_PIPELINE
 from .section import GiftSection
 from .telemetry import GiftMetricsProcessor
-from .trainers import GiftGraphTrainer, GiftTrainer
+from .job_config import GiftGraphTrainerConfig, GiftTrainerConfig
 
 __all__ = [
     "llama3_debug_gift_fsdp2",
@@ -56,9 +56,9 @@ __all__ = [
 _FLAVOR = "gift_debug"
 
 
-def _stock_config(*, gift: bool) -> GiftTrainer.Config:
+def _stock_config(*, gift: bool) -> GiftTrainerConfig:
     model_spec = gift_model_spec(_FLAVOR, attn_backend=cpu_compat.attention_backend(), graph_trainer=False)
-    config = GiftTrainer.Config(
+    config = GiftTrainerConfig(
         model_spec=model_spec,
         hf_assets_path=str(corpus_paths().tokenizer_dir),
         dump_folder="./outputs/gift_debug",
@@ -72,7 +72,7 @@ def _stock_config(*, gift: bool) -> GiftTrainer.Config:
         parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
         dataloader=HuggingFaceTextDataLoader.Config(dataset="gift_shakespeare"),
         metrics=GiftMetricsProcessor.Config(log_freq=1),
-        checkpoint=CheckpointManager.Config(interval=10, last_save_model_only=False),
+        checkpoint=GiftCheckpointManager.Config(interval=10, last_save_model_only=False),
         # The model is tiny; graph_trainer's parallelize_fn ignores this field anyway (its
         # activation memory policy is a graph pass).
         activation_checkpoint=None,
@@ -88,29 +88,29 @@ def _stock_config(*, gift: bool) -> GiftTrainer.Config:
     return cpu_compat.apply_config_defaults(config)
 
 
-def _graph_config(*, gift: bool) -> GiftGraphTrainer.Config:
+def _graph_config(*, gift: bool) -> GiftGraphTrainerConfig:
     stock = _stock_config(gift=gift)
     values = {f.name: getattr(stock, f.name) for f in fields(stock)}
     values["model_spec"] = gift_model_spec(_FLAVOR, attn_backend=cpu_compat.attention_backend(), graph_trainer=True)
     values["compile"] = GraphTrainerCompileConfig(enable=True, pass_pipeline=GIFT_PASS_PIPELINE)
-    return cpu_compat.apply_config_defaults(GiftGraphTrainer.Config(**values))
+    return cpu_compat.apply_config_defaults(GiftGraphTrainerConfig(**values))
 
 
-def llama3_debug_gift_graph() -> GiftGraphTrainer.Config:
+def llama3_debug_gift_graph() -> GiftGraphTrainerConfig:
     """graph_trainer (SimpleFSDP + whole-step trace), gradient collectives rewritten by GIFT."""
     return _graph_config(gift=True)
 
 
-def llama3_debug_nogift_graph() -> GiftGraphTrainer.Config:
+def llama3_debug_nogift_graph() -> GiftGraphTrainerConfig:
     """graph_trainer, fp32 gradient reduce-scatters (the GIFT-off reference)."""
     return _graph_config(gift=False)
 
 
-def llama3_debug_gift_fsdp2() -> GiftTrainer.Config:
+def llama3_debug_gift_fsdp2() -> GiftTrainerConfig:
     """Stock trainer with FSDP2; GIFT through FSDP2's custom reduce-scatter hook."""
     return _stock_config(gift=True)
 
 
-def llama3_debug_nogift_fsdp2() -> GiftTrainer.Config:
+def llama3_debug_nogift_fsdp2() -> GiftTrainerConfig:
     """Stock trainer with FSDP2, fp32 reduce-scatters (the GIFT-off reference)."""
     return _stock_config(gift=False)

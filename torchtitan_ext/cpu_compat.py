@@ -15,18 +15,24 @@ Two kinds of adjustments, preferring the first:
 
   - SDPA instead of FlexAttention: FlexAttention has no CPU backward.
   - ``training.disable_cuda_graphs``: CUDA graphs need CUDA.
-  - graph_trainer passes put in ``compile.disable_passes`` (each measured on torch 2.13
-    CPU): ``joint_transformer_block_bucketing_reordering_pass`` (Inductor's overlap
-    scheduler estimates runtimes from GPU DRAM bandwidth via ``triton.testing``),
-    ``selective_activation_remat_pass`` (the CPU graph has RNG ops inside recompute
-    regions, which the pass rejects), ``cudagraph_pass`` (CUDA graphs; on CPU it only
-    logs an incompatibility warning).
+  - ``cudagraph_pass`` put in ``compile.disable_passes`` (CUDA graphs need CUDA; on CPU it
+    only logs an incompatibility warning). It is the only graph_trainer pass switched off:
+    FSDP bucketing/reordering and selective activation remat run on CPU exactly as on a GPU,
+    with the two shims below.
+  - :func:`save_deterministic_sdpa_pass`, inserted by the ``gift`` pipeline before
+    ``selective_activation_remat_pass``: CPU runs use SDPA, whose ATen ops are tagged
+    ``nondeterministic_seeded`` (dropout), which the remat pass refuses to recompute; with
+    dropout 0 they are saved instead.
   - FSDP2 reductions forced to plain SUM (:func:`after_fsdp2`): torchtitan disables
     FSDP's gradient division (it normalises by the global token count itself), which
     makes FSDP2 pick ``ReduceOp.PREMUL_SUM``; gloo only implements SUM/MAX/MIN/PRODUCT.
     ``FSDPModule.set_force_sum_reduction_for_comms(True)`` is FSDP2's own switch for it.
 
-* Runtime shims in :func:`activate`, where torchtitan hard-codes the accelerator:
+* Runtime shims in :func:`activate`, where torchtitan or Inductor hard-code the accelerator:
+
+  - CPU roofline figures for Inductor's runtime estimator (:func:`_install_cpu_roofline`): the
+    FSDP bucketing/reordering pass estimates node runtimes from GPU DRAM bandwidth, which
+    Inductor asks ``triton.testing`` for.
 
   - device type: ``torchtitan.tools.utils`` computes ``device_type =
     _get_available_device_type() or "cuda"`` at import time and several modules copy it
@@ -78,8 +84,6 @@ __all__ = [
 
 CPU_DISABLED_GRAPH_PASSES: tuple[str, ...] = (
     "cudagraph_pass",
-    #"selective_activation_remat_pass",
-    #"joint_transformer_block_bucketing_reordering_pass",
 )
 """graph_trainer passes that need CUDA (see the module docstring for each reason)."""
 

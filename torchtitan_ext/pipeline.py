@@ -5,12 +5,13 @@ in which SimpleFSDP's gradient reduce-scatters are ``_c10d_functional.reduce_sca
 nodes. ``--compile.pass_pipeline gift`` selects this pipeline: torchtitan's default passes
 with :func:`gift_compile.passes.rewrite_gradient_collectives` inserted after every
 FSDP/bucketing pass and before the terminal Inductor / cudagraph passes, so the rewrite sees
-the final collectives (bucketed or not) and Inductor compiles the quantize/dequantize code
-together with the rest of the step.
+the final collectives: each transformer block's bucketed reduce-scatter becomes one GIFT
+all_to_all (per-layer encode, fp32 for the bucket's other gradients, per-layer decode), so the
+number of collective launches does not grow.
 
 The rewrite finds each managed weight's gradient by the ``gift::mark`` node that
-:func:`gift_compile.torchtitan_ext.layers.manage_linears` put on it; the mark names the
-layer's GIFT state, so the pipeline needs nothing but the graph.
+:func:`gift_compile.api.manage` put on it; the mark carries the layer's plan and state
+tensors, so the pipeline needs nothing but the graph.
 """
 
 from __future__ import annotations
@@ -49,26 +50,24 @@ def gift_rewrite_pass(gm: torch.fx.GraphModule, example_inputs: Any, *, fuse: bo
     that graph_trainer's default *regional* Inductor pass compiles GIFT's code (transform
     and quantize, dequantize, sum and inverse fuse into a few kernels) while the rest of
     the step keeps its bitwise-eager numerics; under ``inductor_compilation="full"`` the
-    whole graph is compiled anyway. Raises when the graph has managed gradients but none
-    of them could be rewritten: the run would silently train at full precision.
+    whole graph is compiled anyway. The collectives themselves stay untagged, so the encode
+    side, the collective and the decode side are separate regions and the all_to_all keeps
+    the place (and overlap) the bucketing scheduler gave the reduce-scatter. A managed
+    gradient that cannot be rewritten raises inside the pass (no silent fp32).
     """
     before = set(gm.graph.nodes)
-    import os
-    if os.environ.get("GIFT_DUMP"):
-        import torch.distributed as _d
-        if _d.get_rank() == 0:
-            open(os.environ["GIFT_DUMP"], "w").write(gm.print_readable(print_output=False))
     report = rewrite_gradient_collectives(gm)
-    if report.fallbacks and not report.rewritten:
-        raise RuntimeError(f"GIFT rewrote no gradient collective; every managed layer fell back: {report.fallbacks}")
+    buckets = sum(r.passthrough > 0 or len(r.layers) > 1 for r in report.rewritten)
     logger.info(
-        f"GIFT rewrite: {len(report.rewritten)} reduce-scatters, {len(report.fallbacks)} at full precision, "
-        f"managed bytes per step {report.fp32_bytes} (fp32) -> {report.wire_bytes}"
+        f"GIFT rewrite: {len(report.rewritten)} reduce-scatters ({buckets} buckets) carrying {len(report.layers)} "
+        f"managed weights, {len(report.fallbacks)} fallbacks; collective launches per step "
+        f"{report.launches(report.ops_before)} -> {report.launches(report.ops_after)}; bytes per step of the "
+        f"rewritten collectives {report.baseline_bytes} -> {report.wire_bytes}"
     )
     if fuse:
         for node in gm.graph.nodes:
-            if node not in before and node.op == "call_function":
-                node.meta.setdefault("custom", {})[_INDUCTOR_TAG] = {"inductor_configs": {}}
+            if node not in before and node.op == "call_function" and "_c10d_functional" not in str(node.target):
+                node.meta["custom"] = {**node.meta.get("custom", {}), _INDUCTOR_TAG: {"inductor_configs": {}}}
     return gm
 
 

@@ -97,6 +97,12 @@ class GiftSection:
     auto_max_overhead: float = _DEFAULTS.auto_max_overhead
     """select=auto: maximum transform FLOPs as a fraction of the layer's backward."""
 
+    unrewritten: str = _DEFAULTS.unrewritten
+    """A managed gradient the pass cannot rewrite: error | warn (then it goes at full precision)."""
+
+    plan_check: str = _DEFAULTS.plan_check
+    """Cross-rank plan check of eager (FSDP2) collectives: first | always (debug)."""
+
     def __post_init__(self) -> None:
         for name in _INTEGRATION_FIELDS:
             if not isinstance(getattr(self, name), bool):

@@ -1,11 +1,17 @@
 """GIFT telemetry in torchtitan's metrics logger, plus a JSON-lines record of every step.
 
-torchtitan's ``MetricsProcessor.log`` prints one console line per logged step and forwards
-a metrics dict to TensorBoard / W&B. :class:`GiftMetricsProcessor` adds the GIFT
-counters (wire bytes, managed layers, per-layer error at the last refresh) to that dict,
-prints a second console line with them, and appends every logged step and validation to
-``<dump_folder>/<jsonl_file>`` on rank 0, so scripts and tests read losses and telemetry
-without scraping logs.
+torchtitan's ``MetricsProcessor.log`` prints one console line per logged step and forwards a
+metrics dict to TensorBoard / W&B. :class:`GiftMetricsProcessor` adds GIFT's counters to that
+dict, prints a second console line with them, and appends every logged step and validation to
+``<dump_folder>/<jsonl_file>`` on rank 0, so scripts and tests read losses and telemetry without
+scraping logs. It finds the GIFT state on the model part (the trainer hands the processor its
+``model_parts``), so no trainer subclass is involved.
+
+Every byte figure is the difference of the state's counters between two logged steps, i.e.
+what GIFT's collectives handed over at run time (codes, scales, headers and the unmanaged
+parameters that share their buckets), next to what the replaced collectives would have been
+handed (``baseline``). Collectives GIFT does not touch (buckets without a managed weight) are
+not counted.
 """
 
 from __future__ import annotations
@@ -13,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,11 +26,47 @@ import torch.distributed as dist
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.tools.logging import logger
 
-__all__ = ["GiftMetricsProcessor", "read_jsonl"]
+from gift_compile.state import GiftState
+
+__all__ = ["GiftMetricsProcessor", "gift_metrics", "read_jsonl"]
+
+
+def gift_metrics(state: GiftState, last: dict[str, Any]) -> dict[str, float]:
+    """GIFT's metrics since the snapshot `last` (updated in place: counters, step, refreshes)."""
+    totals = state.comm_totals()
+    steps = max(state.steps - last.get("steps", 0), 1)
+    prev = last.get("totals", {k: 0 for k in totals})
+    delta = {k: totals[k] - prev[k] for k in totals}
+    out: dict[str, float] = {
+        "gift/managed_layers": float(len(state.layers)),
+        "gift/selected_layers": float(sum(layer.selected for layer in state.layers.values())),
+        "gift/wire_bytes_per_step": delta["wire"] / steps,
+        "gift/baseline_bytes_per_step": delta["baseline"] / steps,
+        "gift/compression": delta["baseline"] / delta["wire"] if delta["wire"] else float("nan"),
+        "gift/collectives_per_step": delta["calls"] / steps,
+    }
+    timer = getattr(state, "comm_timer", None)
+    if timer is not None:
+        out["gift/comm_s_per_step"] = timer.take() / steps
+    last.update(totals=totals, steps=state.steps)
+    if len(state.history) > last.get("refreshes", 0):
+        last["refreshes"] = len(state.history)
+        record = state.history[-1]
+        out["gift/refresh_step"] = float(record.step)
+        out["gift/refresh_s"] = record.seconds
+        rows = list(record.layers.values())
+        if rows:
+            out["gift/err_euclidean_mean"] = sum(float(r["err_euclidean"]) for r in rows) / len(rows)
+            out["gift/err_transformed_mean"] = sum(float(r["err_transformed"]) for r in rows) / len(rows)
+        for fqn, row in record.layers.items():
+            out[f"gift/err_euclidean/{fqn}"] = float(row["err_euclidean"])
+            out[f"gift/err_transformed/{fqn}"] = float(row["err_transformed"])
+            out[f"gift/selected/{fqn}"] = float(row["selected"])
+    return out
 
 
 class GiftMetricsProcessor(MetricsProcessor):
-    """``MetricsProcessor`` that also logs ``telemetry()`` and writes a JSONL record."""
+    """``MetricsProcessor`` that also logs GIFT's counters and writes a JSONL record."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(MetricsProcessor.Config):
@@ -34,28 +75,26 @@ class GiftMetricsProcessor(MetricsProcessor):
 
     def __init__(self, config: Config, *, dump_folder: str = "./outputs", **kwargs: Any) -> None:
         super().__init__(config, dump_folder=dump_folder, **kwargs)
-        self.telemetry: Callable[[], dict[str, float]] | None = None
-        """Set by the trainer: returns the GIFT counters to log for the current step."""
+        self._gift_last: dict[str, Any] = {}
         rank0 = not dist.is_initialized() or dist.get_rank() == 0
         self._jsonl_path = os.path.join(dump_folder, config.jsonl_file) if config.jsonl_file and rank0 else None
         if self._jsonl_path:
             os.makedirs(os.path.dirname(self._jsonl_path) or ".", exist_ok=True)
+
+    def _gift_state(self) -> GiftState | None:
+        parts = getattr(self, "model_parts", None) or []
+        return next((m._gift_state for m in parts if getattr(m, "_gift_state", None) is not None), None)
 
     def _write(self, record: dict[str, Any]) -> None:
         if self._jsonl_path:
             with open(self._jsonl_path, "a", encoding="utf-8") as f:
                 f.write(json.dumps({"time": time.time(), **record}) + "\n")
 
-    def log(
-        self,
-        step: int,
-        global_avg_loss: float,
-        global_max_loss: float,
-        grad_norm: float,
-        extra_metrics: dict[str, Any] | None = None,
-    ) -> None:
+    def log(self, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
+            extra_metrics: dict[str, Any] | None = None) -> None:
         extra = dict(extra_metrics or {})
-        gift = self.telemetry() if self.telemetry is not None else {}
+        state = self._gift_state()
+        gift = gift_metrics(state, self._gift_last) if state is not None else {}
         extra.update(gift)
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)
         # Per-layer entries (gift/<metric>/<layer>) go to the loggers and the JSONL only.

@@ -1,0 +1,243 @@
+"""`gift_compile.apply` on the real data-parallel paths, 2 gloo ranks: FSDP2 (`fully_shard`), DDP,
+and GIFT's own sync with gradient accumulation, unused and frozen layers.
+
+Every test compares against exact fp32 communication of the same gradients and checks both
+sides: managed weights quantized (error at the format's level, not 0) and everything else
+exact; bytes counted by the collectives at run time against the shape-based accounting.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import gift_compile
+from gift_compile.collectives import bucket_wire_bytes
+from gift_compile.config import GiftConfig
+from gift_compile.plan import BucketPlan, ItemPlan
+from multirank import run_ranks
+
+CFG = dict(format="fp8_e4m3", min_numel=1024, rank=8, refresh_every=2, select="all", exclude=())
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1 = nn.Linear(64, 128)
+        self.fc2 = nn.Linear(128, 64)
+        self.side = nn.Linear(64, 64)  # used only on some steps
+        self.out = nn.Linear(64, 4)  # 256 elements: stays at full precision
+
+    def forward(self, x: torch.Tensor, use_side: bool = True) -> torch.Tensor:
+        h = self.fc2(torch.relu(self.fc1(x)))
+        if use_side:
+            h = h + self.side(h)
+        return self.out(torch.relu(h))
+
+
+def _batch(step: int, rank: int, micro: int = 0) -> torch.Tensor:
+    return torch.randn(16, 64, generator=torch.Generator().manual_seed(100 * step + 10 * micro + rank))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+def _exact_grads(ref: nn.Module, batches: list[torch.Tensor], world: int, *, average: bool) -> dict[str, torch.Tensor]:
+    """Sum over micro-batches of the gradient, summed or averaged over ranks in fp32."""
+    ref.zero_grad()
+    for x in batches:
+        ref(x).pow(2).mean().backward()
+    out = {}
+    for n, p in ref.named_parameters():
+        g = p.grad.clone()
+        dist.all_reduce(g)
+        out[n] = g / world if average else g
+    return out
+
+
+def _fsdp2_body(rank: int, world: int) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    model, ref = MLP(), MLP()
+    for layer in (model.fc1, model.fc2, model.side, model.out):
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    gift_compile.apply(model, GiftConfig(**CFG), optimizer=opt, fuse=False)
+    x = _batch(0, rank)
+    model(x).pow(2).mean().backward()
+    exact = _exact_grads(ref, [x], world, average=True)
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    errs = {n: _rel(grads[n], exact[n]) for n in exact}
+    st = gift_compile.state(model)
+    opt.step()
+    # the shape-based accounting of the buckets the FSDP2 hook built
+    accounted = 0
+    for module in (model.fc1, model.fc2, model.side, model.out):  # the root holds no parameter
+        comm = module._get_fsdp_state()._fsdp_param_group._reduce_scatter_comm
+        accounted += bucket_wire_bytes(comm.plan(world, torch.float32))
+    return {"errs": errs, "totals": st.comm_totals(), "accounted": accounted, "grads": grads,
+            "managed": sorted(st.layers), "steps": st.steps}
+
+
+def test_fsdp2_apply_quantizes_managed_weights_and_counts_bytes():
+    a, b = run_ranks(_fsdp2_body, 2)
+    assert a["managed"] == ["fc1.weight", "fc2.weight", "side.weight"]
+    for n in a["managed"]:
+        assert 0.005 < a["errs"][n] < 0.06, (n, a["errs"])
+    for n in ("fc1.bias", "fc2.bias", "out.weight", "out.bias"):
+        assert a["errs"][n] < 1e-5, (n, a["errs"])
+    for n in a["grads"]:
+        assert torch.equal(a["grads"][n], b["grads"][n]), n  # every rank holds the same gradient
+    assert a["totals"]["calls"] == 4 and a["totals"]["wire"] == a["accounted"]
+    assert a["totals"]["baseline"] > 2 * a["totals"]["wire"]
+    assert a["steps"] == 1  # the optimizer hook drove the state
+
+
+def _ddp_body(rank: int, world: int) -> dict:
+    model, ref = MLP(), MLP()
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=100, find_unused_parameters=True)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.0)
+    gift_compile.apply(ddp, GiftConfig(**CFG), optimizer=opt, fuse=False)
+    batches = [_batch(0, rank, 0), _batch(0, rank, 1)]
+    with gift_compile.no_sync(ddp):  # DDP's own no_sync: nothing sent for the first micro-batch
+        ddp(batches[0]).pow(2).mean().backward()
+    st = gift_compile.state(ddp)
+    calls_after_first = st.comm_totals()["calls"]
+    ddp(batches[1]).pow(2).mean().backward()
+    exact = _exact_grads(ref, batches, world, average=True)
+    errs = {n: _rel(p.grad, exact[n]) for n, p in model.named_parameters()}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    opt.step()
+    items = tuple(st.layers[n].plan if n in st.layers else ItemPlan.passthrough(n, p.numel(), p.dtype)
+                  for n, p in model.named_parameters())
+    accounted = bucket_wire_bytes(BucketPlan(items, world, None, True, "all_reduce"))
+    return {"errs": errs, "grads": grads, "totals": st.comm_totals(), "accounted": accounted,
+            "calls_after_first": calls_after_first, "steps": st.steps}
+
+
+def test_ddp_apply_quantizes_each_bucket_once_per_accumulated_step():
+    a, b = run_ranks(_ddp_body, 2)
+    for n in ("fc1.weight", "fc2.weight", "side.weight"):
+        assert 0.005 < a["errs"][n] < 0.08, (n, a["errs"])  # two quantizations (all-reduce)
+    for n in ("fc1.bias", "fc2.bias", "out.weight", "out.bias"):
+        assert a["errs"][n] < 1e-5, (n, a["errs"])
+    for n in a["grads"]:
+        assert torch.equal(a["grads"][n], b["grads"][n]), n
+    assert a["calls_after_first"] == 0  # no communication under no_sync
+    assert a["totals"]["calls"] == 1 and a["totals"]["wire"] == a["accounted"]
+    assert a["steps"] == 1
+
+
+def _accumulation_body(rank: int, world: int, reduce_op: str, use_no_sync: bool, compiled: bool) -> dict:
+    torch._inductor.config.fx_graph_cache = False
+    model, ref = MLP(), MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.01)
+    gift_compile.apply(model, GiftConfig(**CFG, reduce_op=reduce_op), optimizer=opt)
+    st = gift_compile.state(model)
+    fwd = torch.compile(model, fullgraph=True, dynamic=False) if compiled else model
+    errs, calls = [], []
+    for step in range(4):
+        use_side = step % 2 == 0  # `side` gets no gradient on odd steps
+        batches = [_batch(step, rank, 0), _batch(step, rank, 1)]
+        before = st.comm_totals()["calls"]
+        for i, x in enumerate(batches):
+            if use_no_sync and i == 0:
+                with gift_compile.no_sync(model):
+                    fwd(x, use_side).pow(2).mean().backward()
+            else:
+                fwd(x, use_side).pow(2).mean().backward()
+        calls.append(st.comm_totals()["calls"] - before)
+        ref.zero_grad()
+        for x in batches:
+            ref(x, use_side).pow(2).mean().backward()
+        exact = {}
+        for n, p in ref.named_parameters():
+            if p.grad is not None:
+                g = p.grad.clone()
+                dist.all_reduce(g)
+                exact[n] = g / world if reduce_op == "avg" else g
+        errs.append({n: _rel(p.grad, exact[n]) for n, p in model.named_parameters() if n in exact})
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():  # keep the reference on GIFT's trajectory: compare gradients only
+            for p, q in zip(ref.parameters(), model.parameters()):
+                p.copy_(q)
+    return {"errs": errs, "calls": calls, "steps": st.steps, "refreshes": [r.step for r in st.history],
+            "seed": int(st.seed), "params": [p.detach().clone() for p in model.parameters()]}
+
+
+@pytest.mark.parametrize("reduce_op,use_no_sync", [("sum", False), ("avg", True)])
+def test_accumulation_matches_fp32_and_counts_optimizer_steps(reduce_op, use_no_sync):
+    a, b = run_ranks(_accumulation_body, 2, reduce_op, use_no_sync, False)
+    for step, errs in enumerate(a["errs"]):
+        for n in ("fc1.weight", "fc2.weight"):
+            assert 0.005 < errs[n] < 0.08, (step, n, errs)
+        for n in ("fc1.bias", "fc2.bias", "out.weight", "out.bias"):  # full precision: exact
+            assert errs[n] < 1e-5, (step, n, errs)
+        assert ("side.weight" in errs) == (step % 2 == 0)
+    # communication: once per managed weight and step with no_sync, per micro-batch without
+    # (`side` is unused on odd steps)
+    assert a["calls"] == ([3, 2, 3, 2] if use_no_sync else [6, 4, 6, 4]), a["calls"]
+    # the state counts optimizer steps, whatever the micro-batches and unused layers
+    assert a["steps"] == 4 and a["refreshes"] == [2, 4] and a["seed"] == 4
+    for x, y in zip(a["params"], b["params"]):
+        assert torch.equal(x, y)
+
+
+def test_compiled_accumulation_equals_eager():
+    eager = run_ranks(_accumulation_body, 2, "avg", True, False)[0]
+    compiled = run_ranks(_accumulation_body, 2, "avg", True, True)[0]
+    assert compiled["calls"] == eager["calls"] and compiled["refreshes"] == eager["refreshes"]
+    for x, y in zip(compiled["params"], eager["params"]):
+        assert _rel(x, y) < 1e-5
+
+
+def _frozen_and_misuse_body(rank: int, world: int) -> dict:
+    model = MLP()
+    opt = torch.optim.SGD([p for n, p in model.named_parameters() if not n.startswith("fc2")], lr=0.01)
+    gift_compile.apply(model, GiftConfig(**CFG), optimizer=opt)
+    out = {"weight_is_param": isinstance(model.fc1.weight, nn.Parameter)}
+    model.fc2.weight.requires_grad_(False)  # a frozen managed layer
+    model.fc2.bias.requires_grad_(False)
+    model(_batch(0, rank)).pow(2).mean().backward()
+    out["fc1_grad"] = model.fc1.weight.grad is not None and model.fc2.weight.grad is None
+    opt.step()
+    opt.zero_grad()
+    with gift_compile.no_sync(model):
+        model(_batch(1, rank)).pow(2).mean().backward()
+    try:
+        opt.step()  # the accumulated gradients were never synchronised
+        out["unsynced_step"] = "no error"
+    except RuntimeError as e:
+        out["unsynced_step"] = str(e)
+    return out
+
+
+def test_frozen_layer_parameter_access_and_unsynchronised_step():
+    out = run_ranks(_frozen_and_misuse_body, 2)[0]
+    assert out["weight_is_param"] and out["fc1_grad"]
+    assert "never synchronised" in out["unsynced_step"], out
+
+
+def _unrewritten_body(rank: int, world: int, policy: str) -> str:
+    model = MLP()
+    gift_compile.apply(model, GiftConfig(**CFG, unrewritten=policy))
+    # aot_eager runs AOTAutograd but no Inductor, so the GIFT pass never sees the graph
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=False)
+    try:
+        compiled(_batch(0, rank)).pow(2).mean().backward()
+        return f"ok {model.fc1.weight.grad.norm():.6f}"
+    except RuntimeError as e:
+        return str(e)
+
+
+def test_marked_gradient_without_the_pass_raises_unless_allowed():
+    raised = run_ranks(_unrewritten_body, 2, "error")[0]
+    assert "reached gift::mark without the GIFT pass" in raised, raised
+    assert run_ranks(_unrewritten_body, 2, "warn")[0].startswith("ok")

@@ -1,0 +1,84 @@
+"""Set GIFT up inside torchtitan through its own hooks (no trainer subclass).
+
+torchtitan calls ``ModelSpec.post_optimizer_build_fn(optimizers, model_parts, parallel_dims)``
+once the model is parallelized, materialized on its device and its optimizers exist: the right
+moment to manage the linear weights (`gift_compile.api.manage`, the function behind
+`gift_compile.apply`), install the FSDP2 reduce-scatter or the graph tags, and drive the GIFT
+state from the optimizer container's step hooks. The hook is bound to the final, CLI-parsed
+``[gift]`` section by the job configs in :mod:`.job_config`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+import torch.nn as nn
+from torchtitan.tools.logging import logger
+
+from gift_compile import fsdp2
+from gift_compile.api import attach_optimizer, manage
+
+from . import cpu_compat
+from .section import GiftSection
+
+__all__ = ["bind_gift_hook", "data_parallel_group", "gift_post_optimizer_build"]
+
+
+def data_parallel_group(parallel_dims: Any) -> dist.ProcessGroup:
+    """The FSDP group GIFT reduces over; other parallelisms are not supported."""
+    others = {
+        "tensor": parallel_dims.tp,
+        "context": parallel_dims.cp,
+        "pipeline": parallel_dims.pp,
+        "expert": parallel_dims.ep,
+        "data-replicate (HSDP/DDP)": parallel_dims.dp_replicate,
+    }
+    unsupported = [name for name, degree in others.items() if degree > 1]
+    if unsupported:
+        raise ValueError(f"gift.enable supports pure FSDP data parallelism; {', '.join(unsupported)} parallelism is on")
+    return parallel_dims.get_mesh("fsdp").get_group()
+
+
+def gift_post_optimizer_build(optimizers: Any, model_parts: list[nn.Module], parallel_dims: Any, *,
+                              section: GiftSection, trainer: str, inner: Callable | None) -> None:
+    """``post_optimizer_build_fn``: GIFT for the stock trainer ("fsdp2") or graph_trainer ("graph").
+
+    FSDP2: statistics hooks plus `gift_compile.fsdp2`'s bucketed reduce-scatter on every FSDP
+    module. graph_trainer: the `gift::mark` tags whose reduce-scatters (bucketed or not) the
+    ``gift`` pass pipeline rewrites. Both: `attach_optimizer` on torchtitan's optimizer
+    container (health check before its step, `GiftState.step()` after).
+    """
+    if inner is not None:
+        inner(optimizers, model_parts, parallel_dims)
+    if trainer == "fsdp2":
+        for model in model_parts:
+            cpu_compat.after_fsdp2(model)
+    if not section.enable:
+        return
+    if len(model_parts) != 1:
+        raise ValueError(f"gift.enable needs one model part, got {len(model_parts)} (pipeline parallelism is unsupported)")
+    model = model_parts[0]
+    group = data_parallel_group(parallel_dims)
+    config = section.to_gift_config()
+    if trainer == "fsdp2":
+        state = manage(model, config, group, mode="stats", split_rows=True)
+        fsdp2.install(model, state, compiled=section.fuse)
+    else:
+        state = manage(model, config, group, mode="tag", split_rows=True)
+    attach_optimizer(state, optimizers)
+    logger.info(f"GIFT: {len(state.layers)} weights managed ({', '.join(state.layers) or 'none'})")
+
+
+def bind_gift_hook(config: Any, trainer: str) -> None:
+    """Point ``config.model_spec.post_optimizer_build_fn`` at `gift_post_optimizer_build` bound
+    to ``config.gift`` (idempotent: rebinding keeps the model's own hook as ``inner``)."""
+    from dataclasses import replace
+
+    current = config.model_spec.post_optimizer_build_fn
+    if isinstance(current, functools.partial) and current.func is gift_post_optimizer_build:
+        current = current.keywords["inner"]
+    hook = functools.partial(gift_post_optimizer_build, section=config.gift, trainer=trainer, inner=current)
+    config.model_spec = replace(config.model_spec, post_optimizer_build_fn=hook)
