@@ -86,10 +86,10 @@ def _train_arm(arm: str, seed: int, s: ConvergenceSettings, paths: corpus.Corpus
     model = TinyLlama(s.model, seed=seed)
     config = arm_config(arm, s, seed)
     reports_before = len(last_reports())
-    if config is not None:
-        gift_compile.apply(model, config, group=dist.group.WORLD)
-    forward = torch.compile(model) if s.compile else model
     opt = torch.optim.AdamW(model.parameters(), lr=s.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    if config is not None:
+        gift_compile.apply(model, config, group=dist.group.WORLD, optimizer=opt)
+    forward = torch.compile(model) if s.compile else model
     tokens = corpus.token_stream("train", paths)
     losses: list[float] = []
     evals: list[tuple[int, float]] = []
@@ -120,12 +120,13 @@ def _train_arm(arm: str, seed: int, s: ConvergenceSettings, paths: corpus.Corpus
     }
     if config is not None:
         state = gift_compile.state(model)
-        result["wire_bytes_per_step"] = state.wire_bytes_per_step()
+        totals = state.comm_totals()
+        result["wire_bytes_per_step"] = {"gift": totals["wire"] / s.steps, "fp32": totals["baseline"] / s.steps}
         result["managed_layers"] = len(state.layers)
         result["selected_layers"] = sum(layer.selected for layer in state.layers.values())
         if s.compile:  # what the FX pass did to this arm's graphs
             reports = last_reports()[reports_before:]
-            result["pass_rewritten"] = sum(len(r.rewritten) for r in reports)
+            result["pass_rewritten"] = sum(len(r.layers) for r in reports)
             result["pass_fallbacks"] = sum(len(r.fallbacks) for r in reports)
         gift_compile.remove(model)
     return result

@@ -1,6 +1,6 @@
 """Overhead: what the GIFT path costs in kernels, next to the Euclidean path and a bf16 cast.
 
-Each path is the single-rank body of the collective (`gift_compile.collectives.gift_all_reduce`
+Each path is the single-rank body of the collective (`gift_compile.collectives.bucket_core`
 with no peers: transform, agree scales, encode, decode, sum, inverse), compiled with
 `torch.compile(dynamic=False)` so Inductor fuses it as it would inside a training step. The
 paths are timed round-robin within one process, so machine load hits them alike, and the
@@ -19,8 +19,8 @@ from typing import Callable
 import torch
 
 from bench.settings import OverheadSettings
-from gift_compile.collectives import CommPlan, gift_all_reduce
-from gift_compile.config import GiftConfig
+from gift_compile.collectives import ItemTensors, Shared, bucket_core
+from gift_compile.plan import BucketPlan, ItemPlan
 from gift_compile.geometry import Transform, dense_whitening, lowrank_refresh_flops, lowrank_whitening
 from gift_compile.selection import transform_flops
 
@@ -81,11 +81,12 @@ def _make(path: str, rows: int, cols: int, rank: int, compiled: bool) -> Callabl
     transform = Transform(kind, cols, rank, seed=0)
     if transform.adaptive:
         transform.refresh_from(_synthetic_factor(cols), 1e-3)
-    plan = CommPlan.make(GiftConfig(format=fmt, scaling="row"), None, kind)
+    item = ItemPlan("g", rows, cols, "float32", True, fmt, "row", 32, kind, len(transform.tensors))
+    plan = BucketPlan((item,), 1, None, False, "all_reduce")
     tensors = transform.tensors
 
     def body(g: torch.Tensor) -> torch.Tensor:
-        return gift_all_reduce(g, tensors, None, 0, plan)[0]
+        return bucket_core([g], [ItemTensors(tensors)], Shared(), plan)[0][0]
 
     return torch.compile(body, dynamic=False) if compiled else body
 
