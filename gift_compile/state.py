@@ -394,6 +394,31 @@ class GiftState:
         managed layer is communicated once and nothing else is counted)."""
         return sum(bucket_wire_bytes(self.layer_plan(name)) for name in self.layers)
 
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes of every tensor this state keeps, by kind (transforms, statistics, residuals,
+        probes, pending accumulation buffers, other). Works on the meta device, which is how
+        the benchmark sizes GIFT at models this machine cannot hold."""
+        out = {"transforms": 0, "statistics": 0, "residuals": 0, "probes": 0, "pending": 0, "other": 0}
+
+        def add(kind: str, t: torch.Tensor | None) -> None:
+            if t is not None:
+                out[kind] += t.numel() * t.element_size()
+
+        for layer in self.layers.values():
+            for t in layer.transform.tensors:
+                add("transforms", t)
+            if layer.stats is not None:
+                for t in layer.stats.state_dict().values():
+                    add("statistics", t)
+            add("statistics", layer.grad_factor)
+            add("residuals", layer.residual)
+            add("probes", layer.probe)
+            add("pending", layer.pending)
+            add("other", layer.seed_offset)
+        for t in (self.seed, self.rank, self.counters):
+            add("other", t)
+        return out
+
     def summary(self) -> list[dict[str, object]]:
         """One row per layer: selection and the errors measured at the last refresh."""
         rows = []
