@@ -33,9 +33,10 @@ Numerics shared by every format:
   exponent bits) and round-to-nearest integer codes are found by comparing |x| with exact
   multiples of the block scale, so no reciprocal overflows on tiny blocks, and eager and
   compiled code (which rewrites divisions) write the same codes;
-- relative precision holds for scale groups whose largest magnitude is a normal fp32 number
-  (>= 2**-126, about 1.2e-38); smaller groups lose precision gradually and decode to a value
-  of at most their own magnitude's order, or to zero, never to a spurious block maximum.
+- the grid's precision (relative to the scale group's maximum) holds for groups whose maximum
+  is a normal fp32 number (>= 2**-126, about 1.2e-38; mxint4 2**-125) and, in the two-level
+  formats, within 2**13 of the tensor maximum; other groups lose precision gradually and
+  decode within their own magnitude, or to zero, never to a spurious block maximum.
 """
 
 from __future__ import annotations

@@ -53,11 +53,22 @@ def gauss() -> torch.Tensor:
     return torch.randn(256, 1024, generator=torch.Generator().manual_seed(0))
 
 
+# The same with stochastic rounding (seed 1): measured value +-4%.
+SR_LEVELS = {
+    "bf16": 0.0017, "fp8_e4m3": 0.0376, "fp8_e5m2": 0.0748, "mxfp8": 0.0394, "nvfp4": 0.1372, "mxint4": 0.1872,
+    ("int4", 16): 0.1225, ("int4", 32): 0.1383, ("int2", 16): 0.4338, ("int2", 32): 0.4354,
+    ("ternary", 16): 0.5284, ("ternary", 32): 0.5307,
+}
+
+
 @pytest.mark.parametrize("fmt,scaling,block", LOSSY)
 def test_gaussian_error_levels(gauss, fmt, scaling, block):
     lo, hi = LEVELS[(fmt, block)]
     err = rel(dequantize(quantize(gauss, fmt, scaling=scaling, block_size=block)), gauss)
     assert lo < err < hi, f"{fmt}/{scaling}/{block}: relative L2 error {err:.4f} outside [{lo}, {hi}]"
+    sr = rel(dequantize(quantize(gauss, fmt, scaling=scaling, block_size=block, stochastic_rounding=True, seed=1)), gauss)
+    want = SR_LEVELS.get((fmt, block), SR_LEVELS.get(fmt))
+    assert abs(sr / want - 1) < 0.04, f"{fmt}/{scaling}/{block}: stochastic-rounding error {sr:.4f}, expected ~{want}"
 
 
 def test_fp32_is_lossless(gauss):
@@ -131,6 +142,46 @@ def test_integer_formats_match_a_float64_reference(fmt, block):
     ref = _reference_int_formats(x, fmt, block)
     y = dequantize(quantize(x, fmt, block_size=block))
     assert torch.equal(y.double(), ref), (fmt, block, int((y.double() != ref).sum()))
+
+
+def _simulated_error(x: torch.Tensor, block: int, stat, level: float, grid) -> float:
+    """Relative L2 error of a two-level (E4M3 block x power-of-two tensor) scheme, float64."""
+    xb = x.double().reshape(x.shape[0], -1, block)
+    st = stat(xb)
+    g = 2.0 ** math.ceil(math.log2(float(st.max()) / (448.0 * level)))
+    unit = (st / (level * g)).float().to(torch.float8_e4m3fn).double() * g
+    return rel((grid(xb / unit.unsqueeze(-1)) * unit.unsqueeze(-1)).reshape(x.shape), x)
+
+
+def test_scale_choices_beat_the_alternatives(gauss):
+    """The measurements behind the grids and scalings of int4, mxint4, int2 and ternary."""
+    amax = lambda b: b.abs().amax(-1)  # noqa: E731
+    mean_abs = lambda c: (lambda b: c * b.abs().mean(-1))  # noqa: E731
+    sym7 = lambda v: v.round().clamp(-7, 7)  # noqa: E731
+    midrise = lambda v: (torch.floor(v / 2) * 2 + 1).clamp(-3, 3)  # noqa: E731
+    ternary = lambda v: v.round().clamp(-1, 1)  # noqa: E731
+    for block in (16, 32):
+        ours = rel(dequantize(quantize(gauss, "int4", block_size=block)), gauss)
+        assert ours == pytest.approx(_simulated_error(gauss, block, amax, 7.0, sym7), rel=1e-3)
+        # [-8, 7] grids: within 5% either way, but they treat the two signs differently.
+        for level in (7.5, 8.0):
+            alt = _simulated_error(gauss, block, amax, level, lambda v: v.round().clamp(-8, 7))
+            assert abs(alt / ours - 1) < 0.05, (block, level, alt, ours)
+        # A zero-free mid-rise grid (+-0.5 .. +-7.5) is a few percent better but cannot send 0.
+        alt = _simulated_error(gauss, block, amax, 7.5, lambda v: (torch.floor(v) + 0.5).clamp(-7.5, 7.5))
+        assert 0.9 < alt / ours < 1.0
+        int2 = rel(dequantize(quantize(gauss, "int2", block_size=block)), gauss)
+        assert int2 == pytest.approx(_simulated_error(gauss, block, mean_abs(0.625), 1.0, midrise), rel=1e-3)
+        assert int2 * 1.15 < _simulated_error(gauss, block, amax, 3.0, midrise)  # absmax
+        tern = rel(dequantize(quantize(gauss, "ternary", block_size=block)), gauss)
+        assert tern == pytest.approx(_simulated_error(gauss, block, mean_abs(1.5), 1.0, ternary), rel=1e-3)
+        assert tern * 1.3 < _simulated_error(gauss, block, amax, 1.0, ternary)  # absmax
+        assert tern * 1.1 < _simulated_error(gauss, block, mean_abs(1.0), 1.0, ternary)  # BitNet's mean |x|
+    # mxint4: the saturating floor-based E8M0 scale beats the non-saturating ceil-based one.
+    xb = gauss.double().reshape(256, -1, 32)
+    s = torch.exp2(torch.ceil(torch.log2(xb.abs().amax(-1) / 7))).unsqueeze(-1)
+    ceil_err = rel((sym7(xb / s) * s).reshape(gauss.shape), gauss)
+    assert rel(dequantize(quantize(gauss, "mxint4")), gauss) * 1.05 < ceil_err
 
 
 def test_int2_zeros_alternate_sign():
