@@ -17,7 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-FORMATS = ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "mxfp8", "nvfp4")
+FORMATS = ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "mxfp8", "nvfp4", "mxint4", "int4", "int2", "ternary")
+# Formats whose block length is `block_size`; their block statistics are reduced by a
+# pairwise tree and packed whole into bytes, hence a short list of power-of-two lengths.
+BLOCK_SIZE_FORMATS = ("int4", "int2", "ternary")
+BLOCK_SIZE_CHOICES = (16, 32)
 SCALINGS = ("tensor", "row", "block")
 GEOMETRIES = ("none", "hadamard", "dense", "lowrank", "gradient")
 NONFINITE = ("error", "propagate")
@@ -89,9 +93,10 @@ class GiftConfig:
     Attributes:
         format: wire format of the gradient codes (see `gift_compile.formats`).
         scaling: scale granularity for the fp8 formats: one per tensor, per row, or per
-            block of `block_size` elements along the last dimension. mxfp8 and nvfp4 fix
-            their own block scaling and ignore this field.
-        block_size: block length for `scaling="block"`.
+            block of `block_size` elements along the last dimension. The block-scaled
+            formats (mxfp8, nvfp4, mxint4, int4, int2, ternary) ignore this field.
+        block_size: block length for fp8 with `scaling="block"` (any even size), and for
+            int4/int2/ternary (16 or 32). mxfp8/mxint4 use 32 and nvfp4 16 regardless.
         geometry: coordinates in which the gradient is quantized. `none` is the Euclidean
             baseline, `hadamard` a random-sign block Hadamard rotation, `dense` a full
             Cholesky whitening of the K-FAC input factor, `lowrank` the rank-`rank` plus
@@ -175,6 +180,8 @@ class GiftConfig:
                 _fail(name, value, "a positive integer")
         if self.block_size % 2:
             _fail("block_size", self.block_size, "an even positive integer")
+        if self.format in BLOCK_SIZE_FORMATS and self.block_size not in BLOCK_SIZE_CHOICES:
+            _fail("block_size", self.block_size, f"{' or '.join(map(str, BLOCK_SIZE_CHOICES))} for format={self.format!r}")
         if not _is_int(self.min_numel) or self.min_numel < 0:
             _fail("min_numel", self.min_numel, "a non-negative integer")
         if not _is_int(self.seed) or not _INT64_MIN <= self.seed <= _INT64_MAX:

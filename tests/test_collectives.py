@@ -10,10 +10,11 @@ from gift_compile.config import GiftConfig
 from gift_compile.geometry import Transform
 from multirank import run_ranks
 
-FORMATS = ["fp8_e4m3", "fp8_e5m2", "mxfp8", "nvfp4", "bf16"]
+FORMATS = ["fp8_e4m3", "fp8_e5m2", "mxfp8", "nvfp4", "int4", "mxint4", "int2", "ternary", "bf16"]
 # Relative L2 error of an all-reduce of Gaussian data: two quantizations (reduce-scatter,
 # then the re-encoded shard), so roughly sqrt(2) x the single round trip.
-LIMITS = {"fp8_e4m3": 0.045, "fp8_e5m2": 0.085, "mxfp8": 0.05, "nvfp4": 0.17, "bf16": 0.004}
+LIMITS = {"fp8_e4m3": 0.045, "fp8_e5m2": 0.085, "mxfp8": 0.05, "nvfp4": 0.17, "int4": 0.2, "mxint4": 0.27,
+          "int2": 0.7, "ternary": 0.75, "bf16": 0.004}
 
 
 def local_grad(rank: int) -> torch.Tensor:
