@@ -131,9 +131,12 @@ class _GiftSync(torch.autograd.Function):
 
 
 def observe_inputs(module: nn.Module, args: tuple[Any, ...]) -> None:
-    """Forward pre-hook feeding a managed layer's K-FAC statistics (training passes only)."""
-    if torch.is_grad_enabled():
-        module._gift_layer.stats.observe(args[0])
+    """Forward pre-hook feeding a managed layer's K-FAC statistics (training passes only, and
+    only while the layer's selection needs them: a Python flag, so a compiled forward stops
+    computing them after one recompilation)."""
+    layer: LayerState = module._gift_layer
+    if torch.is_grad_enabled() and layer.collect_stats:
+        layer.stats.observe(args[0])
 
 
 def _routed_weight(module: nn.Module, w: torch.Tensor) -> torch.Tensor:

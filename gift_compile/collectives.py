@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from gift_compile.config import GiftConfig
 from gift_compile.formats import FormatSpec, choose_scales, decode, encode
+from gift_compile import residual as residual_store
 from gift_compile.geometry import Transform, apply_forward, apply_inverse
 from gift_compile.plan import BucketPlan, ItemPlan, dtype_name
 
@@ -80,7 +81,7 @@ class ItemTensors(NamedTuple):
     """
 
     transform: tuple[torch.Tensor, ...]
-    residual: torch.Tensor | None = None
+    residual: tuple[torch.Tensor, ...] | None = None  # the buffers of `gift_compile.residual`
     probe: torch.Tensor | None = None
     seed_offset: torch.Tensor | None = None
 
@@ -241,7 +242,7 @@ def launch(xs: Sequence[torch.Tensor], items: Sequence[ItemTensors | None], shar
             state.probe.copy_(g[: state.probe.shape[0]])
         g = apply_forward(item.kind, _pad_rows(g.float(), rows), state.transform)
         if state.residual is not None:
-            g = g + _pad_rows(state.residual, rows)
+            g = g + _pad_rows(residual_store.read(item.residual_format, state.residual, item.cols), rows)
         bad = ~torch.isfinite(g).all()
         nonfinite = bad if nonfinite is None else nonfinite | bad
         scales, tscale = choose_scales(g, spec)
@@ -249,7 +250,7 @@ def launch(xs: Sequence[torch.Tensor], items: Sequence[ItemTensors | None], shar
         codes = encode(g, spec, scales, tscale, stochastic_rounding=item.stochastic_rounding, seed=seed)
         if state.residual is not None:
             new = g - decode(codes, spec, scales, tscale, item.cols)
-            state.residual.copy_(new[: item.rows])
+            residual_store.write(item.residual_format, state.residual, new[: item.rows])
         blocks.append(codes.reshape(w, -1))
         blocks.extend(_scale_blocks(spec, item.cols, scales, tscale, w))
     flag = torch.zeros((), dtype=torch.int64, device=xs[0].device) if nonfinite is None else nonfinite.to(torch.int64)
@@ -480,7 +481,7 @@ def _single(x: torch.Tensor, group: dist.ProcessGroup | str | None, config: Gift
     plan = BucketPlan((item,), world, name, config.reduce_op == "avg", op)
     pg = dist.distributed_c10d._resolve_process_group(group) if isinstance(group, str) else group
     check_plan_agreement(plan, pg if name else None, always=config.plan_check == "always")
-    res2 = None if residual is None else residual.reshape(rows, cols)
+    res2 = None if residual is None else (residual.reshape(rows, cols),)
     state = ItemTensors(tensors, res2, None)
     outs, headers = run_bucket([x.reshape(rows, cols)], [state], Shared(seed, rank, None), plan, compiled=compiled)
     raise_on_bad_headers(headers, plan, config.nonfinite)

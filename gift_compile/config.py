@@ -135,6 +135,14 @@ class GiftConfig:
             without the pass having rewritten its collective (a backend without Inductor's
             post-grad hooks, a pass that did not run): "error" raises, "warn" logs once per
             layer and lets the gradient travel at full precision.
+        reselect_every: a measured selection (`select="auto"`, `"boundary_hits:K"`) is decided
+            at the first refresh and then kept; with N > 0 it is decided again every N-th
+            refresh. Selection is part of the compiled graph (a deselected layer runs exactly
+            the Euclidean codec and collects no statistics), so each change costs one
+            recompilation, and re-deciding keeps the statistics of deselected layers running.
+        residual_format: how error-feedback residuals are stored (any wire format, per-row
+            scales; "fp32" is exact). The residual is a full-size tensor per managed weight and
+            rank that cannot be sharded, so a low-bit store is what bounds GIFT's memory.
         plan_check: eager collectives compare their static plan across ranks (a small host
             collective) on the "first" call of each plan, or on "always" every call (debug
             mode). Compiled graphs always compare a plan fingerprint carried in every
@@ -163,6 +171,8 @@ class GiftConfig:
     auto_max_overhead: float = 0.25
     unrewritten: str = "error"
     plan_check: str = "first"
+    reselect_every: int = 0
+    residual_format: str = "fp32"
 
     def __post_init__(self) -> None:
         # Types first (a str where a float belongs must not surface as a TypeError from a
@@ -170,7 +180,7 @@ class GiftConfig:
         for name, choices in (("format", FORMATS), ("scaling", SCALINGS), ("geometry", GEOMETRIES),
                               ("nonfinite", NONFINITE), ("select_metric", SELECT_METRICS),
                               ("reduce_op", REDUCE_OPS), ("unrewritten", UNREWRITTEN),
-                              ("plan_check", PLAN_CHECKS)):
+                              ("plan_check", PLAN_CHECKS), ("residual_format", FORMATS)):
             value = getattr(self, name)
             if not isinstance(value, str) or value not in choices:
                 _fail(name, value, ", ".join(choices))
@@ -184,6 +194,8 @@ class GiftConfig:
             _fail("block_size", self.block_size, f"{' or '.join(map(str, BLOCK_SIZE_CHOICES))} for format={self.format!r}")
         if not _is_int(self.min_numel) or self.min_numel < 0:
             _fail("min_numel", self.min_numel, "a non-negative integer")
+        if not _is_int(self.reselect_every) or self.reselect_every < 0:
+            _fail("reselect_every", self.reselect_every, "a non-negative integer")
         if not _is_int(self.seed) or not _INT64_MIN <= self.seed <= _INT64_MAX:
             _fail("seed", self.seed, f"an integer in [{_INT64_MIN}, {_INT64_MAX}] (int64)")
         floats = {

@@ -133,6 +133,11 @@ class FormatSpec:
     def passthrough(self) -> bool:
         return self.name in ("fp32", "bf16")
 
+    @property
+    def has_tensor_scale(self) -> bool:
+        """Whether `choose_scales` also returns an fp32 tensor scale (two-level formats)."""
+        return self.name in _TWO_LEVEL
+
     def padded_cols(self, cols: int) -> int:
         """`cols` rounded up to a whole number of blocks (the columns that get codes)."""
         cols = _count("cols", cols)

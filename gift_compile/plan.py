@@ -64,6 +64,7 @@ class ItemPlan:
     error_feedback: bool = False
     stochastic_rounding: bool = False
     unrewritten: str = "error"
+    residual_format: str = "fp32"
 
     def __post_init__(self) -> None:
         # Derived values are computed once here (not fields: they stay out of eq/hash/to_str),
@@ -75,7 +76,7 @@ class ItemPlan:
         """The plan of a managed weight `[out, in]` under `config`."""
         return cls(name, int(shape[0]), int(shape[1]), "float32", True, config.format, config.scaling,
                    config.block_size, TRANSFORM_KIND[config.geometry], n_tensors, config.error_feedback,
-                   config.stochastic_rounding, config.unrewritten)
+                   config.stochastic_rounding, config.unrewritten, config.residual_format)
 
     @classmethod
     def passthrough(cls, name: str, numel: int, dtype: torch.dtype) -> "ItemPlan":

@@ -25,12 +25,13 @@ import logging
 import math
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from gift_compile import residual as residual_store
 from gift_compile.collectives import (
     C_BASELINE, C_CALLS, C_MISMATCH, C_NONFINITE, C_WIRE, N_COUNTERS, ItemTensors, Shared, bucket_wire_bytes,
 )
@@ -70,32 +71,58 @@ class LayerState:
         self.grad_factor: torch.Tensor | None = (
             torch.zeros(d_in, d_in, device=device) if config.geometry == "gradient" else None
         )
-        self.residual = torch.zeros(out, d_in, device=device) if config.error_feedback else None
+        self.residual = (residual_store.allocate(config.residual_format, out, d_in, device)
+                         if config.error_feedback else None)
         self.probe = torch.zeros(min(out, PROBE_ROWS), d_in, device=device)
-        self.plan = ItemPlan.managed_layer(fqn, self.shape, config, len(self.transform.tensors))
-        self.plan_str = self.plan.to_str()  # precomputed: the forward passes it to traced code
-        self.seed_offset = torch.tensor(self.plan.seed_offset, dtype=torch.int64, device=device)
+        self._full_plan = ItemPlan.managed_layer(fqn, self.shape, config, len(self.transform.tensors))
+        self.seed_offset = torch.tensor(self._full_plan.seed_offset, dtype=torch.int64, device=device)
         # GIFT's own sync: "sync", "accumulate" (inside `gift_compile.no_sync`) or
         # "sync_pending" (the next backward sends gradient + `pending`, allocated on first use).
         self.mode = "sync"
         self.pending: torch.Tensor | None = None
+        # Selection is structure: a layer takes the transformed path (`selected`) or runs the
+        # Euclidean codec with no transform at all; `decided` ends the statistics of a
+        # deselected layer (see GiftConfig.reselect_every).
         self.selected = False
+        self.decided = False
         self.measurement: LayerMeasurement | None = None
         self.boundary_score = 0.0
-        self.transform.set_identity()  # Euclidean until a refresh (or a static rule) selects it
+        self.transform.activate()  # a fixed rotation is always on; adaptive maps start as the identity
+        self._replan()
 
     @property
     def kind(self) -> str:
+        """The transform kind GIFT builds for this layer (used when it is selected)."""
         return self.transform.kind
+
+    @property
+    def active_kind(self) -> str:
+        """The kind the collectives run now: the layer's, or "identity" when not selected."""
+        return self.transform.kind if self.selected else "identity"
+
+    @property
+    def collect_stats(self) -> bool:
+        """Whether the forward feeds the K-FAC statistics: selected layers, and layers whose
+        selection is still open."""
+        return self.stats is not None and (self.selected or not self.decided or self.config.reselect_every > 0)
+
+    def _replan(self) -> None:
+        """The static plan of the active path (graphs carry it; a change is a recompile)."""
+        n = len(self.transform.tensors) if self.selected else 0
+        self.plan = replace(self._full_plan, kind=self.active_kind, n_tensors=n)
+        self.plan_str = self.plan.to_str()  # precomputed: the forward passes it to traced code
+
+    def active_tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.transform.tensors if self.selected else ()
 
     def tensors(self) -> ItemTensors:
         """Runtime tensors for `gift_compile.collectives`."""
-        return ItemTensors(self.transform.tensors, self.residual, self.probe, self.seed_offset)
+        return ItemTensors(self.active_tensors(), self.residual, self.probe, self.seed_offset)
 
     def mark_tensors(self, shared: Shared) -> list[torch.Tensor]:
         """Inputs of the `gift::mark` op, in the order `unpack_mark_tensors` reads them."""
-        extra = [self.residual] if self.residual is not None else []
-        return [*self.transform.tensors, *extra, self.probe, self.seed_offset, shared.seed, shared.rank, shared.counters]
+        extra = list(self.residual) if self.residual is not None else []
+        return [*self.active_tensors(), *extra, self.probe, self.seed_offset, shared.seed, shared.rank, shared.counters]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         sd = {f"transform.{k}": v for k, v in self.transform.state_dict().items()}
@@ -104,9 +131,10 @@ class LayerState:
         if self.grad_factor is not None:
             sd["grad_factor"] = self.grad_factor
         if self.residual is not None:
-            sd["residual"] = self.residual
+            sd.update({f"residual.{i}": t for i, t in enumerate(self.residual)})
         sd["probe"] = self.probe
         sd["selected"] = torch.tensor(self.selected)
+        sd["decided"] = torch.tensor(self.decided)
         sd["boundary_score"] = torch.tensor(self.boundary_score)
         return sd
 
@@ -115,7 +143,7 @@ def unpack_mark_tensors(plan: ItemPlan, tensors: list[Any]) -> tuple[ItemTensors
     """Inverse of `LayerState.mark_tensors` (works on tensors and on FX nodes alike)."""
     n = plan.n_tensors
     transform = tuple(tensors[:n])
-    residual = tensors[n] if plan.error_feedback else None
+    residual = tuple(tensors[n:n + residual_store.buffer_count(plan.residual_format)]) if plan.error_feedback else None
     probe, seed_offset, seed, rank, counters = tensors[-5:]
     return ItemTensors(transform, residual, probe, seed_offset), Shared(seed, rank, counters)
 
@@ -163,6 +191,10 @@ class GiftState:
         # unmanaged parameters whose `.grad` holds unsynchronised local contributions.
         self.sync_mode = "sync"
         self.dirty_params: set[int] = set()
+        # Bumped whenever a layer's plan or statistics switch changes: compiled graphs that
+        # carry the old plan must be retraced (dynamo does it through its guards; the
+        # torchtitan graph_trainer hook does it by dropping its traced step).
+        self.plan_version = 0
 
     @property
     def shared(self) -> Shared:
@@ -172,15 +204,22 @@ class GiftState:
         """Register a managed weight; a fixed rotation chosen by a static rule starts active."""
         if fqn in self.layers:
             raise ValueError(f"GiftState.add_layer: {fqn} is already managed")
+        if len(shape) != 2 or not all(isinstance(d, int) and d > 0 for d in shape):
+            raise ValueError(f"GiftState.add_layer: {fqn}: shape must be two positive ints [out, in], got {shape}")
         if not self.layers and self.seed.device != torch.device(device):
             # graphs read these where the weights live
             self.seed, self.rank, self.counters = (t.to(device) for t in (self.seed, self.rank, self.counters))
         layer = LayerState(fqn, shape, self.config, device)
         self.layers[fqn] = layer
-        if not layer.transform.adaptive and layer.kind != "identity" and self.config.select != "auto":
-            if fqn in decide(self.config, {fqn: LayerMeasurement(1.0, 1.0, 0.0, 0.0)}, {}):
-                self.set_selected(layer, True)
+        if self._static_selection():
+            chosen = fqn in decide(self.config, {fqn: LayerMeasurement(1.0, 1.0, 0.0, 0.0)}, {})
+            self.set_selected(layer, chosen and layer.kind != "identity", decided=True)
         return layer
+
+    def _static_selection(self) -> bool:
+        """Whether the selection rule needs no measurement (all, none, globs, no geometry)."""
+        cfg = self.config
+        return cfg.geometry == "none" or cfg.select in ("all", "none") or isinstance(cfg.select, tuple)
 
     def world(self) -> int:
         return world_size(self.group)
@@ -283,15 +322,25 @@ class GiftState:
         world = self.world()
         return {name: i % world for i, name in enumerate(self.layers)}
 
+    def _needs_geometry(self, layer: LayerState, deciding: bool) -> bool:
+        return layer.transform.adaptive and (layer.selected or not layer.decided or deciding)
+
     @torch.no_grad()
     def refresh(self) -> RefreshRecord:
-        """Rebuild every layer's geometry and selection; identical on all ranks."""
+        """Rebuild the geometry of the layers that use (or may use) it, then the selection;
+        identical on all ranks."""
         cfg = self.config
         start = time.perf_counter()
-        old = {n: tuple(t.clone() for t in l.transform.tensors) for n, l in self.layers.items() if l.residual is not None}
+        number = len(self.history) + 1  # this refresh's ordinal
+        deciding = not self._static_selection() and (
+            any(not l.decided for l in self.layers.values())
+            or (cfg.reselect_every > 0 and number % cfg.reselect_every == 0))
+        old = {n: (l.active_kind, tuple(t.clone() for t in l.active_tensors()))
+               for n, l in self.layers.items() if l.residual is not None}
         owners, me = self.owners(), group_rank(self.group)
+        rebuilt = set()
         for name, layer in self.layers.items():
-            if not layer.transform.adaptive:
+            if not self._needs_geometry(layer, deciding):
                 continue
             if layer.stats is not None:
                 factor = layer.stats.consolidate(self.group)
@@ -312,25 +361,30 @@ class GiftState:
             if not bool(torch.isfinite(factor).all()):
                 logger.warning("GIFT: non-finite statistics for %s; keeping its previous transform", name)
                 continue
+            rebuilt.add(name)
             if owners[name] == me:
                 layer.transform.refresh_from(factor, cfg.damping)
-        self._broadcast_transforms(owners)
-        record = self._select()
+        self._broadcast_transforms(owners, rebuilt)
+        record = self._select(deciding)
         for name, layer in self.layers.items():
             if layer.residual is not None:
-                back = apply_inverse(layer.kind, layer.residual, old[name])
-                layer.residual.copy_(apply_forward(layer.kind, back, layer.transform.tensors))
+                kind, tensors = old[name]
+                fmt = self.config.residual_format
+                back = apply_inverse(kind, residual_store.read(fmt, layer.residual, layer.shape[1]), tensors)
+                residual_store.write(fmt, layer.residual, apply_forward(layer.active_kind, back, layer.active_tensors()))
         record.seconds = time.perf_counter() - start
         self.history.append(record)
         return record
 
-    def _select(self) -> RefreshRecord:
-        """Measure each layer on its probe (averaged over ranks) and apply the selection."""
+    def _select(self, deciding: bool) -> RefreshRecord:
+        """Measure the layers with a geometry on their probes (averaged over ranks); when
+        `deciding`, apply the measured selection rule."""
         cfg = self.config
         measured: dict[str, LayerMeasurement] = {}
         for name, layer in self.layers.items():
+            if layer.kind == "identity" or not (layer.selected or not layer.decided or deciding):
+                continue
             tokens = float(layer.stats.tokens) / max(self.steps, 1) if layer.stats is not None else 8192.0
-            layer.transform.activate()
             measured[name] = measure(layer.probe, cfg, layer.kind, layer.transform.tensors, layer.shape, tokens)
         stacked = torch.tensor(
             [[m.err_euclidean, m.err_transformed, m.boundary_hits] for m in measured.values()], dtype=torch.float64
@@ -342,33 +396,37 @@ class GiftState:
             layer = self.layers[name]
             layer.measurement = m
             layer.boundary_score = m.boundary_hits if layer.boundary_score == 0 else 0.5 * (layer.boundary_score + m.boundary_hits)
-        chosen = decide(cfg, measured, {n: l.boundary_score for n, l in self.layers.items()})
+        if deciding:
+            chosen = decide(cfg, measured, {n: l.boundary_score for n, l in self.layers.items()})
+            for name, layer in self.layers.items():
+                self.set_selected(layer, name in chosen, decided=True)
         record = RefreshRecord(self.steps)
-        for name, layer in self.layers.items():
-            self.set_selected(layer, name in chosen)
-            m = layer.measurement
+        for name, m in measured.items():
+            layer = self.layers[name]
             record.layers[name] = {
                 "selected": layer.selected, "err_euclidean": m.err_euclidean, "err_transformed": m.err_transformed,
                 "gain": m.gain, "overhead": m.overhead, "boundary_hits": m.boundary_hits,
             }
-        logger.info("GIFT refresh at step %d: %d/%d layers on the transformed path", self.steps, len(chosen),
-                    len(self.layers))
+        logger.info("GIFT refresh at step %d: %d/%d layers on the transformed path", self.steps,
+                    sum(l.selected for l in self.layers.values()), len(self.layers))
         return record
 
-    def set_selected(self, layer: LayerState, selected: bool) -> None:
-        """Switch a layer's path by data (the graph stays the same)."""
-        layer.selected = selected
-        if selected:
-            layer.transform.activate()
-        else:
-            layer.transform.set_identity()
+    def set_selected(self, layer: LayerState, selected: bool, *, decided: bool = True) -> None:
+        """Put a layer on the transformed (`selected`) or Euclidean path. A change of path or
+        of its statistics switch changes the plan graphs carry (`plan_version`)."""
+        before = (layer.selected, layer.collect_stats)
+        layer.selected, layer.decided = selected, decided
+        if (layer.selected, layer.collect_stats) != before:
+            layer._replan()
+            self.plan_version += 1
 
-    def _broadcast_transforms(self, owners: dict[str, int]) -> None:
-        """Every layer's transform tensors from its owner, one packed broadcast per owner."""
+    def _broadcast_transforms(self, owners: dict[str, int], names: set[str]) -> None:
+        """The rebuilt layers' transform tensors from their owners, one packed broadcast per owner."""
         if self.world() <= 1:
             return
         for src in range(self.world()):
-            flat = [t for name, layer in self.layers.items() if owners[name] == src for t in layer.transform.tensors]
+            flat = [t for name, layer in self.layers.items() if name in names and owners[name] == src
+                    for t in layer.transform.tensors]
             if not flat:
                 continue
             buf = broadcast_(torch.cat([t.reshape(-1) for t in flat]), self.group, src)
@@ -411,7 +469,8 @@ class GiftState:
                 for t in layer.stats.state_dict().values():
                     add("statistics", t)
             add("statistics", layer.grad_factor)
-            add("residuals", layer.residual)
+            for t in layer.residual or ():
+                add("residuals", t)
             add("probes", layer.probe)
             add("pending", layer.pending)
             add("other", layer.seed_offset)
@@ -437,7 +496,9 @@ class GiftState:
             "version": STATE_VERSION,
             "config": self.config.to_dict(),
             "layers": {n: {"shape": list(l.shape), "kind": l.kind, "rank": l.transform.rank,
-                           "error_feedback": l.residual is not None} for n, l in self.layers.items()},
+                           "error_feedback": l.residual is not None,
+                           "residual_format": self.config.residual_format if l.residual is not None else None}
+                       for n, l in self.layers.items()},
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -480,11 +541,23 @@ class GiftState:
                                  "is off now; its accumulated error would be lost")
             if want["error_feedback"] and not got["error_feedback"]:
                 converted.append(f"{name}: residual starts at zero (error feedback newly on)")
+        recoded: dict[str, torch.Tensor] = {}  # residuals saved in another format, as fp32
+        for name, layer in self.layers.items():
+            got, want = saved_layers[name], my_layers[name]
+            if got["error_feedback"] and want["error_feedback"] and got["residual_format"] != want["residual_format"]:
+                n = residual_store.buffer_count(got["residual_format"])
+                bufs = tuple(torch.as_tensor(sd.get(f"{name}.residual.{i}", torch.empty(0))) for i in range(n))
+                try:
+                    value = residual_store.read(got["residual_format"], bufs, layer.shape[1])
+                except (RuntimeError, ValueError) as e:
+                    raise ValueError(f"GIFT checkpoint: layer {name}: unreadable {got['residual_format']} residual: {e}")
+                recoded[name] = value
+                converted.append(f"{name}: residual re-stored from {got['residual_format']} to {want['residual_format']}")
         plan: list[tuple[torch.Tensor, torch.Tensor]] = []
         for name, layer in self.layers.items():
             for key, dst in layer.state_dict().items():
                 full = f"{name}.{key}"
-                if key == "residual" and full not in sd and not saved_layers[name]["error_feedback"]:
+                if key.startswith("residual.") and (name in recoded or not saved_layers[name]["error_feedback"]):
                     continue
                 if full not in sd:
                     raise ValueError(f"GIFT checkpoint: layer {name}: key {key!r} is missing")
@@ -494,7 +567,7 @@ class GiftState:
                                      f"expected {tuple(dst.shape)}")
                 if src.is_floating_point() and not bool(torch.isfinite(src).all()):
                     raise ValueError(f"GIFT checkpoint: layer {name}: key {key!r} holds NaN/Inf values")
-                if key not in ("selected", "boundary_score"):
+                if key not in ("selected", "decided", "boundary_score"):
                     plan.append((dst, src))
         unknown = sorted(k for k in sd if k not in ("meta", "seed", "steps")
                          and not any(k.startswith(f"{n}.") for n in self.layers))
@@ -502,8 +575,10 @@ class GiftState:
             raise ValueError(f"GIFT checkpoint has unexpected keys {unknown[:5]}")
         for dst, src in plan:
             dst.copy_(src)
+        for name, value in recoded.items():
+            residual_store.write(self.config.residual_format, self.layers[name].residual, value)
         for name, layer in self.layers.items():
-            layer.selected = bool(sd[f"{name}.selected"])
+            self.set_selected(layer, bool(sd[f"{name}.selected"]), decided=bool(sd[f"{name}.decided"]))
             layer.boundary_score = float(sd[f"{name}.boundary_score"])
         self.seed.copy_(torch.as_tensor(sd["seed"]))
         self.steps = int(sd["steps"])

@@ -28,10 +28,10 @@ from torchtitan.experiments.graph_trainer.passes import (
     construct_default_graph_passes,
     final_inductor_compile_passes,
 )
-from torchtitan.experiments.graph_trainer.registry import register_pass_pipeline
+from torchtitan.experiments.graph_trainer.registry import register_pass_pipeline, register_pre_train_step_hook
 from torchtitan.tools.logging import logger
 
-__all__ = ["GIFT_PASS_PIPELINE", "gift_pass_pipeline", "gift_rewrite_pass"]
+__all__ = ["GIFT_PASS_PIPELINE", "gift_pass_pipeline", "gift_retrace_on_new_plan", "gift_rewrite_pass"]
 
 GIFT_PASS_PIPELINE = "gift"
 # The node annotation graph_trainer's regional_inductor_pass compiles (see its
@@ -91,3 +91,24 @@ def gift_pass_pipeline(traced_result: Any, config: Any, *, parallel_dims: Any = 
     index = next((i for i, p in enumerate(passes) if _pass_name(p) in terminal), len(passes))
     passes.insert(index, functools.partial(gift_rewrite_pass, fuse=config.gift.fuse))
     return passes
+
+
+@register_pre_train_step_hook(GIFT_PASS_PIPELINE)
+def gift_retrace_on_new_plan(trainer: Any) -> None:
+    """graph_trainer hook before every step: retrace when GIFT's plan changed.
+
+    Selection is part of the graph (a deselected layer runs the plain Euclidean codec and
+    feeds no statistics), so when a refresh decides it (the first refresh for
+    ``select="auto"``, then every ``reselect_every`` refreshes) the traced step is dropped
+    and graph_trainer traces, rewrites and compiles it again at this step: one retrace per
+    selection change, never one per step.
+    """
+    state = getattr(trainer.model_parts[0], "_gift_state", None)
+    if state is None:
+        return
+    traced = getattr(trainer, "_gift_plan_version", None)
+    if traced is not None and traced != state.plan_version and trainer._traced_step is not None:
+        logger.info(f"GIFT: plan changed (version {traced} -> {state.plan_version}); retracing the step")
+        trainer._traced_step = None
+        state.retraces = getattr(state, "retraces", 0) + 1
+    trainer._gift_plan_version = state.plan_version

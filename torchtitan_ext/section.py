@@ -103,6 +103,12 @@ class GiftSection:
     plan_check: str = _DEFAULTS.plan_check
     """Cross-rank plan check of eager (FSDP2) collectives: first | always (debug)."""
 
+    residual_format: str = _DEFAULTS.residual_format
+    """Storage format of error-feedback residuals (fp32 exact; e.g. fp8_e4m3 for 8 bits)."""
+
+    reselect_every: int = _DEFAULTS.reselect_every
+    """Re-decide a measured selection every N refreshes (0: decide once; each change recompiles)."""
+
     def __post_init__(self) -> None:
         for name in _INTEGRATION_FIELDS:
             if not isinstance(getattr(self, name), bool):
