@@ -123,6 +123,10 @@ class SketchStatistics:
       and folds the average into the EMA.
     - `whitening(rank, damping)`: the `lowrank` transform tensors, built from the EMA.
 
+    Counters: `tokens` counts every token seen (dropped batches included, as the cost the
+    forward paid), `count` the sampled tokens in the current window, `dropped` the batches
+    left out. `dropped` and `tokens` are per rank and never communicated.
+
     Persistent memory (`nbytes`): `Omega`, window and EMA sketches (3 d_in k fp32) plus a few
     vectors of length d_in; `observe` costs ~4 m d_in k FLOPs for m sampled tokens
     (`observe_flops`) against 2 m d_in^2 for the dense factor.
