@@ -32,6 +32,7 @@ from gift_compile.collectives import all_reduce
 from gift_compile.config import GiftConfig
 from gift_compile.formats import FormatSpec, as_rows, choose_scales, decode, encode
 from gift_compile.geometry import Transform
+from gift_compile.statistics import SketchStatistics
 
 Log = Callable[[str], None]
 # The two transforms the multi-rank experiment compares (cost grows with P x formats).
@@ -42,15 +43,37 @@ _FP8_DTYPES = {"fp8_e4m3": (torch.float8_e4m3fn, 448.0), "fp8_e5m2": (torch.floa
 def build_transform(kind: str, rank: int, source: str, sample: LayerSample, damping: float) -> Transform:
     """A `gift_compile.geometry.Transform` for `sample`, refreshed from the previous batch.
 
-    `source` "kfac" whitens the K-FAC input factor, "grad" the gradient-side factor
-    (GiftConfig(geometry="gradient")), "none" keeps the fixed map (identity, Hadamard).
+    `source` "kfac" whitens the K-FAC input factor, "kfac-sketch" the same factor seen only
+    through its sketch (`sketched`; "kfac-sketch:K" with K sketch columns instead of the
+    default 2 x rank), "grad" the gradient-side factor (GiftConfig(geometry="gradient")),
+    "none" keeps the fixed map (identity, Hadamard).
     """
     t = Transform(kind, sample.shape[1], rank or 32, seed=0)
+    source, _, cols = source.partition(":")
     if source == "kfac":
         t.refresh_from(sample.a_prev, damping)
+    elif source == "kfac-sketch":
+        t.refresh_from_stats(sketched(sample.a_prev, t.rank, int(cols) if cols else None), damping)
     elif source == "grad":
         t.refresh_from(sample.g_prev, damping)
     return t
+
+
+def sketched(a: torch.Tensor, rank: int, cols: int | None = None) -> SketchStatistics:
+    """`SketchStatistics` (`cols` columns, default 2 x rank) that has observed exactly `a`.
+
+    The reference keeps each batch's `A` rather than its activations, so the sketch observes
+    `d` stand-in tokens `sqrt(d) A^{1/2}` whose second moment is `A`: the sketch and diagonal
+    it accumulates (`A Omega`, `diag A`, in fp32 like a real stream) are those of the real
+    tokens, and any difference to the `kfac` transform is the sketch's alone.
+    """
+    d = a.shape[0]
+    lam, u = torch.linalg.eigh(0.5 * (a.double() + a.double().t()))
+    tokens = (u * lam.clamp(min=0.0).sqrt()) @ u.t() * math.sqrt(d)
+    stats = SketchStatistics(d, rank=rank, sketch_cols=cols, ema=0.0, max_tokens=d)
+    stats.observe(tokens.float())
+    stats.consolidate(None)
+    return stats
 
 
 def rate_distortion_bound(bits: float) -> float:

@@ -29,8 +29,10 @@ FORMATS: tuple[tuple[str, str, str], ...] = (
 )
 
 # (label, geometry.Transform kind, rank, factor source): `kfac` is A = E[x x^T] of the
-# previous batch (forward pre-hooks), `grad` the gradient-side factor G^T G / out of the
-# previous batch's gradient (what GiftConfig(geometry="gradient") uses).
+# previous batch (forward pre-hooks), `kfac-sketch` the same A seen only through
+# `gift_compile.statistics.SketchStatistics` (a 2 x rank column sketch plus diag(A)), `grad`
+# the gradient-side factor G^T G / out of the previous batch's gradient (what
+# GiftConfig(geometry="gradient") uses).
 TRANSFORMS: tuple[tuple[str, str, int, str], ...] = (
     ("euclidean", "identity", 0, "none"),
     ("hadamard", "hadamard", 0, "none"),
@@ -38,6 +40,7 @@ TRANSFORMS: tuple[tuple[str, str, int, str], ...] = (
     ("kfac-r8", "lowrank", 8, "kfac"),
     ("kfac-r16", "lowrank", 16, "kfac"),
     ("kfac-r32", "lowrank", 32, "kfac"),
+    ("kfac-sketch-r32", "lowrank", 32, "kfac-sketch"),
     ("kfac-r64", "lowrank", 64, "kfac"),
     ("grad-r32", "lowrank", 32, "grad"),
 )

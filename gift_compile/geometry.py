@@ -22,11 +22,15 @@ Kinds:
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from gift_compile.sync import all_reduce_
+
+if TYPE_CHECKING:
+    from gift_compile.statistics import KFACStatistics, SketchStatistics
 
 KINDS = ("identity", "hadamard", "dense", "lowrank")
 _MAX_HADAMARD_BLOCK = 1024
@@ -81,7 +85,12 @@ def apply_inverse(kind: str, gt: torch.Tensor, tensors: tuple[torch.Tensor, ...]
 
 def _floor(a: torch.Tensor, damping: float) -> torch.Tensor:
     """Damping floor: `damping` times the mean eigenvalue (trace / n), never zero."""
-    mean_eig = torch.diagonal(a).mean().clamp(min=0.0)
+    return diag_floor(torch.diagonal(a), damping)
+
+
+def diag_floor(diag: torch.Tensor, damping: float) -> torch.Tensor:
+    """`_floor` from the diagonal alone (the trace is all it needs), for sketched factors."""
+    mean_eig = diag.mean().clamp(min=0.0)
     return (damping * mean_eig).clamp(min=torch.finfo(torch.float32).tiny)
 
 
@@ -158,6 +167,25 @@ class Transform:
             for dst, src in zip(self.tensors, lowrank_whitening(a, self.rank, damping)):
                 dst.copy_(src)
 
+    @torch.no_grad()
+    def refresh_from_stats(self, stats: KFACStatistics | SketchStatistics, damping: float) -> None:
+        """Recompute the whitening in place from a layer's consolidated statistics object.
+
+        `KFACStatistics` hands over its dense factor (`refresh_from`). `SketchStatistics`
+        builds the `lowrank` tensors itself (`SketchStatistics.whitening`); it holds no dense
+        factor, so a `dense` transform cannot be refreshed from it. Fixed maps (identity,
+        Hadamard) have nothing to refresh from either.
+        """
+        from gift_compile.statistics import SketchStatistics  # imports this module
+
+        if not isinstance(stats, SketchStatistics):
+            self.refresh_from(stats.factor, damping)
+        elif self.kind == "dense":
+            raise ValueError("a dense transform needs the exact factor (KFACStatistics), not a SketchStatistics")
+        elif self.kind == "lowrank":
+            for dst, src in zip(self.tensors, stats.whitening(self.rank, damping)):
+                dst.copy_(src)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {f"t{i}": t for i, t in enumerate(self.tensors)}
 
@@ -229,9 +257,18 @@ def lowrank_whitening(a: torch.Tensor, rank: int, damping: float) -> tuple[torch
     n = a64.shape[0]
     r = min(rank, n)
     evals, u = top_eigenpairs(a64, r)
+    return lowrank_tensors(torch.diagonal(a64), u, evals, damping)
+
+
+def lowrank_tensors(diag: torch.Tensor, u: torch.Tensor, evals: torch.Tensor, damping: float) -> tuple[torch.Tensor, ...]:
+    """The `lowrank` tensors from `diag(A)` and (approximate) top eigenpairs `U, L` of `A`.
+
+    Shared by the exact path (`lowrank_whitening`) and the sketched one
+    (`gift_compile.statistics.SketchStatistics.whitening`), so both apply the same damping
+    rule to the same decomposition `A ~= U L U^T + D`. Inputs fp64; outputs fp32.
+    """
     lam = evals.clamp(min=0.0)
-    floor = _floor(a64, damping)
-    d = (torch.diagonal(a64) - (u * u * lam).sum(dim=1)).clamp(min=floor)
+    d = (diag - (u * u * lam).sum(dim=1)).clamp(min=diag_floor(diag, damping))
     b = u * lam.sqrt() / d.sqrt().unsqueeze(1)
     v, s, _ = torch.linalg.svd(b, full_matrices=False)
     s2 = s * s
@@ -244,58 +281,14 @@ def lowrank_whitening(a: torch.Tensor, rank: int, damping: float) -> tuple[torch
     )
 
 
-class KFACStatistics:
-    """Running K-FAC input factor `A = E[x x^T]` of one linear layer.
+def __getattr__(name: str) -> Any:
+    """`KFACStatistics` now lives in `gift_compile.statistics` (which imports this module, so
+    it is resolved lazily here for code that still imports it from `geometry`)."""
+    if name == "KFACStatistics":
+        from gift_compile.statistics import KFACStatistics
 
-    `observe(x)` runs inside the (compiled) forward every training step on a strided subsample
-    of at most `max_tokens` tokens and accumulates into tensors in place; `consolidate` runs
-    eagerly at a refresh: it averages the accumulator over the data-parallel group (so every
-    rank ends with the same `A`) and folds it into the EMA.
-    """
-
-    def __init__(self, d_in: int, *, ema: float, max_tokens: int, device: torch.device | str = "cpu"):
-        self.ema = ema
-        self.max_tokens = max_tokens
-        self.acc = torch.zeros(d_in, d_in, dtype=torch.float32, device=device)
-        self.count = torch.zeros((), dtype=torch.float32, device=device)
-        self.tokens = torch.zeros((), dtype=torch.float32, device=device)
-        self.factor = torch.zeros(d_in, d_in, dtype=torch.float32, device=device)
-        self.initialized = torch.zeros((), dtype=torch.bool, device=device)
-
-    def observe(self, x: torch.Tensor) -> None:
-        x2 = x.detach().reshape(-1, x.shape[-1])
-        n = x2.shape[0]
-        stride = max(1, -(-n // self.max_tokens))
-        sub = x2[::stride].float()
-        self.acc.add_(sub.t() @ sub)
-        self.count.add_(sub.shape[0])
-        self.tokens.add_(n)
-
-    @torch.no_grad()
-    def consolidate(self, group: dist.ProcessGroup | None) -> torch.Tensor:
-        """EMA-updated `A`, identical on all ranks of `group`; resets the accumulator."""
-        acc = torch.cat([self.acc.reshape(-1), self.count.reshape(1)])
-        all_reduce_(acc, group)
-        count = acc[-1].clamp(min=1.0)
-        new = (acc[:-1] / count).reshape_as(self.acc)
-        if bool(acc[-1] > 0):
-            if bool(self.initialized):
-                self.factor.mul_(self.ema).add_(new, alpha=1.0 - self.ema)
-            else:
-                self.factor.copy_(new)
-                self.initialized.fill_(True)
-        self.acc.zero_()
-        self.count.zero_()
-        return self.factor
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"acc": self.acc, "count": self.count, "tokens": self.tokens, "factor": self.factor,
-                "initialized": self.initialized}
-
-    @torch.no_grad()
-    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        for k, t in self.state_dict().items():
-            t.copy_(sd[k])
+        return KFACStatistics
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @torch.no_grad()

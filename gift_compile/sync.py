@@ -1,6 +1,6 @@
 """Blocking host collectives for refresh-time statistics (off the compiled hot path).
 
-Refresh averages K-FAC factors, gradient factors and selection measurements over the
+Refresh averages K-FAC factors (or reduces their sketches onto the layer's owner), gradient factors and selection measurements over the
 data-parallel group and broadcasts the new transforms. These are ordinary blocking
 ``torch.distributed`` calls, with one catch on gloo: its worker thread releases a finished
 collective's tensors a moment *after* the caller's ``wait`` returns. When that release is
@@ -18,7 +18,7 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather_object_", "all_reduce_", "broadcast_", "group_rank", "world_size"]
+__all__ = ["all_gather_object_", "all_reduce_", "broadcast_", "group_rank", "reduce_", "world_size"]
 
 # The most recent communicated tensors (see the module docstring). Bounded so at most a few
 # refresh buffers outlive their use.
@@ -42,6 +42,19 @@ def all_reduce_(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tenso
     if world_size(group) > 1:
         _RECENT.append(t)
         dist.all_reduce(t, group=group)
+    return t
+
+
+def reduce_(t: torch.Tensor, group: dist.ProcessGroup | None, dst: int = 0) -> torch.Tensor:
+    """Sum ``t`` over ``group`` into group rank ``dst``'s copy, in place (no-op on one rank).
+
+    Only ``dst`` may read the result: backends use the other ranks' ``t`` as scratch, so it
+    is unspecified there. Cheaper than ``all_reduce_`` when one rank alone consumes the sum
+    (the owner that rebuilds a layer's transform). Returns ``t``.
+    """
+    if world_size(group) > 1:
+        _RECENT.append(t)
+        dist.reduce(t, dst=dist.get_global_rank(group, dst), group=group)
     return t
 
 
