@@ -29,6 +29,7 @@ REDUCE_OPS = ("avg", "sum")
 SELECT_METRICS = ("euclidean", "whitened")
 UNREWRITTEN = ("error", "warn")
 PLAN_CHECKS = ("first", "always")
+STATISTICS = ("sketch", "dense")
 _SELECT_KEYWORDS = ("auto", "all", "none")
 _BOUNDARY_RE = re.compile(r"^boundary_hits:(\d+)$")
 # `seed` lives in an int64 tensor (the stochastic-rounding seed of every rank), so it must fit.
@@ -143,6 +144,12 @@ class GiftConfig:
         residual_format: how error-feedback residuals are stored (any wire format, per-row
             scales; "fp32" is exact). The residual is a full-size tensor per managed weight and
             rank that cannot be sharded, so a low-bit store is what bounds GIFT's memory.
+        statistics: how the K-FAC input factor of a low-rank layer is kept: "sketch" (a
+            streaming randomized range sketch A·Omega plus the exact diagonal, O(d_in *
+            sketch_cols) memory, rebuilt into the rank-r + diagonal map by Nyström), or
+            "dense" (the exact d_in x d_in factor). The dense geometry always uses the exact
+            factor, and so do layers too narrow for a sketch to be smaller (d_in <= 1.5 k).
+        sketch_cols: columns k of the sketch (0: 2 * rank).
         plan_check: eager collectives compare their static plan across ranks (a small host
             collective) on the "first" call of each plan, or on "always" every call (debug
             mode). Compiled graphs always compare a plan fingerprint carried in every
@@ -173,6 +180,8 @@ class GiftConfig:
     plan_check: str = "first"
     reselect_every: int = 0
     residual_format: str = "fp32"
+    statistics: str = "sketch"
+    sketch_cols: int = 0
 
     def __post_init__(self) -> None:
         # Types first (a str where a float belongs must not surface as a TypeError from a
@@ -180,7 +189,8 @@ class GiftConfig:
         for name, choices in (("format", FORMATS), ("scaling", SCALINGS), ("geometry", GEOMETRIES),
                               ("nonfinite", NONFINITE), ("select_metric", SELECT_METRICS),
                               ("reduce_op", REDUCE_OPS), ("unrewritten", UNREWRITTEN),
-                              ("plan_check", PLAN_CHECKS), ("residual_format", FORMATS)):
+                              ("plan_check", PLAN_CHECKS), ("residual_format", FORMATS),
+                              ("statistics", STATISTICS)):
             value = getattr(self, name)
             if not isinstance(value, str) or value not in choices:
                 _fail(name, value, ", ".join(choices))
@@ -194,6 +204,8 @@ class GiftConfig:
             _fail("block_size", self.block_size, f"{' or '.join(map(str, BLOCK_SIZE_CHOICES))} for format={self.format!r}")
         if not _is_int(self.min_numel) or self.min_numel < 0:
             _fail("min_numel", self.min_numel, "a non-negative integer")
+        if not _is_int(self.sketch_cols) or self.sketch_cols < 0:
+            _fail("sketch_cols", self.sketch_cols, "a non-negative integer (0: twice the rank)")
         if not _is_int(self.reselect_every) or self.reselect_every < 0:
             _fail("reselect_every", self.reselect_every, "a non-negative integer")
         if not _is_int(self.seed) or not _INT64_MIN <= self.seed <= _INT64_MAX:

@@ -281,16 +281,6 @@ def lowrank_tensors(diag: torch.Tensor, u: torch.Tensor, evals: torch.Tensor, da
     )
 
 
-def __getattr__(name: str) -> Any:
-    """`KFACStatistics` now lives in `gift_compile.statistics` (which imports this module, so
-    it is resolved lazily here for code that still imports it from `geometry`)."""
-    if name == "KFACStatistics":
-        from gift_compile.statistics import KFACStatistics
-
-        return KFACStatistics
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 @torch.no_grad()
 def gradient_factor(grad: torch.Tensor, group: dist.ProcessGroup | None = None, *, sharded: bool = False) -> torch.Tensor:
     """Gradient-side factor `R = G^T G / out` of a reduced gradient (no hooks needed).

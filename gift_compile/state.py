@@ -36,7 +36,8 @@ from gift_compile.collectives import (
     C_BASELINE, C_CALLS, C_MISMATCH, C_NONFINITE, C_WIRE, N_COUNTERS, ItemTensors, Shared, bucket_wire_bytes,
 )
 from gift_compile.config import GiftConfig
-from gift_compile.geometry import KFACStatistics, Transform, apply_forward, apply_inverse, gradient_factor
+from gift_compile.geometry import Transform, apply_forward, apply_inverse, gradient_factor
+from gift_compile.statistics import KFACStatistics, SketchStatistics
 from gift_compile.plan import TRANSFORM_KIND, BucketPlan, ItemPlan
 from gift_compile.selection import LayerMeasurement, decide, measure
 from gift_compile.sync import all_gather_object_, all_reduce_, broadcast_, group_rank, world_size
@@ -63,11 +64,11 @@ class LayerState:
         kind = TRANSFORM_KIND[config.geometry]
         stable = zlib.crc32(fqn.encode()) & 0x7FFFFFFF
         self.transform = Transform(kind, d_in, config.rank, seed=config.seed + stable, device=device)
-        self.stats = (
-            KFACStatistics(d_in, ema=config.ema, max_tokens=config.stats_tokens, device=device)
-            if config.geometry in ("dense", "lowrank")
-            else None
-        )
+        self.stats = _make_statistics(config, d_in, device)
+        # Statistics shared with other layers that read the same input (q/k/v, gate/up):
+        # a follower reads its leader's statistics and feeds none itself.
+        self.leader: LayerState | None = None
+        self.followers: list[LayerState] = []
         self.grad_factor: torch.Tensor | None = (
             torch.zeros(d_in, d_in, device=device) if config.geometry == "gradient" else None
         )
@@ -101,10 +102,15 @@ class LayerState:
         return self.transform.kind if self.selected else "identity"
 
     @property
-    def collect_stats(self) -> bool:
-        """Whether the forward feeds the K-FAC statistics: selected layers, and layers whose
-        selection is still open."""
+    def needs_stats(self) -> bool:
+        """Whether this layer's geometry must stay current: selected, or selection still open."""
         return self.stats is not None and (self.selected or not self.decided or self.config.reselect_every > 0)
+
+    @property
+    def collect_stats(self) -> bool:
+        """Whether this layer's forward feeds statistics: it or a follower needs them, and it
+        is not itself a follower."""
+        return self.leader is None and (self.needs_stats or any(f.needs_stats for f in self.followers))
 
     def _replan(self) -> None:
         """The static plan of the active path (graphs carry it; a change is a recompile)."""
@@ -137,6 +143,19 @@ class LayerState:
         sd["decided"] = torch.tensor(self.decided)
         sd["boundary_score"] = torch.tensor(self.boundary_score)
         return sd
+
+
+def _make_statistics(config: GiftConfig, d_in: int, device: torch.device | str) -> KFACStatistics | SketchStatistics | None:
+    """The K-FAC statistics object of a layer: a sketch for low-rank maps (unless configured
+    dense, or the layer is too narrow for the sketch to be smaller), the exact factor for the
+    dense map, none for fixed maps and the gradient-side geometry."""
+    if config.geometry not in ("dense", "lowrank"):
+        return None
+    cols = config.sketch_cols or 2 * config.rank
+    if config.geometry == "lowrank" and config.statistics == "sketch" and 2 * d_in > 3 * cols:
+        return SketchStatistics(d_in, rank=config.rank, sketch_cols=cols, ema=config.ema,
+                                max_tokens=config.stats_tokens, seed=config.seed, device=device)
+    return KFACStatistics(d_in, ema=config.ema, max_tokens=config.stats_tokens, device=device)
 
 
 def unpack_mark_tensors(plan: ItemPlan, tensors: list[Any]) -> tuple[ItemTensors, Shared]:
@@ -195,6 +214,7 @@ class GiftState:
         # carry the old plan must be retraced (dynamo does it through its guards; the
         # torchtitan graph_trainer hook does it by dropping its traced step).
         self.plan_version = 0
+        self._sharing_checked = False  # identical statistics are detected at the first refresh
 
     @property
     def shared(self) -> Shared:
@@ -320,7 +340,11 @@ class GiftState:
         is what makes every rank's transform bit-identical.
         """
         world = self.world()
-        return {name: i % world for i, name in enumerate(self.layers)}
+        owner = {name: i % world for i, name in enumerate(self.layers)}
+        for name, layer in self.layers.items():
+            if layer.leader is not None:
+                owner[name] = owner[layer.leader.fqn]  # built from the leader's statistics
+        return owner
 
     def _needs_geometry(self, layer: LayerState, deciding: bool) -> bool:
         return layer.transform.adaptive and (layer.selected or not layer.decided or deciding)
@@ -337,10 +361,19 @@ class GiftState:
             or (cfg.reselect_every > 0 and number % cfg.reselect_every == 0))
         old = {n: (l.active_kind, tuple(t.clone() for t in l.active_tensors()))
                for n, l in self.layers.items() if l.residual is not None}
+        if not self._sharing_checked:
+            self._share_identical_statistics()
         owners, me = self.owners(), group_rank(self.group)
-        rebuilt = set()
-        for name, layer in self.layers.items():
-            if not self._needs_geometry(layer, deciding):
+        needing = [n for n, l in self.layers.items() if self._needs_geometry(l, deciding)]
+        for name in needing:
+            layer = self.layers[name]
+            mine = owners[name] == me
+            if layer.leader is not None:
+                continue  # after its leader, below
+            if isinstance(layer.stats, SketchStatistics):
+                # reduced onto the owner only: it alone rebuilds the map
+                if layer.stats.consolidate(self.group, owner=owners[name]) and mine:
+                    layer.transform.refresh_from_stats(layer.stats, cfg.damping)
                 continue
             if layer.stats is not None:
                 factor = layer.stats.consolidate(self.group)
@@ -358,13 +391,15 @@ class GiftState:
                 f = layer.grad_factor
                 f.copy_(new) if float(f.abs().sum()) == 0.0 else f.mul_(cfg.ema).add_(new, alpha=1 - cfg.ema)
                 factor = f
-            if not bool(torch.isfinite(factor).all()):
-                logger.warning("GIFT: non-finite statistics for %s; keeping its previous transform", name)
-                continue
-            rebuilt.add(name)
-            if owners[name] == me:
+            if mine:
                 layer.transform.refresh_from(factor, cfg.damping)
-        self._broadcast_transforms(owners, rebuilt)
+        for name in needing:
+            layer = self.layers[name]
+            if layer.leader is not None and owners[name] == me:
+                for dst, src in zip(layer.transform.tensors, layer.leader.transform.tensors):
+                    dst.copy_(src)
+        # every rank broadcasts the same list (owners send what they built, or kept)
+        self._broadcast_transforms(owners, set(needing))
         record = self._select(deciding)
         for name, layer in self.layers.items():
             if layer.residual is not None:
@@ -411,12 +446,56 @@ class GiftState:
                     sum(l.selected for l in self.layers.values()), len(self.layers))
         return record
 
+    def share_statistics(self, names: list[str]) -> None:
+        """Let the layers `names` (which read the same input) use the statistics of the first:
+        one statistic per distinct input. The others stop feeding statistics (a plan change:
+        compiled forwards drop their hooks' work after one recompilation)."""
+        leader = self.layers[names[0]]
+        for name in names[1:]:
+            layer = self.layers[name]
+            if layer.stats is None or type(layer.stats) is not type(leader.stats) or layer.shape[1] != leader.shape[1]:
+                raise ValueError(f"GiftState.share_statistics: {name} cannot share {names[0]}'s statistics")
+            layer.leader, layer.stats = leader, leader.stats
+            leader.followers.append(layer)
+            layer._replan()
+        self.plan_version += 1
+
+    @torch.no_grad()
+    def _share_identical_statistics(self) -> None:
+        """At the first refresh: layers whose first window of statistics is bit-identical saw
+        the same inputs (q/k/v, gate/up projections); all ranks must agree before they share."""
+        self._sharing_checked = True
+        groups: dict[tuple[type, int], list[LayerState]] = {}
+        for layer in self.layers.values():
+            if layer.stats is not None and layer.leader is None and not layer.followers:
+                groups.setdefault((type(layer.stats), layer.shape[1]), []).append(layer)
+        candidates = []
+        for members in groups.values():
+            for i, a in enumerate(members):
+                for b in members[i + 1:]:
+                    candidates.append((a, b, _same_window(a.stats, b.stats)))
+        if not candidates:
+            return
+        flags = torch.tensor([float(same) for _, _, same in candidates], dtype=torch.float64)
+        all_reduce_(flags, self.group)
+        classes: dict[str, list[str]] = {}
+        leader_of: dict[str, str] = {}
+        for (a, b, _), flag in zip(candidates, flags.tolist()):
+            if flag == self.world() and b.fqn not in leader_of:
+                head = leader_of.get(a.fqn, a.fqn)
+                leader_of[b.fqn] = head
+                classes.setdefault(head, [head]).append(b.fqn)
+        for names in classes.values():
+            self.share_statistics(names)
+            logger.info("GIFT: %s read the same input; they share one statistic", ", ".join(names))
+
     def set_selected(self, layer: LayerState, selected: bool, *, decided: bool = True) -> None:
         """Put a layer on the transformed (`selected`) or Euclidean path. A change of path or
         of its statistics switch changes the plan graphs carry (`plan_version`)."""
-        before = (layer.selected, layer.collect_stats)
+        group = [layer.leader or layer, *(layer.leader or layer).followers]
+        before = [(l.selected, l.collect_stats) for l in group]
         layer.selected, layer.decided = selected, decided
-        if (layer.selected, layer.collect_stats) != before:
+        if [(l.selected, l.collect_stats) for l in group] != before:
             layer._replan()
             self.plan_version += 1
 
@@ -462,11 +541,16 @@ class GiftState:
             if t is not None:
                 out[kind] += t.numel() * t.element_size()
 
+        seen: set[int] = set()
         for layer in self.layers.values():
             for t in layer.transform.tensors:
                 add("transforms", t)
-            if layer.stats is not None:
-                for t in layer.stats.state_dict().values():
+            if layer.stats is not None and id(layer.stats) not in seen:
+                seen.add(id(layer.stats))
+                stats_tensors = dict(layer.stats.state_dict())
+                if isinstance(layer.stats, SketchStatistics):
+                    stats_tensors["omega"] = layer.stats.omega
+                for t in stats_tensors.values():
                     add("statistics", t)
             add("statistics", layer.grad_factor)
             for t in layer.residual or ():
@@ -495,6 +579,8 @@ class GiftState:
         return {
             "version": STATE_VERSION,
             "config": self.config.to_dict(),
+            "sharing_checked": self._sharing_checked,
+            "shared": {l.fqn: [f.fqn for f in l.followers] for l in self.layers.values() if l.followers},
             "layers": {n: {"shape": list(l.shape), "kind": l.kind, "rank": l.transform.rank,
                            "error_feedback": l.residual is not None,
                            "residual_format": self.config.residual_format if l.residual is not None else None}
@@ -577,6 +663,10 @@ class GiftState:
             dst.copy_(src)
         for name, value in recoded.items():
             residual_store.write(self.config.residual_format, self.layers[name].residual, value)
+        for leader, followers in meta.get("shared", {}).items():
+            if not self.layers[leader].followers:
+                self.share_statistics([leader, *followers])
+        self._sharing_checked = bool(meta.get("sharing_checked", False))
         for name, layer in self.layers.items():
             self.set_selected(layer, bool(sd[f"{name}.selected"]), decided=bool(sd[f"{name}.decided"]))
             layer.boundary_score = float(sd[f"{name}.boundary_score"])
@@ -587,6 +677,13 @@ class GiftState:
             converted.append(f"config changed since the checkpoint: {changed}")
         for line in converted:
             logger.warning("GIFT checkpoint loaded with a conversion: %s", line)
+
+
+def _same_window(a: KFACStatistics | SketchStatistics, b: KFACStatistics | SketchStatistics) -> bool:
+    """Whether two statistics accumulated exactly the same window (non-empty)."""
+    ta, tb = a.state_dict(), b.state_dict()
+    keys = ("acc", "count") if isinstance(a, KFACStatistics) else ("y_acc", "diag_acc", "count")
+    return bool(ta["count"] > 0) and all(torch.equal(ta[k], tb[k]) for k in keys)
 
 
 def _first_difference(a: Any, b: Any, path: str = "") -> str:

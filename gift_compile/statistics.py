@@ -53,14 +53,20 @@ class KFACStatistics:
         self.tokens = torch.zeros((), dtype=torch.float32, device=device)
         self.factor = torch.zeros(d_in, d_in, dtype=torch.float32, device=device)
         self.initialized = torch.zeros((), dtype=torch.bool, device=device)
+        self.dropped = torch.zeros((), dtype=torch.int64, device=device)
 
     def observe(self, x: torch.Tensor) -> None:
+        """Add one forward's inputs to the window; a batch with NaN/Inf adds nothing and is
+        counted in `dropped` (one non-finite batch must not poison the running average)."""
         x2 = x.detach().reshape(-1, x.shape[-1])
         n = x2.shape[0]
         stride = max(1, -(-n // self.max_tokens))
         sub = x2[::stride].float()
-        self.acc.add_(sub.t() @ sub)
-        self.count.add_(sub.shape[0])
+        new = sub.t() @ sub
+        finite = torch.isfinite(new.diagonal()).all() & torch.isfinite(new).all()
+        self.acc.add_(torch.where(finite, new, 0.0))
+        self.count.add_(finite.to(torch.float32) * sub.shape[0])
+        self.dropped.add_((~finite).to(torch.int64))
         self.tokens.add_(n)
 
     @torch.no_grad()
@@ -70,7 +76,9 @@ class KFACStatistics:
         all_reduce_(acc, group)
         count = acc[-1].clamp(min=1.0)
         new = (acc[:-1] / count).reshape_as(self.acc)
-        if bool(acc[-1] > 0):
+        if bool(acc[-1] > 0) and not bool(torch.isfinite(new).all()):
+            logger.warning("GIFT: K-FAC window sum overflowed (%d tokens); window left out of the EMA", int(acc[-1]))
+        elif bool(acc[-1] > 0):
             if bool(self.initialized):
                 self.factor.mul_(self.ema).add_(new, alpha=1.0 - self.ema)
             else:
@@ -82,7 +90,7 @@ class KFACStatistics:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"acc": self.acc, "count": self.count, "tokens": self.tokens, "factor": self.factor,
-                "initialized": self.initialized}
+                "initialized": self.initialized, "dropped": self.dropped}
 
     @torch.no_grad()
     def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:

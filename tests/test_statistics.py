@@ -247,3 +247,36 @@ def test_errors_are_named():
     via_stats.refresh_from_stats(k, 1e-3)
     direct.refresh_from(k.factor, 1e-3)
     assert all(torch.equal(a, b) for a, b in zip(via_stats.tensors, direct.tensors))
+
+
+def test_layers_reading_the_same_input_share_one_statistic():
+    """q/k/v-style layers (same input) are detected from bit-identical first windows and share
+    one statistic: memory drops, their maps come from the same factor, the others stay apart."""
+    from gift_compile.config import GiftConfig
+    from gift_compile.state import GiftState
+
+    st = GiftState(GiftConfig(rank=4, refresh_every=1, select="all"), None)
+    for name in ("q", "k", "v", "o"):
+        st.add_layer(f"{name}.weight", (32, 256), "cpu")
+    before = st.memory_bytes()["statistics"]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 256, generator=g) * torch.logspace(0, -2, 256)
+    for name in ("q", "k", "v"):
+        st.layers[f"{name}.weight"].stats.observe(x)
+    st.layers["o.weight"].stats.observe(torch.randn(512, 256, generator=g))
+    version = st.plan_version
+    st.step()
+    q, k, v, o = (st.layers[f"{n}.weight"] for n in "qkvo")
+    assert k.leader is q and v.leader is q and o.leader is None and q.followers == [k, v]
+    assert not k.collect_stats and q.collect_stats and o.collect_stats
+    assert st.plan_version > version  # followers' forwards stop observing: a plan change
+    assert st.memory_bytes()["statistics"] < 0.6 * before
+    for a, b in zip(q.transform.tensors, k.transform.tensors):
+        assert torch.equal(a, b)
+    assert not torch.equal(q.transform.tensors[1], o.transform.tensors[1])
+    # a checkpoint restores the sharing
+    fresh = GiftState(GiftConfig(rank=4, refresh_every=1, select="all"), None)
+    for name in ("q", "k", "v", "o"):
+        fresh.add_layer(f"{name}.weight", (32, 256), "cpu")
+    fresh.load_state_dict(st.state_dict())
+    assert fresh.layers["v.weight"].leader is fresh.layers["q.weight"]

@@ -106,6 +106,12 @@ class GiftSection:
     residual_format: str = _DEFAULTS.residual_format
     """Storage format of error-feedback residuals (fp32 exact; e.g. fp8_e4m3 for 8 bits)."""
 
+    statistics: str = _DEFAULTS.statistics
+    """K-FAC input statistics: sketch (O(d_in * k), Nyström) | dense (exact d_in x d_in)."""
+
+    sketch_cols: int = _DEFAULTS.sketch_cols
+    """Sketch columns k (0: twice the rank)."""
+
     reselect_every: int = _DEFAULTS.reselect_every
     """Re-decide a measured selection every N refreshes (0: decide once; each change recompiles)."""
 
