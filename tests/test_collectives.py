@@ -122,7 +122,7 @@ def _compiled_body(rank: int, world: int) -> tuple[torch.Tensor, ...]:
     plan = BucketPlan((item,), world, dist.group.WORLD.group_name, True, "all_reduce")
 
     def f(x, residual, seed, rank_t):
-        return C.bucket_core([x], [C.ItemTensors(t.tensors, residual)], C.Shared(seed, rank_t), plan)[0][0]
+        return C.bucket_core([x], [C.ItemTensors(t.tensors, (residual,))], C.Shared(seed, rank_t), plan)[0][0]
 
     compiled = torch.compile(f, fullgraph=True, dynamic=False)(x, res_c, seed, torch.tensor(rank))
     return eager, compiled, res_e, res_c, core, res_k

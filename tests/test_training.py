@@ -47,7 +47,11 @@ def _train(rank: int, world: int, use_gift: bool) -> dict:
     out = {"losses": losses, "grad_err": grad_err}
     if use_gift:
         st = gift_compile.state(model)
-        out.update(managed=sorted(st.layers), totals=st.comm_totals(), steps=st.steps)
+        managed_ids = {id(m._parameters["weight"]) for m in st.modules.values()}
+        out.update(managed=sorted(st.layers), totals=st.comm_totals(), steps=st.steps,
+                   accounted=st.accounted_bytes_per_step(),
+                   managed_fp32=sum(4 * p.numel() for p in model.parameters() if id(p) in managed_ids),
+                   other_fp32=sum(4 * p.numel() for p in model.parameters() if id(p) not in managed_ids))
     return out
 
 
@@ -67,4 +71,6 @@ def test_gift_fp8_tracks_fp32_communication_and_quantizes():
     for name, err in gift["grad_err"].items():
         if name not in gift["managed"]:
             assert err < 1e-4, (name, err)
-    assert gift["totals"]["wire"] < 0.6 * gift["totals"]["baseline"]
+    # bytes counted at run time = the accounting of the managed all-reduces + fp32 for the rest
+    assert gift["totals"]["wire"] == STEPS * (gift["accounted"] + gift["other_fp32"])
+    assert gift["accounted"] < gift["managed_fp32"] / 2.5

@@ -114,10 +114,19 @@ def _report(gift: RunResult, nogift: RunResult | None) -> None:
         print(f"\n  max |on - off| over {len(diffs)} steps: {max(diffs):.5f}; "
               f"at step {last}: {gift.losses()[last] - train_off[last]:+.5f}")
 
-    wire, fp32, bf16 = (gift.last(f"gift/{k}_bytes_per_step") for k in ("wire", "fp32", "bf16"))
-    print(f"\nBytes on the wire per step (gradient reduce-scatters, per rank)\n"
-          f"  GIFT {wire / 1e6:.2f} MB   fp32 {fp32 / 1e6:.2f} MB   bf16 {bf16 / 1e6:.2f} MB   "
-          f"saving: {fp32 / wire:.2f}x vs fp32, {bf16 / wire:.2f}x vs bf16")
+    wire, baseline = gift.last("gift/wire_bytes_per_step"), gift.last("gift/baseline_bytes_per_step")
+    calls = gift.last("gift/collectives_per_step")
+    print(f"\nBytes handed to GIFT's collectives per step and rank (counted at run time)\n"
+          f"  GIFT {wire / 1e6:.3f} MB in {calls:.0f} collectives, where fp32 would have sent {baseline / 1e6:.3f} MB: "
+          f"{baseline / wire:.2f}x fewer (bf16 would be 2.00x)")
+    rewrite = next((line for line in gift.output.splitlines() if "GIFT rewrite:" in line), None)
+    if rewrite is not None:  # graph_trainer: what the pass did to the traced step
+        print("\nGraph rewrite (GPU pass list, FSDP bucketing on):\n  " + rewrite.split("GIFT rewrite: ", 1)[1])
+        passes = [line.strip() for line in gift.output.split("graph passes:", 1)[1].splitlines()[1:12]
+                  if line.strip()[:1].isdigit()]
+        print("  passes: " + ", ".join(p.split(". ", 1)[1] for p in passes))
+    changes = gift.last("gift/plan_changes")
+    print(f"  plan changes (selection decided, statistics shared): {changes:.0f}")
 
     refresh = next((r for r in reversed(gift.records) if "gift/refresh_step" in r), None)
     if refresh is None:
