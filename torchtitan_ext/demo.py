@@ -125,8 +125,8 @@ def _report(gift: RunResult, nogift: RunResult | None) -> None:
         passes = [line.strip() for line in gift.output.split("graph passes:", 1)[1].splitlines()[1:12]
                   if line.strip()[:1].isdigit()]
         print("  passes: " + ", ".join(p.split(". ", 1)[1] for p in passes))
-    changes = gift.last("gift/plan_changes")
-    print(f"  plan changes (selection decided, statistics shared): {changes:.0f}")
+    print(f"  GIFT plan version {gift.last('gift/plan_version'):.0f} (per-layer selection/statistics switches); "
+          f"the step was retraced {gift.output.count('retracing the step')} time(s) over all ranks")
 
     refresh = next((r for r in reversed(gift.records) if "gift/refresh_step" in r), None)
     if refresh is None:

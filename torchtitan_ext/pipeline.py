@@ -83,8 +83,10 @@ def gift_pass_pipeline(traced_result: Any, config: Any, *, parallel_dims: Any = 
         return passes
     if config.compile.precompile_artifact_dir:
         raise ValueError(
-            "gift.enable cannot rewrite a precompiled graph artifact "
-            "(--compile.precompile_artifact_dir): the graph was compiled without GIFT."
+            "gift.enable cannot use a precompiled graph artifact (--compile.precompile_artifact_dir): GIFT's "
+            "state tensors (transforms, residuals, counters) enter the traced step as graph constants, which "
+            "an artifact would carry as frozen copies the refreshes never update, and a selection decision "
+            "retraces the step."
         )
     terminal = {_pass_name(p) for p in final_inductor_compile_passes(config.compile, use_cudagraph=True)}
     terminal.add("cudagraph_pass")

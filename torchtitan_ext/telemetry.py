@@ -44,7 +44,7 @@ def gift_metrics(state: GiftState, last: dict[str, Any]) -> dict[str, float]:
         "gift/baseline_bytes_per_step": delta["baseline"] / steps,
         "gift/compression": delta["baseline"] / delta["wire"] if delta["wire"] else float("nan"),
         "gift/collectives_per_step": delta["calls"] / steps,
-        "gift/plan_changes": float(state.plan_version),
+        "gift/plan_version": float(state.plan_version),
     }
     timer = getattr(state, "comm_timer", None)
     if timer is not None:
