@@ -1,12 +1,14 @@
 """Which managed layers take the transformed (GIFT) path, decided from measurements.
 
-The gain of whitening depends on the layer and on the scaling granularity (DESIGN.md
-section 5: per layer from 0.89x to 1.93x), so the default policy measures it: at each
-geometry refresh it quantizes a sample of the layer's real, not yet quantized local
-gradient both ways (error in plain L2, or with `select_metric="whitened"` in the layer's
-whitened geometry, the one a preconditioned optimizer amplifies), and enables the transform only where the error drops by at least
-`auto_min_gain` and the transform's FLOPs stay below `auto_max_overhead` of the layer's
-backward FLOPs. The paper's offline rule (top-K by E5M2 saturation share) and explicit
+The gain of whitening depends on the layer and on the scaling granularity (on a small
+Llama's real gradients, rank-32 whitening under E5M2 ranged from 0.89x to 1.93x the
+Euclidean error per layer), so the default policy measures it: at a geometry refresh it
+quantizes a sample of the layer's real, not yet quantized local gradient both ways (error in
+plain L2, or with `select_metric="whitened"` in the layer's whitened geometry, the one a
+preconditioned optimizer amplifies), and enables the transform only where the error drops
+by at least `auto_min_gain` and the transform's FLOPs stay below `auto_max_overhead` of the
+layer's backward FLOPs. The decision is part of the compiled graph (`GiftState.set_selected`),
+taken at the first refresh and again every `reselect_every` refreshes. The paper's offline rule (top-K by E5M2 saturation share) and explicit
 globs are also available.
 """
 

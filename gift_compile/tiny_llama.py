@@ -74,7 +74,7 @@ class TinyLlamaConfig:
 
     @classmethod
     def small(cls) -> TinyLlamaConfig:
-        """~3.3M parameters (dim 192, 4 layers): the model family of DESIGN.md section 5."""
+        """~3.3M parameters (dim 192, 4 layers): the benchmarks' reference model."""
         return cls(dim=192, n_layers=4, n_heads=6, multiple_of=64, max_seq_len=256)
 
 

@@ -83,7 +83,7 @@ def test_fidelity_numbers_are_consistent(smoke: tuple[Path, dict]) -> None:
         assert fid["rd_bound"][f] < ew[f]["euclidean"]
     # one more mantissa bit halves the step: E4M3 beats E5M2 at the same scaling
     assert ew["e4m3/row"]["euclidean"] < ew["e5m2/row"]["euclidean"]
-    assert 0.005 < ew["e4m3/row"]["euclidean"] < 0.1  # DESIGN.md section 5: 0.027
+    assert 0.005 < ew["e4m3/row"]["euclidean"] < 0.1  # the full bench measures ~0.027
     for p, by_format in fid["multirank"].items():
         for f in ("e4m3/tensor", "e5m2/tensor", "e4m3/row"):
             v = by_format[f]["euclidean"]

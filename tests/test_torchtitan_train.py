@@ -6,7 +6,7 @@ use the refreshed geometry). On a 2-core box a run takes 25-40 s; runs are share
 the tests of this module, so no test pays for more than two runs (< 3 minutes).
 
 Tolerance of GIFT against GIFT-off: FP8 E4M3 per-row quantization of the managed
-gradients perturbs each step's update by ~2% relative (DESIGN.md section 5); over 6
+gradients perturbs each step's update by ~2% relative (README, formats table); over 6
 AdamW steps the loss moves by ~1e-4, so we require |loss_gift - loss_off| < 5e-3 per step
 (an order of magnitude below the 0.2-0.5 loss drop the runs show) and that GIFT really
 ran (rewrite, wire bytes, refresh).
