@@ -231,9 +231,10 @@ class GiftState:
             self.seed, self.rank, self.counters = (t.to(device) for t in (self.seed, self.rank, self.counters))
         layer = LayerState(fqn, shape, self.config, device)
         self.layers[fqn] = layer
-        if self._static_selection():
+        if self._static_selection():  # decided before any graph exists: not a plan change
             chosen = fqn in decide(self.config, {fqn: LayerMeasurement(1.0, 1.0, 0.0, 0.0)}, {})
-            self.set_selected(layer, chosen and layer.kind != "identity", decided=True)
+            layer.selected, layer.decided = chosen and layer.kind != "identity", True
+            layer._replan()
         return layer
 
     def _static_selection(self) -> bool:

@@ -142,3 +142,45 @@ def _gradient_geometry_body(rank: int, world: int) -> list[bool]:
 
 def test_gradient_side_geometry_refreshes_from_the_reduced_gradient():
     assert all(run_ranks(_gradient_geometry_body, 2)[0])
+
+
+def _deselected_body(rank: int, world: int) -> dict:
+    """select="auto" decides at the first refresh; a deselected layer then runs exactly the
+    Euclidean codec (no transform matmuls in the compiled backward) and feeds no statistics,
+    after one recompilation; a layer selected by a static rule keeps its transform."""
+    from gift_compile.passes import last_reports
+
+    torch._inductor.config.fx_graph_cache = False
+    out = {}
+    for select in ("all", "auto"):
+        m = MLP()
+        opt = torch.optim.SGD(m.parameters(), lr=0.01)
+        # auto_min_gain far above any measured gain: the measured rule deselects every layer
+        gift_compile.apply(m, GiftConfig(min_numel=1024, refresh_every=2, rank=8, select=select, auto_min_gain=1e9),
+                           optimizer=opt)
+        st = gift_compile.state(m)
+        fwd = torch.compile(m, fullgraph=True, dynamic=False)
+        n0 = len(last_reports())
+        tokens = []
+        for step in range(4):
+            x = torch.randn(32, 96, generator=torch.Generator().manual_seed(10 * step + rank))
+            fwd(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            tokens.append(float(st.layers["fc1.weight"].stats.tokens))
+        backward = [r for r in last_reports()[n0:] if r.rewritten]
+        out[select] = {"mm": [r.ops_after.get("aten.mm.default", 0) for r in backward], "tokens": tokens,
+                       "kinds": sorted({l.plan.kind for l in st.layers.values()}), "version": st.plan_version}
+    return out
+
+
+def test_deselected_layers_run_the_euclidean_codec_and_collect_nothing():
+    res = run_ranks(_deselected_body, 2)[0]
+    static, auto = res["all"], res["auto"]
+    assert static["kinds"] == ["lowrank"] and len(static["mm"]) == 1 and static["version"] == 0
+    # auto: one backward graph before the decision (undecided: identity, statistics on) and
+    # one after (deselected: identity, statistics off): two compiles, not one per step
+    assert auto["kinds"] == ["identity"] and len(auto["mm"]) == 2 and auto["version"] > 0
+    assert auto["mm"][0] == auto["mm"][1] < static["mm"][0]  # no transform matmuls at all
+    assert auto["tokens"][1] > auto["tokens"][0] and auto["tokens"][3] == auto["tokens"][1]  # stats stop
+    assert static["tokens"][3] > static["tokens"][1]  # a selected layer keeps its statistics
