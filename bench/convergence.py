@@ -1,7 +1,7 @@
 """Convergence: 2-rank gloo data-parallel pretraining with each gradient format.
 
 Every arm of one seed starts from the same initialisation and sees the same data in the same
-order (`gift_compile.corpus.batches` slices one global batch per step across the ranks), so
+order (`gift_compile.torchtitan_ext.corpus.batches` slices one global batch per step across the ranks), so
 the only difference between arms is how gradients are communicated:
 
 - `fp32`: a plain fp32 all-reduce of every gradient (what DDP does), the reference;
@@ -35,10 +35,10 @@ from torch import nn
 import gift_compile
 from bench.reference import lr_at
 from bench.settings import ConvergenceSettings
-from gift_compile import corpus
+from gift_compile.torchtitan_ext import corpus
 from gift_compile.config import GiftConfig
 from gift_compile.passes import last_reports
-from gift_compile.tiny_llama import TinyLlama, loss
+from bench.tiny_llama import TinyLlama, loss
 
 Log = Callable[[str], None]
 

@@ -29,10 +29,10 @@ import torch
 from torch import nn
 
 from bench.settings import FidelitySettings, ReferenceSettings
-from gift_compile import corpus
+from gift_compile.torchtitan_ext import corpus
 from gift_compile.config import GiftConfig
 from gift_compile.geometry import gradient_factor
-from gift_compile.tiny_llama import TinyLlama, loss
+from bench.tiny_llama import TinyLlama, loss
 
 Log = Callable[[str], None]
 _HELDOUT_SEED = 1234

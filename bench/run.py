@@ -21,7 +21,7 @@ import torch
 
 from bench import convergence, fidelity, overhead, plots, reference, report, step_model, wire
 from bench.settings import BenchSettings, profile
-from gift_compile import corpus
+from gift_compile.torchtitan_ext import corpus
 
 SECTIONS = ("wire", "fidelity", "overhead", "convergence", "step_model")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"

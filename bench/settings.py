@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from gift_compile.tiny_llama import TinyLlamaConfig
+from bench.tiny_llama import TinyLlamaConfig
 
 # (label, format, scaling): the wire formats of the fidelity tables. mxfp8 and nvfp4 fix their
 # own block scaling, so their "scaling" entry is only a label.

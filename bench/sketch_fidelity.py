@@ -35,7 +35,7 @@ import torch
 
 from bench import fidelity, reference
 from bench.settings import FORMATS, TRANSFORMS, profile
-from gift_compile import corpus
+from gift_compile.torchtitan_ext import corpus
 from gift_compile.collectives import all_reduce
 from gift_compile.config import GiftConfig
 from gift_compile.geometry import Transform, lowrank_refresh_flops

@@ -24,7 +24,7 @@ import torch
 from bench.reference import managed_linears
 from gift_compile.collectives import wire_bytes_per_rank
 from gift_compile.formats import FormatSpec
-from gift_compile.tiny_llama import TinyLlama, TinyLlamaConfig
+from bench.tiny_llama import TinyLlama, TinyLlamaConfig
 
 # (label, format, scaling) of the wire table; fp32 / bf16 are the baselines.
 WIRE_FORMATS: tuple[tuple[str, str, str], ...] = (

