@@ -1,25 +1,27 @@
-"""Convergence: 2-rank gloo data-parallel pretraining with each gradient format.
+"""Convergence: where low-bit gradient communication costs loss, and how much GIFT gives back.
 
-Every arm of one seed starts from the same initialisation and sees the same data in the same
-order (`gift_compile.torchtitan_ext.corpus.batches` slices one global batch per step across the ranks), so
-the only difference between arms is how gradients are communicated:
+2-rank gloo data-parallel pretraining of the bench's small Llama, per optimizer (Muon on the
+hidden matrices with AdamW on embeddings, norms and head — the paper's setting — or AdamW
+alone) and per arm:
 
-- `fp32`: a plain fp32 all-reduce of every gradient (what DDP does), the reference;
-- `euclid-*` / `gift-*`: `gift_compile.apply(model, GiftConfig(...), group=WORLD)`, the product
-  API. Managed linear weights take the quantized all-reduce, Euclidean (`geometry="none"`) or
-  GIFT (`geometry="lowrank"`, rank 32, `select="all"` so every managed layer is whitened once
-  its K-FAC statistics exist); everything else is all-reduced in fp32 by the hooks `apply`
-  installs. The model runs eagerly by default (the backward calls the same collective the
-  compiled graph would; `torch.compile` of 2 ranks x 5 arms costs minutes of compile time on
-  2 cores); `ConvergenceSettings.compile` compiles it instead.
+- `fp32`: a plain fp32 all-reduce of every gradient, the reference;
+- `euclid-<fmt>[-ef]` / `gift-<fmt>[-ef]`: `gift_compile.apply(model, GiftConfig(...),
+  optimizer=...)`, the product path. Managed linear weights take the quantized all-reduce in
+  plain coordinates (`geometry="none"`) or GIFT's (`geometry="lowrank"`, every managed layer
+  whitened); `-ef` adds error feedback (Euclidean + EF is the ablation the paper lacks).
+  Everything else is all-reduced in fp32.
 
-DESIGN.md section 5 measured that at this scale the format's effect is far below run-to-run
-noise, so the report gives several seeds, mean and spread, and paired (same-seed) differences.
+Every arm of a (seed, optimizer) starts from the same initialisation and sees the same data in
+the same order, so the per-seed difference to `fp32` isolates the communication. The summary
+gives, per arm, the mean paired difference of the final held-out bits/byte with a t-based 95%
+CI and the minimum detectable effect (`bench.stats`); per bit width and EF setting, the gap
+Euclidean leaves and the share of it GIFT closes. Runs write one JSON line each as they finish
+(`jsonl` next to the results), so a long profile can be inspected, or rendered, while it runs.
 """
 
 from __future__ import annotations
 
-import math
+import json
 import os
 import statistics
 import tempfile
@@ -35,29 +37,62 @@ from torch import nn
 import gift_compile
 from bench.reference import lr_at
 from bench.settings import ConvergenceSettings
-from gift_compile.torchtitan_ext import corpus
-from gift_compile.config import GiftConfig
-from gift_compile.passes import last_reports
+from bench.stats import paired
 from bench.tiny_llama import TinyLlama, loss
+from gift_compile.config import GiftConfig
+from gift_compile.formats import FormatSpec
+from gift_compile.passes import last_reports
+from gift_compile.torchtitan_ext import corpus
 
 Log = Callable[[str], None]
 
-# arm -> GiftConfig keyword arguments (None: plain fp32 all-reduce). The FP8 arms use the
-# paper's setting (E5M2, one scale per tensor).
-ARMS: dict[str, dict[str, object] | None] = {
-    "fp32": None,
-    "euclid-fp8": {"format": "fp8_e5m2", "scaling": "tensor", "geometry": "none"},
-    "gift-fp8": {"format": "fp8_e5m2", "scaling": "tensor", "geometry": "lowrank", "select": "all"},
-    "euclid-nvfp4": {"format": "nvfp4", "geometry": "none"},
-    "gift-nvfp4": {"format": "nvfp4", "geometry": "lowrank", "select": "all"},
+# short format name -> GiftConfig keyword arguments (and the order of the bit-width axis)
+FORMATS: dict[str, dict[str, object]] = {
+    "fp8": {"format": "fp8_e4m3", "scaling": "row"},
+    "nvfp4": {"format": "nvfp4"},
+    "int4": {"format": "int4", "block_size": 32},
+    "int2": {"format": "int2", "block_size": 32},
+    "ternary": {"format": "ternary", "block_size": 32},
 }
 
 
+def parse_arm(arm: str) -> tuple[str, str | None, bool]:
+    """`(geometry, format short name, error feedback)` of an arm name (`fp32`: no format)."""
+    if arm == "fp32":
+        return "fp32", None, False
+    parts = arm.split("-")
+    if parts[0] not in ("euclid", "gift") or parts[1] not in FORMATS or parts[2:] not in ([], ["ef"]):
+        raise ValueError(f"unknown convergence arm {arm!r}: expected fp32 or (euclid|gift)-<format>[-ef], "
+                         f"format one of {sorted(FORMATS)}")
+    return parts[0], parts[1], parts[2:] == ["ef"]
+
+
 def arm_config(arm: str, s: ConvergenceSettings, seed: int) -> GiftConfig | None:
-    kwargs = ARMS[arm]
-    if kwargs is None:
+    geometry, fmt, ef = parse_arm(arm)
+    if fmt is None:
         return None
-    return GiftConfig(**kwargs, rank=32, refresh_every=s.refresh_every, seed=seed)
+    gift = {"geometry": "lowrank", "select": "all", "rank": s.rank} if geometry == "gift" else {"geometry": "none"}
+    return GiftConfig(**FORMATS[fmt], **gift, error_feedback=ef, refresh_every=s.refresh_every, seed=seed)
+
+
+def bits_per_element(fmt: str, cols: int = 512) -> float:
+    """Exact wire bits per managed element of a format (payload + scales) at width `cols`."""
+    kw = FORMATS[fmt]
+    return FormatSpec(str(kw["format"]), str(kw.get("scaling", "row")), int(kw.get("block_size", 32))).bits_per_element(cols, 64)
+
+
+def _optimizers(model: nn.Module, name: str, s: ConvergenceSettings) -> tuple[list[torch.optim.Optimizer], list[float]]:
+    """The optimizers of one run and their peak learning rates (the schedule scales them)."""
+    if name == "adamw":
+        return [torch.optim.AdamW(model.parameters(), lr=s.lr, betas=(0.9, 0.95), weight_decay=0.1)], [s.lr]
+    if name != "muon":
+        raise ValueError(f"unknown optimizer {name!r}; allowed: muon, adamw")
+    hidden = [p for n, p in model.named_parameters() if p.dim() == 2 and n.startswith("layers.")]
+    ids = {id(p) for p in hidden}
+    rest = [p for p in model.parameters() if id(p) not in ids]
+    muon = torch.optim.Muon(hidden, lr=s.muon_lr, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    adamw = torch.optim.AdamW(rest, lr=s.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    return [muon, adamw], [s.muon_lr, s.lr]
 
 
 def _allreduce_fp32(model: nn.Module, world: int) -> None:
@@ -81,14 +116,14 @@ def _replicas_identical(model: nn.Module) -> bool:
     return bool((both[:2] == -both[2:]).all())
 
 
-def _train_arm(arm: str, seed: int, s: ConvergenceSettings, paths: corpus.CorpusPaths,
-               rank: int, world: int) -> dict[str, object]:
+def _train(opt_name: str, arm: str, seed: int, s: ConvergenceSettings, paths: corpus.CorpusPaths,
+           rank: int, world: int) -> dict[str, object]:
     model = TinyLlama(s.model, seed=seed)
     config = arm_config(arm, s, seed)
+    optimizers, peaks = _optimizers(model, opt_name, s)
     reports_before = len(last_reports())
-    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    if config is not None:
-        gift_compile.apply(model, config, group=dist.group.WORLD, optimizer=opt)
+    if config is not None:  # the first optimizer drives GIFT's state (health check, refresh)
+        gift_compile.apply(model, config, group=dist.group.WORLD, optimizer=optimizers[0])
     forward = torch.compile(model) if s.compile else model
     tokens = corpus.token_stream("train", paths)
     losses: list[float] = []
@@ -97,31 +132,33 @@ def _train_arm(arm: str, seed: int, s: ConvergenceSettings, paths: corpus.Corpus
     data = corpus.batches(tokens, s.local_batch * world, s.seq_len, seed=seed, rank=rank, world_size=world,
                           steps=s.steps)
     for step, (x, y) in enumerate(data):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, s.steps, s.lr, s.warmup)
+        for opt, peak in zip(optimizers, peaks):
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, s.steps, peak, s.warmup)
         value = loss(forward(x), y)
-        opt.zero_grad(set_to_none=True)
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
         value.backward()
         if config is None:
             _allreduce_fp32(model, world)
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        for opt in reversed(optimizers):  # the GIFT-driving optimizer last: its post-hook ends the step
+            opt.step()
         losses.append(float(value.detach()))
         if (step + 1) % s.eval_every == 0 or step + 1 == s.steps:
             if rank == 0:
-                bpb = corpus.bits_per_byte(model, "val", paths, seq_len=s.seq_len, max_tokens=s.eval_tokens)
-                evals.append((step + 1, bpb))
-                print(f"    [seed {seed} {arm}] step {step + 1}/{s.steps} loss {losses[-1]:.3f} "
-                      f"held-out bits/byte {bpb:.4f} ({time.perf_counter() - start:.0f} s)", flush=True)
+                evals.append((step + 1, corpus.bits_per_byte(model, "val", paths, seq_len=s.seq_len,
+                                                             max_tokens=s.eval_tokens)))
             dist.barrier()
     result: dict[str, object] = {
-        "arm": arm, "seed": seed, "losses": losses, "evals": evals,
+        "optimizer": opt_name, "arm": arm, "seed": seed, "losses": losses, "evals": evals,
         "seconds": time.perf_counter() - start, "replicas_identical": _replicas_identical(model),
     }
     if config is not None:
         state = gift_compile.state(model)
         totals = state.comm_totals()
-        result["wire_bytes_per_step"] = {"gift": totals["wire"] / s.steps, "fp32": totals["baseline"] / s.steps}
+        result["wire_bytes_per_step"] = totals["wire"] / s.steps
+        result["baseline_bytes_per_step"] = totals["baseline"] / s.steps
         result["managed_layers"] = len(state.layers)
         result["selected_layers"] = sum(layer.selected for layer in state.layers.values())
         if s.compile:  # what the FX pass did to this arm's graphs
@@ -133,66 +170,102 @@ def _train_arm(arm: str, seed: int, s: ConvergenceSettings, paths: corpus.Corpus
 
 
 def _worker(rank: int, world: int, store_path: str, s: ConvergenceSettings, paths: corpus.CorpusPaths,
-            out_dir: str) -> None:
+            jsonl: str, log_every_run: bool) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     try:
-        results = [_train_arm(arm, seed, s, paths, rank, world) for seed in s.seeds for arm in s.arms]
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        for seed in s.seeds:
+            for opt_name, arms in s.arms:
+                for arm in arms:
+                    res = _train(opt_name, arm, seed, s, paths, rank, world)
+                    curves = [None] * world
+                    dist.all_gather_object(curves, res["losses"])
+                    if rank == 0:
+                        res["losses"] = [statistics.fmean(v) for v in zip(*curves)]  # global-batch loss
+                        with open(jsonl, "a") as f:
+                            f.write(json.dumps(res) + "\n")
+                        if log_every_run:
+                            print(f"    [{opt_name} seed {seed} {arm}] held-out bits/byte {res['evals'][-1][1]:.4f} "
+                                  f"({res['seconds']:.0f} s)", flush=True)
     finally:
         dist.destroy_process_group()
 
 
-def _summary(values: list[float]) -> dict[str, float]:
-    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-            "n": len(values)}
+def run(s: ConvergenceSettings, paths: corpus.CorpusPaths, log: Log, jsonl: Path | None = None) -> dict[str, object]:
+    """Train every (seed, optimizer, arm) on `s.world` gloo ranks and summarise (see module doc).
 
-
-def run(s: ConvergenceSettings, paths: corpus.CorpusPaths, log: Log) -> dict[str, object]:
-    """Train every (seed, arm) on `s.world` gloo ranks; curves, final metrics, paired diffs."""
-    log(f"  {len(s.seeds)} seed(s) x {len(s.arms)} arms x {s.steps} steps on {s.world} gloo ranks "
-        f"({s.local_batch}x{s.seq_len} tokens per rank per step, {'compiled' if s.compile else 'eager'})")
+    `jsonl` (default: a temporary file) receives one line per finished run.
+    """
+    n_runs = len(s.seeds) * sum(len(a) for _, a in s.arms)
+    log(f"  {len(s.seeds)} seed(s) x {n_runs // len(s.seeds)} (optimizer, arm) runs x {s.steps} steps on {s.world} "
+        f"gloo ranks ({s.local_batch}x{s.seq_len} tokens per rank per step, {'compiled' if s.compile else 'eager'})")
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(s.world, os.path.join(tmp, "store"), s, paths, tmp), nprocs=s.world, join=True)
-        per_rank = [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(s.world)]
-    runs = []
-    for i, first in enumerate(per_rank[0]):
-        curves = [r[i]["losses"] for r in per_rank]
-        rec = dict(first)
-        rec["losses"] = [statistics.fmean(v) for v in zip(*curves)]  # global-batch loss
-        tail = rec["losses"][-max(1, s.steps // 10):]
-        rec["final_train_loss"] = statistics.fmean(tail)
-        rec["final_bpb"] = first["evals"][-1][1]
-        runs.append(rec)
-    by = {(r["seed"], r["arm"]): r for r in runs}
-    arms = {}
-    for arm in s.arms:
-        bpb = [by[(seed, arm)]["final_bpb"] for seed in s.seeds]
-        train = [by[(seed, arm)]["final_train_loss"] for seed in s.seeds]
-        diff = [by[(seed, arm)]["final_bpb"] - by[(seed, "fp32")]["final_bpb"] for seed in s.seeds]
-        rel = [d / by[(seed, "fp32")]["final_bpb"] for d, seed in zip(diff, s.seeds)]
-        arms[arm] = {"final_bpb": _summary(bpb), "final_train_loss": _summary(train),
-                     "paired_diff_bpb": _summary(diff), "paired_rel_diff_bpb": _summary(rel),
-                     "seconds": statistics.fmean(by[(seed, arm)]["seconds"] for seed in s.seeds)}
-    # Paired GIFT-vs-Euclidean differences at the same format.
-    gift_vs_euclid = {}
-    for fmt in ("fp8", "nvfp4"):
-        if f"gift-{fmt}" in s.arms and f"euclid-{fmt}" in s.arms:
-            d = [by[(seed, f"gift-{fmt}")]["final_bpb"] - by[(seed, f"euclid-{fmt}")]["final_bpb"] for seed in s.seeds]
-            gift_vs_euclid[fmt] = _summary(d)
+        path = str(jsonl) if jsonl is not None else os.path.join(tmp, "runs.jsonl")
+        if jsonl is not None and os.path.exists(path):
+            os.remove(path)
+        mp.spawn(_worker, args=(s.world, os.path.join(tmp, "store"), s, paths, path, n_runs > 8),
+                 nprocs=s.world, join=True)
+        with open(path) as f:
+            runs = [json.loads(line) for line in f if line.strip()]
+    return summarise(runs, s)
+
+
+def summarise(runs: list[dict], s: ConvergenceSettings) -> dict[str, object]:
+    """Per-arm paired statistics and per-(bit width, EF) gaps from finished runs."""
+    for r in runs:
+        tail = r["losses"][-max(1, s.steps // 10):]
+        r["final_train_loss"] = statistics.fmean(tail)
+        r["final_bpb"] = r["evals"][-1][1]
+    by = {(r["optimizer"], r["seed"], r["arm"]): r for r in runs}
+    seeds = sorted({r["seed"] for r in runs})
+    per_opt: dict[str, dict[str, object]] = {}
+    for opt_name, arms in s.arms:
+        summary, gaps = {}, {}
+        for arm in arms:
+            done = [seed for seed in seeds if (opt_name, seed, arm) in by and (opt_name, seed, "fp32") in by]
+            if not done:
+                continue
+            bpb = [by[(opt_name, seed, arm)]["final_bpb"] for seed in done]
+            diff = [by[(opt_name, seed, arm)]["final_bpb"] - by[(opt_name, seed, "fp32")]["final_bpb"] for seed in done]
+            _, fmt, _ = parse_arm(arm)
+            summary[arm] = {
+                "bits": 32.0 if fmt is None else bits_per_element(fmt),
+                "final_bpb": statistics.fmean(bpb), "n": len(done),
+                "paired_diff_bpb": paired(diff).as_dict(),
+                "seconds": statistics.fmean(by[(opt_name, seed, arm)]["seconds"] for seed in done),
+            }
+        for arm in arms:
+            geometry, fmt, ef = parse_arm(arm)
+            twin = arm.replace("gift-", "euclid-", 1)
+            if geometry != "gift" or twin not in summary or arm not in summary:
+                continue
+            done = [seed for seed in seeds if (opt_name, seed, arm) in by and (opt_name, seed, twin) in by]
+            g_minus_e = [by[(opt_name, seed, arm)]["final_bpb"] - by[(opt_name, seed, twin)]["final_bpb"] for seed in done]
+            gap_e, gap_g = summary[twin]["paired_diff_bpb"]["mean"], summary[arm]["paired_diff_bpb"]["mean"]
+            gaps[f"{fmt}{'-ef' if ef else ''}"] = {
+                "format": fmt, "error_feedback": ef, "bits": summary[arm]["bits"],
+                "euclid_minus_fp32": summary[twin]["paired_diff_bpb"], "gift_minus_fp32": summary[arm]["paired_diff_bpb"],
+                "gift_minus_euclid": paired(g_minus_e).as_dict(),
+                "share_closed": 1.0 - gap_g / gap_e if gap_e > 0 else float("nan"),
+            }
+        per_opt[opt_name] = {"arms": summary, "gaps": gaps, "verdict": _verdict(summary, gaps)}
     return {
-        "mode": "compiled" if s.compile else "eager",
-        "world": s.world, "steps": s.steps, "tokens_per_step": s.world * s.local_batch * s.seq_len,
-        "seeds": list(s.seeds), "arms": list(s.arms),
-        "arm_configs": {a: ARMS[a] for a in s.arms},
-        "runs": runs, "summary": arms, "gift_minus_euclid_bpb": gift_vs_euclid,
+        "mode": "compiled" if s.compile else "eager", "world": s.world, "steps": s.steps,
+        "tokens_per_step": s.world * s.local_batch * s.seq_len, "seeds": seeds,
+        "arms": {opt: list(arms) for opt, arms in s.arms}, "runs": runs, "optimizers": per_opt,
+        "gift_config": {"rank": s.rank, "refresh_every": s.refresh_every, "select": "all", "geometry": "lowrank"},
         "all_replicas_identical": all(r["replicas_identical"] for r in runs),
-        "noise_floor_bpb": _seed_spread(by, s),
     }
 
 
-def _seed_spread(by: dict[tuple[int, str], dict[str, object]], s: ConvergenceSettings) -> float:
-    """Std over seeds of the fp32 arm's final bits/byte: the run-to-run noise to compare against."""
-    if len(s.seeds) < 2 or "fp32" not in s.arms:
-        return math.nan
-    return statistics.stdev(by[(seed, "fp32")]["final_bpb"] for seed in s.seeds)
+def _verdict(summary: dict, gaps: dict) -> dict[str, object]:
+    """The widest bit width at which Euclidean costs loss beyond its CI (no EF), GIFT's share of
+    that gap, and whether any arm is a resolved positive control."""
+    costly = [(g["bits"], k) for k, g in gaps.items()
+              if not g["error_feedback"] and g["euclid_minus_fp32"]["resolved"] and g["euclid_minus_fp32"]["mean"] > 0]
+    controls = [a for a, v in summary.items() if v["paired_diff_bpb"]["resolved"] and v["paired_diff_bpb"]["mean"] > 0]
+    if not costly:
+        return {"first_costly": None, "positive_controls": controls}
+    bits, key = max(costly)
+    return {"first_costly": key, "bits": bits, "share_closed": gaps[key]["share_closed"],
+            "gift_minus_euclid": gaps[key]["gift_minus_euclid"], "positive_controls": controls}

@@ -99,12 +99,11 @@ def _headlines(r: dict) -> list[str]:
                 ""]
     cv = r.get("convergence")
     if cv:
-        rows = [[a, _pm(cv["summary"][a]["final_bpb"]), _pm(cv["summary"][a]["paired_diff_bpb"])]
-                for a in cv["arms"]]
-        out += [f"Convergence ({cv['world']} gloo ranks, {cv['steps']} steps, {len(cv['seeds'])} seed(s), "
-                f"{cv['mode']}): final held-out bits/byte and paired difference to fp32:", "",
-                table(["arm", "bits/byte", "minus fp32 (paired)"], rows), ""]
+        out += [f"Convergence ({cv['world']} gloo ranks, {cv['steps']} steps, seeds {cv['seeds']}, {cv['mode']}; "
+                "held-out bits/byte minus fp32 communication, paired by seed, mean ± 95% CI (t, n seeds)):", ""]
+        out += _verdict_lines(cv)
     sm = r.get("step_model")
+    if sm:    sm = r.get("step_model")
     if sm:
         names = list(sm["scenarios"])
         arms = list(sm["scenarios"][names[0]]["arms"])
@@ -283,39 +282,71 @@ def _wire(wr: dict, plots: dict) -> list[str]:
     return out
 
 
+def _ci(p: dict, digits: int = 4) -> str:
+    """`mean ± 95% CI half-width (n)`; `*` marks a difference whose CI excludes zero."""
+    if p["n"] < 2:
+        return f"{p['mean']:+.{digits}f} (n=1)"
+    return f"{p['mean']:+.{digits}f} ± {p['ci95']:.{digits}f}{' *' if p['resolved'] else ''} (n={p['n']})"
+
+
+def _verdict_lines(cv: dict) -> list[str]:
+    out = []
+    for opt, o in cv["optimizers"].items():
+        v = o["verdict"]
+        if v["first_costly"] is None:
+            text = (f"**{opt}**: no bit width where Euclidean communication costs loss beyond its 95% CI (no "
+                    "positive control: the design cannot resolve the effects at this scale).")
+        else:
+            g = v["gift_minus_euclid"]
+            text = (f"**{opt}**: Euclidean communication first costs loss beyond its 95% CI at "
+                    f"**{v['first_costly']}** ({v['bits']:.2f} bits/element): "
+                    f"{_ci(o['gaps'][v['first_costly']]['euclid_minus_fp32'])} bits/byte; GIFT closes "
+                    f"**{100 * v['share_closed']:.0f}%** of that gap (GIFT minus Euclidean {_ci(g)}).")
+        controls = ", ".join(v["positive_controls"]) or "none"
+        out += [text + f" Arms with a resolved loss cost (positive controls): {controls}.", ""]
+    return out
+
+
 def _convergence(cv: dict, plots: dict) -> list[str]:
-    gift_runs = [r for r in cv["runs"] if "pass_rewritten" in r]
+    runs = cv["runs"]
     if cv["mode"] == "compiled":
+        gift_runs = [r for r in runs if "pass_rewritten" in r]
         how = (f"the FX pass rewrote {sum(r['pass_rewritten'] for r in gift_runs)} managed gradient all-reduces "
                f"over the quantized arms' graphs; {sum(r['pass_fallbacks'] for r in gift_runs)} stayed at full precision")
     else:
         how = ("the backward hooks call the same quantized all-reduce the compiled graph would; "
-               "`--conv-compile` runs the pass instead, at minutes of compile time per arm on 2 cores")
+               "`--conv-compile` runs the pass instead")
+    g = cv["gift_config"]
     out = ["## 5. Convergence", "",
-           f"{cv['world']}-rank gloo data parallelism, {cv['steps']} AdamW steps of {cv['tokens_per_step']:,} "
-           f"tokens (global), seeds {cv['seeds']} (a seed fixes init and data order; all arms of a seed "
-           "share both). Driver: `gift_compile.apply(model, GiftConfig(...), group=WORLD)` run "
-           f"**{cv['mode']}** ({how}). fp32 = plain fp32 all-reduce of every gradient. Arm configs: "
-           + "; ".join(f"`{a}` {c}" for a, c in cv["arm_configs"].items()) + ".", ""]
-    rows = []
-    for a in cv["arms"]:
-        s = cv["summary"][a]
-        run = next(r for r in cv["runs"] if r["arm"] == a)
-        whitened = f"{run['selected_layers']}/{run['managed_layers']}" if "managed_layers" in run else "-"
-        rows.append([a, whitened, _pm(s["final_train_loss"]), _pm(s["final_bpb"]), _pm(s["paired_diff_bpb"]),
-                     _pm(s["paired_rel_diff_bpb"], 3, 100.0) + " %", f"{s['seconds']:.0f}"])
-    out += ["`whitened` = layers on the transformed path at the end / layers managed by `apply`; `s/run` = "
-            "wall time of one run (eager CPU codec cost included).", "",
-            table(["arm", "whitened", "final train loss", "held-out bits/byte", "minus fp32 (paired)", "relative",
-                   "s/run"], rows), ""]
-    if cv["gift_minus_euclid_bpb"]:
-        rows = [[f, _pm(v)] for f, v in cv["gift_minus_euclid_bpb"].items()]
-        out += ["Paired GIFT minus Euclidean at the same format (negative = GIFT better):", "",
-                table(["format", "bits/byte difference"], rows), ""]
-    noise = cv["noise_floor_bpb"]
-    out += [f"Run-to-run noise (std over seeds of the fp32 arm): "
-            f"{'n/a (one seed)' if math.isnan(noise) else f'{noise:.4f} bits/byte'}. "
-            f"Replicas bit-identical at the end of every run: {cv['all_replicas_identical']}.", "",
+           f"{cv['world']}-rank gloo data parallelism, {cv['steps']} steps of {cv['tokens_per_step']:,} tokens "
+           f"(global), seeds {cv['seeds']}: a seed fixes init and data order, shared by every arm of that seed and "
+           "optimizer. Optimizers: `muon` = `torch.optim.Muon` (adjust_lr_fn=match_rms_adamw) on the hidden "
+           "matrices + AdamW on embeddings, norms and head (the paper's setting); `adamw` = AdamW on everything. "
+           "Arms: `fp32` (plain fp32 all-reduce, the reference), `euclid-<format>` (`geometry=\"none\"`), "
+           f"`gift-<format>` (`geometry=\"lowrank\"`, rank {g['rank']}, refresh every {g['refresh_every']} steps, "
+           "every managed layer whitened), `-ef` = error feedback (fp32 residual). Driver: "
+           f"`gift_compile.apply(model, GiftConfig(...), optimizer=...)` run **{cv['mode']}** ({how}).", "",
+           "Differences are final held-out bits/byte minus the same seed's fp32 arm: mean ± half-width of the "
+           "t-based 95% CI over n seeds; `*` = the CI excludes zero. MDE = the smallest true difference this design "
+           "detects with 80% power at the 5% level.", ""]
+    out += _verdict_lines(cv)
+    for opt, o in cv["optimizers"].items():
+        rows = []
+        for arm, a in o["arms"].items():
+            p = a["paired_diff_bpb"]
+            rows.append([arm, f"{a['bits']:.2f}", f"{a['final_bpb']:.4f}", _ci(p),
+                         "n/a" if p["n"] < 2 else f"{p['mde80']:.4f}", f"{a['seconds']:.0f}"])
+        out += [f"### {opt}", "", table(["arm", "bits/elem", "bits/byte", "minus fp32", "MDE", "s/run"], rows), ""]
+        if o["gaps"]:
+            rows = [[k, f"{gp['bits']:.2f}", _ci(gp["euclid_minus_fp32"]), _ci(gp["gift_minus_fp32"]),
+                     _ci(gp["gift_minus_euclid"]),
+                     "n/a" if gp["share_closed"] != gp["share_closed"] else f"{100 * gp['share_closed']:.0f}%"]
+                    for k, gp in o["gaps"].items()]
+            out += ["Gap per bit width (share closed = 1 - GIFT gap / Euclidean gap, where the Euclidean gap is "
+                    "positive):", "",
+                    table(["format", "bits/elem", "Euclidean - fp32", "GIFT - fp32", "GIFT - Euclidean",
+                           "share closed"], rows), ""]
+    out += [f"Replicas bit-identical at the end of every run: {cv['all_replicas_identical']}.", "",
             f"![convergence]({plots['convergence']})", ""]
     return out
 

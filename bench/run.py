@@ -38,6 +38,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="where the trained reference model is cached (default: <corpus cache>/bench)")
     p.add_argument("--threads", type=int, default=None, help="torch threads of the main process")
     p.add_argument("--conv-compile", action="store_true", help="torch.compile the convergence models")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the other sections of an existing <out>/results.json (re-run some sections only)")
     p.add_argument("--from-json", type=Path, default=None,
                    help="only re-render REPORT.md and the figures into --out from an earlier results.json")
     args = p.parse_args(argv)
@@ -86,6 +88,10 @@ def main(argv: list[str] | None = None) -> dict:
         "loadavg_start": os.getloadavg()[0], "gpu": torch.cuda.is_available(), "settings": settings.to_dict(),
     }}
     json_path = out / "results.json"
+    if args.merge and json_path.exists():
+        previous = json.loads(json_path.read_text())
+        results = {**{k: v for k, v in previous.items() if k not in only and k != "meta"}, **results}
+        results["meta"]["merged_from"] = previous.get("meta", {}).get("command")
     log(f"profile {settings.profile}: sections {', '.join(s for s in SECTIONS if s in only)}; output {out}")
     paths = corpus.prepare()
 
@@ -120,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     if "convergence" in only:
         log("convergence (2-rank gloo pretraining)")
-        results["convergence"] = convergence.run(settings.convergence, paths, log)
+        results["convergence"] = convergence.run(settings.convergence, paths, log, jsonl=out / "convergence_runs.jsonl")
         _write_json(json_path, results)
 
     if "step_model" in only:

@@ -91,19 +91,23 @@ class OverheadSettings:
 
 @dataclass(frozen=True)
 class ConvergenceSettings:
-    """2-rank gloo pretraining runs: one per (seed, arm), same data order within a seed."""
+    """2-rank gloo pretraining runs: one per (seed, optimizer, arm); within a seed every arm has
+    the same init and data order. `arms` pairs each optimizer ("muon", "adamw") with its arms
+    (`bench.convergence.parse_arm`), each list starting with "fp32", the paired reference."""
 
     model: TinyLlamaConfig
     steps: int
     local_batch: int
     seq_len: int
-    lr: float
+    lr: float  # AdamW (and, under Muon, the AdamW part: embeddings, norms, head)
     warmup: int
     seeds: tuple[int, ...]
-    arms: tuple[str, ...]
+    arms: tuple[tuple[str, tuple[str, ...]], ...]
     refresh_every: int
     eval_every: int
     eval_tokens: int
+    muon_lr: float = 3e-3
+    rank: int = 32
     world: int = 2
     compile: bool = False
 
@@ -132,7 +136,18 @@ SMALL_SHAPES = (
     (f"small w2 [{_SMALL.dim},{_SMALL.ffn_hidden}]", _SMALL.dim, _SMALL.ffn_hidden),
     (f"small w1 [{_SMALL.ffn_hidden},{_SMALL.dim}]", _SMALL.ffn_hidden, _SMALL.dim),
 )
-CONVERGENCE_ARMS = ("fp32", "euclid-fp8", "gift-fp8", "euclid-nvfp4", "gift-nvfp4")
+def _both(formats: tuple[str, ...], ef: bool) -> tuple[str, ...]:
+    """Euclidean and GIFT arms at `formats`, without error feedback and (if `ef`) with it."""
+    return tuple(f"{g}-{f}{s}" for f in formats for s in ([""] + (["-ef"] if ef else [])) for g in ("euclid", "gift"))
+
+
+# The study (full profile): under Muon (the paper's optimizer) every bit width, with and
+# without error feedback (8 bits: no EF, it is not resolved there); under AdamW the 4.5-bit
+# and the 2.25-bit formats.
+STUDY_ARMS = (
+    ("muon", ("fp32", *_both(("fp8",), False), *_both(("nvfp4", "int4", "int2"), True))),
+    ("adamw", ("fp32", *_both(("nvfp4",), False), *_both(("int2",), True))),
+)
 
 
 def profile(name: str) -> BenchSettings:
@@ -148,7 +163,9 @@ def profile(name: str) -> BenchSettings:
                                       paths=("bf16", "euclid-fp8", "gift-fp8"), repeats=3, compile=False,
                                       refresh_dims=(96,)),
             convergence=ConvergenceSettings(tiny, steps=4, local_batch=2, seq_len=64, lr=3e-3, warmup=1,
-                                            seeds=(0,), arms=CONVERGENCE_ARMS, refresh_every=2, eval_every=2,
+                                            seeds=(0, 1), arms=(("muon", ("fp32", "euclid-int2", "gift-int2-ef")),
+                                                                ("adamw", ("fp32", "gift-fp8"))),
+                                            refresh_every=2, eval_every=2,
                                             eval_tokens=512),
             threads=1,
         )
@@ -163,7 +180,8 @@ def profile(name: str) -> BenchSettings:
                                       paths=("bf16", "euclid-fp8", "gift-fp8"), repeats=15, compile=True,
                                       refresh_dims=(_SMALL.ffn_hidden,)),
             convergence=ConvergenceSettings(_SMALL, steps=30, local_batch=2, seq_len=128, lr=3e-3, warmup=5,
-                                            seeds=(0,), arms=CONVERGENCE_ARMS, refresh_every=10, eval_every=15,
+                                            seeds=(0,), arms=(("muon", ("fp32", *_both(("nvfp4", "int2"), False))),),
+                                            refresh_every=10, eval_every=15,
                                             eval_tokens=4096),
         )
     if name == "full":
@@ -176,8 +194,8 @@ def profile(name: str) -> BenchSettings:
                                       paths=("bf16", "euclid-fp8", "gift-fp8", "hadamard-fp8", "dense-fp8",
                                              "euclid-nvfp4", "gift-nvfp4"),
                                       repeats=25, compile=True, refresh_dims=(_SMALL.ffn_hidden, 1280)),
-            convergence=ConvergenceSettings(_SMALL, steps=120, local_batch=4, seq_len=128, lr=3e-3, warmup=12,
-                                            seeds=(0, 1, 2), arms=CONVERGENCE_ARMS, refresh_every=20,
+            convergence=ConvergenceSettings(_SMALL, steps=200, local_batch=4, seq_len=128, lr=3e-3, warmup=20,
+                                            seeds=(0, 1, 2, 3, 4), arms=STUDY_ARMS, refresh_every=20,
                                             eval_every=40, eval_tokens=8192),
         )
     raise ValueError(f"unknown profile {name!r}; allowed: smoke, quick, full")

@@ -98,7 +98,14 @@ def test_overhead_wire_convergence_and_projection(smoke: tuple[Path, dict]) -> N
     assert wire[("Llama-600M", "fp8 row")]["vs_fp32"] < wire[("Llama-600M", "bf16")]["vs_fp32"] == 0.5
     cv = results["convergence"]
     assert cv["all_replicas_identical"]
+    assert {(r["optimizer"], r["arm"]) for r in cv["runs"]} == {("muon", "fp32"), ("muon", "euclid-int2"),
+                                                              ("muon", "gift-int2-ef"), ("adamw", "fp32"),
+                                                              ("adamw", "gift-fp8")}
     for run in cv["runs"]:
         assert len(run["losses"]) == cv["steps"] and math.isfinite(run["final_bpb"])
+        if run["arm"] != "fp32":  # quantized arms sent fewer bytes than fp32, counted at run time
+            assert run["wire_bytes_per_step"] < run["baseline_bytes_per_step"]
+    muon = cv["optimizers"]["muon"]["arms"]
+    assert muon["euclid-int2"]["paired_diff_bpb"]["n"] == 2 and abs(muon["euclid-int2"]["bits"] - 2.25) < 0.01
     sm = results["step_model"]["scenarios"]["defaults"]["arms"]
     assert sm["euclid-fp8"]["step_s"] < sm["fp32"]["step_s"]
