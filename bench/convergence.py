@@ -56,15 +56,32 @@ FORMATS: dict[str, dict[str, object]] = {
 }
 
 
+# arm suffixes beyond `-ef` (the tuning runs): what each changes in the GIFT config
+MODIFIERS: dict[str, dict[str, object]] = {
+    "sr": {"stochastic_rounding": True},
+    "dense": {"geometry": "dense"},
+    "exact": {"statistics": "dense"},
+    "r64": {"rank": 64},
+    "rf5": {"refresh_every": 5},
+    "grad": {"geometry": "gradient"},
+}
+
+
 def parse_arm(arm: str) -> tuple[str, str | None, bool]:
-    """`(geometry, format short name, error feedback)` of an arm name (`fp32`: no format)."""
+    """`(geometry, format short name, error feedback)` of an arm name (`fp32`: no format).
+
+    Names are `fp32` or `(euclid|gift)-<format>[-ef][-<modifier>...]`, modifiers from
+    `MODIFIERS` (stochastic rounding, dense whitening, exact statistics, rank 64, refresh
+    every 5 steps, gradient-side geometry).
+    """
     if arm == "fp32":
         return "fp32", None, False
     parts = arm.split("-")
-    if parts[0] not in ("euclid", "gift") or parts[1] not in FORMATS or parts[2:] not in ([], ["ef"]):
-        raise ValueError(f"unknown convergence arm {arm!r}: expected fp32 or (euclid|gift)-<format>[-ef], "
-                         f"format one of {sorted(FORMATS)}")
-    return parts[0], parts[1], parts[2:] == ["ef"]
+    if (len(parts) < 2 or parts[0] not in ("euclid", "gift") or parts[1] not in FORMATS
+            or any(p not in MODIFIERS and p != "ef" for p in parts[2:])):
+        raise ValueError(f"unknown convergence arm {arm!r}: expected fp32 or (euclid|gift)-<format>[-ef][-mod...], "
+                         f"format one of {sorted(FORMATS)}, modifiers {sorted(MODIFIERS)}")
+    return parts[0], parts[1], "ef" in parts[2:]
 
 
 def arm_config(arm: str, s: ConvergenceSettings, seed: int) -> GiftConfig | None:
@@ -72,7 +89,10 @@ def arm_config(arm: str, s: ConvergenceSettings, seed: int) -> GiftConfig | None
     if fmt is None:
         return None
     gift = {"geometry": "lowrank", "select": "all", "rank": s.rank} if geometry == "gift" else {"geometry": "none"}
-    return GiftConfig(**FORMATS[fmt], **gift, error_feedback=ef, refresh_every=s.refresh_every, seed=seed)
+    extra = {"refresh_every": s.refresh_every}
+    for mod in arm.split("-")[2:]:
+        extra.update(MODIFIERS.get(mod, {}))
+    return GiftConfig(**{**FORMATS[fmt], **gift, "error_feedback": ef, "seed": seed, **extra})
 
 
 def bits_per_element(fmt: str, cols: int = 512) -> float:
@@ -236,13 +256,15 @@ def summarise(runs: list[dict], s: ConvergenceSettings) -> dict[str, object]:
             }
         for arm in arms:
             geometry, fmt, ef = parse_arm(arm)
-            twin = arm.replace("gift-", "euclid-", 1)
+            twin = "-".join(["euclid", *arm.split("-")[1:]]) if geometry == "gift" else ""
+            if twin not in summary:  # GIFT-only modifiers (dense, rank, ...): compare with the plain twin
+                twin = f"euclid-{fmt}{'-ef' if ef else ''}"
             if geometry != "gift" or twin not in summary or arm not in summary:
                 continue
             done = [seed for seed in seeds if (opt_name, seed, arm) in by and (opt_name, seed, twin) in by]
             g_minus_e = [by[(opt_name, seed, arm)]["final_bpb"] - by[(opt_name, seed, twin)]["final_bpb"] for seed in done]
             gap_e, gap_g = summary[twin]["paired_diff_bpb"]["mean"], summary[arm]["paired_diff_bpb"]["mean"]
-            gaps[f"{fmt}{'-ef' if ef else ''}"] = {
+            gaps[arm.removeprefix("gift-")] = {
                 "format": fmt, "error_feedback": ef, "bits": summary[arm]["bits"],
                 "euclid_minus_fp32": summary[twin]["paired_diff_bpb"], "gift_minus_fp32": summary[arm]["paired_diff_bpb"],
                 "gift_minus_euclid": paired(g_minus_e).as_dict(),
