@@ -12,14 +12,10 @@ Three measurements on the reference model's real gradients (see `bench.reference
    size grows in the weak directions of `A`; whitened noise should be flat. The whitened
    metric `||E T^T|| / ||G T^T||` (`T A T^T = I`) summarises it in one number.
 3. P simulated ranks (P = 2, 8, 32), each with its own gradient (per-micro-batch gradients):
-   our collective (each rank encodes with its own scales, receivers decode every sender's
-   codes with that sender's scales and sum in fp32; for an all-reduce, the summed shard
-   re-quantized and all-gathered) against two in-network FP8 sums: the fair one (one scale
-   agreed on every rank, codes summed in FP8 with saturation, one decode) and the original
-   method (each rank encodes with its local scale, the codes are summed anyway, and a replica
-   decodes the sum with its own scale, so replicas disagree).
-4. The orthogonalized-update error: `||orth(G^) - orth(G)|| / ||orth(G)||` with Muon's
-   Newton-Schulz orthogonalisation (`orthogonalized`), the metric a Muon user feels.
+   our collective (scales agreed before encoding, codes decoded with those scales and summed
+   in fp32; for an all-reduce, the summed shard re-quantized and all-gathered) against the
+   original method (each rank encodes with its local scale, a collective sums the FP8 codes in
+   FP8 with saturation, and a replica decodes the sum with its own scale).
 """
 
 from __future__ import annotations
@@ -133,8 +129,6 @@ def round_trip_errors(
     layer_werr: dict[tuple[str, str, str], float] = defaultdict(float)
     layer_wref: dict[str, float] = defaultdict(float)
     bucket_err: dict[tuple[str, str], torch.Tensor] = {}
-    oerr = defaultdict(float)  # orthogonalized update (what Muon applies)
-    oref = 0.0
     bucket_ref = torch.zeros(s.eigen_buckets, dtype=torch.float64)
     configs = {label: _config(fmt, sc) for label, fmt, sc in formats}
     for i, sample in enumerate(samples):
@@ -148,15 +142,11 @@ def round_trip_errors(
         wref += g_w
         layer_wref[sample.name] += g_w
         bucket_ref += basis.per_bucket(g_e)
-        g_o = orthogonalized(g)
-        oref += float(g_o.pow(2).sum())
         for tlabel, kind, rank, source in transforms:
             transform = build_transform(kind, rank, source, sample, s.damping)
             for flabel, config in configs.items():
-                approx = all_reduce(g, None, config, transform)
-                e = approx - g
+                e = all_reduce(g, None, config, transform) - g
                 e2 = float(e.double().pow(2).sum())
-                oerr[(flabel, tlabel)] += float((orthogonalized(approx) - g_o).pow(2).sum())
                 key = (flabel, tlabel)
                 err[key] += e2
                 layer_err[(flabel, tlabel, sample.name)] += e2
@@ -173,7 +163,6 @@ def round_trip_errors(
     return {
         "energy_weighted": {f: {t: math.sqrt(err[(f, t)] / ref) for t in tlabels} for f in flabels},
         "whitened": {f: {t: math.sqrt(werr[(f, t)] / wref) for t in tlabels} for f in flabels},
-        "orthogonalized": {f: {t: math.sqrt(oerr[(f, t)] / oref) for t in tlabels} for f in flabels},
         "per_layer": {
             f: {t: {n: math.sqrt(layer_err[(f, t, n)] / layer_ref[n]) for n in layers} for t in tlabels}
             for f in flabels
@@ -186,25 +175,6 @@ def round_trip_errors(
             f: {t: (bucket_err[(f, t)] / bucket_ref).sqrt().tolist() for t in tlabels} for f in flabels
         },
     }
-
-
-def orthogonalized(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
-    """The update Muon makes of a gradient: the quintic Newton-Schulz iteration of
-    `torch.optim.Muon` (its default coefficients and 5 steps) on `g / ||g||`, in fp64.
-
-    Orthogonalisation equalises every singular direction, so errors in a gradient's weak
-    directions (which plain low-bit quantization swamps) come out at full size: the error of
-    the orthogonalized update is the metric a Muon user feels.
-    """
-    a, b, c = 3.4445, -4.7750, 2.0315
-    x = g.double() / (g.double().norm() + 1e-7)
-    tall = x.shape[0] > x.shape[1]
-    if tall:
-        x = x.t()
-    for _ in range(steps):
-        gram = x @ x.t()
-        x = a * x + (b * gram + c * gram @ gram) @ x
-    return x.t() if tall else x
 
 
 def bits_per_element(samples: list[LayerSample], formats: tuple[tuple[str, str, str], ...]) -> dict[str, float]:
@@ -256,18 +226,14 @@ def agreed_scales(xs: list[torch.Tensor], spec: FormatSpec) -> tuple[torch.Tenso
 def _ours(xs: list[torch.Tensor], spec: FormatSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """Our collective on simulated ranks: `(reduce-scatter result, all-reduce result)`.
 
-    Reduce-scatter: every rank encodes with its own local scales, receivers decode each
-    sender's codes with that sender's scales and sum in fp32 (`gift_compile.collectives`). The
+    Reduce-scatter: agreed scales, every rank's codes decoded with them, fp32 sum, mean. The
     all-reduce then re-quantizes each rank's row shard of that sum with the shard's own
     scales and every rank decodes the gathered shards.
     """
     p = len(xs)
     cols = xs[0].shape[-1]
-    total = 0.0
-    for x in xs:
-        sc, ts = choose_scales(x, spec)
-        total = total + decode(encode(x, spec, sc, ts), spec, sc, ts, cols)
-    total = total / p
+    scales, tscale = agreed_scales(xs, spec)
+    total = sum(decode(encode(x, spec, scales, tscale), spec, scales, tscale, cols) for x in xs) / p
     rows = total.shape[0]
     padded = torch.nn.functional.pad(total, (0, 0, 0, (-rows) % p))
     shards = []
@@ -296,19 +262,6 @@ def _original(xs: list[torch.Tensor], spec: FormatSpec) -> tuple[torch.Tensor, l
     cols = xs[0].shape[-1]
     replicas = [decode(payload, spec, sc, None, cols) / len(xs) for sc, _ in local]
     return replicas[0], replicas
-
-
-def _agreed_in_network(xs: list[torch.Tensor], spec: FormatSpec) -> torch.Tensor:
-    """The fair in-network FP8 sum: ONE scale agreed on every rank (all-reduce MAX of the
-    amax), codes added by the collective in FP8 in ring order (each partial sum rounded to
-    FP8 and saturated), every replica decoding the sum with the same scale."""
-    dtype, fmax = _FP8_DTYPES[spec.name]
-    scales, _ = agreed_scales(xs, spec)
-    codes = [encode(x, spec, scales, None).view(dtype).float() for x in xs]
-    acc = codes[0]
-    for c in codes[1:]:
-        acc = (acc + c).clamp(-fmax, fmax).to(dtype).float()
-    return decode(acc.to(dtype).view(torch.uint8), spec, scales, None, xs[0].shape[-1]) / len(xs)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -346,8 +299,6 @@ def multirank_errors(
                     acc[key + ("ours_reduce_scatter",)] += _rel(transform.inverse(rs), target) ** 2 * tref
                     acc[key + ("ours_all_reduce",)] += _rel(transform.inverse(ar), target) ** 2 * tref
                     if fmt in _FP8_DTYPES:
-                        acc[key + ("agreed_in_network",)] += _rel(transform.inverse(_agreed_in_network(xs, spec)),
-                                                                   target) ** 2 * tref
                         first, replicas = _original(xs, spec)
                         base = transform.inverse(first)
                         acc[key + ("original",)] += _rel(base, target) ** 2 * tref
@@ -361,8 +312,7 @@ def multirank_errors(
         out[str(p)] = {
             f: {
                 t: {what: math.sqrt(acc[(p, f, t, what)] / ref[p])
-                    for what in ("ours_reduce_scatter", "ours_all_reduce", "agreed_in_network", "original",
-                                 "replica_spread")
+                    for what in ("ours_reduce_scatter", "ours_all_reduce", "original", "replica_spread")
                     if (p, f, t, what) in acc}
                 for t, *_ in chosen
             }

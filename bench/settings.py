@@ -26,9 +26,6 @@ FORMATS: tuple[tuple[str, str, str], ...] = (
     ("e5m2/block32", "fp8_e5m2", "block"),
     ("mxfp8", "mxfp8", "row"),
     ("nvfp4", "nvfp4", "row"),
-    ("int4", "int4", "row"),
-    ("int2", "int2", "row"),
-    ("ternary", "ternary", "row"),
 )
 
 # (label, geometry.Transform kind, rank, factor source): `kfac` is A = E[x x^T] of the
