@@ -398,6 +398,7 @@ _STEP_INPUTS = {
     "mfu": ("assumed", "typical for sub-1B Megatron"),
     "fp32_tflops": ("assumed", "H100/GH200 fp32 non-tensor peak (datasheet): codec and statistics matmuls are fp32"),
     "fp32_efficiency": ("assumed", "share of fp32 peak for skinny matmuls / multiply-adds"),
+    "tf32_tflops": ("assumed", "H100/GH200 dense TF32 peak (datasheet): used for fp32_tflops in `TF32 matmuls`"),
     "link_gbytes": ("assumed", "InfiniBand NDR 400 Gb/s per GPU"),
     "link_efficiency": ("assumed", "nccl-tests bus bandwidth share"),
     "hbm_tbytes": ("assumed", "GH200 HBM3 (NVIDIA datasheet)"),
@@ -417,10 +418,12 @@ def _step_model(sm: dict, plots: dict) -> list[str]:
            "(`bench.step_model`). Every arm is a `GiftConfig` the code runs; which weights are managed, their plans, "
            "wire bytes, statistics FLOPs and refresh FLOPs are read off a `GiftState` built for the model on the "
            "meta device. **As the code runs today, `select` switches a layer's transform by data only: a deselected "
-           "low-rank layer still runs the low-rank codec, gathers K-FAC statistics and is refreshed** (so the paper's "
-           "`gift-fp8 (13 fc2)` = `select=\"boundary_hits:13\"` costs what `all layers` costs). The arm "
-           f"`{sm['what_if_arm']}` is the what-if of deselected layers on the Euclidean kernels (13 fc2 whitened), "
-           "which the code does not do yet.", ""]
+           "low-rank layer still runs the low-rank codec, gathers K-FAC statistics and is refreshed** (so "
+           "`gift-fp8 (13 fc2)`, `select` = globs of 13 `feed_forward.w2` weights, costs what `all layers` costs)."
+           + (" Arms marked *[not in the code]* are what-ifs that drop, for the deselected layers, "
+              + "; ".join(f"`{a}`: the {', '.join(d)}" for a, d in sm["what_if"].items())
+              + " (the Euclidean-codec change is under way; statistics and refresh for the selected layers only "
+              "would need a static selection)." if sm["what_if"] else ""), ""]
     rows = [[k, v, *_STEP_INPUTS.get(k, ("", ""))] for k, v in x.items()]
     out += ["Inputs, and how each is obtained (assumed = documented assumption, override in "
             "`bench.step_model.StepModelInputs`; calibrated = fitted to the paper; code = as implemented):", "",

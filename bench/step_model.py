@@ -11,9 +11,10 @@ plain fp32 all-reduce), and what each arm costs is read off the code, not re-der
   eligibility rule (`gift_compile.api.eligible_linears`). As the code runs today, a layer's
   transform kind is fixed by `GiftConfig.geometry` for every managed layer, and `select` only
   switches the transform's *data* to identity: a deselected low-rank layer still runs the
-  low-rank codec, gathers statistics and is refreshed. The arms model exactly that; the
-  `deselected at Euclidean cost` arm is the what-if of a codec that drops deselected layers to
-  the Euclidean kernels, which the code does not do yet;
+  low-rank codec, gathers statistics and is refreshed. The arms model exactly that. Two
+  what-if arms (`WHAT_IF`, marked "not in the code") price the selected layers alone: one with
+  the deselected layers on the Euclidean kernels (the codec change under way), one that also
+  keeps statistics and refreshes for the selected layers only;
 - codec time: bytes per gradient element *measured from the generated kernels* of each
   layer's all-reduce plan on `gpus` ranks (`bench.overhead.codec_traffic`, a fake process group
   stands in for the peers) over HBM bandwidth, plus the transform's FLOPs
@@ -51,7 +52,7 @@ from gift_compile.collectives import bucket_wire_bytes
 from gift_compile.config import GiftConfig
 from gift_compile.geometry import lowrank_refresh_flops
 from gift_compile.plan import BucketPlan, ItemPlan
-from gift_compile.selection import transform_flops
+from gift_compile.selection import LayerMeasurement, decide, transform_flops
 from gift_compile.state import GiftState
 from gift_compile.tiny_llama import TinyLlamaConfig
 
@@ -59,22 +60,28 @@ Log = Callable[[str], None]
 
 PAPER = {"gift-fp8 (13 fc2)": -0.076, "euclid-fp8": -0.108}
 _FP8 = dict(format="fp8_e5m2", scaling="tensor")  # the paper's wire format: E5M2, one scale per tensor
-_PAPER_RULE = "boundary_hits:13"  # the paper's selection: top-13 layers by E5M2 saturation share
+# the paper whitened 13 fc2 (= feed_forward.w2) layers; as globs (which 13 does not change the cost)
+_FC2_13 = tuple(f"layers.{i}.feed_forward.w2.weight" for i in range(13))
 
 # arm -> GiftConfig (None: plain fp32 all-reduce, no GIFT)
 ARMS: dict[str, GiftConfig | None] = {
     "fp32": None,
     "bf16 (GIFT collective)": GiftConfig(format="bf16", geometry="none"),
     "euclid-fp8": GiftConfig(**_FP8, geometry="none"),
-    "gift-fp8 (13 fc2)": GiftConfig(**_FP8, geometry="lowrank", select=_PAPER_RULE),
-    "gift-fp8 (13 fc2), deselected at Euclidean cost": GiftConfig(**_FP8, geometry="lowrank", select=_PAPER_RULE),
+    "gift-fp8 (13 fc2)": GiftConfig(**_FP8, geometry="lowrank", select=_FC2_13),
+    "gift-fp8 (13 fc2), deselected on Euclidean codec [not in the code]": GiftConfig(**_FP8, geometry="lowrank",
+                                                                                    select=_FC2_13),
+    "gift-fp8 (13 fc2), selected layers only [not in the code]": GiftConfig(**_FP8, geometry="lowrank", select=_FC2_13),
     "gift-fp8 (all layers)": GiftConfig(**_FP8, geometry="lowrank", select="all"),
     "euclid-nvfp4": GiftConfig(format="nvfp4", geometry="none"),
     "gift-nvfp4 (all layers)": GiftConfig(format="nvfp4", geometry="lowrank", select="all"),
 }
-# the what-if arm: layers the paper whitened (13 fc2 = feed_forward.w2), the rest Euclidean
-_WHAT_IF = "gift-fp8 (13 fc2), deselected at Euclidean cost"
-_WHAT_IF_SELECTED = 13
+# what-if arms -> what they drop for deselected layers: the low-rank codec, or also the
+# statistics and the refresh
+WHAT_IF: dict[str, tuple[str, ...]] = {
+    "gift-fp8 (13 fc2), deselected on Euclidean codec [not in the code]": ("codec",),
+    "gift-fp8 (13 fc2), selected layers only [not in the code]": ("codec", "statistics", "refresh"),
+}
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,8 @@ class StepModelInputs:
     fp32_tflops: float = 67.0  # H100 / GH200 fp32 (non-tensor) peak: the codec's and the
     #                            statistics' fp32 matmuls and multiply-adds (NVIDIA datasheet)
     fp32_efficiency: float = 0.50  # share of the fp32 peak those skinny matmuls reach
+    tf32_tflops: float = 494.0  # H100 / GH200 dense TF32 tensor-core peak (NVIDIA datasheet): the
+    #                             rate of those matmuls if TF32 is allowed (not PyTorch's default)
     link_gbytes: float = 50.0  # InfiniBand NDR 400 Gb/s per GPU (one NIC per GPU)
     link_efficiency: float = 0.80  # achieved/peak bus bandwidth of large collectives (nccl-tests)
     hbm_tbytes: float = 4.0  # GH200 96 GB HBM3: 4 TB/s (NVIDIA GH200 datasheet)
@@ -163,24 +172,24 @@ def arm_layers(arm: str, config: GiftConfig, model_config: TinyLlamaConfig, inpu
     state = GiftState(config, None)
     for fqn, module in eligible_linears(model, config, inputs.gpus, split_rows=False):
         state.add_layer(fqn, tuple(module.weight.shape), "meta")
-    fc2 = [n for n in state.layers if n.endswith("feed_forward.w2.weight")]
-    whitened = set(fc2[:_WHAT_IF_SELECTED])
+    # the code's own selection rule (globs need no measurements)
+    selected = decide(config, {n: LayerMeasurement(1.0, 1.0, 0.0, 0.0) for n in state.layers}, {})
+    dropped = WHAT_IF.get(arm, ())
     out = []
     for fqn, layer in state.layers.items():
-        plan = layer.plan
-        if arm == _WHAT_IF and fqn not in whitened:
+        plan, keep = layer.plan, fqn in selected
+        if "codec" in dropped and not keep:
             plan = dataclasses.replace(plan, kind="identity", n_tensors=0)
         rows, cols = layer.shape
-        # every adaptive layer is refreshed (the selection is re-decided at each refresh),
-        # in the what-if arm too: it changes the codec only
-        adaptive = layer.transform.adaptive
-        refresh = lowrank_refresh_flops(cols, layer.transform.rank) / config.refresh_every if adaptive else 0.0
-        if adaptive and inputs.refresh_sharded:
+        # as the code runs, every adaptive layer is refreshed (and gathers statistics)
+        refreshed = layer.transform.adaptive and (keep or "refresh" not in dropped)
+        refresh = lowrank_refresh_flops(cols, layer.transform.rank) / config.refresh_every if refreshed else 0.0
+        if refreshed and inputs.refresh_sharded:
             refresh /= inputs.gpus
+        stats = _stats_flops(state, fqn, inputs.tokens_per_gpu) if keep or "statistics" not in dropped else 0.0
         out.append(LayerCost(
             fqn, rows, cols, plan, codec(plan, layer.transform.rank) * rows * cols,
-            transform_flops(plan.kind, rows, cols, layer.transform.rank),
-            _stats_flops(state, fqn, inputs.tokens_per_gpu), refresh, _sent(plan, inputs.gpus)))
+            transform_flops(plan.kind, rows, cols, layer.transform.rank), stats, refresh, _sent(plan, inputs.gpus)))
     return out
 
 
@@ -236,9 +245,11 @@ def calibrate_exposed_fraction(arms: dict[str, dict[str, float]], target: float 
 
 def run(inputs: StepModelInputs | None = None, name: str = "Llama-600M", model_config: TinyLlamaConfig | None = None,
         arms: tuple[str, ...] | None = None, log: Log = print) -> dict[str, object]:
-    """Measure each arm's codec on `inputs.gpus` ranks, then project four scenarios: the
+    """Measure each arm's codec on `inputs.gpus` ranks, then project the scenarios: the
     defaults and the exposed-communication share calibrated to the paper's Euclidean FP8
-    result, each with the refresh as implemented (sharded over ranks) and unsharded.
+    result, each with the refresh as implemented (sharded over ranks) and unsharded, and the
+    calibrated one with the fp32 matmuls at the TF32 tensor-core rate (a sensitivity: PyTorch
+    runs fp32 matmuls without TF32 unless told to).
 
     The model is `MODEL_CONFIGS[name]` unless `model_config` is given; `arms` (default: all of
     `ARMS`) must include "fp32" and "euclid-fp8", the baseline and the calibration arm."""
@@ -260,7 +271,12 @@ def run(inputs: StepModelInputs | None = None, name: str = "Llama-600M", model_c
         for label, v in (("calibrated", "sharded"), ("calibrated, unsharded refresh", "unsharded")):
             scenarios[label] = project(dataclasses.replace(variants[v], exposed_fraction=f), layers[v], model_config,
                                        name)
+        # sensitivity: the statistics' and the codec's fp32 matmuls on TF32 tensor cores
+        scenarios["calibrated, TF32 matmuls"] = project(
+            dataclasses.replace(inputs, exposed_fraction=f, fp32_tflops=inputs.tf32_tflops), layers["sharded"],
+            model_config, name)
     measured = [{"format": k[0], "scaling": k[1], "kind": k[2], "rows": k[3], "cols": k[4], "rank": k[5],
                  "bytes_per_element": b} for k, b in codec.cache.items()]
     return {"paper": PAPER, "calibrated_exposed_fraction": f, "scenarios": scenarios, "codec_measured": measured,
-            "what_if_arm": _WHAT_IF, "arm_configs": {a: (ARMS[a].to_dict() if ARMS[a] else None) for a in arms}}
+            "what_if": {a: list(d) for a, d in WHAT_IF.items() if a in arms},
+            "arm_configs": {a: (ARMS[a].to_dict() if ARMS[a] else None) for a in arms}}
