@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.gift-installed
 NPROC ?= 2
 
-.PHONY: test demo bench bench-quick install
+.PHONY: test demo bench bench-quick install gpu-check gpu-check-dry
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -32,3 +32,17 @@ bench: $(STAMP)
 
 bench-quick: $(STAMP)
 	$(BIN)/python -m bench.run --quick
+
+# `make gpu-check`: the prepared single-GPU check (bench/gpu_check.py, under 10 minutes,
+# unattended) on a machine with one CUDA GPU and its own PyTorch + Triton. It installs this
+# package there without dependencies (never the CPU torch wheel), then writes
+# bench/results/GPU.md and gpu_check.json. GPU_PY picks that machine's interpreter.
+GPU_PY ?= python3
+
+gpu-check:
+	$(GPU_PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(GPU_PY) -m bench.gpu_check --out bench/results
+
+# the same code paths on this CPU with small shapes (writes bench/results/dry_run/GPU.md)
+gpu-check-dry: $(STAMP)
+	$(BIN)/python -m bench.gpu_check --dry-run

@@ -105,20 +105,26 @@ def multirank(fid: dict, out: Path) -> str:
 
 
 def overhead(ov: dict, out: Path) -> str:
-    """Median kernel time per path, grouped by gradient shape."""
+    """Measured bytes per gradient element and median CPU time per path, grouped by shape."""
     rows = ov["rows"]
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     paths = list(dict.fromkeys(r["path"] for r in rows))
-    fig, ax = plt.subplots(figsize=(2.2 * len(shapes) + 4, 4))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(2 * (2.2 * len(shapes) + 4), 4))
     width = 0.8 / len(paths)
     for k, path in enumerate(paths):
-        ys = [next(r["median_ms"] for r in rows if r["shape"] == s and r["path"] == path) for s in shapes]
-        ax.bar(np.arange(len(shapes)) + k * width, ys, width, label=path)
-    ax.set_xticks(np.arange(len(shapes)) + 0.4 - width / 2, shapes, fontsize=8)
-    ax.set_yscale("log")
-    ax.set_ylabel(f"median ms ({ov['mode']}, CPU, {ov['threads']} threads)")
-    ax.set_title("Codec kernel time per gradient (transform + quantize + dequantize + inverse)")
-    ax.legend(fontsize=8)
+        xs = np.arange(len(shapes)) + k * width
+        ax1.bar(xs, [next(r["bytes_per_element"] for r in rows if r["shape"] == s and r["path"] == path)
+                     for s in shapes], width, label=path)
+        ax2.bar(xs, [next(r["median_ms"] for r in rows if r["shape"] == s and r["path"] == path) for s in shapes],
+                width, label=path)
+    for ax in (ax1, ax2):
+        ax.set_xticks(np.arange(len(shapes)) + 0.4 - width / 2, shapes, fontsize=8)
+        ax.legend(fontsize=8)
+    ax1.set_ylabel("bytes per gradient element (generated kernels)")
+    ax1.set_title("Memory traffic of the compiled codec (1 rank, all-reduce)")
+    ax2.set_yscale("log")
+    ax2.set_ylabel(f"median ms ({ov['mode']}, CPU, {ov['threads']} threads)")
+    ax2.set_title("CPU time of the compiled codec")
     return _save(fig, out, "overhead.png")
 
 
@@ -164,15 +170,17 @@ def step_model(sm: dict, out: Path) -> str:
     scenarios = sm["scenarios"]
     arms = list(next(iter(scenarios.values()))["arms"])
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 4.6))
-    base = scenarios["defaults"]["arms"]
+    shown = "calibrated" if "calibrated" in scenarios else "defaults"
+    base = scenarios[shown]["arms"]
     bottom = np.zeros(len(arms))
-    for part in ("compute_s", "exposed_comm_s", "kernels_s", "refresh_s"):
+    for part in ("compute_s", "exposed_comm_s", "codec_s", "stats_s", "refresh_s"):
         ys = np.array([base[a][part] for a in arms])
         ax1.bar(range(len(arms)), ys, bottom=bottom, label=part.removesuffix("_s"))
         bottom += ys
     ax1.set_xticks(range(len(arms)), arms, rotation=30, ha="right", fontsize=8)
     ax1.set_ylabel("seconds per step")
-    ax1.set_title("Llama-600M, 64 GPUs: defaults (refresh sharded over ranks)")
+    first = next(iter(scenarios.values()))
+    ax1.set_title(f"{first['model']}, {first['inputs']['gpus']} GPUs: {shown} (refresh sharded over ranks)", fontsize=9)
     ax1.legend(fontsize=8)
     width = 0.8 / len(scenarios)
     limit = 40.0

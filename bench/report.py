@@ -50,10 +50,14 @@ def _header(meta: dict) -> list[str]:
         f"{meta['threads']} torch threads, load average at start {meta['loadavg_start']:.1f} "
         f"(the machine is shared), gloo for multi-rank runs.",
         "",
+        *([f"Sections {', '.join(meta['merged_into']['kept'])} are kept from the earlier run "
+           f"`{meta['merged_into']['command'].strip()}` (profile `{meta['merged_into']['profile']}`, "
+           f"{meta['merged_into']['started']}); this run replaced the others (`--merge`).", ""]
+          if meta.get("merged_into") else []),
         "**No GPU was lent to this task: every time in this report is a CPU time.** "
         "Kernel-time ratios on CPU are not GPU ratios (a CPU is compute-bound where a GPU codec "
         "kernel is memory-bound); the GPU-scale claims are the projections of section 6, built "
-        "from byte and FLOP accounting and documented hardware assumptions.",
+        "from the bytes the generated kernels move, the code's FLOP counts and documented hardware assumptions.",
         "",
         "Results JSON: `results.json` (same directory). Re-run: `python -m bench.run --quick` "
         "(minutes once the reference model is cached) or `python -m bench.run` (full: several seeds; "
@@ -80,14 +84,7 @@ def _headlines(r: dict) -> list[str]:
                            "ratio", "ratio dense", "Gaussian RD"], rows), ""]
     ov = r.get("overhead")
     if ov:
-        rows = []
-        for shape in dict.fromkeys(x["shape"] for x in ov["rows"]):
-            m = {x["path"]: x["median_ms"] for x in ov["rows"] if x["shape"] == shape}
-            if {"bf16", "euclid-fp8", "gift-fp8"} <= m.keys():
-                rows.append([shape, m["gift-fp8"] / m["euclid-fp8"], m["euclid-fp8"] / m["bf16"],
-                             m["gift-fp8"] / m["bf16"]])
-        out += [f"Codec kernel time ratios ({ov['mode']}, CPU, median of {ov['repeats']}):", "",
-                table(["gradient", "GIFT / Euclidean", "Euclidean / bf16 cast", "GIFT / bf16 cast"], rows, 2), ""]
+        out += _overhead_headline(ov)
     wr = r.get("wire")
     if wr:
         rows = [[x["format"], x["vs_fp32"], x["sent_vs_fp32"], x["vs_bf16"], x["managed_bits_per_element"]]
@@ -109,8 +106,13 @@ def _headlines(r: dict) -> list[str]:
         arms = list(sm["scenarios"][names[0]]["arms"])
         rows = [[a] + [f"{100 * sm['scenarios'][n]['arms'][a]['vs_fp32']:+.1f}%" for n in names]
                 + [f"{100 * sm['paper'][a]:+.1f}%" if a in sm["paper"] else ""] for a in arms]
-        out += ["Projected Llama-600M step time on 64 GPUs vs fp32 communication (section 6):", "",
+        first = sm["scenarios"][names[0]]
+        out += [f"Projected {first['model']} step time on {first['inputs']['gpus']} GPUs vs fp32 communication "
+                "(section 6; codec bytes measured from the generated kernels, hardware assumed):", "",
                 table(["arm", *names, "paper"], rows), ""]
+    mem = r.get("memory")
+    if mem:
+        out += _memory_headline(mem)
     return out
 
 
@@ -229,23 +231,86 @@ def _multirank(fid: dict, plots: dict) -> list[str]:
     return out
 
 
+def _ratio_to(rows: list[dict], path: str, base: str, key: str) -> float:
+    a = next((x[key] for x in rows if x["path"] == path), math.nan)
+    b = next((x[key] for x in rows if x["path"] == base), math.nan)
+    return a / b
+
+
+def _overhead_headline(ov: dict) -> list[str]:
+    tr = ov["traffic"]["rows"]
+    rows = []
+    for shape in dict.fromkeys(x["shape"] for x in ov["rows"]):
+        timed = {x["path"]: x for x in ov["rows"] if x["shape"] == shape}
+        if "gift-fp8" not in timed:
+            continue
+        t = timed["gift-fp8"]
+        one = [x for x in tr if x["shape"] == shape and x["world"] == 1]
+        scaled = [[x for x in tr if x["shape"] == shape and x["op"] == op and x["world"] > 1]
+                  for op in ("all_reduce", "reduce_scatter")]
+        rows.append([shape, _ratio_to(one, "gift-fp8", "euclid-fp8", "bytes_per_element"), _pm_ratio(t)]
+                    + [_ratio_to(rs, "gift-fp8", "euclid-fp8", "bytes_per_element") for rs in scaled if rs])
+    world = next((x["world"] for x in tr if x["world"] > 1), None)
+    at_scale = [f"bytes, {world} ranks all-reduce", f"bytes, {world} ranks reduce-scatter"] if world else []
+    return [f"GIFT fp8 codec (low-rank r{ov['rank']}) over the Euclidean fp8 codec: bytes per gradient element "
+            f"moved by the compiled kernels (measured from the generated code), and CPU time ({ov['mode']}; paired "
+            f"ratio, median ± half-IQR over {ov['repeats']} rounds):", "",
+            table(["gradient", "bytes, 1 rank", "CPU time, 1 rank", *at_scale], [r[:3 + len(at_scale)] for r in rows],
+                  2), ""]
+
+
+def _pm_ratio(x: dict) -> str:
+    if math.isnan(x["vs_baseline"]):
+        return "-"
+    return f"{x['vs_baseline']:.2f} ± {x['vs_baseline_iqr'] / 2:.2f}"
+
+
 def _overhead(ov: dict, plots: dict) -> list[str]:
+    tr = ov["traffic"]
     out = ["## 3. Overhead", "",
-           f"Single-rank body of the collective (`gift_compile.collectives.gift_all_reduce` with no peers), "
-           f"{'compiled with `torch.compile(dynamic=False)`' if ov['mode'] == 'compiled' else 'eager'}, "
-           f"CPU, {ov['threads']} threads, load average {ov['loadavg']:.1f} when it started (other jobs share "
-           f"the 2 cores: absolute times are noisy, ratios less so); paths timed round-robin in one process, "
-           f"median of {ov['repeats']} "
-           "samples (each sample loops enough calls to last ~20 ms). `bf16` = cast to bf16 and back; "
-           f"`gift-*` = low-rank rank-{ov['rank']} whitening; `*-fp8` = E4M3 per-row. "
-           "Transform FLOPs (forward + inverse) from `gift_compile.selection.transform_flops`; bytes = "
-           "idealised memory traffic of a fused GPU implementation (`bench.overhead.bytes_per_element`).", ""]
-    rows = [[x["shape"], x["path"], x["median_ms"], x["min_ms"], x["iqr_ms"], x["vs_euclid"], x["vs_bf16"],
-             x["transform_gflop"], x["mbytes_moved"]] for x in ov["rows"]]
+           "The body of the collective (`gift_compile.collectives.bucket_core`: transform, local scales, encode, "
+           "decode every sender + fp32 sum, re-encode and gather for an all-reduce, inverse) compiled with "
+           "`torch.compile(fullgraph=True, dynamic=False)`. `bf16` = cast to bf16 and back; `gift-*` = low-rank "
+           f"rank-{ov['rank']} whitening; `*-fp8` = E4M3 per-row.", "",
+           "### 3.1 Bytes moved, measured from the generated kernels", "",
+           "`bench.overhead.generated_traffic`: for every kernel Inductor generated (fused C++ kernels and extern "
+           "calls such as the projection matmul) the bytes it reads and writes, by Inductor's own per-kernel count "
+           "(each buffer a kernel touches counted once at the size it touches: the traffic of an ideal schedule of "
+           "*these* kernels; a kernel that re-reads a buffer in a second loop is counted once). Collective kernels "
+           "are excluded (their traffic is the network's). `N ranks`: the same plan compiled for N ranks on torch's "
+           "fake process group (the collectives are no-ops, the kernels are those of an N-rank job). Per gradient "
+           "element:", ""]
+    rows = []
+    for x in tr["rows"]:
+        base = BASE_PATH.get(x["path"])
+        same = [y for y in tr["rows"] if (y["shape"], y["world"], y["op"]) == (x["shape"], x["world"], x["op"])]
+        ratio = f"{_ratio_to(same, x['path'], base, 'bytes_per_element'):.2f}" if base else "-"
+        rows.append([x["shape"], x["path"], x["world"], x["op"], x["bytes_per_element"], x["reads_per_element"],
+                     x["writes_per_element"], x["kernels"], ratio])
+    out += [table(["gradient", "path", "ranks", "plan", "bytes/el", "read", "written", "kernels", "vs Euclidean"],
+                  rows, 2), ""]
+    detail = tr["kernels"]
+    if "gift-fp8" in detail and "euclid-fp8" in detail:
+        rows = []
+        for path in ("euclid-fp8", "gift-fp8"):
+            for k in detail[path]:
+                if k["bytes_per_element"] >= 0.05:
+                    rows.append([path, k["name"], k["reads"] / 1e6, k["writes"] / 1e6, k["bytes_per_element"]])
+        out += [f"Kernels of the one-rank all-reduce at {tr['detail_shape']} (those moving >= 0.05 B/element; "
+                "`fused[...]` lists telling aten ops of a fused kernel, `+n` the others):", "",
+                table(["path", "kernel", "MB read", "MB written", "bytes/el"], rows, 2), ""]
+    out += ["### 3.2 CPU time", "",
+            f"{ov['mode']}, CPU, {ov['threads']} threads, load average {ov['loadavg']:.1f} when it started (other jobs "
+            "share the 2 cores: absolute times are noisy). Paths timed round-robin in one process, "
+            f"{ov['repeats']} rounds (each sample loops enough calls to last ~20 ms); `vs Euclidean` = median over "
+            "rounds of the paired ratio to the same-format Euclidean path in the same round (± half the IQR). "
+            "Transform FLOPs (forward + inverse) from `gift_compile.selection.transform_flops`. A CPU runs these "
+            "kernels compute-bound (the fp8 conversions and the rank-r multiply-adds), a GPU memory-bound: the "
+            "bytes above are what transfers (section 6).", ""]
+    rows = [[x["shape"], x["path"], x["median_ms"], x["min_ms"], x["iqr_ms"], _pm_ratio(x), x["vs_bf16"],
+             x["transform_gflop"], x["bytes_per_element"]] for x in ov["rows"]]
     out += [table(["gradient", "path", "median ms", "min ms", "IQR ms", "vs Euclidean", "vs bf16", "GFLOP",
-                   "MB moved"], rows, 3), ""]
-    rows = [[p, b] for p, b in ov["bytes_per_element"].items()]
-    out += ["Bytes moved per gradient element (accounting):", "", table(["path", "bytes/element"], rows, 1), ""]
+                   "bytes/el"], rows, 3), ""]
     if ov["refresh"]:
         rows = [[x["d_in"], x["lowrank_s"], x["dense_s"], x["lowrank_gflops"]] for x in ov["refresh"]]
         out += ["Geometry refresh per layer as implemented (eager, fp64, on the layer's owner rank, every "
@@ -254,6 +319,11 @@ def _overhead(ov: dict, plots: dict) -> list[str]:
                 table(["d_in", "low-rank s", "dense s", "low-rank GFLOP/s"], rows, 3), ""]
     out += [f"![overhead]({plots['overhead']})", ""]
     return out
+
+
+# the Euclidean path each transformed path is compared with (bench.overhead.BASELINE)
+BASE_PATH = {"gift-fp8": "euclid-fp8", "hadamard-fp8": "euclid-fp8", "dense-fp8": "euclid-fp8",
+             "gift-nvfp4": "euclid-nvfp4"}
 
 
 def _wire(wr: dict, plots: dict) -> list[str]:
@@ -351,25 +421,49 @@ def _convergence(cv: dict, plots: dict) -> list[str]:
     return out
 
 
+# step-model inputs: (how the default was obtained, source)
+_STEP_INPUTS = {
+    "gpus": ("assumed", "the paper: 64 GH200"),
+    "tokens_per_gpu": ("assumed", "1M-token global batch"),
+    "peak_tflops": ("assumed", "H100/GH200 dense BF16 (NVIDIA datasheet)"),
+    "mfu": ("assumed", "typical for sub-1B Megatron"),
+    "fp32_tflops": ("assumed", "H100/GH200 fp32 non-tensor peak (datasheet): codec and statistics matmuls are fp32"),
+    "fp32_efficiency": ("assumed", "share of fp32 peak for skinny matmuls / multiply-adds"),
+    "tf32_tflops": ("assumed", "H100/GH200 dense TF32 peak (datasheet): used for fp32_tflops in `TF32 matmuls`"),
+    "link_gbytes": ("assumed", "InfiniBand NDR 400 Gb/s per GPU"),
+    "link_efficiency": ("assumed", "nccl-tests bus bandwidth share"),
+    "hbm_tbytes": ("assumed", "GH200 HBM3 (NVIDIA datasheet)"),
+    "kernel_efficiency": ("assumed", "share of HBM bandwidth the codec kernels reach (`make gpu-check` measures it)"),
+    "exposed_fraction": ("calibrated", "share of comm not overlapped: 1.0 in `defaults`, fitted in `calibrated`"),
+    "refresh_tflops": ("assumed", "effective fp64 rate of the refresh (matmuls and tall-skinny QR)"),
+    "refresh_sharded": ("code", "True = each rank rebuilds 1/gpus of the transforms (GiftState.owners)"),
+}
+
+
 def _step_model(sm: dict, plots: dict) -> list[str]:
     first = next(iter(sm["scenarios"].values()))
     x = first["inputs"]
     out = ["## 6. Step-time model (projection, not a measurement)", "",
            f"{first['model']} ({first['model_description']}, {first['params']:,} parameters), pure data "
-           f"parallelism on {x['gpus']} GPUs: step = compute + exposed comm + codec kernels + refresh. "
-           "Inputs (override in `bench.step_model.StepModelInputs`):", ""]
-    notes = {
-        "gpus": "the paper's 64 GH200", "tokens_per_gpu": "assumption: 1M-token global batch",
-        "peak_tflops": "H100/GH200 dense BF16 (NVIDIA datasheet)", "mfu": "assumption, typical for sub-1B Megatron",
-        "link_gbytes": "InfiniBand NDR 400 Gb/s per GPU", "link_efficiency": "nccl-tests bus bandwidth share",
-        "hbm_tbytes": "GH200 HBM3 (NVIDIA datasheet)", "kernel_efficiency": "assumption, elementwise kernels",
-        "matmul_efficiency": "assumption, skinny whitening matmuls", "exposed_fraction": "share of comm not overlapped",
-        "stats_tokens": "GiftConfig.stats_tokens", "refresh_every": "GiftConfig.refresh_every",
-        "refresh_tflops": "assumption: effective fp64 rate of the refresh (matmuls and tall-skinny QR)",
-        "refresh_sharded": "True = each rank rebuilds 1/gpus of the transforms, owners broadcast (as implemented)",
-        "rank": "GiftConfig.rank",
-    }
-    out += [table(["input", "default", "source"], [[k, v, notes.get(k, "")] for k, v in x.items()], 3), ""]
+           f"parallelism on {x['gpus']} GPUs: step = compute + exposed comm + codec + statistics + refresh "
+           "(`bench.step_model`). Every arm is a `GiftConfig` the code runs; which weights are managed, their plans, "
+           "wire bytes, statistics FLOPs and refresh FLOPs are read off a `GiftState` built for the model on the "
+           "meta device. **As the code runs today, `select` switches a layer's transform by data only: a deselected "
+           "low-rank layer still runs the low-rank codec, gathers K-FAC statistics and is refreshed** (so "
+           "`gift-fp8 (13 fc2)`, `select` = globs of 13 `feed_forward.w2` weights, costs what `all layers` costs)."
+           + (" Arms marked *[not in the code]* are what-ifs that drop, for the deselected layers, "
+              + "; ".join(f"`{a}`: the {', '.join(d)}" for a, d in sm["what_if"].items())
+              + " (the Euclidean-codec change is under way; statistics and refresh for the selected layers only "
+              "would need a static selection)." if sm["what_if"] else ""), ""]
+    rows = [[k, v, *_STEP_INPUTS.get(k, ("", ""))] for k, v in x.items()]
+    out += ["Inputs, and how each is obtained (assumed = documented assumption, override in "
+            "`bench.step_model.StepModelInputs`; calibrated = fitted to the paper; code = as implemented):", "",
+            table(["input", "default", "kind", "source"], rows, 3), "",
+            "Measured from the code (this run): codec bytes per element of each plan, compiled for "
+            f"{x['gpus']} ranks (`bench.overhead.codec_traffic`; all-reduce, the paper's setting):", ""]
+    rows = [[m["format"], m["scaling"], m["kind"], f"[{m['rows']},{m['cols']}]", m["bytes_per_element"]]
+            for m in sm["codec_measured"]]
+    out += [table(["format", "scaling", "transform", "gradient", "bytes/el"], rows, 2), ""]
     f = sm["calibrated_exposed_fraction"]
     out += [f"Calibrated scenarios: exposed-communication share chosen so that Euclidean FP8 reproduces the "
             f"paper's {100 * sm['paper']['euclid-fp8']:+.1f}%: "
@@ -379,12 +473,48 @@ def _step_model(sm: dict, plots: dict) -> list[str]:
     rows = [[a] + [f"{100 * sm['scenarios'][n]['arms'][a]['vs_fp32']:+.1f}%" for n in names]
             + [f"{100 * sm['paper'][a]:+.1f}%" if a in sm["paper"] else ""] for a in arms]
     out += [table(["arm", *names, "paper"], rows), ""]
-    base = sm["scenarios"]["defaults"]["arms"]
-    rows = [[a, v["compute_s"] * 1e3, v["comm_s"] * 1e3, v["kernels_s"] * 1e3, v["refresh_s"] * 1e3,
-             v["message_bytes"] / 1e9] for a, v in base.items()]
-    out += ["Breakdown with the defaults (ms per step; refresh as implemented):", "",
-            table(["arm", "compute", "comm", "codec kernels", "refresh", "message GB"], rows, 1), "",
-            f"![step model]({plots['step_model']})", ""]
+    base = sm["scenarios"]["calibrated" if "calibrated" in sm["scenarios"] else "defaults"]
+    rows = [[a, v["compute_s"] * 1e3, v["exposed_comm_s"] * 1e3, v["codec_s"] * 1e3, v["stats_s"] * 1e3,
+             v["refresh_s"] * 1e3, v["sent_bytes"] / 1e9, v["codec_bytes_per_element"]] for a, v in base["arms"].items()]
+    out += [f"Breakdown, `{'calibrated' if 'calibrated' in sm['scenarios'] else 'defaults'}` scenario (ms per step; "
+            "`sent` = GB each rank transmits; `codec B/el` = measured codec bytes per managed element):", "",
+            table(["arm", "compute", "exposed comm", "codec", "statistics", "refresh", "sent GB", "codec B/el"],
+                  rows, 2), "", f"![step model]({plots['step_model']})", ""]
+    return out
+
+
+def _memory_headline(mem: dict) -> list[str]:
+    rows = []
+    for r in mem["rows"]:
+        if r["config"].startswith("GIFT defaults") and r["world"] == max(x["world"] for x in mem["rows"]):
+            rows.append([r["model"], r["config"], r["world"], r["fsdp_per_rank"] / 2**30, r["gift_total"] / 2**30,
+                         r["gift"]["statistics"] / 2**30, r["gift"]["residuals"] / 2**30])
+    return ["GIFT state per rank (section 7; the real `GiftState` on the meta device) next to FSDP's sharded "
+            "parameters + gradients + AdamW state, GiB:", "",
+            table(["model", "config", "ranks", "FSDP state", "GIFT state", "of which statistics", "of which residual"],
+                  rows, 2), ""]
+
+
+def _memory(mem: dict) -> list[str]:
+    out = ["## 7. Memory per rank", "",
+           "`bench.memory`: the model (`bench.wire.MODEL_CONFIGS`, a Llama built on the meta device), the layers "
+           "`gift_compile.api.eligible_linears` manages, a real `GiftState` holding them and "
+           "`GiftState.memory_bytes()` (every tensor it keeps, by kind); FSDP = parameters + gradients + AdamW "
+           "state (`torch.optim.AdamW` after one step on meta), fp32, sharded over the ranks. GIFT's transforms, "
+           "statistics and probes are replicated on every rank and the error-feedback residual has the full local "
+           "gradient's size, so GIFT's bytes do not shrink with the rank count. Re-running the section re-sizes "
+           "whatever the code keeps (a sketched statistic or a compressed residual shows up here as written).", ""]
+    rows = [[m["model"], m["description"], m["params"]] for m in mem["models"]]
+    out += [table(["model", "shape", "parameters"], rows), ""]
+    rows = []
+    for r in mem["rows"]:
+        g = r["gift"]
+        rows.append([r["model"], r["world"], r["config"], r["layers"], r["fsdp_per_rank"] / 2**30,
+                     g["transforms"] / 2**30, g["statistics"] / 2**30, g["residuals"] / 2**30, g["probes"] / 2**30,
+                     r["gift_total"] / 2**30, r["gift_vs_fsdp"]])
+    out += ["GiB per rank:", "",
+            table(["model", "ranks", "config", "layers", "FSDP state", "transforms", "statistics", "residual", "probes",
+                   "GIFT total", "GIFT / FSDP"], rows, 2), ""]
     return out
 
 
@@ -404,7 +534,11 @@ def render(r: dict) -> str:
         lines += _convergence(r["convergence"], plots)
     if "step_model" in r:
         lines += _step_model(r["step_model"], plots)
-    lines += ["## 7. Hardware", "",
-              "No GPU was lent to this task. Overhead numbers are CPU numbers (section 3); "
-              "GPU-scale step times are projections (section 6).", ""]
+    if "memory" in r:
+        lines += _memory(r["memory"])
+    lines += ["## 8. Hardware", "",
+              "No GPU was lent to this task. Overhead times are CPU times (section 3); GPU-scale step times are "
+              "projections (section 6). `make gpu-check` (`bench/gpu_check.py`) is the prepared single-GPU check "
+              "(Triton compile of the codecs, kernel times and achieved bandwidth, a 1-rank torchtitan step); it "
+              "writes `bench/results/GPU.md`.", ""]
     return "\n".join(lines) + "\n"

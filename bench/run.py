@@ -1,9 +1,10 @@
 """`python -m bench.run [--quick]`: run the GIFT benchmarks and write REPORT.md, PNGs, results.json.
 
 Sections (each its own module): wire bytes, the reference model and its gradients,
-fidelity, kernel overhead, 2-rank convergence, and the step-time projection. Progress is
-printed as it goes; results.json is rewritten after every section, so an interrupted run
-keeps what it finished.
+fidelity, kernel overhead, 2-rank convergence, the step-time projection and the memory
+table. Progress is printed as it goes; results.json is rewritten after every section, so an
+interrupted run keeps what it finished. `--merge` keeps the other sections of an existing
+results.json in `--out` and replaces only the sections that run.
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-from bench import convergence, fidelity, overhead, plots, reference, report, step_model, wire
+from bench import convergence, fidelity, memory, overhead, plots, reference, report, step_model, wire
 from bench.settings import BenchSettings, profile
 from gift_compile.torchtitan_ext import corpus
 
-SECTIONS = ("wire", "fidelity", "overhead", "convergence", "step_model")
+SECTIONS = ("wire", "fidelity", "overhead", "convergence", "step_model", "memory")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
 
@@ -39,7 +40,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch threads of the main process")
     p.add_argument("--conv-compile", action="store_true", help="torch.compile the convergence models")
     p.add_argument("--merge", action="store_true",
-                   help="keep the other sections of an existing <out>/results.json (re-run some sections only)")
+                   help="start from --out/results.json and replace only the sections that run (its meta records both)")
     p.add_argument("--from-json", type=Path, default=None,
                    help="only re-render REPORT.md and the figures into --out from an earlier results.json")
     args = p.parse_args(argv)
@@ -88,10 +89,15 @@ def main(argv: list[str] | None = None) -> dict:
         "loadavg_start": os.getloadavg()[0], "gpu": torch.cuda.is_available(), "settings": settings.to_dict(),
     }}
     json_path = out / "results.json"
-    if args.merge and json_path.exists():
-        previous = json.loads(json_path.read_text())
-        results = {**{k: v for k, v in previous.items() if k not in only and k != "meta"}, **results}
-        results["meta"]["merged_from"] = previous.get("meta", {}).get("command")
+    if args.merge:
+        if not json_path.exists():
+            raise SystemExit(f"--merge: {json_path} does not exist")
+        earlier = json.loads(json_path.read_text())
+        kept = {k: v for k, v in earlier.items() if k not in ("meta", "plots") and k not in only
+                and not (k == "reference" and "fidelity" in only)}
+        results["meta"]["merged_into"] = {"command": earlier["meta"]["command"], "started": earlier["meta"]["started"],
+                                          "profile": earlier["meta"]["profile"], "kept": sorted(kept)}
+        results.update(kept)
     log(f"profile {settings.profile}: sections {', '.join(s for s in SECTIONS if s in only)}; output {out}")
     paths = corpus.prepare()
 
@@ -130,8 +136,15 @@ def main(argv: list[str] | None = None) -> dict:
         _write_json(json_path, results)
 
     if "step_model" in only:
-        log("step-time model (projection)")
-        results["step_model"] = step_model.run()
+        st = settings.step
+        log(f"step-time model (projection; measures each arm's codec on {st.gpus} fake ranks)")
+        results["step_model"] = step_model.run(step_model.StepModelInputs(gpus=st.gpus), st.model, st.model_config,
+                                               st.arms, log)
+        _write_json(json_path, results)
+
+    if "memory" in only:
+        log("memory per rank (GiftState and AdamW on the meta device)")
+        results["memory"] = memory.run(settings.step.memory_models, settings.step.memory_worlds, log=log)
 
     log("plots and report")
     results["meta"]["duration_s"] = time.perf_counter() - log.start

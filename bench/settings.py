@@ -79,7 +79,9 @@ class FidelitySettings:
 
 @dataclass(frozen=True)
 class OverheadSettings:
-    """Kernel-time measurement: shapes `(label, rows, cols)`, paths, repeats."""
+    """Kernel-time measurement: shapes `(label, rows, cols)`, paths, repeats; generated-code
+    traffic of the same paths, plus the fp8 codecs on `scale_world` ranks (a fake process
+    group) at the first shape (its rows must divide by `scale_world`)."""
 
     shapes: tuple[tuple[str, int, int], ...]
     paths: tuple[str, ...]
@@ -87,6 +89,24 @@ class OverheadSettings:
     compile: bool
     refresh_dims: tuple[int, ...] = ()
     rank: int = 32
+    scale_world: int = 64
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """Step-time projection (`bench.step_model`) and memory table (`bench.memory`).
+
+    `model` names an entry of `bench.wire.MODEL_CONFIGS` unless `model_config` overrides it
+    (the smoke profile's toy model); `arms` is a subset of `bench.step_model.ARMS` (each GIFT
+    arm compiles its codec once per distinct layer shape on `gpus` fake ranks).
+    """
+
+    model: str = "Llama-600M"
+    gpus: int = 64
+    arms: tuple[str, ...] | None = None  # None: every arm
+    model_config: TinyLlamaConfig | None = None
+    memory_models: tuple[str, ...] = ("Llama-600M", "Llama-3-8B", "Llama-3-70B")
+    memory_worlds: tuple[int, ...] = (8, 64)
 
 
 @dataclass(frozen=True)
@@ -121,6 +141,7 @@ class BenchSettings:
     fidelity: FidelitySettings
     overhead: OverheadSettings
     convergence: ConvergenceSettings
+    step: StepSettings = StepSettings()
     threads: int = 2
     formats: tuple[tuple[str, str, str], ...] = FORMATS
     transforms: tuple[tuple[str, str, int, str], ...] = TRANSFORMS
@@ -136,6 +157,8 @@ SMALL_SHAPES = (
     (f"small w2 [{_SMALL.dim},{_SMALL.ffn_hidden}]", _SMALL.dim, _SMALL.ffn_hidden),
     (f"small w1 [{_SMALL.ffn_hidden},{_SMALL.dim}]", _SMALL.ffn_hidden, _SMALL.dim),
 )
+
+
 def _both(formats: tuple[str, ...], ef: bool) -> tuple[str, ...]:
     """Euclidean and GIFT arms at `formats`, without error feedback and (if `ef`) with it."""
     return tuple(f"{g}-{f}{s}" for f in formats for s in ([""] + (["-ef"] if ef else [])) for g in ("euclid", "gift"))
@@ -150,6 +173,10 @@ STUDY_ARMS = (
 )
 
 
+# the smoke profile's step-model toy: one block, three distinct managed shapes
+_TOY = TinyLlamaConfig(dim=64, n_layers=1, n_heads=2, vocab_size=256, multiple_of=32, max_seq_len=64)
+
+
 def profile(name: str) -> BenchSettings:
     """The settings of profile `name` (`smoke`, `quick` or `full`)."""
     if name == "smoke":
@@ -161,12 +188,14 @@ def profile(name: str) -> BenchSettings:
                                       multirank_batches=1, eigen_buckets=4),
             overhead=OverheadSettings(shapes=(("tiny w2 [96,256]", 96, 256),),
                                       paths=("bf16", "euclid-fp8", "gift-fp8"), repeats=3, compile=False,
-                                      refresh_dims=(96,)),
+                                      refresh_dims=(96,), rank=8, scale_world=1),
             convergence=ConvergenceSettings(tiny, steps=4, local_batch=2, seq_len=64, lr=3e-3, warmup=1,
                                             seeds=(0, 1), arms=(("muon", ("fp32", "euclid-int2", "gift-int2-ef")),
                                                                 ("adamw", ("fp32", "gift-fp8"))),
                                             refresh_every=2, eval_every=2,
                                             eval_tokens=512),
+            step=StepSettings(model="toy", gpus=4, arms=("fp32", "euclid-fp8", "gift-fp8 (13 fc2)"),
+                              model_config=_TOY, memory_models=("Llama-600M",), memory_worlds=(8,)),
             threads=1,
         )
     reference = ReferenceSettings(_SMALL, steps=200, batch_size=16, seq_len=128, lr=3e-3, warmup=20)

@@ -1,42 +1,87 @@
-"""Step-time model: project end-to-end step time of Llama-600M on 64 GPUs, per format.
+"""Step-time model: project the step time of Llama-600M on 64 GPUs per communication config.
 
 No GPU is available to this bench, so wall-clock claims at the paper's scale can only be
-projected. The model is deliberately simple and every input is a documented, overridable
-assumption:
+projected. Every arm is a configuration the code runs (`ARMS`: a `GiftConfig`, or None for
+plain fp32 all-reduce), and what each arm costs is read off the code, not re-derived:
 
-    step = compute + exposed_fraction * comm + codec kernels + geometry refresh (amortised)
+    step = compute + exposed_fraction * comm + codec + statistics + refresh
 
-- compute: `6 * params * tokens_per_gpu / (peak * MFU)` (dense training FLOPs).
-- comm: pure data parallelism (the paper's setting). Our collective moves the codes through
-  an all-to-all and the re-quantized shard through an all-gather, i.e. the same
-  `2 (P-1)/P * message` bus bytes as a ring all-reduce of the message; the message is the
-  managed weights at the format's exact bits per element (`bench.wire`) plus the unmanaged
-  parameters at fp32.
-- codec kernels: memory-bound; bytes per element from `bench.overhead.bytes_per_element`
-  over HBM bandwidth, plus the whitening FLOPs (`gift_compile.selection.transform_flops`)
-  at a fraction of peak, plus the K-FAC statistics (`2 * stats_tokens * d_in^2` per layer).
-- refresh: the low-rank whitening is rebuilt from the top-`rank` eigenpairs of each
-  `d_in x d_in` factor (fp64 subspace iteration) every `refresh_every` steps, FLOPs from
-  `gift_compile.geometry.lowrank_refresh_flops`, at an effective fp64 rate. Each layer is
-  rebuilt by one owner rank and broadcast (`GiftState.owners`), so a rank does `1/gpus` of
-  them; the "unsharded" scenarios show the cost if every rank rebuilt every layer.
+- which weights GIFT manages, and with which plan (format, transform kind): `GiftState`
+  instantiated on the meta device for the model, with the arm's config and the code's own
+  eligibility rule (`gift_compile.api.eligible_linears`). As the code runs today, a layer's
+  transform kind is fixed by `GiftConfig.geometry` for every managed layer, and `select` only
+  switches the transform's *data* to identity: a deselected low-rank layer still runs the
+  low-rank codec, gathers statistics and is refreshed. The arms model exactly that. Two
+  what-if arms (`WHAT_IF`, marked "not in the code") price the selected layers alone: one with
+  the deselected layers on the Euclidean kernels (the codec change under way), one that also
+  keeps statistics and refreshes for the selected layers only;
+- codec time: bytes per gradient element *measured from the generated kernels* of each
+  layer's all-reduce plan on `gpus` ranks (`bench.overhead.codec_traffic`, a fake process group
+  stands in for the peers) over HBM bandwidth, plus the transform's FLOPs
+  (`gift_compile.selection.transform_flops`) at the fp32 rate (the projection and expansion run
+  in fp32);
+- statistics: FLOPs of the layer's statistics update (`stats.observe` on `tokens_per_gpu`
+  tokens, counted by `torch.utils.flop_counter.FlopCounterMode`) at the fp32 rate;
+- refresh: `gift_compile.geometry.lowrank_refresh_flops` per adaptive layer every
+  `refresh_every` steps at an effective fp64 rate, divided over the ranks (each layer has one
+  owner rank, `GiftState.owners`);
+- comm: bytes each rank transmits per step (`gift_compile.collectives.bucket_wire_bytes` of the
+  layer's plan: the all_to_all sends (P-1)/P of its input, the all_gather P-1 copies of this
+  rank's shard; unmanaged parameters and the fp32 arm take a ring all-reduce, 2 (P-1)/P of
+  the fp32 buffer) over the link bandwidth;
+- compute: `6 * params * tokens_per_gpu / (peak * MFU)`.
 
-Because the paper's exposed-communication share is unknown, a second scenario calibrates it
-so that Euclidean FP8 reproduces the paper's -10.8%, and then predicts GIFT.
+Hardware rates and efficiencies are assumptions (`StepModelInputs`); the exposed share of
+communication is unknown, so the `calibrated` scenarios choose it such that Euclidean FP8
+reproduces the paper's -10.8% and then predict the other arms.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from bench.overhead import bytes_per_element
-from bench.wire import ModelShapes, llama
-from gift_compile.formats import FormatSpec, wire_bytes_for
-from gift_compile.geometry import lowrank_refresh_flops
-from gift_compile.selection import transform_flops
+import torch
+from torch.utils.flop_counter import FlopCounterMode
 
-PAPER = {"gift-fp8 (paper: 13 fc2)": -0.076, "euclid-fp8": -0.108}
+from bench.overhead import codec_traffic
+from bench.wire import MODEL_CONFIGS, describe_config, meta_model
+from gift_compile.api import eligible_linears
+from gift_compile.collectives import bucket_wire_bytes
+from gift_compile.config import GiftConfig
+from gift_compile.geometry import lowrank_refresh_flops
+from gift_compile.plan import BucketPlan, ItemPlan
+from gift_compile.selection import LayerMeasurement, decide, transform_flops
+from gift_compile.state import GiftState
+from bench.tiny_llama import TinyLlamaConfig
+
+Log = Callable[[str], None]
+
+PAPER = {"gift-fp8 (13 fc2)": -0.076, "euclid-fp8": -0.108}
+_FP8 = dict(format="fp8_e5m2", scaling="tensor")  # the paper's wire format: E5M2, one scale per tensor
+# the paper whitened 13 fc2 (= feed_forward.w2) layers; as globs (which 13 does not change the cost)
+_FC2_13 = tuple(f"layers.{i}.feed_forward.w2.weight" for i in range(13))
+
+# arm -> GiftConfig (None: plain fp32 all-reduce, no GIFT)
+ARMS: dict[str, GiftConfig | None] = {
+    "fp32": None,
+    "bf16 (GIFT collective)": GiftConfig(format="bf16", geometry="none"),
+    "euclid-fp8": GiftConfig(**_FP8, geometry="none"),
+    "gift-fp8 (13 fc2)": GiftConfig(**_FP8, geometry="lowrank", select=_FC2_13),
+    "gift-fp8 (13 fc2), deselected on Euclidean codec [not in the code]": GiftConfig(**_FP8, geometry="lowrank",
+                                                                                    select=_FC2_13),
+    "gift-fp8 (13 fc2), selected layers only [not in the code]": GiftConfig(**_FP8, geometry="lowrank", select=_FC2_13),
+    "gift-fp8 (all layers)": GiftConfig(**_FP8, geometry="lowrank", select="all"),
+    "euclid-nvfp4": GiftConfig(format="nvfp4", geometry="none"),
+    "gift-nvfp4 (all layers)": GiftConfig(format="nvfp4", geometry="lowrank", select="all"),
+}
+# what-if arms -> what they drop for deselected layers: the low-rank codec, or also the
+# statistics and the refresh
+WHAT_IF: dict[str, tuple[str, ...]] = {
+    "gift-fp8 (13 fc2), deselected on Euclidean codec [not in the code]": ("codec",),
+    "gift-fp8 (13 fc2), selected layers only [not in the code]": ("codec", "statistics", "refresh"),
+}
 
 
 @dataclass(frozen=True)
@@ -47,112 +92,191 @@ class StepModelInputs:
     tokens_per_gpu: int = 16384  # assumption: 1M-token global batch (256 x 4096) over 64 GPUs
     peak_tflops: float = 989.0  # H100 / GH200 dense BF16 tensor-core peak (NVIDIA datasheet)
     mfu: float = 0.40  # typical Megatron-LM MFU for a sub-1B Llama
+    fp32_tflops: float = 67.0  # H100 / GH200 fp32 (non-tensor) peak: the codec's and the
+    #                            statistics' fp32 matmuls and multiply-adds (NVIDIA datasheet)
+    fp32_efficiency: float = 0.50  # share of the fp32 peak those skinny matmuls reach
+    tf32_tflops: float = 494.0  # H100 / GH200 dense TF32 tensor-core peak (NVIDIA datasheet): the
+    #                             rate of those matmuls if TF32 is allowed (not PyTorch's default)
     link_gbytes: float = 50.0  # InfiniBand NDR 400 Gb/s per GPU (one NIC per GPU)
-    link_efficiency: float = 0.80  # achieved/peak bus bandwidth of large all-reduces (nccl-tests)
+    link_efficiency: float = 0.80  # achieved/peak bus bandwidth of large collectives (nccl-tests)
     hbm_tbytes: float = 4.0  # GH200 96 GB HBM3: 4 TB/s (NVIDIA GH200 datasheet)
-    kernel_efficiency: float = 0.70  # share of HBM bandwidth elementwise codec kernels reach
-    matmul_efficiency: float = 0.50  # share of peak for the skinny whitening matmuls
+    kernel_efficiency: float = 0.70  # share of HBM bandwidth the codec kernels reach
     exposed_fraction: float = 1.0  # share of gradient communication not hidden behind backward
-    stats_tokens: int = 1024  # GiftConfig.stats_tokens
-    refresh_every: int = 50  # GiftConfig.refresh_every
-    refresh_tflops: float = 5.0  # assumption: effective fp64 rate of the refresh, which is
-    #                              matmuls (A @ Q) and tall-skinny QR; GH200's fp64 tensor-core
-    #                              peak is 67 TFLOP/s, QR reaches a small fraction of it
+    refresh_tflops: float = 5.0  # assumption: effective fp64 rate of the refresh (matmuls and
+    #                              tall-skinny QR); GH200's fp64 tensor-core peak is 67 TFLOP/s
     refresh_sharded: bool = True  # True: each rank rebuilds 1/gpus of the transforms, then the
     #                               owners broadcast (as implemented: GiftState.owners);
-    #                               False: every rank eigendecomposes every factor
-    rank: int = 32  # GiftConfig.rank
+    #                               False: every rank would rebuild every transform
 
 
-# arm -> (wire format, scaling, transformed layers: "none" | "paper" | "all")
-ARMS: dict[str, tuple[str, str, str]] = {
-    "fp32": ("fp32", "row", "none"),
-    "bf16": ("bf16", "row", "none"),
-    "euclid-fp8": ("fp8_e5m2", "tensor", "none"),
-    "gift-fp8 (paper: 13 fc2)": ("fp8_e5m2", "tensor", "paper"),
-    "gift-fp8 (all layers)": ("fp8_e5m2", "tensor", "all"),
-    "euclid-nvfp4": ("nvfp4", "row", "none"),
-    "gift-nvfp4 (all layers)": ("nvfp4", "row", "all"),
-}
-_PAPER_SELECTED_FC2 = 13
+@dataclass(frozen=True)
+class LayerCost:
+    """What one managed layer costs per step under an arm (per rank)."""
+
+    fqn: str
+    rows: int
+    cols: int
+    plan: ItemPlan
+    codec_bytes: float
+    transform_flops: float
+    stats_flops: float
+    refresh_flops: float
+    sent_bytes: float
 
 
-def _transformed(model: ModelShapes, which: str) -> list[tuple[int, int, int]]:
-    """(rows, cols, count) of the layers that take the whitened path."""
-    if which == "none":
-        return []
-    if which == "paper":
-        fc2 = next(m for m in model.managed if "w2" in m[0])
-        return [(fc2[1], fc2[2], _PAPER_SELECTED_FC2)]
-    return [(r, c, n) for _, r, c, n in model.managed]
+def _stats_flops(state: GiftState, fqn: str, tokens: int) -> float:
+    """FLOPs of one statistics update of `fqn` on `tokens` tokens, counted while the layer's
+    own `stats.observe` runs on meta tensors (so a cheaper statistic is priced as written)."""
+    layer = state.layers[fqn]
+    if layer.stats is None:
+        return 0.0
+    x = torch.empty(tokens, layer.shape[1], device="meta")
+    with FlopCounterMode(display=False) as counter:
+        layer.stats.observe(x)
+    return float(counter.get_total_flops())
 
 
-def project(inputs: StepModelInputs, model: ModelShapes | None = None) -> dict[str, object]:
+def _sent(plan: ItemPlan, world: int) -> float:
+    """Bytes one rank transmits for `plan`'s all-reduce: (P-1)/P of the all_to_all input plus
+    P-1 copies of the all_gather input (bucket_wire_bytes of the all-reduce minus that of the
+    reduce-scatter is the all_gather input)."""
+    padded = dataclasses.replace(plan, rows=plan.rows + (-plan.rows) % world)  # as the all-reduce sends it
+    a2a = bucket_wire_bytes(BucketPlan((padded,), world, "g", True, "reduce_scatter"))
+    total = bucket_wire_bytes(BucketPlan((padded,), world, "g", True, "all_reduce"))
+    return (world - 1) / world * a2a + (world - 1) * (total - a2a)
+
+
+class CodecBytes:
+    """Measured codec bytes per element, memoised by plan shape (each distinct plan compiles once)."""
+
+    def __init__(self, world: int, log: Log) -> None:
+        self.world = world
+        self.log = log
+        self.cache: dict[tuple[str, str, str, int, int, int], float] = {}
+
+    def __call__(self, plan: ItemPlan, rank: int) -> float:
+        key = (plan.format, plan.scaling, plan.kind, plan.rows, plan.cols, rank)
+        if key not in self.cache:
+            t = codec_traffic(plan.format, plan.scaling, plan.kind, plan.rows, plan.cols, rank, self.world,
+                              "all_reduce")
+            self.cache[key] = float(t["bytes_per_element"])
+            self.log(f"  codec {plan.format}/{plan.scaling} {plan.kind} [{plan.rows},{plan.cols}] on {self.world} "
+                     f"ranks: {self.cache[key]:.2f} B/element (generated kernels)")
+        return self.cache[key]
+
+
+def arm_layers(arm: str, config: GiftConfig, model_config: TinyLlamaConfig, inputs: StepModelInputs,
+               codec: CodecBytes) -> list[LayerCost]:
+    """Per-layer costs of `arm`: a `GiftState` on the meta device manages what `apply` would."""
+    model = meta_model(model_config)
+    state = GiftState(config, None)
+    for fqn, module in eligible_linears(model, config, inputs.gpus, split_rows=False):
+        state.add_layer(fqn, tuple(module.weight.shape), "meta")
+    # the code's own selection rule (globs need no measurements)
+    selected = decide(config, {n: LayerMeasurement(1.0, 1.0, 0.0, 0.0) for n in state.layers}, {})
+    dropped = WHAT_IF.get(arm, ())
+    out = []
+    for fqn, layer in state.layers.items():
+        plan, keep = layer.plan, fqn in selected
+        if "codec" in dropped and not keep:
+            plan = dataclasses.replace(plan, kind="identity", n_tensors=0)
+        rows, cols = layer.shape
+        # as the code runs, every adaptive layer is refreshed (and gathers statistics)
+        refreshed = layer.transform.adaptive and (keep or "refresh" not in dropped)
+        refresh = lowrank_refresh_flops(cols, layer.transform.rank) / config.refresh_every if refreshed else 0.0
+        if refreshed and inputs.refresh_sharded:
+            refresh /= inputs.gpus
+        stats = _stats_flops(state, fqn, inputs.tokens_per_gpu) if keep or "statistics" not in dropped else 0.0
+        out.append(LayerCost(
+            fqn, rows, cols, plan, codec(plan, layer.transform.rank) * rows * cols,
+            transform_flops(plan.kind, rows, cols, layer.transform.rank), stats, refresh, _sent(plan, inputs.gpus)))
+    return out
+
+
+def project(inputs: StepModelInputs, layers: dict[str, list[LayerCost]], model_config: TinyLlamaConfig,
+            model_name: str) -> dict[str, object]:
     """Per-arm step-time breakdown (seconds) and the change against fp32 communication."""
-    model = model or llama("Llama-600M", 1280, 3456, 32)
     x = inputs
-    compute = 6.0 * model.params * x.tokens_per_gpu / (x.peak_tflops * 1e12 * x.mfu)
-    bus = 2.0 * (x.gpus - 1) / x.gpus
+    params = sum(p.numel() for p in meta_model(model_config).parameters())
+    compute = 6.0 * params * x.tokens_per_gpu / (x.peak_tflops * 1e12 * x.mfu)
+    ring = 2.0 * (x.gpus - 1) / x.gpus
     link = x.link_gbytes * 1e9 * x.link_efficiency
     hbm = x.hbm_tbytes * 1e12 * x.kernel_efficiency
+    fp32 = x.fp32_tflops * 1e12 * x.fp32_efficiency
     rows = {}
-    for arm, (fmt, scaling, which) in ARMS.items():
-        spec = FormatSpec(fmt, scaling)
-        if spec.passthrough:
-            message = model.params * (4 if fmt == "fp32" else 2)
-        else:
-            message = sum(wire_bytes_for(spec, r, c) * n for _, r, c, n in model.managed) + 4 * model.other_params
-        comm = bus * message / link
-        path = {"fp32": None, "bf16": "bf16"}.get(fmt, "euclid-nvfp4" if fmt == "nvfp4" else "euclid-fp8")
-        kernels = 0.0 if path is None else bytes_per_element(path) * model.managed_params / hbm
-        refresh = 0.0
-        for r, c, n in _transformed(model, which):
-            gift_path = "gift-nvfp4" if fmt == "nvfp4" else "gift-fp8"
-            kernels += (bytes_per_element(gift_path) - bytes_per_element(path)) * r * c * n / hbm
-            flops = transform_flops("lowrank", r, c, x.rank) + 2.0 * x.stats_tokens * c * c
-            kernels += n * flops / (x.peak_tflops * 1e12 * x.matmul_efficiency)
-            refresh += n * lowrank_refresh_flops(c, x.rank) / (x.refresh_tflops * 1e12) / x.refresh_every
-        if x.refresh_sharded:
-            refresh /= x.gpus
+    for arm in ["fp32", *layers]:
+        costs = layers.get(arm, [])
+        managed = sum(c.rows * c.cols for c in costs)
+        sent = sum(c.sent_bytes for c in costs) + ring * 4.0 * (params - managed)
+        codec_bytes = sum(c.codec_bytes for c in costs)
+        codec = codec_bytes / hbm + sum(c.transform_flops for c in costs) / fp32
+        stats = sum(c.stats_flops for c in costs) / fp32
+        refresh = sum(c.refresh_flops for c in costs) / (x.refresh_tflops * 1e12)
+        comm = sent / link
         rows[arm] = {"compute_s": compute, "comm_s": comm, "exposed_comm_s": x.exposed_fraction * comm,
-                     "kernels_s": kernels, "refresh_s": refresh, "message_bytes": message}
+                     "codec_s": codec, "stats_s": stats, "refresh_s": refresh, "sent_bytes": sent,
+                     "codec_bytes": codec_bytes, "managed_layers": len(costs),
+                     "codec_bytes_per_element": codec_bytes / managed if managed else 0.0}
     for r in rows.values():
-        r["step_s"] = r["compute_s"] + r["exposed_comm_s"] + r["kernels_s"] + r["refresh_s"]
+        r["step_s"] = r["compute_s"] + r["exposed_comm_s"] + r["codec_s"] + r["stats_s"] + r["refresh_s"]
     base = rows["fp32"]["step_s"]
     for r in rows.values():
         r["vs_fp32"] = r["step_s"] / base - 1.0
-    return {"inputs": dataclasses.asdict(x), "model": model.name, "model_description": model.description,
-            "params": model.params, "arms": rows}
+    return {"inputs": dataclasses.asdict(x), "model": model_name, "model_description": describe_config(model_config),
+            "params": params, "arms": rows}
 
 
-def calibrate_exposed_fraction(inputs: StepModelInputs, target: float = PAPER["euclid-fp8"]) -> float | None:
+def calibrate_exposed_fraction(arms: dict[str, dict[str, float]], target: float = PAPER["euclid-fp8"]) -> float | None:
     """Exposed-communication share at which Euclidean FP8 changes step time by `target`.
 
-    The change is `[(f dC) + K] / [T + f C32]` with `dC` the FP8-minus-fp32 communication, `K`
-    the codec kernels and `T` compute; solved for `f`. None when no `f` in [0, 1] fits.
+    From a projection with `exposed_fraction=1`: the change is `(f dC + K) / (T + f C32)` with
+    `dC` the FP8-minus-fp32 communication, `K` FP8's codec, statistics and refresh time and
+    `T` compute; solved for `f`. None when no `f` in [0, 1] fits.
     """
-    arms = project(dataclasses.replace(inputs, exposed_fraction=1.0))["arms"]
     fp32, fp8 = arms["fp32"], arms["euclid-fp8"]
     d_comm = fp8["comm_s"] - fp32["comm_s"]
+    extra = fp8["codec_s"] + fp8["stats_s"] + fp8["refresh_s"]
     denom = d_comm - target * fp32["comm_s"]
     if denom == 0:
         return None
-    f = (target * fp32["compute_s"] - fp8["kernels_s"]) / denom
+    f = (target * fp32["compute_s"] - extra) / denom
     return f if 0.0 <= f <= 1.0 else None
 
 
-def run(inputs: StepModelInputs | None = None) -> dict[str, object]:
-    """Four scenarios: the defaults and the exposed-communication share calibrated to the
-    paper's Euclidean FP8 result, each with the refresh as implemented (sharded over ranks)
-    and with every rank rebuilding every transform (what sharding saves)."""
+def run(inputs: StepModelInputs | None = None, name: str = "Llama-600M", model_config: TinyLlamaConfig | None = None,
+        arms: tuple[str, ...] | None = None, log: Log = print) -> dict[str, object]:
+    """Measure each arm's codec on `inputs.gpus` ranks, then project the scenarios: the
+    defaults and the exposed-communication share calibrated to the paper's Euclidean FP8
+    result, each with the refresh as implemented (sharded over ranks) and unsharded, and the
+    calibrated one with the fp32 matmuls at the TF32 tensor-core rate (a sensitivity: PyTorch
+    runs fp32 matmuls without TF32 unless told to).
+
+    The model is `MODEL_CONFIGS[name]` unless `model_config` is given; `arms` (default: all of
+    `ARMS`) must include "fp32" and "euclid-fp8", the baseline and the calibration arm."""
     inputs = inputs or StepModelInputs()
-    f = calibrate_exposed_fraction(inputs)
-    scenarios = {
-        "defaults": inputs,
-        "defaults, unsharded refresh": dataclasses.replace(inputs, refresh_sharded=False),
-    }
+    model_config = model_config or MODEL_CONFIGS[name]
+    arms = tuple(ARMS) if arms is None else arms
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown or not {"fp32", "euclid-fp8"} <= set(arms):
+        raise ValueError(f"step_model.run: arms {arms} must be names of ARMS ({list(ARMS)}) including fp32 and euclid-fp8")
+    codec = CodecBytes(inputs.gpus, log)
+    variants = {"sharded": inputs, "unsharded": dataclasses.replace(inputs, refresh_sharded=False)}
+    layers = {v: {arm: arm_layers(arm, ARMS[arm], model_config, x, codec) for arm in arms if ARMS[arm] is not None}
+              for v, x in variants.items()}
+    defaults = project(inputs, layers["sharded"], model_config, name)
+    f = calibrate_exposed_fraction(defaults["arms"])
+    scenarios = {"defaults": defaults,
+                 "defaults, unsharded refresh": project(variants["unsharded"], layers["unsharded"], model_config, name)}
     if f is not None:
-        scenarios["calibrated"] = dataclasses.replace(inputs, exposed_fraction=f)
-        scenarios["calibrated, unsharded refresh"] = dataclasses.replace(inputs, exposed_fraction=f, refresh_sharded=False)
-    return {"paper": PAPER, "calibrated_exposed_fraction": f,
-            "scenarios": {name: project(x) for name, x in scenarios.items()}}
+        for label, v in (("calibrated", "sharded"), ("calibrated, unsharded refresh", "unsharded")):
+            scenarios[label] = project(dataclasses.replace(variants[v], exposed_fraction=f), layers[v], model_config,
+                                       name)
+        # sensitivity: the statistics' and the codec's fp32 matmuls on TF32 tensor cores
+        scenarios["calibrated, TF32 matmuls"] = project(
+            dataclasses.replace(inputs, exposed_fraction=f, fp32_tflops=inputs.tf32_tflops), layers["sharded"],
+            model_config, name)
+    measured = [{"format": k[0], "scaling": k[1], "kind": k[2], "rows": k[3], "cols": k[4], "rank": k[5],
+                 "bytes_per_element": b} for k, b in codec.cache.items()]
+    return {"paper": PAPER, "calibrated_exposed_fraction": f, "scenarios": scenarios, "codec_measured": measured,
+            "what_if": {a: list(d) for a, d in WHAT_IF.items() if a in arms},
+            "arm_configs": {a: (ARMS[a].to_dict() if ARMS[a] else None) for a in arms}}

@@ -13,6 +13,10 @@ Shapes assumed for the paper-scale models (Llama architecture, SwiGLU, no biases
 head, vocabulary 32000, full multi-head attention):
 - Llama-300M: hidden 1024, FFN 2816, 24 layers.
 - Llama-600M: hidden 1280, FFN 3456, 32 layers (the paper's 32-layer model).
+
+`MODEL_CONFIGS` holds the same Llama-600M and Meta's Llama-3-8B / 70B as `TinyLlamaConfig`s
+(`meta_model` builds them on the meta device), for the sections that instantiate the real
+`GiftState` (`bench.memory`) or the code's selection rules (`bench.step_model`).
 """
 
 from __future__ import annotations
@@ -69,8 +73,7 @@ def llama(name: str, dim: int, ffn: int, layers: int, vocab: int = 32000) -> Mod
 
 def tiny_llama_shapes(config: TinyLlamaConfig, name: str) -> ModelShapes:
     """Shapes of a `TinyLlama` (built on the meta device), managed by GiftConfig's defaults."""
-    with torch.device("meta"):
-        model = TinyLlama(config)
+    model = meta_model(config)
     counts: dict[tuple[int, int], list[str]] = {}
     for fqn, mod in managed_linears(model).items():
         counts.setdefault(tuple(mod.weight.shape), []).append(fqn.split(".")[-2])
@@ -79,6 +82,30 @@ def tiny_llama_shapes(config: TinyLlamaConfig, name: str) -> ModelShapes:
     other = total - sum(r * c * n for _, r, c, n in managed)
     desc = f"hidden {config.dim}, FFN {config.ffn_hidden}, {config.n_layers} layers, vocab {config.vocab_size}"
     return ModelShapes(name, managed, other, desc)
+
+
+# Llama shapes as `TinyLlamaConfig`s. TinyLlama's FFN width is int(8 dim / 3) rounded up to
+# `multiple_of`; Llama 3's 1.3x FFN multiplier is reproduced by choosing `multiple_of` so that
+# the rounding lands on the published width (8B: 14336, 70B: 28672).
+MODEL_CONFIGS: dict[str, TinyLlamaConfig] = {
+    "Llama-600M": TinyLlamaConfig(dim=1280, n_layers=32, n_heads=10, vocab_size=32000, multiple_of=128),
+    "Llama-3-8B": TinyLlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                                  multiple_of=7168),
+    "Llama-3-70B": TinyLlamaConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
+                                   multiple_of=14336),
+}
+
+
+def meta_model(config: TinyLlamaConfig) -> TinyLlama:
+    """A `TinyLlama` on the meta device: real module tree and parameter shapes, no storage."""
+    with torch.device("meta"):
+        return TinyLlama(config)
+
+
+def describe_config(config: TinyLlamaConfig) -> str:
+    kv = "" if config.n_kv_heads is None else f", GQA kv {config.kv_heads * config.head_dim}"
+    return (f"hidden {config.dim}, FFN {config.ffn_hidden}, {config.n_layers} layers, {config.n_heads} heads{kv}, "
+            f"vocab {config.vocab_size}")
 
 
 def models() -> list[ModelShapes]:

@@ -1,10 +1,14 @@
 """Whitening maps: exact inverses, whitening property, in-place refresh, statistics, residuals."""
 
+import re
+
 import pytest
 import torch
+from torch._inductor.utils import run_and_get_code
 
+from gift_compile import geometry
 from gift_compile.config import GiftConfig
-from gift_compile.geometry import Transform, gradient_factor, top_eigenpairs
+from gift_compile.geometry import Transform, apply_forward, apply_inverse, gradient_factor, top_eigenpairs
 from gift_compile.statistics import KFACStatistics
 from gift_compile.state import GiftState
 
@@ -56,6 +60,59 @@ def test_lowrank_whitening_flattens_the_spectrum():
     ev_a = torch.linalg.eigvalsh(a)
     assert float(ev_a[-1] / ev_a[0]) > 500
     assert float(ev[-1] / ev[0]) < 5
+
+
+def _lowrank(d_in: int = 96, rank: int = 8) -> Transform:
+    t = Transform("lowrank", d_in, rank=rank)
+    x = anisotropic_inputs(d=d_in)
+    t.refresh_from(x.t() @ x / x.shape[0], damping=1e-3)
+    return t
+
+
+def test_lowrank_map_is_the_fp64_formula_to_fp32_rounding():
+    """The fused spelling (projection through D^-1/2 V, expansion via V^T = (D^-1/2 V)^T D^1/2)
+    is the map G D^-1/2 M and its inverse, to fp32 rounding."""
+    t = _lowrank()
+    dinv, v, cf, ci, dsq = (x.double() for x in t.tensors)
+    g = torch.randn(40, 96, generator=torch.Generator().manual_seed(2))
+    h = g.double() * dinv
+    fwd = h + ((h @ v) * cf) @ v.t()
+    inv = (g.double() + ((g.double() @ v) * ci) @ v.t()) * dsq
+    for got, want in ((t.forward(g), fwd), (t.inverse(g), inv)):
+        assert got.dtype == torch.float32 and got.shape == g.shape
+        assert float((got.double() - want).norm() / want.norm()) < 1e-6
+    g3 = g.reshape(4, 10, 96)  # leading dims are rows
+    assert torch.equal(t.forward(g3), t.forward(g).reshape(4, 10, 96))
+
+
+def test_eager_row_blocks_and_compiled_code_agree_bitwise(monkeypatch):
+    """Eager CPU calls run the expansion over row blocks; compiled code runs it whole inside
+    Inductor's kernels. Same arithmetic per element, so the same bits."""
+    t = _lowrank()
+    g = torch.randn(64, 96, generator=torch.Generator().manual_seed(3))
+    whole = (t.forward(g), t.inverse(g))
+    monkeypatch.setattr(geometry, "EAGER_BLOCK_ELEMENTS", 96 * 5)  # 13 blocks, the last one short
+    blocked = (t.forward(g), t.inverse(g))
+    compiled = torch.compile(lambda x: (apply_forward("lowrank", x, t.tensors), apply_inverse("lowrank", x, t.tensors)),
+                             fullgraph=True, dynamic=False)(g)
+    for a, b, c in zip(whole, blocked, compiled):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+@pytest.mark.parametrize("direction", ["forward", "inverse"])
+def test_compiled_lowrank_writes_no_full_size_intermediate(direction):
+    """Inductor keeps the rank-r expansion inside the kernel that writes the result: the only
+    `[rows, d_in]` buffer the compiled map allocates is its output (the projection is
+    `[rows, r]`, the basis `[r, d_in]`)."""
+    t = _lowrank()
+    fn = apply_forward if direction == "forward" else apply_inverse
+    g = torch.randn(64, 96, generator=torch.Generator().manual_seed(4))
+    out, (code,) = run_and_get_code(torch.compile(lambda x: fn("lowrank", x, t.tensors), dynamic=False), g)
+    assert torch.equal(out, fn("lowrank", g, t.tensors))
+    call = code[code.index("def call"):]
+    full = re.findall(r"empty_strided_cpu\(\(64, 96\)", call)
+    assert len(full) == 1, call
+    assert call.count("extern_kernels.mm(") == 1 and "addmm" not in call
 
 
 def test_refresh_is_in_place():

