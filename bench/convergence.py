@@ -35,7 +35,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import gift_compile
-from bench.reference import lr_at
+from bench.reference import lr_at, make_optimizers
 from bench.settings import ConvergenceSettings
 from bench.stats import paired
 from bench.tiny_llama import TinyLlama, loss
@@ -101,20 +101,6 @@ def bits_per_element(fmt: str, cols: int = 512) -> float:
     return FormatSpec(str(kw["format"]), str(kw.get("scaling", "row")), int(kw.get("block_size", 32))).bits_per_element(cols, 64)
 
 
-def _optimizers(model: nn.Module, name: str, s: ConvergenceSettings) -> tuple[list[torch.optim.Optimizer], list[float]]:
-    """The optimizers of one run and their peak learning rates (the schedule scales them)."""
-    if name == "adamw":
-        return [torch.optim.AdamW(model.parameters(), lr=s.lr, betas=(0.9, 0.95), weight_decay=0.1)], [s.lr]
-    if name != "muon":
-        raise ValueError(f"unknown optimizer {name!r}; allowed: muon, adamw")
-    hidden = [p for n, p in model.named_parameters() if p.dim() == 2 and n.startswith("layers.")]
-    ids = {id(p) for p in hidden}
-    rest = [p for p in model.parameters() if id(p) not in ids]
-    muon = torch.optim.Muon(hidden, lr=s.muon_lr, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
-    adamw = torch.optim.AdamW(rest, lr=s.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    return [muon, adamw], [s.muon_lr, s.lr]
-
-
 def _allreduce_fp32(model: nn.Module, world: int) -> None:
     """Mean of every gradient over the ranks, in fp32, as one flat all-reduce."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -140,7 +126,7 @@ def _train(opt_name: str, arm: str, seed: int, s: ConvergenceSettings, paths: co
            rank: int, world: int) -> dict[str, object]:
     model = TinyLlama(s.model, seed=seed)
     config = arm_config(arm, s, seed)
-    optimizers, peaks = _optimizers(model, opt_name, s)
+    optimizers, peaks = make_optimizers(model, opt_name, s.lr, s.muon_lr)
     reports_before = len(last_reports())
     if config is not None:  # the first optimizer drives GIFT's state (health check, refresh)
         gift_compile.apply(model, config, group=dist.group.WORLD, optimizer=optimizers[0])

@@ -48,7 +48,13 @@ TRANSFORMS: tuple[tuple[str, str, int, str], ...] = (
 
 @dataclass(frozen=True)
 class ReferenceSettings:
-    """The reference model trained (and cached) by the bench so that gradients are real."""
+    """The reference model trained (and cached) by the bench so that gradients are real.
+
+    `optimizer` "adamw" (the default) or "muon" (Muon on the hidden matrices at `muon_lr`,
+    AdamW on the rest: `bench.reference.make_optimizers`); the gradient spectra a
+    preconditioned optimizer produces differ from AdamW's, so the whitening sweep can measure
+    on either.
+    """
 
     model: TinyLlamaConfig
     steps: int
@@ -57,6 +63,8 @@ class ReferenceSettings:
     lr: float
     warmup: int
     seed: int = 0
+    optimizer: str = "adamw"
+    muon_lr: float = 3e-3
 
 
 @dataclass(frozen=True)
