@@ -96,6 +96,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batches", type=int, default=8, help="held-out batches measured (>= 2: momentum proxy)")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "fidelity_sweep.json")
     p.add_argument("--cache-dir", type=Path, default=None)
+    p.add_argument("--profile", choices=("smoke", "quick"), default="quick",
+                   help="reference model and batch size (smoke: the tiny CI model)")
     a = p.parse_args(argv)
     formats = [f for f in a.formats.split(",") if f]
     labels = [t for t in a.transforms.split(",") if t]
@@ -106,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
         labels.insert(0, "euclidean")  # every gain is relative to it
     torch.set_num_threads(1)
     start = time.perf_counter()
-    base = profile("quick")
+    base = profile(a.profile)
     ref_settings = dataclasses.replace(base.reference, optimizer=a.reference)
     fs = dataclasses.replace(base.fidelity, heldout_batches=a.batches, multirank_batches=0)
     paths = corpus.prepare()
