@@ -35,13 +35,14 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import gift_compile
-from bench.reference import lr_at
+from bench.reference import lr_at, make_optimizers
 from bench.settings import ConvergenceSettings
-from bench.stats import paired
+from bench.stats import paired, ratio_ci
 from bench.tiny_llama import TinyLlama, loss
 from gift_compile.config import GiftConfig
 from gift_compile.formats import FormatSpec
 from gift_compile.passes import last_reports
+from gift_compile.state import GiftState
 from gift_compile.torchtitan_ext import corpus
 
 Log = Callable[[str], None]
@@ -64,6 +65,8 @@ MODIFIERS: dict[str, dict[str, object]] = {
     "r64": {"rank": 64},
     "rf5": {"refresh_every": 5},
     "grad": {"geometry": "gradient"},
+    # the gradient-side geometry built from the optimizer's momentum buffer (see `_momentum_source`)
+    "mom": {"geometry": "gradient", "ema": 0.0},
 }
 
 
@@ -101,18 +104,25 @@ def bits_per_element(fmt: str, cols: int = 512) -> float:
     return FormatSpec(str(kw["format"]), str(kw.get("scaling", "row")), int(kw.get("block_size", 32))).bits_per_element(cols, 64)
 
 
-def _optimizers(model: nn.Module, name: str, s: ConvergenceSettings) -> tuple[list[torch.optim.Optimizer], list[float]]:
-    """The optimizers of one run and their peak learning rates (the schedule scales them)."""
-    if name == "adamw":
-        return [torch.optim.AdamW(model.parameters(), lr=s.lr, betas=(0.9, 0.95), weight_decay=0.1)], [s.lr]
-    if name != "muon":
-        raise ValueError(f"unknown optimizer {name!r}; allowed: muon, adamw")
-    hidden = [p for n, p in model.named_parameters() if p.dim() == 2 and n.startswith("layers.")]
-    ids = {id(p) for p in hidden}
-    rest = [p for p in model.parameters() if id(p) not in ids]
-    muon = torch.optim.Muon(hidden, lr=s.muon_lr, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
-    adamw = torch.optim.AdamW(rest, lr=s.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    return [muon, adamw], [s.muon_lr, s.lr]
+def _momentum_source(state: GiftState, optimizer: torch.optim.Optimizer) -> None:
+    """Build each layer's gradient-side geometry from the optimizer's momentum buffer.
+
+    `geometry="gradient"` whitens with the factor `G^T G / out` of the gradient found at a
+    refresh: one step's gradient, dominated by that batch's noise, so the map is already
+    stale at the next step (the fidelity sweep's `grad-*` candidates). Muon orthogonalizes
+    its momentum, a slowly moving average, and the error it amplifies lives in the weak
+    singular directions of that momentum; whitening with `M^T M / out` targets exactly them.
+    This points the state's factor source at `optimizer.state[weight]["momentum_buffer"]`
+    (Muon, SGD) or `["exp_avg"]` (Adam/AdamW), identical on every rank because replicas are.
+    A bench-side experiment: the product would need a `GiftConfig` option for it.
+    """
+    weights = {name: module._parameters["weight"] for name, module in state.modules.items()}
+
+    def source(name: str) -> torch.Tensor | None:
+        st = optimizer.state.get(weights[name], {})
+        return st.get("momentum_buffer", st.get("exp_avg"))
+
+    state.grad_source = source
 
 
 def _allreduce_fp32(model: nn.Module, world: int) -> None:
@@ -140,10 +150,12 @@ def _train(opt_name: str, arm: str, seed: int, s: ConvergenceSettings, paths: co
            rank: int, world: int) -> dict[str, object]:
     model = TinyLlama(s.model, seed=seed)
     config = arm_config(arm, s, seed)
-    optimizers, peaks = _optimizers(model, opt_name, s)
+    optimizers, peaks = make_optimizers(model, opt_name, s.lr, s.muon_lr)
     reports_before = len(last_reports())
     if config is not None:  # the first optimizer drives GIFT's state (health check, refresh)
         gift_compile.apply(model, config, group=dist.group.WORLD, optimizer=optimizers[0])
+        if "mom" in arm.split("-")[2:]:
+            _momentum_source(gift_compile.state(model), optimizers[0])
     forward = torch.compile(model) if s.compile else model
     tokens = corpus.token_stream("train", paths)
     losses: list[float] = []
@@ -264,11 +276,17 @@ def summarise(runs: list[dict], s: ConvergenceSettings) -> dict[str, object]:
             done = [seed for seed in seeds if (opt_name, seed, arm) in by and (opt_name, seed, twin) in by]
             g_minus_e = [by[(opt_name, seed, arm)]["final_bpb"] - by[(opt_name, seed, twin)]["final_bpb"] for seed in done]
             gap_e, gap_g = summary[twin]["paired_diff_bpb"]["mean"], summary[arm]["paired_diff_bpb"]["mean"]
+            with_ref = [seed for seed in done if (opt_name, seed, "fp32") in by]
+            closed = ratio_ci([-d for seed, d in zip(done, g_minus_e) if seed in with_ref],
+                              [by[(opt_name, seed, twin)]["final_bpb"] - by[(opt_name, seed, "fp32")]["final_bpb"]
+                               for seed in with_ref])
             gaps[arm.removeprefix("gift-")] = {
                 "format": fmt, "error_feedback": ef, "bits": summary[arm]["bits"],
                 "euclid_minus_fp32": summary[twin]["paired_diff_bpb"], "gift_minus_fp32": summary[arm]["paired_diff_bpb"],
                 "gift_minus_euclid": paired(g_minus_e).as_dict(),
                 "share_closed": 1.0 - gap_g / gap_e if gap_e > 0 else float("nan"),
+                # Fieller 95% CI of (Euclidean - GIFT) / (Euclidean - fp32); None: unbounded
+                "share_closed_ci95": None if closed is None else list(closed),
             }
         per_opt[opt_name] = {"arms": summary, "gaps": gaps, "verdict": _verdict(summary, gaps)}
     return {
@@ -281,13 +299,26 @@ def summarise(runs: list[dict], s: ConvergenceSettings) -> dict[str, object]:
 
 
 def _verdict(summary: dict, gaps: dict) -> dict[str, object]:
-    """The widest bit width at which Euclidean costs loss beyond its CI (no EF), GIFT's share of
-    that gap, and whether any arm is a resolved positive control."""
-    costly = [(g["bits"], k) for k, g in gaps.items()
-              if not g["error_feedback"] and g["euclid_minus_fp32"]["resolved"] and g["euclid_minus_fp32"]["mean"] > 0]
+    """Per EF setting, the widest bit width at which Euclidean costs loss beyond its CI, GIFT's
+    share of that gap (with its Fieller CI); and the arms that are resolved positive controls.
+
+    The no-EF answer sits at the top level (`first_costly`, `bits`, `share_closed`, ...), the
+    error-feedback answer under `with_ef` in the same shape."""
+
+    def first(ef: bool) -> dict[str, object]:
+        costly = [(g["bits"], k) for k, g in gaps.items()
+                  if g["error_feedback"] == ef and _plain(k) and g["euclid_minus_fp32"]["resolved"]
+                  and g["euclid_minus_fp32"]["mean"] > 0]
+        if not costly:
+            return {"first_costly": None}
+        bits, key = max(costly)
+        return {"first_costly": key, "bits": bits, "share_closed": gaps[key]["share_closed"],
+                "share_closed_ci95": gaps[key]["share_closed_ci95"], "gift_minus_euclid": gaps[key]["gift_minus_euclid"]}
+
     controls = [a for a, v in summary.items() if v["paired_diff_bpb"]["resolved"] and v["paired_diff_bpb"]["mean"] > 0]
-    if not costly:
-        return {"first_costly": None, "positive_controls": controls}
-    bits, key = max(costly)
-    return {"first_costly": key, "bits": bits, "share_closed": gaps[key]["share_closed"],
-            "gift_minus_euclid": gaps[key]["gift_minus_euclid"], "positive_controls": controls}
+    return {**first(False), "with_ef": first(True), "positive_controls": controls}
+
+
+def _plain(gap_key: str) -> bool:
+    """Whether a gap key (`<format>[-ef]`) is a study arm rather than a tuning variant."""
+    return all(p == "ef" for p in gap_key.split("-")[1:])

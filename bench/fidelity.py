@@ -8,14 +8,21 @@ Three measurements on the reference model's real gradients (see `bench.reference
    energy-weighted over layers (`sqrt(sum ||E||^2 / sum ||G||^2)`), next to the Gaussian
    rate-distortion value at the same wire bits per element.
 2. The same error resolved along the eigendirections of this batch's K-FAC factor `A`
-   (the geometry the optimizer sees): Euclidean quantization noise is white, so its relative
-   size grows in the weak directions of `A`; whitened noise should be flat. The whitened
-   metric `||E T^T|| / ||G T^T||` (`T A T^T = I`) summarises it in one number.
+   (the geometry a K-FAC-style preconditioner sees): Euclidean quantization noise is white,
+   so its relative size grows in the weak directions of `A`; whitened noise should be flat.
+   The whitened metric `||E T^T|| / ||G T^T||` (`T A T^T = I`) summarises it in one number.
+   The Muon metric is the error of the update Muon would take from this gradient alone:
+   `||NS(G + E) - NS(G)|| / ||NS(G)||` with `NS` torch.optim.Muon's Newton-Schulz
+   orthogonalization (its coefficients and step count, in fp64), which equalizes the
+   gradient's singular values and so amplifies noise in its weak singular directions.
 3. P simulated ranks (P = 2, 8, 32), each with its own gradient (per-micro-batch gradients):
-   our collective (scales agreed before encoding, codes decoded with those scales and summed
-   in fp32; for an all-reduce, the summed shard re-quantized and all-gathered) against the
-   original method (each rank encodes with its local scale, a collective sums the FP8 codes in
-   FP8 with saturation, and a replica decodes the sum with its own scale).
+   our collective exactly as `gift_compile.collectives` runs it (each rank encodes with its
+   own local scales, every sender's codes are decoded with that sender's scales and summed in
+   fp32; for an all-reduce, each summed shard is re-quantized and all-gathered) against two
+   in-network FP8 sums, where the collective adds the codes themselves in FP8 (each partial
+   sum rounded to FP8, saturating): with ONE scale agreed by every rank beforehand (the fair
+   form of that design; optionally with P-fold headroom so the sum cannot saturate), and with
+   each rank's local scale (the original method, whose replicas then decode different values).
 """
 
 from __future__ import annotations
@@ -25,18 +32,22 @@ from collections import defaultdict
 from typing import Callable
 
 import torch
+from torch.optim import _muon
 
 from bench.reference import LayerSample
 from bench.settings import FidelitySettings
 from gift_compile.collectives import all_reduce
 from gift_compile.config import GiftConfig
 from gift_compile.formats import FormatSpec, as_rows, choose_scales, decode, encode
-from gift_compile.geometry import Transform
+from gift_compile.geometry import Transform, gradient_factor
 from gift_compile.statistics import SketchStatistics
 
 Log = Callable[[str], None]
 # The two transforms the multi-rank experiment compares (cost grows with P x formats).
 MULTIRANK_TRANSFORMS = ("euclidean", "kfac-r32")
+# What the multi-rank experiment reports per (P, format, transform); see `multirank_errors`.
+MULTIRANK_METHODS = ("ours_reduce_scatter", "ours_all_reduce", "agreed_in_network", "agreed_in_network_headroom",
+                     "original", "replica_spread")
 _FP8_DTYPES = {"fp8_e4m3": (torch.float8_e4m3fn, 448.0), "fp8_e5m2": (torch.float8_e5m2, 57344.0)}
 
 
@@ -46,16 +57,27 @@ def build_transform(kind: str, rank: int, source: str, sample: LayerSample, damp
     `source` "kfac" whitens the K-FAC input factor, "kfac-sketch" the same factor seen only
     through its sketch (`sketched`; "kfac-sketch:K" with K sketch columns instead of the
     default 2 x rank), "grad" the gradient-side factor (GiftConfig(geometry="gradient")),
-    "none" keeps the fixed map (identity, Hadamard).
+    "none" keeps the fixed map (identity, Hadamard). "kfac-cur" / "grad-cur" build the map
+    from this batch's own factor instead of the previous batch's: an oracle without staleness,
+    the upper bound of what a fresher refresh could give. A suffix "@D" overrides `damping`.
     """
     t = Transform(kind, sample.shape[1], rank or 32, seed=0)
+    source, _, damp = source.partition("@")
+    damping = float(damp) if damp else damping
     source, _, cols = source.partition(":")
     if source == "kfac":
         t.refresh_from(sample.a_prev, damping)
+    elif source == "kfac-cur":
+        t.refresh_from(sample.a_cur, damping)
     elif source == "kfac-sketch":
         t.refresh_from_stats(sketched(sample.a_prev, t.rank, int(cols) if cols else None), damping)
     elif source == "grad":
         t.refresh_from(sample.g_prev, damping)
+    elif source == "grad-cur":
+        t.refresh_from(gradient_factor(sample.grad), damping)
+    elif source != "none":
+        raise ValueError(f"unknown transform source {source!r}; allowed: none, kfac, kfac-cur, kfac-sketch[:K], "
+                         "grad, grad-cur (each optionally @damping)")
     return t
 
 
@@ -74,6 +96,27 @@ def sketched(a: torch.Tensor, rank: int, cols: int | None = None) -> SketchStati
     stats.observe(tokens.float())
     stats.consolidate(None)
     return stats
+
+
+def muon_direction(g: torch.Tensor) -> torch.Tensor:
+    """Muon's update direction for gradient `g`: torch.optim.Muon's Newton-Schulz iteration.
+
+    Same quintic coefficients, step count and normalisation as the optimizer (imported from
+    it, so the metric follows torch), computed in fp32 instead of Muon's bf16 so that the
+    metric measures the map's sensitivity to the communication error (>= 1e-3 here), not
+    bf16 rounding (~4e-3). The iteration pushes every singular value towards ~1, multiplying
+    weak singular directions by up to a^steps (~480): the noise Muon amplifies.
+    """
+    a, b, c = _muon.DEFAULT_A, _muon.DEFAULT_B, _muon.DEFAULT_C
+    x = g.float()
+    tall = x.shape[0] > x.shape[1]
+    if tall:
+        x = x.t()
+    x = x / x.norm().clamp(min=_muon.EPS)
+    for _ in range(_muon.DEFAULT_NS_STEPS):
+        gram = x @ x.t()
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return (x.t() if tall else x).double()
 
 
 def rate_distortion_bound(bits: float) -> float:
@@ -128,11 +171,19 @@ def round_trip_errors(
     layer_ref: dict[str, float] = defaultdict(float)
     layer_werr: dict[tuple[str, str, str], float] = defaultdict(float)
     layer_wref: dict[str, float] = defaultdict(float)
+    merr = defaultdict(float)  # Muon metric
+    mref = 0.0
+    layer_merr: dict[tuple[str, str, str], float] = defaultdict(float)
+    layer_mref: dict[str, float] = defaultdict(float)
     bucket_err: dict[tuple[str, str], torch.Tensor] = {}
     bucket_ref = torch.zeros(s.eigen_buckets, dtype=torch.float64)
     configs = {label: _config(fmt, sc) for label, fmt, sc in formats}
     for i, sample in enumerate(samples):
         g = sample.grad
+        o = muon_direction(g)
+        o2 = float(o.pow(2).sum())
+        mref += o2
+        layer_mref[sample.name] += o2
         basis = _EigenBasis(sample.a_cur, s.eigen_buckets, s.damping)
         g_e = basis.energies(g)
         gref = float(g.double().pow(2).sum())
@@ -145,8 +196,12 @@ def round_trip_errors(
         for tlabel, kind, rank, source in transforms:
             transform = build_transform(kind, rank, source, sample, s.damping)
             for flabel, config in configs.items():
-                e = all_reduce(g, None, config, transform) - g
+                got = all_reduce(g, None, config, transform)
+                e = got - g
                 e2 = float(e.double().pow(2).sum())
+                m2 = float((muon_direction(got) - o).pow(2).sum())
+                merr[(flabel, tlabel)] += m2
+                layer_merr[(flabel, tlabel, sample.name)] += m2
                 key = (flabel, tlabel)
                 err[key] += e2
                 layer_err[(flabel, tlabel, sample.name)] += e2
@@ -163,12 +218,17 @@ def round_trip_errors(
     return {
         "energy_weighted": {f: {t: math.sqrt(err[(f, t)] / ref) for t in tlabels} for f in flabels},
         "whitened": {f: {t: math.sqrt(werr[(f, t)] / wref) for t in tlabels} for f in flabels},
+        "muon": {f: {t: math.sqrt(merr[(f, t)] / mref) for t in tlabels} for f in flabels},
         "per_layer": {
             f: {t: {n: math.sqrt(layer_err[(f, t, n)] / layer_ref[n]) for n in layers} for t in tlabels}
             for f in flabels
         },
         "per_layer_whitened": {
             f: {t: {n: math.sqrt(layer_werr[(f, t, n)] / layer_wref[n]) for n in layers} for t in tlabels}
+            for f in flabels
+        },
+        "per_layer_muon": {
+            f: {t: {n: math.sqrt(layer_merr[(f, t, n)] / layer_mref[n]) for n in layers} for t in tlabels}
             for f in flabels
         },
         "eigen_buckets": {
@@ -224,16 +284,21 @@ def agreed_scales(xs: list[torch.Tensor], spec: FormatSpec) -> tuple[torch.Tenso
 
 
 def _ours(xs: list[torch.Tensor], spec: FormatSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """Our collective on simulated ranks: `(reduce-scatter result, all-reduce result)`.
+    """Our collective on simulated ranks, as `gift_compile.collectives` runs it:
+    `(reduce-scatter result, all-reduce result)`.
 
-    Reduce-scatter: agreed scales, every rank's codes decoded with them, fp32 sum, mean. The
-    all-reduce then re-quantizes each rank's row shard of that sum with the shard's own
-    scales and every rank decodes the gathered shards.
+    Reduce-scatter: each rank encodes with its own local scales, every sender's codes are
+    decoded with that sender's scales, summed in fp32 and averaged. The all-reduce then
+    re-quantizes each rank's row shard of that sum with the shard's own scales and every rank
+    decodes the gathered shards (the same bytes everywhere).
     """
     p = len(xs)
     cols = xs[0].shape[-1]
-    scales, tscale = agreed_scales(xs, spec)
-    total = sum(decode(encode(x, spec, scales, tscale), spec, scales, tscale, cols) for x in xs) / p
+    total = 0
+    for x in xs:
+        sc, ts = choose_scales(x, spec)
+        total = total + decode(encode(x, spec, sc, ts), spec, sc, ts, cols)
+    total = total / p
     rows = total.shape[0]
     padded = torch.nn.functional.pad(total, (0, 0, 0, (-rows) % p))
     shards = []
@@ -243,24 +308,48 @@ def _ours(xs: list[torch.Tensor], spec: FormatSpec) -> tuple[torch.Tensor, torch
     return total, torch.cat(shards)[:rows]
 
 
+def _fp8_code_sum(codes: list[torch.Tensor], spec: FormatSpec) -> torch.Tensor:
+    """What an in-network FP8 reduction delivers: the codes added as FP8 numbers in ring
+    order, each partial sum computed exactly, then rounded to FP8 and clamped at the format's
+    maximum (saturation is the kindest overflow a reduction can have; the alternative is NaN).
+    Returns the summed codes as uint8."""
+    dtype, fmax = _FP8_DTYPES[spec.name]
+    acc = codes[0].view(dtype).float()
+    for c in codes[1:]:
+        acc = (acc + c.view(dtype).float()).clamp(-fmax, fmax).to(dtype).float()
+    return acc.to(dtype).view(torch.uint8)
+
+
+def _in_network_agreed(xs: list[torch.Tensor], spec: FormatSpec, headroom: bool) -> torch.Tensor:
+    """An in-network FP8 sum with ONE set of scales agreed by every rank before encoding.
+
+    The scales are those of the element-wise largest statistic over ranks (an all-reduce MAX,
+    `agreed_scales`), so every rank's codes live on the same grid and every replica decodes
+    the summed codes with the same scale: replicas agree, and the only error left is FP8
+    rounding of the inputs and of every partial sum, plus saturation. `headroom` multiplies
+    the scales by P (exact: P is a power of two here) so that no partial sum can exceed the
+    format's maximum, at the price of pushing small values P times closer to the subnormals.
+    Returns the mean over ranks.
+    """
+    p = len(xs)
+    scales, tscale = agreed_scales(xs, spec)
+    if headroom:
+        scales = scales * p
+    summed = _fp8_code_sum([encode(x, spec, scales, tscale) for x in xs], spec)
+    return decode(summed, spec, scales, tscale, xs[0].shape[-1]) / p
+
+
 def _original(xs: list[torch.Tensor], spec: FormatSpec) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The original method: local scales, FP8 codes summed in FP8 (saturating), per-replica decode.
 
-    Each rank encodes with the scale of its own amax; the collective adds the codes as FP8
-    numbers in ring order (each partial sum computed exactly, then rounded to FP8 and clamped
-    at the format's maximum: saturation is the kindest overflow behaviour a reduction can
-    have, the alternative being NaN); replica `r` decodes the summed codes with its own
-    scale. Returns replica 0's mean and every replica's.
+    Each rank encodes with the scale of its own amax; the collective adds the codes
+    (`_fp8_code_sum`); replica `r` decodes the summed codes with its own scale, so replicas
+    disagree whenever the local scales do. Returns replica 0's mean and every replica's.
     """
-    dtype, fmax = _FP8_DTYPES[spec.name]
     local = [choose_scales(x, spec) for x in xs]
-    codes = [encode(x, spec, sc, None).view(dtype).float() for x, (sc, _) in zip(xs, local)]
-    acc = codes[0]
-    for c in codes[1:]:
-        acc = (acc + c).clamp(-fmax, fmax).to(dtype).float()
-    payload = acc.to(dtype).view(torch.uint8)
+    summed = _fp8_code_sum([encode(x, spec, sc, None) for x, (sc, _) in zip(xs, local)], spec)
     cols = xs[0].shape[-1]
-    replicas = [decode(payload, spec, sc, None, cols) / len(xs) for sc, _ in local]
+    replicas = [decode(summed, spec, sc, None, cols) / len(xs) for sc, _ in local]
     return replicas[0], replicas
 
 
@@ -299,6 +388,9 @@ def multirank_errors(
                     acc[key + ("ours_reduce_scatter",)] += _rel(transform.inverse(rs), target) ** 2 * tref
                     acc[key + ("ours_all_reduce",)] += _rel(transform.inverse(ar), target) ** 2 * tref
                     if fmt in _FP8_DTYPES:
+                        for what, headroom in (("agreed_in_network", False), ("agreed_in_network_headroom", True)):
+                            agreed = transform.inverse(_in_network_agreed(xs, spec, headroom))
+                            acc[key + (what,)] += _rel(agreed, target) ** 2 * tref
                         first, replicas = _original(xs, spec)
                         base = transform.inverse(first)
                         acc[key + ("original",)] += _rel(base, target) ** 2 * tref
@@ -312,7 +404,7 @@ def multirank_errors(
         out[str(p)] = {
             f: {
                 t: {what: math.sqrt(acc[(p, f, t, what)] / ref[p])
-                    for what in ("ours_reduce_scatter", "ours_all_reduce", "original", "replica_spread")
+                    for what in MULTIRANK_METHODS
                     if (p, f, t, what) in acc}
                 for t, *_ in chosen
             }

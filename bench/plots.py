@@ -83,7 +83,8 @@ def fidelity_eigen(fid: dict, out: Path) -> str:
 
 
 def multirank(fid: dict, out: Path) -> str:
-    """Error of the P-rank mean: our collective vs summing FP8 codes with local scales."""
+    """Error of the P-rank mean: our collective vs in-network FP8-code sums (one agreed scale, or
+    each rank's local scale)."""
     mr = fid["multirank"]
     ranks = sorted(int(p) for p in mr)
     shown = [f for f in ("e5m2/tensor", "e4m3/row", "nvfp4") if f in mr[str(ranks[0])]]
@@ -91,7 +92,7 @@ def multirank(fid: dict, out: Path) -> str:
     for ax, f in zip(axes[0], shown):
         for t, style in (("euclidean", "-"), ("kfac-r32", "--")):
             for what, color in (("ours_reduce_scatter", "tab:blue"), ("ours_all_reduce", "tab:green"),
-                                ("original", "tab:red")):
+                                ("agreed_in_network", "tab:purple"), ("original", "tab:red")):
                 ys = [mr[str(p)][f][t].get(what, math.nan) for p in ranks]
                 if not all(math.isnan(y) for y in ys):
                     ax.plot(ranks, ys, style, marker="o", color=color, label=f"{what} / {t}")

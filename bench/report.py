@@ -8,6 +8,7 @@ next to the number rather than at the end.
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Any, Sequence
 
 from bench.plots import FOCUS_FORMATS
@@ -73,15 +74,23 @@ def _headlines(r: dict) -> list[str]:
         rows = []
         for f in fid["formats"]:
             e, w = fid["energy_weighted"][f], fid["whitened"][f]
+            mu = fid.get("muon", {}).get(f)
             rows.append([f, e["euclidean"], e["kfac-r32"], e["euclidean"] / e["kfac-r32"],
                          w["euclidean"], w["kfac-r32"], w["euclidean"] / w["kfac-r32"],
-                         w["euclidean"] / w["kfac-dense"], fid["rd_bound"][f]])
+                         w["euclidean"] / w["kfac-dense"]]
+                        + ([mu["euclidean"], mu["kfac-r32"], mu["euclidean"] / mu["kfac-r32"]] if mu else [])
+                        + [fid["rd_bound"][f]])
+        muon_cols = ["Muon Eucl.", "Muon GIFT r32", "ratio"] if "muon" in fid else []
         out += ["Single round trip over all managed layers of the reference model (transforms from the previous "
-                "batch's K-FAC factor). Plain = relative L2 error in original coordinates, energy-weighted; "
-                "whitened = the same error measured in the geometry of this batch's A (||E T^T|| / ||G T^T||, "
-                "what a preconditioned optimizer sees; GIFT's target). Ratio = Euclidean / GIFT (> 1: GIFT better).",
+                "batch's K-FAC factor), one gradient per layer and held-out batch, no error bars (a "
+                "deterministic measurement; section 2 has the per-layer spread). Plain = relative L2 error in "
+                "original coordinates, energy-weighted; whitened = the same error measured in the geometry of this "
+                "batch's A (||E T^T|| / ||G T^T||, what a K-FAC-style preconditioner sees; GIFT's design target); "
+                "Muon = relative error of Muon's orthogonalized update of the gradient (section 2.3). "
+                "Ratio = Euclidean / GIFT (> 1: GIFT better). GIFT loses in the plain metric and wins in the "
+                "other two: which one a training run feels depends on the optimizer (section 5).",
                 "", table(["format", "plain Eucl.", "plain GIFT r32", "ratio", "whitened Eucl.", "whitened GIFT r32",
-                           "ratio", "ratio dense", "Gaussian RD"], rows), ""]
+                           "ratio", "ratio dense", *muon_cols, "Gaussian RD"], rows), ""]
     ov = r.get("overhead")
     if ov:
         out += _overhead_headline(ov)
@@ -123,7 +132,8 @@ def _reference(ref: dict) -> list[str]:
         "## 1. Reference model", "",
         f"`TinyLlama` dim {m['dim']}, {m['n_layers']} layers, {m['n_heads']} heads, vocab {m['vocab_size']} "
         f"({ref['params']:,} parameters), trained by the bench on the Shakespeare corpus (train split) for "
-        f"{s['steps']} AdamW steps of {s['batch_size']}x{s['seq_len']} tokens ({ref['tokens']:,} tokens, "
+        f"{s['steps']} {'Muon' if s.get('optimizer') == 'muon' else 'AdamW'} steps of {s['batch_size']}x{s['seq_len']} "
+        f"tokens ({ref['tokens']:,} tokens, "
         f"peak lr {s['lr']}, warmup {s['warmup']}, cosine), {ref['seconds']:.0f} s when trained; cached at "
         f"`{ref['cache']}`. Final training loss {ref['final_loss']:.3f} nats, held-out bits/byte "
         f"{ref['val_bpb']:.4f}.", "",
@@ -204,29 +214,57 @@ def _fidelity(fid: dict, plots: dict) -> list[str]:
     out += ["Whitened-metric relative error ||E T^T|| / ||G T^T|| with T A T^T = I (A of this batch, "
             "damped 1e-3): the error as a natural-gradient / K-FAC-preconditioned optimizer sees it.", "",
             table(["format", *transforms], rows), "", f"![eigen]({plots['fidelity_eigen']})", ""]
+    if "muon" in fid:
+        rows = [[f] + [fid["muon"][f][t] for t in transforms] for f in formats]
+        out += ["Muon metric: ||NS(G + E) - NS(G)|| / ||NS(G)||, NS = torch.optim.Muon's Newton-Schulz "
+                "orthogonalization (its coefficients and 5 steps, in fp32), i.e. how far the communication error "
+                "moves the update Muon would take from this gradient alone. Orthogonalization lifts the "
+                "gradient's weak singular directions to unit size, so errors there are amplified; a single "
+                "gradient overstates the effect (Muon orthogonalizes its momentum, where one step's error enters "
+                "with weight 1 - 0.95^2; `bench.fidelity_sweep` measures that too, section 2.5).", "",
+                table(["format", *transforms], rows), ""]
+        kinds = list(dict.fromkeys(n.split(".")[-2] for n in fid["layers"]))
+        rows = []
+        for f in FOCUS_FORMATS:
+            if f not in fid["muon"]:
+                continue
+            pl = fid["per_layer_muon"][f]
+            for t in ("kfac-r32", "kfac-dense"):
+                rows.append([f, t] + [math.exp(statistics.fmean(math.log(pl["euclidean"][n] / pl[t][n])
+                                                                for n in fid["layers"] if n.split(".")[-2] == k))
+                                      for k in kinds])
+        out += ["Muon-metric gain (Euclidean / GIFT) per layer kind, geometric mean over blocks:", "",
+                table(["format", "transform", *kinds], rows, 2), ""]
     out += _multirank(fid, plots)
     return out
 
 
 def _multirank(fid: dict, plots: dict) -> list[str]:
     mr = fid["multirank"]
-    out = ["### 2.4 Summing over P ranks: our collective vs the original FP8-code sum", "",
+    out = ["### 2.4 Summing over P ranks: our collective vs in-network FP8 sums", "",
            "Each simulated rank holds the gradient of its own micro-batches; target = their mean (fp32). "
-           "`ours RS`: scales agreed by all-reduce MAX before encoding, codes decoded with those scales and "
-           "summed in fp32 (the reduce-scatter, FSDP). `ours AR`: plus the all-reduce's second stage "
-           "(each rank's summed shard re-quantized with its own scales, all-gathered). `original`: each rank "
-           "encodes with its local scale, the collective adds the FP8 codes in FP8 in ring order (each "
-           "partial sum rounded to FP8, saturating at the format maximum rather than overflowing to NaN), "
-           "replica 0 decodes the sum with its own scale. `replica spread`: largest distance between two replicas' decoded results "
-           "(original method; ours is bit-identical by construction), relative to the target. "
-           "Energy-weighted over layers.", ""]
+           "`ours RS`: our collective as `gift_compile.collectives` runs it: each rank encodes with its own "
+           "local scales, every sender's codes are decoded with that sender's scales and summed in fp32 (the "
+           "reduce-scatter, FSDP). `ours AR`: plus the all-reduce's second stage (each rank's summed shard "
+           "re-quantized with its own scales, all-gathered, decoded identically everywhere). The other columns "
+           "add the FP8 codes themselves inside the collective, in ring order, each partial sum rounded to FP8 "
+           "and saturating at the format maximum (the kindest overflow a reduction can have): `agreed` with ONE "
+           "set of scales agreed by every rank before encoding (an all-reduce MAX of the scale statistics: the "
+           "fair form of that design, whose replicas agree), `agreed+headroom` the same with the scales "
+           "multiplied by P so that no partial sum can saturate, and `original` with each rank's local scale "
+           "(replica 0 decodes with its own scale). `replica spread`: largest distance between two replicas' "
+           "results under `original`, relative to the target (ours and `agreed` are bit-identical across "
+           "replicas by construction). In-network sums exist for the fp8 formats only (n/a elsewhere). "
+           "Energy-weighted relative L2 over layers; one deterministic measurement (no error bars).", ""]
     rows = []
     for p in sorted(mr, key=int):
         for f, by_t in mr[p].items():
             for t, v in by_t.items():
                 rows.append([p, f, t, v.get("ours_reduce_scatter"), v.get("ours_all_reduce"),
+                             v.get("agreed_in_network", math.nan), v.get("agreed_in_network_headroom", math.nan),
                              v.get("original", math.nan), v.get("replica_spread", math.nan)])
-    out += [table(["P", "format", "transform", "ours RS", "ours AR", "original", "replica spread"], rows), "",
+    out += [table(["P", "format", "transform", "ours RS", "ours AR", "agreed", "agreed+headroom", "original",
+                   "replica spread"], rows), "",
             f"![multirank]({plots['multirank']})", ""]
     return out
 
@@ -359,21 +397,32 @@ def _ci(p: dict, digits: int = 4) -> str:
     return f"{p['mean']:+.{digits}f} ± {p['ci95']:.{digits}f}{' *' if p['resolved'] else ''} (n={p['n']})"
 
 
+def _share(v: dict) -> str:
+    """`NN% [lo%, hi%]` of a gap's share closed with its Fieller 95% CI, or `n/a`."""
+    share = v.get("share_closed", math.nan)
+    if share != share:
+        return "n/a"
+    ci = v.get("share_closed_ci95")
+    bounds = "CI unbounded" if ci is None else f"95% CI {100 * ci[0]:.0f}% to {100 * ci[1]:.0f}%"
+    return f"{100 * share:.0f}% ({bounds})"
+
+
 def _verdict_lines(cv: dict) -> list[str]:
     out = []
     for opt, o in cv["optimizers"].items():
         v = o["verdict"]
-        if v["first_costly"] is None:
-            text = (f"**{opt}**: no bit width where Euclidean communication costs loss beyond its 95% CI (no "
-                    "positive control: the design cannot resolve the effects at this scale).")
-        else:
-            g = v["gift_minus_euclid"]
-            text = (f"**{opt}**: Euclidean communication first costs loss beyond its 95% CI at "
-                    f"**{v['first_costly']}** ({v['bits']:.2f} bits/element): "
-                    f"{_ci(o['gaps'][v['first_costly']]['euclid_minus_fp32'])} bits/byte; GIFT closes "
-                    f"**{100 * v['share_closed']:.0f}%** of that gap (GIFT minus Euclidean {_ci(g)}).")
-        controls = ", ".join(v["positive_controls"]) or "none"
-        out += [text + f" Arms with a resolved loss cost (positive controls): {controls}.", ""]
+        parts = []
+        for label, w in (("without error feedback", v), ("with error feedback", v.get("with_ef", {}))):
+            key = w.get("first_costly")
+            if key is None:
+                parts.append(f"{label}: no bit width where Euclidean communication costs loss beyond its 95% CI")
+                continue
+            parts.append(f"{label}: Euclidean first costs loss beyond its 95% CI at **{key}** ({w['bits']:.2f} "
+                         f"bits/element): {_ci(o['gaps'][key]['euclid_minus_fp32'])} bits/byte; GIFT closes "
+                         f"**{_share(w)}** of that gap (GIFT minus Euclidean {_ci(w['gift_minus_euclid'])})")
+        controls = ", ".join(v["positive_controls"]) or "none: the design cannot resolve any arm's loss cost"
+        out += [f"**{opt}**: " + "; ".join(parts) + f". Arms with a resolved loss cost (positive controls): "
+                f"{controls}.", ""]
     return out
 
 
@@ -409,11 +458,11 @@ def _convergence(cv: dict, plots: dict) -> list[str]:
         out += [f"### {opt}", "", table(["arm", "bits/elem", "bits/byte", "minus fp32", "MDE", "s/run"], rows), ""]
         if o["gaps"]:
             rows = [[k, f"{gp['bits']:.2f}", _ci(gp["euclid_minus_fp32"]), _ci(gp["gift_minus_fp32"]),
-                     _ci(gp["gift_minus_euclid"]),
-                     "n/a" if gp["share_closed"] != gp["share_closed"] else f"{100 * gp['share_closed']:.0f}%"]
+                     _ci(gp["gift_minus_euclid"]), _share(gp)]
                     for k, gp in o["gaps"].items()]
             out += ["Gap per bit width (share closed = 1 - GIFT gap / Euclidean gap, where the Euclidean gap is "
-                    "positive):", "",
+                    "positive; its 95% CI is Fieller's interval for the ratio of the paired means (Euclidean - "
+                    "GIFT) / (Euclidean - fp32), unbounded when the Euclidean gap itself is not resolved):", "",
                     table(["format", "bits/elem", "Euclidean - fp32", "GIFT - fp32", "GIFT - Euclidean",
                            "share closed"], rows), ""]
     out += [f"Replicas bit-identical at the end of every run: {cv['all_replicas_identical']}.", "",
@@ -438,6 +487,61 @@ _STEP_INPUTS = {
     "refresh_tflops": ("assumed", "effective fp64 rate of the refresh (matmuls and tall-skinny QR)"),
     "refresh_sharded": ("code", "True = each rank rebuilds 1/gpus of the transforms (GiftState.owners)"),
 }
+
+
+def _tuning(tunes: list[dict]) -> list[str]:
+    """Section 5.2: the short paired runs of `bench.tune` (each attached JSON file)."""
+    out = ["### 5.2 Closing the gap: tuning runs", "",
+           "Short paired runs (`python -m bench.tune`): one optimizer and one wire format, every arm of a seed "
+           "sharing init and data order with that seed's fp32 arm. Columns as in 5.1; `vs Euclidean` = the GIFT "
+           "variant minus the Euclidean arm with the same error feedback / rounding (mean ± 95% CI, t, n seeds); "
+           "share closed with Fieller's 95% CI. Variants: `-ef` error feedback, `-sr` stochastic rounding, "
+           "`-dense` dense whitening, `-exact` exact K-FAC statistics instead of the sketch, `-r64` rank 64, "
+           "`-rf5` refresh every 5 steps, `-grad` the gradient-side factor G^T G of the step's gradient, `-mom` "
+           "the gradient-side factor of the optimizer's momentum buffer (`bench.convergence._momentum_source`).", ""]
+    for t in tunes:
+        for opt, o in t["optimizers"].items():
+            rows = []
+            for arm, a in o["arms"].items():
+                gap = o["gaps"].get(arm.removeprefix("gift-")) if arm.startswith("gift-") else None
+                rows.append([arm, f"{a['bits']:.2f}", _ci(a["paired_diff_bpb"]),
+                             _ci(gap["gift_minus_euclid"]) if gap else "", _share(gap) if gap else "",
+                             f"{a['seconds']:.0f}"])
+            out += [f"`{t.get('command', '').strip()}` ({t['file']}): {opt}, {t['steps']} steps of "
+                    f"{t['tokens_per_step']:,} tokens, seeds {t['seeds']}:", "",
+                    table(["arm", "bits/elem", "minus fp32", "vs Euclidean", "share closed", "s/run"], rows), ""]
+    return out
+
+
+def _sweeps(sweeps: list[dict]) -> list[str]:
+    """Section 2.5: `bench.fidelity_sweep` results (each attached JSON file)."""
+    out = ["### 2.5 Whitening sweep: what limits GIFT, per metric", "",
+           "`python -m bench.fidelity_sweep`: one round trip per candidate geometry and format on the reference "
+           "model's held-out gradients, in five metrics: plain L2; whitened (this batch's A); `muon` (Muon's "
+           "orthogonalized update of the gradient alone); `muon-mom` (Muon's update from its Nesterov momentum, "
+           "U = w G + (1 - w) M with M the mean gradient of the other held-out batches and w = 1 - 0.95^2, so the "
+           "error enters as w E: the closest proxy of what a Muon run feels); `adam` (the error divided by the "
+           "root mean square gradient, AdamW's elementwise preconditioning). Cells: relative error (gain over "
+           "Euclidean). Candidates: `kfac-*` whiten the previous batch's K-FAC input factor A (`-sketch` through "
+           "GIFT's sketch, `-cur` this batch's A: an oracle without staleness), `grad-*` the gradient-side factor "
+           "G^T G of the previous batch's gradient (`-cur`: this batch's, an oracle), `mom-*` the momentum "
+           "proxy's M^T M; `-dN` overrides the damping (default 1e-3). Deterministic measurements over "
+           "layers x batches (no error bars).", ""]
+    for sw in sweeps:
+        metrics = list(sw["errors"])
+        out += [f"`{sw['command'].strip()}` ({sw['file']}): reference trained with {sw['reference']['optimizer']} "
+                f"(held-out bits/byte {sw['reference']['val_bpb']:.4f}), {sw['layers']} layers x {sw['batches']} "
+                "batches.", ""]
+        for f in sw["formats"]:
+            rows = [[t] + [f"{sw['errors'][m][f][t]:.4f} ({sw['errors'][m][f]['euclidean'] / sw['errors'][m][f][t]:.2f}x)"
+                           for m in metrics] for t in sw["transforms"]]
+            out += [f"**{f}**", "", table(["candidate", *metrics], rows), ""]
+        f = "nvfp4" if "nvfp4" in sw["formats"] else sw["formats"][0]
+        kinds = list(next(iter(sw["by_kind"]["muon-mom"][f].values())))
+        rows = [[t] + [sw["by_kind"]["muon-mom"][f][t][k] for k in kinds] for t in sw["transforms"]]
+        out += [f"`muon-mom` gain over Euclidean per layer kind ({f}, geometric mean over blocks and batches):", "",
+                table(["candidate", *kinds], rows, 2), ""]
+    return out
 
 
 def _step_model(sm: dict, plots: dict) -> list[str]:
@@ -526,12 +630,16 @@ def render(r: dict) -> str:
         lines += _reference(r["reference"])
     if "fidelity" in r:
         lines += _fidelity(r["fidelity"], plots)
+    if r.get("sweeps"):
+        lines += _sweeps(r["sweeps"])
     if "overhead" in r:
         lines += _overhead(r["overhead"], plots)
     if "wire" in r:
         lines += _wire(r["wire"], plots)
     if "convergence" in r:
         lines += _convergence(r["convergence"], plots)
+    if r.get("tuning"):
+        lines += _tuning(r["tuning"])
     if "step_model" in r:
         lines += _step_model(r["step_model"], plots)
     if "memory" in r:

@@ -41,6 +41,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--conv-compile", action="store_true", help="torch.compile the convergence models")
     p.add_argument("--merge", action="store_true",
                    help="start from --out/results.json and replace only the sections that run (its meta records both)")
+    p.add_argument("--tuning", type=Path, nargs="+", default=[],
+                   help="JSON files of `python -m bench.tune` runs to include in the report (section 5.2)")
+    p.add_argument("--sweep", type=Path, nargs="+", default=[],
+                   help="JSON files of `python -m bench.fidelity_sweep` to include in the report (section 2.5)")
     p.add_argument("--from-json", type=Path, default=None,
                    help="only re-render REPORT.md and the figures into --out from an earlier results.json")
     args = p.parse_args(argv)
@@ -73,7 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
     """Run the selected sections; returns the results dict that REPORT.md was written from."""
     args = _parse(argv)
     if args.from_json is not None:
-        return _render(json.loads(args.from_json.read_text()), args.out)
+        return _render(_attach(json.loads(args.from_json.read_text()), args), args.out)
     settings: BenchSettings = profile(args.profile)
     if args.conv_compile:
         settings = dataclasses.replace(settings, convergence=dataclasses.replace(settings.convergence, compile=True))
@@ -148,8 +152,18 @@ def main(argv: list[str] | None = None) -> dict:
 
     log("plots and report")
     results["meta"]["duration_s"] = time.perf_counter() - log.start
-    _render(results, out)
+    _render(_attach(results, args), out)
     log(f"wrote {out / 'REPORT.md'}, {len(results['plots'])} figures and {json_path.name}")
+    return results
+
+
+def _attach(results: dict, args: argparse.Namespace) -> dict:
+    """Add the tuning runs and fidelity sweeps named on the command line (each a JSON file
+    written by its own module), replacing any attached earlier."""
+    if args.tuning:
+        results["tuning"] = [{**json.loads(p.read_text()), "file": p.name} for p in args.tuning]
+    if args.sweep:
+        results["sweeps"] = [{**json.loads(p.read_text()), "file": p.name} for p in args.sweep]
     return results
 
 

@@ -91,3 +91,32 @@ def paired(diffs: list[float]) -> Paired:
     se = sd / math.sqrt(n)
     half = t_quantile(0.975, n - 1) * se
     return Paired(mean, sd, n, half, (t_quantile(0.975, n - 1) + t_quantile(0.80, n - 1)) * se)
+
+
+def ratio_ci(num: list[float], den: list[float]) -> tuple[float, float] | None:
+    """Fieller's 95% confidence interval for mean(num) / mean(den) from paired samples.
+
+    Used for the share of a loss gap that GIFT closes, `(euclid - gift) / (euclid - fp32)`
+    per seed, whose numerator and denominator share the Euclidean arm and so are correlated.
+    Returns None when the denominator's mean is not resolved from zero (the interval is then
+    unbounded: no share can be claimed), or with fewer than 3 seeds.
+    """
+    n = len(num)
+    if n != len(den) or n < 3:
+        return None
+    mx, my = statistics.fmean(num), statistics.fmean(den)
+    sxx = statistics.variance(num) / n
+    syy = statistics.variance(den) / n
+    sxy = sum((x - mx) * (y - my) for x, y in zip(num, den)) / (n - 1) / n
+    t2 = t_quantile(0.975, n - 1) ** 2
+    # (mx - r my)^2 <= t^2 (sxx - 2 r sxy + r^2 syy)  <=>  a r^2 + b r + c <= 0
+    a = my * my - t2 * syy
+    b = -2.0 * (mx * my - t2 * sxy)
+    c = mx * mx - t2 * sxx
+    if a <= 0:  # the denominator's CI contains zero
+        return None
+    disc = b * b - 4.0 * a * c
+    if disc < 0:
+        return None
+    root = math.sqrt(disc)
+    return ((-b - root) / (2.0 * a), (-b + root) / (2.0 * a))

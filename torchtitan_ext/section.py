@@ -9,17 +9,24 @@ TOML value fails while the command line is parsed, before any process group exis
 ``reduce_op`` is not a field: torchtitan divides the loss by the global token count and
 disables FSDP's gradient division, so gradient collectives must SUM. The section always
 converts with ``reduce_op="sum"``.
+
+``select_metric`` may also be ``auto_by_optimizer`` (the default here): the metric is then
+chosen once the optimizers exist (`gift_compile.torchtitan_ext.hooks`), "whitened" when the
+managed weights are stepped by a matrix preconditioner (Muon/DistMuon, Shampoo, SOAP, ...),
+"euclidean" for elementwise optimizers (Adam, AdamW), see
+`gift_compile.selection.select_metric_for`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from gift_compile.config import GiftConfig
+from gift_compile.config import GiftConfig, GiftConfigError
 
-__all__ = ["GiftSection"]
+__all__ = ["AUTO_METRIC", "GiftSection"]
 
 _DEFAULTS = GiftConfig()
+AUTO_METRIC = "auto_by_optimizer"
 # Fields that steer the torchtitan integration rather than GIFT's numerics.
 _INTEGRATION_FIELDS = ("enable", "fuse")
 
@@ -88,8 +95,9 @@ class GiftSection:
     seed: int = _DEFAULTS.seed
     """Seed of stochastic rounding and Hadamard signs."""
 
-    select_metric: str = _DEFAULTS.select_metric
-    """select=auto compares the paths by: euclidean | whitened (the error preconditioners see)."""
+    select_metric: str = AUTO_METRIC
+    """select=auto compares the paths by: euclidean | whitened (the error preconditioners see) |
+    auto_by_optimizer (whitened under Muon/Shampoo-style optimizers, else euclidean)."""
 
     auto_min_gain: float = _DEFAULTS.auto_min_gain
     """select=auto: minimum error reduction for a layer to take the transformed path."""
@@ -119,12 +127,31 @@ class GiftSection:
         for name in _INTEGRATION_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GiftSection.{name}={getattr(self, name)!r} is invalid; allowed: true or false")
-        self.to_gift_config()
+        # an automatic metric is resolved later, once the optimizers exist: validate the rest now
+        self.to_gift_config(select_metric="euclidean" if self.select_metric == AUTO_METRIC else None)
 
-    def to_gift_config(self) -> GiftConfig:
-        """The validated GiftConfig (raises ValueError naming the bad field)."""
+    def to_gift_config(self, select_metric: str | None = None) -> GiftConfig:
+        """The validated GiftConfig (raises ValueError naming the bad field).
+
+        `select_metric` is the resolved metric when the section says ``auto_by_optimizer``
+        (`hooks` passes `gift_compile.selection.select_metric_for(...)`); an automatic
+        metric left unresolved is an error, never a silent default.
+        """
         values = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _INTEGRATION_FIELDS}
+        if values["select_metric"] == AUTO_METRIC:
+            if select_metric is None:
+                raise ValueError(f"GiftSection.select_metric={AUTO_METRIC!r} needs the optimizer to be resolved; "
+                                 "pass to_gift_config(select_metric=...)")
+            values["select_metric"] = select_metric
+        elif select_metric is not None and select_metric != values["select_metric"]:
+            raise ValueError(f"GiftSection.select_metric={values['select_metric']!r} is explicit; it cannot be "
+                             f"resolved to {select_metric!r}")
         # tyro parses list[str] from one "a,b,c" token, so `--gift.exclude ""` ([""]) is how the
         # command line says "exclude nothing"; any other empty glob is an error in GiftConfig.
         values["exclude"] = () if values["exclude"] == [""] else values["exclude"]
-        return GiftConfig(reduce_op="sum", **values)
+        try:
+            return GiftConfig(reduce_op="sum", **values)
+        except GiftConfigError as err:
+            if err.field == "select_metric":  # the section also allows the automatic choice
+                raise GiftConfigError(err.field, err.value, f"{err.allowed}, {AUTO_METRIC}") from None
+            raise

@@ -1,0 +1,206 @@
+"""The fast instrument for tuning GIFT: one round trip per (transform, format) on real gradients,
+in the metrics that decide what an optimizer does with the error.
+
+    python -m bench.fidelity_sweep [--reference adamw|muon] [--formats e4m3/row,nvfp4,...]
+        [--transforms NAME,...] [--batches 8] [--out bench/results/fidelity_sweep.json]
+
+A convergence run costs minutes per arm and seed; this costs seconds per candidate, so it
+proposes what the short paired runs (`bench.tune`) then judge. Metrics (relative errors,
+energy-weighted over layers and batches):
+
+- `plain`: ||E|| / ||G|| (what SGD sees);
+- `whitened`: in the K-FAC geometry of this batch's A (what a K-FAC/Shampoo-style
+  preconditioner sees; GIFT's design target);
+- `muon`: the error of Muon's orthogonalized update of this gradient alone (`NS(G + E)` vs
+  `NS(G)`, `bench.fidelity.muon_direction`);
+- `muon-mom`: the same for the update Muon really takes, from its Nesterov momentum: `U = w G
+  + (1 - w) M` with M a momentum proxy (the mean gradient of the other held-out batches) and
+  w = 1 - 0.95^2 (torch Muon's default momentum 0.95), so the error enters as `w E`;
+- `adam`: ||E / sqrt(v)|| / ||G / sqrt(v)|| with v the mean squared gradient over the held-out
+  batches (AdamW's elementwise preconditioner).
+
+Candidates vary what could limit GIFT: the factor (K-FAC input factor A, the gradient-side
+factor G^T G of the previous batch, or the momentum proxy's M^T M), rank or dense, the
+sketch, damping, and staleness (`*-cur`: built from the measured batch itself, an oracle no
+refresh can reach). The reference model is the bench's small Llama trained with AdamW or
+with Muon (`--reference muon`, cached separately). Prints, per format, each candidate's error
+and gain over Euclidean in every metric, and the `muon-mom` gain per layer kind; writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from bench import fidelity, reference
+from bench.reference import LayerSample
+from bench.settings import profile
+from gift_compile.collectives import all_reduce
+from gift_compile.config import GiftConfig
+from gift_compile.geometry import Transform, gradient_factor
+from gift_compile.torchtitan_ext import corpus
+
+# label -> (Transform kind, rank, source[@damping]); see `bench.fidelity.build_transform`.
+CANDIDATES: dict[str, tuple[str, int, str]] = {
+    "euclidean": ("identity", 0, "none"),
+    "hadamard": ("hadamard", 0, "none"),
+    "kfac-r32": ("lowrank", 32, "kfac"),
+    "kfac-sketch-r32": ("lowrank", 32, "kfac-sketch"),
+    "kfac-r64": ("lowrank", 64, "kfac"),
+    "kfac-dense": ("dense", 0, "kfac"),
+    "kfac-r32-d1e-4": ("lowrank", 32, "kfac@1e-4"),
+    "kfac-r32-d1e-2": ("lowrank", 32, "kfac@1e-2"),
+    "kfac-r32-d1e-1": ("lowrank", 32, "kfac@1e-1"),
+    "kfac-cur-r32": ("lowrank", 32, "kfac-cur"),
+    "kfac-cur-dense": ("dense", 0, "kfac-cur"),
+    "grad-r32": ("lowrank", 32, "grad"),
+    "grad-r64": ("lowrank", 64, "grad"),
+    "grad-dense": ("dense", 0, "grad"),
+    "grad-dense-d1e-2": ("dense", 0, "grad@1e-2"),
+    "grad-cur-r32": ("lowrank", 32, "grad-cur"),
+    "grad-cur-dense": ("dense", 0, "grad-cur"),
+    "mom-r32": ("lowrank", 32, "mom"),
+    "mom-r64": ("lowrank", 64, "mom"),
+    "mom-dense": ("dense", 0, "mom"),
+    "mom-dense-d1e-2": ("dense", 0, "mom@1e-2"),
+}
+# label -> (format, scaling) for the sweep's formats (the block formats ignore scaling)
+SWEEP_FORMATS: dict[str, tuple[str, str]] = {
+    "e4m3/row": ("fp8_e4m3", "row"),
+    "e5m2/tensor": ("fp8_e5m2", "tensor"),
+    "nvfp4": ("nvfp4", "row"),
+    "int4": ("int4", "row"),
+    "int2": ("int2", "row"),
+    "ternary": ("ternary", "row"),
+}
+METRICS = ("plain", "whitened", "muon", "muon-mom", "adam")
+# weight of the current gradient in torch Muon's Nesterov update (momentum 0.95): 1 - 0.95^2
+NESTEROV_WEIGHT = 1.0 - 0.95 ** 2
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m bench.fidelity_sweep", description=__doc__.splitlines()[0])
+    p.add_argument("--reference", choices=("adamw", "muon"), default="adamw",
+                   help="optimizer the reference model was trained with (each is cached)")
+    p.add_argument("--formats", default="e4m3/row,nvfp4,int4,int2", help=f"subset of {','.join(SWEEP_FORMATS)}")
+    p.add_argument("--transforms", default=",".join(CANDIDATES), help=f"subset of {','.join(CANDIDATES)}")
+    p.add_argument("--batches", type=int, default=8, help="held-out batches measured (>= 2: momentum proxy)")
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "fidelity_sweep.json")
+    p.add_argument("--cache-dir", type=Path, default=None)
+    p.add_argument("--profile", choices=("smoke", "quick"), default="quick",
+                   help="reference model and batch size (smoke: the tiny CI model)")
+    a = p.parse_args(argv)
+    formats = [f for f in a.formats.split(",") if f]
+    labels = [t for t in a.transforms.split(",") if t]
+    unknown = sorted(set(formats) - set(SWEEP_FORMATS)) + sorted(set(labels) - set(CANDIDATES))
+    if unknown:
+        p.error(f"unknown format(s)/transform(s) {unknown}")
+    if "euclidean" not in labels:
+        labels.insert(0, "euclidean")  # every gain is relative to it
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    base = profile(a.profile)
+    ref_settings = dataclasses.replace(base.reference, optimizer=a.reference)
+    fs = dataclasses.replace(base.fidelity, heldout_batches=a.batches, multirank_batches=0)
+    paths = corpus.prepare()
+    model, record = reference.reference_model(ref_settings, paths, print, a.cache_dir)
+    samples = reference.collect_samples(model, fs, paths, print)
+    res = evaluate(samples, formats, labels, fs.damping, print)
+    by_kind = {f: {t: res["by_kind"]["muon-mom"][f][t] for t in labels} for f in formats}
+    out = {
+        "command": "python -m bench.fidelity_sweep " + " ".join(argv if argv is not None else []),
+        "reference": {"optimizer": a.reference, "val_bpb": record["val_bpb"],
+                      "cache": str(reference.cache_path(ref_settings, paths, a.cache_dir))},
+        "batches": a.batches, "layers": len({x.name for x in samples}), "formats": formats,
+        "transforms": {t: list(CANDIDATES[t]) for t in labels}, "nesterov_weight": NESTEROV_WEIGHT,
+        "errors": res["errors"], "by_kind": res["by_kind"], "seconds": time.perf_counter() - start,
+    }
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(out, indent=1) + "\n")
+    err = res["errors"]
+    for f in formats:
+        print(f"\n{f} (reference trained with {a.reference}; {out['layers']} layers x {a.batches} batches): "
+              "relative error (gain over Euclidean)")
+        print(f"  {'transform':18s}" + "".join(f"{m:>19s}" for m in METRICS) + "   muon-mom gain per kind")
+        for t in labels:
+            cells = "".join(f"{err[m][f][t]:9.4f} ({err[m][f]['euclidean'] / err[m][f][t]:5.2f}x)" for m in METRICS)
+            kind = " ".join(f"{k}:{v:.2f}" for k, v in by_kind[f][t].items())
+            print(f"  {t:18s}{cells}   {kind}")
+    print(f"\nwrote {a.out} ({out['seconds']:.0f} s)")
+    return out
+
+
+def _transform(label: str, sample: LayerSample, momentum: torch.Tensor, damping: float) -> Transform:
+    """Candidate `label` for `sample`: `bench.fidelity.build_transform`, or for the `mom-*`
+    candidates the whitening of the momentum proxy's factor M^T M / out."""
+    kind, rank, source = CANDIDATES[label]
+    src, _, damp = source.partition("@")
+    if src != "mom":
+        return fidelity.build_transform(kind, rank, source, sample, damping)
+    t = Transform(kind, sample.shape[1], rank or 32, seed=0)
+    t.refresh_from(gradient_factor(momentum), float(damp) if damp else damping)
+    return t
+
+
+def evaluate(samples: list[LayerSample], formats: list[str], labels: list[str], damping: float,
+             log: Callable[[str], None]) -> dict[str, dict]:
+    """Every metric for every (format, candidate): energy-weighted relative errors, and the
+    geometric-mean gain over Euclidean per layer kind."""
+    by_layer: dict[str, list[LayerSample]] = defaultdict(list)
+    for x in samples:
+        by_layer[x.name].append(x)
+    if min(len(v) for v in by_layer.values()) < 2:
+        raise ValueError("the momentum proxy needs at least 2 held-out batches (--batches)")
+    num = {m: defaultdict(float) for m in METRICS}  # (format, label, layer) -> sum ||error||^2
+    den = {m: defaultdict(float) for m in METRICS}  # layer -> sum ||reference||^2
+    configs = {f: GiftConfig(format=SWEEP_FORMATS[f][0], scaling=SWEEP_FORMATS[f][1], select="all") for f in formats}
+    done = 0
+    for name, group in by_layer.items():
+        grads = torch.stack([x.grad.double() for x in group])
+        inv_sqrt_v = grads.pow(2).mean(dim=0).add(1e-30).rsqrt()
+        for b, sample in enumerate(group):
+            g = sample.grad
+            momentum = (grads.sum(dim=0) - grads[b]) / (len(group) - 1)  # the other batches: the past
+            update = NESTEROV_WEIGHT * g.double() + (1 - NESTEROV_WEIGHT) * momentum
+            o, o_mom = fidelity.muon_direction(g), fidelity.muon_direction(update)
+            basis = fidelity._EigenBasis(sample.a_cur, 1, damping)
+            refs = {"plain": g.double(), "adam": g.double() * inv_sqrt_v}
+            den["plain"][name] += float(refs["plain"].pow(2).sum())
+            den["whitened"][name] += float((basis.energies(g) * basis.inv).sum())
+            den["muon"][name] += float(o.pow(2).sum())
+            den["muon-mom"][name] += float(o_mom.pow(2).sum())
+            den["adam"][name] += float(refs["adam"].pow(2).sum())
+            for label in labels:
+                transform = _transform(label, sample, momentum, damping)
+                for f, config in configs.items():
+                    e = (all_reduce(g, None, config, transform) - g).double()
+                    key = (f, label, name)
+                    num["plain"][key] += float(e.pow(2).sum())
+                    num["whitened"][key] += float((basis.energies(e) * basis.inv).sum())
+                    num["muon"][key] += float((fidelity.muon_direction(g + e) - o).pow(2).sum())
+                    num["muon-mom"][key] += float(
+                        (fidelity.muon_direction(update + NESTEROV_WEIGHT * e) - o_mom).pow(2).sum())
+                    num["adam"][key] += float((e * inv_sqrt_v).pow(2).sum())
+            done += 1
+        log(f"  sweep: {done}/{len(samples)} layer samples")
+    layers = list(by_layer)
+    errors = {m: {f: {t: math.sqrt(sum(num[m][(f, t, n)] for n in layers) / sum(den[m][n] for n in layers))
+                      for t in labels} for f in formats} for m in METRICS}
+    kinds = list(dict.fromkeys(n.split(".")[-2] for n in layers))
+    by_kind = {m: {f: {t: {k: math.exp(statistics.fmean(
+        0.5 * math.log(num[m][(f, "euclidean", n)] / num[m][(f, t, n)]) for n in layers if n.split(".")[-2] == k))
+        for k in kinds} for t in labels} for f in formats} for m in METRICS}
+    return {"errors": errors, "by_kind": by_kind}
+
+
+if __name__ == "__main__":
+    main()
