@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=15 tests
 
 demo: $(STAMP)
 	$(BIN)/python -m gift_compile.torchtitan_ext.demo --nproc $(NPROC)

@@ -14,6 +14,7 @@ import dataclasses
 import datetime
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -45,6 +46,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="JSON files of `python -m bench.tune` runs to include in the report (section 5.2)")
     p.add_argument("--sweep", type=Path, nargs="+", default=[],
                    help="JSON files of `python -m bench.fidelity_sweep` to include in the report (section 2.5)")
+    p.add_argument("--convergence-runs", type=Path, default=None,
+                   help="summarise the convergence section from this runs file (one JSON line per finished run, "
+                        "as a convergence run streams them) instead of training; partial files give fewer seeds")
     p.add_argument("--from-json", type=Path, default=None,
                    help="only re-render REPORT.md and the figures into --out from an earlier results.json")
     args = p.parse_args(argv)
@@ -136,7 +140,15 @@ def main(argv: list[str] | None = None) -> dict:
 
     if "convergence" in only:
         log("convergence (2-rank gloo pretraining)")
-        results["convergence"] = convergence.run(settings.convergence, paths, log, jsonl=out / "convergence_runs.jsonl")
+        runs_path = out / "convergence_runs.jsonl"
+        if args.convergence_runs is not None:
+            runs = [json.loads(line) for line in args.convergence_runs.read_text().splitlines() if line.strip()]
+            log(f"  summarising {len(runs)} finished runs from {args.convergence_runs} (no training)")
+            if args.convergence_runs.resolve() != runs_path.resolve():
+                shutil.copyfile(args.convergence_runs, runs_path)
+            results["convergence"] = convergence.summarise(runs, settings.convergence)
+        else:
+            results["convergence"] = convergence.run(settings.convergence, paths, log, jsonl=runs_path)
         _write_json(json_path, results)
 
     if "step_model" in only:
