@@ -27,11 +27,17 @@ from bench.tiny_llama import TinyLlamaConfig
 
 Log = Callable[[str], None]
 
-# label -> GiftConfig whose state is sized (the defaults, with and without error feedback,
-# and the Euclidean codec for reference)
+# label -> GiftConfig whose state is sized: the defaults with and without error feedback, the
+# residual stored in 8 and in 4 bits, the first version's layout (dense d_in x d_in statistics
+# per layer, fp32 residual) for the before/after, and the Euclidean codec for reference.
+DEFAULTS = "GIFT defaults (lowrank r32, sketch statistics)"
+WITH_EF = "GIFT defaults + error feedback (fp32 residual)"
 CONFIGS: dict[str, GiftConfig] = {
-    "GIFT defaults (lowrank r32, K-FAC statistics)": GiftConfig(),
-    "GIFT defaults + error feedback": GiftConfig(error_feedback=True),
+    DEFAULTS: GiftConfig(),
+    WITH_EF: GiftConfig(error_feedback=True),
+    "GIFT + error feedback, fp8_e4m3 residual": GiftConfig(error_feedback=True, residual_format="fp8_e4m3"),
+    "GIFT + error feedback, int4 residual": GiftConfig(error_feedback=True, residual_format="int4"),
+    "first version: dense statistics + error feedback (fp32)": GiftConfig(statistics="dense", error_feedback=True),
     "Euclidean low-bit (geometry=none)": GiftConfig(geometry="none"),
 }
 

@@ -17,6 +17,8 @@ data-parallel group eagerly at a refresh (`consolidate`).
 
 from __future__ import annotations
 
+import functools
+
 import logging
 import math
 
@@ -108,6 +110,14 @@ def sketch_matrix(d_in: int, cols: int, seed: int) -> torch.Tensor:
     while `Omega^T Omega = I` makes the stabilizing shift in `SketchStatistics.whitening` a
     plain multiple of the identity.
     """
+    return _orthonormal_test_matrix(d_in, cols, seed).clone()
+
+
+@functools.lru_cache(maxsize=64)
+def _orthonormal_test_matrix(d_in: int, cols: int, seed: int) -> torch.Tensor:
+    """`sketch_matrix`'s draw and QR, once per `(d_in, cols, seed)`: a model has a handful of
+    distinct input widths but hundreds of layers (an 8B Llama: 224 managed layers, 2 widths),
+    and the fp64 QR of a `[14336, 64]` draw costs ~0.1 s. Callers get a copy."""
     gen = torch.Generator().manual_seed((seed * 0x9E3779B97F4A7C15 + d_in) % (1 << 63))
     q, _ = torch.linalg.qr(torch.randn(d_in, cols, generator=gen, dtype=torch.float64))
     return q.float()

