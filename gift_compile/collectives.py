@@ -111,19 +111,29 @@ def group_info(group: dist.ProcessGroup | str | None) -> tuple[str | None, int, 
 
 
 # ---- scale layout ---------------------------------------------------------------------------
-@functools.cache
 def _scale_layout(spec: FormatSpec, cols: int) -> tuple[bool, torch.dtype | None, int, bool]:
     """`(per_row, dtype, count, has_tensor_scale)` of `choose_scales` for `[rows, cols]` inputs.
 
     `count` is scales per row when `per_row`, else the total (a per-tensor scale). Found by
     running `choose_scales` on the meta device, so any format's layout is read off the codec.
+    Eager calls are memoised; a trace reads the layout directly (Dynamo would trace through
+    the cache wrapper anyway, and warns when it meets one).
     """
+    if torch.compiler.is_compiling():
+        return _read_scale_layout(spec, cols)
+    return _cached_scale_layout(spec, cols)
+
+
+def _read_scale_layout(spec: FormatSpec, cols: int) -> tuple[bool, torch.dtype | None, int, bool]:
     if spec.passthrough:
         return False, None, 0, False
     scales, tscale = choose_scales(torch.empty(2, cols, device="meta"), spec)
     per_row = scales.dim() >= 1 and scales.shape[0] == 2 and not (spec.block is None and spec.scaling == "tensor")
     count = scales.numel() // 2 if per_row else scales.numel()
     return per_row, scales.dtype, count, tscale is not None
+
+
+_cached_scale_layout = functools.cache(_read_scale_layout)
 
 
 def _itemsize(dtype: torch.dtype) -> int:
