@@ -46,6 +46,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="JSON files of `python -m bench.tune` runs to include in the report (section 5.2)")
     p.add_argument("--sweep", type=Path, nargs="+", default=[],
                    help="JSON files of `python -m bench.fidelity_sweep` to include in the report (section 2.5)")
+    p.add_argument("--conv-seeds", default=None, help="comma-separated seeds of the convergence section (default: the profile's)")
+    p.add_argument("--conv-arms", default=None,
+                   help="convergence arms instead of the profile's: 'muon=fp32,euclid-int2;adamw=fp32,gift-int2'")
     p.add_argument("--convergence-runs", type=Path, default=None,
                    help="summarise the convergence section from this runs file (one JSON line per finished run, "
                         "as a convergence run streams them) instead of training; partial files give fewer seeds")
@@ -85,6 +88,15 @@ def main(argv: list[str] | None = None) -> dict:
     settings: BenchSettings = profile(args.profile)
     if args.conv_compile:
         settings = dataclasses.replace(settings, convergence=dataclasses.replace(settings.convergence, compile=True))
+    if args.conv_seeds or args.conv_arms:
+        conv = settings.convergence
+        seeds = tuple(int(x) for x in args.conv_seeds.split(",")) if args.conv_seeds else conv.seeds
+        arms = tuple((opt, tuple(a.split(","))) for opt, a in (part.split("=") for part in args.conv_arms.split(";"))) \
+            if args.conv_arms else conv.arms
+        for _, names in arms:
+            for name in names:
+                convergence.parse_arm(name)  # raises naming an unknown arm before any run starts
+        settings = dataclasses.replace(settings, convergence=dataclasses.replace(conv, seeds=seeds, arms=arms))
     only = set(args.only.split(","))
     torch.set_num_threads(args.threads or settings.threads)
     out: Path = args.out
