@@ -552,13 +552,9 @@ def _step_model(sm: dict, plots: dict) -> list[str]:
            f"parallelism on {x['gpus']} GPUs: step = compute + exposed comm + codec + statistics + refresh "
            "(`bench.step_model`). Every arm is a `GiftConfig` the code runs; which weights are managed, their plans, "
            "wire bytes, statistics FLOPs and refresh FLOPs are read off a `GiftState` built for the model on the "
-           "meta device. **As the code runs today, `select` switches a layer's transform by data only: a deselected "
-           "low-rank layer still runs the low-rank codec, gathers K-FAC statistics and is refreshed** (so "
-           "`gift-fp8 (13 fc2)`, `select` = globs of 13 `feed_forward.w2` weights, costs what `all layers` costs)."
-           + (" Arms marked *[not in the code]* are what-ifs that drop, for the deselected layers, "
-              + "; ".join(f"`{a}`: the {', '.join(d)}" for a, d in sm["what_if"].items())
-              + " (the Euclidean-codec change is under way; statistics and refresh for the selected layers only "
-              "would need a static selection)." if sm["what_if"] else ""), ""]
+           "meta device. Selection is structure: a layer `select` leaves out runs the Euclidean codec and gathers no "
+           "statistics (`gift-fp8 (13 fc2)`: `select` = globs of 13 `feed_forward.w2` weights; every other managed "
+           "weight on the Euclidean fp8 codec).", ""]
     rows = [[k, v, *_STEP_INPUTS.get(k, ("", ""))] for k, v in x.items()]
     out += ["Inputs, and how each is obtained (assumed = documented assumption, override in "
             "`bench.step_model.StepModelInputs`; calibrated = fitted to the paper; code = as implemented):", "",

@@ -173,6 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
     if "memory" in only:
         log("memory per rank (GiftState and AdamW on the meta device)")
         results["memory"] = memory.run(settings.step.memory_models, settings.step.memory_worlds, log=log)
+        _write_json(json_path, results)
 
     log("plots and report")
     results["meta"]["duration_s"] = time.perf_counter() - log.start

@@ -8,13 +8,10 @@ plain fp32 all-reduce), and what each arm costs is read off the code, not re-der
 
 - which weights GIFT manages, and with which plan (format, transform kind): `GiftState`
   instantiated on the meta device for the model, with the arm's config and the code's own
-  eligibility rule (`gift_compile.api.eligible_linears`). As the code runs today, a layer's
-  transform kind is fixed by `GiftConfig.geometry` for every managed layer, and `select` only
-  switches the transform's *data* to identity: a deselected low-rank layer still runs the
-  low-rank codec, gathers statistics and is refreshed. The arms model exactly that. Two
-  what-if arms (`WHAT_IF`, marked "not in the code") price the selected layers alone: one with
-  the deselected layers on the Euclidean kernels (the codec change under way), one that also
-  keeps statistics and refreshes for the selected layers only;
+  eligibility rule (`gift_compile.api.eligible_linears`). Selection is structure in the code:
+  a layer that `select` leaves out runs the Euclidean codec (its plan's kind is identity),
+  feeds no statistics and is never refreshed, so an arm prices each layer by its own plan and
+  `LayerState.collect_stats` / `selected` flags, exactly as `GiftState` sets them;
 - codec time: bytes per gradient element *measured from the generated kernels* of each
   layer's all-reduce plan on `gpus` ranks (`bench.overhead.codec_traffic`, a fake process group
   stands in for the peers) over HBM bandwidth, plus the transform's FLOPs
@@ -52,7 +49,7 @@ from gift_compile.collectives import bucket_wire_bytes
 from gift_compile.config import GiftConfig
 from gift_compile.geometry import lowrank_refresh_flops
 from gift_compile.plan import BucketPlan, ItemPlan
-from gift_compile.selection import LayerMeasurement, decide, transform_flops
+from gift_compile.selection import transform_flops
 from gift_compile.state import GiftState
 from bench.tiny_llama import TinyLlamaConfig
 
@@ -69,21 +66,10 @@ ARMS: dict[str, GiftConfig | None] = {
     "bf16 (GIFT collective)": GiftConfig(format="bf16", geometry="none"),
     "euclid-fp8": GiftConfig(**_FP8, geometry="none"),
     "gift-fp8 (13 fc2)": GiftConfig(**_FP8, geometry="lowrank", select=_FC2_13),
-    "gift-fp8 (13 fc2), deselected on Euclidean codec [not in the code]": GiftConfig(**_FP8, geometry="lowrank",
-                                                                                    select=_FC2_13),
-    "gift-fp8 (13 fc2), selected layers only [not in the code]": GiftConfig(**_FP8, geometry="lowrank", select=_FC2_13),
     "gift-fp8 (all layers)": GiftConfig(**_FP8, geometry="lowrank", select="all"),
     "euclid-nvfp4": GiftConfig(format="nvfp4", geometry="none"),
     "gift-nvfp4 (all layers)": GiftConfig(format="nvfp4", geometry="lowrank", select="all"),
 }
-# what-if arms -> what they drop for deselected layers: the low-rank codec, or also the
-# statistics and the refresh
-WHAT_IF: dict[str, tuple[str, ...]] = {
-    "gift-fp8 (13 fc2), deselected on Euclidean codec [not in the code]": ("codec",),
-    "gift-fp8 (13 fc2), selected layers only [not in the code]": ("codec", "statistics", "refresh"),
-}
-
-
 @dataclass(frozen=True)
 class StepModelInputs:
     """Hardware and workload assumptions (defaults and their sources)."""
@@ -165,28 +151,26 @@ class CodecBytes:
         return self.cache[key]
 
 
-def arm_layers(arm: str, config: GiftConfig, model_config: TinyLlamaConfig, inputs: StepModelInputs,
+def arm_layers(config: GiftConfig, model_config: TinyLlamaConfig, inputs: StepModelInputs,
                codec: CodecBytes) -> list[LayerCost]:
-    """Per-layer costs of `arm`: a `GiftState` on the meta device manages what `apply` would."""
+    """Per-layer costs of `config`: a `GiftState` on the meta device manages what `apply` would.
+
+    Layers that read the same input (q/k/v, w1/w3) share one statistic once the first refresh
+    has seen them agree; on meta nothing is seen, so each is counted: statistics FLOPs are an
+    upper bound for attention and gate/up inputs."""
     model = meta_model(model_config)
     state = GiftState(config, None)
     for fqn, module in eligible_linears(model, config, inputs.gpus, split_rows=False):
         state.add_layer(fqn, tuple(module.weight.shape), "meta")
-    # the code's own selection rule (globs need no measurements)
-    selected = decide(config, {n: LayerMeasurement(1.0, 1.0, 0.0, 0.0) for n in state.layers}, {})
-    dropped = WHAT_IF.get(arm, ())
     out = []
     for fqn, layer in state.layers.items():
-        plan, keep = layer.plan, fqn in selected
-        if "codec" in dropped and not keep:
-            plan = dataclasses.replace(plan, kind="identity", n_tensors=0)
+        plan = layer.plan  # identity for a layer `select` leaves out: the Euclidean codec
         rows, cols = layer.shape
-        # as the code runs, every adaptive layer is refreshed (and gathers statistics)
-        refreshed = layer.transform.adaptive and (keep or "refresh" not in dropped)
+        refreshed = layer.transform.adaptive and (layer.selected or not layer.decided)
         refresh = lowrank_refresh_flops(cols, layer.transform.rank) / config.refresh_every if refreshed else 0.0
         if refreshed and inputs.refresh_sharded:
             refresh /= inputs.gpus
-        stats = _stats_flops(state, fqn, inputs.tokens_per_gpu) if keep or "statistics" not in dropped else 0.0
+        stats = _stats_flops(state, fqn, inputs.tokens_per_gpu) if layer.collect_stats else 0.0
         out.append(LayerCost(
             fqn, rows, cols, plan, codec(plan, layer.transform.rank) * rows * cols,
             transform_flops(plan.kind, rows, cols, layer.transform.rank), stats, refresh, _sent(plan, inputs.gpus)))
@@ -261,7 +245,7 @@ def run(inputs: StepModelInputs | None = None, name: str = "Llama-600M", model_c
         raise ValueError(f"step_model.run: arms {arms} must be names of ARMS ({list(ARMS)}) including fp32 and euclid-fp8")
     codec = CodecBytes(inputs.gpus, log)
     variants = {"sharded": inputs, "unsharded": dataclasses.replace(inputs, refresh_sharded=False)}
-    layers = {v: {arm: arm_layers(arm, ARMS[arm], model_config, x, codec) for arm in arms if ARMS[arm] is not None}
+    layers = {v: {arm: arm_layers(ARMS[arm], model_config, x, codec) for arm in arms if ARMS[arm] is not None}
               for v, x in variants.items()}
     defaults = project(inputs, layers["sharded"], model_config, name)
     f = calibrate_exposed_fraction(defaults["arms"])
@@ -278,5 +262,4 @@ def run(inputs: StepModelInputs | None = None, name: str = "Llama-600M", model_c
     measured = [{"format": k[0], "scaling": k[1], "kind": k[2], "rows": k[3], "cols": k[4], "rank": k[5],
                  "bytes_per_element": b} for k, b in codec.cache.items()]
     return {"paper": PAPER, "calibrated_exposed_fraction": f, "scenarios": scenarios, "codec_measured": measured,
-            "what_if": {a: list(d) for a, d in WHAT_IF.items() if a in arms},
             "arm_configs": {a: (ARMS[a].to_dict() if ARMS[a] else None) for a in arms}}
