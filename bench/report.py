@@ -51,18 +51,18 @@ def _header(meta: dict) -> list[str]:
         f"{meta['threads']} torch threads, load average at start {meta['loadavg_start']:.1f} "
         f"(the machine is shared), gloo for multi-rank runs.",
         "",
-        *([f"Sections {', '.join(meta['merged_into']['kept'])} are kept from the earlier run "
-           f"`{meta['merged_into']['command'].strip()}` (profile `{meta['merged_into']['profile']}`, "
-           f"{meta['merged_into']['started']}); this run replaced the others (`--merge`).", ""]
-          if meta.get("merged_into") else []),
+        *(["Sections come from several runs (`--merge`); each section's command:", "",
+           table(["section", "command", "profile", "started"],
+                 [[k, f"`{v['command'].strip()}`", v["profile"], v["started"]] for k, v in meta["sections"].items()]),
+           ""] if meta.get("merged_into") and meta.get("sections") else []),
         "**No GPU was lent to this task: every time in this report is a CPU time.** "
         "Kernel-time ratios on CPU are not GPU ratios (a CPU is compute-bound where a GPU codec "
         "kernel is memory-bound); the GPU-scale claims are the projections of section 6, built "
         "from the bytes the generated kernels move, the code's FLOP counts and documented hardware assumptions.",
         "",
         "Results JSON: `results.json` (same directory). Re-run: `python -m bench.run --quick` "
-        "(minutes once the reference model is cached) or `python -m bench.run` (full: several seeds; "
-        "~25-30 min on 2 shared cores). `--from-json results.json` re-renders this report and the figures.",
+        "(minutes once the reference model is cached) or `python -m bench.run` (full profile; the convergence "
+        "study alone takes ~1.7 h on 2 free cores). `--from-json results.json` re-renders this report and the figures.",
         "",
     ]
 

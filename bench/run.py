@@ -117,7 +117,13 @@ def main(argv: list[str] | None = None) -> dict:
                 and not (k == "reference" and "fidelity" in only)}
         results["meta"]["merged_into"] = {"command": earlier["meta"]["command"], "started": earlier["meta"]["started"],
                                           "profile": earlier["meta"]["profile"], "kept": sorted(kept)}
+        results["meta"]["sections"] = {k: v for k, v in earlier["meta"].get("sections", {}).items() if k in kept}
         results.update(kept)
+    # which command, profile and load produced each section (sections merged from several runs)
+    produced = {"command": results["meta"]["command"], "profile": settings.profile,
+                "started": results["meta"]["started"], "loadavg_start": results["meta"]["loadavg_start"]}
+    results["meta"].setdefault("sections", {}).update(
+        {k: produced for k in SECTIONS if k in only} | ({"reference": produced} if "fidelity" in only else {}))
     log(f"profile {settings.profile}: sections {', '.join(s for s in SECTIONS if s in only)}; output {out}")
     paths = corpus.prepare()
 
