@@ -166,7 +166,7 @@ def arm_layers(config: GiftConfig, model_config: TinyLlamaConfig, inputs: StepMo
     for fqn, layer in state.layers.items():
         plan = layer.plan  # identity for a layer `select` leaves out: the Euclidean codec
         rows, cols = layer.shape
-        refreshed = layer.transform.adaptive and (layer.selected or not layer.decided)
+        refreshed = state.needs_geometry(layer)
         refresh = lowrank_refresh_flops(cols, layer.transform.rank) / config.refresh_every if refreshed else 0.0
         if refreshed and inputs.refresh_sharded:
             refresh /= inputs.gpus

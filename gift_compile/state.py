@@ -347,7 +347,9 @@ class GiftState:
                 owner[name] = owner[layer.leader.fqn]  # built from the leader's statistics
         return owner
 
-    def _needs_geometry(self, layer: LayerState, deciding: bool) -> bool:
+    def needs_geometry(self, layer: LayerState, deciding: bool = False) -> bool:
+        """Whether a refresh rebuilds `layer`'s map: adaptive, and selected or still undecided
+        (or this refresh decides the selection). The step model prices refreshes by it."""
         return layer.transform.adaptive and (layer.selected or not layer.decided or deciding)
 
     @torch.no_grad()
@@ -365,7 +367,7 @@ class GiftState:
         if not self._sharing_checked:
             self._share_identical_statistics()
         owners, me = self.owners(), group_rank(self.group)
-        needing = [n for n, l in self.layers.items() if self._needs_geometry(l, deciding)]
+        needing = [n for n, l in self.layers.items() if self.needs_geometry(l, deciding)]
         for name in needing:
             layer = self.layers[name]
             mine = owners[name] == me
