@@ -67,6 +67,8 @@ MODIFIERS: dict[str, dict[str, object]] = {
     "grad": {"geometry": "gradient"},
     # the gradient-side geometry built from the optimizer's momentum buffer (see `_momentum_source`)
     "mom": {"geometry": "gradient", "ema": 0.0},
+    # damping 1e-2 instead of 1e-3 (the fidelity sweep's best momentum candidate, `mom-r32-d1e-2`)
+    "d2": {"damping": 1e-2},
 }
 
 
@@ -75,7 +77,7 @@ def parse_arm(arm: str) -> tuple[str, str | None, bool]:
 
     Names are `fp32` or `(euclid|gift)-<format>[-ef][-<modifier>...]`, modifiers from
     `MODIFIERS` (stochastic rounding, dense whitening, exact statistics, rank 64, refresh
-    every 5 steps, gradient-side geometry).
+    every 5 steps, gradient-side geometry, momentum-side geometry, damping 1e-2).
     """
     if arm == "fp32":
         return "fp32", None, False
