@@ -42,7 +42,6 @@ from bench.tiny_llama import TinyLlama, loss
 from gift_compile.config import GiftConfig
 from gift_compile.formats import FormatSpec
 from gift_compile.passes import last_reports
-from gift_compile.state import GiftState
 from gift_compile.torchtitan_ext import corpus
 
 Log = Callable[[str], None]
@@ -65,8 +64,8 @@ MODIFIERS: dict[str, dict[str, object]] = {
     "r64": {"rank": 64},
     "rf5": {"refresh_every": 5},
     "grad": {"geometry": "gradient"},
-    # the gradient-side geometry built from the optimizer's momentum buffer (see `_momentum_source`)
-    "mom": {"geometry": "gradient", "ema": 0.0},
+    # the low-rank map built from the optimizer's momentum (what Muon orthogonalizes)
+    "mom": {"geometry": "momentum"},
     # damping 1e-2 instead of 1e-3 (the fidelity sweep's best momentum candidate, `mom-r32-d1e-2`)
     "d2": {"damping": 1e-2},
 }
@@ -106,27 +105,6 @@ def bits_per_element(fmt: str, cols: int = 512) -> float:
     return FormatSpec(str(kw["format"]), str(kw.get("scaling", "row")), int(kw.get("block_size", 32))).bits_per_element(cols, 64)
 
 
-def _momentum_source(state: GiftState, optimizer: torch.optim.Optimizer) -> None:
-    """Build each layer's gradient-side geometry from the optimizer's momentum buffer.
-
-    `geometry="gradient"` whitens with the factor `G^T G / out` of the gradient found at a
-    refresh: one step's gradient, dominated by that batch's noise, so the map is already
-    stale at the next step (the fidelity sweep's `grad-*` candidates). Muon orthogonalizes
-    its momentum, a slowly moving average, and the error it amplifies lives in the weak
-    singular directions of that momentum; whitening with `M^T M / out` targets exactly them.
-    This points the state's factor source at `optimizer.state[weight]["momentum_buffer"]`
-    (Muon, SGD) or `["exp_avg"]` (Adam/AdamW), identical on every rank because replicas are.
-    A bench-side experiment: the product would need a `GiftConfig` option for it.
-    """
-    weights = {name: module._parameters["weight"] for name, module in state.modules.items()}
-
-    def source(name: str) -> torch.Tensor | None:
-        st = optimizer.state.get(weights[name], {})
-        return st.get("momentum_buffer", st.get("exp_avg"))
-
-    state.grad_source = source
-
-
 def _allreduce_fp32(model: nn.Module, world: int) -> None:
     """Mean of every gradient over the ranks, in fp32, as one flat all-reduce."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -156,8 +134,6 @@ def _train(opt_name: str, arm: str, seed: int, s: ConvergenceSettings, paths: co
     reports_before = len(last_reports())
     if config is not None:  # the first optimizer drives GIFT's state (health check, refresh)
         gift_compile.apply(model, config, group=dist.group.WORLD, optimizer=optimizers[0])
-        if "mom" in arm.split("-")[2:]:
-            _momentum_source(gift_compile.state(model), optimizers[0])
     forward = torch.compile(model) if s.compile else model
     tokens = corpus.token_stream("train", paths)
     losses: list[float] = []

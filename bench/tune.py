@@ -8,7 +8,7 @@ data order with that seed's fp32 arm (`bench.convergence`): Euclidean and GIFT, 
 with stochastic rounding (`-sr`) or error feedback (`-ef`), and GIFT with dense whitening
 (`-dense`), exact statistics instead of the sketch (`-exact`), rank 64 (`-r64`), a refresh
 every 5 steps (`-rf5`), the gradient-side factor (`-grad`) and the gradient-side factor of
-the optimizer's momentum (`-mom`, `bench.convergence._momentum_source`). The fidelity bench is the
+the optimizer's momentum (`-mom`, `GiftConfig(geometry="momentum")`). The fidelity bench is the
 fast instrument that proposes variants; these runs decide. Writes the per-run records and
 the paired summary (GIFT variant minus Euclidean with the same rounding, 95% CI) as JSON and
 prints a table.

@@ -23,7 +23,7 @@ FORMATS = ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "mxfp8", "nvfp4", "mxint4", "
 BLOCK_SIZE_FORMATS = ("int4", "int2", "ternary")
 BLOCK_SIZE_CHOICES = (16, 32)
 SCALINGS = ("tensor", "row", "block")
-GEOMETRIES = ("none", "hadamard", "dense", "lowrank", "gradient")
+GEOMETRIES = ("none", "hadamard", "dense", "lowrank", "gradient", "momentum")
 NONFINITE = ("error", "propagate")
 REDUCE_OPS = ("avg", "sum")
 SELECT_METRICS = ("euclidean", "whitened")
@@ -102,10 +102,15 @@ class GiftConfig:
             baseline, `hadamard` a random-sign block Hadamard rotation, `dense` a full
             Cholesky whitening of the K-FAC input factor, `lowrank` the rank-`rank` plus
             diagonal whitening applied in O(d_in * rank), `gradient` the same low-rank map
-            built from the gradient-side factor E[G^T G] (no forward hooks).
+            built from the gradient-side factor E[G^T G] (no forward hooks), `momentum` the
+            same map built from the optimizer's momentum M (torch Muon's/SGD's
+            `momentum_buffer`, Adam's `exp_avg`): the factor M^T M / out of exactly what Muon
+            orthogonalizes, replaced at each refresh (no EMA: M already averages); needs the
+            optimizer (`apply(..., optimizer=)` or `attach_optimizer`).
         rank: rank of the low-rank part of the whitening.
         refresh_every: steps between geometry refreshes (statistics, transforms, selection).
-        ema: decay of the exponential moving average of the statistics.
+        ema: decay of the exponential moving average of the statistics (not used by
+            `geometry="momentum"`).
         damping: relative floor of the diagonal (times the mean eigenvalue).
         select: which managed layers take the transformed path: "auto" (measured per layer
             at each refresh), "all", "none" (Euclidean low-bit everywhere),

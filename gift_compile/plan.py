@@ -26,9 +26,9 @@ from gift_compile.formats import FormatSpec
 
 __all__ = ["BucketPlan", "ItemPlan", "TRANSFORM_KIND", "dtype_name"]
 
-# GiftConfig.geometry -> transform kind in the graph ("gradient" builds a low-rank map too).
+# GiftConfig.geometry -> transform kind in the graph ("gradient" and "momentum" build a low-rank map too).
 TRANSFORM_KIND = {"none": "identity", "hadamard": "hadamard", "dense": "dense", "lowrank": "lowrank",
-                  "gradient": "lowrank"}
+                  "gradient": "lowrank", "momentum": "lowrank"}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

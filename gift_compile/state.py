@@ -70,7 +70,7 @@ class LayerState:
         self.leader: LayerState | None = None
         self.followers: list[LayerState] = []
         self.grad_factor: torch.Tensor | None = (
-            torch.zeros(d_in, d_in, device=device) if config.geometry == "gradient" else None
+            torch.zeros(d_in, d_in, device=device) if config.geometry in ("gradient", "momentum") else None
         )
         self.residual = (residual_store.allocate(config.residual_format, out, d_in, device)
                          if config.error_feedback else None)
@@ -392,7 +392,10 @@ class GiftState:
                     logger.warning("GIFT: non-finite gradient factor for %s dropped at step %d", name, self.steps)
                     continue
                 f = layer.grad_factor
-                f.copy_(new) if float(f.abs().sum()) == 0.0 else f.mul_(cfg.ema).add_(new, alpha=1 - cfg.ema)
+                if cfg.geometry == "momentum" or float(f.abs().sum()) == 0.0:
+                    f.copy_(new)  # the momentum is already an average over steps
+                else:
+                    f.mul_(cfg.ema).add_(new, alpha=1 - cfg.ema)
                 factor = f
             if mine:
                 layer.transform.refresh_from(factor, cfg.damping)

@@ -144,6 +144,52 @@ def test_gradient_side_geometry_refreshes_from_the_reduced_gradient():
     assert all(run_ranks(_gradient_geometry_body, 2)[0])
 
 
+def _momentum_geometry_body(rank: int, world: int) -> dict:
+    """geometry="momentum" builds each map from the optimizer's momentum buffer (not from the
+    step's gradient), needs the optimizer, and names the layer when there is no momentum."""
+    from gift_compile.geometry import Transform, gradient_factor
+
+    cfg = GiftConfig(geometry="momentum", min_numel=1024, refresh_every=2, select="all", rank=8)
+    out: dict = {}
+    try:
+        gift_compile.apply(MLP(), cfg)
+    except ValueError as e:
+        out["no_optimizer"] = str(e)
+    for momentum in (0.9, 0.0):
+        m = MLP()
+        opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=momentum)
+        gift_compile.apply(m, cfg, optimizer=opt)
+        st = gift_compile.state(m)
+        try:
+            for step in range(2):
+                x = torch.randn(64, 96, generator=torch.Generator().manual_seed(10 * step + rank))
+                m(x).pow(2).mean().backward()
+                opt.step()
+                if step == 0:
+                    opt.zero_grad()
+        except RuntimeError as e:
+            out["no_momentum"] = str(e)
+            continue
+        for name, layer in st.layers.items():
+            w = st.modules[name].weight
+            ref_m = Transform("lowrank", w.shape[1], 8)
+            ref_m.refresh_from(gradient_factor(opt.state[w]["momentum_buffer"]), cfg.damping)
+            ref_g = Transform("lowrank", w.shape[1], 8)
+            ref_g.refresh_from(gradient_factor(w.grad), cfg.damping)  # the reduced gradient of the step
+            out[name] = [max(float((a - b).abs().max()) / float(b.abs().max()) for a, b in zip(layer.transform.tensors, ref.tensors))
+                         for ref in (ref_m, ref_g)]
+    return out
+
+
+def test_momentum_geometry_builds_the_map_from_the_optimizer_momentum():
+    out = run_ranks(_momentum_geometry_body, 2)[0]
+    assert "pass optimizer=" in out["no_optimizer"]
+    assert "keeps no momentum" in out["no_momentum"] and "fc1.weight" in out["no_momentum"]
+    for name in ("fc1.weight", "fc2.weight"):
+        from_momentum, from_gradient = out[name]
+        assert from_momentum < 1e-4 and from_gradient > 1e-2, (name, out[name])
+
+
 def _deselected_body(rank: int, world: int) -> dict:
     """select="auto" decides at the first refresh; a deselected layer then runs exactly the
     Euclidean codec (no transform matmuls in the compiled backward) and feeds no statistics,
