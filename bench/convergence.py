@@ -39,8 +39,10 @@ from bench.reference import lr_at, make_optimizers
 from bench.settings import ConvergenceSettings
 from bench.stats import paired, ratio_ci
 from bench.tiny_llama import TinyLlama, loss
+from gift_compile.collectives import all_reduce
 from gift_compile.config import GiftConfig
 from gift_compile.formats import FormatSpec
+from gift_compile.geometry import Transform, gradient_factor
 from gift_compile.passes import last_reports
 from gift_compile.torchtitan_ext import corpus
 
@@ -68,6 +70,8 @@ MODIFIERS: dict[str, dict[str, object]] = {
     "mom": {"geometry": "momentum"},
     # damping 1e-2 instead of 1e-3 (the fidelity sweep's best momentum candidate, `mom-r32-d1e-2`)
     "d2": {"damping": 1e-2},
+    # EXPERIMENT, not in the product: two-sided dense whitening from the momentum (`TwoSided`)
+    "two": {"geometry": "none", "damping": 1e-2},
 }
 
 
@@ -105,9 +109,52 @@ def bits_per_element(fmt: str, cols: int = 512) -> float:
     return FormatSpec(str(kw["format"]), str(kw.get("scaling", "row")), int(kw.get("block_size", 32))).bits_per_element(cols, 64)
 
 
-def _allreduce_fp32(model: nn.Module, world: int) -> None:
-    """Mean of every gradient over the ranks, in fp32, as one flat all-reduce."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+class TwoSided:
+    """The `-two` arms: an experiment that asks whether whitening BOTH sides of the gradient
+    closes the loss gap a one-sided map leaves. Not a `GiftConfig` geometry: a row-mixing map
+    cannot be inverted on a reduce-scatter's row shard (FSDP), so the product cannot run it.
+
+    Every `refresh_every` optimizer steps each managed weight gets the dense whitening of its
+    momentum's input-side factor M^T M / out (R) and output-side factor M M^T / in (L)
+    (`fidelity_sweep`'s `mom2-dense-d1e-2`); the gradient travels as L^-1 G R^-T through the
+    product's Euclidean codec (`gift_compile.collectives.all_reduce`, the same bits on every
+    rank) and is mapped back. Identity until the first refresh, like GIFT's maps.
+    """
+
+    def __init__(self, model: nn.Module, config: GiftConfig, optimizer: torch.optim.Optimizer, world: int):
+        from gift_compile.api import eligible_linears
+
+        self.config, self.optimizer, self.world = config, optimizer, world
+        self.weights = {name: m.weight for name, m in eligible_linears(model, config, world, split_rows=False)}
+        self.maps = {name: (Transform("dense", w.shape[0]), Transform("dense", w.shape[1]))
+                     for name, w in self.weights.items()}
+        self.rest = [p for p in model.parameters() if all(p is not w for w in self.weights.values())]
+        self.steps = 0
+
+    def sync(self) -> None:
+        """All-reduce: managed weights through the two-sided codec, the rest in fp32."""
+        for name, w in self.weights.items():
+            left, right = self.maps[name]
+            coded = left.forward(right.forward(w.grad).t()).t().contiguous()
+            decoded = all_reduce(coded, dist.group.WORLD, self.config)
+            w.grad.copy_(right.inverse(left.inverse(decoded.t()).t()))
+        _allreduce_fp32(self.rest, self.world)
+
+    def step(self) -> None:
+        """After the optimizer step: rebuild both maps from the momentum every refresh."""
+        self.steps += 1
+        if self.steps % self.config.refresh_every:
+            return
+        for name, w in self.weights.items():
+            m = self.optimizer.state[w]["momentum_buffer"]
+            left, right = self.maps[name]
+            left.refresh_from(gradient_factor(m.t()), self.config.damping)
+            right.refresh_from(gradient_factor(m), self.config.damping)
+
+
+def _allreduce_fp32(params: list[torch.Tensor], world: int) -> None:
+    """Mean of the gradients of `params` over the ranks, in fp32, as one flat all-reduce."""
+    grads = [p.grad for p in params if p.grad is not None]
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat)
     flat /= world
@@ -132,7 +179,8 @@ def _train(opt_name: str, arm: str, seed: int, s: ConvergenceSettings, paths: co
     config = arm_config(arm, s, seed)
     optimizers, peaks = make_optimizers(model, opt_name, s.lr, s.muon_lr)
     reports_before = len(last_reports())
-    if config is not None:  # the first optimizer drives GIFT's state (health check, refresh)
+    two_sided = TwoSided(model, config, optimizers[0], world) if "two" in arm.split("-")[2:] else None
+    if config is not None and two_sided is None:  # the first optimizer drives GIFT's state (health check, refresh)
         gift_compile.apply(model, config, group=dist.group.WORLD, optimizer=optimizers[0])
     forward = torch.compile(model) if s.compile else model
     tokens = corpus.token_stream("train", paths)
@@ -149,11 +197,15 @@ def _train(opt_name: str, arm: str, seed: int, s: ConvergenceSettings, paths: co
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
         value.backward()
-        if config is None:
-            _allreduce_fp32(model, world)
+        if two_sided is not None:
+            two_sided.sync()
+        elif config is None:
+            _allreduce_fp32(list(model.parameters()), world)
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         for opt in reversed(optimizers):  # the GIFT-driving optimizer last: its post-hook ends the step
             opt.step()
+        if two_sided is not None:
+            two_sided.step()
         losses.append(float(value.detach()))
         if (step + 1) % s.eval_every == 0 or step + 1 == s.steps:
             if rank == 0:
@@ -164,7 +216,7 @@ def _train(opt_name: str, arm: str, seed: int, s: ConvergenceSettings, paths: co
         "optimizer": opt_name, "arm": arm, "seed": seed, "losses": losses, "evals": evals,
         "seconds": time.perf_counter() - start, "replicas_identical": _replicas_identical(model),
     }
-    if config is not None:
+    if config is not None and two_sided is None:
         state = gift_compile.state(model)
         totals = state.comm_totals()
         result["wire_bytes_per_step"] = totals["wire"] / s.steps

@@ -76,6 +76,10 @@ CANDIDATES: dict[str, tuple[str, int, str]] = {
     "mom-r64": ("lowrank", 64, "mom"),
     "mom-dense": ("dense", 0, "mom"),
     "mom-dense-d1e-2": ("dense", 0, "mom@1e-2"),
+    # two-sided: the momentum's output-side factor M M^T / in whitens the rows as well
+    # (not a GiftConfig geometry: a row-mixing map cannot be inverted on an FSDP row shard)
+    "mom2-dense-d1e-2": ("dense", 0, "mom2@1e-2"),
+    "mom2-cur-dense-d1e-2": ("dense", 0, "mom2-cur@1e-2"),
 }
 # label -> (format, scaling) for the sweep's formats (the block formats ignore scaling)
 SWEEP_FORMATS: dict[str, tuple[str, str]] = {
@@ -144,15 +148,37 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _transform(label: str, sample: LayerSample, momentum: torch.Tensor, damping: float) -> Transform:
-    """Candidate `label` for `sample`: `bench.fidelity.build_transform`, or for the `mom-*`
+    """Candidate `label` for `sample`: `bench.fidelity.build_transform`, or for the `mom*`
     candidates the whitening of the momentum proxy's factor M^T M / out."""
     kind, rank, source = CANDIDATES[label]
     src, _, damp = source.partition("@")
-    if src != "mom":
+    if not src.startswith("mom"):
         return fidelity.build_transform(kind, rank, source, sample, damping)
     t = Transform(kind, sample.shape[1], rank or 32, seed=0)
     t.refresh_from(gradient_factor(momentum), float(damp) if damp else damping)
     return t
+
+
+def _round_trip(label: str, g: torch.Tensor, transform: Transform, momentum: torch.Tensor, config: GiftConfig,
+                damping: float) -> torch.Tensor:
+    """One quantized round trip of `g` (one rank, no peers) in the candidate's coordinates.
+
+    `mom2*` candidates also whiten the rows with the output-side factor of M (`mom2`: the
+    momentum proxy; `mom2-cur`: that proxy updated with this gradient at Nesterov weight, an
+    oracle), quantize with the Euclidean codec and undo both maps."""
+    source = CANDIDATES[label][2].partition("@")[0]
+    if not source.startswith("mom2"):
+        return all_reduce(g, None, config, transform)
+    m = momentum if source == "mom2" else (1 - NESTEROV_WEIGHT) * momentum + NESTEROV_WEIGHT * g.double()
+    left = Transform("dense", g.shape[0], seed=0)
+    left.refresh_from(gradient_factor(m.t()), float(CANDIDATES[label][2].partition("@")[2] or damping))
+    right = transform
+    if source == "mom2-cur":
+        right = Transform("dense", g.shape[1], seed=0)
+        right.refresh_from(gradient_factor(m), float(CANDIDATES[label][2].partition("@")[2] or damping))
+    coded = left.forward(right.forward(g).t()).t().contiguous()
+    decoded = all_reduce(coded, None, config, None)
+    return right.inverse(left.inverse(decoded.t()).t())
 
 
 def evaluate(samples: list[LayerSample], formats: list[str], labels: list[str], damping: float,
@@ -186,7 +212,7 @@ def evaluate(samples: list[LayerSample], formats: list[str], labels: list[str], 
             for label in labels:
                 transform = _transform(label, sample, momentum, damping)
                 for f, config in configs.items():
-                    e = (all_reduce(g, None, config, transform) - g).double()
+                    e = (_round_trip(label, g, transform, momentum, config, damping) - g).double()
                     key = (f, label, name)
                     num["plain"][key] += float(e.pow(2).sum())
                     num["whitened"][key] += float((basis.energies(e) * basis.inv).sum())
