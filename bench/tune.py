@@ -8,7 +8,8 @@ data order with that seed's fp32 arm (`bench.convergence`): Euclidean and GIFT, 
 with stochastic rounding (`-sr`) or error feedback (`-ef`), and GIFT with dense whitening
 (`-dense`), exact statistics instead of the sketch (`-exact`), rank 64 (`-r64`), a refresh
 every 5 steps (`-rf5`), the gradient-side factor (`-grad`) and the gradient-side factor of
-the optimizer's momentum (`-mom`, `GiftConfig(geometry="momentum")`). The fidelity bench is the
+the optimizer's momentum (`-mom`, `GiftConfig(geometry="momentum")`, with damping 1e-2: `-mom-d2`),
+and the two-sided experiment (`-two`, `bench.convergence.TwoSided`, not in the product). The fidelity bench is the
 fast instrument that proposes variants; these runs decide. Writes the per-run records and
 the paired summary (GIFT variant minus Euclidean with the same rounding, 95% CI) as JSON and
 prints a table.
@@ -28,13 +29,13 @@ from bench.settings import profile
 from gift_compile.torchtitan_ext import corpus
 
 VARIANTS = ("gift-{f}", "gift-{f}-sr", "gift-{f}-ef", "gift-{f}-dense", "gift-{f}-exact", "gift-{f}-r64",
-            "gift-{f}-rf5", "gift-{f}-grad", "gift-{f}-mom")
+            "gift-{f}-rf5", "gift-{f}-grad", "gift-{f}-mom", "gift-{f}-mom-d2", "gift-{f}-two")
 BASELINES = ("euclid-{f}", "euclid-{f}-sr", "euclid-{f}-ef")
 
 
 def _suffix(arm: str) -> str:
     """`plain` for `*-{f}`, else the modifier after the format (`sr`, `ef`, `mom`, ...)."""
-    return arm.split("-", 2)[-1] if arm.count("-") > 1 else "plain"
+    return arm.split("-", 2)[-1] if arm.count("-") > 1 else "plain"  # "mom-d2" stays whole
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--variants", default=",".join(_suffix(v) for v in VARIANTS),
-                   help="which GIFT variants (plain, sr, ef, dense, exact, r64, rf5, grad, mom)")
+                   help="which GIFT variants (plain, sr, ef, dense, exact, r64, rf5, grad, mom, mom-d2, two)")
     p.add_argument("--baselines", default=",".join(_suffix(b) for b in BASELINES),
                    help="which Euclidean arms besides fp32 (plain, sr, ef)")
     p.add_argument("--optimizer", default="muon", choices=("muon", "adamw"))
