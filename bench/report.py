@@ -443,7 +443,11 @@ def _convergence(cv: dict, plots: dict) -> list[str]:
            "matrices + AdamW on embeddings, norms and head (the paper's setting); `adamw` = AdamW on everything. "
            "Arms: `fp32` (plain fp32 all-reduce, the reference), `euclid-<format>` (`geometry=\"none\"`), "
            f"`gift-<format>` (`geometry=\"lowrank\"`, rank {g['rank']}, refresh every {g['refresh_every']} steps, "
-           "every managed layer whitened), `-ef` = error feedback (fp32 residual). Driver: "
+           "every managed layer whitened), `-ef` = error feedback (fp32 residual); the variants that judge what limits "
+           "GIFT: `-mom` the map from the optimizer's momentum (`geometry=\"momentum\"`), `-d2` damping 1e-2, "
+           "`-rf5` a refresh every 5 steps, `-two` two-sided whitening from the momentum (an experiment the product "
+           "cannot run on row shards, `bench.convergence.TwoSided`; GIFT-only variants are compared with the "
+           "plain Euclidean arm). Driver: "
            f"`gift_compile.apply(model, GiftConfig(...), optimizer=...)` run **{cv['mode']}** ({how}).", "",
            "Differences are final held-out bits/byte minus the same seed's fp32 arm: mean ± half-width of the "
            "t-based 95% CI over n seeds; `*` = the CI excludes zero. MDE = the smallest true difference this design "
@@ -498,7 +502,8 @@ def _tuning(tunes: list[dict]) -> list[str]:
            "share closed with Fieller's 95% CI. Variants: `-ef` error feedback, `-sr` stochastic rounding, "
            "`-dense` dense whitening, `-exact` exact K-FAC statistics instead of the sketch, `-r64` rank 64, "
            "`-rf5` refresh every 5 steps, `-grad` the gradient-side factor G^T G of the step's gradient, `-mom` "
-           "the gradient-side factor of the optimizer's momentum buffer (`bench.convergence._momentum_source`).", ""]
+           "the factor M^T M of the optimizer's momentum (`geometry=\"momentum\"`), `-d2` damping 1e-2, `-two` "
+           "two-sided whitening from the momentum (an experiment, `bench.convergence.TwoSided`, not in the product).", ""]
     for t in tunes:
         for opt, o in t["optimizers"].items():
             rows = []
