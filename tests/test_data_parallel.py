@@ -81,7 +81,34 @@ def _fsdp2_body(rank: int, world: int) -> dict:
         comm = module._get_fsdp_state()._fsdp_param_group._reduce_scatter_comm
         accounted += bucket_wire_bytes(comm.plan(world, torch.float32))
     return {"errs": errs, "totals": st.comm_totals(), "accounted": accounted, "grads": grads,
-            "managed": sorted(st.layers), "steps": st.steps}
+            "managed": sorted(st.layers), "steps": st.steps, "momentum": _fsdp2_momentum(rank)}
+
+
+def _fsdp2_momentum(rank: int) -> dict[str, float]:
+    """geometry="momentum" under FSDP2: each rank holds a row shard of the momentum; the map
+    (built from the partial factors summed over ranks) must equal the one built from the full
+    momentum, on every rank."""
+    from torch.distributed.fsdp import fully_shard
+
+    from gift_compile.geometry import Transform, gradient_factor
+
+    model = MLP()
+    for layer in (model.fc1, model.fc2, model.side, model.out):
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    gift_compile.apply(model, GiftConfig(**{**CFG, "geometry": "momentum", "refresh_every": 1}), optimizer=opt, fuse=False)
+    for step in range(2):  # after two steps the momentum (0.9 g1 + g2) is not the gradient
+        model(_batch(step, rank)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    st, out = gift_compile.state(model), {}
+    for name, layer in st.layers.items():
+        w = st.modules[name].weight
+        ref = Transform("lowrank", w.shape[1], CFG["rank"])
+        ref.refresh_from(gradient_factor(opt.state[w]["momentum_buffer"].full_tensor()), st.config.damping)
+        out[name] = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(layer.transform.tensors, ref.tensors))
+    return out
 
 
 def test_fsdp2_apply_quantizes_managed_weights_and_counts_bytes():
@@ -96,6 +123,8 @@ def test_fsdp2_apply_quantizes_managed_weights_and_counts_bytes():
     assert a["totals"]["calls"] == 4 and a["totals"]["wire"] == a["accounted"]
     assert a["totals"]["baseline"] > 2 * a["totals"]["wire"]
     assert a["steps"] == 1  # the optimizer hook drove the state
+    assert set(a["momentum"]) == set(a["managed"]) and max(a["momentum"].values()) < 1e-4, a["momentum"]
+    assert a["momentum"] == b["momentum"]
 
 
 def _ddp_body(rank: int, world: int) -> dict:

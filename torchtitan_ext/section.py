@@ -57,7 +57,8 @@ class GiftSection:
     """Block length for scaling=block."""
 
     geometry: str = _DEFAULTS.geometry
-    """Quantization coordinates: none, hadamard, dense, lowrank, gradient."""
+    """Quantization coordinates: none, hadamard, dense, lowrank, gradient, momentum (the map from the
+    optimizer's momentum, what Muon orthogonalizes)."""
 
     rank: int = _DEFAULTS.rank
     """Rank of the low-rank part of the whitening."""
