@@ -34,6 +34,7 @@ import dataclasses
 import json
 import math
 import statistics
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
     res = evaluate(samples, formats, labels, fs.damping, print)
     by_kind = {f: {t: res["by_kind"]["muon-mom"][f][t] for t in labels} for f in formats}
     out = {
-        "command": "python -m bench.fidelity_sweep " + " ".join(argv if argv is not None else []),
+        "command": "python -m bench.fidelity_sweep " + " ".join(argv if argv is not None else sys.argv[1:]),
         "reference": {"optimizer": a.reference, "val_bpb": record["val_bpb"],
                       "cache": str(reference.cache_path(ref_settings, paths, a.cache_dir))},
         "batches": a.batches, "layers": len({x.name for x in samples}), "formats": formats,

@@ -530,7 +530,8 @@ def _sweeps(sweeps: list[dict]) -> list[str]:
            "Euclidean). Candidates: `kfac-*` whiten the previous batch's K-FAC input factor A (`-sketch` through "
            "GIFT's sketch, `-cur` this batch's A: an oracle without staleness), `grad-*` the gradient-side factor "
            "G^T G of the previous batch's gradient (`-cur`: this batch's, an oracle), `mom-*` the momentum "
-           "proxy's M^T M; `-dN` overrides the damping (default 1e-3). Deterministic measurements over "
+           "proxy's M^T M (`geometry=\"momentum\"`), `mom2-*` two-sided: the rows also whitened by M M^T "
+           "(`-cur`: the proxy updated with this gradient, an oracle; not a product geometry); `-dN` overrides the damping (default 1e-3). Deterministic measurements over "
            "layers x batches (no error bars).", ""]
     for sw in sweeps:
         metrics = list(sw["errors"])

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> dict:
     s = dataclasses.replace(base, steps=a.steps, seeds=tuple(int(x) for x in a.seeds.split(",")),
                             arms=((a.optimizer, arms),), eval_every=a.steps)
     result = convergence.run(s, corpus.prepare(), print, jsonl=a.out.with_suffix(".jsonl"))
-    result["command"] = "python -m bench.tune " + " ".join(argv if argv is not None else [])
+    result["command"] = "python -m bench.tune " + " ".join(argv if argv is not None else sys.argv[1:])
     a.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
     res = result["optimizers"][a.optimizer]
     print(f"\n{f}, {a.optimizer}, {a.steps} steps, seeds {s.seeds}: held-out bits/byte minus fp32 (95% CI), and GIFT "
