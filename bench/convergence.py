@@ -70,6 +70,8 @@ MODIFIERS: dict[str, dict[str, object]] = {
     "mom": {"geometry": "momentum"},
     # damping 1e-2 instead of 1e-3 (the fidelity sweep's best momentum candidate, `mom-r32-d1e-2`)
     "d2": {"damping": 1e-2},
+    # the product's measured selection (`select="auto"`, default metric) instead of every layer whitened
+    "auto": {"select": "auto"},
     # EXPERIMENT, not in the product: two-sided dense whitening from the momentum (`TwoSided`)
     "two": {"geometry": "none", "damping": 1e-2},
 }
@@ -80,7 +82,8 @@ def parse_arm(arm: str) -> tuple[str, str | None, bool]:
 
     Names are `fp32` or `(euclid|gift)-<format>[-ef][-<modifier>...]`, modifiers from
     `MODIFIERS` (stochastic rounding, dense whitening, exact statistics, rank 64, refresh
-    every 5 steps, gradient-side geometry, momentum-side geometry, damping 1e-2).
+    every 5 steps, gradient-side geometry, momentum-side geometry, damping 1e-2, measured
+    selection, the two-sided experiment).
     """
     if arm == "fp32":
         return "fp32", None, False
