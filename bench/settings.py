@@ -173,17 +173,16 @@ def _both(formats: tuple[str, ...], ef: bool) -> tuple[str, ...]:
 
 
 # The study (full profile): under Muon (the paper's optimizer) 8, 4.5, 4.25 and 2.25 bits, NVFP4
-# and int2 with and without error feedback (8 bits: no EF, it is not resolved there); the
-# variants that judge what limits GIFT at NVFP4, where Euclidean first costs loss (`-mom-d2`:
-# the map from the optimizer's momentum, damping 1e-2; `-mom-d2-rf5`: refreshed every 5 steps;
-# `-two`: the two-sided experiment); under AdamW 2.25 bits with and without EF, and the
-# product's measured selection (`-auto`) next to every layer whitened. AdamW at NVFP4
-# is left out for time (24 arms x 5 seeds of 120 steps take ~4 h on 2 free cores; seed 0 of
-# the committed study ran it: bench/results/convergence_runs.jsonl).
+# and int2 with and without error feedback (8 bits: no EF); at NVFP4 the variants that judge
+# what limits GIFT (`-mom-d2`: the map from the optimizer's momentum, damping 1e-2, the fidelity
+# sweep's best product candidate; `-two`: the two-sided experiment); under AdamW 2.25 bits with
+# and without EF, and the product's measured selection (`-auto`) next to every layer whitened.
+# AdamW at NVFP4 is left out for time (22 arms x 5 seeds of 120 steps take ~4 h on 2 free
+# cores; seed 0 of the committed study ran it: bench/results/convergence_runs.jsonl).
 STUDY_ARMS = (
     ("muon", ("fp32", *_both(("fp8",), False), *_both(("nvfp4",), True), *_both(("int4",), False),
               *_both(("int2",), True),
-              "gift-nvfp4-mom-d2", "gift-nvfp4-mom-d2-rf5", "gift-nvfp4-two")),
+              "gift-nvfp4-mom-d2", "gift-nvfp4-two")),
     ("adamw", ("fp32", *_both(("int2",), True), "gift-int2-auto")),
 )
 
