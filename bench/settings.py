@@ -177,7 +177,7 @@ def _both(formats: tuple[str, ...], ef: bool) -> tuple[str, ...]:
 # what limits GIFT (`-mom-d2`: the map from the optimizer's momentum, damping 1e-2, the fidelity
 # sweep's best product candidate; `-two`: the two-sided experiment); under AdamW 2.25 bits with
 # and without EF, and the product's measured selection (`-auto`) next to every layer whitened.
-# AdamW at NVFP4 is left out for time (22 arms x 5 seeds of 120 steps take ~4 h on 2 free
+# AdamW at NVFP4 is left out for time (21 runs per seed x 5 seeds of 120 steps take ~4 h on 2 free
 # cores; seed 0 of the committed study ran it: bench/results/convergence_runs.jsonl).
 STUDY_ARMS = (
     ("muon", ("fp32", *_both(("fp8",), False), *_both(("nvfp4",), True), *_both(("int4",), False),
