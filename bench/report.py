@@ -444,7 +444,7 @@ def _convergence(cv: dict, plots: dict) -> list[str]:
            "Arms: `fp32` (plain fp32 all-reduce, the reference), `euclid-<format>` (`geometry=\"none\"`), "
            f"`gift-<format>` (`geometry=\"lowrank\"`, rank {g['rank']}, refresh every {g['refresh_every']} steps, "
            "every managed layer whitened), `-ef` = error feedback (fp32 residual); the variants that judge what limits "
-           "GIFT: `-dense` dense K-FAC whitening (`geometry=\"dense\"`, exact statistics), `-mom` the map from the "
+           "GIFT: `-mom` the map from the "
            "optimizer's momentum (`geometry=\"momentum\"`), `-d2` damping 1e-2, `-auto` the measured selection "
            "(`select=\"auto\"`) instead of every layer, `-two` two-sided whitening from the momentum (an experiment the product "
            "cannot run on row shards, `bench.convergence.TwoSided`; GIFT-only variants are compared with the "

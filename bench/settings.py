@@ -174,15 +174,15 @@ def _both(formats: tuple[str, ...], ef: bool) -> tuple[str, ...]:
 
 # The study (full profile): under Muon (the paper's optimizer) 8, 4.5, 4.25 and 2.25 bits, NVFP4
 # and int2 with and without error feedback (8 bits: no EF); at NVFP4 the variants that judge
-# what limits GIFT (`-dense`: dense K-FAC whitening; `-mom-d2`: the map from the optimizer's momentum, damping 1e-2, the fidelity
+# what limits GIFT (`-mom-d2`: the map from the optimizer's momentum, damping 1e-2, the fidelity
 # sweep's best product candidate; `-two`: the two-sided experiment); under AdamW 2.25 bits with
 # and without EF, and the product's measured selection (`-auto`) next to every layer whitened.
-# AdamW at NVFP4 is left out for time (22 runs per seed x 5 seeds of 120 steps take ~4 h on 2 free
+# AdamW at NVFP4 is left out for time (21 runs per seed x 5 seeds of 120 steps take ~4 h on 2 free
 # cores; seed 0 of the committed study ran it: bench/results/convergence_runs.jsonl).
 STUDY_ARMS = (
     ("muon", ("fp32", *_both(("fp8",), False), *_both(("nvfp4",), True), *_both(("int4",), False),
               *_both(("int2",), True),
-              "gift-nvfp4-dense", "gift-nvfp4-mom-d2", "gift-nvfp4-two")),
+              "gift-nvfp4-mom-d2", "gift-nvfp4-two")),
     ("adamw", ("fp32", *_both(("int2",), True), "gift-int2-auto")),
 )
 
