@@ -35,6 +35,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import gift_compile
+from bench.fidelity import two_sided_round_trip
 from bench.reference import lr_at, make_optimizers
 from bench.settings import ConvergenceSettings
 from bench.stats import paired, ratio_ci
@@ -138,9 +139,7 @@ class TwoSided:
         """All-reduce: managed weights through the two-sided codec, the rest in fp32."""
         for name, w in self.weights.items():
             left, right = self.maps[name]
-            coded = left.forward(right.forward(w.grad).t()).t().contiguous()
-            decoded = all_reduce(coded, dist.group.WORLD, self.config)
-            w.grad.copy_(right.inverse(left.inverse(decoded.t()).t()))
+            w.grad.copy_(two_sided_round_trip(w.grad, left, right, lambda x: all_reduce(x, dist.group.WORLD, self.config)))
         _allreduce_fp32(self.rest, self.world)
 
     def step(self) -> None:

@@ -81,6 +81,15 @@ def build_transform(kind: str, rank: int, source: str, sample: LayerSample, damp
     return t
 
 
+def two_sided_round_trip(g: torch.Tensor, left: Transform, right: Transform,
+                         reduce: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`g` whitened on both sides (rows by `left`, columns by `right`: L^-1 G R^-T), sent
+    through `reduce` (a Euclidean quantized collective) and mapped back. The two-sided
+    experiment of `fidelity_sweep` (`mom2-*`) and the convergence bench (`-two`)."""
+    coded = left.forward(right.forward(g).t()).t().contiguous()
+    return right.inverse(left.inverse(reduce(coded).t()).t())
+
+
 def sketched(a: torch.Tensor, rank: int, cols: int | None = None) -> SketchStatistics:
     """`SketchStatistics` (`cols` columns, default 2 x rank) that has observed exactly `a`.
 

@@ -148,38 +148,24 @@ def main(argv: list[str] | None = None) -> dict:
     return out
 
 
-def _transform(label: str, sample: LayerSample, momentum: torch.Tensor, damping: float) -> Transform:
-    """Candidate `label` for `sample`: `bench.fidelity.build_transform`, or for the `mom*`
-    candidates the whitening of the momentum proxy's factor M^T M / out."""
+def _maps(label: str, sample: LayerSample, momentum: torch.Tensor, damping: float) -> tuple[Transform, Transform | None]:
+    """Candidate `label` for `sample`: its column map (`bench.fidelity.build_transform`, or for
+    the `mom*` candidates the whitening of the momentum's factor M^T M / out) and, for the
+    two-sided `mom2*` candidates, its row map from M M^T / in (else None). The momentum is the
+    proxy, or for `-cur` the proxy updated with this gradient at Nesterov weight (an oracle)."""
     kind, rank, source = CANDIDATES[label]
     src, _, damp = source.partition("@")
     if not src.startswith("mom"):
-        return fidelity.build_transform(kind, rank, source, sample, damping)
-    t = Transform(kind, sample.shape[1], rank or 32, seed=0)
-    t.refresh_from(gradient_factor(momentum), float(damp) if damp else damping)
-    return t
-
-
-def _round_trip(label: str, g: torch.Tensor, transform: Transform, momentum: torch.Tensor, config: GiftConfig,
-                damping: float) -> torch.Tensor:
-    """One quantized round trip of `g` (one rank, no peers) in the candidate's coordinates.
-
-    `mom2*` candidates also whiten the rows with the output-side factor of M (`mom2`: the
-    momentum proxy; `mom2-cur`: that proxy updated with this gradient at Nesterov weight, an
-    oracle), quantize with the Euclidean codec and undo both maps."""
-    source = CANDIDATES[label][2].partition("@")[0]
-    if not source.startswith("mom2"):
-        return all_reduce(g, None, config, transform)
-    m = momentum if source == "mom2" else (1 - NESTEROV_WEIGHT) * momentum + NESTEROV_WEIGHT * g.double()
-    left = Transform("dense", g.shape[0], seed=0)
-    left.refresh_from(gradient_factor(m.t()), float(CANDIDATES[label][2].partition("@")[2] or damping))
-    right = transform
-    if source == "mom2-cur":
-        right = Transform("dense", g.shape[1], seed=0)
-        right.refresh_from(gradient_factor(m), float(CANDIDATES[label][2].partition("@")[2] or damping))
-    coded = left.forward(right.forward(g).t()).t().contiguous()
-    decoded = all_reduce(coded, None, config, None)
-    return right.inverse(left.inverse(decoded.t()).t())
+        return fidelity.build_transform(kind, rank, source, sample, damping), None
+    damping = float(damp) if damp else damping
+    m = (1 - NESTEROV_WEIGHT) * momentum + NESTEROV_WEIGHT * sample.grad.double() if src.endswith("-cur") else momentum
+    right = Transform(kind, sample.shape[1], rank or 32, seed=0)
+    right.refresh_from(gradient_factor(m), damping)
+    if not src.startswith("mom2"):
+        return right, None
+    left = Transform("dense", sample.shape[0], seed=0)
+    left.refresh_from(gradient_factor(m.t()), damping)
+    return right, left
 
 
 def evaluate(samples: list[LayerSample], formats: list[str], labels: list[str], damping: float,
@@ -211,9 +197,11 @@ def evaluate(samples: list[LayerSample], formats: list[str], labels: list[str], 
             den["muon-mom"][name] += float(o_mom.pow(2).sum())
             den["adam"][name] += float(refs["adam"].pow(2).sum())
             for label in labels:
-                transform = _transform(label, sample, momentum, damping)
+                right, left = _maps(label, sample, momentum, damping)
                 for f, config in configs.items():
-                    e = (_round_trip(label, g, transform, momentum, config, damping) - g).double()
+                    decoded = (all_reduce(g, None, config, right) if left is None else
+                               fidelity.two_sided_round_trip(g, left, right, lambda x: all_reduce(x, None, config)))
+                    e = (decoded - g).double()
                     key = (f, label, name)
                     num["plain"][key] += float(e.pow(2).sum())
                     num["whitened"][key] += float((basis.energies(e) * basis.inv).sum())
