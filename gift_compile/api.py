@@ -23,7 +23,7 @@ or call `gift_compile.step(model)`), not per backward pass.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -36,7 +36,7 @@ from torch._subclasses.fake_tensor import is_fake
 from gift_compile import collectives
 from gift_compile.config import GiftConfig
 from gift_compile.plan import BucketPlan, ItemPlan
-from gift_compile.selection import leaf_optimizers
+from gift_compile.geometries import geometry_class
 from gift_compile.state import GiftState, LayerState, unpack_mark_tensors
 
 logger = logging.getLogger("gift_compile")
@@ -250,8 +250,7 @@ def manage(model: nn.Module, config: GiftConfig, group: dist.ProcessGroup | None
         if layer.stats is not None:
             handles.append(module.register_forward_pre_hook(observe_inputs))
     state.handles.extend(handles)
-    state.grad_source = (_momentum_missing if config.geometry == "momentum"
-                         else lambda name: state.modules[name]._parameters["weight"].grad)
+    state.grad_source = geometry_class(config.geometry).factor_source(state.weight, None, lambda: state.steps)
     model._gift_state = state
     state.check_agreement()
     return state
@@ -288,9 +287,9 @@ def apply(model: nn.Module, config: GiftConfig | None = None, *, group: dist.Pro
     with the same config is a no-op; with another config it is an error.
     """
     config = config or GiftConfig()
-    if config.geometry == "momentum" and optimizer is None:
-        raise ValueError("gift_compile.apply: geometry='momentum' builds each layer's map from the optimizer's "
-                         "momentum; pass optimizer=")
+    if geometry_class(config.geometry).needs_optimizer and optimizer is None:
+        raise ValueError(f"gift_compile.apply: geometry={config.geometry!r} builds each layer's map from the "
+                         "optimizer's state; pass optimizer=")
     existing: GiftState | None = getattr(model, "_gift_state", None)
     if existing is not None:
         if existing.config == config:
@@ -394,39 +393,8 @@ def attach_optimizer(state: GiftState, optimizer: torch.optim.Optimizer) -> None
 
     state.handles.append(optimizer.register_step_pre_hook(before))
     state.handles.append(optimizer.register_step_post_hook(after))
-    if state.config.geometry == "momentum":
-        state.grad_source = momentum_source(state, optimizer)
-
-
-# optimizer state keys holding a momentum (torch Muon / SGD, then Adam / AdamW)
-MOMENTUM_KEYS = ("momentum_buffer", "exp_avg")
-
-
-def _momentum_missing(name: str) -> torch.Tensor:
-    raise RuntimeError(f"GIFT: geometry='momentum' but no optimizer is attached, so layer {name} has no momentum to "
-                       "build its map from; pass optimizer= to gift_compile.apply or call attach_optimizer")
-
-
-def momentum_source(state: GiftState, optimizer: Any) -> Callable[[str], torch.Tensor]:
-    """The factor source of `geometry="momentum"`: each managed weight's momentum in the
-    optimizer state (`MOMENTUM_KEYS`), identical on every rank because the replicas are (or,
-    under FSDP2, the rank's shard of it). Raises naming the layer when the optimizer keeps
-    none for it (an optimizer without momentum would otherwise leave the layer Euclidean)."""
-    leaves = leaf_optimizers(optimizer)
-
-    def source(name: str) -> torch.Tensor:
-        weight = state.modules[name]._parameters["weight"]
-        for opt in leaves:
-            st = opt.state.get(weight, {})
-            for key in MOMENTUM_KEYS:
-                if key in st:
-                    return st[key]
-        kinds = ", ".join(type(o).__name__ for o in leaves)
-        raise RuntimeError(f"GIFT: geometry='momentum' but the optimizer ({kinds}) keeps no momentum "
-                           f"({' or '.join(MOMENTUM_KEYS)}) for layer {name} at step {state.steps}; use geometry="
-                           "'lowrank' or 'gradient', or an optimizer with momentum")
-
-    return source
+    geometry = geometry_class(state.config.geometry)
+    state.grad_source = geometry.factor_source(state.weight, optimizer, lambda: state.steps)
 
 
 def step(model: nn.Module) -> None:

@@ -48,7 +48,8 @@ import torch.distributed as dist
 from gift_compile.config import GiftConfig
 from gift_compile.formats import FormatSpec, choose_scales, decode, encode
 from gift_compile import residual as residual_store
-from gift_compile.geometry import Transform, apply_forward, apply_inverse
+from gift_compile.geometries import IDENTITY_KIND, Geometry
+from gift_compile.geometry import apply_forward, apply_inverse
 from gift_compile.plan import BucketPlan, ItemPlan, dtype_name
 
 logger = logging.getLogger("gift_compile")
@@ -466,7 +467,7 @@ def run_bucket(xs: Sequence[torch.Tensor], items: Sequence[ItemTensors | None], 
 
 # ---- one-tensor public API -----------------------------------------------------------------------
 @torch.compiler.disable
-def _single(x: torch.Tensor, group: dist.ProcessGroup | str | None, config: GiftConfig, transform: Transform | None,
+def _single(x: torch.Tensor, group: dist.ProcessGroup | str | None, config: GiftConfig, transform: Geometry | None,
             residual: torch.Tensor | None, seed: torch.Tensor | int, op: str, compiled: bool) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"GIFT {op}: x must be a tensor, got {type(x).__name__}")
@@ -476,7 +477,7 @@ def _single(x: torch.Tensor, group: dist.ProcessGroup | str | None, config: Gift
     rows, cols = (1, x.shape[0]) if x.dim() == 1 else (x.numel() // x.shape[-1], x.shape[-1])
     if op == "reduce_scatter":
         rows, cols = x.shape[0], x.numel() // x.shape[0]
-    kind = "identity" if transform is None else transform.kind
+    kind = IDENTITY_KIND if transform is None else transform.kind
     tensors = () if transform is None else transform.tensors
     if transform is not None and cols != transform.d_in:
         raise ValueError(f"GIFT {op}: x's last dim {cols} != transform d_in {transform.d_in}")
@@ -502,7 +503,7 @@ def reduce_scatter(
     x: torch.Tensor,
     group: dist.ProcessGroup | str | None,
     config: GiftConfig,
-    transform: Transform | None = None,
+    transform: Geometry | None = None,
     residual: torch.Tensor | None = None,
     *,
     seed: torch.Tensor | int = 0,
@@ -526,7 +527,7 @@ def all_reduce(
     x: torch.Tensor,
     group: dist.ProcessGroup | str | None,
     config: GiftConfig,
-    transform: Transform | None = None,
+    transform: Geometry | None = None,
     residual: torch.Tensor | None = None,
     *,
     seed: torch.Tensor | int = 0,

@@ -17,13 +17,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from gift_compile.geometries import GEOMETRIES as GEOMETRY_CLASSES
+
 FORMATS = ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "mxfp8", "nvfp4", "mxint4", "int4", "int2", "ternary")
 # Formats whose block length is `block_size`; their block statistics are reduced by a
 # pairwise tree and packed whole into bytes, hence a short list of power-of-two lengths.
 BLOCK_SIZE_FORMATS = ("int4", "int2", "ternary")
 BLOCK_SIZE_CHOICES = (16, 32)
 SCALINGS = ("tensor", "row", "block")
-GEOMETRIES = ("none", "hadamard", "dense", "lowrank", "gradient", "momentum")
+GEOMETRIES = tuple(GEOMETRY_CLASSES)  # the names of the geometry table
 NONFINITE = ("error", "propagate")
 REDUCE_OPS = ("avg", "sum")
 SELECT_METRICS = ("euclidean", "whitened")

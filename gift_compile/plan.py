@@ -23,12 +23,10 @@ import torch
 
 from gift_compile.config import GiftConfig
 from gift_compile.formats import FormatSpec
+from gift_compile.geometries import IDENTITY_KIND, geometry_class
 
-__all__ = ["BucketPlan", "ItemPlan", "TRANSFORM_KIND", "dtype_name"]
+__all__ = ["BucketPlan", "ItemPlan", "dtype_name"]
 
-# GiftConfig.geometry -> transform kind in the graph ("gradient" and "momentum" build a low-rank map too).
-TRANSFORM_KIND = {"none": "identity", "hadamard": "hadamard", "dense": "dense", "lowrank": "lowrank",
-                  "gradient": "lowrank", "momentum": "lowrank"}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -59,7 +57,7 @@ class ItemPlan:
     format: str = "fp32"
     scaling: str = "row"
     block_size: int = 32
-    kind: str = "identity"
+    kind: str = IDENTITY_KIND  # the map (`gift_compile.geometries.map_class`)
     n_tensors: int = 0
     error_feedback: bool = False
     stochastic_rounding: bool = False
@@ -74,14 +72,16 @@ class ItemPlan:
     @classmethod
     def managed_layer(cls, name: str, shape: tuple[int, int], config: GiftConfig, n_tensors: int) -> "ItemPlan":
         """The plan of a managed weight `[out, in]` under `config`."""
-        return cls(name, int(shape[0]), int(shape[1]), "float32", True, config.format, config.scaling,
-                   config.block_size, TRANSFORM_KIND[config.geometry], n_tensors, config.error_feedback,
-                   config.stochastic_rounding, config.unrewritten, config.residual_format)
+        return cls(name=name, rows=int(shape[0]), cols=int(shape[1]), dtype="float32", managed=True,
+                   format=config.format, scaling=config.scaling, block_size=config.block_size,
+                   kind=geometry_class(config.geometry).kind, n_tensors=n_tensors,
+                   error_feedback=config.error_feedback, stochastic_rounding=config.stochastic_rounding,
+                   unrewritten=config.unrewritten, residual_format=config.residual_format)
 
     @classmethod
     def passthrough(cls, name: str, numel: int, dtype: torch.dtype) -> "ItemPlan":
         """A full-precision item of `numel` elements."""
-        return cls(name, 1, int(numel), dtype_name(dtype), False)
+        return cls(name=name, rows=1, cols=int(numel), dtype=dtype_name(dtype), managed=False)
 
     @property
     def spec(self) -> FormatSpec:

@@ -23,7 +23,11 @@ from gift_compile.config import GiftConfig
 from gift_compile.collectives import ItemTensors, Shared, bucket_core
 from gift_compile.plan import BucketPlan, ItemPlan
 from gift_compile.formats import FormatSpec, as_rows, choose_scales, encode
-from gift_compile.geometry import apply_forward
+from gift_compile.geometries import IDENTITY_KIND, geometry_class, map_class
+# Re-exported: the optimizer inspections lived here before `gift_compile.optimizers`.
+from gift_compile.optimizers import (  # noqa: F401
+    MATRIX_PRECONDITIONERS, leaf_optimizers, preconditions_matrices, select_metric_for,
+)
 
 _E5M2_MAX_CODE = 0x7B  # 0 11110 11: 57344, the largest finite E5M2 magnitude
 
@@ -46,7 +50,8 @@ class LayerMeasurement:
 def round_trip(g: torch.Tensor, spec: FormatSpec, kind: str, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """Transform, quantize, dequantize, inverse on one rank: the collective with no peers."""
     rows, cols = g.shape
-    item = ItemPlan("probe", rows, cols, "float32", True, spec.name, spec.scaling, spec.block_size, kind, len(tensors))
+    item = ItemPlan(name="probe", rows=rows, cols=cols, format=spec.name, scaling=spec.scaling,
+                    block_size=spec.block_size, kind=kind, n_tensors=len(tensors))
     plan = BucketPlan((item,), 1, None, False, "all_reduce")
     return bucket_core([g.float()], [ItemTensors(tuple(tensors))], Shared(), plan)[0][0]
 
@@ -64,15 +69,9 @@ def boundary_hit_ratio(g: torch.Tensor) -> float:
 
 
 def transform_flops(kind: str, rows: int, d_in: int, rank: int) -> float:
-    """FLOPs of forward plus inverse transform of a `[rows, d_in]` gradient."""
-    if kind == "lowrank":
-        return 2 * (4.0 * rows * d_in * rank + 2.0 * rows * d_in)
-    if kind == "dense":
-        return 2 * 2.0 * rows * d_in * d_in
-    if kind == "hadamard":
-        block = d_in & -d_in
-        return 2 * rows * d_in * max(1, block.bit_length() - 1)
-    return 0.0
+    """FLOPs of forward plus inverse transform of a `[rows, d_in]` gradient (the map's own
+    `transform_flops`)."""
+    return map_class(kind).transform_flops(rows, d_in, rank)
 
 
 def backward_flops(rows: int, d_in: int, tokens: float) -> float:
@@ -87,11 +86,12 @@ def measure(
     g = as_rows(sample).float()
     if not bool(torch.isfinite(g).all()) or float(g.norm()) == 0.0:
         return LayerMeasurement(float("nan"), float("nan"), 0.0, 0.0)
-    euclidean, transformed = round_trip(g, spec, "identity", ()), round_trip(g, spec, kind, tensors)
+    geometry = map_class(kind)
+    euclidean, transformed = round_trip(g, spec, IDENTITY_KIND, ()), round_trip(g, spec, kind, tensors)
     if config.select_metric == "whitened":  # both errors seen in the candidate's geometry
-        g, euclidean, transformed = (apply_forward(kind, t, tensors) for t in (g, euclidean, transformed))
+        g, euclidean, transformed = (geometry.apply_forward(t, tensors) for t in (g, euclidean, transformed))
     e_euc, e_t = relative_error(euclidean, g), relative_error(transformed, g)
-    over = transform_flops(kind, shape[0], shape[1], tensors[1].shape[1] if kind == "lowrank" else 0) / backward_flops(
+    over = geometry.transform_flops(shape[0], shape[1], geometry.rank_of(tensors)) / backward_flops(
         shape[0], shape[1], tokens
     )
     return LayerMeasurement(e_euc, e_t, over, boundary_hit_ratio(g))
@@ -101,7 +101,7 @@ def decide(config: GiftConfig, measurements: dict[str, LayerMeasurement], bounda
     """The set of layer FQNs that take the transformed path under `config.select`."""
     select = config.select
     names = list(measurements)
-    if config.geometry == "none" or select == "none":
+    if geometry_class(config.geometry).is_identity or select == "none":
         return set()
     if select == "all":
         return set(names)
@@ -117,56 +117,3 @@ def decide(config: GiftConfig, measurements: dict[str, LayerMeasurement], bounda
             chosen.add(n)
     return chosen
 
-
-# Optimizers that precondition each weight matrix as a whole (orthogonalize it or whiten it
-# with curvature factors), recognised by a lower-case fragment of their class name or of a
-# base class's name: Muon (torch.optim.Muon, torchtitan's DistMuon), Shampoo and
-# DistributedShampoo, SOAP, K-FAC, PSGD Kron. Such an optimizer amplifies the gradient's weak
-# directions, so the communication error that matters is the one seen in the layer's
-# geometry (`select_metric="whitened"`); an elementwise optimizer (Adam, AdamW, SGD) sees the
-# error in plain coordinates (`"euclidean"`).
-MATRIX_PRECONDITIONERS = ("muon", "shampoo", "soap", "kfac", "kron")
-
-
-def leaf_optimizers(optimizer: object) -> list[torch.optim.Optimizer]:
-    """The `torch.optim.Optimizer`s inside `optimizer`: itself, the members of a container
-    with an `optimizers` list (torchtitan's `OptimizersContainer`), or of a list/tuple."""
-    if isinstance(optimizer, (list, tuple)):
-        return [leaf for o in optimizer for leaf in leaf_optimizers(o)]
-    inner = getattr(optimizer, "optimizers", None)
-    if isinstance(inner, (list, tuple)):
-        return leaf_optimizers(inner)
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return [optimizer]
-    raise TypeError(f"GIFT: {type(optimizer).__name__} is not a torch.optim.Optimizer, a container of them "
-                    "(an `optimizers` list) or a list of them")
-
-
-def preconditions_matrices(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether `optimizer` is a matrix preconditioner (`MATRIX_PRECONDITIONERS`)."""
-    names = [c.__name__.lower() for c in type(optimizer).__mro__]
-    return any(frag in name for name in names for frag in MATRIX_PRECONDITIONERS)
-
-
-def select_metric_for(optimizer: object, weights: list[torch.Tensor]) -> str:
-    """`GiftConfig.select_metric` for the optimizer(s) that step the managed `weights`.
-
-    "whitened" when most of the managed elements (by count) are stepped by a matrix
-    preconditioner, else "euclidean". The convergence study (bench/results/REPORT.md,
-    section 5) is the evidence: under Muon the whitened round trip is what GIFT improves and
-    what costs loss; under AdamW the plain error is. Weights that no optimizer steps are
-    ignored; if none of them is stepped the choice is undefined and this raises.
-    """
-    leaves = leaf_optimizers(optimizer)
-    owner: dict[int, torch.optim.Optimizer] = {}
-    for opt in leaves:
-        for group in opt.param_groups:
-            for p in group["params"]:
-                owner.setdefault(id(p), opt)
-    stepped = [(w.numel(), owner[id(w)]) for w in weights if id(w) in owner]
-    if not stepped:
-        names = ", ".join(type(o).__name__ for o in leaves) or "none"
-        raise ValueError(f"GIFT: cannot choose select_metric from the optimizer: none of the {len(weights)} managed "
-                         f"weights is in its parameter groups ({names}); set select_metric explicitly")
-    preconditioned = sum(n for n, opt in stepped if preconditions_matrices(opt))
-    return "whitened" if 2 * preconditioned > sum(n for n, _ in stepped) else "euclidean"

@@ -36,10 +36,12 @@ from gift_compile.collectives import (
     C_BASELINE, C_CALLS, C_MISMATCH, C_NONFINITE, C_WIRE, N_COUNTERS, ItemTensors, Shared, bucket_wire_bytes,
 )
 from gift_compile.config import GiftConfig
-from gift_compile.geometry import Transform, apply_forward, apply_inverse, gradient_factor
+from gift_compile.geometries import IDENTITY_KIND, geometry_class
+from gift_compile.geometry import apply_forward, apply_inverse
 from gift_compile.statistics import KFACStatistics, SketchStatistics
-from gift_compile.plan import TRANSFORM_KIND, BucketPlan, ItemPlan
+from gift_compile.plan import BucketPlan, ItemPlan
 from gift_compile.selection import LayerMeasurement, decide, measure
+from gift_compile.whitening import gradient_factor
 from gift_compile.sync import all_gather_object_, all_reduce_, broadcast_, group_rank, world_size
 
 logger = logging.getLogger("gift_compile")
@@ -61,17 +63,15 @@ class LayerState:
         self.shape = (int(shape[0]), int(shape[1]))
         self.config = config
         out, d_in = self.shape
-        kind = TRANSFORM_KIND[config.geometry]
+        geometry = geometry_class(config.geometry)
         stable = zlib.crc32(fqn.encode()) & 0x7FFFFFFF
-        self.transform = Transform(kind, d_in, config.rank, seed=config.seed + stable, device=device)
-        self.stats = _make_statistics(config, d_in, device)
+        self.transform = geometry(d_in, config.rank, seed=config.seed + stable, device=device)
+        self.stats = geometry.make_statistics(config, d_in, device)
         # Statistics shared with other layers that read the same input (q/k/v, gate/up):
         # a follower reads its leader's statistics and feeds none itself.
         self.leader: LayerState | None = None
         self.followers: list[LayerState] = []
-        self.grad_factor: torch.Tensor | None = (
-            torch.zeros(d_in, d_in, device=device) if config.geometry in ("gradient", "momentum") else None
-        )
+        self.grad_factor: torch.Tensor | None = geometry.allocate_factor(d_in, device)
         self.residual = (residual_store.allocate(config.residual_format, out, d_in, device)
                          if config.error_feedback else None)
         self.probe = torch.zeros(min(out, PROBE_ROWS), d_in, device=device)
@@ -98,8 +98,8 @@ class LayerState:
 
     @property
     def active_kind(self) -> str:
-        """The kind the collectives run now: the layer's, or "identity" when not selected."""
-        return self.transform.kind if self.selected else "identity"
+        """The kind the collectives run now: the layer's, or the identity when not selected."""
+        return self.transform.kind if self.selected else IDENTITY_KIND
 
     @property
     def needs_stats(self) -> bool:
@@ -143,19 +143,6 @@ class LayerState:
         sd["decided"] = torch.tensor(self.decided)
         sd["boundary_score"] = torch.tensor(self.boundary_score)
         return sd
-
-
-def _make_statistics(config: GiftConfig, d_in: int, device: torch.device | str) -> KFACStatistics | SketchStatistics | None:
-    """The K-FAC statistics object of a layer: a sketch for low-rank maps (unless configured
-    dense, or the layer is too narrow for the sketch to be smaller), the exact factor for the
-    dense map, none for fixed maps and the gradient-side geometry."""
-    if config.geometry not in ("dense", "lowrank"):
-        return None
-    cols = config.sketch_cols or 2 * config.rank
-    if config.geometry == "lowrank" and config.statistics == "sketch" and 2 * d_in > 3 * cols:
-        return SketchStatistics(d_in, rank=config.rank, sketch_cols=cols, ema=config.ema,
-                                max_tokens=config.stats_tokens, seed=config.seed, device=device)
-    return KFACStatistics(d_in, ema=config.ema, max_tokens=config.stats_tokens, device=device)
 
 
 def unpack_mark_tensors(plan: ItemPlan, tensors: list[Any]) -> tuple[ItemTensors, Shared]:
@@ -233,17 +220,21 @@ class GiftState:
         self.layers[fqn] = layer
         if self._static_selection():  # decided before any graph exists: not a plan change
             chosen = fqn in decide(self.config, {fqn: LayerMeasurement(1.0, 1.0, 0.0, 0.0)}, {})
-            layer.selected, layer.decided = chosen and layer.kind != "identity", True
+            layer.selected, layer.decided = chosen and not layer.transform.is_identity, True
             layer._replan()
         return layer
 
     def _static_selection(self) -> bool:
         """Whether the selection rule needs no measurement (all, none, globs, no geometry)."""
         cfg = self.config
-        return cfg.geometry == "none" or cfg.select in ("all", "none") or isinstance(cfg.select, tuple)
+        return geometry_class(cfg.geometry).is_identity or cfg.select in ("all", "none") or isinstance(cfg.select, tuple)
 
     def world(self) -> int:
         return world_size(self.group)
+
+    def weight(self, name: str) -> torch.Tensor:
+        """The managed weight parameter `name` (what the optimizer steps and `.grad` lands on)."""
+        return self.modules[name]._parameters["weight"]
 
     def layer_plan(self, fqn: str) -> BucketPlan:
         """The one-layer collective this state's own sync runs for `fqn` (for accounting)."""
@@ -391,12 +382,8 @@ class GiftState:
                 if not bool(torch.isfinite(new).all()):
                     logger.warning("GIFT: non-finite gradient factor for %s dropped at step %d", name, self.steps)
                     continue
-                f = layer.grad_factor
-                if cfg.geometry == "momentum" or float(f.abs().sum()) == 0.0:
-                    f.copy_(new)  # the momentum is already an average over steps
-                else:
-                    f.mul_(cfg.ema).add_(new, alpha=1 - cfg.ema)
-                factor = f
+                layer.transform.fold_factor(layer.grad_factor, new, cfg.ema)
+                factor = layer.grad_factor
             if mine:
                 layer.transform.refresh_from(factor, cfg.damping)
         for name in needing:
@@ -423,7 +410,7 @@ class GiftState:
         cfg = self.config
         measured: dict[str, LayerMeasurement] = {}
         for name, layer in self.layers.items():
-            if layer.kind == "identity" or not (layer.selected or not layer.decided or deciding):
+            if layer.transform.is_identity or not (layer.selected or not layer.decided or deciding):
                 continue
             tokens = float(layer.stats.tokens) / max(self.steps, 1) if layer.stats is not None else 8192.0
             measured[name] = measure(layer.probe, cfg, layer.kind, layer.transform.tensors, layer.shape, tokens)
@@ -549,8 +536,7 @@ class GiftState:
 
         seen: set[int] = set()
         for layer in self.layers.values():
-            for t in layer.transform.tensors:
-                add("transforms", t)
+            out["transforms"] += layer.transform.memory_bytes()
             if layer.stats is not None and id(layer.stats) not in seen:
                 seen.add(id(layer.stats))
                 stats_tensors = dict(layer.stats.state_dict())

@@ -9,7 +9,7 @@ A layer's whitening is rebuilt from `A = E[x x^T]` of its inputs. Two ways to ke
   `Y = A Omega` (d_in x k, k ~ 2 x rank) plus the exact diagonal of `A`, O(d_in k) memory.
   `whitening` recovers the top eigenpairs from `Y` by a single-pass Nystrom approximation
   and takes the residual diagonal from the exact one, so the map has the same form
-  (`A ~= U L U^T + D`) as `geometry.lowrank_whitening` of the exact factor.
+  (`A ~= U L U^T + D`) as `whitening.lowrank_whitening` of the exact factor.
 
 Both update in place inside the compiled forward (`observe`) and average over the
 data-parallel group eagerly at a refresh (`consolidate`).
@@ -25,7 +25,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from gift_compile.geometry import lowrank_tensors
+from gift_compile.whitening import lowrank_tensors
 from gift_compile.sync import all_reduce_, group_rank, reduce_, world_size
 
 __all__ = ["KFACStatistics", "SketchStatistics", "sketch_matrix"]
@@ -290,7 +290,7 @@ class SketchStatistics:
         `nu / 2` cannot come from `A + nu I` and are clamped there, which shrinks (never
         amplifies) such noise directions. The top `rank` pairs and the exact diagonal then go
         through the same residual-diagonal and damping rule as the exact path
-        (`geometry.lowrank_tensors`). fp64 throughout; deterministic.
+        (`whitening.lowrank_tensors`). fp64 throughout; deterministic.
         """
         if not bool(self.initialized):
             raise RuntimeError(
@@ -311,7 +311,7 @@ class SketchStatistics:
         return lowrank_tensors(self.diag.double(), u[:, :rank], lam, damping)
 
     def whitening_flops(self, rank: int) -> float:
-        """FLOPs of `whitening` (for cost models; compare `geometry.lowrank_refresh_flops`):
+        """FLOPs of `whitening` (for cost models; compare `whitening.lowrank_refresh_flops`):
         `Omega^T Y`, the k x k eigendecomposition, `F`, its thin SVD, and the final rank-r SVD."""
         d, k = self.d_in, self.cols
         return 2.0 * d * k * k + 9.0 * k ** 3 + 2.0 * d * k * k + 4.0 * d * k * k + 4.0 * d * rank * rank

@@ -1,0 +1,130 @@
+"""The geometry table: every geometry is one class, found by name through one table."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from gift_compile.config import GEOMETRIES as CONFIG_GEOMETRIES
+from gift_compile.config import GiftConfig
+from gift_compile.geometries import GEOMETRIES, KINDS, Geometry, Momentum, geometry_class, map_class
+from gift_compile.statistics import KFACStatistics, SketchStatistics
+
+ROOT = Path(__file__).resolve().parent.parent
+NAMES = set(GEOMETRIES) | set(KINDS)
+
+
+def _spd(d: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(4 * d, d, generator=gen) * torch.logspace(0, 2, d)
+    return x.t() @ x / x.shape[0]
+
+
+@pytest.mark.parametrize("name", list(GEOMETRIES))
+def test_each_geometry_round_trips_and_is_not_the_identity_unless_named_so(name):
+    cls = geometry_class(name)
+    assert cls.name == name and map_class(cls.kind).kind == cls.kind
+    geo = cls(64, 8, seed=3)
+    geo.activate()
+    geo.refresh_from(_spd(64), 1e-3)
+    g = torch.randn(16, 64, generator=torch.Generator().manual_seed(1))
+    fwd = geo.forward(g)
+    assert torch.allclose(geo.inverse(fwd), g, rtol=1e-4, atol=1e-4)
+    assert cls.is_identity == torch.equal(fwd, g)
+    geo.set_identity()
+    assert torch.equal(geo.forward(g), g) and torch.equal(geo.inverse(g), g)
+    assert geo.adaptive == cls.adaptive and (cls.transform_flops(16, 64, geo.rank) > 0) != cls.is_identity
+    sd = {k: v.clone() for k, v in geo.state_dict().items()}
+    other = cls(64, 8, seed=3)
+    other.load_state_dict(sd)
+    assert all(torch.equal(a, b) for a, b in zip(other.tensors, geo.tensors))
+
+
+def test_config_names_are_the_table_and_unknown_names_raise():
+    assert CONFIG_GEOMETRIES == tuple(GEOMETRIES)
+    with pytest.raises(ValueError, match="unknown geometry 'spherical'"):
+        geometry_class("spherical")
+    with pytest.raises(ValueError, match="unknown transform kind 'spherical'"):
+        map_class("spherical")
+
+
+def test_statistics_source_is_the_classes_own():
+    cfg = GiftConfig(rank=8)
+    kinds = {name: type(geometry_class(name).make_statistics(cfg, 256, "cpu")).__name__ for name in GEOMETRIES}
+    assert kinds == {"none": "NoneType", "hadamard": "NoneType", "dense": "KFACStatistics",
+                     "lowrank": "SketchStatistics", "gradient": "NoneType", "momentum": "NoneType"}
+    assert isinstance(geometry_class("lowrank").make_statistics(GiftConfig(rank=8, statistics="dense"), 256, "cpu"),
+                      KFACStatistics)
+    assert [n for n in GEOMETRIES if geometry_class(n).allocate_factor(4, "cpu") is not None] == ["gradient", "momentum"]
+    with pytest.raises(ValueError, match="exact factor"):
+        geometry_class("dense")(16).refresh_from_stats(SketchStatistics(16, rank=2, sketch_cols=4, ema=0.9,
+                                                                         max_tokens=8), 1e-3)
+
+
+def test_momentum_reads_the_optimizer_state_and_names_the_layer_without_one():
+    w = torch.nn.Parameter(torch.randn(4, 8))
+    opt = torch.optim.SGD([w], lr=0.1, momentum=0.9)
+    w.grad = torch.ones_like(w)
+    opt.step()
+    source = Momentum.factor_source(lambda name: w, opt, lambda: 1)
+    assert source("fc.weight") is opt.state[w]["momentum_buffer"]
+    with pytest.raises(RuntimeError, match="no optimizer is attached, so layer fc.weight"):
+        Momentum.factor_source(lambda name: w, None, lambda: 1)("fc.weight")
+    bare = torch.optim.SGD([w], lr=0.1)
+    with pytest.raises(RuntimeError, match="keeps no momentum .* for layer fc.weight at step 7"):
+        Momentum.factor_source(lambda name: w, bare, lambda: 7)("fc.weight")
+    assert Geometry.factor_source(lambda name: w, opt, lambda: 1)("fc.weight") is w.grad
+
+
+def _names_in(node: ast.AST) -> set[str]:
+    """String constants in an expression (a literal, or a tuple/list/set of them)."""
+    return {n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+
+
+def _is_geometry_value(node: ast.AST) -> bool:
+    """`kind`, `geometry`, `x.kind`, `x.geometry`: a value holding a geometry or map name."""
+    return (isinstance(node, ast.Name) and node.id in ("kind", "geometry")
+            or isinstance(node, ast.Attribute) and node.attr in ("kind", "geometry"))
+
+
+# Names that are also values of other options ("none": select; "dense": statistics) count only
+# when compared with a geometry value; the others count wherever they are compared.
+_SHARED_NAMES = {"none", "dense"}
+
+
+def _name_comparisons(source: str) -> list[int]:
+    """Lines comparing a geometry or map name: `x == "lowrank"`, `kind in ("dense", ...)`,
+    `config.geometry != "none"`, and any comparison of a `.kind` / `.geometry` value with a
+    string."""
+    hits = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        sides = [node.left, *node.comparators]
+        literals = set().union(*(_names_in(s) for s in sides))
+        about_geometry = any(_is_geometry_value(s) for s in sides)
+        if literals & (NAMES - _SHARED_NAMES) or about_geometry and literals:
+            hits.append(node.lineno)
+    return hits
+
+
+def test_no_geometry_name_comparisons_outside_the_table():
+    found = {}
+    for folder in ("gift_compile", "passes", "torchtitan_ext"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path.name == "geometries.py":
+                continue
+            lines = _name_comparisons(path.read_text())
+            if lines:
+                found[str(path.relative_to(ROOT))] = lines
+    assert not found, f"geometry names compared outside gift_compile/geometries.py: {found}"
+
+
+def test_the_name_checker_finds_comparisons():
+    src = ('if cfg.geometry == "momentum": pass\nif kind in ("dense", "lowrank"): pass\nif select == "none": pass\n'
+           'if layer.kind != "identity": pass\nif statistics == "dense": pass\nif stat_kind == "amax": pass\n'
+           'if x == "hadamard": pass\n')
+    assert _name_comparisons(src) == [1, 2, 4, 7]
