@@ -175,7 +175,8 @@ def codec_body(fmt: str, scaling: str, kind: str, rows: int, cols: int, rank: in
     transform = Transform(kind, cols, rank, seed=0)
     if transform.adaptive and factor:
         transform.refresh_from(_synthetic_factor(cols), 1e-3)
-    item = ItemPlan("g", rows, cols, "float32", True, fmt, scaling, 32, kind, len(transform.tensors))
+    item = ItemPlan(name="g", rows=rows, cols=cols, format=fmt, scaling=scaling, block_size=32, kind=kind,
+                    n_tensors=len(transform.tensors))
     plan = BucketPlan((item,), world, group_name, False, op)
     tensors = tuple(t.to(device) for t in transform.tensors)
 

@@ -38,7 +38,8 @@ def _worker(rank: int, world: int, store: str, rows: int, cols: int, repeats: in
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
     try:
         g = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rank))
-        item = ItemPlan("w", rows, cols, "float32", True, "fp8_e4m3", "row", 32, "identity", 0)
+        item = ItemPlan(name="w", rows=rows, cols=cols, format="fp8_e4m3", scaling="row", block_size=32,
+                        kind="identity", n_tensors=0)
         plan = BucketPlan((item,), world, dist.group.WORLD.group_name, True, "reduce_scatter")
         state = [C.ItemTensors(())]
         C.check_plan_agreement(plan, dist.group.WORLD)  # first call: the host check every eager path pays once

@@ -37,6 +37,7 @@ float4 dtypes, so everything travels as uint8.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Sequence
@@ -68,8 +69,8 @@ C_MISMATCH = 4  # calls in which some rank's plan differed from this rank's
 N_COUNTERS = 8
 
 __all__ = [
-    "ItemTensors", "Shared", "all_reduce", "bucket_wire_bytes", "finish", "gather_finish", "gather_launch",
-    "group_info", "launch", "reduce_scatter", "run_bucket", "wire_bytes_per_rank",
+    "ItemTensors", "Segment", "Shared", "all_reduce", "bucket_plan", "bucket_wire_bytes", "finish", "gather_finish", "gather_launch",
+    "group_info", "launch", "reduce_scatter", "run_bucket", "sync_buffer", "wire_bytes_per_rank",
 ]
 
 
@@ -182,7 +183,7 @@ def wire_bytes_per_rank(op: str, shape: Sequence[int], spec: FormatSpec, world: 
     rows, cols = (1, int(shape[0])) if len(shape) == 1 else (int(torch.Size(shape[:-1]).numel()), int(shape[-1]))
     if spec.passthrough:
         return rows * cols * (4 if spec.name == "fp32" else 2)
-    item = ItemPlan("w", rows, cols, "float32", True, spec.name, spec.scaling, spec.block_size)
+    item = ItemPlan(name="w", rows=rows, cols=cols, format=spec.name, scaling=spec.scaling, block_size=spec.block_size)
     return bucket_wire_bytes(BucketPlan((item,), world, None, False, op))
 
 
@@ -465,6 +466,83 @@ def run_bucket(xs: Sequence[torch.Tensor], items: Sequence[ItemTensors | None], 
         return fn(list(xs), list(items), shared, plan)
 
 
+# ---- one bucket from a flat buffer: every eager path --------------------------------------------
+class Segment(NamedTuple):
+    """One gradient in a flat bucket buffer.
+
+    `rows x cols` is the gradient's block in the buffer's layout: for an all-reduce the whole
+    gradient (segments follow each other), for a reduce-scatter each rank's row block (the
+    buffer is `[world, chunk]`, rank `r`'s blocks of every segment in row `r`, as FSDP2's
+    `chunk_cat` and the bucketed reduce-scatters pack it). `plan` is a managed weight's plan
+    (its dtype is set from the buffer) with its runtime `tensors`; `None` sends the segment at
+    full precision.
+    """
+
+    name: str
+    rows: int
+    cols: int
+    plan: ItemPlan | None = None
+    tensors: ItemTensors | None = None
+
+
+def bucket_plan(segments: Sequence[Segment], dtype: torch.dtype, *, world: int, group_name: str | None,
+                average: bool, op: str) -> BucketPlan:
+    """The plan of a buffer cut into `segments` (see `Segment` for the two layouts)."""
+    per_item = world if op == "reduce_scatter" else 1
+    items = tuple(ItemPlan.passthrough(s.name, per_item * s.rows * s.cols, dtype) if s.plan is None
+                  else s.plan.with_dtype(dtype) for s in segments)
+    return BucketPlan(items, world, group_name, average, op)
+
+
+def sync_buffer(buffer: torch.Tensor, segments: Sequence[Segment], shared: Shared, *, op: str,
+                group: dist.ProcessGroup | str | None, average: bool, out: torch.Tensor | None = None,
+                plan_check: str | None = None, nonfinite: str | None = None, compiled: bool = False,
+                timing: contextlib.AbstractContextManager | None = None) -> list[torch.Tensor]:
+    """One bucket collective over a flat buffer, the steps every eager caller shares (the
+    public one-tensor API, GIFT's own sync in a weight's backward, the DDP and FSDP2 hooks):
+    cut `buffer` into `segments`, build the `BucketPlan`, check it across ranks, `run_bucket`,
+    copy the results into `out`.
+
+    `plan_check` ("first" or "always", `GiftConfig.plan_check`) runs `check_plan_agreement`
+    before data moves (None: the caller checked the plan when it was set up). `nonfinite`
+    (`GiftConfig.nonfinite`) raises on every rank for bad headers now (None: left to the
+    counters, checked once per optimizer step). `out` receives the results: for an
+    all-reduce at the segments' offsets (it may be `buffer` itself), for a reduce-scatter
+    this rank's shards concatenated. `timing` is entered around the collective. Returns the
+    fp32 outputs (all-reduce: full gradients; reduce-scatter: this rank's shards).
+    """
+    group_name, world, _ = group_info(group)
+    xs: list[torch.Tensor] = []
+    if op == "reduce_scatter":
+        chunks = buffer.view(world, sum(s.rows * s.cols for s in segments))
+    offset = 0
+    for seg in segments:
+        n = seg.rows * seg.cols
+        if op == "reduce_scatter":
+            piece = chunks[:, offset:offset + n]
+            xs.append(piece if seg.plan is None else piece.reshape(world * seg.rows, seg.cols))
+        else:
+            piece = buffer[offset:offset + n]
+            xs.append(piece if seg.plan is None else piece.view(seg.rows, seg.cols))
+        offset += n
+    plan = bucket_plan(segments, buffer.dtype, world=world, group_name=group_name, average=average, op=op)
+    if plan_check is not None:
+        pg = dist.distributed_c10d._resolve_process_group(group) if isinstance(group, str) else group
+        check_plan_agreement(plan, pg if group_name else None, always=plan_check == "always")
+    with timing if timing is not None else contextlib.nullcontext():
+        outs, headers = run_bucket(xs, [s.tensors for s in segments], shared, plan, compiled=compiled)
+    if nonfinite is not None:
+        raise_on_bad_headers(headers, plan, nonfinite)
+    if out is not None and op == "reduce_scatter":
+        out.copy_(torch.cat([o.reshape(-1) for o in outs]))
+    elif out is not None:
+        offset = 0
+        for x, o in zip(xs, outs):
+            out[offset:offset + x.numel()].copy_(o.reshape(-1))
+            offset += x.numel()
+    return outs
+
+
 # ---- one-tensor public API -----------------------------------------------------------------------
 @torch.compiler.disable
 def _single(x: torch.Tensor, group: dist.ProcessGroup | str | None, config: GiftConfig, transform: Geometry | None,
@@ -489,13 +567,12 @@ def _single(x: torch.Tensor, group: dist.ProcessGroup | str | None, config: Gift
     item = ItemPlan(name="x", rows=rows, cols=cols, dtype=dtype_name(x.dtype), managed=True, format=config.format,
                     scaling=config.scaling, block_size=config.block_size, kind=kind, n_tensors=len(tensors),
                     error_feedback=residual is not None, stochastic_rounding=config.stochastic_rounding)
-    plan = BucketPlan((item,), world, name, config.reduce_op == "avg", op)
-    pg = dist.distributed_c10d._resolve_process_group(group) if isinstance(group, str) else group
-    check_plan_agreement(plan, pg if name else None, always=config.plan_check == "always")
     res2 = None if residual is None else (residual.reshape(rows, cols),)
-    state = ItemTensors(tensors, res2, None)
-    outs, headers = run_bucket([x.reshape(rows, cols)], [state], Shared(seed, rank, None), plan, compiled=compiled)
-    raise_on_bad_headers(headers, plan, config.nonfinite)
+    seg_rows = rows // world if op == "reduce_scatter" else rows
+    segment = Segment("x", seg_rows, cols, item, ItemTensors(tensors, res2, None))
+    outs = sync_buffer(x.reshape(-1), [segment], Shared(seed, rank, None), op=op, group=group,
+                       average=config.reduce_op == "avg", plan_check=config.plan_check, nonfinite=config.nonfinite,
+                       compiled=compiled)
     return outs[0]
 
 

@@ -4,7 +4,7 @@ DDP hands a comm hook one `GradBucket` at a time: a flat buffer holding the grad
 several parameters in order (the accumulated `.grad`s; under `model.no_sync()` DDP calls no
 hook and the next synchronising backward sends the accumulated gradients). The hook builds
 one bucket plan, managed weights quantized with their layer's transform/residual/seed and
-every other parameter at full precision, runs `gift_compile.collectives.run_bucket` (one
+every other parameter at full precision, runs `gift_compile.collectives.sync_buffer` (one
 all_to_all plus one all_gather per DDP bucket, the same core as the FSDP2 hook and the FX
 pass), and writes the results back into the buffer. The returned future is complete: the
 collective has run (DDP overlaps buckets with the rest of the backward either way).
@@ -18,9 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from gift_compile.collectives import check_plan_agreement, group_info, run_bucket
+from gift_compile.collectives import Segment, group_info, sync_buffer
 from gift_compile.config import GiftConfig
-from gift_compile.plan import BucketPlan, ItemPlan
 from gift_compile.state import GiftState
 
 logger = logging.getLogger("gift_compile")
@@ -41,34 +40,22 @@ class _HookState:
 
 def _gift_hook(hs: "_HookState", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     buf = bucket.buffer()
-    name, world, _ = group_info(hs.group)
+    _, world, _ = group_info(hs.group)
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     if not hs.state.active:  # gift_compile.remove was called: DDP's default behaviour
         dist.all_reduce(buf.div_(world), group=hs.group)
         fut.set_result(buf)
         return fut
-    xs, items, tensors = [], [], []
-    offset = 0
+    segments = []
     for p in bucket.parameters():
-        n = p.numel()
-        flat = buf[offset:offset + n]
-        offset += n
         layer = hs.layers.get(id(p))
         if layer is None:
-            xs.append(flat)
-            items.append(ItemPlan.passthrough(hs.names.get(id(p), "param"), n, buf.dtype))
-            tensors.append(None)
+            segments.append(Segment(hs.names.get(id(p), "param"), 1, p.numel()))
         else:
-            xs.append(flat.view(layer.shape))
-            items.append(layer.plan.with_dtype(buf.dtype))
-            tensors.append(layer.tensors())
-    plan = BucketPlan(tuple(items), world, name, hs.state.config.reduce_op == "avg", "all_reduce")
-    check_plan_agreement(plan, hs.group, always=hs.state.config.plan_check == "always")
-    outs, _ = run_bucket(xs, tensors, hs.state.shared, plan, compiled=hs.fuse)
-    offset = 0
-    for x, out in zip(xs, outs):
-        buf[offset:offset + x.numel()].copy_(out.reshape(-1))
-        offset += x.numel()
+            segments.append(Segment(layer.fqn, *layer.shape, layer.plan, layer.tensors()))
+    config = hs.state.config
+    sync_buffer(buf, segments, hs.state.shared, op="all_reduce", group=hs.group, average=config.reduce_op == "avg",
+                out=buf, plan_check=config.plan_check, compiled=hs.fuse)
     fut.set_result(buf)
     return fut
 

@@ -10,7 +10,7 @@ gradients (`chunk_cat`). For `world` ranks::
 with `c_i` rows of parameter `i` per rank (dim 0 padded to a multiple of `world`). That is
 exactly a bucket: `GiftReduceScatter` cuts the buffer into one item per parameter (a managed
 weight is `input.view(world, N)[:, off_i:off_i + c_i*cols_i]` reshaped to `[world*c_i, cols_i]`,
-its full gradient) and runs `gift_compile.collectives.run_bucket` on them: one all_to_all per
+its full gradient) and runs `gift_compile.collectives.sync_buffer` on them: one all_to_all per
 FSDP module, managed weights quantized with their transform/residual/seed, every other
 parameter at full precision in the same collective. The graph path (a bucketed reduce-scatter
 rewritten by the pass) runs the same functions on the same layout.
@@ -34,9 +34,9 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-from gift_compile.collectives import ItemTensors, check_plan_agreement, run_bucket
-from gift_compile.plan import BucketPlan, ItemPlan
-from gift_compile.state import GiftState, LayerState
+from gift_compile.collectives import Segment, bucket_plan, sync_buffer
+from gift_compile.plan import BucketPlan
+from gift_compile.state import GiftState
 
 __all__ = ["GiftReduceScatter", "install", "shard_group", "uninstall"]
 
@@ -83,9 +83,9 @@ class GiftReduceScatter(ReduceScatter):
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
-    def _segments(self) -> list[tuple[str, int, int, LayerState | None]]:
-        """`(name, rows per rank, cols, layer)` of every parameter FSDP2 packs in this call:
-        those requiring a gradient, in FSDP2's order."""
+    def _segments(self) -> list[Segment]:
+        """Every parameter FSDP2 packs in this call (those requiring a gradient, in FSDP2's
+        order) as a segment of its per-rank rows: managed weights with their layer's plan."""
         group = self.module._get_fsdp_state()._fsdp_param_group
         out = []
         for fsdp_param in group.fsdp_params:
@@ -97,17 +97,15 @@ class GiftReduceScatter(ReduceScatter):
             layer = getattr(info.module, "_gift_layer", None) if info.param_name == "weight" else None
             if layer is not None and (fsdp_param.fsdp_placement.dim != 0 or cols != layer.shape[1]):
                 layer = None
-            out.append((fsdp_param._param_fqn or info.param_name, rows, cols, layer))
+            name = fsdp_param._param_fqn or info.param_name
+            out.append(Segment(name, rows, cols) if layer is None else Segment(name, rows, cols, layer.plan, layer.tensors()))
         return out
 
     def plan(self, world: int, dtype: torch.dtype, group_name: str | None = None) -> BucketPlan:
         """The bucket this module's reduce-scatter runs: one item per parameter (managed
         weights quantized, the others at full precision), FSDP2's order."""
-        items = tuple(
-            ItemPlan.passthrough(name, world * rows * cols, dtype) if layer is None else layer.plan.with_dtype(dtype)
-            for name, rows, cols, layer in self._segments()
-        )
-        return BucketPlan(items, world, group_name, False, "reduce_scatter")
+        return bucket_plan(self._segments(), dtype, world=world, group_name=group_name, average=False,
+                           op="reduce_scatter")
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: Any, async_op: bool = False) -> dist.Work | None:
@@ -118,25 +116,16 @@ class GiftReduceScatter(ReduceScatter):
             )
         world = group.size()
         segments = self._segments()
-        chunk = sum(r * c for _, r, c, _ in segments)
+        chunk = sum(s.rows * s.cols for s in segments)
         if input_tensor.numel() != world * chunk:
             raise RuntimeError(
                 f"GIFT FSDP2: the reduce-scatter buffer has {input_tensor.numel()} elements, the module's "
                 f"parameters that require gradients make {world} x {chunk}; cannot map it to parameters"
             )
-        chunks = input_tensor.view(world, chunk)
-        xs, tensors = [], []
-        offset = 0
-        for _, rows, cols, layer in segments:
-            piece = chunks[:, offset:offset + rows * cols]
-            offset += rows * cols
-            xs.append(piece if layer is None else piece.reshape(world * rows, cols))
-            tensors.append(None if layer is None else layer.tensors())
-        plan = self.plan(world, input_tensor.dtype, group.group_name)
-        check_plan_agreement(plan, group, always=self.state.config.plan_check == "always")
-        with self.timer.timing(input_tensor.device):
-            outs, _ = run_bucket(xs, tensors, self.state.shared, plan, compiled=self.compiled)
-        output_tensor.copy_(torch.cat([o.reshape(-1) for o in outs]))
+        config = self.state.config
+        sync_buffer(input_tensor, segments, self.state.shared, op="reduce_scatter", group=group, average=False,
+                    out=output_tensor, plan_check=config.plan_check, compiled=self.compiled,
+                    timing=self.timer.timing(input_tensor.device))
         return None
 
 

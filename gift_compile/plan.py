@@ -38,7 +38,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     raise TypeError(f"GIFT: unsupported gradient dtype {dtype}; expected float32, bfloat16 or float16")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ItemPlan:
     """One gradient of a collective.
 

@@ -1,13 +1,11 @@
-"""Per-layer GIFT state, the step driver and the refresh that keeps the geometry current.
+"""Per-layer GIFT state, and `GiftState`: the layers of one `apply`, the step driver and health.
 
 Everything a compiled graph reads or writes (transform tensors, error-feedback residual, the
 gradient probe, the stochastic-rounding seed, this process's rank, the byte/health counters)
-is a tensor allocated once and updated in place, so graphs never recompile. The refresh runs
-eagerly, outside any compiled region, every `refresh_every` optimizer steps: it folds the
-statistics into the geometry, rebuilds the transforms (each on one owner rank, then
-broadcast, so every rank holds bit-identical maps), measures every layer's errors on its
-probe, decides the selection and re-expresses the error-feedback residuals in the new
-coordinates.
+is a tensor allocated once and updated in place, so graphs never recompile. `GiftState`
+declares every field it has (`__slots__`: nothing can be added from outside); its refresh
+engine (`gift_compile.refresh`), checkpointing (`gift_compile.checkpoint`) and telemetry
+(`gift_compile.telemetry`) live in their own modules as mixins over these fields.
 
 `GiftState.step()` is called once per optimizer step (an optimizer hook installed by
 `gift_compile.apply(..., optimizer=...)`, `gift_compile.step(model)`, or a framework adapter),
@@ -21,33 +19,29 @@ rank in the same step.
 from __future__ import annotations
 
 import json
-import logging
-import math
-import time
 import zlib
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from gift_compile import residual as residual_store
-from gift_compile.collectives import (
-    C_BASELINE, C_CALLS, C_MISMATCH, C_NONFINITE, C_WIRE, N_COUNTERS, ItemTensors, Shared, bucket_wire_bytes,
-)
+from gift_compile.checkpoint import Checkpointing
+from gift_compile.collectives import C_MISMATCH, C_NONFINITE, N_COUNTERS, ItemTensors, Shared
 from gift_compile.config import GiftConfig
 from gift_compile.geometries import IDENTITY_KIND, geometry_class
-from gift_compile.geometry import apply_forward, apply_inverse
-from gift_compile.statistics import KFACStatistics, SketchStatistics
 from gift_compile.plan import BucketPlan, ItemPlan
-from gift_compile.selection import LayerMeasurement, decide, measure
-from gift_compile.whitening import gradient_factor
-from gift_compile.sync import all_gather_object_, all_reduce_, broadcast_, group_rank, world_size
+from gift_compile.refresh import RefreshEngine, RefreshRecord
+from gift_compile.selection import LayerMeasurement, decide
+from gift_compile.sync import all_gather_object_, group_rank, world_size
+from gift_compile.telemetry import Telemetry
 
-logger = logging.getLogger("gift_compile")
+if TYPE_CHECKING:
+    from gift_compile.fsdp2 import CommTimer
+
 
 PROBE_ROWS = 128
-STATE_VERSION = 2
 
 
 class LayerState:
@@ -145,29 +139,11 @@ class LayerState:
         return sd
 
 
-def unpack_mark_tensors(plan: ItemPlan, tensors: list[Any]) -> tuple[ItemTensors, Shared]:
-    """Inverse of `LayerState.mark_tensors` (works on tensors and on FX nodes alike)."""
-    n = plan.n_tensors
-    transform = tuple(tensors[:n])
-    residual = tuple(tensors[n:n + residual_store.buffer_count(plan.residual_format)]) if plan.error_feedback else None
-    probe, seed_offset, seed, rank, counters = tensors[-5:]
-    return ItemTensors(transform, residual, probe, seed_offset), Shared(seed, rank, counters)
-
-
-@dataclass
-class RefreshRecord:
-    """Telemetry of one refresh: per-layer measurements and the resulting selection."""
-
-    step: int
-    layers: dict[str, dict[str, float | bool]] = field(default_factory=dict)
-    seconds: float = 0.0  # wall time of the whole refresh on this rank (host-synchronous work)
-
-
 class GiftHealthError(RuntimeError):
     """Raised on every rank when the collectives' headers reported a plan mismatch."""
 
 
-class GiftState:
+class GiftState(RefreshEngine, Checkpointing, Telemetry):
     """All layers managed by one `apply` (or one framework adapter), plus the step driver.
 
     Implements `state_dict`/`load_state_dict` (torch.distributed.checkpoint's Stateful);
@@ -176,6 +152,10 @@ class GiftState:
     gradient-side factor, selection and boundary scores. Per rank: the K-FAC accumulator of
     the current window, the error-feedback residuals, the gradient probes and the counters.
     """
+
+    __slots__ = ("config", "group", "collective", "layers", "seed", "rank", "counters", "steps", "history",
+                 "grad_source", "_health_seen", "modules", "handles", "active", "sync_mode", "dirty_params",
+                 "plan_version", "_sharing_checked", "comm_timer", "retraces")
 
     def __init__(self, config: GiftConfig, group: dist.ProcessGroup | None, collective: str = "all_reduce"):
         self.config = config
@@ -202,6 +182,10 @@ class GiftState:
         # torchtitan graph_trainer hook does it by dropping its traced step).
         self.plan_version = 0
         self._sharing_checked = False  # identical statistics are detected at the first refresh
+        # Telemetry filled by adapters: the FSDP2 hook's comm timer, and how often a framework
+        # dropped its traced step for a plan change (torchtitan's graph_trainer hook).
+        self.comm_timer: CommTimer | None = None
+        self.retraces = 0
 
     @property
     def shared(self) -> Shared:
@@ -324,360 +308,6 @@ class GiftState:
         if self.steps % self.config.refresh_every == 0:
             self.refresh()
 
-    def owners(self) -> dict[str, int]:
-        """Group rank that rebuilds each layer's transform at a refresh (round robin).
-
-        The eigendecompositions are the expensive part of a refresh; sharding them over the
-        data-parallel ranks divides that cost by the world size, and the owner's broadcast
-        is what makes every rank's transform bit-identical.
-        """
-        world = self.world()
-        owner = {name: i % world for i, name in enumerate(self.layers)}
-        for name, layer in self.layers.items():
-            if layer.leader is not None:
-                owner[name] = owner[layer.leader.fqn]  # built from the leader's statistics
-        return owner
-
-    def needs_geometry(self, layer: LayerState, deciding: bool = False) -> bool:
-        """Whether a refresh rebuilds `layer`'s map: adaptive, and selected or still undecided
-        (or this refresh decides the selection). The step model prices refreshes by it."""
-        return layer.transform.adaptive and (layer.selected or not layer.decided or deciding)
-
-    @torch.no_grad()
-    def refresh(self) -> RefreshRecord:
-        """Rebuild the geometry of the layers that use (or may use) it, then the selection;
-        identical on all ranks."""
-        cfg = self.config
-        start = time.perf_counter()
-        number = len(self.history) + 1  # this refresh's ordinal
-        deciding = not self._static_selection() and (
-            any(not l.decided for l in self.layers.values())
-            or (cfg.reselect_every > 0 and number % cfg.reselect_every == 0))
-        old = {n: (l.active_kind, tuple(t.clone() for t in l.active_tensors()))
-               for n, l in self.layers.items() if l.residual is not None}
-        if not self._sharing_checked:
-            self._share_identical_statistics()
-        owners, me = self.owners(), group_rank(self.group)
-        needing = [n for n, l in self.layers.items() if self.needs_geometry(l, deciding)]
-        for name in needing:
-            layer = self.layers[name]
-            mine = owners[name] == me
-            if layer.leader is not None:
-                continue  # after its leader, below
-            if isinstance(layer.stats, SketchStatistics):
-                # reduced onto the owner only: it alone rebuilds the map
-                if layer.stats.consolidate(self.group, owner=owners[name]) and mine:
-                    layer.transform.refresh_from_stats(layer.stats, cfg.damping)
-                continue
-            if layer.stats is not None:
-                factor = layer.stats.consolidate(self.group)
-                if not bool(layer.stats.initialized):
-                    continue
-            else:
-                grad = self.grad_source(name) if self.grad_source is not None else None
-                if grad is None:
-                    continue
-                local, sharded = _local_grad(grad)
-                new = gradient_factor(local, self.group, sharded=sharded)
-                if not bool(torch.isfinite(new).all()):
-                    logger.warning("GIFT: non-finite gradient factor for %s dropped at step %d", name, self.steps)
-                    continue
-                layer.transform.fold_factor(layer.grad_factor, new, cfg.ema)
-                factor = layer.grad_factor
-            if mine:
-                layer.transform.refresh_from(factor, cfg.damping)
-        for name in needing:
-            layer = self.layers[name]
-            if layer.leader is not None and owners[name] == me:
-                for dst, src in zip(layer.transform.tensors, layer.leader.transform.tensors):
-                    dst.copy_(src)
-        # every rank broadcasts the same list (owners send what they built, or kept)
-        self._broadcast_transforms(owners, set(needing))
-        record = self._select(deciding)
-        for name, layer in self.layers.items():
-            if layer.residual is not None:
-                kind, tensors = old[name]
-                fmt = self.config.residual_format
-                back = apply_inverse(kind, residual_store.read(fmt, layer.residual, layer.shape[1]), tensors)
-                residual_store.write(fmt, layer.residual, apply_forward(layer.active_kind, back, layer.active_tensors()))
-        record.seconds = time.perf_counter() - start
-        self.history.append(record)
-        return record
-
-    def _select(self, deciding: bool) -> RefreshRecord:
-        """Measure the layers with a geometry on their probes (averaged over ranks); when
-        `deciding`, apply the measured selection rule."""
-        cfg = self.config
-        measured: dict[str, LayerMeasurement] = {}
-        for name, layer in self.layers.items():
-            if layer.transform.is_identity or not (layer.selected or not layer.decided or deciding):
-                continue
-            tokens = float(layer.stats.tokens) / max(self.steps, 1) if layer.stats is not None else 8192.0
-            measured[name] = measure(layer.probe, cfg, layer.kind, layer.transform.tensors, layer.shape, tokens)
-        stacked = torch.tensor(
-            [[m.err_euclidean, m.err_transformed, m.boundary_hits] for m in measured.values()], dtype=torch.float64
-        ).reshape(-1, 3)
-        if stacked.numel():
-            all_reduce_(stacked, self.group).div_(self.world())
-        for (name, m), row in zip(measured.items(), stacked.tolist()):
-            m.err_euclidean, m.err_transformed, m.boundary_hits = row
-            layer = self.layers[name]
-            layer.measurement = m
-            layer.boundary_score = m.boundary_hits if layer.boundary_score == 0 else 0.5 * (layer.boundary_score + m.boundary_hits)
-        if deciding:
-            chosen = decide(cfg, measured, {n: l.boundary_score for n, l in self.layers.items()})
-            for name, layer in self.layers.items():
-                self.set_selected(layer, name in chosen, decided=True)
-        record = RefreshRecord(self.steps)
-        for name, m in measured.items():
-            layer = self.layers[name]
-            record.layers[name] = {
-                "selected": layer.selected, "err_euclidean": m.err_euclidean, "err_transformed": m.err_transformed,
-                "gain": m.gain, "overhead": m.overhead, "boundary_hits": m.boundary_hits,
-            }
-        logger.info("GIFT refresh at step %d: %d/%d layers on the transformed path", self.steps,
-                    sum(l.selected for l in self.layers.values()), len(self.layers))
-        return record
-
-    def share_statistics(self, names: list[str]) -> None:
-        """Let the layers `names` (which read the same input) use the statistics of the first:
-        one statistic per distinct input. The others stop feeding statistics (a plan change:
-        compiled forwards drop their hooks' work after one recompilation)."""
-        leader = self.layers[names[0]]
-        for name in names[1:]:
-            layer = self.layers[name]
-            if layer.stats is None or type(layer.stats) is not type(leader.stats) or layer.shape[1] != leader.shape[1]:
-                raise ValueError(f"GiftState.share_statistics: {name} cannot share {names[0]}'s statistics")
-            layer.leader, layer.stats = leader, leader.stats
-            leader.followers.append(layer)
-            layer._replan()
-        self.plan_version += 1
-
-    @torch.no_grad()
-    def _share_identical_statistics(self) -> None:
-        """At the first refresh: layers whose first window of statistics is bit-identical saw
-        the same inputs (q/k/v, gate/up projections); all ranks must agree before they share."""
-        self._sharing_checked = True
-        groups: dict[tuple[type, int], list[LayerState]] = {}
-        for layer in self.layers.values():
-            if layer.stats is not None and layer.leader is None and not layer.followers:
-                groups.setdefault((type(layer.stats), layer.shape[1]), []).append(layer)
-        candidates = []
-        for members in groups.values():
-            for i, a in enumerate(members):
-                for b in members[i + 1:]:
-                    candidates.append((a, b, _same_window(a.stats, b.stats)))
-        if not candidates:
-            return
-        flags = torch.tensor([float(same) for _, _, same in candidates], dtype=torch.float64)
-        all_reduce_(flags, self.group)
-        classes: dict[str, list[str]] = {}
-        leader_of: dict[str, str] = {}
-        for (a, b, _), flag in zip(candidates, flags.tolist()):
-            if flag == self.world() and b.fqn not in leader_of:
-                head = leader_of.get(a.fqn, a.fqn)
-                leader_of[b.fqn] = head
-                classes.setdefault(head, [head]).append(b.fqn)
-        for names in classes.values():
-            self.share_statistics(names)
-            logger.info("GIFT: %s read the same input; they share one statistic", ", ".join(names))
-
-    def set_selected(self, layer: LayerState, selected: bool, *, decided: bool = True) -> None:
-        """Put a layer on the transformed (`selected`) or Euclidean path. A change of path or
-        of its statistics switch changes the plan graphs carry (`plan_version`)."""
-        group = [layer.leader or layer, *(layer.leader or layer).followers]
-        before = [(l.selected, l.collect_stats) for l in group]
-        layer.selected, layer.decided = selected, decided
-        if [(l.selected, l.collect_stats) for l in group] != before:
-            layer._replan()
-            self.plan_version += 1
-
-    def _broadcast_transforms(self, owners: dict[str, int], names: set[str]) -> None:
-        """The rebuilt layers' transform tensors from their owners, one packed broadcast per owner."""
-        if self.world() <= 1:
-            return
-        for src in range(self.world()):
-            flat = [t for name, layer in self.layers.items() if name in names and owners[name] == src
-                    for t in layer.transform.tensors]
-            if not flat:
-                continue
-            buf = broadcast_(torch.cat([t.reshape(-1) for t in flat]), self.group, src)
-            offset = 0
-            for t in flat:
-                t.copy_(buf[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
-
-    # ---- telemetry ---------------------------------------------------------------------
-    def comm_totals(self) -> dict[str, int]:
-        """Cumulative counts since the state was created, as counted by the collectives when
-        they handed bytes over: `wire` (bytes handed to GIFT's collectives, and to the
-        full-precision sync of unmanaged parameters where GIFT does that sync), `baseline`
-        (bytes the replaced collectives would have been handed), `calls`, `nonfinite`,
-        `mismatch`."""
-        c = self.counters.tolist()
-        return {"wire": c[C_WIRE], "baseline": c[C_BASELINE], "calls": c[C_CALLS], "nonfinite": c[C_NONFINITE],
-                "mismatch": c[C_MISMATCH]}
-
-    def accounted_bytes_per_step(self) -> int:
-        """Shape-based accounting of the managed layers' bytes per step under this state's own
-        one-layer collectives (what `comm_totals()["wire"]` should grow by per step when every
-        managed layer is communicated once and nothing else is counted)."""
-        return sum(bucket_wire_bytes(self.layer_plan(name)) for name in self.layers)
-
-    def memory_bytes(self) -> dict[str, int]:
-        """Bytes of every tensor this state keeps, by kind (transforms, statistics, residuals,
-        probes, pending accumulation buffers, other). Works on the meta device, which is how
-        the benchmark sizes GIFT at models this machine cannot hold."""
-        out = {"transforms": 0, "statistics": 0, "residuals": 0, "probes": 0, "pending": 0, "other": 0}
-
-        def add(kind: str, t: torch.Tensor | None) -> None:
-            if t is not None:
-                out[kind] += t.numel() * t.element_size()
-
-        seen: set[int] = set()
-        for layer in self.layers.values():
-            out["transforms"] += layer.transform.memory_bytes()
-            if layer.stats is not None and id(layer.stats) not in seen:
-                seen.add(id(layer.stats))
-                stats_tensors = dict(layer.stats.state_dict())
-                if isinstance(layer.stats, SketchStatistics):
-                    stats_tensors["omega"] = layer.stats.omega
-                for t in stats_tensors.values():
-                    add("statistics", t)
-            add("statistics", layer.grad_factor)
-            for t in layer.residual or ():
-                add("residuals", t)
-            add("probes", layer.probe)
-            add("pending", layer.pending)
-            add("other", layer.seed_offset)
-        for t in (self.seed, self.rank, self.counters):
-            add("other", t)
-        return out
-
-    def summary(self) -> list[dict[str, object]]:
-        """One row per layer: selection and the errors measured at the last refresh."""
-        rows = []
-        for name, layer in self.layers.items():
-            m = layer.measurement
-            rows.append({
-                "layer": name, "shape": layer.shape, "selected": layer.selected,
-                "err_euclidean": m.err_euclidean if m else math.nan,
-                "err_transformed": m.err_transformed if m else math.nan,
-            })
-        return rows
-
-    # ---- checkpointing -----------------------------------------------------------------
-    def _meta(self) -> dict[str, Any]:
-        return {
-            "version": STATE_VERSION,
-            "config": self.config.to_dict(),
-            "sharing_checked": self._sharing_checked,
-            "shared": {l.fqn: [f.fqn for f in l.followers] for l in self.layers.values() if l.followers},
-            "layers": {n: {"shape": list(l.shape), "kind": l.kind, "rank": l.transform.rank,
-                           "error_feedback": l.residual is not None,
-                           "residual_format": self.config.residual_format if l.residual is not None else None}
-                       for n, l in self.layers.items()},
-        }
-
-    def state_dict(self) -> dict[str, Any]:
-        """A snapshot (detached copies): loaders such as DCP write into the tensors they are
-        given before `load_state_dict` validates them, which must not touch the live state."""
-        sd: dict[str, Any] = {"meta": json.dumps(self._meta(), sort_keys=True), "seed": self.seed.detach().clone(),
-                              "steps": torch.tensor(self.steps)}
-        for name, layer in self.layers.items():
-            sd.update({f"{name}.{k}": v.detach().clone() for k, v in layer.state_dict().items()})
-        return sd
-
-    @torch.no_grad()
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Load a checkpoint after validating it against this state; raises ValueError naming
-        the layer and key that do not fit, before anything is modified.
-
-        Accepted with a logged conversion: a different wire format, refresh cadence, EMA,
-        damping or selection rule (the saved geometry stays valid), and turning error feedback
-        on (residuals start at zero). Refused: other layers, shapes, geometry kind or rank,
-        turning error feedback off with saved residuals, and non-finite tensors.
-        """
-        if "meta" not in sd:
-            raise ValueError("GIFT checkpoint has no 'meta' entry: it was not written by this version of GiftState")
-        meta = json.loads(sd["meta"]) if isinstance(sd["meta"], str) else sd["meta"]
-        mine = self._meta()
-        if meta.get("version") != STATE_VERSION:
-            raise ValueError(f"GIFT checkpoint version {meta.get('version')} != {STATE_VERSION}")
-        saved_layers, my_layers = meta["layers"], mine["layers"]
-        missing, extra = sorted(set(my_layers) - set(saved_layers)), sorted(set(saved_layers) - set(my_layers))
-        if missing or extra:
-            raise ValueError(f"GIFT checkpoint layers differ: missing {missing}, unexpected {extra}")
-        converted = []
-        for name, want in my_layers.items():
-            got = saved_layers[name]
-            for key in ("shape", "kind", "rank"):
-                if got[key] != want[key]:
-                    raise ValueError(f"GIFT checkpoint: layer {name}: {key} {got[key]} != expected {want[key]}")
-            if got["error_feedback"] and not want["error_feedback"]:
-                raise ValueError(f"GIFT checkpoint: layer {name} has an error-feedback residual but error_feedback "
-                                 "is off now; its accumulated error would be lost")
-            if want["error_feedback"] and not got["error_feedback"]:
-                converted.append(f"{name}: residual starts at zero (error feedback newly on)")
-        recoded: dict[str, torch.Tensor] = {}  # residuals saved in another format, as fp32
-        for name, layer in self.layers.items():
-            got, want = saved_layers[name], my_layers[name]
-            if got["error_feedback"] and want["error_feedback"] and got["residual_format"] != want["residual_format"]:
-                n = residual_store.buffer_count(got["residual_format"])
-                bufs = tuple(torch.as_tensor(sd.get(f"{name}.residual.{i}", torch.empty(0))) for i in range(n))
-                try:
-                    value = residual_store.read(got["residual_format"], bufs, layer.shape[1])
-                except (RuntimeError, ValueError) as e:
-                    raise ValueError(f"GIFT checkpoint: layer {name}: unreadable {got['residual_format']} residual: {e}")
-                recoded[name] = value
-                converted.append(f"{name}: residual re-stored from {got['residual_format']} to {want['residual_format']}")
-        plan: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for name, layer in self.layers.items():
-            for key, dst in layer.state_dict().items():
-                full = f"{name}.{key}"
-                if key.startswith("residual.") and (name in recoded or not saved_layers[name]["error_feedback"]):
-                    continue
-                if full not in sd:
-                    raise ValueError(f"GIFT checkpoint: layer {name}: key {key!r} is missing")
-                src = torch.as_tensor(sd[full])
-                if src.shape != dst.shape:
-                    raise ValueError(f"GIFT checkpoint: layer {name}: key {key!r} has shape {tuple(src.shape)}, "
-                                     f"expected {tuple(dst.shape)}")
-                if src.is_floating_point() and not bool(torch.isfinite(src).all()):
-                    raise ValueError(f"GIFT checkpoint: layer {name}: key {key!r} holds NaN/Inf values")
-                if key not in ("selected", "decided", "boundary_score"):
-                    plan.append((dst, src))
-        unknown = sorted(k for k in sd if k not in ("meta", "seed", "steps")
-                         and not any(k.startswith(f"{n}.") for n in self.layers))
-        if unknown:
-            raise ValueError(f"GIFT checkpoint has unexpected keys {unknown[:5]}")
-        for dst, src in plan:
-            dst.copy_(src)
-        for name, value in recoded.items():
-            residual_store.write(self.config.residual_format, self.layers[name].residual, value)
-        for leader, followers in meta.get("shared", {}).items():
-            if not self.layers[leader].followers:
-                self.share_statistics([leader, *followers])
-        self._sharing_checked = bool(meta.get("sharing_checked", False))
-        for name, layer in self.layers.items():
-            self.set_selected(layer, bool(sd[f"{name}.selected"]), decided=bool(sd[f"{name}.decided"]))
-            layer.boundary_score = float(sd[f"{name}.boundary_score"])
-        self.seed.copy_(torch.as_tensor(sd["seed"]))
-        self.steps = int(sd["steps"])
-        changed = {k: (meta["config"].get(k), v) for k, v in mine["config"].items() if meta["config"].get(k) != v}
-        if changed:
-            converted.append(f"config changed since the checkpoint: {changed}")
-        for line in converted:
-            logger.warning("GIFT checkpoint loaded with a conversion: %s", line)
-
-
-def _same_window(a: KFACStatistics | SketchStatistics, b: KFACStatistics | SketchStatistics) -> bool:
-    """Whether two statistics accumulated exactly the same window (non-empty)."""
-    ta, tb = a.state_dict(), b.state_dict()
-    keys = ("acc", "count") if isinstance(a, KFACStatistics) else ("y_acc", "diag_acc", "count")
-    return bool(ta["count"] > 0) and all(torch.equal(ta[k], tb[k]) for k in keys)
-
-
 def _first_difference(a: Any, b: Any, path: str = "") -> str:
     if isinstance(a, dict) and isinstance(b, dict):
         for k in sorted(set(a) | set(b)):
@@ -692,9 +322,3 @@ def _first_difference(a: Any, b: Any, path: str = "") -> str:
     return f"{path}: {a!r} vs {b!r}"
 
 
-def _local_grad(grad: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """The local tensor of a (possibly DTensor, dim-0 sharded) gradient."""
-    to_local = getattr(grad, "to_local", None)
-    if to_local is not None:
-        return to_local(), True
-    return grad, False

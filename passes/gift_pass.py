@@ -39,7 +39,7 @@ from gift_compile.collectives import (
     ItemTensors, Shared, bucket_wire_bytes, finish, gather_finish, gather_launch, launch,
 )
 from gift_compile.plan import BucketPlan, ItemPlan, dtype_name
-from gift_compile.state import unpack_mark_tensors
+from gift_compile.mark import unpack_mark_tensors
 
 logger = logging.getLogger("gift_compile")
 

@@ -62,7 +62,7 @@ def _traced_ops_body(rank: int, world: int) -> list[tuple[str, str]]:
     from gift_compile.plan import BucketPlan, ItemPlan
 
     t = Transform("lowrank", 96, rank=8)
-    managed = ItemPlan("w", 16, 96, "float32", True, "fp8_e5m2", "row", 32, "lowrank", 5)
+    managed = ItemPlan(name="w", rows=16, cols=96, format="fp8_e5m2", kind="lowrank", n_tensors=5)
     plan = BucketPlan((managed, ItemPlan.passthrough("b", 32, torch.float32)), world,
                       dist.group.WORLD.group_name, True, "all_reduce")
 
@@ -118,7 +118,8 @@ def _compiled_body(rank: int, world: int) -> tuple[torch.Tensor, ...]:
     # what eager callers (FSDP2's and DDP's hooks) use: the library compiles its core
     core = C.all_reduce(x, dist.group.WORLD, cfg, t, res_k, seed=seed, compiled=True)
     # user code compiling the functional core itself, fullgraph, with the rank as data
-    item = ItemPlan("x", 16, 96, "float32", True, "fp8_e4m3", "row", 32, "lowrank", 5, True, True)
+    item = ItemPlan(name="x", rows=16, cols=96, format="fp8_e4m3", kind="lowrank", n_tensors=5, error_feedback=True,
+                    stochastic_rounding=True)
     plan = BucketPlan((item,), world, dist.group.WORLD.group_name, True, "all_reduce")
 
     def f(x, residual, seed, rank_t):
@@ -170,8 +171,8 @@ def _bucket_body(rank: int, world: int) -> dict:
     t = Transform("lowrank", 96, rank=8)
     a = torch.randn(256, 96, generator=torch.Generator().manual_seed(5))
     t.refresh_from(a.t() @ a, 1e-3)
-    items = (ItemPlan("a", 16, 96, "float32", True, "fp8_e4m3", "row", 32, "lowrank", 5),
-             ItemPlan("b", 8, 64, "float32", True, "nvfp4", "row", 32, "identity", 0),
+    items = (ItemPlan(name="a", rows=16, cols=96, format="fp8_e4m3", kind="lowrank", n_tensors=5),
+             ItemPlan(name="b", rows=8, cols=64, format="nvfp4"),
              ItemPlan.passthrough("c", 40, torch.float32))
     counters = torch.zeros(C.N_COUNTERS, dtype=torch.int64)
     shared = C.Shared(0, rank, counters)
@@ -256,8 +257,8 @@ def _ef_storage_body(rank: int, world: int, steps: int) -> dict[str, float]:
     exact /= world
     out = {}
     for res_fmt in ("none", "fp32", "bf16", "fp8_e4m3", "int4"):
-        item = ItemPlan("x", 16, 96, "float32", True, "nvfp4", "row", 32, "identity", 0,
-                        res_fmt != "none", False, "error", "fp32" if res_fmt == "none" else res_fmt)
+        item = ItemPlan(name="x", rows=16, cols=96, format="nvfp4", error_feedback=res_fmt != "none",
+                        residual_format="fp32" if res_fmt == "none" else res_fmt)
         plan = BucketPlan((item,), world, dist.group.WORLD.group_name, True, "all_reduce")
         bufs = R.allocate(item.residual_format, 16, 96, "cpu") if res_fmt != "none" else None
         acc = torch.zeros_like(x)

@@ -112,5 +112,5 @@ def gift_retrace_on_new_plan(trainer: Any) -> None:
     if traced is not None and traced != state.plan_version and trainer._traced_step is not None:
         logger.info(f"GIFT: plan changed (version {traced} -> {state.plan_version}); retracing the step")
         trainer._traced_step = None
-        state.retraces = getattr(state, "retraces", 0) + 1
+        state.retraces += 1
     trainer._gift_plan_version = state.plan_version

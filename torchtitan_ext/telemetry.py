@@ -46,7 +46,7 @@ def gift_metrics(state: GiftState, last: dict[str, Any]) -> dict[str, float]:
         "gift/collectives_per_step": delta["calls"] / steps,
         "gift/plan_version": float(state.plan_version),
     }
-    timer = getattr(state, "comm_timer", None)
+    timer = state.comm_timer
     if timer is not None:
         out["gift/comm_s_per_step"] = timer.take() / steps
     last.update(totals=totals, steps=state.steps)

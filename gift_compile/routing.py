@@ -1,0 +1,153 @@
+"""Which linears GIFT manages and how their weights reach it: `manage`, the class swap that
+routes a weight through the `gift::mark` autograd functions, and the statistics hook.
+
+`manage` registers a model's eligible linear weights with a new `GiftState` (the one function
+behind `gift_compile.apply` and the framework adapters); `_managed_class` gives a managed
+linear a cached subclass whose forward routes the weight through `_GiftTag` / `_GiftSync`;
+`observe_inputs` feeds the layer's input statistics.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gift_compile.config import GiftConfig
+from gift_compile.geometries import geometry_class
+from gift_compile.mark import SYNC, _GiftSync, _GiftTag
+from gift_compile.state import GiftState, LayerState
+
+__all__ = ["eligible_linears", "manage", "observe_inputs"]
+
+logger = logging.getLogger("gift_compile")
+
+
+def observe_inputs(module: nn.Module, args: tuple[Any, ...]) -> None:
+    """Forward pre-hook feeding a managed layer's K-FAC statistics (training passes only, and
+    only while the layer's selection needs them: a Python flag, so a compiled forward stops
+    computing them after one recompilation)."""
+    layer: LayerState = module._gift_layer
+    if torch.is_grad_enabled() and layer.collect_stats:
+        layer.stats.observe(args[0])
+
+
+def _routed_weight(module: nn.Module, w: torch.Tensor) -> torch.Tensor:
+    """`w` routed through GIFT's autograd function (identity forward)."""
+    if not (torch.is_grad_enabled() and w.requires_grad):
+        return w
+    layer: LayerState = module._gift_layer
+    gstate: GiftState = module._gift_state
+    plan = layer.plan_str
+    tensors = layer.mark_tensors(gstate.shared)
+    if module._gift_group_name is None:
+        return _GiftTag.apply(w, plan, *tensors)
+    pending = layer.pending if layer.mode != SYNC else None
+    return _GiftSync.apply(w, plan, module._gift_group_name, gstate.config.reduce_op, layer.mode, pending, *tensors)
+
+
+_MANAGED_CLASSES: dict[type, type] = {}
+
+
+def _linear_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
+    return F.linear(input, _routed_weight(self, self.weight), self.bias)
+
+
+def _managed_class(cls: type) -> type:
+    """Cached subclass of `cls` that routes the weight through GIFT in its forward.
+
+    For `nn.Linear` and subclasses that keep its `forward`, the subclass overrides `forward`:
+    `module.weight` stays the Parameter users and optimizers expect (`.grad`,
+    `requires_grad_`). A class whose `weight` is already a property (SimpleFSDP's
+    all-gathering parametrization) or that brings its own `forward` gets a `weight` property
+    instead, on top of its own; there `module.weight` is a computed tensor while grads are
+    recorded, and the parameter is `module._parameters["weight"]`.
+    """
+    if cls in _MANAGED_CLASSES:
+        return _MANAGED_CLASSES[cls]
+    base = getattr(cls, "weight", None)
+    if not isinstance(base, property) and cls.forward is nn.Linear.forward:
+        managed = type(f"Gift{cls.__name__}", (cls,), {"forward": _linear_forward, "_gift_base_class": cls})
+    else:
+        def weight(self: nn.Module) -> torch.Tensor:
+            w = base.__get__(self, cls) if isinstance(base, property) else self._parameters["weight"]
+            return _routed_weight(self, w)
+
+        managed = type(f"Gift{cls.__name__}", (cls,), {"weight": property(weight), "_gift_base_class": cls})
+    _MANAGED_CLASSES[cls] = managed
+    return managed
+
+
+def _unmanage_module(module: nn.Module) -> None:
+    base = getattr(type(module), "_gift_base_class", None)
+    if base is not None:
+        module.__class__ = base
+    for attr in ("_gift_layer", "_gift_group_name", "_gift_state"):
+        module.__dict__.pop(attr, None)
+
+
+def eligible_linears(model: nn.Module, config: GiftConfig, world: int, *, split_rows: bool) -> Iterator[tuple[str, nn.Module]]:
+    """`(fqn of the weight, module)` of every linear GIFT manages in `model`.
+
+    Eligible: weights of `nn.Linear` (sub)class modules, 2-D, floating point, at least
+    `config.min_numel` elements, FQN not matched by `config.exclude`, and (`split_rows`, for
+    reduce-scatter paths) a row count divisible by the world size. Ineligible weights that
+    are big enough are logged with the reason: they travel at full precision.
+    """
+    for fqn, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        w = module._parameters.get("weight")
+        name = f"{fqn}.weight" if fqn else "weight"
+        if w is None or w.dim() != 2 or w.numel() < config.min_numel or config.is_excluded(name):
+            continue
+        if not w.is_floating_point():
+            logger.warning("GIFT: %s stays at full precision: dtype %s is not floating point", name, w.dtype)
+            continue
+        if split_rows and w.shape[0] % world:
+            logger.warning("GIFT: %s stays at full precision: %d rows do not split over %d ranks", name, w.shape[0], world)
+            continue
+        yield name, module
+
+
+def manage(model: nn.Module, config: GiftConfig, group: dist.ProcessGroup | None, *, mode: str,
+           device: torch.device | str | None = None, split_rows: bool = False) -> GiftState:
+    """Register `model`'s eligible linear weights with a new `GiftState`; the one function
+    behind `apply` and the torchtitan adapter.
+
+    `mode`: "sync" (GIFT all-reduces the gradient itself, in the weight's backward), "tag"
+    (only the `gift::mark`: a traced framework collective is rewritten by the pass), or
+    "stats" (only the K-FAC statistics hook: a framework hook calls GIFT's collective).
+    The state's tensors live on `device` (default: each weight's), which matters for
+    frameworks that parallelize on the meta device and materialize afterwards.
+    """
+    if mode not in ("sync", "tag", "stats"):
+        raise ValueError(f"gift_compile.manage: mode={mode!r}; allowed: sync, tag, stats")
+    if getattr(model, "_gift_state", None) is not None:
+        raise ValueError("gift_compile: GIFT is already applied to this model; call gift_compile.remove first")
+    collective = "all_reduce" if mode == "sync" else "reduce_scatter"
+    state = GiftState(config, group, collective=collective)
+    world = state.world()
+    group_name = group.group_name if mode == "sync" and world > 1 else None
+    handles: list[Any] = []
+    for name, module in eligible_linears(model, config, world, split_rows=split_rows):
+        w = module._parameters["weight"]
+        layer = state.add_layer(name, (int(w.shape[0]), int(w.shape[1])), device if device is not None else w.device)
+        module._gift_layer = layer
+        state.modules[name] = module
+        if mode in ("sync", "tag"):
+            module._gift_state = state
+            module._gift_group_name = group_name
+            module.__class__ = _managed_class(type(module))
+        if layer.stats is not None:
+            handles.append(module.register_forward_pre_hook(observe_inputs))
+    state.handles.extend(handles)
+    state.grad_source = geometry_class(config.geometry).factor_source(state.weight, None, lambda: state.steps)
+    model._gift_state = state
+    state.check_agreement()
+    return state
