@@ -44,7 +44,7 @@ from gift_compile.collectives import all_reduce
 from gift_compile.config import GiftConfig
 from gift_compile.formats import FormatSpec
 from gift_compile.geometry import Transform, gradient_factor
-from gift_compile.passes import last_reports
+from gift_compile.passes import last_reports, reports_seen
 from gift_compile.torchtitan_ext import corpus
 
 Log = Callable[[str], None]
@@ -180,7 +180,7 @@ def _train(opt_name: str, arm: str, seed: int, s: ConvergenceSettings, paths: co
     model = TinyLlama(s.model, seed=seed)
     config = arm_config(arm, s, seed)
     optimizers, peaks = make_optimizers(model, opt_name, s.lr, s.muon_lr)
-    reports_before = len(last_reports())
+    reports_before = reports_seen()
     two_sided = TwoSided(model, config, optimizers[0], world) if "two" in arm.split("-")[2:] else None
     if config is not None and two_sided is None:  # the first optimizer drives GIFT's state (health check, refresh)
         gift_compile.apply(model, config, group=dist.group.WORLD, optimizer=optimizers[0])
@@ -226,7 +226,7 @@ def _train(opt_name: str, arm: str, seed: int, s: ConvergenceSettings, paths: co
         result["managed_layers"] = len(state.layers)
         result["selected_layers"] = sum(layer.selected for layer in state.layers.values())
         if s.compile:  # what the FX pass did to this arm's graphs
-            reports = last_reports()[reports_before:]
+            reports = last_reports(since=reports_before)
             result["pass_rewritten"] = sum(len(r.layers) for r in reports)
             result["pass_fallbacks"] = sum(len(r.fallbacks) for r in reports)
         gift_compile.remove(model)

@@ -35,11 +35,11 @@ from gift_compile import collectives
 from gift_compile.config import GiftConfig
 from gift_compile.geometries import geometry_class
 from gift_compile.mark import SYNC
+from gift_compile.passes.inductor import hold_inductor_pass, release_inductor_pass
 from gift_compile.routing import _unmanage_module, eligible_linears, manage  # noqa: F401 (public here too)
 from gift_compile.state import GiftState
 
 logger = logging.getLogger("gift_compile")
-_applied: set[int] = set()  # ids of models with GIFT applied: the Inductor pass stays while any is left
 
 def _default_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     if group is not None:
@@ -109,10 +109,7 @@ def apply(model: nn.Module, config: GiftConfig | None = None, *, group: dist.Pro
     else:
         logger.warning("gift_compile.apply: no optimizer given; call gift_compile.step(model) after every optimizer "
                        "step, or GIFT's geometry never refreshes and health checks never run")
-    _applied.add(id(model))
-    from gift_compile.passes.inductor import register_inductor_pass
-
-    register_inductor_pass()
+    hold_inductor_pass(model)  # installed while a model with GIFT applied is alive (see passes.inductor)
     logger.info("gift_compile.apply: %d weights managed via %s (%s)", len(state.layers), kind, ", ".join(state.layers))
     return model
 
@@ -243,11 +240,7 @@ def remove(model: nn.Module) -> nn.Module:
         fsdp2.uninstall(model)
     if isinstance(model, nn.parallel.DistributedDataParallel):
         logger.warning("gift_compile.remove: DDP keeps its comm hook; it now runs DDP's plain fp32 all-reduce")
-    _applied.discard(id(model))
-    if not _applied:
-        from gift_compile.passes.inductor import unregister_inductor_pass
-
-        unregister_inductor_pass()
+    release_inductor_pass(model)
     return model
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -335,19 +335,36 @@ def _drop_marks(graph: fx.Graph, report: RewriteReport) -> None:
         _fallback(report, orphans, "its gradient does not reach a recognised gradient collective")
 
 
-_REPORTS: list[RewriteReport] = []
+# The most recent reports (tests and telemetry), bounded: a long job compiles many graphs.
+MAX_REPORTS = 256
+_REPORTS: deque[RewriteReport] = deque(maxlen=MAX_REPORTS)
+_reports_seen = 0
 
 
-def last_reports() -> list[RewriteReport]:
-    """Reports of every graph the pass has seen in this process (tests and telemetry)."""
-    return list(_REPORTS)
+def reports_seen() -> int:
+    """How many graphs the pass has seen in this process (a mark for `last_reports(since=)`)."""
+    return _reports_seen
+
+
+def last_reports(since: int | None = None) -> list[RewriteReport]:
+    """The reports kept (the last `MAX_REPORTS`), or those of the graphs seen after the
+    `since`-th (`reports_seen()` taken earlier; raises if some of those were already dropped)."""
+    if since is None:
+        return list(_REPORTS)
+    lost = _reports_seen - len(_REPORTS)
+    if since < lost:
+        raise RuntimeError(f"GIFT pass: reports {since}..{lost - 1} were dropped (only the last {MAX_REPORTS} "
+                           "are kept); take reports_seen() closer to the compiles you inspect")
+    return list(_REPORTS)[since - lost:]
 
 
 def rewrite_gradient_collectives(gm: fx.GraphModule | fx.Graph) -> RewriteReport:
     """Entry point: rewrite every managed gradient collective of a graph, in place."""
     graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
+    global _reports_seen
     report = RewriteReport(ops_before=count_ops(graph))
     _REPORTS.append(report)
+    _reports_seen += 1
     if not any(_is_mark(n) for n in graph.nodes):
         report.ops_after = report.ops_before
         return report

@@ -194,7 +194,7 @@ def _deselected_body(rank: int, world: int) -> dict:
     """select="auto" decides at the first refresh; a deselected layer then runs exactly the
     Euclidean codec (no transform matmuls in the compiled backward) and feeds no statistics,
     after one recompilation; a layer selected by a static rule keeps its transform."""
-    from gift_compile.passes import last_reports
+    from gift_compile.passes import last_reports, reports_seen
 
     torch._inductor.config.fx_graph_cache = False
     out = {}
@@ -206,7 +206,7 @@ def _deselected_body(rank: int, world: int) -> dict:
                            optimizer=opt)
         st = gift_compile.state(m)
         fwd = torch.compile(m, fullgraph=True, dynamic=False)
-        n0 = len(last_reports())
+        n0 = reports_seen()
         tokens = []
         for step in range(4):
             x = torch.randn(32, 96, generator=torch.Generator().manual_seed(10 * step + rank))
@@ -214,7 +214,7 @@ def _deselected_body(rank: int, world: int) -> dict:
             opt.step()
             opt.zero_grad()
             tokens.append(float(st.layers["fc1.weight"].stats.tokens))
-        backward = [r for r in last_reports()[n0:] if r.rewritten]
+        backward = [r for r in last_reports(since=n0) if r.rewritten]
         out[select] = {"mm": [r.ops_after.get("aten.mm.default", 0) for r in backward], "tokens": tokens,
                        "kinds": sorted({l.plan.kind for l in st.layers.values()}), "version": st.plan_version}
     return out

@@ -1,0 +1,97 @@
+"""Structure the package promises: declared state fields only, no process-global state that
+grows or outlives its owner, one bucket helper for every eager path."""
+
+from __future__ import annotations
+
+import gc
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.fx as fx
+from torch._inductor import config as inductor_config
+
+import gift_compile
+from gift_compile import collectives as C
+from gift_compile.config import GiftConfig
+from gift_compile.plan import ItemPlan
+from gift_compile.state import GiftState
+from gift_compile.passes import gift_pass
+from gift_compile.passes.inductor import GiftGraphPass, package_sources
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_gift_state_refuses_undeclared_attributes():
+    st = GiftState(GiftConfig(), None)
+    st.retraces += 1  # declared: adapters may update it
+    with pytest.raises(AttributeError):
+        st.undeclared_timer = object()
+
+
+def test_importing_the_package_changes_no_inductor_config():
+    code = ("import torch._inductor.config as c; before = c.post_grad_custom_post_pass; "
+            "import gift_compile, gift_compile.passes, gift_compile.mark; "
+            "assert c.post_grad_custom_post_pass is before is None, c.post_grad_custom_post_pass")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=300)
+
+
+def _gift_passes() -> list[object]:
+    current = inductor_config.post_grad_custom_post_pass
+    passes = current if isinstance(current, (list, tuple)) else [current]
+    return [p for p in passes if isinstance(p, GiftGraphPass)]
+
+
+def test_the_pass_lives_as_long_as_a_managed_model_and_keeps_the_users_pass():
+    gc.collect()
+    assert not _gift_passes()
+
+    def user_pass(graph: fx.Graph) -> None:
+        return None
+
+    with inductor_config.patch(post_grad_custom_post_pass=user_pass):
+        a, b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+        gift_compile.apply(a, GiftConfig())
+        gift_compile.apply(b, GiftConfig())
+        assert len(_gift_passes()) == 1 and user_pass in inductor_config.post_grad_custom_post_pass
+        gift_compile.remove(a)
+        assert len(_gift_passes()) == 1  # b still holds it
+        del b
+        gc.collect()
+        assert inductor_config.post_grad_custom_post_pass is user_pass
+
+
+def test_rewrite_reports_are_bounded():
+    start = gift_pass.reports_seen()
+    for _ in range(gift_pass.MAX_REPORTS + 5):
+        gift_pass.rewrite_gradient_collectives(fx.Graph())
+    assert len(gift_pass.last_reports()) == gift_pass.MAX_REPORTS
+    assert gift_pass.reports_seen() == start + gift_pass.MAX_REPORTS + 5
+    assert len(gift_pass.last_reports(since=gift_pass.reports_seen() - 3)) == 3
+    with pytest.raises(RuntimeError, match="were dropped"):
+        gift_pass.last_reports(since=start)
+
+
+def test_the_pass_cache_key_hashes_the_package_modules_found_by_the_import_system():
+    names = {Path(p).name for p in package_sources()}
+    assert {"__init__.py", "mark.py", "geometries.py", "collectives.py", "gift_pass.py", "inductor.py"} <= names
+    assert all(Path(p).is_file() for p in package_sources())
+    assert GiftGraphPass().uuid() == GiftGraphPass().uuid()
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter"])
+def test_sync_buffer_cuts_runs_and_copies_back_every_segment(op):
+    """One rank: the managed segment comes back quantized (int4 round trip), the full-precision
+    ones bit-exact, each at its own place in `out`."""
+    gen = torch.Generator().manual_seed(0)
+    buf = torch.randn(3 + 8 * 16 + 5, generator=gen)
+    managed = ItemPlan(name="w", rows=8, cols=16, format="int4", block_size=16, scaling="block")
+    segments = [C.Segment("a", 1, 3), C.Segment("w", 8, 16, managed, C.ItemTensors(())), C.Segment("b", 1, 5)]
+    out = torch.full_like(buf, float("nan"))
+    outs = C.sync_buffer(buf, segments, C.Shared(), op=op, group=None, average=False, out=out)
+    assert [tuple(o.shape) for o in outs] == [(3,), (8, 16), (5,)]
+    assert torch.equal(out[:3], buf[:3]) and torch.equal(out[-5:], buf[-5:])
+    w, got = buf[3:-5].view(8, 16), out[3:-5].view(8, 16)
+    assert not torch.equal(got, w) and float((got - w).norm() / w.norm()) < 0.2
