@@ -15,4 +15,4 @@ from gift_compile.api import apply, attach_optimizer, manage, no_sync, remove, s
 from gift_compile.config import GiftConfig
 
 __all__ = ["GiftConfig", "apply", "attach_optimizer", "manage", "no_sync", "remove", "state", "step"]
-__version__ = "0.2.0"
+__version__ = "0.3.0"

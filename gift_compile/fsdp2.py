@@ -23,7 +23,6 @@ gradient and the layout always maps; a buffer that does not match raises.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -32,9 +31,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from gift_compile.collectives import Segment, bucket_plan, sync_buffer
+from gift_compile.fsdp_internals import (
+    DefaultReduceScatter, ReduceScatter, check_torch, fsdp_modules, packed_params, shard_process_group,
+)
 from gift_compile.plan import BucketPlan
 from gift_compile.state import GiftState
 
@@ -86,19 +87,13 @@ class GiftReduceScatter(ReduceScatter):
     def _segments(self) -> list[Segment]:
         """Every parameter FSDP2 packs in this call (those requiring a gradient, in FSDP2's
         order) as a segment of its per-rank rows: managed weights with their layer's plan."""
-        group = self.module._get_fsdp_state()._fsdp_param_group
         out = []
-        for fsdp_param in group.fsdp_params:
-            if not fsdp_param.sharded_param.requires_grad:
-                continue
-            size = fsdp_param.padded_sharded_param_size
-            rows, cols = int(size[0]), int(math.prod(size[1:]))
-            info = fsdp_param._module_info
-            layer = getattr(info.module, "_gift_layer", None) if info.param_name == "weight" else None
-            if layer is not None and (fsdp_param.fsdp_placement.dim != 0 or cols != layer.shape[1]):
+        for p in packed_params(self.module):
+            layer = getattr(p.module, "_gift_layer", None) if p.param_name == "weight" else None
+            if layer is not None and (not p.dim0 or p.cols != layer.shape[1]):
                 layer = None
-            name = fsdp_param._param_fqn or info.param_name
-            out.append(Segment(name, rows, cols) if layer is None else Segment(name, rows, cols, layer.plan, layer.tensors()))
+            out.append(Segment(p.fqn, p.rows, p.cols) if layer is None
+                       else Segment(p.fqn, p.rows, p.cols, layer.plan, layer.tensors()))
         return out
 
     def plan(self, world: int, dtype: torch.dtype, group_name: str | None = None) -> BucketPlan:
@@ -131,12 +126,8 @@ class GiftReduceScatter(ReduceScatter):
 
 def shard_group(model: nn.Module, group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     """The process group FSDP2 reduce-scatters over (must be one for the whole model)."""
-    groups = set()
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            pg = m._get_fsdp_state()._fsdp_param_group
-            if pg is not None:
-                groups.add(pg.mesh_info.shard_process_group)
+    check_torch()
+    groups = {shard_process_group(m) for m in fsdp_modules(model)}
     if len(groups) != 1:
         raise ValueError(f"gift_compile: FSDP2 model reduce-scatters over {len(groups)} process groups; GIFT needs one")
     (pg,) = groups
@@ -151,20 +142,17 @@ def install(model: nn.Module, state: GiftState, *, compiled: bool = True) -> Com
     Forces FSDP2's SUM reduction (FSDP2 then applies its gradient divide factor itself) and
     the reduce-scatter of unused parameters, so every buffer maps onto the parameters.
     """
+    check_torch()
     timer = CommTimer()
-    for module in model.modules():
-        if isinstance(module, FSDPModule) and module._get_fsdp_state()._fsdp_param_group is not None:
-            module.set_force_sum_reduction_for_comms(True)
-            module.set_reduce_scatter_unused_params(True)
-            module.set_custom_reduce_scatter(GiftReduceScatter(module, state, timer, compiled))
+    for module in fsdp_modules(model):
+        module.set_force_sum_reduction_for_comms(True)
+        module.set_reduce_scatter_unused_params(True)
+        module.set_custom_reduce_scatter(GiftReduceScatter(module, state, timer, compiled))
     state.comm_timer = timer
     return timer
 
 
 def uninstall(model: nn.Module) -> None:
     """FSDP2's default reduce-scatter back on every FSDP module of `model`."""
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule) and module._get_fsdp_state()._fsdp_param_group is not None:
-            module.set_custom_reduce_scatter(DefaultReduceScatter())
+    for module in fsdp_modules(model):
+        module.set_custom_reduce_scatter(DefaultReduceScatter())

@@ -9,18 +9,11 @@ from gift_compile.config import GiftConfig
 from gift_compile.selection import LayerMeasurement, decide
 from gift_compile.state import GiftState
 from multirank import run_ranks
+from mlp import MLP as _MLP
 
 
-class MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc1 = nn.Linear(96, 128)
-        self.fc2 = nn.Linear(128, 96)
-        self.out = nn.Linear(96, 4)
-
-    def forward(self, x):
-        return self.out(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+def MLP() -> nn.Module:
+    return _MLP(96)
 
 
 def _apply_remove_body(rank: int, world: int) -> dict:

@@ -95,3 +95,12 @@ def test_sync_buffer_cuts_runs_and_copies_back_every_segment(op):
     assert torch.equal(out[:3], buf[:3]) and torch.equal(out[-5:], buf[-5:])
     w, got = buf[3:-5].view(8, 16), out[3:-5].view(8, 16)
     assert not torch.equal(got, w) and float((got - w).norm() / w.norm()) < 0.2
+
+
+def test_fsdp2_internals_are_read_only_on_a_tested_torch():
+    from gift_compile.fsdp_internals import check_torch
+
+    check_torch()  # the installed torch is a tested one
+    check_torch("2.14.1")
+    with pytest.raises(RuntimeError, match="tested on torch 2.13, 2.14; this is torch 2.15.0"):
+        check_torch("2.15.0")

@@ -18,24 +18,13 @@ from gift_compile.collectives import bucket_wire_bytes
 from gift_compile.config import GiftConfig
 from gift_compile.plan import BucketPlan, ItemPlan
 from multirank import run_ranks
+from mlp import MLP as _MLP
 
 CFG = dict(format="fp8_e4m3", min_numel=1024, rank=8, refresh_every=2, select="all", exclude=())
 
 
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc1 = nn.Linear(64, 128)
-        self.fc2 = nn.Linear(128, 64)
-        self.side = nn.Linear(64, 64)  # used only on some steps
-        self.out = nn.Linear(64, 4)  # 256 elements: stays at full precision
-
-    def forward(self, x: torch.Tensor, use_side: bool = True) -> torch.Tensor:
-        h = self.fc2(torch.relu(self.fc1(x)))
-        if use_side:
-            h = h + self.side(h)
-        return self.out(torch.relu(h))
+def MLP() -> nn.Module:
+    return _MLP(64, side=True)
 
 
 def _batch(step: int, rank: int, micro: int = 0) -> torch.Tensor:

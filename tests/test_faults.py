@@ -20,19 +20,13 @@ from gift_compile.config import GiftConfig
 from gift_compile.geometry import Transform
 from gift_compile.state import GiftState
 from multirank import run_ranks
+from mlp import MLP as _MLP
 
 FAST = 120  # seconds: a hang fails the test quickly
 
 
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc1 = nn.Linear(64, 128)
-        self.fc2 = nn.Linear(128, 64)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.relu(self.fc1(x)))
+def MLP() -> nn.Module:
+    return _MLP(64, classes=None)
 
 
 def _nan_training_body(rank: int, world: int, compiled: bool) -> list[str]:
