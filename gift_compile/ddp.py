@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from gift_compile.collectives import Segment, group_info, sync_buffer
 from gift_compile.config import GiftConfig
+from gift_compile.routing import manage
 from gift_compile.state import GiftState
 
 logger = logging.getLogger("gift_compile")
@@ -63,8 +64,6 @@ def _gift_hook(hs: "_HookState", bucket: dist.GradBucket) -> torch.futures.Futur
 def install(model: nn.parallel.DistributedDataParallel, config: GiftConfig, group: dist.ProcessGroup | None, *,
             fuse: bool = True) -> GiftState:
     """Manage the wrapped module's linear weights (statistics hooks) and register the hook."""
-    from gift_compile.api import manage
-
     pg = model.process_group if group is None or group is dist.group.WORLD else group
     if pg is not model.process_group and dist.get_world_size(pg) != dist.get_world_size(model.process_group):
         raise ValueError("gift_compile.apply: group= differs from the DistributedDataParallel process group")
