@@ -1,0 +1,110 @@
+"""HSDP on FSDP2 with a precision per hop, 4 gloo ranks (2 replicas x 2 shards): `fully_shard` on
+the shard-only mesh, GIFT's reduce-scatter over the shard group at `format` and GIFT's all-reduce of
+the reduced shard over the replica group at `replica_format` (`gift_compile.hsdp`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from multirank import run_ranks
+
+# (format, replica_format, geometry): each hop alone quantized, both, and both exact
+CASES = [
+    ("fp32", "fp32", "none"),
+    ("fp32", "int4", "none"),
+    ("fp8_e4m3", "fp32", "none"),
+    ("fp8_e4m3", "nvfp4", "hadamard"),
+]
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(64, 128)
+        self.norm = nn.LayerNorm(128)
+        self.down = nn.Linear(128, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.norm(self.up(x))))
+
+
+def _hsdp_worker(rank: int, world: int) -> list[dict]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from gift_compile import fsdp2, hsdp
+    from gift_compile.api import manage
+    from gift_compile.config import GiftConfig
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    replica_group = mesh.get_group("replicate")
+    out = []
+    for fmt, replica_fmt, geometry in CASES:
+        torch.manual_seed(0)
+        reference = _Net()
+        model = _Net()
+        model.load_state_dict(reference.state_dict())
+        for m in (model.up, model.down):
+            fully_shard(m, mesh=mesh["shard"])
+        fully_shard(model, mesh=mesh["shard"])
+        config = GiftConfig(format=fmt, replica_format=replica_fmt, geometry=geometry, select="all",
+                            min_numel=1024, exclude=(), reduce_op="sum")
+        state = manage(model, config, dist.group.WORLD, mode="stats", split_rows=True)
+        fsdp2.install(model, state, compiled=False)
+        hop = hsdp.install(model, state, replica_group, compiled=False)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(100 + rank))
+        model(x).square().sum().backward()
+        # exact reference: every rank's full gradient, summed over all 4 ranks in fp32, then averaged
+        reference(x).square().sum().backward()
+        errs = {}
+        for name in ("up.weight", "down.weight", "norm.weight"):
+            ref = dict(reference.named_parameters())[name].grad.clone()
+            dist.all_reduce(ref)
+            ref /= world
+            got = dict(model.named_parameters())[name].grad.full_tensor()
+            errs[name] = float((got - ref).norm() / ref.norm())
+        totals = hsdp.hop_totals(state)
+        accounted = hsdp.accounted_bytes(model)
+        state.check_health()
+        local = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
+        opt.step()
+        params = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+        others: list = [None] * 2
+        dist.all_gather_object(others, (local, params), group=replica_group)
+        identical = all(torch.equal(a[k], b[k]) for a, b in zip(others[0], others[1]) for k in a)
+        out.append({"case": (fmt, replica_fmt, geometry), "errs": errs, "totals": totals, "accounted": accounted,
+                    "identical": identical, "replica_world": hop.world})
+    return out
+
+
+def test_hsdp_each_hop_at_its_format_counts_bytes_and_keeps_replicas_identical():
+    results = run_ranks(_hsdp_worker, 4)
+    for rank_results in results:
+        by_case = {r["case"]: r for r in rank_results}
+        for r in rank_results:
+            assert r["identical"], f"{r['case']}: replicas differ"
+            assert r["replica_world"] == 2
+            for hop in ("shard", "replica"):
+                assert r["totals"][hop]["wire"] == r["accounted"][hop], (r["case"], hop, r["totals"], r["accounted"])
+                assert r["totals"][hop]["calls"] == 3  # one per FSDP module
+            # unmanaged parameters (the norm) travel at fp32 on both hops
+            assert r["errs"]["norm.weight"] < 1e-6, r
+        exact = by_case[("fp32", "fp32", "none")]
+        replica_int4 = by_case[("fp32", "int4", "none")]
+        shard_fp8 = by_case[("fp8_e4m3", "fp32", "none")]
+        both = by_case[("fp8_e4m3", "nvfp4", "hadamard")]
+        for w in ("up.weight", "down.weight"):
+            assert exact["errs"][w] < 1e-6
+            # each quantized hop's error is at its format's level; an fp32 hop adds none
+            assert 0.02 < replica_int4["errs"][w] < 0.3, replica_int4
+            assert 1e-3 < shard_fp8["errs"][w] < 0.06, shard_fp8
+            assert shard_fp8["errs"][w] < replica_int4["errs"][w]
+            assert 0.02 < both["errs"][w] < 0.4, both
+        # an fp32 hop sends its baseline's bytes plus headers; a low-bit hop far fewer
+        assert replica_int4["totals"]["replica"]["wire"] * 4 < replica_int4["totals"]["replica"]["baseline"] * 1.5
+        assert shard_fp8["totals"]["shard"]["wire"] < shard_fp8["totals"]["shard"]["baseline"]
+        assert exact["totals"]["replica"]["wire"] > exact["totals"]["replica"]["baseline"]
