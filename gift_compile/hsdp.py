@@ -61,6 +61,26 @@ class ReplicaHop:
         self.rank = torch.full((), dist.get_rank(group), dtype=torch.int64, device=device)
         self.counters = torch.zeros(N_COUNTERS, dtype=torch.int64, device=device)
         self.timer = CommTimer()
+        # Error probe: with `measure_every = N > 0`, the backward of every N-th optimizer step
+        # (and the first) also all-reduces the managed shards at fp32 and accumulates the squared
+        # error of GIFT's result against it and the squared reference (`take_error`).
+        self.measure_every = 0
+        self.err_sq = torch.zeros((), dtype=torch.float64, device=device)
+        self.ref_sq = torch.zeros((), dtype=torch.float64, device=device)
+
+    def measuring(self, steps: int) -> bool:
+        """Whether the backward of the optimizer step after `steps` completed ones is probed."""
+        n = self.measure_every
+        return n > 0 and (steps == 0 or (steps + 1) % n == 0)
+
+    def take_error(self) -> float | None:
+        """Relative L2 error of the replica hop over the managed shards probed since the last
+        call (None when nothing was probed)."""
+        ref = float(self.ref_sq)
+        out = None if ref == 0.0 else (float(self.err_sq) / ref) ** 0.5
+        self.err_sq.zero_()
+        self.ref_sq.zero_()
+        return out
 
 
 class ReplicaAllReduce:
@@ -111,9 +131,18 @@ class ReplicaAllReduce:
             # the layer's transform and seed; no residual and no probe (both belong to the shard hop)
             tensors.append(ItemTensors(layer.active_tensors(), None, None, layer.seed_offset) if item.managed else None)
         check_plan_agreement(plan, self.hop.group, always=self.state.config.plan_check == "always")
+        managed = [i for i, (_, _, _, layer) in enumerate(segments) if layer is not None]
+        exact = None
+        if managed and self.hop.measuring(self.state.steps):
+            exact = torch.cat([xs[i].reshape(-1).float() for i in managed])
+            dist.all_reduce(exact, group=self.hop.group)
         shared = Shared(self.state.seed, self.hop.rank, self.hop.counters)
         with self.hop.timer.timing(reduce_output.device):
             outs, headers = run_bucket(xs, tensors, shared, plan, compiled=self.compiled)
+        if exact is not None:
+            got = torch.cat([outs[i].reshape(-1) for i in managed])
+            self.hop.err_sq += (got - exact).double().square().sum()
+            self.hop.ref_sq += exact.double().square().sum()
         # the replica hop's health flags join the state's, which the step driver checks on every rank
         self.state.counters[C_MISMATCH] += (headers[:, 0] != plan.fingerprint()).any().to(torch.int64)
         self.state.counters[C_NONFINITE] += (headers[:, 1] != 0).any().to(torch.int64)
@@ -159,13 +188,15 @@ def install(model: nn.Module, state: GiftState, replica_group: dist.ProcessGroup
 
 
 def _hooks(model: nn.Module) -> list[ReplicaAllReduce]:
-    out = []
+    """The replica hooks of `model`, one per FSDP parameter group (modules sharded together,
+    `fully_shard([norm, output])`, share one group and appear once)."""
+    out: dict[int, ReplicaAllReduce] = {}
     for module in model.modules():
         if isinstance(module, FSDPModule):
             group = module._get_fsdp_state()._fsdp_param_group
             if group is not None and isinstance(group._all_reduce_hook, ReplicaAllReduce):
-                out.append(group._all_reduce_hook)
-    return out
+                out[id(group)] = group._all_reduce_hook
+    return list(out.values())
 
 
 def accounted_bytes(model: nn.Module) -> dict[str, int]:

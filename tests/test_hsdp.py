@@ -47,14 +47,16 @@ def _hsdp_worker(rank: int, world: int) -> list[dict]:
         reference = _Net()
         model = _Net()
         model.load_state_dict(reference.state_dict())
-        for m in (model.up, model.down):
-            fully_shard(m, mesh=mesh["shard"])
+        # two modules in one FSDP group (as torchtitan shards [norm, output]): one bucket per hop
+        fully_shard(model.up, mesh=mesh["shard"])
+        fully_shard([model.norm, model.down], mesh=mesh["shard"])
         fully_shard(model, mesh=mesh["shard"])
         config = GiftConfig(format=fmt, replica_format=replica_fmt, geometry=geometry, select="all",
                             min_numel=1024, exclude=(), reduce_op="sum")
         state = manage(model, config, dist.group.WORLD, mode="stats", split_rows=True)
         fsdp2.install(model, state, compiled=False)
         hop = hsdp.install(model, state, replica_group, compiled=False)
+        hop.measure_every = 1
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         x = torch.randn(8, 64, generator=torch.Generator().manual_seed(100 + rank))
         model(x).square().sum().backward()
@@ -67,6 +69,7 @@ def _hsdp_worker(rank: int, world: int) -> list[dict]:
             ref /= world
             got = dict(model.named_parameters())[name].grad.full_tensor()
             errs[name] = float((got - ref).norm() / ref.norm())
+        probe = hop.take_error()
         totals = hsdp.hop_totals(state)
         accounted = hsdp.accounted_bytes(model)
         state.check_health()
@@ -77,7 +80,7 @@ def _hsdp_worker(rank: int, world: int) -> list[dict]:
         dist.all_gather_object(others, (local, params), group=replica_group)
         identical = all(torch.equal(a[k], b[k]) for a, b in zip(others[0], others[1]) for k in a)
         out.append({"case": (fmt, replica_fmt, geometry), "errs": errs, "totals": totals, "accounted": accounted,
-                    "identical": identical, "replica_world": hop.world})
+                    "identical": identical, "replica_world": hop.world, "probe": probe})
     return out
 
 
@@ -90,13 +93,19 @@ def test_hsdp_each_hop_at_its_format_counts_bytes_and_keeps_replicas_identical()
             assert r["replica_world"] == 2
             for hop in ("shard", "replica"):
                 assert r["totals"][hop]["wire"] == r["accounted"][hop], (r["case"], hop, r["totals"], r["accounted"])
-                assert r["totals"][hop]["calls"] == 3  # one per FSDP module
+                assert r["totals"][hop]["calls"] == 2  # one per FSDP parameter group
             # unmanaged parameters (the norm) travel at fp32 on both hops
             assert r["errs"]["norm.weight"] < 1e-6, r
         exact = by_case[("fp32", "fp32", "none")]
         replica_int4 = by_case[("fp32", "int4", "none")]
         shard_fp8 = by_case[("fp8_e4m3", "fp32", "none")]
         both = by_case[("fp8_e4m3", "nvfp4", "hadamard")]
+        # the run-time probe of the replica hop: 0 at fp32, the measured int4 error when only that hop
+        # is quantized (the probe pools both weights, so it lies between their errors)
+        assert exact["probe"] == 0.0 and shard_fp8["probe"] == 0.0
+        lo, hi = sorted(replica_int4["errs"][w] for w in ("up.weight", "down.weight"))
+        assert 0.9 * lo < replica_int4["probe"] < 1.1 * hi, replica_int4
+        assert both["probe"] > 0.02
         for w in ("up.weight", "down.weight"):
             assert exact["errs"][w] < 1e-6
             # each quantized hop's error is at its format's level; an fp32 hop adds none
