@@ -76,6 +76,7 @@ def gift_post_optimizer_build(optimizers: Any, model_parts: list[nn.Module], par
         replicas = hsdp.replica_group(parallel_dims)
         if replicas is not None:
             gift_hsdp.install(model, state, replicas, compiled=section.fuse)
+            logger.info(hsdp.describe_hops(model, state, parallel_dims.dp_shard))
     else:
         state = manage(model, config, group, mode="tag", split_rows=True)
     attach_optimizer(state, optimizers)

@@ -22,7 +22,7 @@ from torchtitan.tools.logging import logger
 
 from gift_compile import hsdp as gift_hsdp
 
-__all__ = ["ShardOnlyDims", "bind_shard_only_parallelize", "replica_group", "replica_metrics", "shard_only_parallelize"]
+__all__ = ["ShardOnlyDims", "bind_shard_only_parallelize", "describe_hops", "replica_group", "replica_metrics", "shard_only_parallelize"]
 
 
 class ShardOnlyDims:
@@ -44,9 +44,11 @@ class ShardOnlyDims:
         raise AttributeError(f"ShardOnlyDims is a read-only view; cannot set {name}")
 
 
-def shard_only_parallelize(model: Any, *, parallel_dims: Any, inner: Callable, **kwargs: Any) -> Any:
-    """``parallelize_fn`` that runs `inner` on the shard-only mesh when replication is on."""
-    if parallel_dims.dp_replicate_enabled:
+def shard_only_parallelize(model: Any, *, parallel_dims: Any, inner: Callable, section: Any, **kwargs: Any) -> Any:
+    """``parallelize_fn`` that runs `inner` on the shard-only mesh when replication is on and
+    ``section.enable`` (GIFT's replica hop then replaces FSDP2's; without GIFT the native HSDP
+    mesh is kept, or nothing would all-reduce across replicas)."""
+    if section.enable and parallel_dims.dp_replicate_enabled:
         logger.info(f"GIFT HSDP: fully_shard on the shard-only mesh (fsdp={parallel_dims.dp_shard}); GIFT "
                     f"all-reduces each reduced shard over the {parallel_dims.dp_replicate} replicas")
         parallel_dims = ShardOnlyDims(parallel_dims)
@@ -54,11 +56,13 @@ def shard_only_parallelize(model: Any, *, parallel_dims: Any, inner: Callable, *
 
 
 def bind_shard_only_parallelize(config: Any) -> None:
-    """Wrap ``config.model_spec.parallelize_fn`` in `shard_only_parallelize` (idempotent)."""
+    """Wrap ``config.model_spec.parallelize_fn`` in `shard_only_parallelize` bound to
+    ``config.gift`` (idempotent: rebinding keeps the model's own function and takes the final,
+    CLI-parsed section, as `hooks.bind_gift_hook` does)."""
     current = config.model_spec.parallelize_fn
     if isinstance(current, functools.partial) and current.func is shard_only_parallelize:
-        return
-    wrapped = functools.partial(shard_only_parallelize, inner=current)
+        current = current.keywords["inner"]
+    wrapped = functools.partial(shard_only_parallelize, inner=current, section=config.gift)
     config.model_spec = replace(config.model_spec, parallelize_fn=wrapped)
 
 
@@ -94,3 +98,15 @@ def replica_metrics(state: Any, model: Any, last: dict[str, Any], steps: int, lo
     if err is not None:
         out["gift/replica_err"] = err
     return out
+
+
+def describe_hops(model: Any, state: Any, shard_world: int) -> str:
+    """One log line: each hop's group size and format, and how many FSDP parameter groups
+    (one bucket per hop each) carry how many managed weights."""
+    hop = state.replica_hop
+    groups = len(gift_hsdp._hooks(model))
+    config = state.config
+    return (f"GIFT HSDP: {groups} FSDP parameter groups, {len(state.layers)} managed weights; shard hop "
+            f"(reduce-scatter over {shard_world} ranks) at {config.format}, replica hop (all-reduce of each "
+            f"reduced shard over {hop.world} replicas) at {config.replica_hop_format}; the other parameters "
+            f"travel at full precision inside the same buckets")

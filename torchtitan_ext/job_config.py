@@ -32,8 +32,7 @@ class GiftTrainerConfig(Trainer.Config):
     def __post_init__(self) -> None:
         Trainer.Config.__post_init__(self)  # explicit: slots dataclasses break zero-argument super()
         bind_gift_hook(self, "fsdp2")
-        if self.gift.enable:  # HSDP: shard-only fully_shard, GIFT's replica hop (see .hsdp)
-            bind_shard_only_parallelize(self)
+        bind_shard_only_parallelize(self)  # HSDP with gift.enable: shard-only fully_shard (see .hsdp)
 
 
 @dataclass(kw_only=True, slots=True)
