@@ -51,7 +51,7 @@ def test_fsdp2_hsdp_runs_both_hops_at_their_formats_and_tracks_fp32(runs: Callab
     assert "fully_shard on the shard-only mesh" in gift.output
     assert "replica hop (all-reduce of each reduced shard over 2 replicas) at nvfp4" in gift.output
     # no refusal, no weight left at full precision, no GIFT warning (fallbacks are logged as such)
-    assert "supports pure FSDP" not in gift.output
+    assert "gift.enable supports FSDP" not in gift.output
     assert not [line for line in gift.output.splitlines() if "GIFT" in line and ("WARNING" in line or "full precision" in line)]
     steps = [r for r in gift.records if "loss" in r]
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
@@ -79,9 +79,10 @@ def test_fsdp2_hsdp_at_fp32_on_both_hops_is_native_hsdp(runs: Callable[[str], Ru
 
 
 @pytest.mark.parametrize("trainer,dims,names", [
-    ("graph", {"dp_replicate": 2}, "data-replicate"),
-    ("fsdp2", {"tp": 2}, "tensor"),
-    ("fsdp2", {"pp": 2, "cp": 2}, "context, pipeline"),
+    ("graph", {"dp_replicate": 2}, "data-replicate .* parallelism is on .*no rewrite of that pair"),
+    ("fsdp2", {"tp": 2}, "tensor parallelism is on .*TP rank"),
+    ("fsdp2", {"pp": 2, "cp": 2}, "context, pipeline parallelism is on .*CP rank.*own model part"),
+    ("fsdp2", {"ep": 2}, "expert parallelism is on .*several parameter groups"),
 ])
 def test_layouts_gift_does_not_run_are_refused_by_name(trainer: str, dims: dict[str, int], names: str) -> None:
     parallel_dims = SimpleNamespace(**{"tp": 1, "cp": 1, "pp": 1, "ep": 1, "dp_replicate": 1, **dims})

@@ -29,6 +29,19 @@ from .section import AUTO_METRIC, GiftSection
 __all__ = ["bind_gift_hook", "data_parallel_group", "gift_post_optimizer_build", "resolve_select_metric"]
 
 
+# Why each layout is refused (torchtitan_ext/README.md, "Limits").
+_UNSUPPORTED_WHY = {
+    "tensor": "a TP-sharded weight needs its geometry from the inputs its TP rank sees and statistics "
+              "over the data-parallel group only, which GIFT's state does not build",
+    "context": "the FSDP mesh then spans dp_shard x cp, and the statistics would see a CP rank's slice "
+               "of each sequence as separate tokens",
+    "pipeline": "each stage is its own model part, which would need its own GIFT state",
+    "expert": "FSDP2 refuses custom reduce-scatters and all-reduce hooks for modules with several parameter groups",
+    "data-replicate (HSDP/DDP) on graph_trainer": "SimpleFSDP traces the replica all-reduce of the full gradient "
+              "before the shard reduce-scatter, and the pass has no rewrite of that pair; use the FSDP2 trainer",
+}
+
+
 def data_parallel_group(parallel_dims: Any, trainer: str = "graph") -> dist.ProcessGroup:
     """The data-parallel group GIFT's state spans (statistics, transforms, selection): the FSDP
     group, or with HSDP on the FSDP2 trainer shards x replicas (`.hsdp`); other parallelisms
@@ -42,7 +55,9 @@ def data_parallel_group(parallel_dims: Any, trainer: str = "graph") -> dist.Proc
     }
     unsupported = [name for name, degree in others.items() if degree > 1]
     if unsupported:
-        raise ValueError(f"gift.enable supports pure FSDP data parallelism; {', '.join(unsupported)} parallelism is on")
+        why = "; ".join(f"{name}: {_UNSUPPORTED_WHY[name]}" for name in unsupported)
+        raise ValueError(f"gift.enable supports FSDP, and HSDP on the FSDP2 trainer; {', '.join(unsupported)} "
+                         f"parallelism is on ({why})")
     if parallel_dims.dp_replicate > 1:
         return parallel_dims.get_mesh("batch").get_group()
     return parallel_dims.get_mesh("fsdp").get_group()
@@ -53,7 +68,8 @@ def gift_post_optimizer_build(optimizers: Any, model_parts: list[nn.Module], par
     """``post_optimizer_build_fn``: GIFT for the stock trainer ("fsdp2") or graph_trainer ("graph").
 
     FSDP2: statistics hooks plus `gift_compile.fsdp2`'s bucketed reduce-scatter on every FSDP
-    module, and with HSDP `gift_compile.hsdp`'s replica all-reduce hook. graph_trainer: the `gift::mark` tags whose reduce-scatters (bucketed or not) the
+    module, and with HSDP `gift_compile.hsdp`'s replica all-reduce hook. graph_trainer: the
+    `gift::mark` tags whose reduce-scatters (bucketed or not) the
     ``gift`` pass pipeline rewrites. Both: `attach_optimizer` on torchtitan's optimizer
     container (health check before its step, `GiftState.step()` after).
     """

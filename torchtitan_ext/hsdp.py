@@ -109,4 +109,4 @@ def describe_hops(model: Any, state: Any, shard_world: int) -> str:
     return (f"GIFT HSDP: {groups} FSDP parameter groups, {len(state.layers)} managed weights; shard hop "
             f"(reduce-scatter over {shard_world} ranks) at {config.format}, replica hop (all-reduce of each "
             f"reduced shard over {hop.world} replicas) at {config.replica_hop_format}; the other parameters "
-            f"travel at full precision inside the same buckets")
+            f"travel unquantized inside the same buckets")
