@@ -10,12 +10,14 @@ import torch.nn as nn
 
 from multirank import run_ranks
 
-# (format, replica_format, geometry): each hop alone quantized, both, and both exact
+# (format, replica_format, geometry, error_feedback): each hop alone quantized, both, both exact,
+# and error feedback (a residual on the shard hop, none on the replica hop)
 CASES = [
-    ("fp32", "fp32", "none"),
-    ("fp32", "int4", "none"),
-    ("fp8_e4m3", "fp32", "none"),
-    ("fp8_e4m3", "nvfp4", "hadamard"),
+    ("fp32", "fp32", "none", False),
+    ("fp32", "int4", "none", False),
+    ("fp8_e4m3", "fp32", "none", False),
+    ("fp8_e4m3", "nvfp4", "hadamard", False),
+    ("fp8_e4m3", "int4", "none", True),
 ]
 
 
@@ -42,7 +44,7 @@ def _hsdp_worker(rank: int, world: int) -> list[dict]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     replica_group = mesh.get_group("replicate")
     out = []
-    for fmt, replica_fmt, geometry in CASES:
+    for fmt, replica_fmt, geometry, error_feedback in CASES:
         torch.manual_seed(0)
         reference = _Net()
         model = _Net()
@@ -52,7 +54,7 @@ def _hsdp_worker(rank: int, world: int) -> list[dict]:
         fully_shard([model.norm, model.down], mesh=mesh["shard"])
         fully_shard(model, mesh=mesh["shard"])
         config = GiftConfig(format=fmt, replica_format=replica_fmt, geometry=geometry, select="all",
-                            min_numel=1024, exclude=(), reduce_op="sum")
+                            min_numel=1024, exclude=(), reduce_op="sum", error_feedback=error_feedback)
         state = manage(model, config, dist.group.WORLD, mode="stats", split_rows=True)
         fsdp2.install(model, state, compiled=False)
         hop = hsdp.install(model, state, replica_group, compiled=False)
@@ -79,7 +81,8 @@ def _hsdp_worker(rank: int, world: int) -> list[dict]:
         others: list = [None] * 2
         dist.all_gather_object(others, (local, params), group=replica_group)
         identical = all(torch.equal(a[k], b[k]) for a, b in zip(others[0], others[1]) for k in a)
-        out.append({"case": (fmt, replica_fmt, geometry), "errs": errs, "totals": totals, "accounted": accounted,
+        residual_moved = error_feedback and all(bool(l.residual[0].abs().sum() > 0) for l in state.layers.values())
+        out.append({"case": (fmt, replica_fmt, geometry), "residual_moved": residual_moved, "errs": errs, "totals": totals, "accounted": accounted,
                     "identical": identical, "replica_world": hop.world, "probe": probe})
     return out
 
@@ -96,6 +99,8 @@ def test_hsdp_each_hop_at_its_format_counts_bytes_and_keeps_replicas_identical()
                 assert r["totals"][hop]["calls"] == 2  # one per FSDP parameter group
             # unmanaged parameters (the norm) travel at fp32 on both hops
             assert r["errs"]["norm.weight"] < 1e-6, r
+        with_ef = by_case[("fp8_e4m3", "int4", "none")]
+        assert with_ef["residual_moved"] and 0.02 < with_ef["errs"]["up.weight"] < 0.3, with_ef
         exact = by_case[("fp32", "fp32", "none")]
         replica_int4 = by_case[("fp32", "int4", "none")]
         shard_fp8 = by_case[("fp8_e4m3", "fp32", "none")]
