@@ -84,12 +84,41 @@ def _hsdp_worker(rank: int, world: int) -> list[dict]:
         residual_moved = error_feedback and all(bool(l.residual[0].abs().sum() > 0) for l in state.layers.values())
         out.append({"case": (fmt, replica_fmt, geometry), "residual_moved": residual_moved, "errs": errs, "totals": totals, "accounted": accounted,
                     "identical": identical, "replica_world": hop.world, "probe": probe})
-    return out
+    return out, _refusals(rank, mesh, replica_group)
+
+
+def _refusals(rank: int, mesh, replica_group) -> list[str]:
+    """What `hsdp.install` refuses: a native 2-D HSDP mesh (FSDP2 would all-reduce at fp32 before
+    the hook), and replicas that do not start identical."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from gift_compile import fsdp2, hsdp
+    from gift_compile.api import manage
+    from gift_compile.config import GiftConfig
+
+    errors = []
+    config = GiftConfig(format="fp8_e4m3", geometry="none", min_numel=1024, exclude=(), reduce_op="sum")
+    for native, seed in ((True, 0), (False, rank // 2)):  # replica rank differs: rank // 2 seeds differ
+        torch.manual_seed(seed)
+        model = _Net()
+        fully_shard(model, mesh=mesh if native else mesh["shard"])
+        state = manage(model, config, dist.group.WORLD, mode="stats", split_rows=True)
+        fsdp2.install(model, state, compiled=False)
+        try:
+            hsdp.install(model, state, replica_group, compiled=False)
+            errors.append("")
+        except (ValueError, RuntimeError) as e:
+            errors.append(str(e))
+    return errors
 
 
 def test_hsdp_each_hop_at_its_format_counts_bytes_and_keeps_replicas_identical():
     results = run_ranks(_hsdp_worker, 4)
-    for rank_results in results:
+    for _, (native, drifted) in results:
+        assert "2-D (native HSDP) mesh" in native, native
+        assert "replicas must start bit-identical" in drifted, drifted
+    for rank_results, _ in results:
         by_case = {r["case"]: r for r in rank_results}
         for r in rank_results:
             assert r["identical"], f"{r['case']}: replicas differ"
