@@ -24,6 +24,8 @@ FORMATS = ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "mxfp8", "nvfp4", "mxint4", "
 # pairwise tree and packed whole into bytes, hence a short list of power-of-two lengths.
 BLOCK_SIZE_FORMATS = ("int4", "int2", "ternary")
 BLOCK_SIZE_CHOICES = (16, 32)
+# `replica_format` value meaning "the cross-replica hop uses `format` too".
+SAME_FORMAT = "same"
 SCALINGS = ("tensor", "row", "block")
 GEOMETRIES = tuple(GEOMETRY_CLASSES)  # the names of the geometry table
 NONFINITE = ("error", "propagate")
@@ -157,6 +159,10 @@ class GiftConfig:
             "dense" (the exact d_in x d_in factor). The dense geometry always uses the exact
             factor, and so do layers too narrow for a sketch to be smaller (d_in <= 1.5 k).
         sketch_cols: columns k of the sketch (0: 2 * rank).
+        replica_format: wire format of the cross-replica hop of hybrid sharding (HSDP: the
+            all-reduce of each reduced shard over the replica group, typically across nodes
+            and on the slow network), or "same" to use `format`. The intra-node shard hop
+            (the reduce-scatter) always uses `format`; fp32/bf16 send the hop unquantized.
         plan_check: eager collectives compare their static plan across ranks (a small host
             collective) on the "first" call of each plan, or on "always" every call (debug
             mode). Compiled graphs always compare a plan fingerprint carried in every
@@ -189,6 +195,7 @@ class GiftConfig:
     residual_format: str = "fp32"
     statistics: str = "sketch"
     sketch_cols: int = 0
+    replica_format: str = "same"
 
     def __post_init__(self) -> None:
         # Types first (a str where a float belongs must not surface as a TypeError from a
@@ -209,6 +216,11 @@ class GiftConfig:
             _fail("block_size", self.block_size, "an even positive integer")
         if self.format in BLOCK_SIZE_FORMATS and self.block_size not in BLOCK_SIZE_CHOICES:
             _fail("block_size", self.block_size, f"{' or '.join(map(str, BLOCK_SIZE_CHOICES))} for format={self.format!r}")
+        if not isinstance(self.replica_format, str) or self.replica_format not in (SAME_FORMAT, *FORMATS):
+            _fail("replica_format", self.replica_format, ", ".join((SAME_FORMAT, *FORMATS)))
+        if self.replica_hop_format in BLOCK_SIZE_FORMATS and self.block_size not in BLOCK_SIZE_CHOICES:
+            _fail("block_size", self.block_size,
+                  f"{' or '.join(map(str, BLOCK_SIZE_CHOICES))} for replica_format={self.replica_hop_format!r}")
         if not _is_int(self.min_numel) or self.min_numel < 0:
             _fail("min_numel", self.min_numel, "a non-negative integer")
         if not _is_int(self.sketch_cols) or self.sketch_cols < 0:
@@ -259,6 +271,11 @@ class GiftConfig:
             object.__setattr__(self, "select", select)
         else:
             _fail("select", select, allowed)
+
+    @property
+    def replica_hop_format(self) -> str:
+        """The format of the cross-replica hop (`replica_format`, or `format` for "same")."""
+        return self.format if self.replica_format == SAME_FORMAT else self.replica_format
 
     @property
     def boundary_hits_k(self) -> int | None:

@@ -22,8 +22,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
-__all__ = ["DefaultReduceScatter", "PackedParam", "ReduceScatter", "TESTED_TORCH", "check_torch", "fsdp_modules",
-           "packed_params", "shard_process_group"]
+__all__ = ["DefaultReduceScatter", "PackedParam", "ReduceScatter", "TESTED_TORCH", "all_reduce_hook", "check_torch",
+           "custom_reduce_scatter", "fsdp_modules", "gradient_divide_factor", "is_native_hsdp", "packed_params",
+           "param_group_id", "shard_process_group"]
 
 # (major, minor) releases whose FSDP2 internals match what this module reads.
 TESTED_TORCH = ((2, 13), (2, 14))
@@ -75,3 +76,29 @@ def packed_params(module: FSDPModule) -> list[PackedParam]:
 def shard_process_group(module: FSDPModule) -> dist.ProcessGroup:
     """The process group `module` reduce-scatters its gradients over."""
     return _param_group(module).mesh_info.shard_process_group
+
+
+def param_group_id(module: FSDPModule) -> int:
+    """Identity of `module`'s parameter group (modules sharded together share one)."""
+    return id(_param_group(module))
+
+
+def is_native_hsdp(module: FSDPModule) -> bool:
+    """Whether `module` is sharded on a 2-D (replicate x shard) mesh, whose replica all-reduce
+    FSDP2 runs itself before any all-reduce hook."""
+    return bool(_param_group(module)._is_hsdp)
+
+
+def custom_reduce_scatter(module: FSDPModule) -> Any:
+    """The reduce-scatter comm `module` currently runs (set by `set_custom_reduce_scatter`)."""
+    return _param_group(module)._reduce_scatter_comm
+
+
+def all_reduce_hook(module: FSDPModule) -> Any | None:
+    """The hook `set_all_reduce_hook` put on `module`'s parameter group, if any."""
+    return _param_group(module)._all_reduce_hook
+
+
+def gradient_divide_factor(module: FSDPModule) -> float | None:
+    """The explicit gradient divide factor of `module` (None: FSDP2's default mean)."""
+    return _param_group(module).gradient_divide_factor

@@ -155,7 +155,7 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
 
     __slots__ = ("config", "group", "collective", "layers", "seed", "rank", "counters", "steps", "history",
                  "grad_source", "_health_seen", "modules", "handles", "active", "sync_mode", "dirty_params",
-                 "plan_version", "_sharing_checked", "comm_timer", "retraces")
+                 "plan_version", "_sharing_checked", "comm_timer", "retraces", "replica_hop")
 
     def __init__(self, config: GiftConfig, group: dist.ProcessGroup | None, collective: str = "all_reduce"):
         self.config = config
@@ -186,6 +186,9 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         # dropped its traced step for a plan change (torchtitan's graph_trainer hook).
         self.comm_timer: CommTimer | None = None
         self.retraces = 0
+        # HSDP's replica hop (`gift_compile.hsdp.ReplicaHop`: group, counters, error probe), set
+        # by `gift_compile.hsdp.install`; None without a replica hop.
+        self.replica_hop: Any = None
 
     @property
     def shared(self) -> Shared:

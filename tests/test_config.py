@@ -19,6 +19,8 @@ NAN, INF = float("nan"), float("inf")
     ({"unrewritten": "ignore"}, "unrewritten"), ({"plan_check": "never"}, "plan_check"),
     ({"reselect_every": -1}, "reselect_every"), ({"statistics": "exact"}, "statistics"),
     ({"sketch_cols": -2}, "sketch_cols"), ({"residual_format": "fp16"}, "residual_format"),
+    ({"replica_format": "fp16"}, "replica_format"),
+    ({"format": "fp8_e4m3", "replica_format": "int4", "block_size": 64}, "block_size"),
 ])
 def test_invalid_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"GiftConfig\.{field}=.*allowed"):
@@ -32,6 +34,7 @@ BAD_TYPES = [
     ("format", 3), ("format", None), ("scaling", b"row"), ("geometry", ["lowrank"]),
     ("nonfinite", 0), ("reduce_op", 1), ("select_metric", None), ("unrewritten", False), ("plan_check", 2),
     ("reselect_every", 1.5), ("statistics", 1), ("sketch_cols", "64"), ("residual_format", None),
+    ("replica_format", None), ("replica_format", 4),
     ("block_size", 32.0), ("block_size", True), ("rank", True), ("rank", "8"), ("refresh_every", False),
     ("refresh_every", 10.0), ("stats_tokens", "1024"), ("min_numel", True), ("min_numel", 4096.0),
     ("min_numel", -1), ("seed", "0"), ("seed", True), ("seed", 1.5), ("seed", 2**70), ("seed", 2**63),

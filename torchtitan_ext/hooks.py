@@ -19,27 +19,47 @@ import torch.nn as nn
 from torchtitan.tools.logging import logger
 
 from gift_compile import fsdp2
+from gift_compile import hsdp as gift_hsdp
 from gift_compile.api import attach_optimizer, eligible_linears, manage
 from gift_compile.selection import select_metric_for
 
-from . import cpu_compat
+from . import cpu_compat, hsdp
 from .section import AUTO_METRIC, GiftSection
 
 __all__ = ["bind_gift_hook", "data_parallel_group", "gift_post_optimizer_build", "resolve_select_metric"]
 
 
-def data_parallel_group(parallel_dims: Any) -> dist.ProcessGroup:
-    """The FSDP group GIFT reduces over; other parallelisms are not supported."""
+# Why each layout is refused (torchtitan_ext/README.md, "Limits").
+_UNSUPPORTED_WHY = {
+    "tensor": "a TP-sharded weight needs its geometry from the inputs its TP rank sees and statistics "
+              "over the data-parallel group only, which GIFT's state does not build",
+    "context": "the FSDP mesh then spans dp_shard x cp, and the statistics would see a CP rank's slice "
+               "of each sequence as separate tokens",
+    "pipeline": "each stage is its own model part, which would need its own GIFT state",
+    "expert": "FSDP2 refuses custom reduce-scatters and all-reduce hooks for modules with several parameter groups",
+    "data-replicate (HSDP/DDP) on graph_trainer": "SimpleFSDP traces the replica all-reduce of the full gradient "
+              "before the shard reduce-scatter, and the pass has no rewrite of that pair; use the FSDP2 trainer",
+}
+
+
+def data_parallel_group(parallel_dims: Any, trainer: str = "graph") -> dist.ProcessGroup:
+    """The data-parallel group GIFT's state spans (statistics, transforms, selection): the FSDP
+    group, or with HSDP on the FSDP2 trainer shards x replicas (`.hsdp`); other parallelisms
+    are not supported."""
     others = {
         "tensor": parallel_dims.tp,
         "context": parallel_dims.cp,
         "pipeline": parallel_dims.pp,
         "expert": parallel_dims.ep,
-        "data-replicate (HSDP/DDP)": parallel_dims.dp_replicate,
+        "data-replicate (HSDP/DDP) on graph_trainer": parallel_dims.dp_replicate if trainer != "fsdp2" else 1,
     }
     unsupported = [name for name, degree in others.items() if degree > 1]
     if unsupported:
-        raise ValueError(f"gift.enable supports pure FSDP data parallelism; {', '.join(unsupported)} parallelism is on")
+        why = "; ".join(f"{name}: {_UNSUPPORTED_WHY[name]}" for name in unsupported)
+        raise ValueError(f"gift.enable supports FSDP, and HSDP on the FSDP2 trainer; {', '.join(unsupported)} "
+                         f"parallelism is on ({why})")
+    if parallel_dims.dp_replicate > 1:
+        return parallel_dims.get_mesh("batch").get_group()
     return parallel_dims.get_mesh("fsdp").get_group()
 
 
@@ -48,7 +68,8 @@ def gift_post_optimizer_build(optimizers: Any, model_parts: list[nn.Module], par
     """``post_optimizer_build_fn``: GIFT for the stock trainer ("fsdp2") or graph_trainer ("graph").
 
     FSDP2: statistics hooks plus `gift_compile.fsdp2`'s bucketed reduce-scatter on every FSDP
-    module. graph_trainer: the `gift::mark` tags whose reduce-scatters (bucketed or not) the
+    module, and with HSDP `gift_compile.hsdp`'s replica all-reduce hook. graph_trainer: the
+    `gift::mark` tags whose reduce-scatters (bucketed or not) the
     ``gift`` pass pipeline rewrites. Both: `attach_optimizer` on torchtitan's optimizer
     container (health check before its step, `GiftState.step()` after).
     """
@@ -62,12 +83,16 @@ def gift_post_optimizer_build(optimizers: Any, model_parts: list[nn.Module], par
     if len(model_parts) != 1:
         raise ValueError(f"gift.enable needs one model part, got {len(model_parts)} (pipeline parallelism is unsupported)")
     model = model_parts[0]
-    group = data_parallel_group(parallel_dims)
+    group = data_parallel_group(parallel_dims, trainer)
     metric = resolve_select_metric(section, optimizers, model, dist.get_world_size(group))
     config = section.to_gift_config(select_metric=metric)
     if trainer == "fsdp2":
         state = manage(model, config, group, mode="stats", split_rows=True)
         fsdp2.install(model, state, compiled=section.fuse)
+        replicas = hsdp.replica_group(parallel_dims)
+        if replicas is not None:
+            gift_hsdp.install(model, state, replicas, compiled=section.fuse)
+            logger.info(hsdp.describe_hops(model, state, parallel_dims.dp_shard))
     else:
         state = manage(model, config, group, mode="tag", split_rows=True)
     attach_optimizer(state, optimizers)

@@ -16,6 +16,7 @@ from torchtitan.trainer import Trainer
 
 from . import cpu_compat
 from .hooks import bind_gift_hook
+from .hsdp import bind_shard_only_parallelize
 from .pipeline import GIFT_PASS_PIPELINE
 from .section import GiftSection
 
@@ -31,6 +32,7 @@ class GiftTrainerConfig(Trainer.Config):
     def __post_init__(self) -> None:
         Trainer.Config.__post_init__(self)  # explicit: slots dataclasses break zero-argument super()
         bind_gift_hook(self, "fsdp2")
+        bind_shard_only_parallelize(self)  # HSDP with gift.enable: shard-only fully_shard (see .hsdp)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -124,6 +124,10 @@ class GiftSection:
     reselect_every: int = _DEFAULTS.reselect_every
     """Re-decide a measured selection every N refreshes (0: decide once; each change recompiles)."""
 
+    replica_format: str = _DEFAULTS.replica_format
+    """HSDP's cross-replica hop (all-reduce of the reduced shard, across nodes): a wire format, or
+    same (= format). The shard hop (reduce-scatter, inside a node) uses format."""
+
     def __post_init__(self) -> None:
         for name in _INTEGRATION_FIELDS:
             if not isinstance(getattr(self, name), bool):

@@ -11,7 +11,8 @@ Every byte figure is the difference of the state's counters between two logged s
 what GIFT's collectives handed over at run time (codes, scales, headers and the unmanaged
 parameters that share their buckets), next to what the replaced collectives would have been
 handed (``baseline``). Collectives GIFT does not touch (buckets without a managed weight) are
-not counted.
+not counted. Under HSDP those figures are the shard hop's (the reduce-scatter), and the
+``gift/replica_*`` keys (:func:`.hsdp.replica_metrics`) are the replica hop's.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.tools.logging import logger
 
 from gift_compile.state import GiftState
+
+from .hsdp import replica_metrics
 
 __all__ = ["GiftMetricsProcessor", "gift_metrics", "read_jsonl"]
 
@@ -95,7 +98,10 @@ class GiftMetricsProcessor(MetricsProcessor):
             extra_metrics: dict[str, Any] | None = None) -> None:
         extra = dict(extra_metrics or {})
         state = self._gift_state()
+        steps = max(state.steps - self._gift_last.get("steps", 0), 1) if state is not None else 1
         gift = gift_metrics(state, self._gift_last) if state is not None else {}
+        if state is not None:  # HSDP: the replica hop's own figures (the ones above are the shard hop's)
+            gift.update(replica_metrics(state, self.model_parts[0], self._gift_last, steps, self.config.log_freq))
         extra.update(gift)
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)
         # Per-layer entries (gift/<metric>/<layer>) go to the loggers and the JSONL only.

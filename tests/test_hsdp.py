@@ -1,0 +1,153 @@
+"""HSDP on FSDP2 with a precision per hop, 4 gloo ranks (2 replicas x 2 shards): `fully_shard` on
+the shard-only mesh, GIFT's reduce-scatter over the shard group at `format` and GIFT's all-reduce of
+the reduced shard over the replica group at `replica_format` (`gift_compile.hsdp`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from multirank import run_ranks
+
+# (format, replica_format, geometry, error_feedback): each hop alone quantized, both, both exact,
+# and error feedback (a residual on the shard hop, none on the replica hop)
+CASES = [
+    ("fp32", "fp32", "none", False),
+    ("fp32", "int4", "none", False),
+    ("fp8_e4m3", "fp32", "none", False),
+    ("fp8_e4m3", "nvfp4", "hadamard", False),
+    ("fp8_e4m3", "int4", "none", True),
+]
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(64, 128)
+        self.norm = nn.LayerNorm(128)
+        self.down = nn.Linear(128, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.norm(self.up(x))))
+
+
+def _hsdp_worker(rank: int, world: int) -> list[dict]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from gift_compile import fsdp2, hsdp
+    from gift_compile.api import manage
+    from gift_compile.config import GiftConfig
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    replica_group = mesh.get_group("replicate")
+    out = []
+    for fmt, replica_fmt, geometry, error_feedback in CASES:
+        torch.manual_seed(0)
+        reference = _Net()
+        model = _Net()
+        model.load_state_dict(reference.state_dict())
+        # two modules in one FSDP group (as torchtitan shards [norm, output]): one bucket per hop
+        fully_shard(model.up, mesh=mesh["shard"])
+        fully_shard([model.norm, model.down], mesh=mesh["shard"])
+        fully_shard(model, mesh=mesh["shard"])
+        config = GiftConfig(format=fmt, replica_format=replica_fmt, geometry=geometry, select="all",
+                            min_numel=1024, exclude=(), reduce_op="sum", error_feedback=error_feedback)
+        state = manage(model, config, dist.group.WORLD, mode="stats", split_rows=True)
+        fsdp2.install(model, state, compiled=False)
+        hop = hsdp.install(model, state, replica_group, compiled=False)
+        hop.measure_every = 1
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(100 + rank))
+        model(x).square().sum().backward()
+        # exact reference: every rank's full gradient, summed over all 4 ranks in fp32, then averaged
+        reference(x).square().sum().backward()
+        errs = {}
+        for name in ("up.weight", "down.weight", "norm.weight"):
+            ref = dict(reference.named_parameters())[name].grad.clone()
+            dist.all_reduce(ref)
+            ref /= world
+            got = dict(model.named_parameters())[name].grad.full_tensor()
+            errs[name] = float((got - ref).norm() / ref.norm())
+        probe = hop.take_error()
+        totals = hsdp.hop_totals(state)
+        accounted = hsdp.accounted_bytes(model)
+        state.check_health()
+        local = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
+        opt.step()
+        params = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+        others: list = [None] * 2
+        dist.all_gather_object(others, (local, params), group=replica_group)
+        identical = all(torch.equal(a[k], b[k]) for a, b in zip(others[0], others[1]) for k in a)
+        residual_moved = error_feedback and all(bool(l.residual[0].abs().sum() > 0) for l in state.layers.values())
+        out.append({"case": (fmt, replica_fmt, geometry), "residual_moved": residual_moved, "errs": errs, "totals": totals, "accounted": accounted,
+                    "identical": identical, "replica_world": hop.world, "probe": probe})
+    return out, _refusals(rank, mesh, replica_group)
+
+
+def _refusals(rank: int, mesh, replica_group) -> list[str]:
+    """What `hsdp.install` refuses: a native 2-D HSDP mesh (FSDP2 would all-reduce at fp32 before
+    the hook), and replicas that do not start identical."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from gift_compile import fsdp2, hsdp
+    from gift_compile.api import manage
+    from gift_compile.config import GiftConfig
+
+    errors = []
+    config = GiftConfig(format="fp8_e4m3", geometry="none", min_numel=1024, exclude=(), reduce_op="sum")
+    for native, seed in ((True, 0), (False, rank // 2)):  # replica rank differs: rank // 2 seeds differ
+        torch.manual_seed(seed)
+        model = _Net()
+        fully_shard(model, mesh=mesh if native else mesh["shard"])
+        state = manage(model, config, dist.group.WORLD, mode="stats", split_rows=True)
+        fsdp2.install(model, state, compiled=False)
+        try:
+            hsdp.install(model, state, replica_group, compiled=False)
+            errors.append("")
+        except (ValueError, RuntimeError) as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_hsdp_each_hop_at_its_format_counts_bytes_and_keeps_replicas_identical():
+    results = run_ranks(_hsdp_worker, 4)
+    for _, (native, drifted) in results:
+        assert "2-D (native HSDP) mesh" in native, native
+        assert "replicas must start bit-identical" in drifted, drifted
+    for rank_results, _ in results:
+        by_case = {r["case"]: r for r in rank_results}
+        for r in rank_results:
+            assert r["identical"], f"{r['case']}: replicas differ"
+            assert r["replica_world"] == 2
+            for hop in ("shard", "replica"):
+                assert r["totals"][hop]["wire"] == r["accounted"][hop], (r["case"], hop, r["totals"], r["accounted"])
+                assert r["totals"][hop]["calls"] == 2  # one per FSDP parameter group
+            # unmanaged parameters (the norm) travel at fp32 on both hops
+            assert r["errs"]["norm.weight"] < 1e-6, r
+        with_ef = by_case[("fp8_e4m3", "int4", "none")]
+        assert with_ef["residual_moved"] and 0.02 < with_ef["errs"]["up.weight"] < 0.3, with_ef
+        exact = by_case[("fp32", "fp32", "none")]
+        replica_int4 = by_case[("fp32", "int4", "none")]
+        shard_fp8 = by_case[("fp8_e4m3", "fp32", "none")]
+        both = by_case[("fp8_e4m3", "nvfp4", "hadamard")]
+        # the run-time probe of the replica hop: 0 at fp32, the measured int4 error when only that hop
+        # is quantized (the probe pools both weights, so it lies between their errors)
+        assert exact["probe"] == 0.0 and shard_fp8["probe"] == 0.0
+        lo, hi = sorted(replica_int4["errs"][w] for w in ("up.weight", "down.weight"))
+        assert 0.9 * lo < replica_int4["probe"] < 1.1 * hi, replica_int4
+        assert both["probe"] > 0.02
+        for w in ("up.weight", "down.weight"):
+            assert exact["errs"][w] < 1e-6
+            # each quantized hop's error is at its format's level; an fp32 hop adds none
+            assert 0.02 < replica_int4["errs"][w] < 0.3, replica_int4
+            assert 1e-3 < shard_fp8["errs"][w] < 0.06, shard_fp8
+            assert shard_fp8["errs"][w] < replica_int4["errs"][w]
+            assert 0.02 < both["errs"][w] < 0.4, both
+        # an fp32 hop sends its baseline's bytes plus headers; a low-bit hop far fewer
+        assert replica_int4["totals"]["replica"]["wire"] * 4 < replica_int4["totals"]["replica"]["baseline"] * 1.5
+        assert shard_fp8["totals"]["shard"]["wire"] < shard_fp8["totals"]["shard"]["baseline"]
+        assert exact["totals"]["replica"]["wire"] > exact["totals"]["replica"]["baseline"]

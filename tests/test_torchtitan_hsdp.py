@@ -1,0 +1,109 @@
+"""HSDP with GIFT on torchtitan's stock FSDP2 trainer, 4 gloo ranks (2 replicas x 2 shards).
+
+Two GIFT runs (shard hop fp8_e4m3 and replica hop nvfp4, with a refresh after step 2 so step 3
+runs the measured selection on both hops; both hops fp32) and one GIFT-off run with torchtitan's
+native HSDP, same seed and data (~20-60 s each on a 2-core box). Tolerance: the 2-rank FSDP2
+test's 5e-3 per step; fp32 on both hops must reproduce native HSDP's losses exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("torchtitan")
+
+from gift_compile.torchtitan_ext.hooks import data_parallel_group  # noqa: E402
+from gift_compile.torchtitan_ext.runs import RunResult, run_config  # noqa: E402
+
+STEPS = 3
+HSDP = ["--parallelism.data-parallel-replicate-degree=2", "--parallelism.data-parallel-shard-degree=2",
+        "--validator.no-enable", f"--training.steps={STEPS}", "--metrics.log-freq=1"]
+GIFT = ["--gift.format=fp8_e4m3", "--gift.replica-format=nvfp4", "--gift.refresh-every=2", "--gift.no-fuse"]
+TOLERANCE = 5e-3
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], RunResult]:
+    cache: dict[str, RunResult] = {}
+
+    def get(which: str) -> RunResult:
+        if which not in cache:
+            folder = str(tmp_path_factory.mktemp(which))
+            if which == "gift":
+                cache[which] = run_config("llama3_debug_gift_fsdp2", [*HSDP, *GIFT], dump_folder=folder, nproc=4)
+            elif which == "gift_fp32":
+                cache[which] = run_config("llama3_debug_gift_fsdp2", [*HSDP, "--gift.format=fp32", "--gift.no-fuse",
+                                                                      "--gift.replica-format=fp32"],
+                                          dump_folder=folder, nproc=4)
+            else:
+                cache[which] = run_config("llama3_debug_nogift_fsdp2", HSDP, dump_folder=folder, nproc=4)
+            cache[which].check()
+        return cache[which]
+
+    return get
+
+
+def test_fsdp2_hsdp_runs_both_hops_at_their_formats_and_tracks_fp32(runs: Callable[[str], RunResult]) -> None:
+    gift, off = runs("gift"), runs("off")
+    assert "fully_shard on the shard-only mesh" in gift.output
+    assert "replica hop (all-reduce of each reduced shard over 2 replicas) at nvfp4" in gift.output
+    # no refusal, no weight left at full precision, no GIFT warning (fallbacks are logged as such)
+    assert "gift.enable supports FSDP" not in gift.output
+    assert not [line for line in gift.output.splitlines() if "GIFT" in line and ("WARNING" in line or "full precision" in line)]
+    steps = [r for r in gift.records if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    for r in steps:
+        # bytes each hop handed to its collectives (counted at run time) == the plans' accounting
+        assert r["gift/wire_bytes_per_step"] == r["gift/shard_accounted_bytes_per_backward"], r
+        assert r["gift/replica_wire_bytes_per_step"] == r["gift/replica_accounted_bytes_per_backward"], r
+        assert r["gift/collectives_per_step"] == r["gift/replica_collectives_per_step"] == 6
+        assert r["gift/compression"] > 1.3 and r["gift/replica_compression"] > 1.0, r
+    # the replica hop's error, probed against an fp32 all-reduce from step 2 on: nvfp4's level
+    errs = [r["gift/replica_err"] for r in steps if "gift/replica_err" in r]
+    assert len(errs) == STEPS - 1 and all(0.02 < e < 0.3 for e in errs), errs
+    assert gift.last("gift/refresh_step") == 2
+    g, o = gift.losses(), off.losses()
+    assert g[1] == o[1]  # same init, data and forward: the layouts differ only in the gradient path
+    for step in g:
+        assert abs(g[step] - o[step]) < TOLERANCE, (step, g, o)
+
+
+def test_fsdp2_hsdp_at_fp32_on_both_hops_is_native_hsdp(runs: Callable[[str], RunResult]) -> None:
+    exact, off = runs("gift_fp32"), runs("off")
+    assert exact.losses() == off.losses()
+    assert all(r["gift/replica_err"] == 0.0 for r in exact.records if "gift/replica_err" in r)
+    assert exact.last("gift/replica_wire_bytes_per_step") == exact.last("gift/replica_accounted_bytes_per_backward")
+
+
+@pytest.mark.parametrize("trainer,dims,names", [
+    ("graph", {"dp_replicate": 2}, "data-replicate .* parallelism is on .*no rewrite of that pair"),
+    ("fsdp2", {"tp": 2}, "tensor parallelism is on .*TP rank"),
+    ("fsdp2", {"pp": 2, "cp": 2}, "context, pipeline parallelism is on .*CP rank.*own model part"),
+    ("fsdp2", {"ep": 2}, "expert parallelism is on .*several parameter groups"),
+])
+def test_layouts_gift_does_not_run_are_refused_by_name(trainer: str, dims: dict[str, int], names: str) -> None:
+    parallel_dims = SimpleNamespace(**{"tp": 1, "cp": 1, "pp": 1, "ep": 1, "dp_replicate": 1, **dims})
+    with pytest.raises(ValueError, match=names):
+        data_parallel_group(parallel_dims, trainer)
+
+
+@pytest.mark.parametrize("flag,shard_only", [("--gift.enable", True), ("--gift.no-enable", False)])
+def test_shard_only_mesh_follows_the_final_gift_enable(flag: str, shard_only: bool) -> None:
+    """Only a run whose final config enables GIFT shards on the shard-only mesh: without GIFT's
+    replica hop nothing else would all-reduce across replicas (the replicas would drift apart)."""
+    from torchtitan.config import ConfigManager
+
+    from gift_compile.torchtitan_ext.hsdp import ShardOnlyDims, shard_only_parallelize
+
+    config = ConfigManager().parse_args(["--module", "gift_compile.torchtitan_ext", "--config",
+                                         "llama3_debug_gift_fsdp2", flag])
+    fn = config.model_spec.parallelize_fn
+    assert fn.func is shard_only_parallelize
+    seen = []
+    dims = SimpleNamespace(dp_replicate_enabled=True, dp_shard=2, dp_replicate=2)
+    fn("model", parallel_dims=dims, inner=lambda model, parallel_dims: seen.append(parallel_dims))
+    assert isinstance(seen[0], ShardOnlyDims) is shard_only
+    assert seen[0].dp_replicate_enabled is not shard_only and seen[0].dp_shard == 2

@@ -1,0 +1,112 @@
+"""HSDP (``--parallelism.data-parallel-replicate-degree > 1``) with GIFT on the stock FSDP2 trainer.
+
+torchtitan's parallelize function shards each model on the 2-D ``["dp_replicate", "fsdp"]``
+mesh when replication is on, and FSDP2 then runs the replica all-reduce itself, at full
+precision, before any hook (see `gift_compile.hsdp`). With ``gift.enable`` the job config wraps
+``ModelSpec.parallelize_fn`` (`shard_only_parallelize`): the model's own parallelize function
+runs unchanged but sees a ``ParallelDims`` view that reports replication off, so it shards on
+the shard-only ``fsdp`` mesh. Everything else in torchtitan keeps the real ``ParallelDims``
+(data loading per replica, the global token count of the loss, the loss mesh, checkpointing),
+and the post-optimizer hook installs GIFT's replica hop over the ``dp_replicate`` group.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch.distributed as dist
+from torchtitan.tools.logging import logger
+
+from gift_compile import hsdp as gift_hsdp
+
+__all__ = ["ShardOnlyDims", "bind_shard_only_parallelize", "describe_hops", "replica_group", "replica_metrics", "shard_only_parallelize"]
+
+
+class ShardOnlyDims:
+    """A read-only view of torchtitan's ``ParallelDims`` in which data-parallel replication is
+    off: the model's parallelize function then shards on the shard-only mesh. Every other
+    attribute is the real object's."""
+
+    def __init__(self, dims: Any) -> None:
+        object.__setattr__(self, "_dims", dims)
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        return False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._dims, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"ShardOnlyDims is a read-only view; cannot set {name}")
+
+
+def shard_only_parallelize(model: Any, *, parallel_dims: Any, inner: Callable, section: Any, **kwargs: Any) -> Any:
+    """``parallelize_fn`` that runs `inner` on the shard-only mesh when replication is on and
+    ``section.enable`` (GIFT's replica hop then replaces FSDP2's; without GIFT the native HSDP
+    mesh is kept, or nothing would all-reduce across replicas)."""
+    if section.enable and parallel_dims.dp_replicate_enabled:
+        logger.info(f"GIFT HSDP: fully_shard on the shard-only mesh (fsdp={parallel_dims.dp_shard}); GIFT "
+                    f"all-reduces each reduced shard over the {parallel_dims.dp_replicate} replicas")
+        parallel_dims = ShardOnlyDims(parallel_dims)
+    return inner(model, parallel_dims=parallel_dims, **kwargs)
+
+
+def bind_shard_only_parallelize(config: Any) -> None:
+    """Wrap ``config.model_spec.parallelize_fn`` in `shard_only_parallelize` bound to
+    ``config.gift`` (idempotent: rebinding keeps the model's own function and takes the final,
+    CLI-parsed section, as `hooks.bind_gift_hook` does)."""
+    current = config.model_spec.parallelize_fn
+    if isinstance(current, functools.partial) and current.func is shard_only_parallelize:
+        current = current.keywords["inner"]
+    wrapped = functools.partial(shard_only_parallelize, inner=current, section=config.gift)
+    config.model_spec = replace(config.model_spec, parallelize_fn=wrapped)
+
+
+def replica_group(parallel_dims: Any) -> dist.ProcessGroup | None:
+    """The replica group of HSDP, or None without replication."""
+    return parallel_dims.get_mesh("dp_replicate").get_group() if parallel_dims.dp_replicate > 1 else None
+
+
+def replica_metrics(state: Any, model: Any, last: dict[str, Any], steps: int, log_freq: int) -> dict[str, float]:
+    """Per-hop telemetry of HSDP since the snapshot `last` (updated in place): the replica hop's
+    bytes handed over (counted at run time) and their fp32 baseline, its calls, its time, its
+    error probed against an fp32 all-reduce (on every `log_freq`-th step), and both hops'
+    shape-based bytes per backward for comparison. Empty without a replica hop."""
+    hop = state.replica_hop
+    if hop is None:
+        return {}
+    hop.measure_every = log_freq
+    totals = gift_hsdp.hop_totals(state)["replica"]
+    prev = last.get("replica", {k: 0 for k in totals})
+    delta = {k: totals[k] - prev[k] for k in totals}
+    last["replica"] = totals
+    out = {
+        "gift/replica_wire_bytes_per_step": delta["wire"] / steps,
+        "gift/replica_baseline_bytes_per_step": delta["baseline"] / steps,
+        "gift/replica_compression": delta["baseline"] / delta["wire"] if delta["wire"] else float("nan"),
+        "gift/replica_collectives_per_step": delta["calls"] / steps,
+        "gift/replica_comm_s_per_step": hop.timer.take() / steps,
+    }
+    accounted = gift_hsdp.accounted_bytes(model)
+    out["gift/shard_accounted_bytes_per_backward"] = float(accounted["shard"])
+    out["gift/replica_accounted_bytes_per_backward"] = float(accounted["replica"])
+    err = hop.take_error()
+    if err is not None:
+        out["gift/replica_err"] = err
+    return out
+
+
+def describe_hops(model: Any, state: Any, shard_world: int) -> str:
+    """One log line: each hop's group size and format, and how many FSDP parameter groups
+    (one bucket per hop each) carry how many managed weights."""
+    hop = state.replica_hop
+    groups = len(gift_hsdp._hooks(model))
+    config = state.config
+    return (f"GIFT HSDP: {groups} FSDP parameter groups, {len(state.layers)} managed weights; shard hop "
+            f"(reduce-scatter over {shard_world} ranks) at {config.format}, replica hop (all-reduce of each "
+            f"reduced shard over {hop.world} replicas) at {config.replica_hop_format}; the other parameters "
+            f"travel unquantized inside the same buckets")
