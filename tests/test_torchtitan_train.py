@@ -22,7 +22,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torchtitan")
+from conftest import require
+
+require("torchtitan", "torchtitan extra not installed")
 
 from gift_compile.torchtitan_ext.runs import RunResult, run_config  # noqa: E402
 
