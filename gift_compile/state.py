@@ -33,7 +33,8 @@ import torch.distributed as dist
 
 from gift_compile import residual as residual_store
 from gift_compile.collectives import (
-    C_BASELINE, C_CALLS, C_MISMATCH, C_NONFINITE, C_WIRE, N_COUNTERS, ItemTensors, Shared, bucket_wire_bytes,
+    C_BASELINE, C_CALLS, C_MISMATCH, C_MISMATCH_RANKS, C_NONFINITE, C_NONFINITE_RANKS, C_PLAIN_CALLS, C_WIRE,
+    N_COUNTERS, ItemTensors, Shared, bucket_wire_bytes, flagged_ranks,
 )
 from gift_compile.config import GiftConfig
 from gift_compile.geometry import Transform, apply_forward, apply_inverse, gradient_factor
@@ -307,18 +308,23 @@ class GiftState:
         gradients and goes on is not raised at again.
         """
         now = self.counters.detach().to("cpu", copy=True)
+        masks = C_NONFINITE_RANKS, C_MISMATCH_RANKS  # OR-ed rank masks: read, then cleared
+        self.counters[masks[0]:masks[1] + 1].zero_()
+        nonfinite_ranks, mismatch_ranks = flagged_ranks(int(now[masks[0]])), flagged_ranks(int(now[masks[1]]))
+        now[masks[0]:masks[1] + 1] = 0
         new = now - self._health_seen
         self._health_seen = now
         if int(new[C_MISMATCH]):
             raise GiftHealthError(
                 f"GIFT: {int(new[C_MISMATCH])} collective(s) since the last step ran with a plan that differs "
-                "between ranks (different format, shapes or layers); the gradients of this step are garbage"
+                f"between ranks: rank(s) {mismatch_ranks} differ from rank {group_rank(self.group)} (different "
+                "format, shapes, layers or layer order); the gradients of this step are garbage"
             )
         if int(new[C_NONFINITE]) and self.config.nonfinite == "error":
             raise FloatingPointError(
-                f"GIFT: {int(new[C_NONFINITE])} gradient collective(s) in this step carried NaN/Inf from at least "
-                "one rank; raised on every rank (nonfinite='error'). Skip the step (zero the gradients) or set "
-                "nonfinite='propagate'."
+                f"GIFT: {int(new[C_NONFINITE])} gradient collective(s) in this step carried NaN/Inf from rank(s) "
+                f"{nonfinite_ranks}; raised on every rank (nonfinite='error'). Skip the step (zero the gradients) or "
+                "set nonfinite='propagate'."
             )
 
     def step(self) -> None:
@@ -526,10 +532,11 @@ class GiftState:
         they handed bytes over: `wire` (bytes handed to GIFT's collectives, and to the
         full-precision sync of unmanaged parameters where GIFT does that sync), `baseline`
         (bytes the replaced collectives would have been handed), `calls`, `nonfinite`,
-        `mismatch`."""
+        `mismatch`, and `plain_calls` (bucket collectives of the full-precision sync of unmanaged
+        parameters, `gift_compile.plain_sync`; not in `calls`)."""
         c = self.counters.tolist()
         return {"wire": c[C_WIRE], "baseline": c[C_BASELINE], "calls": c[C_CALLS], "nonfinite": c[C_NONFINITE],
-                "mismatch": c[C_MISMATCH]}
+                "mismatch": c[C_MISMATCH], "plain_calls": c[C_PLAIN_CALLS]}
 
     def accounted_bytes_per_step(self) -> int:
         """Shape-based accounting of the managed layers' bytes per step under this state's own

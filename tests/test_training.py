@@ -5,6 +5,9 @@ import torch
 import torch.distributed as dist
 
 import gift_compile
+from gift_compile.collectives import bucket_wire_bytes
+from gift_compile.plain_sync import ARRIVED_ITEM
+from gift_compile.plan import BucketPlan, ItemPlan
 from gift_compile.torchtitan_ext import corpus
 from bench.tiny_llama import TinyLlama, TinyLlamaConfig, loss
 from multirank import run_ranks
@@ -51,8 +54,17 @@ def _train(rank: int, world: int, use_gift: bool) -> dict:
         out.update(managed=sorted(st.layers), totals=st.comm_totals(), steps=st.steps,
                    accounted=st.accounted_bytes_per_step(),
                    managed_fp32=sum(4 * p.numel() for p in model.parameters() if id(p) in managed_ids),
-                   other_fp32=sum(4 * p.numel() for p in model.parameters() if id(p) not in managed_ids))
+                   other_fp32=sum(4 * p.numel() for p in model.parameters() if id(p) not in managed_ids),
+                   plain_bucket=_plain_bucket_bytes(model, managed_ids, world))
     return out
+
+
+def _plain_bucket_bytes(model: torch.nn.Module, managed_ids: set[int], world: int) -> int:
+    """Shape-based accounting of the one bucket the plain path's fp32 sync runs per backward."""
+    others = [(n, p) for n, p in model.named_parameters() if id(p) not in managed_ids]
+    items = [ItemPlan.passthrough(n, p.numel(), p.dtype) for n, p in others]
+    items.append(ItemPlan.passthrough(ARRIVED_ITEM, len(others), torch.float32))
+    return bucket_wire_bytes(BucketPlan(tuple(items), world, None, True, "all_reduce"))
 
 
 def test_gift_fp8_tracks_fp32_communication_and_quantizes():
@@ -71,6 +83,8 @@ def test_gift_fp8_tracks_fp32_communication_and_quantizes():
     for name, err in gift["grad_err"].items():
         if name not in gift["managed"]:
             assert err < 1e-4, (name, err)
-    # bytes counted at run time = the accounting of the managed all-reduces + fp32 for the rest
-    assert gift["totals"]["wire"] == STEPS * (gift["accounted"] + gift["other_fp32"])
+    # bytes counted at run time = the accounting of the managed all-reduces + the one fp32
+    # bucket of the rest per step (its raw bytes plus headers, padding and the gather stage)
+    assert gift["totals"]["wire"] == STEPS * (gift["accounted"] + gift["plain_bucket"])
+    assert gift["totals"]["plain_calls"] == STEPS and gift["plain_bucket"] > gift["other_fp32"]
     assert gift["accounted"] < gift["managed_fp32"] / 2.5
