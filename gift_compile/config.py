@@ -155,10 +155,12 @@ class GiftConfig:
             "dense" (the exact d_in x d_in factor). The dense geometry always uses the exact
             factor, and so do layers too narrow for a sketch to be smaller (d_in <= 1.5 k).
         sketch_cols: columns k of the sketch (0: 2 * rank).
-        plan_check: eager collectives compare their static plan across ranks (a small host
-            collective) on the "first" call of each plan, or on "always" every call (debug
-            mode). Compiled graphs always compare a plan fingerprint carried in every
-            collective's header, at no extra collective.
+        plan_check: eager collectives exchange every rank's plan fingerprint (item names and
+            order included) in a small fixed-size collective on every call, so a plan that
+            changes on one rank raises on every rank instead of hanging; the full description
+            is compared on the "first" call of each plan and on a mismatch, or on "always"
+            every call (debug mode). Compiled graphs always compare the fingerprint carried
+            in every collective's header, at no extra collective.
     """
 
     format: str = "fp8_e4m3"
