@@ -15,7 +15,7 @@ from multirank import run_ranks
 
 STEPS = 50
 # bounds on (managed gradient error) / (E4M3 round-trip error of the same gradient); see the test
-RATIO_MIN, RATIO_MEDIAN, RATIO_MAX = 0.5, 2.0, 6.0
+RATIO_MIN, RATIO_MEDIAN, RATIO_MAX = 0.8, 2.0, 5.0
 
 
 def _train(rank: int, world: int, use_gift: bool) -> dict:
@@ -91,10 +91,10 @@ def test_gift_fp8_tracks_fp32_communication_and_quantizes():
     assert abs(tail_gift - tail_exact) / tail_exact < 0.02, (tail_gift, tail_exact)
     # the managed weights went through fp8 at the format's error level, measured on the same
     # gradient: one E4M3 round trip costs e1; the all-reduce quantizes twice (each rank's
-    # gradient, then the reduced shard), ~1.2 e1 in Euclidean coordinates, and a whitened
-    # layer's error seen in plain L2 is larger but bounded (README, fidelity). Exact
-    # communication (no quantization) gives ratio 0 and fails the lower bound; a codec off by
-    # one mantissa bit (2x the error) fails the median bound.
+    # gradient, then the reduced shard), and a whitened layer's error seen in plain L2 is
+    # larger (measured: ratios 1.04-1.65, one layer 3.26). Communication without quantization
+    # gives ratio ~0 and fails the lower bound; a codec with one mantissa bit fewer (twice
+    # the error) fails the median bound. (The bound was 0.25 absolute: ~10 e1.)
     assert gift["managed"] and gift["steps"] == STEPS
     ratios = sorted(gift["grad_err"][n] / gift["codec_err"][n] for n in gift["managed"])
     print("managed gradient error / E4M3 round-trip error:", [round(r, 2) for r in ratios])
