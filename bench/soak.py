@@ -34,9 +34,6 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 import gift_compile
-from gift_compile.collectives import bucket_wire_bytes
-from gift_compile.plain_sync import ARRIVED_ITEM
-from gift_compile.plan import BucketPlan, ItemPlan
 
 
 class SoakNet(nn.Module):
@@ -78,10 +75,10 @@ def _slope(xs: list[float], ys: list[float]) -> float:
 
 
 def _plain_bytes(model: nn.Module, managed: set[int], world: int) -> int:
-    others = [(n, p) for n, p in model.named_parameters() if id(p) not in managed]
-    items = [ItemPlan.passthrough(n, p.numel(), p.dtype) for n, p in others]
-    items.append(ItemPlan.passthrough(ARRIVED_ITEM, len(others), torch.float32))
-    return bucket_wire_bytes(BucketPlan(tuple(items), world, None, True, "all_reduce"))
+    """Bytes of the plain path's one fp32 all-reduce per backward (gradients, an arrival flag
+    per parameter, a non-finite flag per rank)."""
+    others = [p for p in model.parameters() if id(p) not in managed]
+    return 4 * (sum(p.numel() for p in others) + len(others) + world)
 
 
 def _worker(rank: int, world: int, store: str, args: argparse.Namespace, ckpt_dir: str, out: str) -> None:

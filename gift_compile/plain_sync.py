@@ -3,16 +3,15 @@
 GIFT synchronises a plain (non-DDP, non-FSDP) module itself: managed weights through their
 quantized collective in the backward, every other parameter (biases, norms, embeddings,
 excluded or small weights) here. Those gradients are packed in a FIXED order, the model's
-parameter order, into ONE bucket that runs through the same bucketed core as passthrough items
-elsewhere (`collectives.run_bucket`: one all_to_all plus one all_gather of raw bytes, summed in
-fp32 in rank order), launched once per synchronising backward, at its end, when every gradient
-has arrived. So:
+parameter order, into ONE flat fp32 buffer (one slot per parameter, an arrival flag per
+parameter, a non-finite flag per rank) and all-reduced once per synchronising backward, at its
+end, when every gradient has arrived (DDP's reducer with a single bucket). So:
 
 * a rank whose backward produces gradients in another order cannot pair the wrong tensors
   (each parameter has its slot; item names and order are in the plan fingerprint);
-* the bucket's header carries the non-finite flag and fingerprint of the plain gradients too,
-  so a NaN/Inf in a norm gain on one rank raises on every rank at the optimizer step
-  (`GiftState.check_health`), like a managed weight's;
+* each rank's non-finite flag travels in the same all-reduce, so a NaN/Inf in a norm gain on
+  one rank raises on every rank at the optimizer step, naming it (`GiftState.check_health`),
+  like a managed weight's; the layout (names, order, sizes) is agreed across ranks at `apply`;
 * one launch per backward instead of one per parameter (`comm_totals()["plain_calls"]`).
 
 A parameter that received a gradient on no rank keeps `.grad` unset; one that received it on
@@ -36,7 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from gift_compile import collectives
-from gift_compile.collectives import C_CALLS, C_MISMATCH_RANKS, C_NONFINITE_RANKS, C_PLAIN_CALLS
+from gift_compile.collectives import C_BASELINE, C_NONFINITE, C_NONFINITE_RANKS, C_PLAIN_CALLS, C_WIRE, RANK_BITS
 from gift_compile.plan import BucketPlan, ItemPlan
 from gift_compile.state import GiftState
 
@@ -53,12 +52,23 @@ class PlainSync:
         self.state = state
         self.group = group
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in managed]
-        name, world, _ = collectives.group_info(group)
+        name, world, self.me = collectives.group_info(group)
         items = [ItemPlan.passthrough(n, p.numel(), p.dtype) for n, p in self.params]
         items.append(ItemPlan.passthrough(ARRIVED_ITEM, len(self.params), torch.float32))
         self.plan = BucketPlan(tuple(items), world, name, state.config.reduce_op == "avg", "all_reduce")
-        self.slots = [torch.zeros_like(p, memory_format=torch.contiguous_format) for _, p in self.params]
-        self.arrived = torch.zeros(len(self.params), device=self.slots[0].device if self.slots else None)
+        self.average = state.config.reduce_op == "avg"
+        # One fp32 buffer: every parameter's slot in parameter order, one arrival flag per
+        # parameter, one non-finite flag per rank (each rank sets its own; the sum names them).
+        self.n_values = sum(p.numel() for _, p in self.params)
+        device = self.params[0][1].device if self.params else None
+        self.flat = torch.zeros(self.n_values + len(self.params) + world, device=device)
+        self.slots, offset = [], 0
+        for _, p in self.params:
+            self.slots.append(self.flat[offset:offset + p.numel()].view(p.shape))
+            offset += p.numel()
+        self.arrived = self.flat[offset:offset + len(self.params)]
+        self.flags = self.flat[offset + len(self.params):]
+        self.baseline_bytes = sum(p.numel() * p.element_size() for _, p in self.params)
         self._queued = False
 
     def install(self) -> list[Any]:
@@ -92,8 +102,8 @@ class PlainSync:
 
     @torch.no_grad()
     def flush(self) -> None:
-        """End of a synchronising backward: one bucket collective over every slot, then each
-        parameter that got a gradient on any rank receives the synchronised sum."""
+        """End of a synchronising backward: one all-reduce of the flat buffer, then each
+        parameter that got a gradient on any rank receives the synchronised sum (or mean)."""
         self._queued = False
         st = self.state
         for i, (_, p) in enumerate(self.params):
@@ -103,21 +113,31 @@ class PlainSync:
                     self.slots[i].add_(p.grad)
                     self.arrived[i] = 1.0
                     p.grad.zero_()
-        counters = torch.zeros_like(st.counters)
-        shared = collectives.Shared(st.seed, st.rank, counters)
-        outs, _ = collectives.run_bucket([*self.slots, self.arrived], [None] * len(self.plan.items), shared, self.plan)
-        counters[C_PLAIN_CALLS] += counters[C_CALLS]  # counted apart from GIFT's quantized calls
-        counters[C_CALLS] = 0
-        masks = slice(C_NONFINITE_RANKS, C_MISMATCH_RANKS + 1)  # rank masks are OR-ed, the rest added
-        st.counters[masks].bitwise_or_(counters[masks])
-        counters[masks] = 0
-        st.counters.add_(counters)
-        for (_, p), slot, out, arrived in zip(self.params, self.slots, outs, outs[-1].tolist()):
+        values = self.flat[: self.n_values]
+        self.flags[self.me] = 0.0 if bool(torch.isfinite(values).all()) else 1.0
+        dist.all_reduce(self.flat, group=self.group)
+        bad = [r for r, f in enumerate(self.flags.tolist()) if f > 0]
+        self._count(bad)
+        world = self.flags.numel()
+        for (_, p), slot, arrived in zip(self.params, self.slots, self.arrived.tolist()):
             if arrived > 0:
-                synced = out.reshape(p.shape).to(p.dtype)
+                synced = (slot / world if self.average else slot).to(p.dtype)
                 if p.grad is None:
-                    p.grad = synced
+                    p.grad = synced.clone() if synced.data_ptr() == slot.data_ptr() else synced
                 else:
                     p.grad.add_(synced)
-            slot.zero_()
-        self.arrived.zero_()
+        self.flat.zero_()
+
+    def _count(self, bad: list[int]) -> None:
+        """Bytes handed to the all-reduce, the launch, and the ranks whose gradients were not
+        finite, into the state's counters (read by `GiftState.check_health`)."""
+        c = self.state.counters
+        c[C_WIRE] += self.flat.numel() * self.flat.element_size()
+        c[C_BASELINE] += self.baseline_bytes
+        c[C_PLAIN_CALLS] += 1
+        if bad:
+            c[C_NONFINITE] += 1
+            mask = 0
+            for r in bad:
+                mask |= 1 << min(r, RANK_BITS)
+            c[C_NONFINITE_RANKS : C_NONFINITE_RANKS + 1].bitwise_or_(mask)
