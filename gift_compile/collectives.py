@@ -38,6 +38,7 @@ float4 dtypes, so everything travels as uint8.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Sequence
@@ -516,9 +517,28 @@ def run_bucket(xs: Sequence[torch.Tensor], items: Sequence[ItemTensors | None], 
     callers leave it to the counters (checked once per optimizer step, so the hot path never
     synchronizes the host).
     """
-    fn = _compiled_core() if compiled else bucket_core
+    if compiled:
+        return _run_compiled(xs, items, shared, plan)
     with torch.no_grad():
-        return fn(list(xs), list(items), shared, plan)
+        return bucket_core(list(xs), list(items), shared, plan)
+
+
+def _graph_plan(plan: BucketPlan, items: Sequence[ItemTensors | None]) -> BucketPlan:
+    """The plan the compiled core specialises on: item names dropped where no code reads them
+    (passthrough items, managed items with a seed-offset tensor), so equally shaped buckets of
+    different blocks share one graph instead of one compile each (Dynamo's recompile limit).
+    Eager callers agree on the full plan, names and order included, before they launch
+    (`check_plan_agreement`); the header then guards shapes and formats."""
+    anonymous = tuple(
+        dataclasses.replace(item, name="") if not item.managed or (t is not None and t.seed_offset is not None) else item
+        for item, t in zip(plan.items, items))
+    return dataclasses.replace(plan, items=anonymous)
+
+
+def _run_compiled(xs: Sequence[torch.Tensor], items: Sequence[ItemTensors | None], shared: Shared,
+                  plan: BucketPlan) -> tuple[list[torch.Tensor], torch.Tensor]:
+    with torch.no_grad():
+        return _compiled_core()(list(xs), list(items), shared, _graph_plan(plan, items))
 
 
 # ---- one-tensor public API -----------------------------------------------------------------------
