@@ -1,19 +1,23 @@
-"""What GIFT's cross-rank plan checks cost, measured on 2 gloo ranks.
+"""What GIFT's cross-rank checks cost, measured on 2 gloo ranks.
 
-Two mechanisms keep ranks from running mismatched collectives (which would hang on different
-sizes or decode garbage on equal sizes):
+Mechanisms that keep ranks from running mismatched collectives (which would hang on different
+sizes or decode garbage on equal sizes) or from stepping on bad gradients:
 
 - the in-band header: every bucket's all_to_all carries, to every rank, 16 bytes with the
-  plan's fingerprint and a non-finite flag, which every receiver compares (always on, also in
-  compiled graphs);
-- the host check (`check_plan_agreement`): an `all_gather_object` of the plan's description
-  before the data moves, on the first call of each plan in eager paths (FSDP2/DDP hooks, the
-  public API), or on every call with `GiftConfig(plan_check="always")`.
+  plan's fingerprint (item names and order included) and a non-finite flag over every item,
+  managed or passed through, which every receiver compares (always on, also in compiled graphs);
+- the eager host check (`check_plan_agreement`): a fixed-size table of every rank's
+  fingerprint on every eager call (FSDP2/DDP hooks, GIFT's eager per-layer sync, the public
+  API), plus an `all_gather_object` of the plan's description on a plan's first call or a
+  mismatch (every call with `GiftConfig(plan_check="always")`);
+- the non-finite flag of a passthrough item (an `isfinite` reduction over its bytes);
+- the replica check before each optimizer step of GIFT's own sync (`gift_compile.health`):
+  a checksum of each managed gradient's bits and one small all-reduce.
 
     python -m bench.plan_check [--rows 1280 --cols 3456 --repeats 20]
 
-prints the header's share of the bucket's bytes, the time of one bucket collective with and
-without the per-call host check (median over repeats, interleaved), and the host check alone.
+prints the header's share of the bucket's bytes and the median time (over repeats,
+interleaved) of one bucket collective and of each check, on a gradient of the same size.
 """
 
 from __future__ import annotations
@@ -24,12 +28,15 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from gift_compile import collectives as C
+from gift_compile.health import grad_checksum
+from gift_compile.sync import all_reduce_
 from gift_compile.plan import BucketPlan, ItemPlan
 
 
@@ -42,28 +49,34 @@ def _worker(rank: int, world: int, store: str, rows: int, cols: int, repeats: in
                         kind="identity", n_tensors=0)
         plan = BucketPlan((item,), world, dist.group.WORLD.group_name, True, "reduce_scatter")
         state = [C.ItemTensors(())]
-        C.check_plan_agreement(plan, dist.group.WORLD)  # first call: the host check every eager path pays once
-        times: dict[str, list[float]] = {"bucket": [], "bucket + host check": [], "host check alone": []}
+        C.check_plan_agreement(plan, dist.group.WORLD)  # first call: the description exchange, once per plan
+        checks: dict[str, Callable[[], object]] = {
+            "bucket collective": lambda: C.run_bucket([g], state, C.Shared(), plan),
+            "fingerprint table (plan_check='first', every eager call)": lambda: C.check_plan_agreement(
+                plan, dist.group.WORLD),
+            "fingerprint table + descriptions (plan_check='always')": lambda: C.check_plan_agreement(
+                plan, dist.group.WORLD, always=True),
+            "non-finite flag of a passthrough item of this size": lambda: bool(torch.isfinite(g).all()),
+            "replica checksum of a gradient of this size + all-reduce": lambda: all_reduce_(
+                grad_checksum(g, torch.device("cpu")).reshape(1, 2).repeat(world, 1), dist.group.WORLD).tolist(),
+        }
+        times: dict[str, list[float]] = {k: [] for k in checks}
         for _ in range(repeats):
-            dist.barrier()
-            t0 = time.perf_counter()
-            C.run_bucket([g], state, C.Shared(), plan)
-            t1 = time.perf_counter()
-            C.check_plan_agreement(plan, dist.group.WORLD, always=True)
-            C.run_bucket([g], state, C.Shared(), plan)
-            t2 = time.perf_counter()
-            C.check_plan_agreement(plan, dist.group.WORLD, always=True)
-            t3 = time.perf_counter()
-            times["bucket"].append(t1 - t0)
-            times["bucket + host check"].append(t2 - t1)
-            times["host check alone"].append(t3 - t2)
+            for name, fn in checks.items():
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
         if rank == 0:
             wire = C.bucket_wire_bytes(plan)
             lines = [f"bucket: [{rows}, {cols}] fp8_e4m3/row reduce-scatter over {world} gloo ranks, "
                      f"{repeats} repeats (median)",
                      f"  bytes handed to the all_to_all: {wire}, of which headers {world * C.HEADER_BYTES} "
                      f"({100 * world * C.HEADER_BYTES / wire:.4f}%)"]
-            lines += [f"  {k}: {statistics.median(v) * 1e3:.3f} ms" for k, v in times.items()]
+            bucket = statistics.median(times["bucket collective"])
+            lines += [f"  {k}: {statistics.median(v) * 1e3:.3f} ms ({100 * statistics.median(v) / bucket:.1f}% of the "
+                      "bucket)" for k, v in times.items()]
+            lines.append(f"  load average during the run: {os.getloadavg()[0]:.1f} (2 cores)")
             with open(out, "w") as f:
                 f.write("\n".join(lines) + "\n")
     finally:

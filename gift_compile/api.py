@@ -7,7 +7,7 @@ One entry point for every way a model is data-parallel:
   emits, in a traced graph, `gift::mark(grad, [state tensors], plan)` followed by a
   functional `all_reduce`; the FX pass (registered with Inductor) rewrites the pair into the
   quantized collective. Eagerly the same backward calls the same core directly. Other
-  parameters are all-reduced at full precision by hooks.
+  parameters travel at full precision in one bucket per backward (`gift_compile.plain_sync`).
 * `fully_shard` (FSDP2): its reduce-scatter never enters a graph; `FSDPModule.
   set_custom_reduce_scatter` gets GIFT's bucketed reduce-scatter (`gift_compile.fsdp2`).
 * `DistributedDataParallel`: a DDP comm hook runs GIFT's bucketed all-reduce on each bucket
@@ -34,7 +34,7 @@ import torch.nn as nn
 from gift_compile import collectives
 from gift_compile.config import GiftConfig
 from gift_compile.geometries import geometry_class
-from gift_compile.mark import SYNC
+from gift_compile.health import check_replicas
 from gift_compile.passes.inductor import hold_inductor_pass, release_inductor_pass
 from gift_compile.routing import _unmanage_module, eligible_linears, manage  # noqa: F401 (public here too)
 from gift_compile.state import GiftState
@@ -102,7 +102,9 @@ def apply(model: nn.Module, config: GiftConfig | None = None, *, group: dist.Pro
         state = manage(model, config, group, mode="sync") if world > 1 else GiftState(config, None)
         model._gift_state = state
         if world > 1:
-            state.handles.extend(_install_plain_sync(model, state, group))
+            from gift_compile.plain_sync import PlainSync
+
+            state.handles.extend(PlainSync(model, state, group).install())
         kind = "GIFT all-reduce in the backward graph"
     if optimizer is not None:
         attach_optimizer(state, optimizer)
@@ -114,61 +116,16 @@ def apply(model: nn.Module, config: GiftConfig | None = None, *, group: dist.Pro
     return model
 
 
-def _install_plain_sync(model: nn.Module, state: GiftState, group: dist.ProcessGroup) -> list[Any]:
-    """Full-precision sync of the parameters GIFT does not manage, accumulation-aware.
-
-    A synchronising backward all-reduces each incoming gradient before autograd accumulates it
-    (a tensor hook), so gradients summed over several synchronised backward passes stay right
-    for `avg` and `sum`. Inside `no_sync` nothing is sent and the parameter is marked dirty;
-    the next synchronising backward then all-reduces its whole accumulated `.grad` once,
-    after accumulation (a post-accumulate hook). Bytes are counted into the state's counters.
-    """
-    managed = {id(m._parameters["weight"]) for m in state.modules.values()}
-    average = state.config.reduce_op == "avg"
-    world = state.world()
-
-    def reduce_(t: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(t, group=group)
-        nbytes = t.numel() * t.element_size()
-        state.counters[collectives.C_WIRE] += nbytes
-        state.counters[collectives.C_BASELINE] += nbytes
-        return t.div_(world) if average else t
-
-    def make_hooks(p: torch.Tensor) -> tuple[Any, Any]:
-        key = id(p)
-
-        def incoming(g: torch.Tensor) -> torch.Tensor | None:
-            if state.sync_mode != SYNC:
-                state.dirty_params.add(key)
-                return None
-            if key in state.dirty_params:
-                return None  # the whole accumulated .grad is sent after accumulation
-            return reduce_(g.clone())
-
-        def accumulated(param: torch.Tensor) -> None:
-            if state.sync_mode == SYNC and key in state.dirty_params:
-                state.dirty_params.discard(key)
-                reduce_(param.grad)
-
-        return incoming, accumulated
-
-    handles = []
-    for p in model.parameters():
-        if p.requires_grad and id(p) not in managed:
-            incoming, accumulated = make_hooks(p)
-            handles.append(p.register_hook(incoming))
-            handles.append(p.register_post_accumulate_grad_hook(accumulated))
-    return handles
-
-
 def attach_optimizer(state: GiftState, optimizer: torch.optim.Optimizer) -> None:
     """Drive `state` from `optimizer`: before each step, refuse gradients accumulated under
-    `no_sync` that were never synchronised and raise (on every rank) for bad headers; after
-    each step, `state.step()` (seed, refresh)."""
+    `no_sync` that were never synchronised and raise (on every rank) for bad headers or for
+    managed gradients that differ between replicas (`gift_compile.health`); after each step,
+    `state.step()` (seed, refresh)."""
 
     def before(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         state.check_pending()
         state.check_health()
+        check_replicas(state)
 
     def after(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         state.step()
@@ -184,6 +141,7 @@ def step(model: nn.Module) -> None:
     got no optimizer)."""
     st = state(model)
     st.check_pending()
+    check_replicas(st)
     st.step()
 
 

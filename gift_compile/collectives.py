@@ -7,6 +7,7 @@ or a single weight) becomes ONE all_to_all of bytes:
                       codes and of their scales goes to rank j
     per other item:   raw bytes of row block j go to rank j
     + a 16-byte header to every rank: the bucket plan's fingerprint and a non-finite flag
+      (set when any item of the bucket, managed or passed through, holds NaN/Inf)
     -> all_to_all_single (uint8)
     -> per item: decode every sender's block with that sender's scales, sum in fp32 in rank
        order, (average), inverse transform
@@ -38,6 +39,7 @@ float4 dtypes, so everything travels as uint8.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 from collections.abc import Sequence
@@ -64,9 +66,15 @@ _ALL_GATHER_SEED = 7
 C_WIRE = 0  # bytes handed to GIFT's collectives (codes, scales, headers, full-precision items)
 C_BASELINE = 1  # bytes the replaced collective would have been handed (the gradients' own dtype)
 C_CALLS = 2  # bucket collectives run
-C_NONFINITE = 3  # calls in which some rank's managed gradient had NaN/Inf
+C_NONFINITE = 3  # calls in which some rank's gradient (any item of the bucket) had NaN/Inf
 C_MISMATCH = 4  # calls in which some rank's plan differed from this rank's
+# Bit masks of ranks (bit r = group rank r; ranks >= RANK_BITS share the top bit), OR-ed in by
+# every call and cleared when `GiftState.check_health` reads them, so its error names the ranks.
+C_NONFINITE_RANKS = 5  # ranks whose header flagged a non-finite gradient
+C_MISMATCH_RANKS = 6  # ranks whose plan fingerprint differed from this rank's
+C_PLAIN_CALLS = 7  # bucket collectives of the full-precision sync of unmanaged parameters
 N_COUNTERS = 8
+RANK_BITS = 62
 
 __all__ = [
     "ItemTensors", "Segment", "Shared", "all_reduce", "bucket_plan", "bucket_wire_bytes", "finish", "gather_finish", "gather_launch",
@@ -223,6 +231,32 @@ def _count(shared: Shared, wire: int, baseline: int, calls: int, nonfinite: torc
     c.add_(delta.to(c.dtype))
 
 
+def _flag_ranks(shared: Shared, nonfinite: torch.Tensor, mismatch: torch.Tensor) -> None:
+    """OR the ranks flagged in `nonfinite` / `mismatch` (bool `[world]`) into the counters'
+    rank masks, in place and without tensor constants (graph-spliceable)."""
+    c = shared.counters
+    if c is None:
+        return
+    w = nonfinite.shape[0]
+    ranks = torch.arange(w, device=c.device).clamp(max=RANK_BITS)
+    bits = torch.bitwise_left_shift(torch.ones_like(ranks), ranks)
+
+    def mask(flags: torch.Tensor) -> torch.Tensor:
+        low = (flags[:RANK_BITS].to(torch.int64) * bits[:RANK_BITS]).sum()  # distinct bits: sum == OR
+        if w <= RANK_BITS:
+            return low
+        return low | (flags[RANK_BITS:].any().to(torch.int64) * bits[RANK_BITS])
+
+    idx = torch.arange(c.shape[0], device=c.device)
+    c.bitwise_or_(((idx == C_NONFINITE_RANKS) * mask(nonfinite) + (idx == C_MISMATCH_RANKS) * mask(mismatch)).to(c.dtype))
+
+
+def flagged_ranks(mask: int) -> list[int]:
+    """Group ranks set in a rank mask of the counters (`RANK_BITS` stands for "that rank or
+    a higher one")."""
+    return [r for r in range(RANK_BITS + 1) if mask >> r & 1]
+
+
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return x if x.shape[0] == rows else torch.nn.functional.pad(x, (0, 0, 0, rows - x.shape[0]))
 
@@ -245,7 +279,10 @@ def launch(xs: Sequence[torch.Tensor], items: Sequence[ItemTensors | None], shar
     for x, state, item in zip(xs, items, plan.items):
         baseline += x.numel() * x.element_size()
         if not item.managed:
-            blocks.append(_as_bytes(_pad_flat(x.reshape(-1), plan.flat_sent(item))).reshape(w, -1))
+            flat = x.reshape(-1)
+            bad = ~torch.isfinite(flat).all()  # read in the same kernel as the byte copy once fused
+            nonfinite = bad if nonfinite is None else nonfinite | bad
+            blocks.append(_as_bytes(_pad_flat(flat, plan.flat_sent(item))).reshape(w, -1))
             continue
         assert state is not None, f"GIFT: no runtime tensors for managed item {item.name}"
         spec, rows = item.spec, plan.rows_sent(item)
@@ -315,9 +352,10 @@ def finish(recv: torch.Tensor, items: Sequence[ItemTensors | None], shared: Shar
     w = plan.world
     recv = recv.reshape(w, -1)
     header = _take(recv, 0, HEADER_BYTES)[0].view(torch.int64)  # [w, 2]
-    mismatch = (header[:, 0] != plan.fingerprint()).any().to(torch.int64)
-    nonfinite = (header[:, 1] != 0).any().to(torch.int64)
-    _count(shared, 0, 0, 0, nonfinite, mismatch)
+    mismatch = header[:, 0] != plan.fingerprint()
+    nonfinite = header[:, 1] != 0
+    _count(shared, 0, 0, 0, nonfinite.any().to(torch.int64), mismatch.any().to(torch.int64))
+    _flag_ranks(shared, nonfinite, mismatch)
     offset = HEADER_BYTES
     outs = []
     for state, item in zip(items, plan.items):
@@ -411,27 +449,47 @@ def _compiled_core() -> object:
 _CHECKED_PLANS: set[tuple[str | None, int]] = set()
 
 
-def check_plan_agreement(plan: BucketPlan, group: dist.ProcessGroup | None, *, always: bool = False) -> None:
-    """Raise on every rank, naming both plans, unless all ranks call with the same plan.
+def _host_device(group: dist.ProcessGroup) -> torch.device:
+    """Where a small tensor collective on `group` runs (NCCL needs the current CUDA device)."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
 
-    A mismatched all_to_all would hang (different sizes) or decode garbage (same sizes), so
-    eager paths check once per plan (or every call with `always`) with a small host
-    collective of the plans' descriptions, before the data moves.
+
+def check_plan_agreement(plan: BucketPlan, group: dist.ProcessGroup | None, *, always: bool = False) -> None:
+    """Raise on every rank, naming the ranks and the first difference, unless all ranks call
+    with the same plan (item names and order included).
+
+    A mismatched all_to_all would hang (different sizes) or decode garbage (same sizes), and a
+    check that only some ranks run (because only they meet the plan for the first time) would
+    hang against their peers' data collective. So every eager call first exchanges a fixed-size
+    table, each rank's plan fingerprint and whether it has compared this plan's full
+    description before: one small collective whatever the plans. All ranks read the same
+    table, so they all take the same branch: when a fingerprint differs, or some rank meets
+    the plan for the first time (or `always`), they exchange the descriptions
+    (`all_gather_object`) and raise together on a difference.
     """
     if plan.group_name is None or group is None:
         return
+    world, me = dist.get_world_size(group), dist.get_rank(group)
     key = (plan.group_name, plan.fingerprint())
-    if key in _CHECKED_PLANS and not always:
+    table = torch.zeros(world, 2, dtype=torch.int64, device=_host_device(group))
+    table[me, 0], table[me, 1] = plan.fingerprint(), int(key not in _CHECKED_PLANS or always)
+    dist.all_reduce(table, group=group)
+    rows = table.tolist()
+    differ = [r for r, (fp, _) in enumerate(rows) if fp != plan.fingerprint()]
+    if not differ and not any(new for _, new in rows):
         return
-    mine = (plan.fingerprint(), plan.describe())
-    theirs: list[tuple[int, str] | None] = [None] * plan.world
+    mine = plan.as_dict()
+    theirs: list[dict | None] = [None] * world
     dist.all_gather_object(theirs, mine, group=group)
-    bad = [r for r, t in enumerate(theirs) if t is None or t[0] != mine[0]]
-    if bad:
-        other = theirs[bad[0]]
+    differ = sorted(set(differ) | {r for r, t in enumerate(theirs) if t != mine})
+    if differ:
+        from gift_compile.state import _first_difference  # the setup check's differ, reused
+
+        r = differ[0]
         raise RuntimeError(
-            f"GIFT: ranks disagree on a collective's plan (rank(s) {bad} differ from rank "
-            f"{dist.get_rank(group)}).\n  this rank: {mine[1]}\n  rank {bad[0]}: {other[1] if other else None}"
+            f"GIFT: ranks disagree on a collective's plan: rank(s) {differ} differ from rank {me}; first "
+            f"difference: {_first_difference(mine, theirs[r])} (this rank vs rank {r}).\n  this rank: "
+            f"{plan.describe()}\n  rank {r}: {BucketPlan.from_dict(theirs[r]).describe() if theirs[r] else None}"
         )
     _CHECKED_PLANS.add(key)
 
@@ -445,7 +503,7 @@ def raise_on_bad_headers(headers: torch.Tensor, plan: BucketPlan, nonfinite_poli
         raise RuntimeError(f"GIFT: rank(s) {differ} ran a different collective plan than {plan.describe()}")
     bad = [r for r, f in enumerate(flags) if f]
     if bad and nonfinite_policy == "error":
-        names = ", ".join(i.name for i in plan.items if i.managed)
+        names = ", ".join(i.name for i in plan.items)
         raise FloatingPointError(
             f"GIFT: non-finite (NaN/Inf) gradient on rank(s) {bad} in {names}; raised on every rank "
             "(nonfinite='error'). Set nonfinite='propagate' to communicate NaN rows instead."
@@ -461,9 +519,28 @@ def run_bucket(xs: Sequence[torch.Tensor], items: Sequence[ItemTensors | None], 
     callers leave it to the counters (checked once per optimizer step, so the hot path never
     synchronizes the host).
     """
-    fn = _compiled_core() if compiled else bucket_core
+    if compiled:
+        return _run_compiled(xs, items, shared, plan)
     with torch.no_grad():
-        return fn(list(xs), list(items), shared, plan)
+        return bucket_core(list(xs), list(items), shared, plan)
+
+
+def _graph_plan(plan: BucketPlan, items: Sequence[ItemTensors | None]) -> BucketPlan:
+    """The plan the compiled core specialises on: item names dropped where no code reads them
+    (passthrough items, managed items with a seed-offset tensor), so equally shaped buckets of
+    different blocks share one graph instead of one compile each (Dynamo's recompile limit).
+    Eager callers agree on the full plan, names and order included, before they launch
+    (`check_plan_agreement`); the header then guards shapes and formats."""
+    anonymous = tuple(
+        dataclasses.replace(item, name="") if not item.managed or (t is not None and t.seed_offset is not None) else item
+        for item, t in zip(plan.items, items))
+    return dataclasses.replace(plan, items=anonymous)
+
+
+def _run_compiled(xs: Sequence[torch.Tensor], items: Sequence[ItemTensors | None], shared: Shared,
+                  plan: BucketPlan) -> tuple[list[torch.Tensor], torch.Tensor]:
+    with torch.no_grad():
+        return _compiled_core()(list(xs), list(items), shared, _graph_plan(plan, items))
 
 
 # ---- one bucket from a flat buffer: every eager path --------------------------------------------

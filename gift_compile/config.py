@@ -163,10 +163,12 @@ class GiftConfig:
             all-reduce of each reduced shard over the replica group, typically across nodes
             and on the slow network), or "same" to use `format`. The intra-node shard hop
             (the reduce-scatter) always uses `format`; fp32/bf16 send the hop unquantized.
-        plan_check: eager collectives compare their static plan across ranks (a small host
-            collective) on the "first" call of each plan, or on "always" every call (debug
-            mode). Compiled graphs always compare a plan fingerprint carried in every
-            collective's header, at no extra collective.
+        plan_check: eager collectives exchange every rank's plan fingerprint (item names and
+            order included) in a small fixed-size collective on every call, so a plan that
+            changes on one rank raises on every rank instead of hanging; the full description
+            is compared on the "first" call of each plan and on a mismatch, or on "always"
+            every call (debug mode). Compiled graphs always compare the fingerprint carried
+            in every collective's header, at no extra collective.
     """
 
     format: str = "fp8_e4m3"

@@ -110,7 +110,7 @@ class _GiftSync(torch.autograd.Function):
         tensors, shared = unpack_mark_tensors(item, saved)
         segment = collectives.Segment(item.name, item.rows, item.cols, item, tensors)
         outs = collectives.sync_buffer(grad.reshape(-1), [segment], shared, op="all_reduce", group=ctx.group_name,
-                                       average=ctx.op == "avg")
+                                       average=ctx.op == "avg", plan_check="first")
         return (outs[0].to(grad.dtype).reshape(grad.shape), *nones)
 
 

@@ -138,9 +138,9 @@ class BucketPlan:
             raise ValueError(f"BucketPlan.op={self.op!r}; allowed: reduce_scatter, all_reduce")
         if not self.items:
             raise ValueError("BucketPlan: a bucket needs at least one item")
-        # Names stay out: same-shaped buckets of different blocks share one compiled graph.
-        anonymous = tuple(dataclasses.replace(i, name="").to_str() for i in self.items)
-        text = repr((anonymous, self.world, self.average, self.op))
+        # Item names and order are in: two equally shaped layers taken in another order on
+        # another rank must not pair (their seeds and transforms differ).
+        text = repr((tuple(i.to_str() for i in self.items), self.world, self.average, self.op))
         digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
         object.__setattr__(self, "_fingerprint", int.from_bytes(digest, "little", signed=True))
 
@@ -158,10 +158,19 @@ class BucketPlan:
         return item.numel
 
     def fingerprint(self) -> int:
-        """A signed 64-bit hash of everything static that decides the bytes and their meaning
-        (not the group name, which may be spelled differently on different ranks, nor item
-        names, so that equally shaped buckets compile to one graph)."""
+        """A signed 64-bit hash of everything static that decides the bytes and their meaning,
+        item names and order included (not the group name, which may be spelled differently on
+        different ranks)."""
         return self._fingerprint
+
+    def as_dict(self) -> dict:
+        """Plain-data form (what ranks exchange to name the first difference of two plans)."""
+        return {"op": self.op, "world": self.world, "average": self.average,
+                "items": [dataclasses.asdict(i) for i in self.items]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "BucketPlan":
+        return cls(tuple(ItemPlan(**i) for i in d["items"]), d["world"], None, d["average"], d["op"])
 
     def describe(self) -> str:
         head = f"{self.op} over {self.world} ranks ({'avg' if self.average else 'sum'})"

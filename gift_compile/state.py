@@ -28,7 +28,8 @@ import torch.distributed as dist
 
 from gift_compile import residual as residual_store
 from gift_compile.checkpoint import Checkpointing
-from gift_compile.collectives import C_MISMATCH, C_NONFINITE, N_COUNTERS, ItemTensors, Shared
+from gift_compile.collectives import (C_MISMATCH, C_MISMATCH_RANKS, C_NONFINITE, C_NONFINITE_RANKS, N_COUNTERS,
+                                      ItemTensors, Shared, flagged_ranks)
 from gift_compile.config import GiftConfig
 from gift_compile.geometries import IDENTITY_KIND, geometry_class
 from gift_compile.plan import BucketPlan, ItemPlan
@@ -285,18 +286,23 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         gradients and goes on is not raised at again.
         """
         now = self.counters.detach().to("cpu", copy=True)
+        masks = C_NONFINITE_RANKS, C_MISMATCH_RANKS  # OR-ed rank masks: read, then cleared
+        self.counters[masks[0]:masks[1] + 1].zero_()
+        nonfinite_ranks, mismatch_ranks = flagged_ranks(int(now[masks[0]])), flagged_ranks(int(now[masks[1]]))
+        now[masks[0]:masks[1] + 1] = 0
         new = now - self._health_seen
         self._health_seen = now
         if int(new[C_MISMATCH]):
             raise GiftHealthError(
                 f"GIFT: {int(new[C_MISMATCH])} collective(s) since the last step ran with a plan that differs "
-                "between ranks (different format, shapes or layers); the gradients of this step are garbage"
+                f"between ranks: rank(s) {mismatch_ranks} differ from rank {group_rank(self.group)} (different "
+                "format, shapes, layers or layer order); the gradients of this step are garbage"
             )
         if int(new[C_NONFINITE]) and self.config.nonfinite == "error":
             raise FloatingPointError(
-                f"GIFT: {int(new[C_NONFINITE])} gradient collective(s) in this step carried NaN/Inf from at least "
-                "one rank; raised on every rank (nonfinite='error'). Skip the step (zero the gradients) or set "
-                "nonfinite='propagate'."
+                f"GIFT: {int(new[C_NONFINITE])} gradient collective(s) in this step carried NaN/Inf from rank(s) "
+                f"{nonfinite_ranks}; raised on every rank (nonfinite='error'). Skip the step (zero the gradients) or "
+                "set nonfinite='propagate'."
             )
 
     def step(self) -> None:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from gift_compile.collectives import C_BASELINE, C_CALLS, C_MISMATCH, C_NONFINITE, C_WIRE, bucket_wire_bytes
+from gift_compile.collectives import C_BASELINE, C_CALLS, C_MISMATCH, C_NONFINITE, C_PLAIN_CALLS, C_WIRE, bucket_wire_bytes
 from gift_compile.statistics import SketchStatistics
 
 if TYPE_CHECKING:
@@ -34,10 +34,11 @@ class Telemetry:
         they handed bytes over: `wire` (bytes handed to GIFT's collectives, and to the
         full-precision sync of unmanaged parameters where GIFT does that sync), `baseline`
         (bytes the replaced collectives would have been handed), `calls`, `nonfinite`,
-        `mismatch`."""
+        `mismatch`, and `plain_calls` (bucket collectives of the full-precision sync of unmanaged
+        parameters, `gift_compile.plain_sync`; not in `calls`)."""
         c = self.counters.tolist()
         return {"wire": c[C_WIRE], "baseline": c[C_BASELINE], "calls": c[C_CALLS], "nonfinite": c[C_NONFINITE],
-                "mismatch": c[C_MISMATCH]}
+                "mismatch": c[C_MISMATCH], "plain_calls": c[C_PLAIN_CALLS]}
 
     def accounted_bytes_per_step(self) -> int:
         """Shape-based accounting of the managed layers' bytes per step under this state's own

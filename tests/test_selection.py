@@ -9,6 +9,7 @@ from torch import nn
 
 from gift_compile.config import GiftConfigError
 from gift_compile.selection import leaf_optimizers, preconditions_matrices, select_metric_for
+from conftest import require
 
 
 class _Net(nn.Module):
@@ -75,7 +76,7 @@ def test_unstepped_weights_and_non_optimizers_are_errors() -> None:
 
 
 def test_torchtitan_section_resolves_auto_by_optimizer() -> None:
-    pytest.importorskip("torchtitan")
+    require("torchtitan", "torchtitan extra not installed")
     from gift_compile.torchtitan_ext.hooks import resolve_select_metric
     from gift_compile.torchtitan_ext.section import AUTO_METRIC, GiftSection
 

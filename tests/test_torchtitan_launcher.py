@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torchtitan")
+from conftest import require
+
+require("torchtitan", "torchtitan extra not installed")
 
 from gift_compile.config import GiftConfig  # noqa: E402
 from gift_compile.torchtitan_ext import cpu_compat  # noqa: E402

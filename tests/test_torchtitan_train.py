@@ -14,17 +14,28 @@ ran (rewrite, wire bytes, refresh).
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
 import shutil
+import signal
+import subprocess
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torchtitan")
+from conftest import require
 
-from gift_compile.torchtitan_ext.runs import RunResult, run_config  # noqa: E402
+require("torchtitan", "torchtitan extra not installed")
+
+import torch  # noqa: E402
+
+from gift_compile.torchtitan_ext.runs import RunResult, config_command, run_config, run_env  # noqa: E402
+from gift_compile.torchtitan_ext.telemetry import read_jsonl  # noqa: E402
 
 STEPS = 6
 COMMON = ["--validator.no-enable", f"--training.steps={STEPS}", "--gift.refresh-every=3"]
@@ -120,6 +131,7 @@ def test_gift_fsdp2_tracks_gift_off_and_matches_graph_path(run: Callable[..., Ru
 @pytest.mark.parametrize("config", ["llama3_debug_gift_fsdp2", "llama3_debug_gift_graph"])
 def test_resume_restores_gift_state(config: str, tmp_path: Path) -> None:
     """Stop at step 3 (just after a refresh), resume from its DCP checkpoint: identical steps 4-6.
+    Then the fault: a rank killed mid-run; the relaunched job resumes and ends bit-identical.
 
     Error feedback is on so the per-rank residuals must round-trip too; the resumed run's
     telemetry shows the restored selection (a fresh GIFT state would select nothing).
@@ -138,3 +150,83 @@ def test_resume_restores_gift_state(config: str, tmp_path: Path) -> None:
     first = next(r for r in resumed.records if r.get("step") == 4)
     expected = next(r for r in full.records if r.get("step") == 4)
     assert first["gift/selected_layers"] == expected["gift/selected_layers"] >= 1
+    # A rank killed (kill -9) after step 4: the job fails; relaunched on the same folder it
+    # resumes from the step-3 checkpoint and ends with the uninterrupted run's parameters,
+    # optimizer and GIFT state, bit for bit. (torchrun's in-place restart, --max-restarts=1,
+    # cannot be used on gloo here: the restarted workers read the killed attempt's gloo
+    # addresses from the agent's store and fail in connectFullMesh; see the README.)
+    killed, killed_at = _run_killing_rank(config, args, tmp_path / "killed", after_step=4)
+    assert killed.returncode != 0 and killed_at >= 4, killed.output[-3000:]
+    assert not (tmp_path / "killed" / "checkpoint" / f"step-{STEPS}").exists()
+    relaunched = run_config(config, args, dump_folder=str(tmp_path / "killed")).check()
+    assert "Loading the checkpoint from" in relaunched.output
+    final_full = _checkpoint_tensors(tmp_path / "full" / "checkpoint" / f"step-{STEPS}")
+    final_killed = _checkpoint_tensors(tmp_path / "killed" / "checkpoint" / f"step-{STEPS}")
+    trained = [k for k in final_full if not k.startswith(("dataloader", "train_state", "lr_scheduler"))]
+    assert any(k.startswith("optimizer") for k in trained) and any(k.startswith("gift") for k in trained)
+    assert set(final_full) == set(final_killed)
+    differ = {k: float((final_full[k].double() - final_killed[k].double()).abs().max()) for k in trained
+              if not torch.equal(final_full[k], final_killed[k])}
+    assert not differ, differ
+
+
+def _worker_pids(torchrun_pid: int) -> dict[int, int]:
+    """`{local rank: pid}` of a torchrun agent's worker processes (from /proc)."""
+    out = {}
+    with open(f"/proc/{torchrun_pid}/task/{torchrun_pid}/children") as f:
+        children = [int(c) for c in f.read().split()]
+    for pid in children:
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
+        except OSError:
+            continue
+        if b"LOCAL_RANK" in env:
+            out[int(env[b"LOCAL_RANK"])] = pid
+    return out
+
+
+def _run_killing_rank(config: str, args: list[str], folder: Path, *, after_step: int,
+                      rank: int = 1) -> tuple[RunResult, int]:
+    """Run under ``torchrun``; once the run logged ``after_step``, SIGKILL the worker of
+    ``rank``. Returns the (failed) run and the last step logged before the kill."""
+    folder.mkdir(parents=True)
+    command = config_command(config, args, dump_folder=str(folder))
+    jsonl = folder / "gift_metrics.jsonl"
+    start = time.perf_counter()
+    with subprocess.Popen(command, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        output: list[str] = []
+        reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)
+        reader.start()
+        killed_at = -1
+        while proc.poll() is None and killed_at < 0:
+            try:
+                steps = [r["step"] for r in read_jsonl(str(jsonl)) if "loss" in r] if jsonl.exists() else []
+            except json.JSONDecodeError:  # a line being written
+                steps = []
+            if steps and max(steps) >= after_step:
+                os.kill(_worker_pids(proc.pid)[rank], signal.SIGKILL)
+                killed_at = max(steps)
+            time.sleep(0.05)
+        proc.wait(timeout=600)
+        reader.join(timeout=10)
+    return RunResult(command, proc.returncode, "".join(output), time.perf_counter() - start, []), killed_at
+
+
+def _checkpoint_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a DCP checkpoint folder, by flattened key (read without a process group)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    target = folder.parent / f"{folder.name}.pt"
+    dcp_to_torch_save(str(folder), str(target))
+    flat: dict[str, torch.Tensor] = {}
+
+    def walk(obj: object, prefix: str) -> None:
+        if isinstance(obj, torch.Tensor):
+            flat[prefix] = obj
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(v, f"{prefix}.{k}" if prefix else str(k))
+
+    walk(torch.load(target, weights_only=False), "")
+    return flat

