@@ -21,6 +21,8 @@ Euclidean leaves and the share of it GIFT closes. Runs write one JSON line each 
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import os
 import statistics
@@ -175,6 +177,52 @@ def _replicas_identical(model: nn.Module) -> bool:
     return bool((both[:2] == -both[2:]).all())
 
 
+class ShardedTwin:
+    """The reduce-scatter path: the model's FSDP2 twin (`fully_shard` per transformer block and
+    at the root, 1-D mesh over the world) runs forward and backward, so its gradients are
+    reduce-scattered by FSDP2 (by `gift_compile.fsdp2.GiftReduceScatter` once `apply` runs on
+    the twin: ONE quantization per gradient, no re-encoded second hop).
+
+    The optimizer keeps stepping the plain model: after the backward each reduced shard is
+    all-gathered exactly (fp32, `DTensor.full_tensor`) into the plain model's `.grad`, the same
+    clipping and optimizer step run as on the all-reduce path, and the new parameters are
+    copied back into the twin's shards. For AdamW (elementwise) this is the update FSDP2's
+    sharded optimizer computes; for Muon it is what a distributed Muon does (orthogonalize the
+    gathered matrix), and it keeps the optimizer code, `Fp32Muon` included, identical on both
+    paths, so the paired difference between paths is the gradient communication alone.
+    """
+
+    def __init__(self, model: nn.Module, rank: int, world: int) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        self.model, self.rank, self.world = model, rank, world
+        self.module = copy.deepcopy(model)
+        mesh = init_device_mesh("cpu", (world,))
+        for block in self.module.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.module, mesh=mesh)
+        self.pairs = [(p, dict(self.module.named_parameters())[n]) for n, p in model.named_parameters()]
+
+    def gather_grads(self) -> None:
+        """Every rank's plain model gets the full reduced gradient (an exact fp32 all-gather)."""
+        for plain, shard in self.pairs:
+            plain.grad = shard.grad.full_tensor()
+            shard.grad = None
+
+    @torch.no_grad()
+    def push_params(self) -> None:
+        """Copy the plain model's parameters into this rank's shards (FSDP2 splits dim 0 like
+        `torch.chunk`)."""
+        for plain, shard in self.pairs:
+            local = shard.to_local()
+            piece = plain.detach().chunk(self.world, dim=0)[self.rank]
+            if piece.shape != local.shape:
+                raise RuntimeError(f"reduce-scatter path: shard of shape {tuple(local.shape)} does not match "
+                                   f"torch.chunk's {tuple(piece.shape)}; cannot copy the update back")
+            local.copy_(piece)
+
+
 def _train(opt_name: str, arm: str, seed: int, s: ConvergenceSettings, paths: corpus.CorpusPaths,
            rank: int, world: int) -> dict[str, object]:
     model = TinyLlama(s.model, seed=seed)
@@ -182,9 +230,14 @@ def _train(opt_name: str, arm: str, seed: int, s: ConvergenceSettings, paths: co
     optimizers, peaks = make_optimizers(model, opt_name, s.lr, s.muon_lr)
     reports_before = len(last_reports())
     two_sided = TwoSided(model, config, optimizers[0], world) if "two" in arm.split("-")[2:] else None
+    sharded = ShardedTwin(model, rank, world) if s.path == "reduce-scatter" else None
+    gift_model = sharded.module if sharded is not None else model
     if config is not None and two_sided is None:  # the first optimizer drives GIFT's state (health check, refresh)
-        gift_compile.apply(model, config, group=dist.group.WORLD, optimizer=optimizers[0])
+        # fuse=False: the FSDP2 hook's codec runs eagerly, as the eager all-reduce path's does (no per-run compile)
+        gift_compile.apply(gift_model, config, group=dist.group.WORLD, optimizer=optimizers[0], fuse=False)
     forward = torch.compile(model) if s.compile else model
+    if sharded is not None:
+        forward = sharded.module
     tokens = corpus.token_stream("train", paths)
     losses: list[float] = []
     evals: list[tuple[int, float]] = []
@@ -199,13 +252,17 @@ def _train(opt_name: str, arm: str, seed: int, s: ConvergenceSettings, paths: co
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
         value.backward()
-        if two_sided is not None:
+        if sharded is not None:
+            sharded.gather_grads()
+        elif two_sided is not None:
             two_sided.sync()
         elif config is None:
             _allreduce_fp32(list(model.parameters()), world)
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         for opt in reversed(optimizers):  # the GIFT-driving optimizer last: its post-hook ends the step
             opt.step()
+        if sharded is not None:
+            sharded.push_params()
         if two_sided is not None:
             two_sided.step()
         losses.append(float(value.detach()))
@@ -215,11 +272,11 @@ def _train(opt_name: str, arm: str, seed: int, s: ConvergenceSettings, paths: co
                                                              max_tokens=s.eval_tokens)))
             dist.barrier()
     result: dict[str, object] = {
-        "optimizer": opt_name, "arm": arm, "seed": seed, "losses": losses, "evals": evals,
+        "optimizer": opt_name, "arm": arm, "seed": seed, "path": s.path, "losses": losses, "evals": evals,
         "seconds": time.perf_counter() - start, "replicas_identical": _replicas_identical(model),
     }
     if config is not None and two_sided is None:
-        state = gift_compile.state(model)
+        state = gift_compile.state(gift_model)
         totals = state.comm_totals()
         result["wire_bytes_per_step"] = totals["wire"] / s.steps
         result["baseline_bytes_per_step"] = totals["baseline"] / s.steps
@@ -229,18 +286,22 @@ def _train(opt_name: str, arm: str, seed: int, s: ConvergenceSettings, paths: co
             reports = last_reports()[reports_before:]
             result["pass_rewritten"] = sum(len(r.layers) for r in reports)
             result["pass_fallbacks"] = sum(len(r.fallbacks) for r in reports)
-        gift_compile.remove(model)
+        gift_compile.remove(gift_model)
     return result
 
 
 def _worker(rank: int, world: int, store_path: str, s: ConvergenceSettings, paths: corpus.CorpusPaths,
-            jsonl: str, log_every_run: bool) -> None:
+            jsonl: str, log_every_run: bool, done: frozenset[tuple[str, str, int, str]] = frozenset()) -> None:
+    """One rank: every (seed, optimizer, arm) not in `done` (`run_key`s), seeds outermost so
+    every arm reaches n seeds before any reaches n + 1; rank 0 appends each run to `jsonl`."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     try:
         for seed in s.seeds:
             for opt_name, arms in s.arms:
                 for arm in arms:
+                    if (s.path, opt_name, seed, arm) in done:
+                        continue
                     res = _train(opt_name, arm, seed, s, paths, rank, world)
                     curves = [None] * world
                     dist.all_gather_object(curves, res["losses"])
@@ -255,11 +316,37 @@ def _worker(rank: int, world: int, store_path: str, s: ConvergenceSettings, path
         dist.destroy_process_group()
 
 
+PATHS = ("all-reduce", "reduce-scatter")
+
+
+def run_key(record: dict) -> tuple[str, str, int, str]:
+    """`(path, optimizer, seed, arm)` of a run record; records written before the path
+    existed are all-reduce runs."""
+    return record.get("path", "all-reduce"), record["optimizer"], record["seed"], record["arm"]
+
+
+def check_settings(s: ConvergenceSettings) -> None:
+    """Raise, naming the problem, for settings a run could not honour (before any run starts)."""
+    if s.path not in PATHS:
+        raise ValueError(f"unknown convergence path {s.path!r}; allowed: {', '.join(PATHS)}")
+    for _, arms in s.arms:
+        for arm in arms:
+            parse_arm(arm)
+            mods = arm.split("-")[2:]
+            if s.path == "reduce-scatter" and ("two" in mods or "mom" in mods):
+                raise ValueError(f"arm {arm!r} cannot run on the reduce-scatter path: the optimizer steps the plain "
+                                 "model (`ShardedTwin`), so a map built from the optimizer's momentum or the two-sided "
+                                 "experiment has no state on the FSDP2 twin")
+    if s.path == "reduce-scatter" and s.compile:
+        raise ValueError("the reduce-scatter path runs eager (FSDP2's reduce-scatter runs from eager hooks)")
+
+
 def run(s: ConvergenceSettings, paths: corpus.CorpusPaths, log: Log, jsonl: Path | None = None) -> dict[str, object]:
     """Train every (seed, optimizer, arm) on `s.world` gloo ranks and summarise (see module doc).
 
     `jsonl` (default: a temporary file) receives one line per finished run.
     """
+    check_settings(s)
     n_runs = len(s.seeds) * sum(len(a) for _, a in s.arms)
     log(f"  {len(s.seeds)} seed(s) x {n_runs // len(s.seeds)} (optimizer, arm) runs x {s.steps} steps on {s.world} "
         f"gloo ranks ({s.local_batch}x{s.seq_len} tokens per rank per step, {'compiled' if s.compile else 'eager'})")
@@ -354,3 +441,37 @@ def _verdict(summary: dict, gaps: dict) -> dict[str, object]:
 def _plain(gap_key: str) -> bool:
     """Whether a gap key (`<format>[-ef]`) is a study arm rather than a tuning variant."""
     return all(p == "ef" for p in gap_key.split("-")[1:])
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Stream study runs into a JSONL file, resuming: runs already in the file are skipped, so
+    a background study can be stopped and restarted. Summarise with
+    `python -m bench.run --only convergence --merge --convergence-runs <file> ...`."""
+    import argparse
+
+    from bench.settings import profile
+
+    p = argparse.ArgumentParser(prog="python -m bench.convergence", description=main.__doc__.splitlines()[0])
+    p.add_argument("--profile", choices=("smoke", "quick", "full"), default="full")
+    p.add_argument("--path", choices=PATHS, required=True)
+    p.add_argument("--seeds", required=True, help="comma-separated seeds, outermost loop")
+    p.add_argument("--arms", required=True, help="'muon=fp32,euclid-int2;adamw=fp32,gift-int2' (in run order)")
+    p.add_argument("--jsonl", type=Path, required=True, help="appended to; runs already in it are skipped")
+    args = p.parse_args(argv)
+    arms = tuple((opt, tuple(a.split(","))) for opt, a in (part.split("=") for part in args.arms.split(";")))
+    s = dataclasses.replace(profile(args.profile).convergence, path=args.path, arms=arms,
+                            seeds=tuple(int(x) for x in args.seeds.split(",")))
+    check_settings(s)
+    done = frozenset(run_key(json.loads(line)) for line in args.jsonl.read_text().splitlines() if line.strip()) \
+        if args.jsonl.exists() else frozenset()
+    paths = corpus.prepare()
+    todo = len(s.seeds) * sum(len(a) for _, a in s.arms) - sum(
+        (s.path, o, seed, a) in done for seed in s.seeds for o, arms_ in s.arms for a in arms_)
+    print(f"{todo} runs to do on the {s.path} path ({len(done)} already in {args.jsonl})", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(s.world, os.path.join(tmp, "store"), s, paths, str(args.jsonl), True, done),
+                 nprocs=s.world, join=True)
+
+
+if __name__ == "__main__":
+    main()

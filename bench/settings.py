@@ -138,6 +138,11 @@ class ConvergenceSettings:
     rank: int = 32
     world: int = 2
     compile: bool = False
+    # "all-reduce": plain modules, GIFT's quantized all-reduce (each rank's contribution and the
+    # reduced shard re-encoded for the all-gather: two quantizations); "reduce-scatter": an FSDP2
+    # twin (`bench.convergence.ShardedTwin`), one quantization. Runs recorded before the field
+    # existed are all-reduce runs.
+    path: str = "all-reduce"
 
 
 @dataclass(frozen=True)
