@@ -40,7 +40,7 @@ import gift_compile
 from bench.fidelity import two_sided_round_trip
 from bench.reference import lr_at, make_optimizers
 from bench.settings import ConvergenceSettings
-from bench.stats import paired, ratio_ci
+from bench.stats import holm, paired, ratio_ci
 from bench.tiny_llama import TinyLlama, loss
 from gift_compile.collectives import all_reduce
 from gift_compile.config import GiftConfig
@@ -273,6 +273,7 @@ def _train(opt_name: str, arm: str, seed: int, s: ConvergenceSettings, paths: co
             dist.barrier()
     result: dict[str, object] = {
         "optimizer": opt_name, "arm": arm, "seed": seed, "path": s.path, "losses": losses, "evals": evals,
+        "optimizer_classes": [type(o).__name__ for o in optimizers],
         "seconds": time.perf_counter() - start, "replicas_identical": _replicas_identical(model),
     }
     if config is not None and two_sided is None:
@@ -362,28 +363,100 @@ def run(s: ConvergenceSettings, paths: corpus.CorpusPaths, log: Log, jsonl: Path
 
 
 def summarise(runs: list[dict], s: ConvergenceSettings) -> dict[str, object]:
-    """Per-arm paired statistics and per-(bit width, EF) gaps from finished runs."""
+    """Per path (`all-reduce` / `reduce-scatter`), per optimizer: per-arm paired statistics and
+    per-(bit width, EF) gaps from finished runs.
+
+    Every run is either summarised or listed under `excluded` with the reason. Arms come from
+    `s.arms` (in that order) plus any other arm found in the runs (at whatever n it has), so a
+    run outside the profile's arm list is shown rather than silently dropped. `optimizers` is
+    the all-reduce path's summary (the study's first path) or, without all-reduce runs, the
+    only path's.
+    """
+    used: dict[tuple[str, str, int, str], dict] = {}
+    excluded: list[dict[str, object]] = []
+    keys = {run_key(r) for r in runs}
     for r in runs:
+        r.setdefault("path", "all-reduce")  # records written before the path existed
         tail = r["losses"][-max(1, s.steps // 10):]
         r["final_train_loss"] = statistics.fmean(tail)
         r["final_bpb"] = r["evals"][-1][1]
-    by = {(r["optimizer"], r["seed"], r["arm"]): r for r in runs}
-    seeds = sorted({r["seed"] for r in runs})
+        key = run_key(r)
+        if key in used:
+            excluded.append({"key": list(key), "reason": "duplicate of an earlier run with the same path, optimizer, "
+                                                          "seed and arm (the first is used)"})
+        elif (key[0], key[1], key[2], "fp32") not in keys:
+            excluded.append({"key": list(key), "reason": "no fp32 run of the same seed, optimizer and path to pair with"})
+        else:
+            used[key] = r
+    arm_order = {opt: list(arms) for opt, arms in s.arms}
+    for path, opt, _, arm in used:
+        arm_order.setdefault(opt, ["fp32"])
+        if arm not in arm_order[opt]:
+            arm_order[opt].append(arm)
+    paths = {}
+    for path in PATHS:
+        mine = {k: r for k, r in used.items() if k[0] == path}
+        if mine:
+            paths[path] = {"seeds": sorted({k[2] for k in mine}), "runs": len(mine),
+                           "optimizers": _per_optimizer(mine, arm_order)}
+    primary = "all-reduce" if "all-reduce" in paths else next(iter(paths), None)
+    between: dict[str, dict[str, dict]] = {}  # reduce-scatter minus all-reduce, same seed (same init and data)
+    for (path, opt, seed, arm), r in used.items():
+        other = used.get(("all-reduce", opt, seed, arm))
+        if path == "reduce-scatter" and other is not None:
+            between.setdefault(opt, {}).setdefault(arm, []).append(r["final_bpb"] - other["final_bpb"])
+    return {
+        "mode": "compiled" if s.compile else "eager", "world": s.world, "steps": s.steps,
+        "tokens_per_step": s.world * s.local_batch * s.seq_len, "seeds": sorted({k[2] for k in used}),
+        "arms": arm_order, "runs": runs, "excluded": excluded, "paths": paths, "primary_path": primary,
+        "optimizers": paths[primary]["optimizers"] if primary else {},
+        "rs_minus_ar": {opt: {arm: paired(d).as_dict() for arm, d in arms.items()} for opt, arms in between.items()},
+        "optimizer_classes": _optimizer_classes(runs, list(arm_order), s),
+        "gift_config": {"rank": s.rank, "refresh_every": s.refresh_every, "select": "all", "geometry": "lowrank"},
+        "all_replicas_identical": all(r["replicas_identical"] for r in runs),
+    }
+
+
+def _optimizer_classes(runs: list[dict], opts: list[str], s: ConvergenceSettings) -> dict[str, dict[str, object]]:
+    """The optimizer classes each optimizer name ran as: recorded per run, or (runs recorded
+    before the field existed, all on CPU) what `make_optimizers` builds for a CPU model."""
+    out = {}
+    for opt in opts:
+        recorded = {tuple(r["optimizer_classes"]) for r in runs if r["optimizer"] == opt and "optimizer_classes" in r}
+        if recorded:
+            out[opt] = {"classes": sorted({c for t in recorded for c in t}), "source": "recorded in the runs"}
+        else:
+            built, _ = make_optimizers(TinyLlama(s.model, seed=0), opt, s.lr, s.muon_lr)
+            out[opt] = {"classes": [type(o).__name__ for o in built],
+                        "source": "not recorded; what make_optimizers builds on CPU, where every run of this study ran"}
+    return out
+
+
+def _per_optimizer(by: dict[tuple[str, str, int, str], dict], arm_order: dict[str, list[str]]) -> dict[str, dict]:
+    """Per optimizer: paired statistics per arm, the gaps, the verdict (runs of one path)."""
+    seeds = sorted({k[2] for k in by})
+    path = next(iter(by))[0]
     per_opt: dict[str, dict[str, object]] = {}
-    for opt_name, arms in s.arms:
+    for opt_name, arms in arm_order.items():
         summary, gaps = {}, {}
+
+        def bpb(seed: int, arm: str) -> float:
+            return by[(path, opt_name, seed, arm)]["final_bpb"]
+
+        def have(seed: int, arm: str) -> bool:
+            return (path, opt_name, seed, arm) in by
+
         for arm in arms:
-            done = [seed for seed in seeds if (opt_name, seed, arm) in by and (opt_name, seed, "fp32") in by]
+            done = [seed for seed in seeds if have(seed, arm) and have(seed, "fp32")]
             if not done:
                 continue
-            bpb = [by[(opt_name, seed, arm)]["final_bpb"] for seed in done]
-            diff = [by[(opt_name, seed, arm)]["final_bpb"] - by[(opt_name, seed, "fp32")]["final_bpb"] for seed in done]
+            diff = [bpb(seed, arm) - bpb(seed, "fp32") for seed in done]
             _, fmt, _ = parse_arm(arm)
             summary[arm] = {
                 "bits": 32.0 if fmt is None else bits_per_element(fmt),
-                "final_bpb": statistics.fmean(bpb), "n": len(done),
+                "final_bpb": statistics.fmean(bpb(seed, arm) for seed in done), "n": len(done), "seeds": done,
                 "paired_diff_bpb": paired(diff).as_dict(),
-                "seconds": statistics.fmean(by[(opt_name, seed, arm)]["seconds"] for seed in done),
+                "seconds": statistics.fmean(by[(path, opt_name, seed, arm)]["seconds"] for seed in done),
             }
         for arm in arms:
             geometry, fmt, ef = parse_arm(arm)
@@ -392,13 +465,12 @@ def summarise(runs: list[dict], s: ConvergenceSettings) -> dict[str, object]:
                 twin = f"euclid-{fmt}{'-ef' if ef else ''}"
             if geometry != "gift" or twin not in summary or arm not in summary:
                 continue
-            done = [seed for seed in seeds if (opt_name, seed, arm) in by and (opt_name, seed, twin) in by]
-            g_minus_e = [by[(opt_name, seed, arm)]["final_bpb"] - by[(opt_name, seed, twin)]["final_bpb"] for seed in done]
+            done = [seed for seed in seeds if have(seed, arm) and have(seed, twin)]
+            g_minus_e = [bpb(seed, arm) - bpb(seed, twin) for seed in done]
             gap_e, gap_g = summary[twin]["paired_diff_bpb"]["mean"], summary[arm]["paired_diff_bpb"]["mean"]
-            with_ref = [seed for seed in done if (opt_name, seed, "fp32") in by]
-            closed = ratio_ci([-d for seed, d in zip(done, g_minus_e) if seed in with_ref],
-                              [by[(opt_name, seed, twin)]["final_bpb"] - by[(opt_name, seed, "fp32")]["final_bpb"]
-                               for seed in with_ref])
+            with_ref = [seed for seed in done if have(seed, "fp32")]
+            closed = ratio_ci([bpb(seed, twin) - bpb(seed, arm) for seed in with_ref],
+                              [bpb(seed, twin) - bpb(seed, "fp32") for seed in with_ref])
             gaps[arm.removeprefix("gift-")] = {
                 "format": fmt, "error_feedback": ef, "bits": summary[arm]["bits"],
                 "euclid_minus_fp32": summary[twin]["paired_diff_bpb"], "gift_minus_fp32": summary[arm]["paired_diff_bpb"],
@@ -407,31 +479,33 @@ def summarise(runs: list[dict], s: ConvergenceSettings) -> dict[str, object]:
                 # Fieller 95% CI of (Euclidean - GIFT) / (Euclidean - fp32); None: unbounded
                 "share_closed_ci95": None if closed is None else list(closed),
             }
-        per_opt[opt_name] = {"arms": summary, "gaps": gaps, "verdict": _verdict(summary, gaps)}
-    return {
-        "mode": "compiled" if s.compile else "eager", "world": s.world, "steps": s.steps,
-        "tokens_per_step": s.world * s.local_batch * s.seq_len, "seeds": seeds,
-        "arms": {opt: list(arms) for opt, arms in s.arms}, "runs": runs, "optimizers": per_opt,
-        "gift_config": {"rank": s.rank, "refresh_every": s.refresh_every, "select": "all", "geometry": "lowrank"},
-        "all_replicas_identical": all(r["replicas_identical"] for r in runs),
-    }
+        if summary:
+            per_opt[opt_name] = {"arms": summary, "gaps": gaps, "verdict": _verdict(summary, gaps)}
+    return per_opt
 
 
 def _verdict(summary: dict, gaps: dict) -> dict[str, object]:
-    """Per EF setting, the widest bit width at which Euclidean costs loss beyond its CI, GIFT's
-    share of that gap (with its Fieller CI); and the arms that are resolved positive controls.
+    """Per EF setting, the widest bit width at which Euclidean costs loss, GIFT's share of that
+    gap (with its Fieller CI); and the arms that are resolved positive controls.
 
-    The no-EF answer sits at the top level (`first_costly`, `bits`, `share_closed`, ...), the
+    "Costs loss" is a claim picked from a family (every study bit width of that EF setting),
+    so it is made only where Holm's procedure over the family's paired t tests (Euclidean minus
+    fp32) rejects at 5% family-wise; `family` lists the tests and their decisions. The no-EF
+    answer sits at the top level (`first_costly`, `bits`, `share_closed`, ...), the
     error-feedback answer under `with_ef` in the same shape."""
 
     def first(ef: bool) -> dict[str, object]:
-        costly = [(g["bits"], k) for k, g in gaps.items()
-                  if g["error_feedback"] == ef and _plain(k) and g["euclid_minus_fp32"]["resolved"]
-                  and g["euclid_minus_fp32"]["mean"] > 0]
+        keys = [k for k, g in gaps.items() if g["error_feedback"] == ef and _plain(k)
+                and g["euclid_minus_fp32"]["n"] >= 2]  # a single seed is no test: outside the family
+        pvalues = [gaps[k]["euclid_minus_fp32"]["p"] for k in keys]
+        rejected = holm(pvalues)
+        family = [{"key": k, "bits": gaps[k]["bits"], "p": p, "holm_rejected": rej,
+                   "mean": gaps[k]["euclid_minus_fp32"]["mean"]} for k, p, rej in zip(keys, pvalues, rejected)]
+        costly = [(f["bits"], f["key"]) for f in family if f["holm_rejected"] and f["mean"] > 0]
         if not costly:
-            return {"first_costly": None}
+            return {"first_costly": None, "family": family}
         bits, key = max(costly)
-        return {"first_costly": key, "bits": bits, "share_closed": gaps[key]["share_closed"],
+        return {"first_costly": key, "bits": bits, "share_closed": gaps[key]["share_closed"], "family": family,
                 "share_closed_ci95": gaps[key]["share_closed_ci95"], "gift_minus_euclid": gaps[key]["gift_minus_euclid"]}
 
     controls = [a for a, v in summary.items() if v["paired_diff_bpb"]["resolved"] and v["paired_diff_bpb"]["mean"] > 0]
