@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -38,10 +39,10 @@ from torch import nn
 
 import gift_compile
 from bench.fidelity import two_sided_round_trip
-from bench.reference import lr_at, make_optimizers
+from bench.reference import make_optimizers, train_step
 from bench.settings import ConvergenceSettings
 from bench.stats import holm, paired, ratio_ci
-from bench.tiny_llama import TinyLlama, loss
+from bench.tiny_llama import TinyLlama
 from gift_compile.collectives import all_reduce
 from gift_compile.config import GiftConfig
 from gift_compile.formats import FormatSpec
@@ -235,37 +236,28 @@ def _train(opt_name: str, arm: str, seed: int, s: ConvergenceSettings, paths: co
     if config is not None and two_sided is None:  # the first optimizer drives GIFT's state (health check, refresh)
         # fuse=False: the FSDP2 hook's codec runs eagerly, as the eager all-reduce path's does (no per-run compile)
         gift_compile.apply(gift_model, config, group=dist.group.WORLD, optimizer=optimizers[0], fuse=False)
-    forward = torch.compile(model) if s.compile else model
-    if sharded is not None:
-        forward = sharded.module
+    forward = sharded.module if sharded is not None else (torch.compile(model) if s.compile else model)
     tokens = corpus.token_stream("train", paths)
     losses: list[float] = []
     evals: list[tuple[int, float]] = []
     start = time.perf_counter()
     data = corpus.batches(tokens, s.local_batch * world, s.seq_len, seed=seed, rank=rank, world_size=world,
                           steps=s.steps)
+    params = list(model.parameters())
+    sync: Callable[[], None] | None = None  # None: GIFT's backward hooks all-reduce the gradients
+    if sharded is not None:
+        sync = sharded.gather_grads
+    elif two_sided is not None:
+        sync = two_sided.sync
+    elif config is None:
+        sync = functools.partial(_allreduce_fp32, params, world)
     for step, (x, y) in enumerate(data):
-        for opt, peak in zip(optimizers, peaks):
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step, s.steps, peak, s.warmup)
-        value = loss(forward(x), y)
-        for opt in optimizers:
-            opt.zero_grad(set_to_none=True)
-        value.backward()
-        if sharded is not None:
-            sharded.gather_grads()
-        elif two_sided is not None:
-            two_sided.sync()
-        elif config is None:
-            _allreduce_fp32(list(model.parameters()), world)
-        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        for opt in reversed(optimizers):  # the GIFT-driving optimizer last: its post-hook ends the step
-            opt.step()
+        value = train_step(forward, params, optimizers, peaks, step, s.steps, s.warmup, x, y, sync)
         if sharded is not None:
             sharded.push_params()
         if two_sided is not None:
             two_sided.step()
-        losses.append(float(value.detach()))
+        losses.append(float(value))
         if (step + 1) % s.eval_every == 0 or step + 1 == s.steps:
             if rank == 0:
                 evals.append((step + 1, corpus.bits_per_byte(model, "val", paths, seq_len=s.seq_len,

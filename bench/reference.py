@@ -76,6 +76,29 @@ def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.45 * (1.0 + math.cos(math.pi * min(progress, 1.0))))
 
 
+def train_step(forward: Callable[[torch.Tensor], torch.Tensor], params: list[nn.Parameter],
+               optimizers: list[torch.optim.Optimizer], peaks: list[float], step: int, total: int, warmup: int,
+               x: torch.Tensor, y: torch.Tensor, sync: Callable[[], None] | None = None) -> torch.Tensor:
+    """One step of the bench's pretraining recipe, shared by the reference model and every
+    convergence arm so that they differ only in `sync`: schedule (`lr_at`) per optimizer, loss,
+    backward, `sync()` (the gradient communication; None on one process), clipping to norm 1,
+    then the optimizers' steps in reverse order (the first optimizer, which drives GIFT's
+    state, steps last: its post-hook ends the step). Returns the step's (local) loss."""
+    for opt, peak in zip(optimizers, peaks):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, total, peak, warmup)
+    value = loss(forward(x), y)
+    for opt in optimizers:
+        opt.zero_grad(set_to_none=True)
+    value.backward()
+    if sync is not None:
+        sync()
+    nn.utils.clip_grad_norm_(params, 1.0)
+    for opt in reversed(optimizers):
+        opt.step()
+    return value.detach()
+
+
 def _newton_schulz_fp32(grad: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int,
                         eps: float) -> torch.Tensor:
     """torch.optim.Muon's Newton-Schulz orthogonalization, step for step, in fp32 instead of bf16."""
@@ -170,18 +193,10 @@ def _train(model: TinyLlama, s: ReferenceSettings, paths: corpus.CorpusPaths, lo
     optimizers, peaks = make_optimizers(model, s.optimizer, s.lr, s.muon_lr)
     losses: list[float] = []
     start = time.perf_counter()
+    params = list(model.parameters())
     for step, (x, y) in enumerate(corpus.batches(tokens, s.batch_size, s.seq_len, seed=s.seed, steps=s.steps)):
-        for opt, peak in zip(optimizers, peaks):
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step, s.steps, peak, s.warmup)
-        value = loss(model(x), y)
-        for opt in optimizers:
-            opt.zero_grad(set_to_none=True)
-        value.backward()
-        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        for opt in optimizers:
-            opt.step()
-        losses.append(float(value.detach()))
+        value = train_step(model, params, optimizers, peaks, step, s.steps, s.warmup, x, y)
+        losses.append(float(value))
         if (step + 1) % max(1, s.steps // 8) == 0 or step + 1 == s.steps:
             log(f"  reference step {step + 1}/{s.steps} loss {value.item():.3f} "
                 f"({time.perf_counter() - start:.0f} s)")
