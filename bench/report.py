@@ -600,10 +600,21 @@ def _sweeps(sweeps: list[dict]) -> list[str]:
         out += [f"`{sw['command'].strip()}` ({sw['file']}): reference trained with {sw['reference']['optimizer']} "
                 f"(held-out bits/byte {sw['reference']['val_bpb']:.4f}), {sw['layers']} layers x {sw['batches']} "
                 "batches.", ""]
+        if "adamw" in metrics:
+            out += ["AdamW metrics (this file): `adamw` = relative error of AdamW's next update m_hat / (sqrt(v_hat) + "
+                    "eps) after one round trip, from the reference's saved optimizer state (betas 0.9/0.95, the "
+                    "gradient clipped as training would); `adamw-rs2` the same after a 2-rank reduce-scatter (each "
+                    "half of the batch quantized by its own rank, summed in fp32: FSDP2's form), `plain-rs2` its plain "
+                    "L2 error. AdamW candidates (`bench.fidelity_sweep.ADAM_CANDIDATES`, prototypes): "
+                    + "; ".join(f"`{t}` {sw['transforms'][t]}" for t in sw["transforms"] if isinstance(sw["transforms"][t], str))
+                    + ". `extra bits` = side-channel bits per gradient element on top of the format's.", ""]
+        extra = sw.get("extra_bits", {})
+        show_extra = any(v > 0 for v in extra.values())
         for f in sw["formats"]:
-            rows = [[t] + [f"{sw['errors'][m][f][t]:.4f} ({sw['errors'][m][f]['euclidean'] / sw['errors'][m][f][t]:.2f}x)"
-                           for m in metrics] for t in sw["transforms"]]
-            out += [f"**{f}**", "", table(["candidate", *metrics], rows), ""]
+            rows = [[t] + ([f"{extra.get(t, 0.0):.3f}"] if show_extra else [])
+                    + [f"{sw['errors'][m][f][t]:.4f} ({sw['errors'][m][f]['euclidean'] / sw['errors'][m][f][t]:.2f}x)"
+                       for m in metrics] for t in sw["transforms"]]
+            out += [f"**{f}**", "", table(["candidate", *(["extra bits"] if show_extra else []), *metrics], rows), ""]
         f = "nvfp4" if "nvfp4" in sw["formats"] else sw["formats"][0]
         kinds = list(next(iter(sw["by_kind"]["muon-mom"][f].values())))
         rows = [[t] + [sw["by_kind"]["muon-mom"][f][t][k] for k in kinds] for t in sw["transforms"]]

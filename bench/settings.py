@@ -83,6 +83,8 @@ class FidelitySettings:
     multirank_batches: int
     eigen_buckets: int = 8
     damping: float = 1e-3
+    # keep each sample's two half-batch gradients (`LayerSample.halves`: the sweep's 2-rank metrics)
+    keep_halves: bool = False
 
 
 @dataclass(frozen=True)
