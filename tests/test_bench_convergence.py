@@ -10,6 +10,7 @@ between the two paths would not isolate the communication.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -81,8 +82,6 @@ def test_reduce_scatter_twin_quantizes_once_and_is_exact_at_fp32() -> None:
 
 
 def test_reduce_scatter_path_refuses_what_it_cannot_run() -> None:
-    import dataclasses
-
     s = profile("smoke").convergence
     with pytest.raises(ValueError, match="unknown convergence path"):
         check_settings(dataclasses.replace(s, path="ring"))
@@ -91,3 +90,44 @@ def test_reduce_scatter_path_refuses_what_it_cannot_run() -> None:
     with pytest.raises(ValueError, match="eager"):
         check_settings(dataclasses.replace(s, path="reduce-scatter", compile=True))
     check_settings(dataclasses.replace(s, path="reduce-scatter"))
+
+
+def _run(path: str | None, opt: str, seed: int, arm: str, bpb: float) -> dict:
+    r = {"optimizer": opt, "seed": seed, "arm": arm, "losses": [1.0] * 4, "evals": [[4, bpb]], "seconds": 1.0,
+         "replicas_identical": True}
+    if path is not None:  # records written before the path existed have none: all-reduce
+        r["path"] = path
+    return r
+
+
+def test_summarise_pairs_each_path_and_names_every_left_out_run() -> None:
+    from bench.convergence import summarise
+
+    s = profile("smoke").convergence
+    s = dataclasses.replace(s, arms=(("muon", ("fp32", "euclid-int2", "gift-int2")),))
+    runs = []
+    for seed, noise in zip(range(4), (0.0, 0.001, -0.001, 0.0005)):
+        for path, cost in ((None, 0.03), ("reduce-scatter", 0.01)):  # Euclidean's gap: 0.03 AR, 0.01 RS
+            runs += [_run(path, "muon", seed, "fp32", 2.0 + noise),
+                     _run(path, "muon", seed, "euclid-int2", 2.0 + noise + cost + 0.001 * seed),
+                     _run(path, "muon", seed, "gift-int2", 2.0 + noise + cost / 2 + 0.0005 * seed)]
+    runs.append(_run("reduce-scatter", "muon", 9, "gift-int2", 2.0))  # no fp32 of seed 9 on that path
+    runs.append(_run(None, "muon", 0, "fp32", 5.0))  # duplicate key: the first is used
+    runs.append(_run(None, "adamw", 0, "fp32", 2.0))  # an optimizer outside the settings: shown at n=1
+    runs.append(_run(None, "adamw", 0, "euclid-nvfp4", 2.01))
+    cv = summarise(runs, s)
+    reasons = {tuple(e["key"]): e["reason"] for e in cv["excluded"]}
+    assert set(reasons) == {("reduce-scatter", "muon", 9, "gift-int2"), ("all-reduce", "muon", 0, "fp32")}
+    assert "no fp32 run" in reasons[("reduce-scatter", "muon", 9, "gift-int2")]
+    assert "duplicate" in reasons[("all-reduce", "muon", 0, "fp32")]
+    assert list(cv["paths"]) == ["all-reduce", "reduce-scatter"] and cv["primary_path"] == "all-reduce"
+    ar, rs = cv["paths"]["all-reduce"]["optimizers"], cv["paths"]["reduce-scatter"]["optimizers"]
+    assert ar["muon"]["arms"]["euclid-int2"]["paired_diff_bpb"]["mean"] == pytest.approx(0.03 + 0.0015)
+    assert rs["muon"]["arms"]["euclid-int2"]["paired_diff_bpb"]["mean"] == pytest.approx(0.01 + 0.0015)
+    # same arm and seed, reduce-scatter minus all-reduce: the fp32 runs agree, the quantized differ by the cost
+    assert cv["rs_minus_ar"]["muon"]["fp32"]["mean"] == pytest.approx(0.0)
+    assert cv["rs_minus_ar"]["muon"]["euclid-int2"]["mean"] == pytest.approx(-0.02)
+    v = ar["muon"]["verdict"]
+    assert v["first_costly"] == "int2" and [f["key"] for f in v["family"]] == ["int2"] and v["family"][0]["holm_rejected"]
+    assert ar["adamw"]["arms"]["euclid-nvfp4"]["n"] == 1 and ar["adamw"]["verdict"]["family"] == []
+    assert cv["optimizer_classes"]["muon"]["classes"] == ["Fp32Muon", "AdamW"]  # not recorded: built on CPU
