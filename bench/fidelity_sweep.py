@@ -92,6 +92,9 @@ ADAM_CANDIDATES: dict[str, str] = {
     # the coordinates AdamW's update m / sqrt(v) sees, mapped back by the inverse scaling
     "vfac-p1": "factored v, power 1 (AdamW's own coordinates)",
     "vfac-p0.5": "factored v, power 1/2",
+    # only the column factor c^(-p/2): a diagonal map on the input dimension (a row factor is
+    # constant along each row-wise scale block, so the format's block scales absorb most of it)
+    "vcol-p1": "column factor of v only, power 1",
     # the same scaling, then GIFT's K-FAC low-rank whitening (rank 32) of the scaled gradient
     "vfac-p1+kfac-r32": "factored v power 1, then K-FAC r32",
     "vfac-p0.5+kfac-r32": "factored v power 1/2, then K-FAC r32",
@@ -223,10 +226,11 @@ class AdamCodec:
         self.maps: list[Transform] = [Transform("identity", cols)] * 2
         self.extra_bits = 0.0
         for part in label.split("+"):
-            if part.startswith(("vfac-p", "vfull-p")):
+            if part.startswith(("vfac-p", "vfull-p", "vcol-p")):
                 power = float(part.split("-p")[1])
                 r, c = v.sum(dim=1), v.sum(dim=0)
-                vhat = torch.outer(r, c) / r.sum() if part.startswith("vfac") else v
+                vhat = {"vfac": torch.outer(r, c) / r.sum(), "vfull": v,
+                        "vcol": c.expand(rows, cols)}[part.split("-p")[0]]
                 self.scale = vhat.clamp(min=tiny).pow(-power / 2)
                 self.scale /= self.scale.pow(2).mean().sqrt()  # unit RMS: only the shape matters
             elif part == "kfac-r32":

@@ -607,14 +607,17 @@ def _sweeps(sweeps: list[dict]) -> list[str]:
                     "half of the batch quantized by its own rank, summed in fp32: FSDP2's form), `plain-rs2` its plain "
                     "L2 error. AdamW candidates (`bench.fidelity_sweep.ADAM_CANDIDATES`, prototypes): "
                     + "; ".join(f"`{t}` {sw['transforms'][t]}" for t in sw["transforms"] if isinstance(sw["transforms"][t], str))
-                    + ". `extra bits` = side-channel bits per gradient element on top of the format's.", ""]
+                    + ". `extra bits` = side-channel bits per gradient element on top of the format's; `2^extra` = the "
+                    "gain the same bits would buy spent on the format's precision instead (rate-distortion scaling "
+                    "2^-R of the error): a side channel wins per bit only where its gain exceeds that.", ""]
         extra = sw.get("extra_bits", {})
         show_extra = any(v > 0 for v in extra.values())
         for f in sw["formats"]:
-            rows = [[t] + ([f"{extra.get(t, 0.0):.3f}"] if show_extra else [])
+            rows = [[t] + ([f"{extra.get(t, 0.0):.3f}", f"{2 ** extra.get(t, 0.0):.2f}x"] if show_extra else [])
                     + [f"{sw['errors'][m][f][t]:.4f} ({sw['errors'][m][f]['euclidean'] / sw['errors'][m][f][t]:.2f}x)"
                        for m in metrics] for t in sw["transforms"]]
-            out += [f"**{f}**", "", table(["candidate", *(["extra bits"] if show_extra else []), *metrics], rows), ""]
+            out += [f"**{f}**", "", table(["candidate", *(["extra bits", "2^extra"] if show_extra else []), *metrics],
+                                          rows), ""]
         f = "nvfp4" if "nvfp4" in sw["formats"] else sw["formats"][0]
         kinds = list(next(iter(sw["by_kind"]["muon-mom"][f].values())))
         rows = [[t] + [sw["by_kind"]["muon-mom"][f][t][k] for k in kinds] for t in sw["transforms"]]
