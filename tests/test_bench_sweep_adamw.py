@@ -54,7 +54,7 @@ def test_vfac_scaling_is_undone_and_hadamard_signs_differ_per_rank() -> None:
     st = opt.state[w]
     g = torch.randn(32, 64, generator=torch.Generator().manual_seed(3))
     lossless = GiftConfig(format="fp32")
-    for label in ("vfac-p1", "vfac-p0.5", "hadamard-rank"):
+    for label in ("vfac-p1", "vfac-p0.5", "vcol-p1", "hadamard-rank"):
         codec = AdamCodec(label, _sample(g), st, 1e-3)
         for rank in (0, 1):
             torch.testing.assert_close(codec.round_trip(g, rank, lossless).float(), g, rtol=1e-5, atol=1e-6)
@@ -62,5 +62,7 @@ def test_vfac_scaling_is_undone_and_hadamard_signs_differ_per_rank() -> None:
     r, c = st["exp_avg_sq"].double().sum(1), st["exp_avg_sq"].double().sum(0)
     ratio = fac * torch.outer(r, c).sqrt()  # vhat^(-1/2) up to one constant
     assert float(ratio.max() / ratio.min()) < 1 + 1e-9
+    col = AdamCodec("vcol-p1", _sample(g), st, 1e-3).scale
+    assert torch.equal(col[0], col[-1]) and float(col[0].max() / col[0].min()) > 1.5  # one scale per column
     had = AdamCodec("hadamard-rank", _sample(g), st, 1e-3).maps
     assert not torch.equal(had[0].forward(g), had[1].forward(g))
