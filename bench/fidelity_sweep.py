@@ -110,6 +110,10 @@ ADAM_CANDIDATES: dict[str, str] = {
     # decode each sender with its signs, so first-hop errors of the ranks are decorrelated
     "hadamard-rank": "random Hadamard, per-rank signs",
 }
+# candidates no product could run: built from what a refresh cannot know (this batch's own
+# statistics) or from state a sharded sender does not hold (the full elementwise v)
+ORACLES = frozenset({"kfac-cur-r32", "kfac-cur-dense", "grad-cur-r32", "grad-cur-dense", "mom2-cur-dense-d1e-2",
+                     "vfull-p1"})
 # label -> (format, scaling) for the sweep's formats (the block formats ignore scaling)
 SWEEP_FORMATS: dict[str, tuple[str, str]] = {
     "e4m3/row": ("fp8_e4m3", "row"),

@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from bench.fidelity_sweep import ORACLES
+
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 RESULTS = ROOT / "bench" / "results" / "results.json"
@@ -85,7 +87,34 @@ def convergence(r: dict) -> str:
     return "\n".join(lines)
 
 
-BLOCKS: dict[str, Callable[[dict], str]] = {"step_model": step_model, "convergence": convergence}
+def adamw_sweep(r: dict) -> str:
+    """The AdamW geometry candidates of the fidelity sweeps that carry the AdamW metrics: each
+    candidate's gain over Euclidean in AdamW's update (one round trip / 2-rank reduce-scatter)
+    and in plain L2, its extra bits, and the best candidate that costs no extra bits."""
+    sweeps = [sw for sw in r.get("sweeps", []) if "adamw" in sw["errors"]]
+    if not sweeps:
+        return "* **AdamW geometry sweep**: not run (no sweep with the AdamW metrics attached)."
+    lines = ["* **AdamW geometry sweep** (report 2.5; AdamW-trained reference with its saved optimizer state; gain "
+             "over Euclidean = Euclidean error / candidate error in AdamW's next update after one round trip / after a "
+             "2-rank reduce-scatter, and in plain L2; extra bits per element where a side channel costs them):"]
+    for sw in sweeps:
+        err, extra = sw["errors"], sw.get("extra_bits", {})
+        for f in sw["formats"]:
+            def gain(m: str, t: str) -> float:
+                return err[m][f]["euclidean"] / err[m][f][t]
+            cells = [f"{t} {gain('adamw', t):.2f}x/{gain('adamw-rs2', t):.2f}x (plain {gain('plain', t):.2f}x"
+                     + (f", +{extra[t]:.2f} bits" if extra.get(t, 0) > 0 else "") + ")"
+                     for t in sw["transforms"] if t != "euclidean"]
+            free = [t for t in sw["transforms"] if t != "euclidean" and extra.get(t, 0) == 0 and t not in ORACLES]
+            best = max(free, key=lambda t: gain("adamw-rs2", t)) if free else None
+            lines.append(f"  `{sw['file']}` {f}: " + "; ".join(cells)
+                         + (f". Best runnable candidate at no extra bits (reduce-scatter; oracles "
+                            f"{', '.join(sorted(ORACLES & set(sw['transforms']))) or 'none'} left out): **{best}** "
+                            f"{gain('adamw-rs2', best):.2f}x." if best else "."))
+    return "\n".join(lines)
+
+
+BLOCKS: dict[str, Callable[[dict], str]] = {"step_model": step_model, "convergence": convergence, "adamw_sweep": adamw_sweep}
 
 
 def render(readme: str, results: dict) -> str:
