@@ -467,7 +467,10 @@ def _per_optimizer(by: dict[tuple[str, str, int, str], dict], arm_order: dict[st
                 "format": fmt, "error_feedback": ef, "bits": summary[arm]["bits"],
                 "euclid_minus_fp32": summary[twin]["paired_diff_bpb"], "gift_minus_fp32": summary[arm]["paired_diff_bpb"],
                 "gift_minus_euclid": paired(g_minus_e).as_dict(),
-                "share_closed": 1.0 - gap_g / gap_e if gap_e > 0 else float("nan"),
+                # a share of a gap only where that gap is resolved (its CI excludes zero): at n=1 or an
+                # unresolved Euclidean cost the ratio is noise over noise
+                "share_closed": 1.0 - gap_g / gap_e if gap_e > 0 and summary[twin]["paired_diff_bpb"]["resolved"]
+                else float("nan"),
                 # Fieller 95% CI of (Euclidean - GIFT) / (Euclidean - fp32); None: unbounded
                 "share_closed_ci95": None if closed is None else list(closed),
             }

@@ -37,7 +37,7 @@ def _ci(p: dict) -> str:
 def _share(g: dict) -> str:
     share = g["share_closed"]
     if share != share:
-        return "no Euclidean gap to close"
+        return "no resolved Euclidean gap to close"
     ci = g["share_closed_ci95"]
     return f"{100 * share:.0f}% closed ({'CI unbounded' if ci is None else f'{100 * ci[0]:.0f}% to {100 * ci[1]:.0f}%'})"
 

@@ -404,7 +404,7 @@ def _share(v: dict) -> str:
     """`NN% [lo%, hi%]` of a gap's share closed with its Fieller 95% CI, or `n/a`."""
     share = v.get("share_closed", math.nan)
     if share != share:
-        return "n/a"
+        return "n/a (no resolved Euclidean gap)"
     ci = v.get("share_closed_ci95")
     bounds = "CI unbounded" if ci is None else f"95% CI {100 * ci[0]:.0f}% to {100 * ci[1]:.0f}%"
     return f"{100 * share:.0f}% ({bounds})"
