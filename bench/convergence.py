@@ -29,6 +29,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections import deque
 from pathlib import Path
 from typing import Callable
 
@@ -48,6 +49,7 @@ from gift_compile.config import GiftConfig
 from gift_compile.formats import FormatSpec
 from gift_compile.geometry import Transform, gradient_factor
 from gift_compile.passes import last_reports
+from gift_compile.sync import all_reduce_
 from gift_compile.torchtitan_ext import corpus
 
 Log = Callable[[str], None]
@@ -161,7 +163,7 @@ def _allreduce_fp32(params: list[torch.Tensor], world: int) -> None:
     """Mean of the gradients of `params` over the ranks, in fp32, as one flat all-reduce."""
     grads = [p.grad for p in params if p.grad is not None]
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
+    all_reduce_(flat, dist.group.WORLD)  # keeps `flat` referenced past gloo's release (gift_compile.sync)
     flat /= world
     offset = 0
     for g in grads:
@@ -169,11 +171,18 @@ def _allreduce_fp32(params: list[torch.Tensor], world: int) -> None:
         offset += g.numel()
 
 
+# the last few tensors handed to a gloo collective here: gloo's worker thread drops its reference a
+# moment after `wait` returns, and if that is the last one while the process exits, the process
+# aborts ("terminate called without an active exception"; `gift_compile.sync` explains)
+_KEEP: deque[torch.Tensor] = deque(maxlen=4)
+
+
 def _replicas_identical(model: nn.Module) -> bool:
     """True when every rank holds bit-identical parameters (max and min of a checksum agree)."""
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
     check = torch.stack([flat.sum(), (flat * torch.arange(flat.numel(), dtype=torch.float64)).sum()])
     both = torch.cat([check, -check])
+    _KEEP.append(both)  # gloo's worker releases it after wait returns: never the last reference (gift_compile.sync)
     dist.all_reduce(both, op=dist.ReduceOp.MAX)
     return bool((both[:2] == -both[2:]).all())
 
