@@ -21,11 +21,15 @@ Euclidean leaves and the share of it GIFT closes. Runs write one JSON line each 
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import functools
 import json
 import os
 import statistics
 import tempfile
 import time
+from collections import deque
 from pathlib import Path
 from typing import Callable
 
@@ -36,15 +40,16 @@ from torch import nn
 
 import gift_compile
 from bench.fidelity import two_sided_round_trip
-from bench.reference import lr_at, make_optimizers
+from bench.reference import make_optimizers, train_step
 from bench.settings import ConvergenceSettings
-from bench.stats import paired, ratio_ci
-from bench.tiny_llama import TinyLlama, loss
+from bench.stats import holm, paired, ratio_ci
+from bench.tiny_llama import TinyLlama
 from gift_compile.collectives import all_reduce
 from gift_compile.config import GiftConfig
 from gift_compile.formats import FormatSpec
 from gift_compile.geometry import Transform, gradient_factor
 from gift_compile.passes import last_reports, reports_seen
+from gift_compile.sync import all_reduce_
 from gift_compile.torchtitan_ext import corpus
 
 Log = Callable[[str], None]
@@ -158,7 +163,7 @@ def _allreduce_fp32(params: list[torch.Tensor], world: int) -> None:
     """Mean of the gradients of `params` over the ranks, in fp32, as one flat all-reduce."""
     grads = [p.grad for p in params if p.grad is not None]
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
+    all_reduce_(flat, dist.group.WORLD)  # keeps `flat` referenced past gloo's release (gift_compile.sync)
     flat /= world
     offset = 0
     for g in grads:
@@ -166,13 +171,66 @@ def _allreduce_fp32(params: list[torch.Tensor], world: int) -> None:
         offset += g.numel()
 
 
+# the last few tensors handed to a gloo collective here: gloo's worker thread drops its reference a
+# moment after `wait` returns, and if that is the last one while the process exits, the process
+# aborts ("terminate called without an active exception"; `gift_compile.sync` explains)
+_KEEP: deque[torch.Tensor] = deque(maxlen=4)
+
+
 def _replicas_identical(model: nn.Module) -> bool:
     """True when every rank holds bit-identical parameters (max and min of a checksum agree)."""
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
     check = torch.stack([flat.sum(), (flat * torch.arange(flat.numel(), dtype=torch.float64)).sum()])
     both = torch.cat([check, -check])
+    _KEEP.append(both)  # gloo's worker releases it after wait returns: never the last reference (gift_compile.sync)
     dist.all_reduce(both, op=dist.ReduceOp.MAX)
     return bool((both[:2] == -both[2:]).all())
+
+
+class ShardedTwin:
+    """The reduce-scatter path: the model's FSDP2 twin (`fully_shard` per transformer block and
+    at the root, 1-D mesh over the world) runs forward and backward, so its gradients are
+    reduce-scattered by FSDP2 (by `gift_compile.fsdp2.GiftReduceScatter` once `apply` runs on
+    the twin: ONE quantization per gradient, no re-encoded second hop).
+
+    The optimizer keeps stepping the plain model: after the backward each reduced shard is
+    all-gathered exactly (fp32, `DTensor.full_tensor`) into the plain model's `.grad`, the same
+    clipping and optimizer step run as on the all-reduce path, and the new parameters are
+    copied back into the twin's shards. For AdamW (elementwise) this is the update FSDP2's
+    sharded optimizer computes; for Muon it is what a distributed Muon does (orthogonalize the
+    gathered matrix), and it keeps the optimizer code, `Fp32Muon` included, identical on both
+    paths, so the paired difference between paths is the gradient communication alone.
+    """
+
+    def __init__(self, model: nn.Module, rank: int, world: int) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        self.model, self.rank, self.world = model, rank, world
+        self.module = copy.deepcopy(model)
+        mesh = init_device_mesh("cpu", (world,))
+        for block in self.module.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.module, mesh=mesh)
+        self.pairs = [(p, dict(self.module.named_parameters())[n]) for n, p in model.named_parameters()]
+
+    def gather_grads(self) -> None:
+        """Every rank's plain model gets the full reduced gradient (an exact fp32 all-gather)."""
+        for plain, shard in self.pairs:
+            plain.grad = shard.grad.full_tensor()
+            shard.grad = None
+
+    @torch.no_grad()
+    def push_params(self) -> None:
+        """Copy the plain model's parameters into this rank's shards (FSDP2 splits dim 0 like
+        `torch.chunk`)."""
+        for plain, shard in self.pairs:
+            local = shard.to_local()
+            piece = plain.detach().chunk(self.world, dim=0)[self.rank]
+            if piece.shape != local.shape:
+                raise RuntimeError(f"reduce-scatter path: shard of shape {tuple(local.shape)} does not match "
+                                   f"torch.chunk's {tuple(piece.shape)}; cannot copy the update back")
+            local.copy_(piece)
 
 
 def _train(opt_name: str, arm: str, seed: int, s: ConvergenceSettings, paths: corpus.CorpusPaths,
@@ -182,44 +240,45 @@ def _train(opt_name: str, arm: str, seed: int, s: ConvergenceSettings, paths: co
     optimizers, peaks = make_optimizers(model, opt_name, s.lr, s.muon_lr)
     reports_before = reports_seen()
     two_sided = TwoSided(model, config, optimizers[0], world) if "two" in arm.split("-")[2:] else None
+    sharded = ShardedTwin(model, rank, world) if s.path == "reduce-scatter" else None
+    gift_model = sharded.module if sharded is not None else model
     if config is not None and two_sided is None:  # the first optimizer drives GIFT's state (health check, refresh)
-        gift_compile.apply(model, config, group=dist.group.WORLD, optimizer=optimizers[0])
-    forward = torch.compile(model) if s.compile else model
+        # fuse=False: the FSDP2 hook's codec runs eagerly, as the eager all-reduce path's does (no per-run compile)
+        gift_compile.apply(gift_model, config, group=dist.group.WORLD, optimizer=optimizers[0], fuse=False)
+    forward = sharded.module if sharded is not None else (torch.compile(model) if s.compile else model)
     tokens = corpus.token_stream("train", paths)
     losses: list[float] = []
     evals: list[tuple[int, float]] = []
     start = time.perf_counter()
     data = corpus.batches(tokens, s.local_batch * world, s.seq_len, seed=seed, rank=rank, world_size=world,
                           steps=s.steps)
+    params = list(model.parameters())
+    sync: Callable[[], None] | None = None  # None: GIFT's backward hooks all-reduce the gradients
+    if sharded is not None:
+        sync = sharded.gather_grads
+    elif two_sided is not None:
+        sync = two_sided.sync
+    elif config is None:
+        sync = functools.partial(_allreduce_fp32, params, world)
     for step, (x, y) in enumerate(data):
-        for opt, peak in zip(optimizers, peaks):
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step, s.steps, peak, s.warmup)
-        value = loss(forward(x), y)
-        for opt in optimizers:
-            opt.zero_grad(set_to_none=True)
-        value.backward()
-        if two_sided is not None:
-            two_sided.sync()
-        elif config is None:
-            _allreduce_fp32(list(model.parameters()), world)
-        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        for opt in reversed(optimizers):  # the GIFT-driving optimizer last: its post-hook ends the step
-            opt.step()
+        value = train_step(forward, params, optimizers, peaks, step, s.steps, s.warmup, x, y, sync)
+        if sharded is not None:
+            sharded.push_params()
         if two_sided is not None:
             two_sided.step()
-        losses.append(float(value.detach()))
+        losses.append(float(value))
         if (step + 1) % s.eval_every == 0 or step + 1 == s.steps:
             if rank == 0:
                 evals.append((step + 1, corpus.bits_per_byte(model, "val", paths, seq_len=s.seq_len,
                                                              max_tokens=s.eval_tokens)))
             dist.barrier()
     result: dict[str, object] = {
-        "optimizer": opt_name, "arm": arm, "seed": seed, "losses": losses, "evals": evals,
+        "optimizer": opt_name, "arm": arm, "seed": seed, "path": s.path, "losses": losses, "evals": evals,
+        "optimizer_classes": [type(o).__name__ for o in optimizers],
         "seconds": time.perf_counter() - start, "replicas_identical": _replicas_identical(model),
     }
     if config is not None and two_sided is None:
-        state = gift_compile.state(model)
+        state = gift_compile.state(gift_model)
         totals = state.comm_totals()
         result["wire_bytes_per_step"] = totals["wire"] / s.steps
         result["baseline_bytes_per_step"] = totals["baseline"] / s.steps
@@ -229,18 +288,22 @@ def _train(opt_name: str, arm: str, seed: int, s: ConvergenceSettings, paths: co
             reports = last_reports(since=reports_before)
             result["pass_rewritten"] = sum(len(r.layers) for r in reports)
             result["pass_fallbacks"] = sum(len(r.fallbacks) for r in reports)
-        gift_compile.remove(model)
+        gift_compile.remove(gift_model)
     return result
 
 
 def _worker(rank: int, world: int, store_path: str, s: ConvergenceSettings, paths: corpus.CorpusPaths,
-            jsonl: str, log_every_run: bool) -> None:
+            jsonl: str, log_every_run: bool, done: frozenset[tuple[str, str, int, str]] = frozenset()) -> None:
+    """One rank: every (seed, optimizer, arm) not in `done` (`run_key`s), seeds outermost so
+    every arm reaches n seeds before any reaches n + 1; rank 0 appends each run to `jsonl`."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     try:
         for seed in s.seeds:
             for opt_name, arms in s.arms:
                 for arm in arms:
+                    if (s.path, opt_name, seed, arm) in done:
+                        continue
                     res = _train(opt_name, arm, seed, s, paths, rank, world)
                     curves = [None] * world
                     dist.all_gather_object(curves, res["losses"])
@@ -255,11 +318,37 @@ def _worker(rank: int, world: int, store_path: str, s: ConvergenceSettings, path
         dist.destroy_process_group()
 
 
+PATHS = ("all-reduce", "reduce-scatter")
+
+
+def run_key(record: dict) -> tuple[str, str, int, str]:
+    """`(path, optimizer, seed, arm)` of a run record; records written before the path
+    existed are all-reduce runs."""
+    return record.get("path", "all-reduce"), record["optimizer"], record["seed"], record["arm"]
+
+
+def check_settings(s: ConvergenceSettings) -> None:
+    """Raise, naming the problem, for settings a run could not honour (before any run starts)."""
+    if s.path not in PATHS:
+        raise ValueError(f"unknown convergence path {s.path!r}; allowed: {', '.join(PATHS)}")
+    for _, arms in s.arms:
+        for arm in arms:
+            parse_arm(arm)
+            mods = arm.split("-")[2:]
+            if s.path == "reduce-scatter" and ("two" in mods or "mom" in mods):
+                raise ValueError(f"arm {arm!r} cannot run on the reduce-scatter path: the optimizer steps the plain "
+                                 "model (`ShardedTwin`), so a map built from the optimizer's momentum or the two-sided "
+                                 "experiment has no state on the FSDP2 twin")
+    if s.path == "reduce-scatter" and s.compile:
+        raise ValueError("the reduce-scatter path runs eager (FSDP2's reduce-scatter runs from eager hooks)")
+
+
 def run(s: ConvergenceSettings, paths: corpus.CorpusPaths, log: Log, jsonl: Path | None = None) -> dict[str, object]:
     """Train every (seed, optimizer, arm) on `s.world` gloo ranks and summarise (see module doc).
 
     `jsonl` (default: a temporary file) receives one line per finished run.
     """
+    check_settings(s)
     n_runs = len(s.seeds) * sum(len(a) for _, a in s.arms)
     log(f"  {len(s.seeds)} seed(s) x {n_runs // len(s.seeds)} (optimizer, arm) runs x {s.steps} steps on {s.world} "
         f"gloo ranks ({s.local_batch}x{s.seq_len} tokens per rank per step, {'compiled' if s.compile else 'eager'})")
@@ -275,28 +364,100 @@ def run(s: ConvergenceSettings, paths: corpus.CorpusPaths, log: Log, jsonl: Path
 
 
 def summarise(runs: list[dict], s: ConvergenceSettings) -> dict[str, object]:
-    """Per-arm paired statistics and per-(bit width, EF) gaps from finished runs."""
+    """Per path (`all-reduce` / `reduce-scatter`), per optimizer: per-arm paired statistics and
+    per-(bit width, EF) gaps from finished runs.
+
+    Every run is either summarised or listed under `excluded` with the reason. Arms come from
+    `s.arms` (in that order) plus any other arm found in the runs (at whatever n it has), so a
+    run outside the profile's arm list is shown rather than silently dropped. `optimizers` is
+    the all-reduce path's summary (the study's first path) or, without all-reduce runs, the
+    only path's.
+    """
+    used: dict[tuple[str, str, int, str], dict] = {}
+    excluded: list[dict[str, object]] = []
+    keys = {run_key(r) for r in runs}
     for r in runs:
+        r.setdefault("path", "all-reduce")  # records written before the path existed
         tail = r["losses"][-max(1, s.steps // 10):]
         r["final_train_loss"] = statistics.fmean(tail)
         r["final_bpb"] = r["evals"][-1][1]
-    by = {(r["optimizer"], r["seed"], r["arm"]): r for r in runs}
-    seeds = sorted({r["seed"] for r in runs})
+        key = run_key(r)
+        if key in used:
+            excluded.append({"key": list(key), "reason": "duplicate of an earlier run with the same path, optimizer, "
+                                                          "seed and arm (the first is used)"})
+        elif (key[0], key[1], key[2], "fp32") not in keys:
+            excluded.append({"key": list(key), "reason": "no fp32 run of the same seed, optimizer and path to pair with"})
+        else:
+            used[key] = r
+    arm_order = {opt: list(arms) for opt, arms in s.arms}
+    for path, opt, _, arm in used:
+        arm_order.setdefault(opt, ["fp32"])
+        if arm not in arm_order[opt]:
+            arm_order[opt].append(arm)
+    paths = {}
+    for path in PATHS:
+        mine = {k: r for k, r in used.items() if k[0] == path}
+        if mine:
+            paths[path] = {"seeds": sorted({k[2] for k in mine}), "runs": len(mine),
+                           "optimizers": _per_optimizer(mine, arm_order)}
+    primary = "all-reduce" if "all-reduce" in paths else next(iter(paths), None)
+    between: dict[str, dict[str, dict]] = {}  # reduce-scatter minus all-reduce, same seed (same init and data)
+    for (path, opt, seed, arm), r in used.items():
+        other = used.get(("all-reduce", opt, seed, arm))
+        if path == "reduce-scatter" and other is not None:
+            between.setdefault(opt, {}).setdefault(arm, []).append(r["final_bpb"] - other["final_bpb"])
+    return {
+        "mode": "compiled" if s.compile else "eager", "world": s.world, "steps": s.steps,
+        "tokens_per_step": s.world * s.local_batch * s.seq_len, "seeds": sorted({k[2] for k in used}),
+        "arms": arm_order, "runs": runs, "excluded": excluded, "paths": paths, "primary_path": primary,
+        "optimizers": paths[primary]["optimizers"] if primary else {},
+        "rs_minus_ar": {opt: {arm: paired(d).as_dict() for arm, d in arms.items()} for opt, arms in between.items()},
+        "optimizer_classes": _optimizer_classes(runs, list(arm_order), s),
+        "gift_config": {"rank": s.rank, "refresh_every": s.refresh_every, "select": "all", "geometry": "lowrank"},
+        "all_replicas_identical": all(r["replicas_identical"] for r in runs),
+    }
+
+
+def _optimizer_classes(runs: list[dict], opts: list[str], s: ConvergenceSettings) -> dict[str, dict[str, object]]:
+    """The optimizer classes each optimizer name ran as: recorded per run, or (runs recorded
+    before the field existed, all on CPU) what `make_optimizers` builds for a CPU model."""
+    out = {}
+    for opt in opts:
+        recorded = {tuple(r["optimizer_classes"]) for r in runs if r["optimizer"] == opt and "optimizer_classes" in r}
+        if recorded:
+            out[opt] = {"classes": sorted({c for t in recorded for c in t}), "source": "recorded in the runs"}
+        else:
+            built, _ = make_optimizers(TinyLlama(s.model, seed=0), opt, s.lr, s.muon_lr)
+            out[opt] = {"classes": [type(o).__name__ for o in built],
+                        "source": "not recorded; what make_optimizers builds on CPU, where every run of this study ran"}
+    return out
+
+
+def _per_optimizer(by: dict[tuple[str, str, int, str], dict], arm_order: dict[str, list[str]]) -> dict[str, dict]:
+    """Per optimizer: paired statistics per arm, the gaps, the verdict (runs of one path)."""
+    seeds = sorted({k[2] for k in by})
+    path = next(iter(by))[0]
     per_opt: dict[str, dict[str, object]] = {}
-    for opt_name, arms in s.arms:
+    for opt_name, arms in arm_order.items():
         summary, gaps = {}, {}
+
+        def bpb(seed: int, arm: str) -> float:
+            return by[(path, opt_name, seed, arm)]["final_bpb"]
+
+        def have(seed: int, arm: str) -> bool:
+            return (path, opt_name, seed, arm) in by
+
         for arm in arms:
-            done = [seed for seed in seeds if (opt_name, seed, arm) in by and (opt_name, seed, "fp32") in by]
+            done = [seed for seed in seeds if have(seed, arm) and have(seed, "fp32")]
             if not done:
                 continue
-            bpb = [by[(opt_name, seed, arm)]["final_bpb"] for seed in done]
-            diff = [by[(opt_name, seed, arm)]["final_bpb"] - by[(opt_name, seed, "fp32")]["final_bpb"] for seed in done]
+            diff = [bpb(seed, arm) - bpb(seed, "fp32") for seed in done]
             _, fmt, _ = parse_arm(arm)
             summary[arm] = {
                 "bits": 32.0 if fmt is None else bits_per_element(fmt),
-                "final_bpb": statistics.fmean(bpb), "n": len(done),
+                "final_bpb": statistics.fmean(bpb(seed, arm) for seed in done), "n": len(done), "seeds": done,
                 "paired_diff_bpb": paired(diff).as_dict(),
-                "seconds": statistics.fmean(by[(opt_name, seed, arm)]["seconds"] for seed in done),
+                "seconds": statistics.fmean(by[(path, opt_name, seed, arm)]["seconds"] for seed in done),
             }
         for arm in arms:
             geometry, fmt, ef = parse_arm(arm)
@@ -305,46 +466,50 @@ def summarise(runs: list[dict], s: ConvergenceSettings) -> dict[str, object]:
                 twin = f"euclid-{fmt}{'-ef' if ef else ''}"
             if geometry != "gift" or twin not in summary or arm not in summary:
                 continue
-            done = [seed for seed in seeds if (opt_name, seed, arm) in by and (opt_name, seed, twin) in by]
-            g_minus_e = [by[(opt_name, seed, arm)]["final_bpb"] - by[(opt_name, seed, twin)]["final_bpb"] for seed in done]
+            done = [seed for seed in seeds if have(seed, arm) and have(seed, twin)]
+            g_minus_e = [bpb(seed, arm) - bpb(seed, twin) for seed in done]
             gap_e, gap_g = summary[twin]["paired_diff_bpb"]["mean"], summary[arm]["paired_diff_bpb"]["mean"]
-            with_ref = [seed for seed in done if (opt_name, seed, "fp32") in by]
-            closed = ratio_ci([-d for seed, d in zip(done, g_minus_e) if seed in with_ref],
-                              [by[(opt_name, seed, twin)]["final_bpb"] - by[(opt_name, seed, "fp32")]["final_bpb"]
-                               for seed in with_ref])
+            with_ref = [seed for seed in done if have(seed, "fp32")]
+            closed = ratio_ci([bpb(seed, twin) - bpb(seed, arm) for seed in with_ref],
+                              [bpb(seed, twin) - bpb(seed, "fp32") for seed in with_ref])
             gaps[arm.removeprefix("gift-")] = {
                 "format": fmt, "error_feedback": ef, "bits": summary[arm]["bits"],
                 "euclid_minus_fp32": summary[twin]["paired_diff_bpb"], "gift_minus_fp32": summary[arm]["paired_diff_bpb"],
                 "gift_minus_euclid": paired(g_minus_e).as_dict(),
-                "share_closed": 1.0 - gap_g / gap_e if gap_e > 0 else float("nan"),
+                # a share of a gap only where that gap is resolved (its CI excludes zero): at n=1 or an
+                # unresolved Euclidean cost the ratio is noise over noise
+                "share_closed": 1.0 - gap_g / gap_e if gap_e > 0 and summary[twin]["paired_diff_bpb"]["resolved"]
+                else float("nan"),
                 # Fieller 95% CI of (Euclidean - GIFT) / (Euclidean - fp32); None: unbounded
                 "share_closed_ci95": None if closed is None else list(closed),
             }
-        per_opt[opt_name] = {"arms": summary, "gaps": gaps, "verdict": _verdict(summary, gaps)}
-    return {
-        "mode": "compiled" if s.compile else "eager", "world": s.world, "steps": s.steps,
-        "tokens_per_step": s.world * s.local_batch * s.seq_len, "seeds": seeds,
-        "arms": {opt: list(arms) for opt, arms in s.arms}, "runs": runs, "optimizers": per_opt,
-        "gift_config": {"rank": s.rank, "refresh_every": s.refresh_every, "select": "all", "geometry": "lowrank"},
-        "all_replicas_identical": all(r["replicas_identical"] for r in runs),
-    }
+        if summary:
+            per_opt[opt_name] = {"arms": summary, "gaps": gaps, "verdict": _verdict(summary, gaps)}
+    return per_opt
 
 
 def _verdict(summary: dict, gaps: dict) -> dict[str, object]:
-    """Per EF setting, the widest bit width at which Euclidean costs loss beyond its CI, GIFT's
-    share of that gap (with its Fieller CI); and the arms that are resolved positive controls.
+    """Per EF setting, the widest bit width at which Euclidean costs loss, GIFT's share of that
+    gap (with its Fieller CI); and the arms that are resolved positive controls.
 
-    The no-EF answer sits at the top level (`first_costly`, `bits`, `share_closed`, ...), the
+    "Costs loss" is a claim picked from a family (every study bit width of that EF setting),
+    so it is made only where Holm's procedure over the family's paired t tests (Euclidean minus
+    fp32) rejects at 5% family-wise; `family` lists the tests and their decisions. The no-EF
+    answer sits at the top level (`first_costly`, `bits`, `share_closed`, ...), the
     error-feedback answer under `with_ef` in the same shape."""
 
     def first(ef: bool) -> dict[str, object]:
-        costly = [(g["bits"], k) for k, g in gaps.items()
-                  if g["error_feedback"] == ef and _plain(k) and g["euclid_minus_fp32"]["resolved"]
-                  and g["euclid_minus_fp32"]["mean"] > 0]
+        keys = [k for k, g in gaps.items() if g["error_feedback"] == ef and _plain(k)
+                and g["euclid_minus_fp32"]["n"] >= 2]  # a single seed is no test: outside the family
+        pvalues = [gaps[k]["euclid_minus_fp32"]["p"] for k in keys]
+        rejected = holm(pvalues)
+        family = [{"key": k, "bits": gaps[k]["bits"], "p": p, "holm_rejected": rej,
+                   "mean": gaps[k]["euclid_minus_fp32"]["mean"]} for k, p, rej in zip(keys, pvalues, rejected)]
+        costly = [(f["bits"], f["key"]) for f in family if f["holm_rejected"] and f["mean"] > 0]
         if not costly:
-            return {"first_costly": None}
+            return {"first_costly": None, "family": family}
         bits, key = max(costly)
-        return {"first_costly": key, "bits": bits, "share_closed": gaps[key]["share_closed"],
+        return {"first_costly": key, "bits": bits, "share_closed": gaps[key]["share_closed"], "family": family,
                 "share_closed_ci95": gaps[key]["share_closed_ci95"], "gift_minus_euclid": gaps[key]["gift_minus_euclid"]}
 
     controls = [a for a, v in summary.items() if v["paired_diff_bpb"]["resolved"] and v["paired_diff_bpb"]["mean"] > 0]
@@ -354,3 +519,37 @@ def _verdict(summary: dict, gaps: dict) -> dict[str, object]:
 def _plain(gap_key: str) -> bool:
     """Whether a gap key (`<format>[-ef]`) is a study arm rather than a tuning variant."""
     return all(p == "ef" for p in gap_key.split("-")[1:])
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Stream study runs into a JSONL file, resuming: runs already in the file are skipped, so
+    a background study can be stopped and restarted. Summarise with
+    `python -m bench.run --only convergence --merge --convergence-runs <file> ...`."""
+    import argparse
+
+    from bench.settings import profile
+
+    p = argparse.ArgumentParser(prog="python -m bench.convergence", description=main.__doc__.splitlines()[0])
+    p.add_argument("--profile", choices=("smoke", "quick", "full"), default="full")
+    p.add_argument("--path", choices=PATHS, required=True)
+    p.add_argument("--seeds", required=True, help="comma-separated seeds, outermost loop")
+    p.add_argument("--arms", required=True, help="'muon=fp32,euclid-int2;adamw=fp32,gift-int2' (in run order)")
+    p.add_argument("--jsonl", type=Path, required=True, help="appended to; runs already in it are skipped")
+    args = p.parse_args(argv)
+    arms = tuple((opt, tuple(a.split(","))) for opt, a in (part.split("=") for part in args.arms.split(";")))
+    s = dataclasses.replace(profile(args.profile).convergence, path=args.path, arms=arms,
+                            seeds=tuple(int(x) for x in args.seeds.split(",")))
+    check_settings(s)
+    done = frozenset(run_key(json.loads(line)) for line in args.jsonl.read_text().splitlines() if line.strip()) \
+        if args.jsonl.exists() else frozenset()
+    paths = corpus.prepare()
+    todo = len(s.seeds) * sum(len(a) for _, a in s.arms) - sum(
+        (s.path, o, seed, a) in done for seed in s.seeds for o, arms_ in s.arms for a in arms_)
+    print(f"{todo} runs to do on the {s.path} path ({len(done)} already in {args.jsonl})", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(s.world, os.path.join(tmp, "store"), s, paths, str(args.jsonl), True, done),
+                 nprocs=s.world, join=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -50,6 +50,11 @@ class LayerSample:
     a_prev: torch.Tensor  # [in, in], K-FAC factor of the previous batch
     a_cur: torch.Tensor  # [in, in], K-FAC factor of this batch
     g_prev: torch.Tensor  # [in, in], gradient-side factor of the previous batch's gradient
+    # the factor `clip_grad_norm_(params, 1.0)` would scale this batch's gradient by (all parameters)
+    clip: float = 1.0
+    # [2, out, in]: the mean gradients of the batch's two halves (two simulated ranks; their mean
+    # is `grad`), kept when `FidelitySettings.keep_halves`
+    halves: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -74,6 +79,29 @@ def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
         return peak * (step + 1) / warmup
     progress = (step - warmup) / max(1, total - warmup)
     return peak * (0.1 + 0.45 * (1.0 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def train_step(forward: Callable[[torch.Tensor], torch.Tensor], params: list[nn.Parameter],
+               optimizers: list[torch.optim.Optimizer], peaks: list[float], step: int, total: int, warmup: int,
+               x: torch.Tensor, y: torch.Tensor, sync: Callable[[], None] | None = None) -> torch.Tensor:
+    """One step of the bench's pretraining recipe, shared by the reference model and every
+    convergence arm so that they differ only in `sync`: schedule (`lr_at`) per optimizer, loss,
+    backward, `sync()` (the gradient communication; None on one process), clipping to norm 1,
+    then the optimizers' steps in reverse order (the first optimizer, which drives GIFT's
+    state, steps last: its post-hook ends the step). Returns the step's (local) loss."""
+    for opt, peak in zip(optimizers, peaks):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, total, peak, warmup)
+    value = loss(forward(x), y)
+    for opt in optimizers:
+        opt.zero_grad(set_to_none=True)
+    value.backward()
+    if sync is not None:
+        sync()
+    nn.utils.clip_grad_norm_(params, 1.0)
+    for opt in reversed(optimizers):
+        opt.step()
+    return value.detach()
 
 
 def _newton_schulz_fp32(grad: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int,
@@ -157,36 +185,48 @@ def reference_model(
         return model, blob["record"]
     log(f"training the reference model ({settings.optimizer}, {settings.steps} steps of {settings.batch_size}x{settings.seq_len} "
         f"tokens); cached afterwards at {path}")
-    record = _train(model, settings, paths, log)
+    record, opt_state = _train(model, settings, paths, log)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp-{os.getpid()}")
-    torch.save({"state_dict": model.state_dict(), "record": record}, tmp)
+    torch.save({"state_dict": model.state_dict(), "record": record, "optimizer_state": opt_state}, tmp)
     os.replace(tmp, path)
     return model, record
 
 
-def _train(model: TinyLlama, s: ReferenceSettings, paths: corpus.CorpusPaths, log: Log) -> dict[str, object]:
+def optimizer_state(settings: ReferenceSettings, paths: corpus.CorpusPaths,
+                    cache_dir: Path | None = None) -> dict[str, dict[str, torch.Tensor]]:
+    """The optimizer state the cached reference model ended its training with, per managed
+    linear weight (AdamW: `exp_avg`, `exp_avg_sq`, `step`; Muon: `momentum_buffer`): what the
+    sweep's AdamW-update metric and the second-moment candidates start from. Raises when the
+    cache predates the saved state (delete the file named to retrain)."""
+    path = cache_path(settings, paths, cache_dir)
+    blob = torch.load(path, weights_only=False)
+    if "optimizer_state" not in blob:
+        raise RuntimeError(f"reference cache {path} was written without its optimizer state; delete it to retrain")
+    return blob["optimizer_state"]
+
+
+def _train(model: TinyLlama, s: ReferenceSettings, paths: corpus.CorpusPaths,
+           log: Log) -> tuple[dict[str, object], dict[str, dict[str, torch.Tensor]]]:
+    """Train `model` in place; returns its training record and the final optimizer state of
+    every managed linear weight (`optimizer_state`)."""
     tokens = corpus.token_stream("train", paths)
     optimizers, peaks = make_optimizers(model, s.optimizer, s.lr, s.muon_lr)
     losses: list[float] = []
     start = time.perf_counter()
+    params = list(model.parameters())
     for step, (x, y) in enumerate(corpus.batches(tokens, s.batch_size, s.seq_len, seed=s.seed, steps=s.steps)):
-        for opt, peak in zip(optimizers, peaks):
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step, s.steps, peak, s.warmup)
-        value = loss(model(x), y)
-        for opt in optimizers:
-            opt.zero_grad(set_to_none=True)
-        value.backward()
-        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        for opt in optimizers:
-            opt.step()
-        losses.append(float(value.detach()))
+        value = train_step(model, params, optimizers, peaks, step, s.steps, s.warmup, x, y)
+        losses.append(float(value))
         if (step + 1) % max(1, s.steps // 8) == 0 or step + 1 == s.steps:
             log(f"  reference step {step + 1}/{s.steps} loss {value.item():.3f} "
                 f"({time.perf_counter() - start:.0f} s)")
     bpb = corpus.bits_per_byte(model, "val", paths, seq_len=s.seq_len, max_tokens=16384)
     log(f"  reference model: held-out bits/byte {bpb:.4f}")
+    state = {}
+    for name, mod in managed_linears(model).items():
+        owner = next(o for o in optimizers if mod.weight in o.state)
+        state[name] = {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in owner.state[mod.weight].items()}
     return {
         "params": sum(p.numel() for p in model.parameters()),
         "tokens": s.steps * s.batch_size * s.seq_len,
@@ -194,7 +234,7 @@ def _train(model: TinyLlama, s: ReferenceSettings, paths: corpus.CorpusPaths, lo
         "val_bpb": bpb,
         "seconds": time.perf_counter() - start,
         "losses": losses,
-    }
+    }, state
 
 
 def collect_samples(model: TinyLlama, s: FidelitySettings, paths: corpus.CorpusPaths, log: Log) -> list[LayerSample]:
@@ -227,18 +267,27 @@ def collect_samples(model: TinyLlama, s: FidelitySettings, paths: corpus.CorpusP
             sums.clear()
             counts.clear()
             micro = {name: torch.empty(s.micro_batches, *mod.weight.shape) for name, mod in linears.items()}
+            total = [torch.zeros_like(p) for p in model.parameters()]  # batch gradient of every parameter
             for i in range(s.micro_batches):
                 model.zero_grad(set_to_none=True)
                 loss(model(x[i:i + 1]), y[i:i + 1]).backward()
                 for name, mod in linears.items():
                     micro[name][i] = mod.weight.grad
+                for acc, p in zip(total, model.parameters()):
+                    if p.grad is not None:
+                        acc += p.grad
+            norm = float(torch.stack([(acc / s.micro_batches).norm() for acc in total]).norm())
+            clip = min(1.0, 1.0 / (norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s coefficient at max_norm 1
+            half = s.micro_batches // 2
             keep_micro = 1 <= b <= s.multirank_batches
             for name in linears:
                 grad = micro[name].mean(dim=0)
                 a_cur = (sums[name] / counts[name]).float()
                 if b > 0:
+                    halves = (torch.stack([micro[name][:half].mean(dim=0), micro[name][half:].mean(dim=0)])
+                              if s.keep_halves else None)
                     samples.append(LayerSample(name, b, grad, micro[name] if keep_micro else None,
-                                               prev_a[name], a_cur, prev_g[name]))
+                                               prev_a[name], a_cur, prev_g[name], clip, halves))
                 prev_a[name], prev_g[name] = a_cur, gradient_factor(grad)
             log(f"  held-out batch {b}/{s.heldout_batches}: {s.micro_batches} micro-batches back-propagated")
     finally:

@@ -87,8 +87,11 @@ def _headlines(r: dict) -> list[str]:
                 "original coordinates, energy-weighted; whitened = the same error measured in the geometry of this "
                 "batch's A (||E T^T|| / ||G T^T||, what a K-FAC-style preconditioner sees; GIFT's design target); "
                 "Muon = relative error of Muon's orthogonalized update of the gradient (section 2.3). "
-                "Ratio = Euclidean / GIFT (> 1: GIFT better). GIFT loses in the plain metric and wins in the "
-                "other two: which one a training run feels depends on the optimizer (section 5).",
+                "Ratio = Euclidean / GIFT (> 1: GIFT better). GIFT r32 is better in "
+                + ", ".join(f"{sum(ratio > 1 for ratio in col)}/{len(col)} formats in the {name} metric"
+                            for name, col in (("plain", [x[3] for x in rows]), ("whitened", [x[6] for x in rows]),
+                                              *((("Muon", [x[10] for x in rows]),) if mu else ())))
+                + "; which metric a training run feels depends on the optimizer (section 5).",
                 "", table(["format", "plain Eucl.", "plain GIFT r32", "ratio", "whitened Eucl.", "whitened GIFT r32",
                            "ratio", "ratio dense", *muon_cols, "Gaussian RD"], rows), ""]
     ov = r.get("overhead")
@@ -401,29 +404,74 @@ def _share(v: dict) -> str:
     """`NN% [lo%, hi%]` of a gap's share closed with its Fieller 95% CI, or `n/a`."""
     share = v.get("share_closed", math.nan)
     if share != share:
-        return "n/a"
+        return "n/a (no resolved Euclidean gap)"
     ci = v.get("share_closed_ci95")
     bounds = "CI unbounded" if ci is None else f"95% CI {100 * ci[0]:.0f}% to {100 * ci[1]:.0f}%"
     return f"{100 * share:.0f}% ({bounds})"
 
 
+def _family(w: dict) -> str:
+    """`k bit widths tested, Holm-corrected` for a verdict's family."""
+    fam = w.get("family", [])
+    return (f"Holm-corrected over the {len(fam)} bit width(s) with n >= 2 "
+            f"({', '.join(f['key'] + ' p=' + format(f['p'], '.2g') for f in fam)})")
+
+
 def _verdict_lines(cv: dict) -> list[str]:
     out = []
-    for opt, o in cv["optimizers"].items():
-        v = o["verdict"]
-        parts = []
-        for label, w in (("without error feedback", v), ("with error feedback", v.get("with_ef", {}))):
-            key = w.get("first_costly")
-            if key is None:
-                parts.append(f"{label}: no bit width where Euclidean communication costs loss beyond its 95% CI")
-                continue
-            parts.append(f"{label}: Euclidean first costs loss beyond its 95% CI at **{key}** ({w['bits']:.2f} "
-                         f"bits/element): {_ci(o['gaps'][key]['euclid_minus_fp32'])} bits/byte; GIFT closes "
-                         f"**{_share(w)}** of that gap (GIFT minus Euclidean {_ci(w['gift_minus_euclid'])})")
-        controls = ", ".join(v["positive_controls"]) or "none: the design cannot resolve any arm's loss cost"
-        out += [f"**{opt}**: " + "; ".join(parts) + f". Arms with a resolved loss cost (positive controls): "
-                f"{controls}.", ""]
+    paths = cv.get("paths") or {"all-reduce": {"optimizers": cv["optimizers"]}}
+    for path, pv in paths.items():
+        for opt, o in pv["optimizers"].items():
+            v = o["verdict"]
+            parts = []
+            for label, w in (("without error feedback", v), ("with error feedback", v.get("with_ef", {}))):
+                if not w.get("family"):
+                    continue
+                key = w.get("first_costly")
+                if key is None:
+                    parts.append(f"{label}: no bit width where Euclidean communication costs loss ({_family(w)})")
+                    continue
+                parts.append(f"{label}: Euclidean first costs loss at **{key}** ({w['bits']:.2f} bits/element; "
+                             f"{_family(w)}): {_ci(o['gaps'][key]['euclid_minus_fp32'])} bits/byte; GIFT closes "
+                             f"**{_share(w)}** of that gap (GIFT minus Euclidean {_ci(w['gift_minus_euclid'])})")
+            controls = ", ".join(v["positive_controls"]) or "none: the design cannot resolve any arm's loss cost"
+            out += [f"**{path}, {opt}**: " + ("; ".join(parts) or "no Euclidean/GIFT pair with n >= 2 yet")
+                    + f". Arms whose loss cost's own 95% CI excludes zero (uncorrected): {controls}.", ""]
     return out
+
+
+def _classes(cv: dict) -> str:
+    """Which optimizer classes each optimizer name ran as (from the results)."""
+    return "; ".join(f"`{opt}` = {' + '.join(f'`{c}`' for c in v['classes'])} ({v['source']})"
+                     for opt, v in cv.get("optimizer_classes", {}).items())
+
+
+def _both_paths(cv: dict) -> list[str]:
+    """The two paths side by side: each arm's paired difference to fp32 and share closed per
+    path, and the reduce-scatter minus all-reduce difference of the same arm and seed."""
+    paths = cv.get("paths", {})
+    if len(paths) < 2:
+        return []
+    ar, rs = paths["all-reduce"]["optimizers"], paths["reduce-scatter"]["optimizers"]
+    rows = []
+    for opt in rs:
+        for arm in rs[opt]["arms"]:
+            a = ar.get(opt, {}).get("arms", {}).get(arm)
+            gap_key = arm.removeprefix("gift-")
+            share = {name: p.get(opt, {}).get("gaps", {}).get(gap_key) for name, p in (("ar", ar), ("rs", rs))}
+            between = cv.get("rs_minus_ar", {}).get(opt, {}).get(arm)
+            rows.append([opt, arm, "—" if a is None else _ci(a["paired_diff_bpb"]), _ci(rs[opt]["arms"][arm]["paired_diff_bpb"]),
+                         "" if share["ar"] is None else _share(share["ar"]), "" if share["rs"] is None else _share(share["rs"]),
+                         "—" if between is None else _ci(between)])
+    return ["### Both paths side by side", "",
+            "Same arms, same seeds, same init and data; `all-reduce` = GIFT's all-reduce on plain modules (each rank's "
+            "contribution quantized, then the reduced shard re-encoded for the all-gather); `reduce-scatter` = FSDP2 "
+            "(`fully_shard`, 1-D mesh) with GIFT's reduce-scatter (one quantization; `bench.convergence.ShardedTwin`). "
+            "Held-out bits/byte minus the same seed's fp32 run of the same path, mean ± 95% CI (t, n seeds); share "
+            "closed with its Fieller 95% CI; last column: the reduce-scatter run minus the all-reduce run of the same "
+            "arm and seed (paired, 95% CI).", "",
+            table(["optimizer", "arm", "all-reduce minus fp32", "reduce-scatter minus fp32", "share closed, all-reduce",
+                   "share closed, reduce-scatter", "RS minus AR"], rows), ""]
 
 
 def _convergence(cv: dict, plots: dict) -> list[str]:
@@ -436,12 +484,16 @@ def _convergence(cv: dict, plots: dict) -> list[str]:
         how = ("the backward hooks call the same quantized all-reduce the compiled graph would; "
                "`--conv-compile` runs the pass instead")
     g = cv["gift_config"]
+    paths = cv.get("paths") or {"all-reduce": {"optimizers": cv["optimizers"], "seeds": cv["seeds"], "runs": len(runs)}}
     out = ["## 5. Convergence", "",
            f"{cv['world']}-rank gloo data parallelism, {cv['steps']} steps of {cv['tokens_per_step']:,} tokens "
            f"(global), seeds {cv['seeds']}: a seed fixes init and data order, shared by every arm of that seed and "
-           "optimizer. Optimizers: `muon` = `torch.optim.Muon` (adjust_lr_fn=match_rms_adamw) on the hidden "
-           "matrices + AdamW on embeddings, norms and head (the paper's setting); `adamw` = AdamW on everything. "
-           "Arms: `fp32` (plain fp32 all-reduce, the reference), `euclid-<format>` (`geometry=\"none\"`), "
+           "optimizer (and by both paths). Optimizers, as run: "
+           f"{_classes(cv) or 'not recorded'}. `muon`: the Muon class on the hidden matrices "
+           "(adjust_lr_fn=match_rms_adamw; `Fp32Muon` = `torch.optim.Muon` with its Newton-Schulz iteration in fp32, "
+           "`bench.reference`, chosen on CPU), AdamW on embeddings, norms and head (the paper's setting); `adamw`: "
+           "AdamW on everything. "
+           "Arms: `fp32` (plain fp32 communication, the reference), `euclid-<format>` (`geometry=\"none\"`), "
            f"`gift-<format>` (`geometry=\"lowrank\"`, rank {g['rank']}, refresh every {g['refresh_every']} steps, "
            "every managed layer whitened), `-ef` = error feedback (fp32 residual); the variants that judge what limits "
            "GIFT: `-mom` the map from the "
@@ -449,27 +501,36 @@ def _convergence(cv: dict, plots: dict) -> list[str]:
            "(`select=\"auto\"`) instead of every layer, `-two` two-sided whitening from the momentum (an experiment the product "
            "cannot run on row shards, `bench.convergence.TwoSided`; GIFT-only variants are compared with the "
            "plain Euclidean arm). Driver: "
-           f"`gift_compile.apply(model, GiftConfig(...), optimizer=...)` run **{cv['mode']}** ({how}).", "",
+           f"`gift_compile.apply(model, GiftConfig(...), optimizer=...)` run **{cv['mode']}** ({how}). Paths: "
+           + ", ".join(f"`{p}` ({v['runs']} runs, seeds {v['seeds']})" for p, v in paths.items()) + ".", "",
            "Differences are final held-out bits/byte minus the same seed's fp32 arm: mean ± half-width of the "
-           "t-based 95% CI over n seeds; `*` = the CI excludes zero. MDE = the smallest true difference this design "
-           "detects with 80% power at the 5% level.", ""]
+           "t-based 95% CI over n seeds; `*` = the CI excludes zero (per comparison, uncorrected). MDE = the smallest "
+           "true difference this design detects with 80% power at the 5% level. A \"first bit width that costs loss\" "
+           "is claimed only where Holm's procedure over that family of bit widths rejects (5% family-wise).", ""]
+    excluded = cv.get("excluded", [])
+    out += ([f"Runs left out ({len(excluded)}): " + "; ".join(f"{'/'.join(map(str, e['key']))}: {e['reason']}"
+                                                              for e in excluded) + ".", ""]
+            if excluded else [f"Every one of the {len(runs)} runs in the runs files is summarised below (arms with "
+                              "n=1 have no CI and enter no test).", ""])
     out += _verdict_lines(cv)
-    for opt, o in cv["optimizers"].items():
-        rows = []
-        for arm, a in o["arms"].items():
-            p = a["paired_diff_bpb"]
-            rows.append([arm, f"{a['bits']:.2f}", f"{a['final_bpb']:.4f}", _ci(p),
-                         "n/a" if p["n"] < 2 else f"{p['mde80']:.4f}", f"{a['seconds']:.0f}"])
-        out += [f"### {opt}", "", table(["arm", "bits/elem", "bits/byte", "minus fp32", "MDE", "s/run"], rows), ""]
-        if o["gaps"]:
-            rows = [[k, f"{gp['bits']:.2f}", _ci(gp["euclid_minus_fp32"]), _ci(gp["gift_minus_fp32"]),
-                     _ci(gp["gift_minus_euclid"]), _share(gp)]
-                    for k, gp in o["gaps"].items()]
-            out += ["Gap per bit width (share closed = 1 - GIFT gap / Euclidean gap, where the Euclidean gap is "
-                    "positive; its 95% CI is Fieller's interval for the ratio of the paired means (Euclidean - "
-                    "GIFT) / (Euclidean - fp32), unbounded when the Euclidean gap itself is not resolved):", "",
-                    table(["format", "bits/elem", "Euclidean - fp32", "GIFT - fp32", "GIFT - Euclidean",
-                           "share closed"], rows), ""]
+    out += _both_paths(cv)
+    for path, pv in paths.items():
+        for opt, o in pv["optimizers"].items():
+            rows = []
+            for arm, a in o["arms"].items():
+                p = a["paired_diff_bpb"]
+                rows.append([arm, f"{a['bits']:.2f}", f"{a['final_bpb']:.4f}", _ci(p),
+                             "n/a" if p["n"] < 2 else f"{p['mde80']:.4f}", f"{a['seconds']:.0f}"])
+            out += [f"### {path}: {opt}", "", table(["arm", "bits/elem", "bits/byte", "minus fp32", "MDE", "s/run"], rows), ""]
+            if o["gaps"]:
+                rows = [[k, f"{gp['bits']:.2f}", _ci(gp["euclid_minus_fp32"]), _ci(gp["gift_minus_fp32"]),
+                         _ci(gp["gift_minus_euclid"]), _share(gp)]
+                        for k, gp in o["gaps"].items()]
+                out += ["Gap per bit width (share closed = 1 - GIFT gap / Euclidean gap, where the Euclidean gap is "
+                        "positive; its 95% CI is Fieller's interval for the ratio of the paired means (Euclidean - "
+                        "GIFT) / (Euclidean - fp32), unbounded when the Euclidean gap itself is not resolved):", "",
+                        table(["format", "bits/elem", "Euclidean - fp32", "GIFT - fp32", "GIFT - Euclidean",
+                               "share closed"], rows), ""]
     out += [f"Replicas bit-identical at the end of every run: {cv['all_replicas_identical']}.", "",
             f"![convergence]({plots['convergence']})", ""]
     return out
@@ -539,10 +600,24 @@ def _sweeps(sweeps: list[dict]) -> list[str]:
         out += [f"`{sw['command'].strip()}` ({sw['file']}): reference trained with {sw['reference']['optimizer']} "
                 f"(held-out bits/byte {sw['reference']['val_bpb']:.4f}), {sw['layers']} layers x {sw['batches']} "
                 "batches.", ""]
+        if "adamw" in metrics:
+            out += ["AdamW metrics (this file): `adamw` = relative error of AdamW's next update m_hat / (sqrt(v_hat) + "
+                    "eps) after one round trip, from the reference's saved optimizer state (betas 0.9/0.95, the "
+                    "gradient clipped as training would); `adamw-rs2` the same after a 2-rank reduce-scatter (each "
+                    "half of the batch quantized by its own rank, summed in fp32: FSDP2's form), `plain-rs2` its plain "
+                    "L2 error. AdamW candidates (`bench.fidelity_sweep.ADAM_CANDIDATES`, prototypes): "
+                    + "; ".join(f"`{t}` {sw['transforms'][t]}" for t in sw["transforms"] if isinstance(sw["transforms"][t], str))
+                    + ". `extra bits` = side-channel bits per gradient element on top of the format's; `2^extra` = the "
+                    "gain the same bits would buy spent on the format's precision instead (rate-distortion scaling "
+                    "2^-R of the error): a side channel wins per bit only where its gain exceeds that.", ""]
+        extra = sw.get("extra_bits", {})
+        show_extra = any(v > 0 for v in extra.values())
         for f in sw["formats"]:
-            rows = [[t] + [f"{sw['errors'][m][f][t]:.4f} ({sw['errors'][m][f]['euclidean'] / sw['errors'][m][f][t]:.2f}x)"
-                           for m in metrics] for t in sw["transforms"]]
-            out += [f"**{f}**", "", table(["candidate", *metrics], rows), ""]
+            rows = [[t] + ([f"{extra.get(t, 0.0):.3f}", f"{2 ** extra.get(t, 0.0):.2f}x"] if show_extra else [])
+                    + [f"{sw['errors'][m][f][t]:.4f} ({sw['errors'][m][f]['euclidean'] / sw['errors'][m][f][t]:.2f}x)"
+                       for m in metrics] for t in sw["transforms"]]
+            out += [f"**{f}**", "", table(["candidate", *(["extra bits", "2^extra"] if show_extra else []), *metrics],
+                                          rows), ""]
         f = "nvfp4" if "nvfp4" in sw["formats"] else sw["formats"][0]
         kinds = list(next(iter(sw["by_kind"]["muon-mom"][f].values())))
         rows = [[t] + [sw["by_kind"]["muon-mom"][f][t][k] for k in kinds] for t in sw["transforms"]]

@@ -49,9 +49,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--conv-seeds", default=None, help="comma-separated seeds of the convergence section (default: the profile's)")
     p.add_argument("--conv-arms", default=None,
                    help="convergence arms instead of the profile's: 'muon=fp32,euclid-int2;adamw=fp32,gift-int2'")
-    p.add_argument("--convergence-runs", type=Path, default=None,
-                   help="summarise the convergence section from this runs file (one JSON line per finished run, "
-                        "as a convergence run streams them) instead of training; partial files give fewer seeds")
+    p.add_argument("--convergence-runs", type=Path, nargs="+", default=None,
+                   help="summarise the convergence section from these runs files (one JSON line per finished run, "
+                        "as a convergence run streams them; e.g. the all-reduce and the reduce-scatter study) "
+                        "instead of training; partial files give fewer seeds")
     p.add_argument("--from-json", type=Path, default=None,
                    help="only re-render REPORT.md and the figures into --out from an earlier results.json")
     args = p.parse_args(argv)
@@ -160,10 +161,11 @@ def main(argv: list[str] | None = None) -> dict:
         log("convergence (2-rank gloo pretraining)")
         runs_path = out / "convergence_runs.jsonl"
         if args.convergence_runs is not None:
-            runs = [json.loads(line) for line in args.convergence_runs.read_text().splitlines() if line.strip()]
-            log(f"  summarising {len(runs)} finished runs from {args.convergence_runs} (no training)")
-            if args.convergence_runs.resolve() != runs_path.resolve():
-                shutil.copyfile(args.convergence_runs, runs_path)
+            runs = [json.loads(line) for f in args.convergence_runs for line in f.read_text().splitlines() if line.strip()]
+            log(f"  summarising {len(runs)} finished runs from {', '.join(map(str, args.convergence_runs))} (no training)")
+            for f in args.convergence_runs:  # the report's directory keeps a copy of every runs file it summarises
+                if f.resolve().parent != out.resolve():
+                    shutil.copyfile(f, out / f.name)
             results["convergence"] = convergence.summarise(runs, settings.convergence)
         else:
             results["convergence"] = convergence.run(settings.convergence, paths, log, jsonl=runs_path)

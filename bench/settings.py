@@ -83,6 +83,8 @@ class FidelitySettings:
     multirank_batches: int
     eigen_buckets: int = 8
     damping: float = 1e-3
+    # keep each sample's two half-batch gradients (`LayerSample.halves`: the sweep's 2-rank metrics)
+    keep_halves: bool = False
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,11 @@ class ConvergenceSettings:
     rank: int = 32
     world: int = 2
     compile: bool = False
+    # "all-reduce": plain modules, GIFT's quantized all-reduce (each rank's contribution and the
+    # reduced shard re-encoded for the all-gather: two quantizations); "reduce-scatter": an FSDP2
+    # twin (`bench.convergence.ShardedTwin`), one quantization. Runs recorded before the field
+    # existed are all-reduce runs.
+    path: str = "all-reduce"
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,10 @@
 
 A paired design (every arm of a seed shares initialisation and data order with that seed's
 reference arm) turns run-to-run noise into a per-seed difference; its mean gets a
-Student-t 95% confidence interval, and the minimum detectable effect says how large a true
-difference the design would have resolved (80% power, two-sided 5% level).
+Student-t 95% confidence interval, a two-sided p-value, and the minimum detectable effect says
+how large a true difference the design would have resolved (80% power, two-sided 5% level).
+A claim picked from a family of comparisons ("the first bit width that costs loss") is made
+only where Holm's step-down procedure rejects, so the family's error rate stays at 5%.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ class Paired:
     n: int
     ci95: float  # half-width
     mde80: float
+    p: float  # two-sided p-value of the paired t test (nan below 2 seeds)
 
     @property
     def resolved(self) -> bool:
@@ -86,11 +89,30 @@ def paired(diffs: list[float]) -> Paired:
     n = len(diffs)
     mean = statistics.fmean(diffs)
     if n < 2:
-        return Paired(mean, math.nan, n, math.nan, math.nan)
+        return Paired(mean, math.nan, n, math.nan, math.nan, math.nan)
     sd = statistics.stdev(diffs)
     se = sd / math.sqrt(n)
     half = t_quantile(0.975, n - 1) * se
-    return Paired(mean, sd, n, half, (t_quantile(0.975, n - 1) + t_quantile(0.80, n - 1)) * se)
+    p = 0.0 if se == 0 and mean != 0 else (1.0 if se == 0 else 2.0 * (1.0 - t_cdf(abs(mean) / se, n - 1)))
+    return Paired(mean, sd, n, half, (t_quantile(0.975, n - 1) + t_quantile(0.80, n - 1)) * se, p)
+
+
+def holm(pvalues: list[float], alpha: float = 0.05) -> list[bool]:
+    """Holm's step-down rejections for a family of tests, in the input's order.
+
+    Sort the p-values ascending; reject the k-th smallest (k = 0, 1, ...) while
+    p_(k) <= alpha / (m - k), stop at the first that fails. Controls the family-wise error rate
+    at `alpha` under any dependence between the tests (the arms of a seed share its fp32 run).
+    A nan p-value (fewer than 2 seeds) counts as never rejected.
+    """
+    m = len(pvalues)
+    order = sorted(range(m), key=lambda i: (math.isnan(pvalues[i]), pvalues[i]))
+    rejected = [False] * m
+    for k, i in enumerate(order):
+        if math.isnan(pvalues[i]) or pvalues[i] > alpha / (m - k):
+            break
+        rejected[i] = True
+    return rejected
 
 
 def ratio_ci(num: list[float], den: list[float]) -> tuple[float, float] | None:

@@ -119,6 +119,11 @@ def test_overhead_wire_convergence_and_projection(smoke: tuple[Path, dict]) -> N
             assert run["wire_bytes_per_step"] < run["baseline_bytes_per_step"]
     muon = cv["optimizers"]["muon"]["arms"]
     assert muon["euclid-int2"]["paired_diff_bpb"]["n"] == 2 and abs(muon["euclid-int2"]["bits"] - 2.25) < 0.01
+    # every run summarised (none excluded), on the one path run, with the classes that ran
+    assert cv["excluded"] == [] and list(cv["paths"]) == ["all-reduce"] and cv["primary_path"] == "all-reduce"
+    assert cv["optimizer_classes"]["muon"]["classes"] == ["AdamW", "Fp32Muon"]
+    assert cv["optimizer_classes"]["muon"]["source"] == "recorded in the runs"
+    assert all(r["path"] == "all-reduce" for r in cv["runs"])
     sm = results["step_model"]["scenarios"]["defaults"]["arms"]
     assert sm["euclid-fp8"]["step_s"] < sm["fp32"]["step_s"]
 
@@ -196,6 +201,7 @@ def test_tuning_and_sweep_instruments(smoke: tuple[Path, dict]) -> None:
             assert all(math.isfinite(v) and v > 0 for v in by_t.values()), (metric, f)
     # int2 loses more than fp8 in every metric; whitening with this batch's own gradient factor (an
     # oracle) is what Muon's orthogonalized update is most sensitive to
+    assert {"adamw", "adamw-rs2", "plain-rs2"} <= set(sw["errors"])  # an AdamW reference: its update metrics
     for metric in sw["errors"]:
         assert sw["errors"][metric]["int2"]["euclidean"] > sw["errors"][metric]["e4m3/row"]["euclidean"]
     muon = sw["errors"]["muon"]["e4m3/row"]

@@ -1,0 +1,133 @@
+"""The convergence study's reduce-scatter path (`bench.convergence.ShardedTwin`), 2 gloo ranks.
+
+The twin must (a) really send the managed gradients through GIFT's quantized reduce-scatter
+(bytes counted by the collective below fp32, error at the format's level, everything else
+exact) and (b) at fp32 give the plain all-reduce's gradients and, after the optimizer step
+on the plain model, the same forward as the plain model: otherwise the paired difference
+between the two paths would not isolate the communication.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import gift_compile
+from bench.convergence import ShardedTwin, _allreduce_fp32, check_settings
+from bench.settings import profile
+from bench.tiny_llama import TinyLlama, TinyLlamaConfig, loss
+from gift_compile.config import GiftConfig
+from tests.multirank import run_ranks
+
+
+def _tokens(rank: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    t = torch.randint(0, vocab, (2, 33), generator=torch.Generator().manual_seed(10 + rank))
+    return t[:, :-1], t[:, 1:]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+def _twin_body(rank: int, world: int) -> dict:
+    cfg = TinyLlamaConfig.tiny()
+    x, y = _tokens(rank, cfg.vocab_size)
+    ref = TinyLlama(cfg, seed=0)
+    loss(ref(x), y).backward()
+    _allreduce_fp32(list(ref.parameters()), world)
+    exact = {n: p.grad.clone() for n, p in ref.named_parameters()}
+
+    out: dict = {}
+    for name, config in (("fp32", None), ("int2", GiftConfig(format="int2", block_size=32, geometry="none"))):
+        model = TinyLlama(cfg, seed=0)
+        twin = ShardedTwin(model, rank, world)
+        if config is not None:
+            gift_compile.apply(twin.module, config, group=dist.group.WORLD, fuse=False)
+        loss(twin.module(x), y).backward()
+        twin.gather_grads()
+        out[name] = {"errs": {n: _rel(p.grad, exact[n]) for n, p in model.named_parameters()}}
+        if config is not None:
+            st = gift_compile.state(twin.module)
+            out[name]["managed"] = sorted(st.layers)
+            out[name]["totals"] = st.comm_totals()
+            gift_compile.remove(twin.module)
+        else:  # an optimizer step on the plain model, pushed into the shards: same forward
+            torch.optim.AdamW(model.parameters(), lr=1e-2).step()
+            twin.push_params()
+            with torch.no_grad():
+                out[name]["forward_diff"] = float((twin.module(x) - model(x)).abs().max())
+                out[name]["moved"] = float((model(x) - ref(x)).abs().max())
+    return out
+
+
+def test_reduce_scatter_twin_quantizes_once_and_is_exact_at_fp32() -> None:
+    a, b = run_ranks(_twin_body, 2)
+    assert a["int2"]["errs"] == b["int2"]["errs"]  # every rank holds the same gathered gradient
+    fp32, int2 = a["fp32"], a["int2"]
+    assert max(fp32["errs"].values()) < 1e-6, fp32["errs"]
+    assert fp32["forward_diff"] == 0.0 and fp32["moved"] > 1e-3
+    managed = int2["managed"]
+    assert len(managed) == 14  # 7 linear weights x 2 blocks
+    for n, err in int2["errs"].items():
+        if n in managed:
+            assert 0.1 < err < 1.0, (n, err)  # int2 with block scales: tens of percent, never exact
+        else:
+            assert err < 1e-6, (n, err)  # embeddings, norms, head: fp32 in the same collective
+    totals = int2["totals"]
+    assert totals["calls"] > 0 and 0 < totals["wire"] < totals["baseline"]
+
+
+def test_reduce_scatter_path_refuses_what_it_cannot_run() -> None:
+    s = profile("smoke").convergence
+    with pytest.raises(ValueError, match="unknown convergence path"):
+        check_settings(dataclasses.replace(s, path="ring"))
+    with pytest.raises(ValueError, match="momentum"):
+        check_settings(dataclasses.replace(s, path="reduce-scatter", arms=(("muon", ("fp32", "gift-nvfp4-mom-d2")),)))
+    with pytest.raises(ValueError, match="eager"):
+        check_settings(dataclasses.replace(s, path="reduce-scatter", compile=True))
+    check_settings(dataclasses.replace(s, path="reduce-scatter"))
+
+
+def _run(path: str | None, opt: str, seed: int, arm: str, bpb: float) -> dict:
+    r = {"optimizer": opt, "seed": seed, "arm": arm, "losses": [1.0] * 4, "evals": [[4, bpb]], "seconds": 1.0,
+         "replicas_identical": True}
+    if path is not None:  # records written before the path existed have none: all-reduce
+        r["path"] = path
+    return r
+
+
+def test_summarise_pairs_each_path_and_names_every_left_out_run() -> None:
+    from bench.convergence import summarise
+
+    s = profile("smoke").convergence
+    s = dataclasses.replace(s, arms=(("muon", ("fp32", "euclid-int2", "gift-int2")),))
+    runs = []
+    for seed, noise in zip(range(4), (0.0, 0.001, -0.001, 0.0005)):
+        for path, cost in ((None, 0.03), ("reduce-scatter", 0.01)):  # Euclidean's gap: 0.03 AR, 0.01 RS
+            runs += [_run(path, "muon", seed, "fp32", 2.0 + noise),
+                     _run(path, "muon", seed, "euclid-int2", 2.0 + noise + cost + 0.001 * seed),
+                     _run(path, "muon", seed, "gift-int2", 2.0 + noise + cost / 2 + 0.0005 * seed)]
+    runs.append(_run("reduce-scatter", "muon", 9, "gift-int2", 2.0))  # no fp32 of seed 9 on that path
+    runs.append(_run(None, "muon", 0, "fp32", 5.0))  # duplicate key: the first is used
+    runs.append(_run(None, "adamw", 0, "fp32", 2.0))  # an optimizer outside the settings: shown at n=1
+    runs.append(_run(None, "adamw", 0, "euclid-nvfp4", 2.01))
+    cv = summarise(runs, s)
+    reasons = {tuple(e["key"]): e["reason"] for e in cv["excluded"]}
+    assert set(reasons) == {("reduce-scatter", "muon", 9, "gift-int2"), ("all-reduce", "muon", 0, "fp32")}
+    assert "no fp32 run" in reasons[("reduce-scatter", "muon", 9, "gift-int2")]
+    assert "duplicate" in reasons[("all-reduce", "muon", 0, "fp32")]
+    assert list(cv["paths"]) == ["all-reduce", "reduce-scatter"] and cv["primary_path"] == "all-reduce"
+    ar, rs = cv["paths"]["all-reduce"]["optimizers"], cv["paths"]["reduce-scatter"]["optimizers"]
+    assert ar["muon"]["arms"]["euclid-int2"]["paired_diff_bpb"]["mean"] == pytest.approx(0.03 + 0.0015)
+    assert rs["muon"]["arms"]["euclid-int2"]["paired_diff_bpb"]["mean"] == pytest.approx(0.01 + 0.0015)
+    # same arm and seed, reduce-scatter minus all-reduce: the fp32 runs agree, the quantized differ by the cost
+    assert cv["rs_minus_ar"]["muon"]["fp32"]["mean"] == pytest.approx(0.0)
+    assert cv["rs_minus_ar"]["muon"]["euclid-int2"]["mean"] == pytest.approx(-0.02)
+    v = ar["muon"]["verdict"]
+    assert v["first_costly"] == "int2" and [f["key"] for f in v["family"]] == ["int2"] and v["family"][0]["holm_rejected"]
+    assert ar["adamw"]["arms"]["euclid-nvfp4"]["n"] == 1 and ar["adamw"]["verdict"]["family"] == []
+    assert cv["optimizer_classes"]["muon"]["classes"] == ["Fp32Muon", "AdamW"]  # not recorded: built on CPU
