@@ -31,8 +31,11 @@ __all__ = ["bind_gift_hook", "data_parallel_group", "gift_post_optimizer_build",
 
 # Why each layout is refused (torchtitan_ext/README.md, "Limits").
 _UNSUPPORTED_WHY = {
-    "tensor": "a TP-sharded weight needs its geometry from the inputs its TP rank sees and statistics "
-              "over the data-parallel group only, which GIFT's state does not build",
+    "tensor": "GIFT sizes each layer's map by the weight's global [out, in] and reduces its statistics over "
+              "the whole data-parallel state group, but a TP rank holds a colwise shard [out/tp, in] or a rowwise "
+              "shard [out, in/tp] whose map must come from the inputs that TP rank sees (block-diagonal across TP "
+              "ranks) with statistics reduced over the data-parallel group only; that per-TP-rank geometry is not "
+              "built",
     "context": "the FSDP mesh then spans dp_shard x cp, and the statistics would see a CP rank's slice "
                "of each sequence as separate tokens",
     "pipeline": "each stage is its own model part, which would need its own GIFT state",
