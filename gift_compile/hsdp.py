@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from gift_compile.collectives import (C_MISMATCH, C_NONFINITE, C_WIRE, C_BASELINE, C_CALLS, N_COUNTERS, ItemTensors,
+from gift_compile.collectives import (C_WIRE, C_BASELINE, C_CALLS, N_COUNTERS, ItemTensors,
                                       Shared, bucket_wire_bytes, check_plan_agreement, run_bucket)
 from gift_compile.fsdp2 import CommTimer, GiftReduceScatter
 from gift_compile.fsdp_internals import (all_reduce_hook, check_torch, custom_reduce_scatter, fsdp_modules,
@@ -51,7 +51,8 @@ from gift_compile.fsdp_internals import (all_reduce_hook, check_torch, custom_re
 from gift_compile.plan import BucketPlan, ItemPlan
 from gift_compile.state import GiftState
 
-__all__ = ["ReplicaAllReduce", "ReplicaHop", "accounted_bytes", "check_replicas_identical", "hop_totals", "install"]
+__all__ = ["ReplicaAllReduce", "ReplicaHop", "accounted_bytes", "check_replicas_identical", "hop_totals", "install",
+           "install_graph"]
 
 
 class ReplicaHop:
@@ -142,14 +143,13 @@ class ReplicaAllReduce:
             dist.all_reduce(exact, group=self.hop.group)
         shared = Shared(self.state.seed, self.hop.rank, self.hop.counters)
         with self.hop.timer.timing(reduce_output.device):
-            outs, headers = run_bucket(xs, tensors, shared, plan, compiled=self.compiled)
+            outs, _ = run_bucket(xs, tensors, shared, plan, compiled=self.compiled)
         if exact is not None:
             got = torch.cat([outs[i].reshape(-1) for i in managed])
             self.hop.err_sq += (got - exact).double().square().sum()
             self.hop.ref_sq += exact.double().square().sum()
-        # the replica hop's health flags join the state's, which the step driver checks on every rank
-        self.state.counters[C_MISMATCH] += (headers[:, 0] != plan.fingerprint()).any().to(torch.int64)
-        self.state.counters[C_NONFINITE] += (headers[:, 1] != 0).any().to(torch.int64)
+        # the replica hop's health flags are in its counters (`finish` reads the headers), which
+        # the step driver checks with the state's on every rank (`GiftState.check_health`)
         reduce_output.copy_(torch.cat([o.reshape(-1) for o in outs]))
 
 
@@ -184,6 +184,24 @@ def install(model: nn.Module, state: GiftState, replica_group: dist.ProcessGroup
         raise ValueError("gift_compile.hsdp.install: the model has no FSDP module")
     state.replica_hop = hop
     check_replicas_identical(model, replica_group)
+    return hop
+
+
+def install_graph(state: GiftState, replica_group: dist.ProcessGroup) -> ReplicaHop:
+    """HSDP's replica hop for a traced framework (torchtitan's graph_trainer / SimpleFSDP),
+    whose graph the FX pass rewrites: every managed weight's plan gets
+    `replica_format = config.replica_hop_format` and its `gift::mark` then carries this hop's
+    rank and counters, so the pass can put GIFT's all-reduce of the reduced shard over
+    `replica_group` into the graph (`gift_compile.passes.gift_pass`, "HSDP"). Call it after
+    `manage(..., mode="tag")` and before the step is traced. Sets `state.replica_hop`.
+
+    The hop has no error probe in a graph (the probe's extra fp32 all-reduce is a per-step
+    host decision a traced step cannot take); `ReplicaHop.take_error` returns None there.
+    """
+    hop = ReplicaHop(replica_group, state.counters.device)
+    state.replica_hop = hop
+    for layer in state.layers.values():
+        layer.set_replica_format(state.config.replica_hop_format)
     return hop
 
 

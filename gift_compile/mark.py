@@ -21,7 +21,7 @@ from gift_compile import residual as residual_store
 from gift_compile.collectives import ItemTensors, Shared
 from gift_compile.plan import ItemPlan
 
-__all__ = ["ACCUMULATE", "SYNC", "SYNC_PENDING", "mark", "unpack_mark_tensors"]
+__all__ = ["ACCUMULATE", "SYNC", "SYNC_PENDING", "mark", "unpack_mark_tensors", "unpack_replica_shared"]
 
 logger = logging.getLogger("gift_compile")
 _c10d = torch.ops._c10d_functional
@@ -115,9 +115,20 @@ class _GiftSync(torch.autograd.Function):
 
 
 def unpack_mark_tensors(plan: ItemPlan, tensors: list[Any]) -> tuple[ItemTensors, Shared]:
-    """Inverse of `LayerState.mark_tensors` (works on tensors and on FX nodes alike)."""
+    """Inverse of `LayerState.mark_tensors` (works on tensors and on FX nodes alike). Read from
+    the front, so a replica hop's tail (`unpack_replica_shared`) is ignored here."""
     n = plan.n_tensors
+    r = residual_store.buffer_count(plan.residual_format) if plan.error_feedback else 0
     transform = tuple(tensors[:n])
-    residual = tuple(tensors[n:n + residual_store.buffer_count(plan.residual_format)]) if plan.error_feedback else None
-    probe, seed_offset, seed, rank, counters = tensors[-5:]
+    residual = tuple(tensors[n:n + r]) if plan.error_feedback else None
+    probe, seed_offset, seed, rank, counters = tensors[n + r:n + r + 5]
     return ItemTensors(transform, residual, probe, seed_offset), Shared(seed, rank, counters)
+
+
+def unpack_replica_shared(plan: ItemPlan, tensors: list[Any]) -> Shared:
+    """The replica hop's `Shared` (the step's seed, this rank's rank in the replica group, the
+    hop's own counters) from a mark's tensors; only for a plan with a `replica_format`."""
+    if not plan.replica_format:
+        raise ValueError(f"GIFT: the mark of {plan.name} carries no replica hop (its plan has no replica_format)")
+    k = plan.n_tensors + (residual_store.buffer_count(plan.residual_format) if plan.error_feedback else 0)
+    return Shared(tensors[k + 2], tensors[k + 5], tensors[k + 6])

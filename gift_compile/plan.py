@@ -63,6 +63,10 @@ class ItemPlan:
     stochastic_rounding: bool = False
     unrewritten: str = "error"
     residual_format: str = "fp32"
+    # HSDP in a traced graph: the wire format of the replica hop (the all-reduce of the reduced
+    # shard over the replica group), "" without one. When set, the `gift::mark` carries the
+    # replica hop's rank and counters after the shared tensors (`unpack_replica_shared`).
+    replica_format: str = ""
 
     def __post_init__(self) -> None:
         # Derived values are computed once here (not fields: they stay out of eq/hash/to_str),

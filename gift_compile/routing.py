@@ -44,7 +44,7 @@ def _routed_weight(module: nn.Module, w: torch.Tensor) -> torch.Tensor:
     layer: LayerState = module._gift_layer
     gstate: GiftState = module._gift_state
     plan = layer.plan_str
-    tensors = layer.mark_tensors(gstate.shared)
+    tensors = layer.mark_tensors(gstate.shared, gstate.replica_shared)
     if module._gift_group_name is None:
         return _GiftTag.apply(w, plan, *tensors)
     pending = layer.pending if layer.mode != SYNC else None

@@ -120,10 +120,21 @@ class LayerState:
         """Runtime tensors for `gift_compile.collectives`."""
         return ItemTensors(self.active_tensors(), self.residual, self.probe, self.seed_offset)
 
-    def mark_tensors(self, shared: Shared) -> list[torch.Tensor]:
-        """Inputs of the `gift::mark` op, in the order `unpack_mark_tensors` reads them."""
+    def mark_tensors(self, shared: Shared, replica: Shared | None = None) -> list[torch.Tensor]:
+        """Inputs of the `gift::mark` op, in the order `unpack_mark_tensors` reads them; with a
+        graph replica hop (`plan.replica_format`) also its rank and counters (`replica`)."""
         extra = list(self.residual) if self.residual is not None else []
-        return [*self.active_tensors(), *extra, self.probe, self.seed_offset, shared.seed, shared.rank, shared.counters]
+        out = [*self.active_tensors(), *extra, self.probe, self.seed_offset, shared.seed, shared.rank, shared.counters]
+        if self.plan.replica_format:
+            if replica is None:
+                raise RuntimeError(f"GIFT: {self.fqn} has a replica hop in its plan but no replica tensors were given")
+            out += [replica.rank, replica.counters]
+        return out
+
+    def set_replica_format(self, fmt: str) -> None:
+        """Put HSDP's replica hop into the plan the mark carries (before any graph is traced)."""
+        self._full_plan = replace(self._full_plan, replica_format=fmt)
+        self._replan()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         sd = {f"transform.{k}": v for k, v in self.transform.state_dict().items()}
@@ -194,6 +205,26 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
     @property
     def shared(self) -> Shared:
         return Shared(self.seed, self.rank, self.counters)
+
+    @property
+    def replica_shared(self) -> Shared | None:
+        """The replica hop's `Shared` (seed, rank in the replica group, its own counters), or None."""
+        hop = self.replica_hop
+        return None if hop is None else Shared(self.seed, hop.rank, hop.counters)
+
+    def _health_counts(self) -> torch.Tensor:
+        """The counters of every hop, summed (each hop's collectives write its health flags
+        into its own counters); the rank masks are OR-ed across hops and cleared."""
+        now = self.counters.detach().to("cpu", copy=True)
+        self.counters[C_NONFINITE_RANKS:C_MISMATCH_RANKS + 1].zero_()  # rank masks: read once, then cleared
+        if self.replica_hop is not None:
+            hop = self.replica_hop.counters
+            other = hop.detach().to("cpu", copy=True)
+            hop[C_NONFINITE_RANKS:C_MISMATCH_RANKS + 1].zero_()
+            masks = now[C_NONFINITE_RANKS:C_MISMATCH_RANKS + 1] | other[C_NONFINITE_RANKS:C_MISMATCH_RANKS + 1]
+            now += other
+            now[C_NONFINITE_RANKS:C_MISMATCH_RANKS + 1] = masks  # bit masks are OR-ed, not summed
+        return now
 
     def add_layer(self, fqn: str, shape: tuple[int, int], device: torch.device | str) -> LayerState:
         """Register a managed weight; a fixed rotation chosen by a static rule starts active."""
@@ -285,9 +316,8 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         counters are consumed first, so a caller that catches the error, drops the step's
         gradients and goes on is not raised at again.
         """
-        now = self.counters.detach().to("cpu", copy=True)
+        now = self._health_counts()
         masks = C_NONFINITE_RANKS, C_MISMATCH_RANKS  # OR-ed rank masks: read, then cleared
-        self.counters[masks[0]:masks[1] + 1].zero_()
         nonfinite_ranks, mismatch_ranks = flagged_ranks(int(now[masks[0]])), flagged_ranks(int(now[masks[1]]))
         now[masks[0]:masks[1] + 1] = 0
         new = now - self._health_seen

@@ -18,6 +18,17 @@ scheduler arranged is kept and the collective count does not grow for reduce-sca
 of a bucket without a mark travel at full precision inside the same all_to_all. Each new node
 gets the replaced collective's metadata (`autograd_backward`, module FQN, stack trace, ...).
 
+HSDP (hybrid sharding: replicas x shards). SimpleFSDP traces, per gradient, an unbucketed
+`all_reduce` of the FULL gradient over the replica group and then feeds its result to the
+block's bucketed reduce-scatter over the shard group. The pass swaps the pair (a sum is linear:
+exact in fp32): each bucket entry's replica all-reduce is dropped, the reduce-scatter over the
+shard group runs first on the local gradients (GIFT at the item's `format`), and GIFT's
+all-reduce of the reduced shard over the replica group follows it (at the plan's
+`replica_format`, no error feedback: the residual belongs to the shard hop), one bucket per
+reduce-scatter bucket. A managed weight's shard is whole rows, so its input-side transform
+applies unchanged. The replica hop counts its bytes in its own counters, which the marks carry
+(`gift_compile.mark.unpack_replica_shared`), and `RewriteRecord` accounts them separately.
+
 A marked gradient that cannot be rewritten raises (or, where its plan says
 `unrewritten="warn"`, is logged and sent at full precision): never a silent fp32 fallback.
 """
@@ -26,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 from collections import Counter, deque
 from collections.abc import Callable
@@ -36,10 +48,10 @@ import torch
 import torch.fx as fx
 
 from gift_compile.collectives import (
-    ItemTensors, Shared, bucket_wire_bytes, finish, gather_finish, gather_launch, launch,
+    ItemTensors, Shared, bucket_core, bucket_wire_bytes, finish, gather_finish, gather_launch, launch,
 )
 from gift_compile.plan import BucketPlan, ItemPlan, dtype_name
-from gift_compile.mark import unpack_mark_tensors
+from gift_compile.mark import unpack_mark_tensors, unpack_replica_shared
 
 logger = logging.getLogger("gift_compile")
 
@@ -80,6 +92,12 @@ class BucketMatch:
     reduce_op: str
     group_size: int
     group_name: str
+    # HSDP: the replica all-reduce (+ wait) each entry went through before the reduce-scatter
+    # (`inputs` are then what entered those all-reduces), their group and op; empty otherwise.
+    replica_reductions: list[tuple[fx.Node, fx.Node]] = field(default_factory=list)
+    replica_group: str | None = None
+    replica_op: str = "sum"
+    mixed_replica: bool = False  # some entries went through a replica all-reduce, others not
 
     def plans(self) -> list[ItemPlan | None]:
         return [None if m is None else ItemPlan.from_str(m.args[2]) for m in self.marks]
@@ -95,6 +113,11 @@ class RewriteRecord:
     passthrough: int
     wire_bytes: int
     baseline_bytes: int
+    # HSDP: the replica hop's all-reduce of the reduced shard (0 without one); its baseline is
+    # an fp32 all-reduce of that shard (SimpleFSDP's own order all-reduced the full gradient,
+    # shards x more)
+    replica_wire_bytes: int = 0
+    replica_baseline_bytes: int = 0
 
 
 @dataclass
@@ -117,6 +140,19 @@ class RewriteReport:
     @property
     def baseline_bytes(self) -> int:
         return sum(r.baseline_bytes for r in self.rewritten)
+
+    @property
+    def replica_hops(self) -> int:
+        """Replica all-reduces GIFT put into the graph (HSDP; one per rewritten bucket)."""
+        return sum(r.replica_wire_bytes > 0 for r in self.rewritten)
+
+    @property
+    def replica_wire_bytes(self) -> int:
+        return sum(r.replica_wire_bytes for r in self.rewritten)
+
+    @property
+    def replica_baseline_bytes(self) -> int:
+        return sum(r.replica_baseline_bytes for r in self.rewritten)
 
     def launches(self, ops: dict[str, int]) -> int:
         """Collective launches in a graph's op counts (every `_c10d_functional` op but waits)."""
@@ -161,12 +197,50 @@ def _group_size(group_name: str) -> int:
     return dist.get_world_size(dist.distributed_c10d._resolve_process_group(group_name))
 
 
+def _replica_reduction(x: Any) -> tuple[fx.Node, fx.Node] | None:
+    """`(all_reduce, wait)` when `x` is the waited result of an all_reduce used only here (how
+    SimpleFSDP's HSDP hands a replica-reduced gradient to the shard reduce-scatter)."""
+    if not (isinstance(x, fx.Node) and x.target is _c10d.wait_tensor.default and len(x.users) == 1):
+        return None
+    ar = x.args[0]
+    if isinstance(ar, fx.Node) and ar.target is _c10d.all_reduce.default and len(ar.users) == 1:
+        return ar, x
+    return None
+
+
 def find_gradient_collectives(graph: fx.Graph) -> list[BucketMatch]:
-    """Every all_reduce / reduce_scatter_tensor that carries at least one marked gradient."""
+    """Every all_reduce / reduce_scatter_tensor that carries at least one marked gradient; a
+    reduce-scatter whose entries are replica all-reduces of marked gradients is one HSDP match
+    (the all-reduces are part of it, not matches of their own)."""
     pre_bucket = _pre_bucket_op()
     matches = []
+    paired: set[fx.Node] = set()
     for n in graph.nodes:
-        if n.op != "call_function" or n.target not in _COLLECTIVES:
+        if n.op != "call_function" or n.target is not _c10d.reduce_scatter_tensor.default:
+            continue
+        wait = _wait_of(n)
+        src = n.args[0]
+        bucket = src if isinstance(src, fx.Node) and src.target is pre_bucket and len(src.users) == 1 else None
+        inputs = list(bucket.args[0]) if bucket is not None else [src]
+        reductions = [_replica_reduction(x) for x in inputs]
+        if not any(reductions):
+            continue
+        originals = [x if r is None else r[0].args[0] for x, r in zip(inputs, reductions)]
+        marks = [_trace_to_mark(x) for x in originals]
+        if wait is None or not any(marks):
+            continue
+        done = [r for r in reductions if r is not None]
+        groups = {r[0].args[2] for r in done}
+        ops = {r[0].args[1] for r in done}
+        match = BucketMatch(n, wait, originals, marks, bucket, "reduce_scatter", n.args[1], n.args[2], n.args[3],
+                            done, groups.pop() if len(groups) == 1 else None, ops.pop() if len(ops) == 1 else "mixed",
+                            mixed_replica=len(done) != len(inputs))
+        paired.update(r[0] for r in done)
+        matches.append(match)
+    for n in graph.nodes:
+        if n.op != "call_function" or n.target not in _COLLECTIVES or n in paired:
+            continue
+        if n.target is _c10d.reduce_scatter_tensor.default and any(m.collective is n for m in matches):
             continue
         wait = _wait_of(n)
         src = n.args[0]
@@ -182,12 +256,26 @@ def find_gradient_collectives(graph: fx.Graph) -> list[BucketMatch]:
         else:
             reduce_op, group_size, group_name = n.args[1], n.args[2], n.args[3]
         matches.append(BucketMatch(n, wait, inputs, marks, bucket, op, reduce_op, group_size, group_name))
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    matches.sort(key=lambda m: position[m.collective])
     return matches
 
 
 def _why_not(match: BucketMatch) -> str | None:
     if match.reduce_op not in ("sum", "avg"):
         return f"reduce op {match.reduce_op!r} is not a sum"
+    replica = [ItemPlan.from_str(m.args[2]).replica_format for m in match.marks if m is not None]
+    if match.replica_reductions:
+        if match.mixed_replica:
+            return "some entries of the bucket went through a replica all-reduce and others did not"
+        if match.replica_group is None or match.replica_op not in ("sum", "avg"):
+            return "the entries' replica all-reduces differ in group or reduce op, or do not sum"
+        if not all(replica):
+            return ("the gradient crosses a replica all-reduce (HSDP) but its mark carries no replica hop "
+                    "(gift_compile.hsdp.install_graph was not called before tracing)")
+    elif match.op == "all_reduce" and any(replica):
+        return ("an all-reduce of a gradient whose plan has a replica hop (HSDP) that does not feed a shard "
+                "reduce-scatter bucket; the pass only rewrites the replica hop after the reduce-scatter")
     for x, m in zip(match.inputs, match.marks):
         val = x.meta.get("val")
         if val is None:
@@ -254,6 +342,8 @@ def rewrite_bucket(graph: fx.Graph, match: BucketMatch) -> RewriteRecord:
         plan = ItemPlan.from_str(m.args[2]).with_dtype(val.dtype)
         items.append(plan)
         tensors = list(m.args[1])
+        if plan.replica_format:
+            tensors = tensors[:-2]  # the replica hop's rank and counters (`_splice_replica_hop`)
         layouts.append((len(state_nodes), len(tensors) - 3))
         state_nodes.extend(tensors[:-3])
         if shared_nodes is None:
@@ -291,20 +381,80 @@ def rewrite_bucket(graph: fx.Graph, match: BucketMatch) -> RewriteRecord:
         return full.to(out_val.dtype).reshape(out_val.shape)
 
     meta = {k: match.collective.meta[k] for k in _META_KEYS if k in match.collective.meta}
+    for ar, ar_wait in match.replica_reductions:  # HSDP: the shard hop goes first (see the module docstring)
+        ar_wait.replace_all_uses_with(ar.args[0])
+        graph.erase_node(ar_wait)
+        graph.erase_node(ar)
     launched = _splice(graph, launch_fn, [*match.inputs, *state_nodes, *shared_nodes], match.collective, meta)
     with graph.inserting_before(match.wait):
         recv = graph.call_function(_c10d.wait_tensor.default, (launched,))
         recv.meta.update(copy.deepcopy(meta))
         recv.meta["val"] = launched.meta["val"]
     result = _splice(graph, finish_fn, [recv, *state_nodes, *shared_nodes], match.wait, meta)
+    replica_plan = None
+    if match.replica_reductions:
+        replica_plan = _replica_plan(match, items)
+        result = _splice_replica_hop(graph, match, replica_plan, items, layouts, result, state_nodes, meta)
     match.wait.replace_all_uses_with(result)
     graph.erase_node(match.wait)
     graph.erase_node(match.collective)
     if match.pre_bucket is not None and not match.pre_bucket.users:
         graph.erase_node(match.pre_bucket)
     baseline = sum(x.meta["val"].numel() * x.meta["val"].element_size() for x in match.inputs)
-    return RewriteRecord(match.op, [i.name for i in items if i.managed], sum(not i.managed for i in items),
-                         bucket_wire_bytes(plan), baseline)
+    record = RewriteRecord(match.op, [i.name for i in items if i.managed], sum(not i.managed for i in items),
+                           bucket_wire_bytes(plan), baseline)
+    if replica_plan is not None:
+        record.replica_wire_bytes = bucket_wire_bytes(replica_plan)
+        record.replica_baseline_bytes = baseline // match.group_size
+    return record
+
+
+def _replica_plan(match: BucketMatch, items: list[ItemPlan]) -> BucketPlan:
+    """The replica hop's bucket: each entry's row shard (what the shard hop left on this rank),
+    managed ones at the plan's `replica_format` without error feedback (an "fp32" replica
+    format sends them raw), the others at full precision."""
+    shard = match.group_size
+    out = []
+    for item in items:
+        if not item.managed or item.replica_format == "fp32":
+            out.append(ItemPlan.passthrough(item.name, item.numel // shard, item.torch_dtype))
+        else:
+            out.append(dataclasses.replace(item, rows=item.rows // shard, format=item.replica_format,
+                                           error_feedback=False, residual_format="fp32"))
+    size = _group_size(match.replica_group)
+    return BucketPlan(tuple(out), size, match.replica_group, match.replica_op == "avg", "all_reduce")
+
+
+def _splice_replica_hop(graph: fx.Graph, match: BucketMatch, plan: BucketPlan, items: list[ItemPlan],
+                        layouts: list[tuple[int, int]], shard: fx.Node, state_nodes: list[fx.Node],
+                        meta: dict[str, Any]) -> fx.Node:
+    """GIFT's all-reduce of the flat reduced shard `shard` over the replica group, spliced where
+    the shard hop's result is (before the replaced wait): returns the node of the result, in
+    `shard`'s shape. Transforms and seed offsets are the items' own; no residual, no probe."""
+    first = next(m for m in match.marks if m is not None)
+    replica_nodes = list(unpack_replica_shared(ItemPlan.from_str(first.args[2]), list(first.args[1])))
+    out_val = shard.meta["val"]
+    sizes = [i.numel for i in plan.items]
+
+    def hop_fn(flat: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+        state, shared = args[:len(state_nodes)], Shared(*args[len(state_nodes):])
+        xs: list[torch.Tensor] = []
+        per_item: list[ItemTensors | None] = []
+        offset = 0
+        for item, hop_item, (start, count), n in zip(items, plan.items, layouts, sizes):
+            piece = flat.reshape(-1)[offset:offset + n]
+            offset += n
+            if not item.managed:
+                xs.append(piece)
+                per_item.append(None)
+                continue
+            it, _ = unpack_mark_tensors(item, [*state[start:start + count], *[None] * 5])
+            xs.append(piece.reshape(hop_item.rows, hop_item.cols) if hop_item.managed else piece)
+            per_item.append(ItemTensors(it.transform, None, None, it.seed_offset) if hop_item.managed else None)
+        outs, _ = bucket_core(xs, per_item, shared, plan)
+        return torch.cat([o.reshape(-1) for o in outs]).to(out_val.dtype).reshape(out_val.shape)
+
+    return _splice(graph, hop_fn, [shard, *state_nodes, *replica_nodes], match.wait, meta)
 
 
 def _fallback(report: RewriteReport, plans: list[ItemPlan], reason: str) -> None:

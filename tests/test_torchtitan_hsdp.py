@@ -1,15 +1,21 @@
-"""HSDP with GIFT on torchtitan's stock FSDP2 trainer, 4 gloo ranks (2 replicas x 2 shards).
+"""HSDP with GIFT on torchtitan's two trainers, 4 gloo ranks (2 replicas x 2 shards).
 
-Two GIFT runs (shard hop fp8_e4m3 and replica hop nvfp4, with a refresh after step 2 so step 3
-runs the measured selection on both hops; both hops fp32) and one GIFT-off run with torchtitan's
-native HSDP, same seed and data (~20-60 s each on a 2-core box). Tolerance: the 2-rank FSDP2
-test's 5e-3 per step; fp32 on both hops must reproduce native HSDP's losses exactly.
+FSDP2: two GIFT runs (shard hop fp8_e4m3 and replica hop nvfp4, with a refresh after step 2 so
+step 3 runs the measured selection on both hops; both hops fp32) and one GIFT-off run with
+torchtitan's native HSDP, same seed and data (~20-60 s each on a 2-core box). graph_trainer: one
+GIFT run (fp8_e4m3 / nvfp4, a refresh after step 2 and the retrace it causes) and one GIFT-off
+run with SimpleFSDP's native HSDP (~1-3 min each). Tolerance: the 2-rank tests' 5e-3 per step;
+fp32 on both hops must reproduce native HSDP's losses exactly (FSDP2 here; the graph rewrite's
+fp32 exactness and each hop's error at its format are checked on a hand-made graph in
+test_pass_hsdp.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from types import SimpleNamespace
+
+import re
 
 import pytest
 
@@ -34,6 +40,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], RunResult]
             folder = str(tmp_path_factory.mktemp(which))
             if which == "gift":
                 cache[which] = run_config("llama3_debug_gift_fsdp2", [*HSDP, *GIFT], dump_folder=folder, nproc=4)
+            elif which == "graph":
+                cache[which] = run_config("llama3_debug_gift_graph", [*HSDP, *GIFT], dump_folder=folder, nproc=4)
+            elif which == "graph_off":
+                cache[which] = run_config("llama3_debug_nogift_graph", HSDP, dump_folder=folder, nproc=4)
             elif which == "gift_fp32":
                 cache[which] = run_config("llama3_debug_gift_fsdp2", [*HSDP, "--gift.format=fp32", "--gift.no-fuse",
                                                                       "--gift.replica-format=fp32"],
@@ -78,14 +88,52 @@ def test_fsdp2_hsdp_at_fp32_on_both_hops_is_native_hsdp(runs: Callable[[str], Ru
     assert exact.last("gift/replica_wire_bytes_per_step") == exact.last("gift/replica_accounted_bytes_per_backward")
 
 
+def test_graph_hsdp_rewrites_both_hops_at_their_formats_and_tracks_fp32(runs: Callable[[str], RunResult]) -> None:
+    gift, off = runs("graph"), runs("graph_off")
+    assert ("shard hop (each bucketed reduce-scatter over 2 ranks) at fp8_e4m3, then replica hop (all-reduce of "
+            "the reduced shard over 2 replicas) at nvfp4") in gift.output
+    assert "gift.enable supports FSDP" not in gift.output
+    assert not [line for line in gift.output.splitlines() if "GIFT" in line and ("WARNING" in line or "full precision" in line)]
+    # the rewrite log: each block's bucket is one GIFT reduce-scatter then one GIFT all-reduce of
+    # the reduced shard (SimpleFSDP's 7 replica all-reduces + 1 reduce-scatter per block become
+    # 2 all_to_alls + 1 all_gather), 0 fallbacks; every trace (the first and the retrace after the
+    # refresh's selection) logs the same figures
+    found = re.findall(
+        r"GIFT rewrite: 4 reduce-scatters \(4 buckets\) carrying 20 managed weights, 0 fallbacks; collective "
+        r"launches per step (\d+) -> (\d+); bytes per step of the rewritten collectives (\d+) -> (\d+); replica "
+        r"hop \(HSDP\): 4 all-reduces of the reduced shards after them, bytes per step (\d+) -> (\d+)", gift.output)
+    assert found, gift.output[-3000:]
+    before, after, base, wire, replica_base, replica_wire = map(int, found[-1])
+    assert before - after == 4 * (8 - 3), (before, after)
+    assert wire < base and replica_wire < replica_base
+    steps = [r for r in gift.records if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    for r in steps:
+        # bytes each hop handed to its collectives (counted at run time) == the pass's accounting
+        assert r["gift/wire_bytes_per_step"] == r["gift/shard_accounted_bytes_per_backward"] == wire, r
+        assert r["gift/baseline_bytes_per_step"] == base, r
+        assert r["gift/replica_wire_bytes_per_step"] == r["gift/replica_accounted_bytes_per_backward"] == replica_wire, r
+        assert r["gift/replica_baseline_bytes_per_step"] == replica_base, r
+        assert r["gift/collectives_per_step"] == r["gift/replica_collectives_per_step"] == 4
+    # the shard hop's error at the refresh (per-layer round trip at fp8_e4m3)
+    assert gift.last("gift/refresh_step") == 2
+    assert 0.005 < gift.last("gift/err_euclidean_mean") < 0.08
+    # replicas still hold bit-identical shards after GIFT-reduced optimizer steps
+    assert "GIFT HSDP: replicas bit-identical after 2 optimizer steps" in gift.output
+    g, o = gift.losses(), off.losses()
+    assert g[1] == o[1]
+    for step in g:
+        assert abs(g[step] - o[step]) < TOLERANCE, (step, g, o)
+
+
 @pytest.mark.parametrize("trainer,dims,names", [
-    ("graph", {"dp_replicate": 2}, "data-replicate .* parallelism is on .*no rewrite of that pair"),
+    ("graph", {"dp_replicate": 2, "dp_shard": 1}, "data-replicate without sharding .* is on .*HSDP's second hop"),
     ("fsdp2", {"tp": 2}, "tensor parallelism is on .*TP rank"),
     ("fsdp2", {"pp": 2, "cp": 2}, "context, pipeline parallelism is on .*CP rank.*own model part"),
     ("fsdp2", {"ep": 2}, "expert parallelism is on .*several parameter groups"),
 ])
 def test_layouts_gift_does_not_run_are_refused_by_name(trainer: str, dims: dict[str, int], names: str) -> None:
-    parallel_dims = SimpleNamespace(**{"tp": 1, "cp": 1, "pp": 1, "ep": 1, "dp_replicate": 1, **dims})
+    parallel_dims = SimpleNamespace(**{"tp": 1, "cp": 1, "pp": 1, "ep": 1, "dp_replicate": 1, "dp_shard": 2, **dims})
     with pytest.raises(ValueError, match=names):
         data_parallel_group(parallel_dims, trainer)
 

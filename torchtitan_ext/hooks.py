@@ -31,32 +31,36 @@ __all__ = ["bind_gift_hook", "data_parallel_group", "gift_post_optimizer_build",
 
 # Why each layout is refused (torchtitan_ext/README.md, "Limits").
 _UNSUPPORTED_WHY = {
-    "tensor": "a TP-sharded weight needs its geometry from the inputs its TP rank sees and statistics "
-              "over the data-parallel group only, which GIFT's state does not build",
+    "tensor": "GIFT sizes each layer's map by the weight's global [out, in] and reduces its statistics over "
+              "the whole data-parallel state group, but a TP rank holds a colwise shard [out/tp, in] or a rowwise "
+              "shard [out, in/tp] whose map must come from the inputs that TP rank sees (block-diagonal across TP "
+              "ranks) with statistics reduced over the data-parallel group only; that per-TP-rank geometry is not "
+              "built",
     "context": "the FSDP mesh then spans dp_shard x cp, and the statistics would see a CP rank's slice "
                "of each sequence as separate tokens",
     "pipeline": "each stage is its own model part, which would need its own GIFT state",
     "expert": "FSDP2 refuses custom reduce-scatters and all-reduce hooks for modules with several parameter groups",
-    "data-replicate (HSDP/DDP) on graph_trainer": "SimpleFSDP traces the replica all-reduce of the full gradient "
-              "before the shard reduce-scatter, and the pass has no rewrite of that pair; use the FSDP2 trainer",
+    "data-replicate without sharding (DDP) on graph_trainer": "SimpleFSDP then traces only a replica "
+              "all-reduce of each full gradient, which the pass rewrites only as HSDP's second hop after a "
+              "shard reduce-scatter; use data_parallel_shard_degree > 1 (HSDP) or the FSDP2 trainer",
 }
 
 
 def data_parallel_group(parallel_dims: Any, trainer: str = "graph") -> dist.ProcessGroup:
     """The data-parallel group GIFT's state spans (statistics, transforms, selection): the FSDP
-    group, or with HSDP on the FSDP2 trainer shards x replicas (`.hsdp`); other parallelisms
-    are not supported."""
+    group, or with HSDP (both trainers) shards x replicas; other parallelisms are not supported."""
+    ddp_on_graph = trainer != "fsdp2" and parallel_dims.dp_replicate > 1 and parallel_dims.dp_shard <= 1
     others = {
         "tensor": parallel_dims.tp,
         "context": parallel_dims.cp,
         "pipeline": parallel_dims.pp,
         "expert": parallel_dims.ep,
-        "data-replicate (HSDP/DDP) on graph_trainer": parallel_dims.dp_replicate if trainer != "fsdp2" else 1,
+        "data-replicate without sharding (DDP) on graph_trainer": 2 if ddp_on_graph else 1,
     }
     unsupported = [name for name, degree in others.items() if degree > 1]
     if unsupported:
         why = "; ".join(f"{name}: {_UNSUPPORTED_WHY[name]}" for name in unsupported)
-        raise ValueError(f"gift.enable supports FSDP, and HSDP on the FSDP2 trainer; {', '.join(unsupported)} "
+        raise ValueError(f"gift.enable supports FSDP and HSDP; {', '.join(unsupported)} "
                          f"parallelism is on ({why})")
     if parallel_dims.dp_replicate > 1:
         return parallel_dims.get_mesh("batch").get_group()
@@ -69,8 +73,9 @@ def gift_post_optimizer_build(optimizers: Any, model_parts: list[nn.Module], par
 
     FSDP2: statistics hooks plus `gift_compile.fsdp2`'s bucketed reduce-scatter on every FSDP
     module, and with HSDP `gift_compile.hsdp`'s replica all-reduce hook. graph_trainer: the
-    `gift::mark` tags whose reduce-scatters (bucketed or not) the
-    ``gift`` pass pipeline rewrites. Both: `attach_optimizer` on torchtitan's optimizer
+    `gift::mark` tags whose reduce-scatters (bucketed or not) the ``gift`` pass pipeline
+    rewrites, with HSDP carrying the replica hop (`gift_compile.hsdp.install_graph`) the pass
+    puts after each rewritten reduce-scatter. Both: `attach_optimizer` on torchtitan's optimizer
     container (health check before its step, `GiftState.step()` after).
     """
     if inner is not None:
@@ -95,6 +100,11 @@ def gift_post_optimizer_build(optimizers: Any, model_parts: list[nn.Module], par
             logger.info(hsdp.describe_hops(model, state, parallel_dims.dp_shard))
     else:
         state = manage(model, config, group, mode="tag", split_rows=True)
+        replicas = hsdp.replica_group(parallel_dims)
+        if replicas is not None:  # the marks carry the replica hop, which the pass puts after the shard hop
+            gift_hsdp.install_graph(state, replicas)
+            gift_hsdp.check_replicas_identical(model, replicas)
+            logger.info(hsdp.describe_graph_hops(state, parallel_dims.dp_shard))
     attach_optimizer(state, optimizers)
     logger.info(f"GIFT: {len(state.layers)} weights managed ({', '.join(state.layers) or 'none'})")
 

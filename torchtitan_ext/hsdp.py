@@ -22,7 +22,8 @@ from torchtitan.tools.logging import logger
 
 from gift_compile import hsdp as gift_hsdp
 
-__all__ = ["ShardOnlyDims", "bind_shard_only_parallelize", "describe_hops", "replica_group", "replica_metrics", "shard_only_parallelize"]
+__all__ = ["ShardOnlyDims", "bind_shard_only_parallelize", "describe_graph_hops", "describe_hops", "graph_accounted_bytes",
+           "replica_group", "replica_metrics", "shard_only_parallelize"]
 
 
 class ShardOnlyDims:
@@ -91,13 +92,24 @@ def replica_metrics(state: Any, model: Any, last: dict[str, Any], steps: int, lo
         "gift/replica_collectives_per_step": delta["calls"] / steps,
         "gift/replica_comm_s_per_step": hop.timer.take() / steps,
     }
-    accounted = gift_hsdp.accounted_bytes(model)
+    accounted = graph_accounted_bytes() if not gift_hsdp._hooks(model) else gift_hsdp.accounted_bytes(model)
     out["gift/shard_accounted_bytes_per_backward"] = float(accounted["shard"])
     out["gift/replica_accounted_bytes_per_backward"] = float(accounted["replica"])
     err = hop.take_error()
     if err is not None:
         out["gift/replica_err"] = err
     return out
+
+
+def graph_accounted_bytes() -> dict[str, int]:
+    """graph_trainer: each hop's shape-based bytes per backward, from the GIFT pass's report of
+    the last graph it rewrote (the traced training step)."""
+    from gift_compile.passes import last_reports
+
+    report = next((r for r in reversed(last_reports()) if r.rewritten), None)
+    if report is None:
+        raise RuntimeError("GIFT HSDP: no graph was rewritten yet (no accounting to report)")
+    return {"shard": report.wire_bytes, "replica": report.replica_wire_bytes}
 
 
 def describe_hops(model: Any, state: Any, shard_world: int) -> str:
@@ -110,3 +122,12 @@ def describe_hops(model: Any, state: Any, shard_world: int) -> str:
             f"(reduce-scatter over {shard_world} ranks) at {config.format}, replica hop (all-reduce of each "
             f"reduced shard over {hop.world} replicas) at {config.replica_hop_format}; the other parameters "
             f"travel unquantized inside the same buckets")
+
+
+def describe_graph_hops(state: Any, shard_world: int) -> str:
+    """graph_trainer's one-line HSDP summary (the rewrite log then shows each hop's bytes)."""
+    config = state.config
+    return (f"GIFT HSDP (graph_trainer): {len(state.layers)} managed weights; shard hop (each bucketed "
+            f"reduce-scatter over {shard_world} ranks) at {config.format}, then replica hop (all-reduce of the "
+            f"reduced shard over {state.replica_hop.world} replicas) at {config.replica_hop_format}; the pass "
+            f"runs SimpleFSDP's replica all-reduce after the reduce-scatter instead of before it")

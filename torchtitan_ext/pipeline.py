@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from gift_compile.hsdp import check_replicas_identical
 from gift_compile.passes import rewrite_gradient_collectives
 
 from . import cpu_compat
@@ -63,6 +64,8 @@ def gift_rewrite_pass(gm: torch.fx.GraphModule, example_inputs: Any, *, fuse: bo
         f"managed weights, {len(report.fallbacks)} fallbacks; collective launches per step "
         f"{report.launches(report.ops_before)} -> {report.launches(report.ops_after)}; bytes per step of the "
         f"rewritten collectives {report.baseline_bytes} -> {report.wire_bytes}"
+        + (f"; replica hop (HSDP): {report.replica_hops} all-reduces of the reduced shards after them, bytes per "
+           f"step {report.replica_baseline_bytes} -> {report.replica_wire_bytes}" if report.replica_hops else "")
     )
     if fuse:
         for node in gm.graph.nodes:
@@ -108,9 +111,25 @@ def gift_retrace_on_new_plan(trainer: Any) -> None:
     state = getattr(trainer.model_parts[0], "_gift_state", None)
     if state is None:
         return
+    _check_replicas_after_refresh(trainer, state)
     traced = getattr(trainer, "_gift_plan_version", None)
     if traced is not None and traced != state.plan_version and trainer._traced_step is not None:
         logger.info(f"GIFT: plan changed (version {traced} -> {state.plan_version}); retracing the step")
         trainer._traced_step = None
         state.retraces += 1
     trainer._gift_plan_version = state.plan_version
+
+
+def _check_replicas_after_refresh(trainer: Any, state: Any) -> None:
+    """HSDP: after each refresh, check (on every rank, the same step) that every replica still
+    holds bit-identical parameter shards, which GIFT's replica hop promises (every rank decodes
+    the same all-gathered bytes); raises naming the replica ranks that differ. One digest
+    exchange per refresh, not per step."""
+    hop = state.replica_hop
+    if hop is None or not state.history or getattr(trainer, "_gift_replicas_checked", None) == state.steps:
+        return
+    if state.history[-1].step != state.steps:
+        return
+    trainer._gift_replicas_checked = state.steps
+    check_replicas_identical(trainer.model_parts[0], hop.group)
+    logger.info(f"GIFT HSDP: replicas bit-identical after {state.steps} optimizer steps")
