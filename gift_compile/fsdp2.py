@@ -32,14 +32,15 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
-from gift_compile.collectives import Segment, bucket_plan, sync_buffer
+from gift_compile.collectives import Segment, bucket_plan, bucket_wire_bytes, sync_buffer
 from gift_compile.fsdp_internals import (
-    DefaultReduceScatter, ReduceScatter, check_torch, fsdp_modules, packed_params, shard_process_group,
+    DefaultReduceScatter, ReduceScatter, check_torch, custom_reduce_scatter, fsdp_modules, packed_params,
+    shard_process_group,
 )
 from gift_compile.plan import BucketPlan
 from gift_compile.state import GiftState
 
-__all__ = ["GiftReduceScatter", "install", "shard_group", "uninstall"]
+__all__ = ["GiftReduceScatter", "accounted_bytes", "install", "shard_group", "uninstall"]
 
 
 class CommTimer:
@@ -80,6 +81,8 @@ class GiftReduceScatter(ReduceScatter):
         self.state = state
         self.timer = timer
         self.compiled = compiled
+        # (world, dtype, group name) of the last call: what `accounted_bytes` prices
+        self.last_call: tuple[int, torch.dtype, str] | None = None
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -118,6 +121,7 @@ class GiftReduceScatter(ReduceScatter):
                 f"parameters that require gradients make {world} x {chunk}; cannot map it to parameters"
             )
         config = self.state.config
+        self.last_call = (world, input_tensor.dtype, group.group_name)
         sync_buffer(input_tensor, segments, self.state.shared, op="reduce_scatter", group=group, average=False,
                     out=output_tensor, plan_check=config.plan_check, compiled=self.compiled,
                     timing=self.timer.timing(input_tensor.device))
@@ -156,3 +160,14 @@ def uninstall(model: nn.Module) -> None:
     """FSDP2's default reduce-scatter back on every FSDP module of `model`."""
     for module in fsdp_modules(model):
         module.set_custom_reduce_scatter(DefaultReduceScatter())
+
+
+def accounted_bytes(model: nn.Module) -> int | None:
+    """Shape-based bytes one rank hands to GIFT's reduce-scatters per synchronising backward
+    (`bucket_wire_bytes` of each module's plan as last called), to compare with the bytes the
+    collectives counted; None before GIFT's reduce-scatter ran (or when it is not installed)."""
+    comms = {id(c): c for c in (custom_reduce_scatter(m) for m in fsdp_modules(model))
+             if isinstance(c, GiftReduceScatter) and c.last_call is not None}
+    if not comms:
+        return None
+    return sum(bucket_wire_bytes(c.plan(*c.last_call)) for c in comms.values())

@@ -86,8 +86,9 @@ def _assert_gift_ran(result: RunResult) -> None:
     # bytes counted at run time by the collectives, every step the same
     wire = [r["gift/wire_bytes_per_step"] for r in result.records if "gift/wire_bytes_per_step" in r]
     assert len(wire) == STEPS and len(set(wire)) == 1, wire
-    baseline = result.last("gift/baseline_bytes_per_step")
-    assert 1.3 < baseline / wire[0] < 4.5, (wire, baseline)
+    # quantized: fewer bytes than fp32 would have sent (the exact figure is checked against the
+    # shape-based accounting of the path's plans by each caller)
+    assert wire[0] < result.last("gift/baseline_bytes_per_step"), wire
 
 
 def test_gift_graph_trainer_tracks_gift_off(run: Callable[..., RunResult]) -> None:
@@ -121,6 +122,9 @@ def test_gift_fsdp2_tracks_gift_off_and_matches_graph_path(run: Callable[..., Ru
     _assert_gift_ran(gift)
     # one GIFT collective per FSDP module, each carrying every gradient of the module
     assert gift.last("gift/collectives_per_step") == 6
+    # every byte counted at run time is the shape-based accounting of the modules' plans (a codec
+    # that sent fp32, or another format, would count other bytes)
+    assert gift.last("gift/wire_bytes_per_step") == gift.last("gift/accounted_bytes_per_backward")
     assert gift.last("gift/comm_s_per_step") > 0
     losses = _assert_trains(gift)
     _assert_close(losses, run("llama3_debug_nogift_fsdp2").losses(), GIFT_TOLERANCE)

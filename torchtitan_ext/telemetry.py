@@ -10,7 +10,8 @@ scraping logs. It finds the GIFT state on the model part (the trainer hands the 
 Every byte figure is the difference of the state's counters between two logged steps, i.e.
 what GIFT's collectives handed over at run time (codes, scales, headers and the unmanaged
 parameters that share their buckets), next to what the replaced collectives would have been
-handed (``baseline``). Collectives GIFT does not touch (buckets without a managed weight) are
+handed (``baseline``); on FSDP2 ``gift/accounted_bytes_per_backward`` is the shape-based
+accounting of the same reduce-scatters, which the counted figure must equal. Collectives GIFT does not touch (buckets without a managed weight) are
 not counted. Under HSDP those figures are the shard hop's (the reduce-scatter), and the
 ``gift/replica_*`` keys (:func:`.hsdp.replica_metrics`) are the replica hop's.
 """
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.tools.logging import logger
 
+from gift_compile import fsdp2
 from gift_compile.state import GiftState
 
 from .hsdp import replica_metrics
@@ -102,6 +104,9 @@ class GiftMetricsProcessor(MetricsProcessor):
         gift = gift_metrics(state, self._gift_last) if state is not None else {}
         if state is not None:  # HSDP: the replica hop's own figures (the ones above are the shard hop's)
             gift.update(replica_metrics(state, self.model_parts[0], self._gift_last, steps, self.config.log_freq))
+            accounted = fsdp2.accounted_bytes(self.model_parts[0])
+            if accounted is not None:  # FSDP2: what the wire counter should grow by per backward
+                gift["gift/accounted_bytes_per_backward"] = float(accounted)
         extra.update(gift)
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)
         # Per-layer entries (gift/<metric>/<layer>) go to the loggers and the JSONL only.
