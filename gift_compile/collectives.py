@@ -34,6 +34,10 @@ The functions are plain traceable PyTorch: the FX pass splices `launch`/`finish`
 scheduler's overlap is kept); FSDP2's and DDP's hooks and the public `reduce_scatter` /
 `all_reduce` call `run_bucket` eagerly or through `torch.compile`. gloo carries no float8 or
 float4 dtypes, so everything travels as uint8.
+
+The shape-based accounting (`bucket_wire_bytes`, the scale layout) lives in
+`gift_compile.accounting` and the eager cross-rank checks (`check_plan_agreement`,
+`raise_on_bad_headers`) in `gift_compile.agreement`; both are re-exported here.
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from gift_compile.accounting import HEADER_BYTES, _itemsize, _scale_layout, bucket_wire_bytes, wire_bytes_per_rank
+from gift_compile.agreement import check_plan_agreement, raise_on_bad_headers
 from gift_compile.config import GiftConfig
 from gift_compile.formats import FormatSpec, choose_scales, decode, encode
 from gift_compile import residual as residual_store
@@ -58,7 +64,6 @@ from gift_compile.plan import BucketPlan, ItemPlan, dtype_name
 logger = logging.getLogger("gift_compile")
 
 _c10d = torch.ops._c10d_functional
-HEADER_BYTES = 16
 RANK_SEED_STRIDE = 1_000_003
 _ALL_GATHER_SEED = 7
 
@@ -118,81 +123,6 @@ def group_info(group: dist.ProcessGroup | str | None) -> tuple[str | None, int, 
     if world == 1:
         return None, 1, 0
     return pg.group_name, world, dist.get_rank(pg)
-
-
-# ---- scale layout ---------------------------------------------------------------------------
-def _scale_layout(spec: FormatSpec, cols: int) -> tuple[bool, torch.dtype | None, int, bool]:
-    """`(per_row, dtype, count, has_tensor_scale)` of `choose_scales` for `[rows, cols]` inputs.
-
-    `count` is scales per row when `per_row`, else the total (a per-tensor scale). Found by
-    running `choose_scales` on the meta device, so any format's layout is read off the codec.
-    Eager calls are memoised; a trace reads the layout directly (Dynamo would trace through
-    the cache wrapper anyway, and warns when it meets one).
-    """
-    if torch.compiler.is_compiling():
-        return _read_scale_layout(spec, cols)
-    return _cached_scale_layout(spec, cols)
-
-
-def _read_scale_layout(spec: FormatSpec, cols: int) -> tuple[bool, torch.dtype | None, int, bool]:
-    if spec.passthrough:
-        return False, None, 0, False
-    scales, tscale = choose_scales(torch.empty(2, cols, device="meta"), spec)
-    per_row = scales.dim() >= 1 and scales.shape[0] == 2 and not (spec.block is None and spec.scaling == "tensor")
-    count = scales.numel() // 2 if per_row else scales.numel()
-    return per_row, scales.dtype, count, tscale is not None
-
-
-_cached_scale_layout = functools.cache(_read_scale_layout)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def _item_bytes_per_dest(spec: FormatSpec, rows_per_dest: int, cols: int) -> int:
-    """Bytes of one managed item's block that one destination receives (codes + scales)."""
-    per_row, sdtype, count, has_t = _scale_layout(spec, cols)
-    n = rows_per_dest * spec.payload_cols(cols)
-    if sdtype is not None:
-        n += (rows_per_dest * count if per_row else count) * _itemsize(sdtype)
-    return n + (4 if has_t else 0)
-
-
-def bucket_wire_bytes(plan: BucketPlan) -> int:
-    """Bytes this rank hands to collectives for one call of `plan` (shape-based accounting).
-
-    The all_to_all input (`world` blocks, each with its header) plus, for an all-reduce, the
-    all_gather input. `run_bucket` counts what it really hands over at run time; the tests
-    check the two agree.
-    """
-    w = plan.world
-    total = w * HEADER_BYTES
-    gather = 0
-    for item in plan.items:
-        if item.managed:
-            r = plan.rows_sent(item) // w
-            total += w * _item_bytes_per_dest(item.spec, r, item.cols)
-            gather += _item_bytes_per_dest(item.spec, r, item.cols)
-        else:
-            n = plan.flat_sent(item)
-            total += n * _itemsize(item.torch_dtype)
-            gather += (n // w) * _itemsize(item.torch_dtype)
-    if plan.op == "all_reduce" and w > 1:
-        total += gather
-    return total
-
-
-def wire_bytes_per_rank(op: str, shape: Sequence[int], spec: FormatSpec, world: int) -> int:
-    """`bucket_wire_bytes` of a single managed `[rows, cols]` float32 gradient (for cost tables).
-
-    A `fp32`/`bf16` spec means the plain collective at that precision: `numel * 4` / `* 2`.
-    """
-    rows, cols = (1, int(shape[0])) if len(shape) == 1 else (int(torch.Size(shape[:-1]).numel()), int(shape[-1]))
-    if spec.passthrough:
-        return rows * cols * (4 if spec.name == "fp32" else 2)
-    item = ItemPlan(name="w", rows=rows, cols=cols, format=spec.name, scaling=spec.scaling, block_size=spec.block_size)
-    return bucket_wire_bytes(BucketPlan((item,), world, None, False, op))
 
 
 # ---- encode side ----------------------------------------------------------------------------
@@ -445,69 +375,6 @@ def _compiled_core() -> object:
     (the plan is a frozen, hashable dataclass), tensors as inputs."""
     return torch.compile(bucket_core, fullgraph=True, dynamic=False)
 
-
-_CHECKED_PLANS: set[tuple[str | None, int]] = set()
-
-
-def _host_device(group: dist.ProcessGroup) -> torch.device:
-    """Where a small tensor collective on `group` runs (NCCL needs the current CUDA device)."""
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
-
-
-def check_plan_agreement(plan: BucketPlan, group: dist.ProcessGroup | None, *, always: bool = False) -> None:
-    """Raise on every rank, naming the ranks and the first difference, unless all ranks call
-    with the same plan (item names and order included).
-
-    A mismatched all_to_all would hang (different sizes) or decode garbage (same sizes), and a
-    check that only some ranks run (because only they meet the plan for the first time) would
-    hang against their peers' data collective. So every eager call first exchanges a fixed-size
-    table, each rank's plan fingerprint and whether it has compared this plan's full
-    description before: one small collective whatever the plans. All ranks read the same
-    table, so they all take the same branch: when a fingerprint differs, or some rank meets
-    the plan for the first time (or `always`), they exchange the descriptions
-    (`all_gather_object`) and raise together on a difference.
-    """
-    if plan.group_name is None or group is None:
-        return
-    world, me = dist.get_world_size(group), dist.get_rank(group)
-    key = (plan.group_name, plan.fingerprint())
-    table = torch.zeros(world, 2, dtype=torch.int64, device=_host_device(group))
-    table[me, 0], table[me, 1] = plan.fingerprint(), int(key not in _CHECKED_PLANS or always)
-    dist.all_reduce(table, group=group)
-    rows = table.tolist()
-    differ = [r for r, (fp, _) in enumerate(rows) if fp != plan.fingerprint()]
-    if not differ and not any(new for _, new in rows):
-        return
-    mine = plan.as_dict()
-    theirs: list[dict | None] = [None] * world
-    dist.all_gather_object(theirs, mine, group=group)
-    differ = sorted(set(differ) | {r for r, t in enumerate(theirs) if t != mine})
-    if differ:
-        from gift_compile.state import _first_difference  # the setup check's differ, reused
-
-        r = differ[0]
-        raise RuntimeError(
-            f"GIFT: ranks disagree on a collective's plan: rank(s) {differ} differ from rank {me}; first "
-            f"difference: {_first_difference(mine, theirs[r])} (this rank vs rank {r}).\n  this rank: "
-            f"{plan.describe()}\n  rank {r}: {BucketPlan.from_dict(theirs[r]).describe() if theirs[r] else None}"
-        )
-    _CHECKED_PLANS.add(key)
-
-
-def raise_on_bad_headers(headers: torch.Tensor, plan: BucketPlan, nonfinite_policy: str) -> None:
-    """Eager callers: raise on every rank (all read the same headers) for a plan mismatch, or
-    for a non-finite gradient under `nonfinite="error"`, naming the offending ranks."""
-    fps, flags = headers[:, 0].tolist(), headers[:, 1].tolist()
-    differ = [r for r, f in enumerate(fps) if f != plan.fingerprint()]
-    if differ:
-        raise RuntimeError(f"GIFT: rank(s) {differ} ran a different collective plan than {plan.describe()}")
-    bad = [r for r, f in enumerate(flags) if f]
-    if bad and nonfinite_policy == "error":
-        names = ", ".join(i.name for i in plan.items)
-        raise FloatingPointError(
-            f"GIFT: non-finite (NaN/Inf) gradient on rank(s) {bad} in {names}; raised on every rank "
-            "(nonfinite='error'). Set nonfinite='propagate' to communicate NaN rows instead."
-        )
 
 
 def run_bucket(xs: Sequence[torch.Tensor], items: Sequence[ItemTensors | None], shared: Shared, plan: BucketPlan,

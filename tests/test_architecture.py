@@ -77,6 +77,8 @@ def test_rewrite_reports_are_bounded():
 def test_the_pass_cache_key_hashes_the_package_modules_found_by_the_import_system():
     names = {Path(p).name for p in package_sources()}
     assert {"__init__.py", "mark.py", "geometries.py", "collectives.py", "gift_pass.py", "inductor.py"} <= names
+    # The modules split out of formats.py and collectives.py are in the key too.
+    assert {"spec.py", "scales.py", "codes.py", "accounting.py", "agreement.py"} <= names
     assert all(Path(p).is_file() for p in package_sources())
     assert GiftGraphPass().uuid() == GiftGraphPass().uuid()
 
