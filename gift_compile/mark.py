@@ -118,6 +118,9 @@ def unpack_mark_tensors(plan: ItemPlan, tensors: list[Any]) -> tuple[ItemTensors
     """Inverse of `LayerState.mark_tensors` (works on tensors and on FX nodes alike)."""
     n = plan.n_tensors
     transform = tuple(tensors[:n])
-    residual = tuple(tensors[n:n + residual_store.buffer_count(plan.residual_format)]) if plan.error_feedback else None
+    k = residual_store.buffer_count(plan.residual_format)
+    residual = tuple(tensors[n:n + k]) if plan.error_feedback else None
+    n += k if plan.error_feedback else 0
+    second = tuple(tensors[n:n + k]) if plan.second_hop_error_feedback else None
     probe, seed_offset, seed, rank, counters = tensors[-5:]
-    return ItemTensors(transform, residual, probe, seed_offset), Shared(seed, rank, counters)
+    return ItemTensors(transform, residual, probe, seed_offset, second), Shared(seed, rank, counters)
