@@ -209,8 +209,17 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
     def shared(self) -> Shared:
         return Shared(self.seed, self.rank, self.counters)
 
-    def add_layer(self, fqn: str, shape: tuple[int, int], device: torch.device | str) -> LayerState:
-        """Register a managed weight; a fixed rotation chosen by a static rule starts active."""
+    def add_layer(self, fqn: str, shape: tuple[int, int], device: torch.device | str, *,
+                  world: int | None = None) -> LayerState:
+        """Register a managed weight; a fixed rotation chosen by a static rule starts active.
+
+        `world` sizes the second-hop residual (this rank's shard of the all-reduce); it
+        defaults to the state's group and may differ only for a state without a group (the
+        memory benchmark sizes a `world`-rank state on the meta device)."""
+        if world is None:
+            world = self.world()
+        elif self.group is not None and world != self.world():
+            raise ValueError(f"GiftState.add_layer: {fqn}: world={world} but the state's group has {self.world()} ranks")
         if fqn in self.layers:
             raise ValueError(f"GiftState.add_layer: {fqn} is already managed")
         if len(shape) != 2 or not all(isinstance(d, int) and d > 0 for d in shape):
@@ -218,7 +227,7 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         if not self.layers and self.seed.device != torch.device(device):
             # graphs read these where the weights live
             self.seed, self.rank, self.counters = (t.to(device) for t in (self.seed, self.rank, self.counters))
-        layer = LayerState(fqn, shape, self.config, device, self.world())
+        layer = LayerState(fqn, shape, self.config, device, world)
         self.layers[fqn] = layer
         if self._static_selection():  # decided before any graph exists: not a plan change
             chosen = fqn in decide(self.config, {fqn: LayerMeasurement(1.0, 1.0, 0.0, 0.0)}, {})

@@ -227,6 +227,11 @@ def test_memory_and_refusals():
     st = _state(error_feedback=True, second_hop_error_feedback=True, residual_format="int4")
     mem = st.memory_bytes()
     assert mem["second_hop_residuals"] == mem["residuals"] > 0  # one rank: the shard is the tensor
+    # sized for a 4-rank all-reduce without a group (the memory benchmark): a quarter of the rows
+    sized = GiftState(GiftConfig(second_hop_error_feedback=True), None)
+    layer = sized.add_layer("w", (30, 48), "meta", world=4)
+    assert layer.second_hop_residual[0].shape == (8, 48) and layer.residual is None
+    assert sized.memory_bytes()["second_hop_residuals"] == 8 * 48 * 4
     with pytest.raises(ValueError, match="no second hop"):
         GiftState(GiftConfig(second_hop_error_feedback=True), None, collective="reduce_scatter")
 
