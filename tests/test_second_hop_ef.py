@@ -246,3 +246,31 @@ def test_memory_and_refusals():
 def test_config_validation(kwargs, field):
     with pytest.raises(GiftConfigError, match=field):
         GiftConfig(**kwargs)
+
+
+def test_convergence_arm_modifiers_map_to_the_config_and_train():
+    """`-ef2` / `-b9` arms of the convergence study: the config they build, the refusals, and
+    a 2-rank smoke run of both hops with a leaky residual (replicas identical, finite loss)."""
+    import dataclasses
+
+    from bench import convergence
+    from bench.settings import profile
+    from gift_compile.torchtitan_ext import corpus
+
+    s = profile("smoke").convergence
+    cfg = convergence.arm_config("gift-int2-ef-ef2-b9", s, 0)
+    assert (cfg.error_feedback, cfg.second_hop_error_feedback, cfg.error_feedback_decay) == (True, True, 0.9)
+    cfg = convergence.arm_config("euclid-nvfp4-ef2", s, 0)
+    assert (cfg.error_feedback, cfg.second_hop_error_feedback, cfg.geometry) == (False, True, "none")
+    with pytest.raises(ValueError, match="no second hop"):
+        convergence.check_settings(dataclasses.replace(s, path="reduce-scatter", arms=(("adamw", ("gift-int2-ef2",)),)))
+    with pytest.raises(GiftConfigError, match="error_feedback_decay"):
+        convergence.check_settings(dataclasses.replace(s, arms=(("adamw", ("gift-int2-b9",)),)))
+    run = dataclasses.replace(s, arms=(("adamw", ("fp32", "gift-int2-ef-ef2-b9")),), seeds=(0,))
+    out = convergence.run(run, corpus.prepare(), lambda _: None)
+    import math
+
+    (gift_run,) = [r for r in out["runs"] if r["arm"] == "gift-int2-ef-ef2-b9"]
+    assert out["all_replicas_identical"] and gift_run["replicas_identical"]
+    assert all(math.isfinite(x) for x in gift_run["losses"]) and gift_run["managed_layers"] > 0
+    assert gift_run["wire_bytes_per_step"] < gift_run["baseline_bytes_per_step"]  # really quantized
