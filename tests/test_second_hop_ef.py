@@ -274,3 +274,20 @@ def test_convergence_arm_modifiers_map_to_the_config_and_train():
     assert out["all_replicas_identical"] and gift_run["replicas_identical"]
     assert all(math.isfinite(x) for x in gift_run["losses"]) and gift_run["managed_layers"] > 0
     assert gift_run["wire_bytes_per_step"] < gift_run["baseline_bytes_per_step"]  # really quantized
+
+
+def test_refresh_re_expresses_the_second_hop_residual_in_the_new_coordinates():
+    from gift_compile.geometry import apply_forward, apply_inverse
+
+    st = _state(error_feedback=True, second_hop_error_feedback=True)
+    layer = st.layers["a.weight"]
+    old_kind, old_tensors = layer.active_kind, tuple(t.clone() for t in layer.active_tensors())
+    v = torch.randn(32, 48, generator=torch.Generator().manual_seed(2))
+    layer.second_hop_residual[0].copy_(v)
+    layer.residual[0].copy_(v)
+    layer.stats.observe(torch.randn(256, 48, generator=torch.Generator().manual_seed(0)) * torch.logspace(0, -2, 48))
+    st.step()  # refresh_every=1: a new map
+    want = apply_forward(layer.active_kind, apply_inverse(old_kind, v, old_tensors), layer.active_tensors())
+    assert not torch.allclose(want, v, atol=1e-3)  # the map really changed
+    torch.testing.assert_close(layer.second_hop_residual[0], want)
+    torch.testing.assert_close(layer.residual[0], layer.second_hop_residual[0])  # same rule as the first hop
