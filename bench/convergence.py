@@ -80,6 +80,11 @@ MODIFIERS: dict[str, dict[str, object]] = {
     "auto": {"select": "auto"},
     # EXPERIMENT, not in the product: two-sided dense whitening from the momentum (`TwoSided`)
     "two": {"geometry": "none", "damping": 1e-2},
+    # owner-side error feedback on the all-reduce's second hop (all-reduce path only); with
+    # `-ef` both hops are compensated
+    "ef2": {"second_hop_error_feedback": True},
+    # a leaky residual, beta 0.9, on whichever hops have error feedback
+    "b9": {"error_feedback_decay": 0.9},
 }
 
 
@@ -89,7 +94,7 @@ def parse_arm(arm: str) -> tuple[str, str | None, bool]:
     Names are `fp32` or `(euclid|gift)-<format>[-ef][-<modifier>...]`, modifiers from
     `MODIFIERS` (stochastic rounding, dense whitening, exact statistics, rank 64, refresh
     every 5 steps, gradient-side geometry, momentum-side geometry, damping 1e-2, measured
-    selection, the two-sided experiment).
+    selection, the two-sided experiment, second-hop error feedback, a decaying residual).
     """
     if arm == "fp32":
         return "fp32", None, False
@@ -339,6 +344,10 @@ def check_settings(s: ConvergenceSettings) -> None:
                 raise ValueError(f"arm {arm!r} cannot run on the reduce-scatter path: the optimizer steps the plain "
                                  "model (`ShardedTwin`), so a map built from the optimizer's momentum or the two-sided "
                                  "experiment has no state on the FSDP2 twin")
+            if s.path == "reduce-scatter" and "ef2" in mods:
+                raise ValueError(f"arm {arm!r} cannot run on the reduce-scatter path: a reduce-scatter has no second "
+                                 "hop for second-hop error feedback to correct")
+            arm_config(arm, s, 0)  # invalid combinations (a decay without any error feedback) fail here
     if s.path == "reduce-scatter" and s.compile:
         raise ValueError("the reduce-scatter path runs eager (FSDP2's reduce-scatter runs from eager hooks)")
 

@@ -10,7 +10,8 @@ follows on the next run.
 GIFT's state is replicated on every data-parallel rank (transforms, statistics, probes) or
 kept per rank at the full local gradient's size (the error-feedback residual), so it does
 not shrink with the rank count; FSDP shards parameters, gradients and optimizer state, so
-those do.
+those do. The all-reduce's second-hop residual is the exception: each rank keeps only the
+residual of the shard it owns, 1/world of every managed weight.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from bench.tiny_llama import TinyLlamaConfig
 Log = Callable[[str], None]
 
 # label -> GiftConfig whose state is sized: the defaults with and without error feedback, the
-# residual stored in 8 and in 4 bits, the first version's layout (dense d_in x d_in statistics
+# residual stored in 8 and in 4 bits, error feedback on both hops of the all-reduce, the first version's layout (dense d_in x d_in statistics
 # per layer, fp32 residual) for the before/after, and the Euclidean codec for reference.
 DEFAULTS = "GIFT defaults (lowrank r32, sketch statistics)"
 WITH_EF = "GIFT defaults + error feedback (fp32 residual)"
@@ -37,6 +38,10 @@ CONFIGS: dict[str, GiftConfig] = {
     WITH_EF: GiftConfig(error_feedback=True),
     "GIFT + error feedback, fp8_e4m3 residual": GiftConfig(error_feedback=True, residual_format="fp8_e4m3"),
     "GIFT + error feedback, int4 residual": GiftConfig(error_feedback=True, residual_format="int4"),
+    "GIFT + error feedback on both all-reduce hops, fp32 residuals":
+        GiftConfig(error_feedback=True, second_hop_error_feedback=True),
+    "GIFT + error feedback on both all-reduce hops, int4 residuals":
+        GiftConfig(error_feedback=True, second_hop_error_feedback=True, residual_format="int4"),
     "first version: dense statistics + error feedback (fp32)": GiftConfig(statistics="dense", error_feedback=True),
     "Euclidean low-bit (geometry=none)": GiftConfig(geometry="none"),
 }
@@ -60,10 +65,11 @@ def training_state_bytes(model: torch.nn.Module) -> dict[str, int]:
 
 def gift_state_bytes(model: torch.nn.Module, config: GiftConfig, world: int) -> tuple[dict[str, int], int]:
     """`GiftState.memory_bytes()` of the layers GIFT would manage in `model` on a `world`-rank
-    FSDP group (rows must split over the ranks), and how many layers that is."""
+    FSDP group (rows must split over the ranks), and how many layers that is. The second-hop
+    residual, when configured, is sized for an all-reduce over `world` ranks."""
     state = GiftState(config, None)
     for fqn, module in eligible_linears(model, config, world, split_rows=True):
-        state.add_layer(fqn, tuple(module.weight.shape), "meta")
+        state.add_layer(fqn, tuple(module.weight.shape), "meta", world=world)
     return state.memory_bytes(), len(state.layers)
 
 
@@ -91,3 +97,15 @@ def run(models: tuple[str, ...] = tuple(MODEL_CONFIGS), worlds: tuple[int, ...] 
                 + ", ".join(f"{r['config'].split(' (')[0]} {r['gift_total'] / 2**30:.2f} GiB" for r in rows
                             if r["model"] == name and r["world"] == world))
     return {"models": described, "rows": rows, "configs": {k: v.to_dict() for k, v in CONFIGS.items()}}
+
+
+if __name__ == "__main__":
+    import argparse
+    import json
+    from pathlib import Path
+
+    p = argparse.ArgumentParser(description="GIFT's per-rank memory next to FSDP's (the report's memory table)")
+    p.add_argument("--out", type=Path, required=True, help="where the table's JSON goes")
+    a = p.parse_args()
+    result = {"command": "python -m bench.memory --out " + str(a.out), **run()}
+    a.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -23,6 +23,8 @@ __all__ = ["Checkpointing", "STATE_VERSION"]
 logger = logging.getLogger("gift_compile")
 
 STATE_VERSION = 2
+# (config flag, state-dict prefix) of each error-feedback residual a layer may keep
+_RESIDUALS = (("error_feedback", "residual"), ("second_hop_error_feedback", "second_hop_residual"))
 
 
 class Checkpointing:
@@ -46,7 +48,8 @@ class Checkpointing:
             "shared": {l.fqn: [f.fqn for f in l.followers] for l in self.layers.values() if l.followers},
             "layers": {n: {"shape": list(l.shape), "kind": l.kind, "rank": l.transform.rank,
                            "error_feedback": l.residual is not None,
-                           "residual_format": self.config.residual_format if l.residual is not None else None}
+                           "second_hop_error_feedback": l.second_hop_residual is not None,
+                           "residual_format": self.config.residual_format if l.residual_buffers() else None}
                        for n, l in self.layers.items()},
         }
 
@@ -85,28 +88,34 @@ class Checkpointing:
             for key in ("shape", "kind", "rank"):
                 if got[key] != want[key]:
                     raise ValueError(f"GIFT checkpoint: layer {name}: {key} {got[key]} != expected {want[key]}")
-            if got["error_feedback"] and not want["error_feedback"]:
-                raise ValueError(f"GIFT checkpoint: layer {name} has an error-feedback residual but error_feedback "
-                                 "is off now; its accumulated error would be lost")
-            if want["error_feedback"] and not got["error_feedback"]:
-                converted.append(f"{name}: residual starts at zero (error feedback newly on)")
-        recoded: dict[str, torch.Tensor] = {}  # residuals saved in another format, as fp32
+            for flag, prefix in _RESIDUALS:
+                had, has = bool(got.get(flag, False)), bool(want[flag])  # older checkpoints: no second hop
+                if had and not has:
+                    raise ValueError(f"GIFT checkpoint: layer {name} has a {prefix} but {flag} is off now; its "
+                                     "accumulated error would be lost")
+                if has and not had:
+                    converted.append(f"{name}: {prefix} starts at zero ({flag} newly on)")
+        recoded: dict[tuple[str, str], torch.Tensor] = {}  # residuals saved in another format, as fp32
         for name, layer in self.layers.items():
             got, want = saved_layers[name], my_layers[name]
-            if got["error_feedback"] and want["error_feedback"] and got["residual_format"] != want["residual_format"]:
+            for flag, prefix in _RESIDUALS:
+                if not (got.get(flag, False) and want[flag]) or got["residual_format"] == want["residual_format"]:
+                    continue
                 n = residual_store.buffer_count(got["residual_format"])
-                bufs = tuple(torch.as_tensor(sd.get(f"{name}.residual.{i}", torch.empty(0))) for i in range(n))
+                bufs = tuple(torch.as_tensor(sd.get(f"{name}.{prefix}.{i}", torch.empty(0))) for i in range(n))
                 try:
                     value = residual_store.read(got["residual_format"], bufs, layer.shape[1])
                 except (RuntimeError, ValueError) as e:
-                    raise ValueError(f"GIFT checkpoint: layer {name}: unreadable {got['residual_format']} residual: {e}")
-                recoded[name] = value
-                converted.append(f"{name}: residual re-stored from {got['residual_format']} to {want['residual_format']}")
+                    raise ValueError(f"GIFT checkpoint: layer {name}: unreadable {got['residual_format']} {prefix}: {e}")
+                recoded[(name, prefix)] = value
+                converted.append(f"{name}: {prefix} re-stored from {got['residual_format']} to {want['residual_format']}")
         plan: list[tuple[torch.Tensor, torch.Tensor]] = []
         for name, layer in self.layers.items():
             for key, dst in layer.state_dict().items():
                 full = f"{name}.{key}"
-                if key.startswith("residual.") and (name in recoded or not saved_layers[name]["error_feedback"]):
+                prefix = key.rsplit(".", 1)[0]
+                flag = dict((p, f) for f, p in _RESIDUALS).get(prefix)
+                if flag is not None and ((name, prefix) in recoded or not saved_layers[name].get(flag, False)):
                     continue
                 if full not in sd:
                     raise ValueError(f"GIFT checkpoint: layer {name}: key {key!r} is missing")
@@ -124,8 +133,8 @@ class Checkpointing:
             raise ValueError(f"GIFT checkpoint has unexpected keys {unknown[:5]}")
         for dst, src in plan:
             dst.copy_(src)
-        for name, value in recoded.items():
-            residual_store.write(self.config.residual_format, self.layers[name].residual, value)
+        for (name, prefix), value in recoded.items():
+            residual_store.write(self.config.residual_format, self.layers[name].residual_buffers()[prefix], value)
         for leader, followers in meta.get("shared", {}).items():
             if not self.layers[leader].followers:
                 self.share_statistics([leader, *followers])

@@ -3,7 +3,7 @@
 One bucket (a framework's bucketed reduce-scatter, an FSDP2 module's flat buffer, a DDP bucket,
 or a single weight) becomes ONE all_to_all of bytes:
 
-    per managed item: transform (+ EF residual) -> local scales -> encode -> row block j of the
+    per managed item: transform (+ beta * EF residual) -> local scales -> encode -> row block j of the
                       codes and of their scales goes to rank j
     per other item:   raw bytes of row block j go to rank j
     + a 16-byte header to every rank: the bucket plan's fingerprint and a non-finite flag
@@ -14,7 +14,10 @@ or a single weight) becomes ONE all_to_all of bytes:
 
 For an all-reduce the reduced shards (still in transformed coordinates) are re-encoded with
 local scales and all-gathered (one all_gather_into_tensor of codes + scales), and every rank
-decodes the very same bytes, so replicas stay bit-identical.
+decodes the very same bytes, so replicas stay bit-identical. With second-hop error feedback the
+owner of a shard adds (beta times) what re-encoding that shard left out last step before it
+encodes, and keeps the new remainder: the correction travels inside the gathered bytes, so
+every rank still applies the same update.
 
 Why this shape:
 - no collective ever adds low-bit codes, and every receiver decodes with the scales the sender
@@ -99,6 +102,8 @@ class ItemTensors(NamedTuple):
     residual: tuple[torch.Tensor, ...] | None = None  # the buffers of `gift_compile.residual`
     probe: torch.Tensor | None = None
     seed_offset: torch.Tensor | None = None
+    # the all-reduce's second hop: this rank's reduced shard's residual, `[rows_sent/world, cols]`
+    second_hop_residual: tuple[torch.Tensor, ...] | None = None
 
 
 class Shared(NamedTuple):
@@ -221,7 +226,7 @@ def launch(xs: Sequence[torch.Tensor], items: Sequence[ItemTensors | None], shar
             state.probe.copy_(g[: state.probe.shape[0]])
         g = apply_forward(item.kind, _pad_rows(g.float(), rows), state.transform)
         if state.residual is not None:
-            g = g + _pad_rows(residual_store.read(item.residual_format, state.residual, item.cols), rows)
+            g = g + _pad_rows(_decayed(item, residual_store.read(item.residual_format, state.residual, item.cols)), rows)
         bad = ~torch.isfinite(g).all()
         nonfinite = bad if nonfinite is None else nonfinite | bad
         scales, tscale = choose_scales(g, spec)
@@ -241,6 +246,12 @@ def launch(xs: Sequence[torch.Tensor], items: Sequence[ItemTensors | None], shar
         return send.reshape(-1)
     n = send.shape[1]
     return _c10d.all_to_all_single(send.reshape(-1), [n] * w, [n] * w, plan.group_name)
+
+
+def _decayed(item: ItemPlan, e: torch.Tensor) -> torch.Tensor:
+    """`beta * e` (`ItemPlan.error_feedback_decay`, a plan constant); plain error feedback
+    (beta = 1) adds the residual itself, so its bits are what they were before decay existed."""
+    return e if item.error_feedback_decay == 1.0 else e * item.error_feedback_decay
 
 
 def _take(recv: torch.Tensor, offset: int, n: int) -> tuple[torch.Tensor, int]:
@@ -309,16 +320,28 @@ def finish(recv: torch.Tensor, items: Sequence[ItemTensors | None], shared: Shar
 def gather_launch(shards: Sequence[torch.Tensor], items: Sequence[ItemTensors | None], shared: Shared,
                   plan: BucketPlan) -> torch.Tensor:
     """All-reduce stage 2: re-encode this rank's reduced shards (transformed coordinates) with
-    local scales and start one all_gather of codes + scales (not yet waited)."""
+    local scales and start one all_gather of codes + scales (not yet waited). Items with
+    second-hop error feedback add their owner's residual first and keep the new one."""
     pieces = []
     for shard, state, item in zip(shards, items, plan.items):
         if not item.managed:
             pieces.append(_as_bytes(shard.to(item.torch_dtype)).reshape(-1))
             continue
         spec = item.spec
+        residual = state.second_hop_residual if item.second_hop_error_feedback else None
+        if item.second_hop_error_feedback:
+            if residual is None:
+                raise ValueError(f"GIFT: {item.name} has second-hop error feedback but no second-hop residual tensors")
+            e = residual_store.read(item.residual_format, residual, item.cols)
+            if e.shape != shard.shape:
+                raise ValueError(f"GIFT: {item.name}: second-hop residual {tuple(e.shape)} != this rank's shard "
+                                 f"{tuple(shard.shape)} (rows padded to a multiple of the world size {plan.world}, / world)")
+            shard = shard + _decayed(item, e)
         scales, tscale = choose_scales(shard, spec)
         seed = _rank_seed(shared, item, state, _ALL_GATHER_SEED) if item.stochastic_rounding else 0
         codes = encode(shard, spec, scales, tscale, stochastic_rounding=item.stochastic_rounding, seed=seed)
+        if residual is not None:
+            residual_store.write(item.residual_format, residual, shard - decode(codes, spec, scales, tscale, item.cols))
         pieces.append(codes.reshape(-1))
         pieces.extend(b.reshape(-1) for b in _scale_blocks(spec, item.cols, scales, tscale, 1))
     buf = torch.cat(pieces)
@@ -490,7 +513,8 @@ def sync_buffer(buffer: torch.Tensor, segments: Sequence[Segment], shared: Share
 # ---- one-tensor public API -----------------------------------------------------------------------
 @torch.compiler.disable
 def _single(x: torch.Tensor, group: dist.ProcessGroup | str | None, config: GiftConfig, transform: Geometry | None,
-            residual: torch.Tensor | None, seed: torch.Tensor | int, op: str, compiled: bool) -> torch.Tensor:
+            residual: torch.Tensor | None, seed: torch.Tensor | int, op: str, compiled: bool,
+            second_hop_residual: torch.Tensor | None = None) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"GIFT {op}: x must be a tensor, got {type(x).__name__}")
     dtype_name(x.dtype)
@@ -506,14 +530,20 @@ def _single(x: torch.Tensor, group: dist.ProcessGroup | str | None, config: Gift
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"GIFT {op}: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
     name, world, rank = group_info(group)
+    if second_hop_residual is not None and second_hop_residual.shape != (-(-rows // world), cols):
+        raise ValueError(f"GIFT {op}: second_hop_residual shape {tuple(second_hop_residual.shape)} != this rank's "
+                         f"shard {(-(-rows // world), cols)} (rows {rows} padded to a multiple of {world}, / {world})")
     if op == "reduce_scatter" and rows % world:
         raise ValueError(f"GIFT reduce_scatter: dim 0 of x ({rows}) is not divisible by the world size {world}")
     item = ItemPlan(name="x", rows=rows, cols=cols, dtype=dtype_name(x.dtype), managed=True, format=config.format,
                     scaling=config.scaling, block_size=config.block_size, kind=kind, n_tensors=len(tensors),
-                    error_feedback=residual is not None, stochastic_rounding=config.stochastic_rounding)
+                    error_feedback=residual is not None, stochastic_rounding=config.stochastic_rounding,
+                    second_hop_error_feedback=second_hop_residual is not None,
+                    error_feedback_decay=config.error_feedback_decay)
     res2 = None if residual is None else (residual.reshape(rows, cols),)
+    hop2 = None if second_hop_residual is None else (second_hop_residual,)
     seg_rows = rows // world if op == "reduce_scatter" else rows
-    segment = Segment("x", seg_rows, cols, item, ItemTensors(tensors, res2, None))
+    segment = Segment("x", seg_rows, cols, item, ItemTensors(tensors, res2, None, second_hop_residual=hop2))
     outs = sync_buffer(x.reshape(-1), [segment], Shared(seed, rank, None), op=op, group=group,
                        average=config.reduce_op == "avg", plan_check=config.plan_check, nonfinite=config.nonfinite,
                        compiled=compiled)
@@ -551,11 +581,16 @@ def all_reduce(
     transform: Geometry | None = None,
     residual: torch.Tensor | None = None,
     *,
+    second_hop_residual: torch.Tensor | None = None,
     seed: torch.Tensor | int = 0,
     compiled: bool = False,
 ) -> torch.Tensor:
     """Low-bit all-reduce of `x` (at least 1-D): bit-identical result on every rank.
 
     Arguments as in `reduce_scatter`; rows need not divide by the world size (padded).
+    `second_hop_residual` (fp32 `[ceil(rows / world), cols]`, rows and cols of `x`'s 2-D view)
+    is the owner-side error feedback of this rank's reduced shard, updated in place. Both
+    residuals are decayed by `config.error_feedback_decay`.
     """
-    return _single(x, group, config, transform, residual, seed, "all_reduce", compiled).to(x.dtype).reshape(x.shape)
+    return _single(x, group, config, transform, residual, seed, "all_reduce", compiled,
+                   second_hop_residual).to(x.dtype).reshape(x.shape)

@@ -123,7 +123,19 @@ class GiftConfig:
         exclude: globs of parameter FQNs that always stay at full precision (a
             comma-separated string is split; an empty tuple excludes nothing).
         error_feedback: keep the quantization residual (in transformed coordinates) and add
-            it to the next step's gradient.
+            it to the next step's gradient (the first hop: each rank's own contribution).
+        second_hop_error_feedback: error feedback on the all-reduce's second hop (1-bit Adam's
+            server side): each rank, as the owner of its reduced shard, keeps the residual of
+            re-encoding that shard before the all-gather and adds it at the next step. That
+            error is the same on every rank, so it does not average down over ranks like the
+            first hop's and dominates at low bits. The residual is 1/world of the tensor (in
+            `residual_format`, transformed coordinates). Only the all-reduce has a second hop:
+            a reduce-scatter path (FSDP2, framework tags) refuses it.
+        error_feedback_decay: beta of a leaky residual, for both hops: the encoder sends
+            `g + beta * e` and keeps `e <- beta * e + delta` (delta: what this encode left
+            out). 1.0 is plain error feedback, 0.0 sends exactly what no error feedback sends;
+            values below 1 bound how long a stale error keeps being re-sent. Needs one of the
+            error feedbacks on.
         stochastic_rounding: round fp codes stochastically (seeded, reproducible).
         min_numel: 2-D weights smaller than this stay at full precision.
         stats_tokens: at most this many tokens per step and layer enter the K-FAC statistics
@@ -182,6 +194,8 @@ class GiftConfig:
     select: str | tuple[str, ...] = "auto"
     exclude: tuple[str, ...] = ("*embed*", "*output*", "*lm_head*")
     error_feedback: bool = False
+    second_hop_error_feedback: bool = False
+    error_feedback_decay: float = 1.0
     stochastic_rounding: bool = False
     min_numel: int = 4096
     stats_tokens: int = 1024
@@ -238,12 +252,17 @@ class GiftConfig:
                                           lambda v: v >= 1.0),
             "auto_max_overhead": _check_float("auto_max_overhead", self.auto_max_overhead, "a finite float > 0",
                                               lambda v: v > 0.0),
+            "error_feedback_decay": _check_float("error_feedback_decay", self.error_feedback_decay,
+                                                 "a finite float in [0, 1]", lambda v: 0.0 <= v <= 1.0),
         }
         for name, value in floats.items():  # ema=0 is stored as 0.0: the annotated type
             object.__setattr__(self, name, value)
-        for name in ("error_feedback", "stochastic_rounding"):
+        for name in ("error_feedback", "second_hop_error_feedback", "stochastic_rounding"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, getattr(self, name), "true or false")
+        if self.error_feedback_decay != 1.0 and not (self.error_feedback or self.second_hop_error_feedback):
+            _fail("error_feedback_decay", self.error_feedback_decay,
+                  "1.0 unless error_feedback or second_hop_error_feedback is on (it decays their residuals)")
         self._validate_select()
         object.__setattr__(self, "exclude", _globs("exclude", self.exclude,
                                                    "a list (or comma-separated string) of non-empty FQN globs"))

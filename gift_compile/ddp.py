@@ -67,8 +67,7 @@ def install(model: nn.parallel.DistributedDataParallel, config: GiftConfig, grou
     pg = model.process_group if group is None or group is dist.group.WORLD else group
     if pg is not model.process_group and dist.get_world_size(pg) != dist.get_world_size(model.process_group):
         raise ValueError("gift_compile.apply: group= differs from the DistributedDataParallel process group")
-    state = manage(model.module, config, model.process_group, mode="stats")
-    state.collective = "all_reduce"
+    state = manage(model.module, config, model.process_group, mode="stats", collective="all_reduce")
     model.register_comm_hook(_HookState(state, model.module, model.process_group, fuse), _gift_hook)
     model._gift_state = state
     return state

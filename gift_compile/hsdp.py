@@ -112,7 +112,8 @@ class ReplicaAllReduce:
                 items.append(ItemPlan.passthrough(seg.name, seg.rows * seg.cols, dtype))
             else:
                 items.append(dataclasses.replace(seg.plan.with_dtype(dtype), rows=seg.rows, format=fmt,
-                                                 error_feedback=False, residual_format="fp32"))
+                                                 error_feedback=False, second_hop_error_feedback=False,
+                                                 error_feedback_decay=1.0, residual_format="fp32"))
         return BucketPlan(tuple(items), self.hop.world, self.hop.group.group_name, False, "all_reduce")
 
     def __call__(self, reduce_output: torch.Tensor) -> None:

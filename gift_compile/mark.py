@@ -118,11 +118,14 @@ def unpack_mark_tensors(plan: ItemPlan, tensors: list[Any]) -> tuple[ItemTensors
     """Inverse of `LayerState.mark_tensors` (works on tensors and on FX nodes alike). Read from
     the front, so a replica hop's tail (`unpack_replica_shared`) is ignored here."""
     n = plan.n_tensors
-    r = residual_store.buffer_count(plan.residual_format) if plan.error_feedback else 0
+    k = residual_store.buffer_count(plan.residual_format)
     transform = tuple(tensors[:n])
-    residual = tuple(tensors[n:n + r]) if plan.error_feedback else None
-    probe, seed_offset, seed, rank, counters = tensors[n + r:n + r + 5]
-    return ItemTensors(transform, residual, probe, seed_offset), Shared(seed, rank, counters)
+    residual = tuple(tensors[n:n + k]) if plan.error_feedback else None
+    n += k if plan.error_feedback else 0
+    second = tuple(tensors[n:n + k]) if plan.second_hop_error_feedback else None
+    n += k if plan.second_hop_error_feedback else 0
+    probe, seed_offset, seed, rank, counters = tensors[n:n + 5]
+    return ItemTensors(transform, residual, probe, seed_offset, second), Shared(seed, rank, counters)
 
 
 def unpack_replica_shared(plan: ItemPlan, tensors: list[Any]) -> Shared:
@@ -130,5 +133,6 @@ def unpack_replica_shared(plan: ItemPlan, tensors: list[Any]) -> Shared:
     hop's own counters) from a mark's tensors; only for a plan with a `replica_format`."""
     if not plan.replica_format:
         raise ValueError(f"GIFT: the mark of {plan.name} carries no replica hop (its plan has no replica_format)")
-    k = plan.n_tensors + (residual_store.buffer_count(plan.residual_format) if plan.error_feedback else 0)
+    bufs = residual_store.buffer_count(plan.residual_format)
+    k = plan.n_tensors + bufs * (int(plan.error_feedback) + int(plan.second_hop_error_feedback))
     return Shared(tensors[k + 2], tensors[k + 5], tensors[k + 6])

@@ -67,6 +67,9 @@ class ItemPlan:
     # shard over the replica group), "" without one. When set, the `gift::mark` carries the
     # replica hop's rank and counters after the shared tensors (`unpack_replica_shared`).
     replica_format: str = ""
+    # the all-reduce's second hop: the owner's residual of re-encoding its reduced shard
+    second_hop_error_feedback: bool = False
+    error_feedback_decay: float = 1.0  # beta of both residuals: send g + beta e
 
     def __post_init__(self) -> None:
         # Derived values are computed once here (not fields: they stay out of eq/hash/to_str),
@@ -80,7 +83,9 @@ class ItemPlan:
                    format=config.format, scaling=config.scaling, block_size=config.block_size,
                    kind=geometry_class(config.geometry).kind, n_tensors=n_tensors,
                    error_feedback=config.error_feedback, stochastic_rounding=config.stochastic_rounding,
-                   unrewritten=config.unrewritten, residual_format=config.residual_format)
+                   unrewritten=config.unrewritten, residual_format=config.residual_format,
+                   second_hop_error_feedback=config.second_hop_error_feedback,
+                   error_feedback_decay=config.error_feedback_decay)
 
     @classmethod
     def passthrough(cls, name: str, numel: int, dtype: torch.dtype) -> "ItemPlan":
@@ -120,7 +125,9 @@ class ItemPlan:
         if not self.managed:
             return f"{self.name}: {self.numel} x {self.dtype} full precision"
         return (f"{self.name}: [{self.rows}, {self.cols}] {self.dtype} -> {self.format}/{self.scaling}"
-                f"/b{self.block_size} {self.kind} ef={int(self.error_feedback)} sr={int(self.stochastic_rounding)}")
+                f"/b{self.block_size} {self.kind} ef={int(self.error_feedback)}{int(self.second_hop_error_feedback)}"
+                f"{'' if self.error_feedback_decay == 1.0 else f' beta={self.error_feedback_decay}'}"
+                f" sr={int(self.stochastic_rounding)}")
 
 
 @dataclass(frozen=True)

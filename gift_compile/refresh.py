@@ -87,7 +87,7 @@ class RefreshEngine:
             any(not l.decided for l in self.layers.values())
             or (cfg.reselect_every > 0 and number % cfg.reselect_every == 0))
         old = {n: (l.active_kind, tuple(t.clone() for t in l.active_tensors()))
-               for n, l in self.layers.items() if l.residual is not None}
+               for n, l in self.layers.items() if l.residual_buffers()}
         if not self._sharing_checked:
             self._share_identical_statistics()
         owners, me = self.owners(), group_rank(self.group)
@@ -128,11 +128,11 @@ class RefreshEngine:
         self._broadcast_transforms(owners, set(needing))
         record = self._select(deciding)
         for name, layer in self.layers.items():
-            if layer.residual is not None:
+            for bufs in layer.residual_buffers().values():  # maps act on columns: a row shard maps alike
                 kind, tensors = old[name]
                 fmt = self.config.residual_format
-                back = apply_inverse(kind, residual_store.read(fmt, layer.residual, layer.shape[1]), tensors)
-                residual_store.write(fmt, layer.residual, apply_forward(layer.active_kind, back, layer.active_tensors()))
+                back = apply_inverse(kind, residual_store.read(fmt, bufs, layer.shape[1]), tensors)
+                residual_store.write(fmt, bufs, apply_forward(layer.active_kind, back, layer.active_tensors()))
         record.seconds = time.perf_counter() - start
         self.history.append(record)
         return record

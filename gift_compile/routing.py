@@ -116,13 +116,16 @@ def eligible_linears(model: nn.Module, config: GiftConfig, world: int, *, split_
 
 
 def manage(model: nn.Module, config: GiftConfig, group: dist.ProcessGroup | None, *, mode: str,
-           device: torch.device | str | None = None, split_rows: bool = False) -> GiftState:
+           device: torch.device | str | None = None, split_rows: bool = False,
+           collective: str | None = None) -> GiftState:
     """Register `model`'s eligible linear weights with a new `GiftState`; the one function
     behind `apply` and the torchtitan adapter.
 
     `mode`: "sync" (GIFT all-reduces the gradient itself, in the weight's backward), "tag"
     (only the `gift::mark`: a traced framework collective is rewritten by the pass), or
     "stats" (only the K-FAC statistics hook: a framework hook calls GIFT's collective).
+    `collective` ("all_reduce" / "reduce_scatter") is what the gradients go through; by
+    default "sync" all-reduces and the others reduce-scatter (DDP's hook all-reduces).
     The state's tensors live on `device` (default: each weight's), which matters for
     frameworks that parallelize on the meta device and materialize afterwards.
     """
@@ -130,7 +133,8 @@ def manage(model: nn.Module, config: GiftConfig, group: dist.ProcessGroup | None
         raise ValueError(f"gift_compile.manage: mode={mode!r}; allowed: sync, tag, stats")
     if getattr(model, "_gift_state", None) is not None:
         raise ValueError("gift_compile: GIFT is already applied to this model; call gift_compile.remove first")
-    collective = "all_reduce" if mode == "sync" else "reduce_scatter"
+    if collective is None:  # a framework hook that all-reduces (DDP) says so
+        collective = "all_reduce" if mode == "sync" else "reduce_scatter"
     state = GiftState(config, group, collective=collective)
     world = state.world()
     group_name = group.group_name if mode == "sync" and world > 1 else None

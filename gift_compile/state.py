@@ -49,11 +49,13 @@ class LayerState:
     """What GIFT keeps for one managed weight `[out, in]`.
 
     `plan` is the static description the `gift::mark` op carries into graphs; the transform
-    tensors, `residual` and `probe` are the layer's runtime tensors; `stats` is fed by the
-    layer's forward pre-hook.
+    tensors, `residual`, `second_hop_residual` and `probe` are the layer's runtime tensors;
+    `stats` is fed by the layer's forward pre-hook. `world` sizes the second-hop residual:
+    this rank's shard of the all-reduce, `ceil(out / world)` rows.
     """
 
-    def __init__(self, fqn: str, shape: tuple[int, int], config: GiftConfig, device: torch.device | str):
+    def __init__(self, fqn: str, shape: tuple[int, int], config: GiftConfig, device: torch.device | str,
+                 world: int = 1):
         self.fqn = fqn
         self.shape = (int(shape[0]), int(shape[1]))
         self.config = config
@@ -69,6 +71,8 @@ class LayerState:
         self.grad_factor: torch.Tensor | None = geometry.allocate_factor(d_in, device)
         self.residual = (residual_store.allocate(config.residual_format, out, d_in, device)
                          if config.error_feedback else None)
+        self.second_hop_residual = (residual_store.allocate(config.residual_format, -(-out // world), d_in, device)
+                                    if config.second_hop_error_feedback else None)
         self.probe = torch.zeros(min(out, PROBE_ROWS), d_in, device=device)
         self._full_plan = ItemPlan.managed_layer(fqn, self.shape, config, len(self.transform.tensors))
         self.seed_offset = torch.tensor(self._full_plan.seed_offset, dtype=torch.int64, device=device)
@@ -118,12 +122,19 @@ class LayerState:
 
     def tensors(self) -> ItemTensors:
         """Runtime tensors for `gift_compile.collectives`."""
-        return ItemTensors(self.active_tensors(), self.residual, self.probe, self.seed_offset)
+        return ItemTensors(self.active_tensors(), self.residual, self.probe, self.seed_offset,
+                           self.second_hop_residual)
+
+    def residual_buffers(self) -> dict[str, tuple[torch.Tensor, ...]]:
+        """The error-feedback residuals this layer keeps, by state-dict prefix (first hop:
+        `residual`, the all-reduce's second hop: `second_hop_residual`)."""
+        return {k: v for k, v in (("residual", self.residual), ("second_hop_residual", self.second_hop_residual))
+                if v is not None}
 
     def mark_tensors(self, shared: Shared, replica: Shared | None = None) -> list[torch.Tensor]:
         """Inputs of the `gift::mark` op, in the order `unpack_mark_tensors` reads them; with a
         graph replica hop (`plan.replica_format`) also its rank and counters (`replica`)."""
-        extra = list(self.residual) if self.residual is not None else []
+        extra = [t for bufs in self.residual_buffers().values() for t in bufs]
         out = [*self.active_tensors(), *extra, self.probe, self.seed_offset, shared.seed, shared.rank, shared.counters]
         if self.plan.replica_format:
             if replica is None:
@@ -142,8 +153,8 @@ class LayerState:
             sd.update({f"stats.{k}": v for k, v in self.stats.state_dict().items()})
         if self.grad_factor is not None:
             sd["grad_factor"] = self.grad_factor
-        if self.residual is not None:
-            sd.update({f"residual.{i}": t for i, t in enumerate(self.residual)})
+        for prefix, bufs in self.residual_buffers().items():
+            sd.update({f"{prefix}.{i}": t for i, t in enumerate(bufs)})
         sd["probe"] = self.probe
         sd["selected"] = torch.tensor(self.selected)
         sd["decided"] = torch.tensor(self.decided)
@@ -170,6 +181,9 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
                  "plan_version", "_sharing_checked", "comm_timer", "retraces", "replica_hop")
 
     def __init__(self, config: GiftConfig, group: dist.ProcessGroup | None, collective: str = "all_reduce"):
+        if config.second_hop_error_feedback and collective != "all_reduce":
+            raise ValueError(f"GIFT: second_hop_error_feedback=True needs GIFT's all-reduce; this state runs a "
+                             f"{collective}, which has no second hop (only error_feedback applies)")
         self.config = config
         self.group = group
         self.collective = collective
@@ -226,8 +240,17 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
             now[C_NONFINITE_RANKS:C_MISMATCH_RANKS + 1] = masks  # bit masks are OR-ed, not summed
         return now
 
-    def add_layer(self, fqn: str, shape: tuple[int, int], device: torch.device | str) -> LayerState:
-        """Register a managed weight; a fixed rotation chosen by a static rule starts active."""
+    def add_layer(self, fqn: str, shape: tuple[int, int], device: torch.device | str, *,
+                  world: int | None = None) -> LayerState:
+        """Register a managed weight; a fixed rotation chosen by a static rule starts active.
+
+        `world` sizes the second-hop residual (this rank's shard of the all-reduce); it
+        defaults to the state's group and may differ only for a state without a group (the
+        memory benchmark sizes a `world`-rank state on the meta device)."""
+        if world is None:
+            world = self.world()
+        elif self.group is not None and world != self.world():
+            raise ValueError(f"GiftState.add_layer: {fqn}: world={world} but the state's group has {self.world()} ranks")
         if fqn in self.layers:
             raise ValueError(f"GiftState.add_layer: {fqn} is already managed")
         if len(shape) != 2 or not all(isinstance(d, int) and d > 0 for d in shape):
@@ -235,7 +258,7 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         if not self.layers and self.seed.device != torch.device(device):
             # graphs read these where the weights live
             self.seed, self.rank, self.counters = (t.to(device) for t in (self.seed, self.rank, self.counters))
-        layer = LayerState(fqn, shape, self.config, device)
+        layer = LayerState(fqn, shape, self.config, device, world)
         self.layers[fqn] = layer
         if self._static_selection():  # decided before any graph exists: not a plan change
             chosen = fqn in decide(self.config, {fqn: LayerMeasurement(1.0, 1.0, 0.0, 0.0)}, {})

@@ -48,9 +48,10 @@ class Telemetry:
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes of every tensor this state keeps, by kind (transforms, statistics, residuals,
-        probes, pending accumulation buffers, other). Works on the meta device, which is how
+        the all-reduce's second-hop residuals, probes, pending accumulation buffers, other). Works on the meta device, which is how
         the benchmark sizes GIFT at models this machine cannot hold."""
-        out = {"transforms": 0, "statistics": 0, "residuals": 0, "probes": 0, "pending": 0, "other": 0}
+        out = {"transforms": 0, "statistics": 0, "residuals": 0, "second_hop_residuals": 0, "probes": 0,
+               "pending": 0, "other": 0}
 
         def add(kind: str, t: torch.Tensor | None) -> None:
             if t is not None:
@@ -69,6 +70,8 @@ class Telemetry:
             add("statistics", layer.grad_factor)
             for t in layer.residual or ():
                 add("residuals", t)
+            for t in layer.second_hop_residual or ():
+                add("second_hop_residuals", t)
             add("probes", layer.probe)
             add("pending", layer.pending)
             add("other", layer.seed_offset)

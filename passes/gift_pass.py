@@ -420,7 +420,8 @@ def _replica_plan(match: BucketMatch, items: list[ItemPlan]) -> BucketPlan:
             out.append(ItemPlan.passthrough(item.name, item.numel // shard, item.torch_dtype))
         else:
             out.append(dataclasses.replace(item, rows=item.rows // shard, format=item.replica_format,
-                                           error_feedback=False, residual_format="fp32"))
+                                           error_feedback=False, second_hop_error_feedback=False,
+                                           error_feedback_decay=1.0, residual_format="fp32"))
     size = _group_size(match.replica_group)
     return BucketPlan(tuple(out), size, match.replica_group, match.replica_op == "avg", "all_reduce")
 

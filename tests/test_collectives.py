@@ -100,7 +100,8 @@ def _error_feedback_body(rank: int, world: int, steps: int) -> tuple[float, floa
 def test_error_feedback_shrinks_the_mean_error():
     no_ef, ef = run_ranks(_error_feedback_body, 2, 40)[0]
     # Without feedback the same bias repeats every step; with it the time-average converges
-    # (the second, all-gather stage is not compensated, which bounds the gain).
+    # (the second, all-gather stage is not compensated here, which bounds the gain; see
+    # tests/test_second_hop_ef.py for second_hop_error_feedback).
     assert ef < 0.6 * no_ef, (no_ef, ef)
 
 
