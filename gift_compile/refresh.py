@@ -24,7 +24,6 @@ from gift_compile.geometry import apply_forward, apply_inverse
 from gift_compile.selection import LayerMeasurement, decide, measure
 from gift_compile.statistics import KFACStatistics, SketchStatistics
 from gift_compile.sync import all_reduce_, broadcast_, group_rank
-from gift_compile.whitening import gradient_factor
 
 if TYPE_CHECKING:
     from gift_compile.state import LayerState
@@ -111,7 +110,7 @@ class RefreshEngine:
                 if grad is None:
                     continue
                 local, sharded = _local_grad(grad)
-                new = gradient_factor(local, self.group, sharded=sharded)
+                new = layer.transform.reduce_factor(local, self.group, sharded)
                 if not bool(torch.isfinite(new).all()):
                     logger.warning("GIFT: non-finite gradient factor for %s dropped at step %d", name, self.steps)
                     continue

@@ -58,7 +58,8 @@ class GiftSection:
 
     geometry: str = _DEFAULTS.geometry
     """Quantization coordinates: none, hadamard, dense, lowrank, gradient, momentum (the map from the
-    optimizer's momentum, what Muon orthogonalizes)."""
+    optimizer's momentum, what Muon orthogonalizes), second_moment (input columns scaled by AdamW's
+    exp_avg_sq)."""
 
     rank: int = _DEFAULTS.rank
     """Rank of the low-rank part of the whitening."""
