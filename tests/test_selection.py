@@ -10,6 +10,7 @@ from torch import nn
 from gift_compile.config import GiftConfigError
 from gift_compile.selection import leaf_optimizers, preconditions_matrices, select_metric_for
 from conftest import require
+from mlp import MLP as _MLP
 
 
 class _Net(nn.Module):
@@ -94,3 +95,62 @@ def test_torchtitan_section_resolves_auto_by_optimizer() -> None:
         explicit.to_gift_config(select_metric="whitened")
     with pytest.raises(GiftConfigError, match="allowed: euclidean, whitened, auto_by_optimizer"):
         GiftSection(select_metric="plain")
+
+
+def test_geometry_for_follows_the_optimizer() -> None:
+    from gift_compile.optimizers import geometry_for
+
+    net = _Net()
+    assert geometry_for(_muon_adamw(net), _hidden(net)) == "lowrank"
+    assert geometry_for(_Container([torch.optim.AdamW(net.parameters())]), _hidden(net)) == "second_moment"
+    assert geometry_for(torch.optim.Adam(net.parameters()), _hidden(net)) == "second_moment"
+    assert geometry_for(torch.optim.SGD(net.parameters(), lr=0.1), _hidden(net)) == "none"
+    # Adamax keeps no exp_avg_sq: not a second-moment optimizer
+    assert geometry_for(torch.optim.Adamax(net.parameters()), _hidden(net)) == "none"
+    big, small = _hidden(net)
+    wide = nn.Linear(32, 512, bias=False).weight
+    mixed = [torch.optim.Muon([big, small], lr=1e-3), torch.optim.AdamW([wide])]
+    assert geometry_for(mixed, [big, small, wide]) == "second_moment"  # 8192 vs 16384 elements
+    with pytest.raises(ValueError, match="cannot choose geometry"):
+        geometry_for(mixed, [nn.Linear(4, 4).weight])
+
+
+def test_apply_resolves_geometry_auto_from_the_optimizer_and_raises_without_one(caplog) -> None:
+    import gift_compile
+    from gift_compile.api import manage
+    from gift_compile.config import GiftConfig
+
+    cfg = GiftConfig(geometry="auto", min_numel=1024)
+    with pytest.raises(ValueError, match="geometry='auto' is chosen from the optimizer"):
+        gift_compile.apply(_MLP(), cfg)
+    with pytest.raises(ValueError, match="geometry='auto' is resolved from the optimizer before managing"):
+        manage(_MLP(), cfg, None, mode="sync")
+    for make, expected in ((lambda ps: torch.optim.AdamW(ps), "second_moment"),
+                           (lambda ps: torch.optim.Muon([p for p in ps if p.dim() == 2], lr=1e-3), "lowrank"),
+                           (lambda ps: torch.optim.SGD(ps, lr=0.1), "none")):
+        m = _MLP()
+        with caplog.at_level("INFO", logger="gift_compile"):
+            gift_compile.apply(m, cfg, optimizer=make(list(m.parameters())))
+        assert gift_compile.state(m).config.geometry == expected
+        assert f"geometry='auto' -> {expected!r}" in caplog.text
+        gift_compile.remove(m)
+
+
+def test_torchtitan_section_resolves_geometry_auto_by_optimizer() -> None:
+    require("torchtitan", "torchtitan extra not installed")
+    from gift_compile.torchtitan_ext.hooks import resolve_geometry
+    from gift_compile.torchtitan_ext.section import AUTO_METRIC, GiftSection
+
+    section = GiftSection(enable=True, min_numel=1024, geometry=AUTO_METRIC)
+    with pytest.raises(ValueError, match="geometry='auto_by_optimizer' needs the optimizer to be resolved"):
+        section.to_gift_config(select_metric="euclidean")
+    net = _Net()
+    assert resolve_geometry(section, _Container(_muon_adamw(net)), net, world=2) == "lowrank"
+    assert resolve_geometry(section, _Container([torch.optim.AdamW(net.parameters())]), net, world=2) == "second_moment"
+    assert section.to_gift_config(select_metric="euclidean", geometry="second_moment").geometry == "second_moment"
+    explicit = GiftSection(geometry="momentum")
+    assert resolve_geometry(explicit, _muon_adamw(net), net, world=2) is None
+    with pytest.raises(ValueError, match="is explicit"):
+        explicit.to_gift_config(select_metric="euclidean", geometry="lowrank")
+    with pytest.raises(GiftConfigError, match="second_moment, auto, auto_by_optimizer"):
+        GiftSection(geometry="spherical")
