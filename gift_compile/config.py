@@ -154,7 +154,9 @@ class GiftConfig:
             layer and lets the gradient travel at full precision.
         reselect_every: a measured selection (`select="auto"`, `"boundary_hits:K"`) is decided
             at the first refresh and then kept; with N > 0 it is decided again every N-th
-            refresh. Selection is part of the compiled graph (a deselected layer runs exactly
+            refresh. Between decisions `select="auto"` still measures its selected layers at
+            every refresh and deselects one whose gain has fallen below 1 (the transform
+            hurts by the selection's own metric). Selection is part of the compiled graph (a deselected layer runs exactly
             the Euclidean codec and collects no statistics), so each change costs one
             recompilation, and re-deciding keeps the statistics of deselected layers running.
         residual_format: how error-feedback residuals are stored (any wire format, per-row

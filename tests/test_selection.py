@@ -1,5 +1,7 @@
-"""Optimizer-aware choice of the selection metric (`gift_compile.selection.select_metric_for`)
-and its torchtitan form, `select_metric = "auto_by_optimizer"`, resolved from the optimizers."""
+"""Optimizer-aware choices of the selection metric and of the geometry
+(`gift_compile.optimizers.select_metric_for` / `geometry_for`) and their torchtitan form,
+``auto_by_optimizer``, resolved from the optimizers; a measured selection revisited at every
+refresh."""
 
 from __future__ import annotations
 
@@ -154,3 +156,47 @@ def test_torchtitan_section_resolves_geometry_auto_by_optimizer() -> None:
         explicit.to_gift_config(select_metric="euclidean", geometry="lowrank")
     with pytest.raises(GiftConfigError, match="second_moment, auto, auto_by_optimizer"):
         GiftSection(geometry="spherical")
+
+
+def _revisit_state(select: str) -> tuple:
+    """A one-process GiftState with two second-moment layers whose probes have input columns of
+    very different sizes, and a settable second-moment source per layer."""
+    from gift_compile.config import GiftConfig
+    from gift_compile.state import GiftState
+
+    st = GiftState(GiftConfig(geometry="second_moment", format="int2", select=select, refresh_every=1), None)
+    columns = torch.logspace(-3, 0, 64)
+    source: dict[str, torch.Tensor] = {}
+    for i, name in enumerate(("a.weight", "b.weight")):
+        layer = st.add_layer(name, (32, 64), "cpu")
+        layer.probe.copy_(torch.randn(32, 64, generator=torch.Generator().manual_seed(i)) * columns)
+        source[name] = columns.square().expand(32, 64).clone()  # matches the probe: the scaling helps
+    st.grad_source = source.__getitem__
+    return st, source, columns
+
+
+def test_a_selected_layer_whose_transform_turns_harmful_is_deselected_at_the_next_refresh(caplog) -> None:
+    st, source, columns = _revisit_state("auto")
+    first = st.refresh()
+    assert all(first.layers[n]["selected"] and first.layers[n]["gain"] > 1.05 for n in source), first.layers
+    version = st.plan_version
+    # the second moment turns against the gradient's columns: the scaling now amplifies the spread
+    source["b.weight"] = columns.flip(0).square().expand(32, 64).clone()
+    with caplog.at_level("INFO", logger="gift_compile"):
+        second = st.refresh()
+    assert second.layers["b.weight"]["gain"] < 1.0 and not second.layers["b.weight"]["selected"]
+    assert not st.layers["b.weight"].selected and st.layers["a.weight"].selected
+    assert second.layers["a.weight"]["gain"] > 1.05
+    assert st.plan_version > version and "b.weight deselected, its transform now hurts" in caplog.text
+    # nothing changes at a refresh where no selected layer is hurt: no further plan change
+    version = st.plan_version
+    st.refresh()
+    assert st.plan_version == version and st.layers["a.weight"].selected
+
+
+def test_static_selections_are_not_revisited() -> None:
+    st, source, columns = _revisit_state("all")
+    st.refresh()
+    source["b.weight"] = columns.flip(0).square().expand(32, 64).clone()
+    record = st.refresh()
+    assert record.layers["b.weight"]["gain"] < 1.0 and st.layers["b.weight"].selected
