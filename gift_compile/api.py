@@ -36,7 +36,7 @@ from gift_compile import collectives
 from gift_compile.config import AUTO_GEOMETRY, GiftConfig
 from gift_compile.geometries import Geometry, geometry_class
 from gift_compile.health import check_replicas
-from gift_compile.optimizers import geometry_for, leaf_optimizers
+from gift_compile.optimizers import geometry_for, leaf_optimizers, select_metric_for
 from gift_compile.passes.inductor import hold_inductor_pass, release_inductor_pass
 from gift_compile.routing import _unmanage_module, eligible_linears, manage  # noqa: F401 (public here too)
 from gift_compile.state import GiftState
@@ -122,7 +122,9 @@ def apply(model: nn.Module, config: GiftConfig | None = None, *, group: dist.Pro
 
 def _resolve_geometry(model: nn.Module, config: GiftConfig, group: dist.ProcessGroup | None,
                       optimizer: Any | None) -> GiftConfig:
-    """`config` with `geometry="auto"` replaced by `geometry_for(optimizer, managed weights)`.
+    """`config` with `geometry="auto"` replaced by `geometry_for(optimizer, managed weights)`,
+    and, when the chosen map is the optimizer's own preconditioning (`second_moment`), the
+    selection metric that judges it in those coordinates (`select_metric_for(..., geometry)`).
 
     The choice depends on what steps the weights, so there is none without the optimizer:
     raise rather than guess."""
@@ -133,10 +135,14 @@ def _resolve_geometry(model: nn.Module, config: GiftConfig, group: dist.ProcessG
     split_rows = bool(_fsdp2_modules(model)) or _has_dtensor_params(model)
     provisional = dataclasses.replace(config, geometry=Geometry.name)  # eligibility ignores the geometry
     weights = [m._parameters["weight"] for _, m in eligible_linears(model, provisional, world, split_rows=split_rows)]
-    chosen = geometry_for(optimizer, weights) if weights else Geometry.name  # nothing managed: nothing mapped
-    logger.info("gift_compile.apply: geometry='auto' -> %r (optimizer %s)", chosen,
-                ", ".join(type(o).__name__ for o in leaf_optimizers(optimizer)))
-    return dataclasses.replace(config, geometry=chosen)
+    if not weights:  # nothing managed: nothing mapped
+        return dataclasses.replace(config, geometry=Geometry.name)
+    chosen = dataclasses.replace(config, geometry=geometry_for(optimizer, weights))
+    if geometry_class(chosen.geometry).optimizer_coordinates:  # judged where the update sees the error
+        chosen = dataclasses.replace(chosen, select_metric=select_metric_for(optimizer, weights, chosen.geometry))
+    logger.info("gift_compile.apply: geometry='auto' -> %r, select_metric %r (optimizer %s)", chosen.geometry,
+                chosen.select_metric, ", ".join(type(o).__name__ for o in leaf_optimizers(optimizer)))
+    return chosen
 
 
 def attach_optimizer(state: GiftState, optimizer: torch.optim.Optimizer) -> None:

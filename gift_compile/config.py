@@ -117,7 +117,8 @@ class GiftConfig:
             scales each input column by `(c_j / mean(c))^{-1/2}`, `c_j` the column sum of
             Adam's/AdamW's `exp_avg_sq` (needs the optimizer). `auto` is resolved by
             `apply(..., optimizer=)` from the optimizer: `lowrank` under a matrix
-            preconditioner (Muon, Shampoo), `second_moment` under Adam/AdamW, else `none`.
+            preconditioner (Muon, Shampoo), `second_moment` under Adam/AdamW (and then
+            `select_metric="whitened"`, the error in AdamW's update coordinates), else `none`.
         rank: rank of the low-rank part of the whitening.
         refresh_every: steps between geometry refreshes (statistics, transforms, selection).
         ema: decay of the exponential moving average of the statistics (not used by

@@ -127,6 +127,9 @@ class Geometry:
     adaptive: ClassVar[bool] = False  # whether a refresh rebuilds the map from statistics
     uses_gradient_factor: ClassVar[bool] = False  # refreshed from a gradient-side factor (no input hooks)
     needs_optimizer: ClassVar[bool] = False  # the factor lives in the optimizer's state
+    # the map's coordinates are the ones the optimizer's update sees, so the error measured
+    # there (`select_metric="whitened"`) is the error of the update itself
+    optimizer_coordinates: ClassVar[bool] = False
 
     def __init__(self, d_in: int, rank: int = 32, *, seed: int = 0, device: torch.device | str = "cpu"):
         self.d_in = d_in
@@ -467,7 +470,7 @@ class SecondMoment(Geometry):
     """
 
     name, kind, is_identity, adaptive = "second_moment", "diagonal", False, True
-    uses_gradient_factor, needs_optimizer = True, True
+    uses_gradient_factor, needs_optimizer, optimizer_coordinates = True, True, True
     SECOND_MOMENT_KEYS: ClassVar[tuple[str, ...]] = ("exp_avg_sq",)  # torch Adam / AdamW
 
     def _allocate(self, seed: int, f32: dict[str, Any]) -> tuple[torch.Tensor, ...]:

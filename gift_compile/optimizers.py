@@ -74,17 +74,32 @@ def _mostly(stepped: list[tuple[int, torch.optim.Optimizer]], test: Callable[[to
     return 2 * sum(n for n, opt in stepped if test(opt)) > sum(n for n, _ in stepped)
 
 
-def select_metric_for(optimizer: object, weights: list[torch.Tensor]) -> str:
+def select_metric_for(optimizer: object, weights: list[torch.Tensor], geometry: str | None = None) -> str:
     """`GiftConfig.select_metric` for the optimizer(s) that step the managed `weights`.
 
     "whitened" when most of the managed elements (by count) are stepped by a matrix
     preconditioner, else "euclidean". The convergence study (bench/results/REPORT.md,
     section 5) is the evidence: under Muon the whitened round trip is what GIFT improves and
-    what costs loss; under AdamW the plain error is. Weights that no optimizer steps are
-    ignored; if none of them is stepped the choice is undefined and this raises.
+    what costs loss; under AdamW the plain error is. One exception: a `geometry` whose map is
+    the optimizer's own preconditioning (`second_moment` under Adam/AdamW, `optimizer_coordinates`)
+    is judged in its coordinates ("whitened"), where the error is the error of the update itself
+    (the bench's AdamW sweep measured it so); in plain L2 the same map measures 0.96x at NVFP4
+    and would be refused. Weights that no optimizer steps are ignored; if none of them is
+    stepped the choice is undefined and this raises.
     """
+    from gift_compile.geometries import geometry_class  # the table imports this module
+
     stepped = _stepped(optimizer, weights, "select_metric")
-    return "whitened" if _mostly(stepped, preconditions_matrices) else "euclidean"
+    if _mostly(stepped, preconditions_matrices):
+        return "whitened"
+    if geometry is not None and geometry_class(geometry).optimizer_coordinates and _mostly(stepped, _second_moment):
+        return "whitened"
+    return "euclidean"
+
+
+def _second_moment(opt: torch.optim.Optimizer) -> bool:
+    """Whether `opt` keeps Adam's second moment (`SECOND_MOMENT_OPTIMIZERS`)."""
+    return isinstance(opt, SECOND_MOMENT_OPTIMIZERS)
 
 
 def geometry_for(optimizer: object, weights: list[torch.Tensor]) -> str:
@@ -101,6 +116,6 @@ def geometry_for(optimizer: object, weights: list[torch.Tensor]) -> str:
     stepped = _stepped(optimizer, weights, "geometry")
     if _mostly(stepped, preconditions_matrices):
         return "lowrank"
-    if _mostly(stepped, lambda opt: isinstance(opt, SECOND_MOMENT_OPTIMIZERS)):
+    if _mostly(stepped, _second_moment):
         return "second_moment"
     return "none"

@@ -51,6 +51,11 @@ def test_muon_on_the_managed_weights_means_whitened_adamw_means_euclidean() -> N
     assert select_metric_for(opts, [net.tok_embeddings.weight]) == "euclidean"
     assert select_metric_for(torch.optim.AdamW(net.parameters()), _hidden(net)) == "euclidean"
     assert select_metric_for(torch.optim.SGD(net.parameters()), _hidden(net)) == "euclidean"
+    # the second-moment map is judged in its own coordinates (AdamW's update's), other maps are not
+    adamw = torch.optim.AdamW(net.parameters())
+    assert select_metric_for(adamw, _hidden(net), "second_moment") == "whitened"
+    assert select_metric_for(adamw, _hidden(net), "lowrank") == "euclidean"
+    assert select_metric_for(torch.optim.SGD(net.parameters()), _hidden(net), "second_moment") == "euclidean"
 
 
 def test_majority_of_managed_elements_decides_and_subclasses_are_recognised() -> None:
@@ -134,6 +139,9 @@ def test_apply_resolves_geometry_auto_from_the_optimizer_and_raises_without_one(
         with caplog.at_level("INFO", logger="gift_compile"):
             gift_compile.apply(m, cfg, optimizer=make(list(m.parameters())))
         assert gift_compile.state(m).config.geometry == expected
+        # the second-moment map is judged where AdamW's update sees the error; the others keep
+        # the configured metric
+        assert gift_compile.state(m).config.select_metric == ("whitened" if expected == "second_moment" else "euclidean")
         assert f"geometry='auto' -> {expected!r}" in caplog.text
         gift_compile.remove(m)
 
@@ -152,6 +160,11 @@ def test_torchtitan_section_resolves_geometry_auto_by_optimizer() -> None:
     assert section.to_gift_config(select_metric="euclidean", geometry="second_moment").geometry == "second_moment"
     explicit = GiftSection(geometry="momentum")
     assert resolve_geometry(explicit, _muon_adamw(net), net, world=2) is None
+    from gift_compile.torchtitan_ext.hooks import resolve_select_metric
+
+    adamw = _Container([torch.optim.AdamW(net.parameters())])
+    assert resolve_select_metric(section, adamw, net, 2, "second_moment") == "whitened"
+    assert resolve_select_metric(section, adamw, net, 2, "lowrank") == "euclidean"
     with pytest.raises(ValueError, match="is explicit"):
         explicit.to_gift_config(select_metric="euclidean", geometry="lowrank")
     with pytest.raises(GiftConfigError, match="second_moment, auto, auto_by_optimizer"):

@@ -87,8 +87,9 @@ def gift_post_optimizer_build(optimizers: Any, model_parts: list[nn.Module], par
     model = model_parts[0]
     group = data_parallel_group(parallel_dims, trainer)
     world = dist.get_world_size(group)
-    metric = resolve_select_metric(section, optimizers, model, world)
-    config = section.to_gift_config(select_metric=metric, geometry=resolve_geometry(section, optimizers, model, world))
+    geometry = resolve_geometry(section, optimizers, model, world)
+    metric = resolve_select_metric(section, optimizers, model, world, geometry or section.geometry)
+    config = section.to_gift_config(select_metric=metric, geometry=geometry)
     if trainer == "fsdp2":
         state = manage(model, config, group, mode="stats", split_rows=True)
         fsdp2.install(model, state, compiled=section.fuse)
@@ -108,16 +109,17 @@ def _managed_weights(section: GiftSection, model: nn.Module, world: int) -> list
     return [m._parameters["weight"] for _, m in eligible_linears(model, provisional, world, split_rows=True)]
 
 
-def resolve_select_metric(section: GiftSection, optimizers: Any, model: nn.Module, world: int) -> str | None:
+def resolve_select_metric(section: GiftSection, optimizers: Any, model: nn.Module, world: int,
+                          geometry: str | None = None) -> str | None:
     """The metric for ``select_metric = "auto_by_optimizer"``: `select_metric_for` over the
-    optimizer classes that step the weights GIFT will manage on `world` ranks (None for an
-    explicit metric)."""
+    optimizer classes that step the weights GIFT will manage on `world` ranks and the
+    (resolved) `geometry` (None for an explicit metric)."""
     if section.select_metric != AUTO_METRIC:
         return None
     weights = _managed_weights(section, model, world)
     if not weights:
         return "euclidean"  # nothing is managed, so nothing is selected: the metric is never used
-    metric = select_metric_for(optimizers, weights)
+    metric = select_metric_for(optimizers, weights, geometry)
     logger.info(f"GIFT: select_metric auto_by_optimizer -> {metric}")
     return metric
 
