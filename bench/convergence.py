@@ -49,7 +49,7 @@ from gift_compile.api import eligible_linears
 from gift_compile.config import AUTO_GEOMETRY, GiftConfig
 from gift_compile.formats import FormatSpec
 from gift_compile.geometries import geometry_class
-from gift_compile.optimizers import geometry_for
+from gift_compile.optimizers import geometry_for, select_metric_for
 from gift_compile.geometry import Transform, gradient_factor
 from gift_compile.passes import last_reports, reports_seen
 from gift_compile.state import GiftState
@@ -261,7 +261,10 @@ def _resolve_geometry(config: GiftConfig | None, model: nn.Module, optimizers: l
         return config
     provisional = dataclasses.replace(config, geometry="none")  # eligibility ignores the geometry
     weights = [m.weight for _, m in eligible_linears(model, provisional, world, split_rows=split_rows)]
-    return dataclasses.replace(config, geometry=geometry_for(optimizers, weights))
+    chosen = dataclasses.replace(config, geometry=geometry_for(optimizers, weights))
+    if geometry_class(chosen.geometry).optimizer_coordinates:  # as `apply` does: judged in the update's coordinates
+        chosen = dataclasses.replace(chosen, select_metric=select_metric_for(optimizers, weights, chosen.geometry))
+    return chosen
 
 
 def _train(opt_name: str, arm: str, seed: int, s: ConvergenceSettings, paths: corpus.CorpusPaths,
@@ -319,6 +322,7 @@ def _train(opt_name: str, arm: str, seed: int, s: ConvergenceSettings, paths: co
         result["managed_layers"] = len(state.layers)
         result["selected_layers"] = sum(layer.selected for layer in state.layers.values())
         result["geometry"] = state.config.geometry  # as resolved (`-geo`: chosen from the optimizer)
+        result["select_metric"] = state.config.select_metric
         if s.compile:  # what the FX pass did to this arm's graphs
             reports = last_reports(since=reports_before)
             result["pass_rewritten"] = sum(len(r.layers) for r in reports)

@@ -153,3 +153,4 @@ def test_second_moment_arms_train_on_both_paths(path: str, tmp_path) -> None:
         assert r["path"] == path and r["replicas_identical"] and r["geometry"] == "second_moment"
         assert r["managed_layers"] > 0 and r["selected_layers"] == r["managed_layers"]
         assert all(math.isfinite(bpb) for _, bpb in r["evals"])
+    assert runs["gift-int2-geo"]["select_metric"] == "whitened"  # as `apply` resolves geometry="auto"
