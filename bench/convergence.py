@@ -45,10 +45,14 @@ from bench.settings import ConvergenceSettings
 from bench.stats import holm, paired, ratio_ci
 from bench.tiny_llama import TinyLlama
 from gift_compile.collectives import all_reduce
-from gift_compile.config import GiftConfig
+from gift_compile.api import eligible_linears
+from gift_compile.config import AUTO_GEOMETRY, GiftConfig
 from gift_compile.formats import FormatSpec
+from gift_compile.geometries import geometry_class
+from gift_compile.optimizers import geometry_for, select_metric_for
 from gift_compile.geometry import Transform, gradient_factor
 from gift_compile.passes import last_reports, reports_seen
+from gift_compile.state import GiftState
 from gift_compile.sync import all_reduce_
 from gift_compile.torchtitan_ext import corpus
 
@@ -78,6 +82,10 @@ MODIFIERS: dict[str, dict[str, object]] = {
     "d2": {"damping": 1e-2},
     # the product's measured selection (`select="auto"`, default metric) instead of every layer whitened
     "auto": {"select": "auto"},
+    # input columns scaled by AdamW's second moment (`geometry="second_moment"`, the sweep's vcol-p1)
+    "vsq": {"geometry": "second_moment"},
+    # the geometry the product picks for the optimizer (`geometry="auto"`: `geometry_for`)
+    "geo": {"geometry": "auto"},
     # EXPERIMENT, not in the product: two-sided dense whitening from the momentum (`TwoSided`)
     "two": {"geometry": "none", "damping": 1e-2},
     # owner-side error feedback on the all-reduce's second hop (all-reduce path only); with
@@ -94,7 +102,8 @@ def parse_arm(arm: str) -> tuple[str, str | None, bool]:
     Names are `fp32` or `(euclid|gift)-<format>[-ef][-<modifier>...]`, modifiers from
     `MODIFIERS` (stochastic rounding, dense whitening, exact statistics, rank 64, refresh
     every 5 steps, gradient-side geometry, momentum-side geometry, damping 1e-2, measured
-    selection, the two-sided experiment, second-hop error feedback, a decaying residual).
+    selection, the two-sided experiment, AdamW's second-moment column scaling, the geometry
+    chosen from the optimizer, second-hop error feedback, a decaying residual).
     """
     if arm == "fp32":
         return "fp32", None, False
@@ -219,6 +228,16 @@ class ShardedTwin:
         fully_shard(self.module, mesh=mesh)
         self.pairs = [(p, dict(self.module.named_parameters())[n]) for n, p in model.named_parameters()]
 
+    def read_optimizer_state(self, state: GiftState, optimizer: torch.optim.Optimizer) -> None:
+        """Point a geometry built from the optimizer's state (`second_moment`) at the plain
+        model's state: the optimizer steps the plain model, so the twin's parameters have none.
+        Every rank holds that state whole and identical, so each layer's factor is the exact
+        full one (not a row shard's), and the owner's broadcast keeps the maps bit-identical."""
+        cls = geometry_class(state.config.geometry)
+        if cls.needs_optimizer:
+            plain = dict(self.model.named_parameters())
+            state.grad_source = cls.factor_source(plain.__getitem__, optimizer, lambda: state.steps)
+
     def gather_grads(self) -> None:
         """Every rank's plain model gets the full reduced gradient (an exact fp32 all-gather)."""
         for plain, shard in self.pairs:
@@ -238,6 +257,21 @@ class ShardedTwin:
             local.copy_(piece)
 
 
+def _resolve_geometry(config: GiftConfig | None, model: nn.Module, optimizers: list[torch.optim.Optimizer],
+                      world: int, *, split_rows: bool) -> GiftConfig | None:
+    """`-geo` arms: `geometry="auto"` chosen from the optimizers that step the plain model's
+    managed weights (`geometry_for`), here rather than in `apply`, because on the reduce-scatter
+    path GIFT is applied to the twin, whose parameters no optimizer steps."""
+    if config is None or config.geometry != AUTO_GEOMETRY:
+        return config
+    provisional = dataclasses.replace(config, geometry="none")  # eligibility ignores the geometry
+    weights = [m.weight for _, m in eligible_linears(model, provisional, world, split_rows=split_rows)]
+    chosen = dataclasses.replace(config, geometry=geometry_for(optimizers, weights))
+    if geometry_class(chosen.geometry).optimizer_coordinates:  # as `apply` does: judged in the update's coordinates
+        chosen = dataclasses.replace(chosen, select_metric=select_metric_for(optimizers, weights, chosen.geometry))
+    return chosen
+
+
 def _train(opt_name: str, arm: str, seed: int, s: ConvergenceSettings, paths: corpus.CorpusPaths,
            rank: int, world: int) -> dict[str, object]:
     model = TinyLlama(s.model, seed=seed)
@@ -247,9 +281,12 @@ def _train(opt_name: str, arm: str, seed: int, s: ConvergenceSettings, paths: co
     two_sided = TwoSided(model, config, optimizers[0], world) if "two" in arm.split("-")[2:] else None
     sharded = ShardedTwin(model, rank, world) if s.path == "reduce-scatter" else None
     gift_model = sharded.module if sharded is not None else model
+    config = _resolve_geometry(config, model, optimizers, world, split_rows=sharded is not None)
     if config is not None and two_sided is None:  # the first optimizer drives GIFT's state (health check, refresh)
         # fuse=False: the FSDP2 hook's codec runs eagerly, as the eager all-reduce path's does (no per-run compile)
         gift_compile.apply(gift_model, config, group=dist.group.WORLD, optimizer=optimizers[0], fuse=False)
+        if sharded is not None:
+            sharded.read_optimizer_state(gift_compile.state(gift_model), optimizers[0])
     forward = sharded.module if sharded is not None else (torch.compile(model) if s.compile else model)
     tokens = corpus.token_stream("train", paths)
     losses: list[float] = []
@@ -289,6 +326,8 @@ def _train(opt_name: str, arm: str, seed: int, s: ConvergenceSettings, paths: co
         result["baseline_bytes_per_step"] = totals["baseline"] / s.steps
         result["managed_layers"] = len(state.layers)
         result["selected_layers"] = sum(layer.selected for layer in state.layers.values())
+        result["geometry"] = state.config.geometry  # as resolved (`-geo`: chosen from the optimizer)
+        result["select_metric"] = state.config.select_metric
         if s.compile:  # what the FX pass did to this arm's graphs
             reports = last_reports(since=reports_before)
             result["pass_rewritten"] = sum(len(r.layers) for r in reports)

@@ -22,6 +22,7 @@ or call `gift_compile.step(model)`), not per backward pass.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,9 +33,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from gift_compile import collectives
-from gift_compile.config import GiftConfig
-from gift_compile.geometries import geometry_class
+from gift_compile.config import AUTO_GEOMETRY, GiftConfig
+from gift_compile.geometries import Geometry, geometry_class
 from gift_compile.health import check_replicas
+from gift_compile.optimizers import geometry_for, leaf_optimizers, select_metric_for
 from gift_compile.passes.inductor import hold_inductor_pass, release_inductor_pass
 from gift_compile.routing import _unmanage_module, eligible_linears, manage  # noqa: F401 (public here too)
 from gift_compile.state import GiftState
@@ -72,6 +74,9 @@ def apply(model: nn.Module, config: GiftConfig | None = None, *, group: dist.Pro
     with the same config is a no-op; with another config it is an error.
     """
     config = config or GiftConfig()
+    group = _default_group(group)
+    if config.geometry == AUTO_GEOMETRY:
+        config = _resolve_geometry(model, config, group, optimizer)
     if geometry_class(config.geometry).needs_optimizer and optimizer is None:
         raise ValueError(f"gift_compile.apply: geometry={config.geometry!r} builds each layer's map from the "
                          "optimizer's state; pass optimizer=")
@@ -80,7 +85,6 @@ def apply(model: nn.Module, config: GiftConfig | None = None, *, group: dist.Pro
         if existing.config == config:
             return model
         raise ValueError("gift_compile.apply: model already has GIFT with a different config; call gift_compile.remove first")
-    group = _default_group(group)
     if isinstance(model, nn.parallel.DistributedDataParallel):
         from gift_compile import ddp
 
@@ -114,6 +118,31 @@ def apply(model: nn.Module, config: GiftConfig | None = None, *, group: dist.Pro
     hold_inductor_pass(model)  # installed while a model with GIFT applied is alive (see passes.inductor)
     logger.info("gift_compile.apply: %d weights managed via %s (%s)", len(state.layers), kind, ", ".join(state.layers))
     return model
+
+
+def _resolve_geometry(model: nn.Module, config: GiftConfig, group: dist.ProcessGroup | None,
+                      optimizer: Any | None) -> GiftConfig:
+    """`config` with `geometry="auto"` replaced by `geometry_for(optimizer, managed weights)`,
+    and, when the chosen map is the optimizer's own preconditioning (`second_moment`), the
+    selection metric that judges it in those coordinates (`select_metric_for(..., geometry)`).
+
+    The choice depends on what steps the weights, so there is none without the optimizer:
+    raise rather than guess."""
+    if optimizer is None:
+        raise ValueError("gift_compile.apply: geometry='auto' is chosen from the optimizer that steps the managed "
+                         "weights; pass optimizer= or name a geometry")
+    world = collectives.group_info(group)[1]
+    split_rows = bool(_fsdp2_modules(model)) or _has_dtensor_params(model)
+    provisional = dataclasses.replace(config, geometry=Geometry.name)  # eligibility ignores the geometry
+    weights = [m._parameters["weight"] for _, m in eligible_linears(model, provisional, world, split_rows=split_rows)]
+    if not weights:  # nothing managed: nothing mapped
+        return dataclasses.replace(config, geometry=Geometry.name)
+    chosen = dataclasses.replace(config, geometry=geometry_for(optimizer, weights))
+    if geometry_class(chosen.geometry).optimizer_coordinates:  # judged where the update sees the error
+        chosen = dataclasses.replace(chosen, select_metric=select_metric_for(optimizer, weights, chosen.geometry))
+    logger.info("gift_compile.apply: geometry='auto' -> %r, select_metric %r (optimizer %s)", chosen.geometry,
+                chosen.select_metric, ", ".join(type(o).__name__ for o in leaf_optimizers(optimizer)))
+    return chosen
 
 
 def attach_optimizer(state: GiftState, optimizer: torch.optim.Optimizer) -> None:

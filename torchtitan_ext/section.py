@@ -14,7 +14,9 @@ converts with ``reduce_op="sum"``.
 chosen once the optimizers exist (`gift_compile.torchtitan_ext.hooks`), "whitened" when the
 managed weights are stepped by a matrix preconditioner (Muon/DistMuon, Shampoo, SOAP, ...),
 "euclidean" for elementwise optimizers (Adam, AdamW), see
-`gift_compile.selection.select_metric_for`.
+`gift_compile.selection.select_metric_for`. ``geometry`` may be ``auto_by_optimizer`` too: the
+geometry is then chosen the same way (`gift_compile.optimizers.geometry_for`: lowrank under a
+matrix preconditioner, second_moment under Adam/AdamW, none otherwise).
 """
 
 from __future__ import annotations
@@ -58,7 +60,9 @@ class GiftSection:
 
     geometry: str = _DEFAULTS.geometry
     """Quantization coordinates: none, hadamard, dense, lowrank, gradient, momentum (the map from the
-    optimizer's momentum, what Muon orthogonalizes)."""
+    optimizer's momentum, what Muon orthogonalizes), second_moment (input columns scaled by AdamW's
+    exp_avg_sq), auto_by_optimizer (lowrank under Muon/Shampoo-style optimizers, second_moment under
+    Adam/AdamW, else none)."""
 
     rank: int = _DEFAULTS.rank
     """Rank of the low-rank part of the whitening."""
@@ -132,31 +136,38 @@ class GiftSection:
         for name in _INTEGRATION_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GiftSection.{name}={getattr(self, name)!r} is invalid; allowed: true or false")
-        # an automatic metric is resolved later, once the optimizers exist: validate the rest now
-        self.to_gift_config(select_metric="euclidean" if self.select_metric == AUTO_METRIC else None)
+        # automatic choices are resolved later, once the optimizers exist: validate the rest now
+        self.to_gift_config(**self.provisional())
 
-    def to_gift_config(self, select_metric: str | None = None) -> GiftConfig:
+    def provisional(self) -> dict[str, str | None]:
+        """Stand-ins for the automatic choices (what `to_gift_config` needs to validate the rest,
+        and what weight eligibility, which ignores both, is computed with)."""
+        return {"select_metric": "euclidean" if self.select_metric == AUTO_METRIC else None,
+                "geometry": _DEFAULTS.geometry if self.geometry == AUTO_METRIC else None}
+
+    def to_gift_config(self, select_metric: str | None = None, geometry: str | None = None) -> GiftConfig:
         """The validated GiftConfig (raises ValueError naming the bad field).
 
-        `select_metric` is the resolved metric when the section says ``auto_by_optimizer``
-        (`hooks` passes `gift_compile.selection.select_metric_for(...)`); an automatic
-        metric left unresolved is an error, never a silent default.
+        `select_metric` / `geometry` are the resolved choices when the section says
+        ``auto_by_optimizer`` (`hooks` passes `select_metric_for(...)` / `geometry_for(...)`); an
+        automatic choice left unresolved is an error, never a silent default.
         """
         values = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _INTEGRATION_FIELDS}
-        if values["select_metric"] == AUTO_METRIC:
-            if select_metric is None:
-                raise ValueError(f"GiftSection.select_metric={AUTO_METRIC!r} needs the optimizer to be resolved; "
-                                 "pass to_gift_config(select_metric=...)")
-            values["select_metric"] = select_metric
-        elif select_metric is not None and select_metric != values["select_metric"]:
-            raise ValueError(f"GiftSection.select_metric={values['select_metric']!r} is explicit; it cannot be "
-                             f"resolved to {select_metric!r}")
+        for name, resolved in (("select_metric", select_metric), ("geometry", geometry)):
+            if values[name] == AUTO_METRIC:
+                if resolved is None:
+                    raise ValueError(f"GiftSection.{name}={AUTO_METRIC!r} needs the optimizer to be resolved; "
+                                     f"pass to_gift_config({name}=...)")
+                values[name] = resolved
+            elif resolved is not None and resolved != values[name]:
+                raise ValueError(f"GiftSection.{name}={values[name]!r} is explicit; it cannot be "
+                                 f"resolved to {resolved!r}")
         # tyro parses list[str] from one "a,b,c" token, so `--gift.exclude ""` ([""]) is how the
         # command line says "exclude nothing"; any other empty glob is an error in GiftConfig.
         values["exclude"] = () if values["exclude"] == [""] else values["exclude"]
         try:
             return GiftConfig(reduce_op="sum", **values)
         except GiftConfigError as err:
-            if err.field == "select_metric":  # the section also allows the automatic choice
+            if err.field in ("select_metric", "geometry"):  # the section also allows the automatic choice
                 raise GiftConfigError(err.field, err.value, f"{err.allowed}, {AUTO_METRIC}") from None
             raise
