@@ -9,7 +9,6 @@ between the two paths would not isolate the communication.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import math

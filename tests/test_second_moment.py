@@ -4,7 +4,6 @@ plain module (GIFT's all-reduce) and on FSDP2 (each rank holds a row shard of th
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 
 import gift_compile
 from gift_compile.config import GiftConfig

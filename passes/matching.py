@@ -1,0 +1,206 @@
+"""Finding the gradient collectives the GIFT pass rewrites: match records, no mutation.
+
+`find_gradient_collectives` returns one `BucketMatch` per functional `reduce_scatter_tensor` /
+`all_reduce` (with its `wait_tensor`) that carries at least one marked gradient, either
+directly (through views and casts) or as an entry of a bucket built by Inductor's
+`bucketing::_pre_bucket_reduce_scatter`, and, for SimpleFSDP's HSDP, the replica all-reduce
+each bucket entry went through first. `_why_not` says why a match cannot be rewritten. The
+rewrite itself is `gift_compile.passes.gift_pass`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from gift_compile.plan import ItemPlan, dtype_name
+
+_c10d = torch.ops._c10d_functional
+_aten = torch.ops.aten
+
+
+_COLLECTIVES = {_c10d.all_reduce.default: "all_reduce", _c10d.reduce_scatter_tensor.default: "reduce_scatter"}
+# Ops a gradient may pass through between the mark and the collective without changing
+# which element sits in which row.
+_PASSTHROUGH = {
+    _aten.view.default, _aten.reshape.default, _aten._unsafe_view.default, _aten.clone.default,
+    _aten.alias.default, _aten._to_copy.default, _aten.contiguous.default,
+    torch.ops.prims.convert_element_type.default,
+}
+_META_KEYS = ("autograd_backward", "stack_trace", "nn_module_stack", "seq_nr", "fwd_nn_module_stack", "custom")
+
+
+def _pre_bucket_op() -> Any:
+    """`bucketing::_pre_bucket_reduce_scatter` (registered when Inductor's bucketing loads)."""
+    import torch._inductor.fx_passes.bucketing  # noqa: F401  (registers the op)
+
+    return torch.ops.bucketing._pre_bucket_reduce_scatter.default
+
+
+class GiftRewriteError(RuntimeError):
+    """A marked gradient whose collective the pass cannot rewrite (it would go at fp32)."""
+
+
+@dataclass
+class BucketMatch:
+    """A gradient collective (+ wait) and the tensors it carries, some of them marked."""
+
+    collective: fx.Node
+    wait: fx.Node
+    inputs: list[fx.Node]  # what the framework handed to the collective, per bucket entry
+    marks: list[fx.Node | None]  # the mark each entry traces back to (None: unmanaged)
+    pre_bucket: fx.Node | None
+    op: str
+    reduce_op: str
+    group_size: int
+    group_name: str
+    # HSDP: the replica all-reduce (+ wait) each entry went through before the reduce-scatter
+    # (`inputs` are then what entered those all-reduces), their group and op; empty otherwise.
+    replica_reductions: list[tuple[fx.Node, fx.Node]] = field(default_factory=list)
+    replica_group: str | None = None
+    replica_op: str = "sum"
+    mixed_replica: bool = False  # some entries went through a replica all-reduce, others not
+
+    def plans(self) -> list[ItemPlan | None]:
+        return [None if m is None else ItemPlan.from_str(m.args[2]) for m in self.marks]
+
+
+def count_ops(graph: fx.Graph) -> dict[str, int]:
+    """Counts of the call_function targets that matter here (collectives, marks, buckets, mm)."""
+    c: Counter[str] = Counter()
+    for n in graph.nodes:
+        if n.op == "call_function":
+            name = str(n.target)
+            if ("_c10d_functional" in name or "gift." in name or "bucketing." in name
+                    or name in ("aten.mm.default", "aten.copy_.default")):
+                c[name] += 1
+    return dict(c)
+
+
+def _is_mark(n: Any) -> bool:
+    return isinstance(n, fx.Node) and n.op == "call_function" and n.target is torch.ops.gift.mark.default
+
+
+def _wait_of(n: fx.Node) -> fx.Node | None:
+    users = list(n.users)
+    if len(users) == 1 and users[0].target is _c10d.wait_tensor.default:
+        return users[0]
+    return None
+
+
+def _trace_to_mark(n: Any) -> fx.Node | None:
+    """The mark `n` is a view/cast of (through single-use links), or None."""
+    while isinstance(n, fx.Node) and not _is_mark(n):
+        if n.op != "call_function" or n.target not in _PASSTHROUGH or len(n.users) != 1:
+            return None
+        n = n.args[0]
+    return n if _is_mark(n) else None
+
+
+def _group_size(group_name: str) -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size(dist.distributed_c10d._resolve_process_group(group_name))
+
+
+def _replica_reduction(x: Any) -> tuple[fx.Node, fx.Node] | None:
+    """`(all_reduce, wait)` when `x` is the waited result of an all_reduce used only here (how
+    SimpleFSDP's HSDP hands a replica-reduced gradient to the shard reduce-scatter)."""
+    if not (isinstance(x, fx.Node) and x.target is _c10d.wait_tensor.default and len(x.users) == 1):
+        return None
+    ar = x.args[0]
+    if isinstance(ar, fx.Node) and ar.target is _c10d.all_reduce.default and len(ar.users) == 1:
+        return ar, x
+    return None
+
+
+def find_gradient_collectives(graph: fx.Graph) -> list[BucketMatch]:
+    """Every all_reduce / reduce_scatter_tensor that carries at least one marked gradient; a
+    reduce-scatter whose entries are replica all-reduces of marked gradients is one HSDP match
+    (the all-reduces are part of it, not matches of their own)."""
+    pre_bucket = _pre_bucket_op()
+    matches = []
+    paired: set[fx.Node] = set()
+    for n in graph.nodes:
+        if n.op != "call_function" or n.target is not _c10d.reduce_scatter_tensor.default:
+            continue
+        wait = _wait_of(n)
+        src = n.args[0]
+        bucket = src if isinstance(src, fx.Node) and src.target is pre_bucket and len(src.users) == 1 else None
+        inputs = list(bucket.args[0]) if bucket is not None else [src]
+        reductions = [_replica_reduction(x) for x in inputs]
+        if not any(reductions):
+            continue
+        originals = [x if r is None else r[0].args[0] for x, r in zip(inputs, reductions)]
+        marks = [_trace_to_mark(x) for x in originals]
+        if wait is None or not any(marks):
+            continue
+        done = [r for r in reductions if r is not None]
+        groups = {r[0].args[2] for r in done}
+        ops = {r[0].args[1] for r in done}
+        match = BucketMatch(n, wait, originals, marks, bucket, "reduce_scatter", n.args[1], n.args[2], n.args[3],
+                            done, groups.pop() if len(groups) == 1 else None, ops.pop() if len(ops) == 1 else "mixed",
+                            mixed_replica=len(done) != len(inputs))
+        paired.update(r[0] for r in done)
+        matches.append(match)
+    for n in graph.nodes:
+        if n.op != "call_function" or n.target not in _COLLECTIVES or n in paired:
+            continue
+        if n.target is _c10d.reduce_scatter_tensor.default and any(m.collective is n for m in matches):
+            continue
+        wait = _wait_of(n)
+        src = n.args[0]
+        bucket = src if isinstance(src, fx.Node) and src.target is pre_bucket and len(src.users) == 1 else None
+        inputs = list(bucket.args[0]) if bucket is not None else [src]
+        marks = [_trace_to_mark(x) for x in inputs]
+        if wait is None or not any(marks):
+            continue
+        op = _COLLECTIVES[n.target]
+        if op == "all_reduce":
+            reduce_op, group_name = n.args[1], n.args[2]
+            group_size = _group_size(group_name)
+        else:
+            reduce_op, group_size, group_name = n.args[1], n.args[2], n.args[3]
+        matches.append(BucketMatch(n, wait, inputs, marks, bucket, op, reduce_op, group_size, group_name))
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    matches.sort(key=lambda m: position[m.collective])
+    return matches
+
+
+def _why_not(match: BucketMatch) -> str | None:
+    if match.reduce_op not in ("sum", "avg"):
+        return f"reduce op {match.reduce_op!r} is not a sum"
+    replica = [ItemPlan.from_str(m.args[2]).replica_format for m in match.marks if m is not None]
+    if match.replica_reductions:
+        if match.mixed_replica:
+            return "some entries of the bucket went through a replica all-reduce and others did not"
+        if match.replica_group is None or match.replica_op not in ("sum", "avg"):
+            return "the entries' replica all-reduces differ in group or reduce op, or do not sum"
+        if not all(replica):
+            return ("the gradient crosses a replica all-reduce (HSDP) but its mark carries no replica hop "
+                    "(gift_compile.hsdp.install_graph was not called before tracing)")
+    elif match.op == "all_reduce" and any(replica):
+        return ("an all-reduce of a gradient whose plan has a replica hop (HSDP) that does not feed a shard "
+                "reduce-scatter bucket; the pass only rewrites the replica hop after the reduce-scatter")
+    for x, m in zip(match.inputs, match.marks):
+        val = x.meta.get("val")
+        if val is None:
+            return f"no shape metadata on {x.name}"
+        try:
+            dtype_name(val.dtype)
+        except TypeError as e:
+            return str(e)
+        if m is None:
+            if match.op == "reduce_scatter" and val.numel() % match.group_size:
+                return f"{x.name} ({val.numel()} elements) does not split over {match.group_size} ranks"
+            continue
+        plan = ItemPlan.from_str(m.args[2])
+        if val.numel() != plan.numel:
+            return f"{plan.name}: gradient has {val.numel()} elements, the weight {plan.numel}"
+        if match.op == "reduce_scatter" and plan.rows % match.group_size:
+            return f"{plan.name}: {plan.rows} rows do not split evenly over {match.group_size} ranks"
+    return None
