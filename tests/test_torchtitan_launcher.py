@@ -137,8 +137,9 @@ def test_shipped_toml_files_parse(capsys: pytest.CaptureFixture[str]) -> None:
 def test_gift_section_covers_gift_config() -> None:
     section = {f.name for f in dataclasses.fields(GiftSection)}
     config = {f.name for f in dataclasses.fields(GiftConfig)}
-    # reduce_op is fixed to "sum": torchtitan normalises the loss by the global token count.
-    assert config - section == {"reduce_op"}
+    # reduce_op is fixed to "sum": torchtitan normalises the loss by the global token count;
+    # its gradient paths are reduce-scatters, which have no second hop to compensate.
+    assert config - section == {"reduce_op", "second_hop_error_feedback"}
     assert section - config == {"enable", "fuse"}
     assert GiftSection().to_gift_config(select_metric="euclidean").reduce_op == "sum"
 

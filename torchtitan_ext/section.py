@@ -8,7 +8,9 @@ TOML value fails while the command line is parsed, before any process group exis
 
 ``reduce_op`` is not a field: torchtitan divides the loss by the global token count and
 disables FSDP's gradient division, so gradient collectives must SUM. The section always
-converts with ``reduce_op="sum"``.
+converts with ``reduce_op="sum"``. Nor is ``second_hop_error_feedback``: torchtitan's gradient
+paths are reduce-scatters (FSDP, and HSDP's shard hop), which have no re-encoded second hop
+(`GiftState` refuses it there).
 
 ``select_metric`` may also be ``auto_by_optimizer`` (the default here): the metric is then
 chosen once the optimizers exist (`gift_compile.torchtitan_ext.hooks`), "whitened" when the
@@ -84,6 +86,9 @@ class GiftSection:
 
     error_feedback: bool = _DEFAULTS.error_feedback
     """Carry the quantization residual (in transformed coordinates) to the next step."""
+
+    error_feedback_decay: float = _DEFAULTS.error_feedback_decay
+    """Beta of the residual, e <- beta e + delta (1.0: plain error feedback; < 1: a leaky one)."""
 
     stochastic_rounding: bool = _DEFAULTS.stochastic_rounding
     """Stochastic rounding of the codes (seeded)."""
