@@ -48,15 +48,16 @@ def _optimizer_state_source(geometry: str, keys: tuple[str, ...], what: str, wei
     return source
 
 
-class Momentum(Gradient):
-    """Rank-r whitening of the factor of each weight's momentum in the optimizer state (torch
-    Muon / SGD `momentum_buffer`, Adam / AdamW `exp_avg`); the momentum is already an average
-    over steps, so each refresh replaces the factor."""
+class _OptimizerStateFactor:
+    """Mixin of the maps whose factor is a tensor the optimizer keeps: it is read through
+    `_optimizer_state_source` (first of `STATE_KEYS`) and, being an average over steps already,
+    replaces the kept factor at each refresh instead of entering an EMA."""
 
-    name = "momentum"
-    needs_optimizer = True
-    # optimizer state keys holding a momentum (torch Muon / SGD, then Adam / AdamW)
-    MOMENTUM_KEYS: ClassVar[tuple[str, ...]] = ("momentum_buffer", "exp_avg")
+    name: ClassVar[str]
+    needs_optimizer: ClassVar[bool] = True
+    STATE_KEYS: ClassVar[tuple[str, ...]]
+    STATE_WHAT: ClassVar[str]  # what the error message calls the tensor
+    STATE_ADVICE: ClassVar[str]  # what to do when the optimizer keeps none
 
     @staticmethod
     @torch.no_grad()
@@ -66,12 +67,24 @@ class Momentum(Gradient):
     @classmethod
     def factor_source(cls, weights: Callable[[str], torch.Tensor], optimizer: Any | None,
                       steps: Callable[[], int]) -> FactorSource:
-        """Each managed weight's momentum in the optimizer state (`MOMENTUM_KEYS`)."""
-        return _optimizer_state_source(cls.name, cls.MOMENTUM_KEYS, "momentum", weights, optimizer, steps,
-                                       "use geometry='lowrank' or 'gradient', or an optimizer with momentum")
+        """Each managed weight's `STATE_KEYS` tensor in the optimizer state."""
+        return _optimizer_state_source(cls.name, cls.STATE_KEYS, cls.STATE_WHAT, weights, optimizer, steps,
+                                       cls.STATE_ADVICE)
 
 
-class SecondMoment(Geometry):
+class Momentum(_OptimizerStateFactor, Gradient):
+    """Rank-r whitening of the factor of each weight's momentum in the optimizer state (torch
+    Muon / SGD `momentum_buffer`, Adam / AdamW `exp_avg`); the momentum is already an average
+    over steps, so each refresh replaces the factor."""
+
+    name = "momentum"
+    # optimizer state keys holding a momentum (torch Muon / SGD, then Adam / AdamW)
+    STATE_KEYS = MOMENTUM_KEYS = ("momentum_buffer", "exp_avg")
+    STATE_WHAT = "momentum"
+    STATE_ADVICE = "use geometry='lowrank' or 'gradient', or an optimizer with momentum"
+
+
+class SecondMoment(_OptimizerStateFactor, Geometry):
     """One scale per input column from Adam's second moment: `X = G diag(s)` is quantized,
     `G' = Q(X) diag(1/s)`, with `c_j = sum_i exp_avg_sq[i, j]` and `s_j = (c_j / mean(c))^{-1/2}`.
 
@@ -87,8 +100,10 @@ class SecondMoment(Geometry):
     """
 
     name, kind, is_identity, adaptive = "second_moment", "diagonal", False, True
-    uses_gradient_factor, needs_optimizer, optimizer_coordinates = True, True, True
-    SECOND_MOMENT_KEYS: ClassVar[tuple[str, ...]] = ("exp_avg_sq",)  # torch Adam / AdamW
+    uses_gradient_factor, optimizer_coordinates = True, True
+    STATE_KEYS = SECOND_MOMENT_KEYS = ("exp_avg_sq",)  # torch Adam / AdamW
+    STATE_WHAT = "second moment"
+    STATE_ADVICE = "use it with torch.optim.Adam / AdamW, or another geometry"
 
     def _allocate(self, seed: int, f32: dict[str, Any]) -> tuple[torch.Tensor, ...]:
         return (torch.ones(self.d_in, **f32), torch.ones(self.d_in, **f32))
@@ -120,19 +135,6 @@ class SecondMoment(Geometry):
         if sharded:
             all_reduce_(c, group)
         return c.float()
-
-    @staticmethod
-    @torch.no_grad()
-    def fold_factor(kept: torch.Tensor, new: torch.Tensor, ema: float) -> None:
-        """`exp_avg_sq` is already an average over steps: each refresh replaces `c`."""
-        kept.copy_(new)
-
-    @classmethod
-    def factor_source(cls, weights: Callable[[str], torch.Tensor], optimizer: Any | None,
-                      steps: Callable[[], int]) -> FactorSource:
-        """Each managed weight's `exp_avg_sq` in the optimizer state."""
-        return _optimizer_state_source(cls.name, cls.SECOND_MOMENT_KEYS, "second moment", weights, optimizer, steps,
-                                       "use it with torch.optim.Adam / AdamW, or another geometry")
 
     @torch.no_grad()
     def refresh_from(self, a: torch.Tensor, damping: float) -> None:
