@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
 
-from gift_compile import geometries
+from gift_compile import maps
 from gift_compile.config import GiftConfig
 from gift_compile.geometry import Transform, apply_forward, apply_inverse, gradient_factor, top_eigenpairs
 from gift_compile.statistics import KFACStatistics
@@ -91,7 +91,7 @@ def test_eager_row_blocks_and_compiled_code_agree_bitwise(monkeypatch):
     t = _lowrank()
     g = torch.randn(64, 96, generator=torch.Generator().manual_seed(3))
     whole = (t.forward(g), t.inverse(g))
-    monkeypatch.setattr(geometries, "EAGER_BLOCK_ELEMENTS", 96 * 5)  # 13 blocks, the last one short
+    monkeypatch.setattr(maps, "EAGER_BLOCK_ELEMENTS", 96 * 5)  # 13 blocks, the last one short
     blocked = (t.forward(g), t.inverse(g))
     compiled = torch.compile(lambda x: (apply_forward("lowrank", x, t.tensors), apply_inverse("lowrank", x, t.tensors)),
                              fullgraph=True, dynamic=False)(g)
