@@ -19,7 +19,9 @@ import re
 
 import pytest
 
-pytest.importorskip("torchtitan")
+from conftest import require
+
+require("torchtitan", "torchtitan extra not installed")
 
 from gift_compile.torchtitan_ext.hooks import data_parallel_group  # noqa: E402
 from gift_compile.torchtitan_ext.runs import RunResult, run_config  # noqa: E402
