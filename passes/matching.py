@@ -118,6 +118,14 @@ def _replica_reduction(x: Any) -> tuple[fx.Node, fx.Node] | None:
     return None
 
 
+def _collective_inputs(n: fx.Node, pre_bucket: Any) -> tuple[fx.Node | None, fx.Node | None, list[Any]]:
+    """`(wait, bucket, inputs)` of collective `n`: its wait, the `_pre_bucket_reduce_scatter` node
+    feeding it (None when it sends one tensor) and the tensors it carries."""
+    src = n.args[0]
+    bucket = src if isinstance(src, fx.Node) and src.target is pre_bucket and len(src.users) == 1 else None
+    return _wait_of(n), bucket, list(bucket.args[0]) if bucket is not None else [src]
+
+
 def find_gradient_collectives(graph: fx.Graph) -> list[BucketMatch]:
     """Every all_reduce / reduce_scatter_tensor that carries at least one marked gradient; a
     reduce-scatter whose entries are replica all-reduces of marked gradients is one HSDP match
@@ -128,10 +136,7 @@ def find_gradient_collectives(graph: fx.Graph) -> list[BucketMatch]:
     for n in graph.nodes:
         if n.op != "call_function" or n.target is not _c10d.reduce_scatter_tensor.default:
             continue
-        wait = _wait_of(n)
-        src = n.args[0]
-        bucket = src if isinstance(src, fx.Node) and src.target is pre_bucket and len(src.users) == 1 else None
-        inputs = list(bucket.args[0]) if bucket is not None else [src]
+        wait, bucket, inputs = _collective_inputs(n, pre_bucket)
         reductions = [_replica_reduction(x) for x in inputs]
         if not any(reductions):
             continue
@@ -152,10 +157,7 @@ def find_gradient_collectives(graph: fx.Graph) -> list[BucketMatch]:
             continue
         if n.target is _c10d.reduce_scatter_tensor.default and any(m.collective is n for m in matches):
             continue
-        wait = _wait_of(n)
-        src = n.args[0]
-        bucket = src if isinstance(src, fx.Node) and src.target is pre_bucket and len(src.users) == 1 else None
-        inputs = list(bucket.args[0]) if bucket is not None else [src]
+        wait, bucket, inputs = _collective_inputs(n, pre_bucket)
         marks = [_trace_to_mark(x) for x in inputs]
         if wait is None or not any(marks):
             continue
