@@ -26,7 +26,6 @@ import dataclasses
 import functools
 import json
 import os
-import sys
 import statistics
 import tempfile
 import time
@@ -51,6 +50,7 @@ from gift_compile.config import AUTO_GEOMETRY, GiftConfig
 from gift_compile.formats import FormatSpec
 from gift_compile.geometries import geometry_class
 from gift_compile.optimizers import geometry_for, select_metric_for
+from gift_compile.sync import exit_without_finalization
 from gift_compile.geometry import Transform, gradient_factor
 from gift_compile.passes import last_reports, reports_seen
 from gift_compile.state import GiftState
@@ -361,13 +361,8 @@ def _worker(rank: int, world: int, store_path: str, s: ConvergenceSettings, path
                                   f"({res['seconds']:.0f} s)", flush=True)
     finally:
         dist.destroy_process_group()
-    # The process group can outlive `destroy_process_group` (FSDP2's mesh and the GIFT state still
-    # reference it), so gloo's worker threads may drop the last reference to a collective's
-    # tensors during interpreter finalization, which aborts the process (`gift_compile.sync`).
-    # Every run is written and flushed by now: leave without finalization.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # Every run is written: leave before interpreter finalization (`gift_compile.sync`).
+    exit_without_finalization(0)
 
 
 PATHS = ("all-reduce", "reduce-scatter")

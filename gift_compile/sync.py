@@ -9,16 +9,28 @@ Python object; if the interpreter is already shutting down (a refresh on the fin
 then exit) it cannot, and the process aborts with "terminate called without an active
 exception". Every collective here therefore keeps its tensor referenced until a few later
 collectives have run, so the worker's release is never the last one.
+
+The same release can come from collectives this package does not own (the trainer's metric
+reductions, FSDP2's, a process group that outlives ``destroy_process_group`` because a device
+mesh or a GIFT state still references it). A process whose distributed work is finished and
+whose output is flushed therefore leaves through :func:`exit_without_finalization`, which
+skips interpreter finalization and with it the race (seen in 2 of 4 four-rank HSDP runs
+under CI load, and in the convergence workers).
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
 from collections import deque
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather_object_", "all_reduce_", "broadcast_", "group_rank", "reduce_", "world_size"]
+__all__ = ["all_gather_object_", "all_reduce_", "broadcast_", "exit_without_finalization", "group_rank", "reduce_",
+           "world_size"]
 
 # The most recent communicated tensors (see the module docstring). Bounded so at most a few
 # refresh buffers outlive their use.
@@ -73,3 +85,17 @@ def all_gather_object_(obj: object, group: dist.ProcessGroup | None) -> list[obj
     out: list[object] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def exit_without_finalization(code: int = 0) -> NoReturn:
+    """Flush logs and standard streams, then end the process with ``code`` at once.
+
+    For the end of a distributed program whose process group is destroyed and whose results
+    are written (see the module docstring): gloo's worker threads may still release a
+    collective's last tensor reference, which aborts a process that is finalizing the
+    interpreter. Only a success path calls this; errors propagate as usual.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
