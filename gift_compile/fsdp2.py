@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
 from gift_compile.collectives import Segment, bucket_plan, bucket_wire_bytes, sync_buffer
@@ -37,10 +36,12 @@ from gift_compile.fsdp_internals import (
     DefaultReduceScatter, ReduceScatter, check_torch, custom_reduce_scatter, fsdp_modules, packed_params,
     shard_process_group,
 )
+from gift_compile.parts import Parts
 from gift_compile.plan import BucketPlan
 from gift_compile.state import GiftState
 
-__all__ = ["GiftReduceScatter", "accounted_bytes", "install", "shard_group", "uninstall"]
+__all__ = ["GiftReduceScatter", "accounted_bytes", "discarded_gradients", "discarding", "install", "shard_group",
+           "uninstall"]
 
 
 class CommTimer:
@@ -71,6 +72,34 @@ class CommTimer:
             self.seconds += start.elapsed_time(end) / 1e3
         out, self.seconds, self._events = self.seconds, 0.0, []
         return out
+
+
+# How many `discarded_gradients` contexts are open.
+_discarding = 0
+
+
+@contextlib.contextmanager
+def discarded_gradients() -> Iterator[None]:
+    """Reductions inside run FSDP2's default fp32 collectives and leave GIFT's state alone.
+
+    For backward passes whose gradients the framework throws away: torch's pipeline stages
+    infer shapes on their first step with a real backward on uninitialized inputs, whose
+    reduce-scatter FSDP2 runs and whose gradients the stage then drops. Through GIFT's path that
+    garbage would enter the error-feedback residuals, the byte counters and the health checks
+    (a NaN there raises under ``nonfinite="error"``). Every rank of the group must be inside
+    (they all run the same stage's inference), or the collectives would not match.
+    """
+    global _discarding
+    _discarding += 1
+    try:
+        yield
+    finally:
+        _discarding -= 1
+
+
+def discarding() -> bool:
+    """Whether a `discarded_gradients` context is open."""
+    return _discarding > 0
 
 
 class GiftReduceScatter(ReduceScatter):
@@ -112,6 +141,8 @@ class GiftReduceScatter(ReduceScatter):
                 f"GIFT's FSDP2 reduce-scatter sums gradients; got {op}. install() forces SUM reductions "
                 "(set_force_sum_reduction_for_comms: FSDP2 then divides before/after the comm); do not undo it."
             )
+        if discarding():  # gradients the framework drops: no quantization, no state touched
+            return DefaultReduceScatter()(output_tensor, input_tensor, group, op, async_op)
         world = group.size()
         segments = self._segments()
         chunk = sum(s.rows * s.cols for s in segments)
@@ -128,8 +159,9 @@ class GiftReduceScatter(ReduceScatter):
         return None
 
 
-def shard_group(model: nn.Module, group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    """The process group FSDP2 reduce-scatters over (must be one for the whole model)."""
+def shard_group(model: Parts, group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """The process group FSDP2 reduce-scatters over (must be one for the whole model, all of
+    its parts)."""
     check_torch()
     groups = {shard_process_group(m) for m in fsdp_modules(model)}
     if len(groups) != 1:
@@ -140,8 +172,9 @@ def shard_group(model: nn.Module, group: dist.ProcessGroup | None) -> dist.Proce
     return pg
 
 
-def install(model: nn.Module, state: GiftState, *, compiled: bool = True) -> CommTimer:
-    """Put every FSDP module of `model` on `GiftReduceScatter`; returns the comm timer.
+def install(model: Parts, state: GiftState, *, compiled: bool = True) -> CommTimer:
+    """Put every FSDP module of `model` (of all its parts, the pipeline stages a rank holds,
+    which share `state` and one comm timer) on `GiftReduceScatter`; returns the comm timer.
 
     Forces FSDP2's SUM reduction (FSDP2 then applies its gradient divide factor itself) and
     the reduce-scatter of unused parameters, so every buffer maps onto the parameters.
@@ -156,15 +189,15 @@ def install(model: nn.Module, state: GiftState, *, compiled: bool = True) -> Com
     return timer
 
 
-def uninstall(model: nn.Module) -> None:
+def uninstall(model: Parts) -> None:
     """FSDP2's default reduce-scatter back on every FSDP module of `model`."""
     for module in fsdp_modules(model):
         module.set_custom_reduce_scatter(DefaultReduceScatter())
 
 
-def accounted_bytes(model: nn.Module) -> int | None:
+def accounted_bytes(model: Parts) -> int | None:
     """Shape-based bytes one rank hands to GIFT's reduce-scatters per synchronising backward
-    (`bucket_wire_bytes` of each module's plan as last called), to compare with the bytes the
+    (`bucket_wire_bytes` of each module's plan as last called, over all parts), to compare with the bytes the
     collectives counted; None before GIFT's reduce-scatter ran (or when it is not installed)."""
     comms = {id(c): c for c in (custom_reduce_scatter(m) for m in fsdp_modules(model))
              if isinstance(c, GiftReduceScatter) and c.last_call is not None}

@@ -22,6 +22,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
+from gift_compile.parts import Parts, model_parts
+
 __all__ = ["DefaultReduceScatter", "PackedParam", "ReduceScatter", "TESTED_TORCH", "all_reduce_hook", "check_torch",
            "custom_reduce_scatter", "fsdp_modules", "gradient_divide_factor", "is_native_hsdp", "packed_params",
            "param_group_id", "shard_process_group"]
@@ -54,9 +56,11 @@ def _param_group(module: FSDPModule) -> Any | None:
     return module._get_fsdp_state()._fsdp_param_group
 
 
-def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
-    """The FSDP modules of `model` that own parameters (have a parameter group)."""
-    return [m for m in model.modules() if isinstance(m, FSDPModule) and _param_group(m) is not None]
+def fsdp_modules(model: Parts) -> list[FSDPModule]:
+    """The FSDP modules of `model` (of each of its parts: the pipeline stages a rank holds)
+    that own parameters (have a parameter group)."""
+    return [m for part in model_parts(model) for m in part.modules()
+            if isinstance(m, FSDPModule) and _param_group(m) is not None]
 
 
 def packed_params(module: FSDPModule) -> list[PackedParam]:

@@ -40,14 +40,14 @@ import hashlib
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from gift_compile.collectives import (C_WIRE, C_BASELINE, C_CALLS, N_COUNTERS, ItemTensors,
                                       Shared, bucket_wire_bytes, check_plan_agreement, run_bucket)
-from gift_compile.fsdp2 import CommTimer, GiftReduceScatter
+from gift_compile.fsdp2 import CommTimer, GiftReduceScatter, discarding
 from gift_compile.fsdp_internals import (all_reduce_hook, check_torch, custom_reduce_scatter, fsdp_modules,
                                          gradient_divide_factor, is_native_hsdp, param_group_id,
                                          shard_process_group)
+from gift_compile.parts import Parts, model_parts
 from gift_compile.plan import BucketPlan, ItemPlan
 from gift_compile.state import GiftState
 
@@ -117,6 +117,9 @@ class ReplicaAllReduce:
         return BucketPlan(tuple(items), self.hop.world, self.hop.group.group_name, False, "all_reduce")
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
+        if discarding():  # gradients the framework drops (`gift_compile.fsdp2.discarded_gradients`)
+            dist.all_reduce(reduce_output, group=self.hop.group)
+            return
         segments = self.comm._segments()
         expected = sum(seg.rows * seg.cols for seg in segments)
         if reduce_output.numel() != expected:
@@ -154,7 +157,7 @@ class ReplicaAllReduce:
         reduce_output.copy_(torch.cat([o.reshape(-1) for o in outs]))
 
 
-def install(model: nn.Module, state: GiftState, replica_group: dist.ProcessGroup, *, compiled: bool = True) -> ReplicaHop:
+def install(model: Parts, state: GiftState, replica_group: dist.ProcessGroup, *, compiled: bool = True) -> ReplicaHop:
     """Set the replica hop on every FSDP module of `model` (after `gift_compile.fsdp2.install`).
 
     `model` must be `fully_shard`ed on the shard-only mesh (a native HSDP mesh would all-reduce
@@ -206,7 +209,7 @@ def install_graph(state: GiftState, replica_group: dist.ProcessGroup) -> Replica
     return hop
 
 
-def _hooks(model: nn.Module) -> list[ReplicaAllReduce]:
+def _hooks(model: Parts) -> list[ReplicaAllReduce]:
     """The replica hooks of `model`, one per FSDP parameter group (modules sharded together,
     `fully_shard([norm, output])`, share one group and appear once)."""
     out: dict[int, ReplicaAllReduce] = {}
@@ -217,7 +220,7 @@ def _hooks(model: nn.Module) -> list[ReplicaAllReduce]:
     return list(out.values())
 
 
-def accounted_bytes(model: nn.Module) -> dict[str, int]:
+def accounted_bytes(model: Parts) -> dict[str, int]:
     """Shape-based bytes one rank hands over per synchronising backward, per hop, from the plans
     the hooks ran last (`bucket_wire_bytes`): what `hop_totals` should grow by per backward."""
     shard = replica = 0
@@ -241,11 +244,11 @@ def hop_totals(state: GiftState) -> dict[str, dict[str, int]]:
     return {k: {"wire": c[C_WIRE], "baseline": c[C_BASELINE], "calls": c[C_CALLS]} for k, c in out.items()}
 
 
-def check_replicas_identical(model: nn.Module, replica_group: dist.ProcessGroup) -> None:
+def check_replicas_identical(model: Parts, replica_group: dist.ProcessGroup) -> None:
     """Raise on every rank unless every replica holds bit-identical parameter shards (a hop
     that sums identical-by-construction replicas is only correct if they start identical)."""
     digests = []
-    for name, p in model.named_parameters():
+    for name, p in (named for part in model_parts(model) for named in part.named_parameters()):
         local = p.to_local() if hasattr(p, "to_local") else p
         raw = local.detach().reshape(-1).contiguous().view(torch.uint8).cpu().numpy().tobytes()
         digests.append((name, hashlib.blake2b(raw, digest_size=16).hexdigest()))

@@ -4,13 +4,18 @@ routes a weight through the `gift::mark` autograd functions, and the statistics 
 `manage` registers a model's eligible linear weights with a new `GiftState` (the one function
 behind `gift_compile.apply` and the framework adapters); `_managed_class` gives a managed
 linear a cached subclass whose forward routes the weight through `_GiftTag` / `_GiftSync`;
-`observe_inputs` feeds the layer's input statistics.
+`observe_inputs` feeds the layer's input statistics, except inside `statistics_paused` (forward
+passes that are not training data, such as a pipeline schedule's shape inference).
+
+`model` may be the several parts (pipeline stages) one rank holds (`gift_compile.parts`): one
+state then manages the linears of all of them.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -21,19 +26,36 @@ import torch.nn.functional as F
 from gift_compile.config import AUTO_GEOMETRY, GiftConfig
 from gift_compile.geometries import geometry_class
 from gift_compile.mark import SYNC, _GiftSync, _GiftTag
+from gift_compile.parts import Parts, model_parts
 from gift_compile.state import GiftState, LayerState
 
-__all__ = ["eligible_linears", "manage", "observe_inputs"]
+__all__ = ["eligible_linears", "manage", "observe_inputs", "statistics_paused"]
 
 logger = logging.getLogger("gift_compile")
+
+# How many `statistics_paused` contexts are open (a Python global: a compiled forward guards on it).
+_paused = 0
+
+
+@contextmanager
+def statistics_paused() -> Iterator[None]:
+    """Forward passes inside feed no statistics: they run on inputs that are not training data
+    (torch's pipeline stages infer shapes with a real forward on uninitialized tensors on their
+    first step), which would otherwise enter the K-FAC factors."""
+    global _paused
+    _paused += 1
+    try:
+        yield
+    finally:
+        _paused -= 1
 
 
 def observe_inputs(module: nn.Module, args: tuple[Any, ...]) -> None:
     """Forward pre-hook feeding a managed layer's K-FAC statistics (training passes only, and
     only while the layer's selection needs them: a Python flag, so a compiled forward stops
-    computing them after one recompilation)."""
+    computing them after one recompilation; never inside `statistics_paused`)."""
     layer: LayerState = module._gift_layer
-    if torch.is_grad_enabled() and layer.collect_stats:
+    if torch.is_grad_enabled() and layer.collect_stats and not _paused:
         layer.stats.observe(args[0])
 
 
@@ -91,15 +113,15 @@ def _unmanage_module(module: nn.Module) -> None:
         module.__dict__.pop(attr, None)
 
 
-def eligible_linears(model: nn.Module, config: GiftConfig, world: int, *, split_rows: bool) -> Iterator[tuple[str, nn.Module]]:
-    """`(fqn of the weight, module)` of every linear GIFT manages in `model`.
+def eligible_linears(model: Parts, config: GiftConfig, world: int, *, split_rows: bool) -> Iterator[tuple[str, nn.Module]]:
+    """`(fqn of the weight, module)` of every linear GIFT manages in `model` (each of its parts).
 
     Eligible: weights of `nn.Linear` (sub)class modules, 2-D, floating point, at least
     `config.min_numel` elements, FQN not matched by `config.exclude`, and (`split_rows`, for
     reduce-scatter paths) a row count divisible by the world size. Ineligible weights that
     are big enough are logged with the reason: they travel at full precision.
     """
-    for fqn, module in model.named_modules():
+    for fqn, module in (named for part in model_parts(model) for named in part.named_modules()):
         if not isinstance(module, nn.Linear):
             continue
         w = module._parameters.get("weight")
@@ -115,7 +137,7 @@ def eligible_linears(model: nn.Module, config: GiftConfig, world: int, *, split_
         yield name, module
 
 
-def manage(model: nn.Module, config: GiftConfig, group: dist.ProcessGroup | None, *, mode: str,
+def manage(model: Parts, config: GiftConfig, group: dist.ProcessGroup | None, *, mode: str,
            device: torch.device | str | None = None, split_rows: bool = False,
            collective: str | None = None) -> GiftState:
     """Register `model`'s eligible linear weights with a new `GiftState`; the one function
@@ -127,11 +149,15 @@ def manage(model: nn.Module, config: GiftConfig, group: dist.ProcessGroup | None
     `collective` ("all_reduce" / "reduce_scatter") is what the gradients go through; by
     default "sync" all-reduces and the others reduce-scatter (DDP's hook all-reduces).
     The state's tensors live on `device` (default: each weight's), which matters for
-    frameworks that parallelize on the meta device and materialize afterwards.
+    frameworks that parallelize on the meta device and materialize afterwards. With several
+    parts (the pipeline stages a rank holds) the one state spans all of them; `group` is then
+    the data-parallel group of those stages (never the pipeline group), so agreement,
+    statistics and selection run among the ranks that hold the same layers.
     """
+    parts = model_parts(model)
     if mode not in ("sync", "tag", "stats"):
         raise ValueError(f"gift_compile.manage: mode={mode!r}; allowed: sync, tag, stats")
-    if getattr(model, "_gift_state", None) is not None:
+    if any(getattr(part, "_gift_state", None) is not None for part in parts):
         raise ValueError("gift_compile: GIFT is already applied to this model; call gift_compile.remove first")
     if config.geometry == AUTO_GEOMETRY:
         raise ValueError("gift_compile.manage: geometry='auto' is resolved from the optimizer before managing "
@@ -142,7 +168,10 @@ def manage(model: nn.Module, config: GiftConfig, group: dist.ProcessGroup | None
     world = state.world()
     group_name = group.group_name if mode == "sync" and world > 1 else None
     handles: list[Any] = []
-    for name, module in eligible_linears(model, config, world, split_rows=split_rows):
+    for name, module in eligible_linears(parts, config, world, split_rows=split_rows):
+        if name in state.layers:
+            raise ValueError(f"gift_compile.manage: {name} is in two model parts; the parts (pipeline stages) of "
+                             "one rank must hold disjoint layers under the whole model's names")
         w = module._parameters["weight"]
         layer = state.add_layer(name, (int(w.shape[0]), int(w.shape[1])), device if device is not None else w.device)
         module._gift_layer = layer
@@ -155,6 +184,7 @@ def manage(model: nn.Module, config: GiftConfig, group: dist.ProcessGroup | None
             handles.append(module.register_forward_pre_hook(observe_inputs))
     state.handles.extend(handles)
     state.grad_source = geometry_class(config.geometry).factor_source(state.weight, None, lambda: state.steps)
-    model._gift_state = state
+    for part in parts:
+        part._gift_state = state
     state.check_agreement()
     return state

@@ -3,8 +3,8 @@
 torchtitan has no CPU device option: it assumes an accelerator everywhere. This module
 is the single place where GIFT's torchtitan integration makes it run on a CPU-only box
 (our CI and development machines have no GPU). Everything here is inert when an
-accelerator is present: :func:`activate` only installs the ``set_timeout`` alias (a
-torch-version gap, see below) and the other helpers leave torchtitan's defaults alone.
+accelerator is present: :func:`activate` only installs the torch-version gaps (``set_timeout``, the microbatch ``step``; see
+below) and the other helpers leave torchtitan's defaults alone.
 
 Two kinds of adjustments, preferring the first:
 
@@ -48,6 +48,12 @@ Two kinds of adjustments, preferring the first:
     2.13 only has ``torch.distributed.distributed_c10d._set_pg_timeout``. The alias is
     installed only where the public name is missing (it is a torch-version gap, not a CPU
     one, so it is installed on any device).
+  - ``PipelineSchedule*.step(arg_mbs=, kwarg_mbs=, target_mbs=)``: torchtitan 0.3.0's
+    trainer hands the pipeline schedule its microbatches already split (one dataloader batch
+    per microbatch); torch 2.13's ``step`` only takes the whole batch and would treat those
+    lists as model kwargs ("Expecting 4 arg_mbs but got 1"). :func:`_install_microbatch_step`
+    gives ``step`` that form where it is missing (the per-step setup torch's own ``step``
+    does, then its ``_step_microbatches``); a torch-version gap, so installed on any device.
   - ``triton`` importable: ``torchtitan.trainer`` imports
     ``torchtitan.distributed.minimal_async_ep.kernels`` (expert-parallel Triton kernels)
     unconditionally, and that module does ``import triton`` at import time. On a box
@@ -248,6 +254,48 @@ def _install_set_timeout_alias() -> None:
     dist.set_timeout = set_timeout  # type: ignore[attr-defined]
 
 
+def _install_microbatch_step() -> None:
+    """Let ``PipelineScheduleSingle/Multi.step`` take pre-split microbatches (see the module
+    docstring); the whole-batch form is left to torch's own ``step``."""
+    import inspect
+
+    from torch.distributed.pipelining import schedules
+
+    for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
+        original = cls.step
+        if "arg_mbs" in inspect.signature(original).parameters or getattr(original, "_gift_microbatch_step", False):
+            continue
+        cls.step = _microbatch_step(original)
+
+
+def _microbatch_step(original: Any) -> Any:
+    def step(self: Any, *args: Any, arg_mbs: list | None = None, kwarg_mbs: list | None = None,
+             target_mbs: list | None = None, target: Any = None, losses: list | None = None,
+             return_outputs: bool = True, loss_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> Any:
+        """torch's ``step`` (whole batch), or with ``arg_mbs``/``kwarg_mbs``/``target_mbs``
+        the same per-step setup followed by ``_step_microbatches`` on those microbatches."""
+        if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
+            return original(self, *args, target=target, losses=losses, return_outputs=return_outputs,
+                            loss_kwargs=loss_kwargs, **kwargs)
+        if args or kwargs or target is not None:
+            raise TypeError("PipelineSchedule.step: pass either whole-batch inputs (args, kwargs, target) or "
+                            "microbatches (arg_mbs, kwarg_mbs, target_mbs), not both")
+        stages = list(getattr(self, "_stages", None) or [self._stage])
+        if (self._has_backward and getattr(self, "_backward_requires_autograd", True)
+                and not torch.is_grad_enabled()):
+            raise RuntimeError("step() requires gradients to be enabled for backward computation; "
+                               "it should not be used under torch.no_grad() context. Please call eval() instead.")
+        for stage in stages:
+            stage.has_backward = self._has_backward
+            stage.clear_runtime_states()
+        self._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs)
+        last = next((s for s in stages if s.is_last), None)
+        return self._merge_outputs(last.output_chunks) if last is not None and return_outputs else None
+
+    step._gift_microbatch_step = True  # type: ignore[attr-defined]
+    return step
+
+
 def _rebind_device_globals() -> None:
     """Point every loaded torchtitan module's ``device_type``/``device_module`` at CPU."""
     import torchtitan.tools.utils as tt_utils
@@ -334,10 +382,12 @@ def activate() -> bool:
     """Apply the runtime shims when no accelerator is present. Idempotent.
 
     Returns True when the CPU shims are (now) active, False on an accelerator box,
-    where only the ``set_timeout`` alias (a torch-version gap) may be installed.
+    where only the torch-version gaps (``set_timeout``, the microbatch ``step``) may be
+    installed.
     """
     global _active
     _install_set_timeout_alias()
+    _install_microbatch_step()
     if accelerator_available():
         return False
     if not _active:

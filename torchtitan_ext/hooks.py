@@ -22,9 +22,10 @@ from gift_compile import fsdp2
 from gift_compile import hsdp as gift_hsdp
 from gift_compile.api import attach_optimizer, eligible_linears, manage
 from gift_compile.optimizers import geometry_for
+from gift_compile.parts import Parts
 from gift_compile.selection import select_metric_for
 
-from . import cpu_compat, hsdp
+from . import cpu_compat, hsdp, pipeline_parallel
 from .section import AUTO_METRIC, GiftSection
 
 __all__ = ["bind_gift_hook", "data_parallel_group", "gift_post_optimizer_build", "resolve_geometry",
@@ -40,7 +41,9 @@ _UNSUPPORTED_WHY = {
               "built",
     "context": "the FSDP mesh then spans dp_shard x cp, and the statistics would see a CP rank's slice "
                "of each sequence as separate tokens",
-    "pipeline": "each stage is its own model part, which would need its own GIFT state",
+    "pipeline on graph_trainer": "graph_trainer traces the whole training step only without pipeline "
+              "parallelism; with it, torch's eager pipeline schedule runs the step, so there is no traced "
+              "reduce-scatter for the gift pass to rewrite; use the FSDP2 trainer (GIFT per stage)",
     "expert": "FSDP2 refuses custom reduce-scatters and all-reduce hooks for modules with several parameter groups",
     "data-replicate without sharding (DDP) on graph_trainer": "SimpleFSDP then traces only a replica "
               "all-reduce of each full gradient, which the pass rewrites only as HSDP's second hop after a "
@@ -55,7 +58,7 @@ def data_parallel_group(parallel_dims: Any, trainer: str = "graph") -> dist.Proc
     others = {
         "tensor": parallel_dims.tp,
         "context": parallel_dims.cp,
-        "pipeline": parallel_dims.pp,
+        "pipeline on graph_trainer": parallel_dims.pp if trainer != "fsdp2" else 1,
         "expert": parallel_dims.ep,
         "data-replicate without sharding (DDP) on graph_trainer": 2 if ddp_on_graph else 1,
     }
@@ -78,7 +81,9 @@ def gift_post_optimizer_build(optimizers: Any, model_parts: list[nn.Module], par
     `gift::mark` tags whose reduce-scatters (bucketed or not) the ``gift`` pass pipeline
     rewrites, with HSDP carrying the replica hop (`gift_compile.hsdp.install_graph`) the pass
     puts after each rewritten reduce-scatter. Both: `attach_optimizer` on torchtitan's optimizer
-    container (health check before its step, `GiftState.step()` after).
+    container (health check before its step, `GiftState.step()` after). With pipeline
+    parallelism (FSDP2 only) one state spans every model part (stage) of the rank, over its
+    data-parallel group (`.pipeline_parallel`).
     """
     if inner is not None:
         inner(optimizers, model_parts, parallel_dims)
@@ -87,10 +92,10 @@ def gift_post_optimizer_build(optimizers: Any, model_parts: list[nn.Module], par
             cpu_compat.after_fsdp2(model)
     if not section.enable:
         return
-    if len(model_parts) != 1:
-        raise ValueError(f"gift.enable needs one model part, got {len(model_parts)} (pipeline parallelism is unsupported)")
-    model = model_parts[0]
+    model = model_parts  # pipeline parallelism: the rank's stages, one state over them (.pipeline_parallel)
     group = data_parallel_group(parallel_dims, trainer)
+    if parallel_dims.pp > 1:
+        pipeline_parallel.guard_shape_inference()
     world = dist.get_world_size(group)
     geometry = resolve_geometry(section, optimizers, model, world)
     metric = resolve_select_metric(section, optimizers, model, world, geometry or section.geometry)
@@ -110,16 +115,18 @@ def gift_post_optimizer_build(optimizers: Any, model_parts: list[nn.Module], par
             gift_hsdp.check_replicas_identical(model, replicas)
             logger.info(hsdp.describe_graph_hops(state, parallel_dims.dp_shard))
     attach_optimizer(state, optimizers)
-    logger.info(f"GIFT: {len(state.layers)} weights managed ({', '.join(state.layers) or 'none'})")
+    stage = pipeline_parallel.stage_of(parallel_dims)
+    where = "" if stage is None else f" on pipeline rank {stage} ({len(model_parts)} model parts, data-parallel group of {world})"
+    logger.info(f"GIFT: {len(state.layers)} weights managed{where} ({', '.join(state.layers) or 'none'})")
 
 
-def _managed_weights(section: GiftSection, model: nn.Module, world: int) -> list[nn.Parameter]:
+def _managed_weights(section: GiftSection, model: Parts, world: int) -> list[nn.Parameter]:
     """The weights GIFT will manage on `world` ranks (eligibility ignores the automatic choices)."""
     provisional = section.to_gift_config(**section.provisional())
     return [m._parameters["weight"] for _, m in eligible_linears(model, provisional, world, split_rows=True)]
 
 
-def resolve_select_metric(section: GiftSection, optimizers: Any, model: nn.Module, world: int,
+def resolve_select_metric(section: GiftSection, optimizers: Any, model: Parts, world: int,
                           geometry: str | None = None) -> str | None:
     """The metric for ``select_metric = "auto_by_optimizer"``: `select_metric_for` over the
     optimizer classes that step the weights GIFT will manage on `world` ranks and the
@@ -134,7 +141,7 @@ def resolve_select_metric(section: GiftSection, optimizers: Any, model: nn.Modul
     return metric
 
 
-def resolve_geometry(section: GiftSection, optimizers: Any, model: nn.Module, world: int) -> str | None:
+def resolve_geometry(section: GiftSection, optimizers: Any, model: Parts, world: int) -> str | None:
     """The geometry for ``geometry = "auto_by_optimizer"``: `geometry_for` over the optimizer
     classes that step the weights GIFT will manage on `world` ranks (None for an explicit one)."""
     if section.geometry != AUTO_METRIC:

@@ -9,6 +9,7 @@ wrote, so callers compare losses and telemetry without parsing logs.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -32,6 +33,8 @@ class RunResult:
     output: str
     wall_s: float
     records: list[dict[str, Any]] = field(default_factory=list)
+    stages: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    """Pipeline parallelism: each pipeline rank's records (its stage's GIFT telemetry), by rank."""
 
     def losses(self) -> dict[int, float]:
         """Training loss by step (a resumed run's records override earlier ones)."""
@@ -84,4 +87,6 @@ def run_config(
     wall = time.perf_counter() - start
     jsonl = os.path.join(dump_folder, "gift_metrics.jsonl")
     records = read_jsonl(jsonl) if os.path.exists(jsonl) else []
-    return RunResult(command, proc.returncode, proc.stdout + proc.stderr, wall, records)
+    stages = {int(m.group(1)): read_jsonl(os.path.join(dump_folder, f)) for f in sorted(os.listdir(dump_folder))
+              if (m := re.fullmatch(r"gift_metrics\.pp(\d+)\.jsonl", f))} if os.path.isdir(dump_folder) else {}
+    return RunResult(command, proc.returncode, proc.stdout + proc.stderr, wall, records, stages)

@@ -3,9 +3,11 @@
 torchtitan's ``MetricsProcessor.log`` prints one console line per logged step and forwards a
 metrics dict to TensorBoard / W&B. :class:`GiftMetricsProcessor` adds GIFT's counters to that
 dict, prints a second console line with them, and appends every logged step and validation to
-``<dump_folder>/<jsonl_file>`` on rank 0, so scripts and tests read losses and telemetry without
-scraping logs. It finds the GIFT state on the model part (the trainer hands the processor its
-``model_parts``), so no trainer subclass is involved.
+``<dump_folder>/<jsonl_file>`` on rank 0 (with pipeline parallelism: on the rank that sees the
+loss, plus one ``<stem>.pp<k>.jsonl`` per pipeline rank, whose GIFT state manages that stage's
+layers), so scripts and tests read losses and telemetry without scraping logs. It finds the
+GIFT state on the model parts (the trainer hands the processor its ``model_parts``), so no
+trainer subclass is involved.
 
 Every byte figure is the difference of the state's counters between two logged steps, i.e.
 what GIFT's collectives handed over at run time (codes, scales, headers and the unmanaged
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
-from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.components.metrics import MetricsProcessor, _get_metrics_rank
 from torchtitan.tools.logging import logger
 
 from gift_compile import fsdp2
@@ -82,18 +84,18 @@ class GiftMetricsProcessor(MetricsProcessor):
     def __init__(self, config: Config, *, dump_folder: str = "./outputs", **kwargs: Any) -> None:
         super().__init__(config, dump_folder=dump_folder, **kwargs)
         self._gift_last: dict[str, Any] = {}
-        rank0 = not dist.is_initialized() or dist.get_rank() == 0
-        self._jsonl_path = os.path.join(dump_folder, config.jsonl_file) if config.jsonl_file and rank0 else None
-        if self._jsonl_path:
-            os.makedirs(os.path.dirname(self._jsonl_path) or ".", exist_ok=True)
+        self._jsonl_paths = _jsonl_paths(config.jsonl_file, dump_folder, kwargs.get("parallel_dims"),
+                                         kwargs.get("pp_schedule", "1F1B"))
+        for path in self._jsonl_paths:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
 
     def _gift_state(self) -> GiftState | None:
         parts = getattr(self, "model_parts", None) or []
         return next((m._gift_state for m in parts if getattr(m, "_gift_state", None) is not None), None)
 
     def _write(self, record: dict[str, Any]) -> None:
-        if self._jsonl_path:
-            with open(self._jsonl_path, "a", encoding="utf-8") as f:
+        for path in self._jsonl_paths:
+            with open(path, "a", encoding="utf-8") as f:
                 f.write(json.dumps({"time": time.time(), **record}) + "\n")
 
     def log(self, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
@@ -103,8 +105,8 @@ class GiftMetricsProcessor(MetricsProcessor):
         steps = max(state.steps - self._gift_last.get("steps", 0), 1) if state is not None else 1
         gift = gift_metrics(state, self._gift_last) if state is not None else {}
         if state is not None:  # HSDP: the replica hop's own figures (the ones above are the shard hop's)
-            gift.update(replica_metrics(state, self.model_parts[0], self._gift_last, steps, self.config.log_freq))
-            accounted = fsdp2.accounted_bytes(self.model_parts[0])
+            gift.update(replica_metrics(state, self.model_parts, self._gift_last, steps, self.config.log_freq))
+            accounted = fsdp2.accounted_bytes(self.model_parts)
             if accounted is not None:  # FSDP2: what the wire counter should grow by per backward
                 gift["gift/accounted_bytes_per_backward"] = float(accounted)
         extra.update(gift)
@@ -118,6 +120,28 @@ class GiftMetricsProcessor(MetricsProcessor):
     def log_validation(self, loss: float, step: int, extra_metrics: dict[str, Any] | None = None) -> None:
         super().log_validation(loss, step, extra_metrics=extra_metrics)
         self._write({"step": step, "validation_loss": loss, **(extra_metrics or {})})
+
+
+def _jsonl_paths(name: str, dump_folder: str, parallel_dims: Any, pp_schedule: str) -> list[str]:
+    """Where this rank writes its records: ``<dump_folder>/<name>`` on the rank that sees the
+    loss (rank 0, or under pipeline parallelism torchtitan's metrics rank, the last stage's
+    first rank), and under pipeline parallelism also ``<stem>.pp<k>.jsonl`` on the first rank
+    of each pipeline rank k's data-parallel group: each stage's GIFT state manages its own
+    layers, and only the last stage's loss is real (the others log torchtitan's -2)."""
+    if not name:
+        return []
+    if not dist.is_initialized():
+        return [os.path.join(dump_folder, name)]
+    rank = dist.get_rank()
+    if parallel_dims is None or not parallel_dims.pp_enabled:
+        return [os.path.join(dump_folder, name)] if rank == 0 else []
+    paths = [os.path.join(dump_folder, name)] if rank == _get_metrics_rank(parallel_dims=parallel_dims,
+                                                                          pp_schedule=pp_schedule) else []
+    per_stage = parallel_dims.world_size // parallel_dims.pp  # pp is torchtitan's outermost mesh dimension
+    if rank % per_stage == 0:
+        stem, ext = os.path.splitext(name)
+        paths.append(os.path.join(dump_folder, f"{stem}.pp{rank // per_stage}{ext}"))
+    return paths
 
 
 def _fmt(value: Any) -> str:
