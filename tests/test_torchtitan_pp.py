@@ -65,10 +65,12 @@ def _check_stages(run: RunResult, which: str, parts: int) -> None:
     """Both pipeline ranks manage their own blocks, quantize them at nvfp4, hand the collective
     exactly the accounted bytes once per optimizer step, and refresh at optimizer step 2."""
     assert "gift.enable supports" not in run.output  # no refusal
-    assert not [line for line in run.output.splitlines() if "GIFT" in line and ("WARNING" in line or "full precision" in line)]
+    lines = run.output.splitlines()
+    assert not [line for line in lines if "GIFT" in line and ("WARNING" in line or "full precision" in line)]
     assert sorted(run.stages) == [0, 1]
     for stage, records in run.stages.items():
-        assert f"GIFT: 10 weights managed on pipeline rank {stage} ({parts} model parts, data-parallel group of 2)" in run.output
+        managed = f"GIFT: 10 weights managed on pipeline rank {stage} ({parts} model parts, data-parallel group of 2)"
+        assert managed in run.output
         steps = [r for r in records if "loss" in r]
         assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
         for r in steps:

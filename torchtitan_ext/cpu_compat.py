@@ -3,8 +3,9 @@
 torchtitan has no CPU device option: it assumes an accelerator everywhere. This module
 is the single place where GIFT's torchtitan integration makes it run on a CPU-only box
 (our CI and development machines have no GPU). Everything here is inert when an
-accelerator is present: :func:`activate` only installs the torch-version gaps (``set_timeout``, the microbatch ``step``; see
-below) and the other helpers leave torchtitan's defaults alone.
+accelerator is present: :func:`activate` only installs the torch-version gaps
+(``set_timeout``, the microbatch ``step``; see below) and the other helpers leave torchtitan's
+defaults alone.
 
 Two kinds of adjustments, preferring the first:
 

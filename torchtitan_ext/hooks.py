@@ -116,7 +116,8 @@ def gift_post_optimizer_build(optimizers: Any, model_parts: list[nn.Module], par
             logger.info(hsdp.describe_graph_hops(state, parallel_dims.dp_shard))
     attach_optimizer(state, optimizers)
     stage = pipeline_parallel.stage_of(parallel_dims)
-    where = "" if stage is None else f" on pipeline rank {stage} ({len(model_parts)} model parts, data-parallel group of {world})"
+    where = ("" if stage is None else
+             f" on pipeline rank {stage} ({len(model_parts)} model parts, data-parallel group of {world})")
     logger.info(f"GIFT: {len(state.layers)} weights managed{where} ({', '.join(state.layers) or 'none'})")
 
 
