@@ -148,3 +148,11 @@ def test_pipeline_refusals_name_the_reason(trainer: str, dims: dict[str, int], n
     with pytest.raises(ValueError, match=names) as err:
         data_parallel_group(parallel_dims, trainer)
     assert ("pipeline" in str(err.value)) is (trainer == "graph")
+
+
+def test_pipeline_without_data_parallelism_is_refused() -> None:
+    from gift_compile.torchtitan_ext.pipeline_parallel import check_data_parallel
+
+    with pytest.raises(ValueError, match="needs data parallelism: .*not the activations"):
+        check_data_parallel(SimpleNamespace(pp=2, dp_shard=1, dp_replicate=1))
+    check_data_parallel(SimpleNamespace(pp=2, dp_shard=1, dp_replicate=2))  # PP x DDP-style replicas: GIFT's hop

@@ -95,6 +95,7 @@ def gift_post_optimizer_build(optimizers: Any, model_parts: list[nn.Module], par
     model = model_parts  # pipeline parallelism: the rank's stages, one state over them (.pipeline_parallel)
     group = data_parallel_group(parallel_dims, trainer)
     if parallel_dims.pp > 1:
+        pipeline_parallel.check_data_parallel(parallel_dims)
         pipeline_parallel.guard_shape_inference()
     world = dist.get_world_size(group)
     geometry = resolve_geometry(section, optimizers, model, world)

@@ -13,7 +13,7 @@ with FSDP2's gradient sync off and then calls each FSDP parameter group's ``post
 once, so GIFT's reduce-scatter runs once per FSDP module per optimizer step, on the gradient
 accumulated over all microbatches; its bytes are counted once there.
 
-Two things this module adds:
+What this module adds:
 
 * `guard_shape_inference`: on its first step a torch pipeline stage infers the shapes it sends
   with a real forward, on ``torch.empty`` tensors for every stage but the first
@@ -24,6 +24,8 @@ Two things this module adds:
   state; both passes run inside `gift_compile.routing.statistics_paused` and
   `gift_compile.fsdp2.discarded_gradients` (FSDP2's default reduce-scatter, state untouched)
   instead.
+* `check_data_parallel`: pipeline parallelism without data parallelism is refused by name (no
+  gradient collective to compress; the stages' activation traffic is not GIFT's).
 * `stage_of`: the pipeline stage coordinate of this rank, which the telemetry uses to write one
   JSON-lines file per stage (each stage's state manages different layers, and only the last
   stage sees the loss).
@@ -38,7 +40,7 @@ from typing import Any
 from gift_compile.fsdp2 import discarded_gradients
 from gift_compile.routing import statistics_paused
 
-__all__ = ["guard_shape_inference", "stage_of"]
+__all__ = ["check_data_parallel", "guard_shape_inference", "stage_of"]
 
 _SHAPE_INFERENCE = ("_forward_metadata_inference", "_backward_metadata_inference")
 
@@ -67,6 +69,19 @@ def _guarded(original: Callable[..., Any]) -> Callable[..., Any]:
 
     infer._gift_guarded = True  # type: ignore[attr-defined]
     return infer
+
+
+def check_data_parallel(parallel_dims: Any) -> None:
+    """Refuse GIFT on pipeline parallelism without data parallelism: GIFT compresses the
+    data-parallel gradient collectives of each stage (not the activations and their gradients
+    that stages send each other), and with one rank per stage there are none."""
+    data_parallel = parallel_dims.dp_shard * parallel_dims.dp_replicate
+    if parallel_dims.pp > 1 and data_parallel <= 1:
+        raise ValueError(
+            f"gift.enable with pipeline parallelism (degree {parallel_dims.pp}) needs data parallelism: GIFT "
+            "compresses each stage's data-parallel gradient reduce-scatter, not the activations stages send each "
+            "other, and with data_parallel_shard_degree x data_parallel_replicate_degree = 1 no gradient crosses "
+            "ranks; set one of them > 1 or turn gift.enable off")
 
 
 def stage_of(parallel_dims: Any) -> int | None:
