@@ -22,6 +22,7 @@ from gift_compile.config import AUTO_GEOMETRY, GiftConfig
 from gift_compile.geometries import geometry_class
 from gift_compile.mark import SYNC, _GiftSync, _GiftTag
 from gift_compile.state import GiftState, LayerState
+from gift_compile.tensor_parallel import local_input, local_matrix_shape
 
 __all__ = ["eligible_linears", "manage", "observe_inputs"]
 
@@ -34,7 +35,7 @@ def observe_inputs(module: nn.Module, args: tuple[Any, ...]) -> None:
     computing them after one recompilation)."""
     layer: LayerState = module._gift_layer
     if torch.is_grad_enabled() and layer.collect_stats:
-        layer.stats.observe(args[0])
+        layer.stats.observe(local_input(args[0]))
 
 
 def _routed_weight(module: nn.Module, w: torch.Tensor) -> torch.Tensor:
@@ -91,26 +92,32 @@ def _unmanage_module(module: nn.Module) -> None:
         module.__dict__.pop(attr, None)
 
 
-def eligible_linears(model: nn.Module, config: GiftConfig, world: int, *, split_rows: bool) -> Iterator[tuple[str, nn.Module]]:
+def eligible_linears(model: nn.Module, config: GiftConfig, world: int, *, split_rows: bool,
+                     group: dist.ProcessGroup | None = None) -> Iterator[tuple[str, nn.Module]]:
     """`(fqn of the weight, module)` of every linear GIFT manages in `model`.
 
     Eligible: weights of `nn.Linear` (sub)class modules, 2-D, floating point, at least
     `config.min_numel` elements, FQN not matched by `config.exclude`, and (`split_rows`, for
-    reduce-scatter paths) a row count divisible by the world size. Ineligible weights that
-    are big enough are logged with the reason: they travel at full precision.
+    reduce-scatter paths) a row count divisible by the world size. Sizes are those of the
+    matrix one rank of the data-parallel `group` holds (`local_matrix_shape`: a tensor-parallel
+    rank's block). Ineligible weights that are big enough are logged with the reason: they
+    travel at full precision.
     """
     for fqn, module in model.named_modules():
         if not isinstance(module, nn.Linear):
             continue
         w = module._parameters.get("weight")
         name = f"{fqn}.weight" if fqn else "weight"
-        if w is None or w.dim() != 2 or w.numel() < config.min_numel or config.is_excluded(name):
+        if w is None or w.dim() != 2 or config.is_excluded(name):
+            continue
+        rows, cols = local_matrix_shape(w, group)
+        if rows * cols < config.min_numel:
             continue
         if not w.is_floating_point():
             logger.warning("GIFT: %s stays at full precision: dtype %s is not floating point", name, w.dtype)
             continue
-        if split_rows and w.shape[0] % world:
-            logger.warning("GIFT: %s stays at full precision: %d rows do not split over %d ranks", name, w.shape[0], world)
+        if split_rows and rows % world:
+            logger.warning("GIFT: %s stays at full precision: %d rows do not split over %d ranks", name, rows, world)
             continue
         yield name, module
 
@@ -142,9 +149,9 @@ def manage(model: nn.Module, config: GiftConfig, group: dist.ProcessGroup | None
     world = state.world()
     group_name = group.group_name if mode == "sync" and world > 1 else None
     handles: list[Any] = []
-    for name, module in eligible_linears(model, config, world, split_rows=split_rows):
+    for name, module in eligible_linears(model, config, world, split_rows=split_rows, group=group):
         w = module._parameters["weight"]
-        layer = state.add_layer(name, (int(w.shape[0]), int(w.shape[1])), device if device is not None else w.device)
+        layer = state.add_layer(name, local_matrix_shape(w, group), device if device is not None else w.device)
         module._gift_layer = layer
         state.modules[name] = module
         if mode in ("sync", "tag"):

@@ -23,6 +23,7 @@ from gift_compile import hsdp as gift_hsdp
 from gift_compile.api import attach_optimizer, eligible_linears, manage
 from gift_compile.optimizers import geometry_for
 from gift_compile.selection import select_metric_for
+from gift_compile.tensor_parallel import describe_blocks
 
 from . import cpu_compat, hsdp
 from .section import AUTO_METRIC, GiftSection
@@ -33,11 +34,10 @@ __all__ = ["bind_gift_hook", "data_parallel_group", "gift_post_optimizer_build",
 
 # Why each layout is refused (torchtitan_ext/README.md, "Limits").
 _UNSUPPORTED_WHY = {
-    "tensor": "GIFT sizes each layer's map by the weight's global [out, in] and reduces its statistics over "
-              "the whole data-parallel state group, but a TP rank holds a colwise shard [out/tp, in] or a rowwise "
-              "shard [out, in/tp] whose map must come from the inputs that TP rank sees (block-diagonal across TP "
-              "ranks) with statistics reduced over the data-parallel group only; that per-TP-rank geometry is not "
-              "built",
+    "tensor on graph_trainer": "SimpleFSDP with TP traces each gradient's reduce-scatter on the TP-local "
+              "block next to TP's activation collectives, and the GIFT pass does not yet size its buckets by the "
+              "TP-local blocks; use the FSDP2 trainer (llama3_debug_gift_fsdp2), where each TP rank's block is its "
+              "own GIFT matrix",
     "context": "the FSDP mesh then spans dp_shard x cp, and the statistics would see a CP rank's slice "
                "of each sequence as separate tokens",
     "pipeline": "each stage is its own model part, which would need its own GIFT state",
@@ -50,10 +50,12 @@ _UNSUPPORTED_WHY = {
 
 def data_parallel_group(parallel_dims: Any, trainer: str = "graph") -> dist.ProcessGroup:
     """The data-parallel group GIFT's state spans (statistics, transforms, selection): the FSDP
-    group, or with HSDP (both trainers) shards x replicas; other parallelisms are not supported."""
+    group, or with HSDP (both trainers) shards x replicas. With tensor parallelism (FSDP2
+    trainer) it is still that group, never the TP ranks: each TP rank's weight block is its own
+    GIFT matrix (`gift_compile.tensor_parallel`). Other parallelisms are not supported."""
     ddp_on_graph = trainer != "fsdp2" and parallel_dims.dp_replicate > 1 and parallel_dims.dp_shard <= 1
     others = {
-        "tensor": parallel_dims.tp,
+        "tensor on graph_trainer": parallel_dims.tp if trainer != "fsdp2" else 1,
         "context": parallel_dims.cp,
         "pipeline": parallel_dims.pp,
         "expert": parallel_dims.ep,
@@ -92,12 +94,14 @@ def gift_post_optimizer_build(optimizers: Any, model_parts: list[nn.Module], par
     model = model_parts[0]
     group = data_parallel_group(parallel_dims, trainer)
     world = dist.get_world_size(group)
-    geometry = resolve_geometry(section, optimizers, model, world)
-    metric = resolve_select_metric(section, optimizers, model, world, geometry or section.geometry)
+    geometry = resolve_geometry(section, optimizers, model, world, group=group)
+    metric = resolve_select_metric(section, optimizers, model, world, geometry or section.geometry, group=group)
     config = section.to_gift_config(select_metric=metric, geometry=geometry)
     if trainer == "fsdp2":
         state = manage(model, config, group, mode="stats", split_rows=True)
         fsdp2.install(model, state, compiled=section.fuse)
+        if parallel_dims.tp > 1:
+            logger.info(describe_blocks(state))
         replicas = hsdp.replica_group(parallel_dims)
         if replicas is not None:
             gift_hsdp.install(model, state, replicas, compiled=section.fuse)
@@ -113,20 +117,23 @@ def gift_post_optimizer_build(optimizers: Any, model_parts: list[nn.Module], par
     logger.info(f"GIFT: {len(state.layers)} weights managed ({', '.join(state.layers) or 'none'})")
 
 
-def _managed_weights(section: GiftSection, model: nn.Module, world: int) -> list[nn.Parameter]:
-    """The weights GIFT will manage on `world` ranks (eligibility ignores the automatic choices)."""
+def _managed_weights(section: GiftSection, model: nn.Module, world: int,
+                     group: dist.ProcessGroup | None) -> list[nn.Parameter]:
+    """The weights GIFT will manage on `world` ranks of the data-parallel `group` (eligibility
+    ignores the automatic choices; `group` sizes a tensor-parallel rank's block)."""
     provisional = section.to_gift_config(**section.provisional())
-    return [m._parameters["weight"] for _, m in eligible_linears(model, provisional, world, split_rows=True)]
+    return [m._parameters["weight"] for _, m in eligible_linears(model, provisional, world, split_rows=True,
+                                                                 group=group)]
 
 
 def resolve_select_metric(section: GiftSection, optimizers: Any, model: nn.Module, world: int,
-                          geometry: str | None = None) -> str | None:
+                          geometry: str | None = None, *, group: dist.ProcessGroup | None = None) -> str | None:
     """The metric for ``select_metric = "auto_by_optimizer"``: `select_metric_for` over the
-    optimizer classes that step the weights GIFT will manage on `world` ranks and the
+    optimizer classes that step the weights GIFT will manage on `world` ranks of `group` and the
     (resolved) `geometry` (None for an explicit metric)."""
     if section.select_metric != AUTO_METRIC:
         return None
-    weights = _managed_weights(section, model, world)
+    weights = _managed_weights(section, model, world, group)
     if not weights:
         return "euclidean"  # nothing is managed, so nothing is selected: the metric is never used
     metric = select_metric_for(optimizers, weights, geometry)
@@ -134,12 +141,14 @@ def resolve_select_metric(section: GiftSection, optimizers: Any, model: nn.Modul
     return metric
 
 
-def resolve_geometry(section: GiftSection, optimizers: Any, model: nn.Module, world: int) -> str | None:
+def resolve_geometry(section: GiftSection, optimizers: Any, model: nn.Module, world: int, *,
+                     group: dist.ProcessGroup | None = None) -> str | None:
     """The geometry for ``geometry = "auto_by_optimizer"``: `geometry_for` over the optimizer
-    classes that step the weights GIFT will manage on `world` ranks (None for an explicit one)."""
+    classes that step the weights GIFT will manage on `world` ranks of `group` (None for an
+    explicit one)."""
     if section.geometry != AUTO_METRIC:
         return None
-    weights = _managed_weights(section, model, world)
+    weights = _managed_weights(section, model, world, group)
     if not weights:
         return "none"  # nothing is managed, so no map is ever built
     geometry = geometry_for(optimizers, weights)
