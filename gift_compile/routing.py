@@ -22,7 +22,7 @@ from gift_compile.config import AUTO_GEOMETRY, GiftConfig
 from gift_compile.geometries import geometry_class
 from gift_compile.mark import SYNC, _GiftSync, _GiftTag
 from gift_compile.state import GiftState, LayerState
-from gift_compile.tensor_parallel import local_input, local_matrix_shape
+from gift_compile.tensor_parallel import local_input, local_matrix_shape, on_local_block
 
 __all__ = ["eligible_linears", "manage", "observe_inputs"]
 
@@ -47,7 +47,7 @@ def _routed_weight(module: nn.Module, w: torch.Tensor) -> torch.Tensor:
     plan = layer.plan_str
     tensors = layer.mark_tensors(gstate.shared, gstate.replica_shared)
     if module._gift_group_name is None:
-        return _GiftTag.apply(w, plan, *tensors)
+        return on_local_block(w, lambda block: _GiftTag.apply(block, plan, *tensors))
     pending = layer.pending if layer.mode != SYNC else None
     return _GiftSync.apply(w, plan, module._gift_group_name, gstate.config.reduce_op, layer.mode, pending, *tensors)
 

@@ -20,12 +20,13 @@ sees.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["describe_blocks", "local_input", "local_matrix_shape"]
+__all__ = ["describe_blocks", "local_input", "local_matrix_shape", "on_local_block"]
 
 
 def _is_dtensor(x: object) -> bool:
@@ -90,3 +91,18 @@ def describe_blocks(state: Any) -> str:
     world = dist.get_world_size(state.group) if state.group is not None else 1
     return (f"GIFT TP: {len(blocks)} managed weights are this TP rank's blocks, each its own GIFT matrix with "
             f"statistics reduced over the {world}-rank data-parallel group: {', '.join(blocks)}")
+
+
+def on_local_block(weight: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`fn` applied to the block of `weight` this rank computes with, the result wrapped back
+    with `weight`'s placements: a SimpleFSDP weight under TP is a DTensor on the TP mesh in the
+    forward, so the `gift::mark` of its gradient must see the TP-local block (the tensor the
+    framework's data-parallel reduce-scatter carries), never a DTensor. Both wrappers are
+    differentiable, so the gradient reaches `fn` as the local block's gradient."""
+    if not _is_dtensor(weight):
+        return fn(weight)
+    from torch.distributed.tensor import DTensor
+
+    local = fn(weight.to_local())
+    return DTensor.from_local(local, weight.device_mesh, weight.placements, run_check=False,
+                              shape=weight.shape, stride=weight.stride())

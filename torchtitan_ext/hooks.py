@@ -34,10 +34,9 @@ __all__ = ["bind_gift_hook", "data_parallel_group", "gift_post_optimizer_build",
 
 # Why each layout is refused (torchtitan_ext/README.md, "Limits").
 _UNSUPPORTED_WHY = {
-    "tensor on graph_trainer": "SimpleFSDP with TP traces each gradient's reduce-scatter on the TP-local "
-              "block next to TP's activation collectives, and the GIFT pass does not yet size its buckets by the "
-              "TP-local blocks; use the FSDP2 trainer (llama3_debug_gift_fsdp2), where each TP rank's block is its "
-              "own GIFT matrix",
+    "tensor with data-replicate (HSDP x TP)": "each TP rank's block would need GIFT's replica hop over the "
+              "TP-local shards (and on graph_trainer the pass would see TP's all-reduce of a norm gradient before "
+              "SimpleFSDP's replica all-reduce); that layout takes 8 ranks and has not been run",
     "context": "the FSDP mesh then spans dp_shard x cp, and the statistics would see a CP rank's slice "
                "of each sequence as separate tokens",
     "pipeline": "each stage is its own model part, which would need its own GIFT state",
@@ -50,12 +49,12 @@ _UNSUPPORTED_WHY = {
 
 def data_parallel_group(parallel_dims: Any, trainer: str = "graph") -> dist.ProcessGroup:
     """The data-parallel group GIFT's state spans (statistics, transforms, selection): the FSDP
-    group, or with HSDP (both trainers) shards x replicas. With tensor parallelism (FSDP2
-    trainer) it is still that group, never the TP ranks: each TP rank's weight block is its own
-    GIFT matrix (`gift_compile.tensor_parallel`). Other parallelisms are not supported."""
+    group, or with HSDP (both trainers) shards x replicas. With tensor parallelism (FSDP x TP,
+    both trainers) it is still the FSDP group, never the TP ranks: each TP rank's weight block
+    is its own GIFT matrix (`gift_compile.tensor_parallel`). Other layouts are refused by name."""
     ddp_on_graph = trainer != "fsdp2" and parallel_dims.dp_replicate > 1 and parallel_dims.dp_shard <= 1
     others = {
-        "tensor on graph_trainer": parallel_dims.tp if trainer != "fsdp2" else 1,
+        "tensor with data-replicate (HSDP x TP)": parallel_dims.tp if parallel_dims.dp_replicate > 1 else 1,
         "context": parallel_dims.cp,
         "pipeline": parallel_dims.pp,
         "expert": parallel_dims.ep,
@@ -100,8 +99,6 @@ def gift_post_optimizer_build(optimizers: Any, model_parts: list[nn.Module], par
     if trainer == "fsdp2":
         state = manage(model, config, group, mode="stats", split_rows=True)
         fsdp2.install(model, state, compiled=section.fuse)
-        if parallel_dims.tp > 1:
-            logger.info(describe_blocks(state))
         replicas = hsdp.replica_group(parallel_dims)
         if replicas is not None:
             gift_hsdp.install(model, state, replicas, compiled=section.fuse)
@@ -113,6 +110,8 @@ def gift_post_optimizer_build(optimizers: Any, model_parts: list[nn.Module], par
             gift_hsdp.install_graph(state, replicas)
             gift_hsdp.check_replicas_identical(model, replicas)
             logger.info(hsdp.describe_graph_hops(state, parallel_dims.dp_shard))
+    if parallel_dims.tp > 1:
+        logger.info(describe_blocks(state))
     attach_optimizer(state, optimizers)
     logger.info(f"GIFT: {len(state.layers)} weights managed ({', '.join(state.layers) or 'none'})")
 
