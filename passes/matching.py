@@ -89,7 +89,9 @@ def launches_by_group(graph: fx.Graph) -> dict[tuple[str, str], int]:
     all-reduces and all-gathers run over the TP group)."""
     c: Counter[tuple[str, str]] = Counter()
     for n in graph.nodes:
-        if n.op == "call_function" and "_c10d_functional" in str(n.target) and n.target is not _c10d.wait_tensor.default:
+        if n.op != "call_function" or n.target is _c10d.wait_tensor.default:
+            continue
+        if "_c10d_functional" in str(n.target):
             phase = "backward" if n.meta.get("autograd_backward") else "forward"
             c[(str(n.kwargs.get("group_name", n.args[-1])), phase)] += 1
     return dict(c)
