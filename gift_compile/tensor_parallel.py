@@ -59,7 +59,7 @@ def local_matrix_shape(weight: torch.Tensor, group: dist.ProcessGroup | None) ->
         if isinstance(placement, Replicate):
             continue
         if isinstance(placement, _StridedShard) or not isinstance(placement, Shard):
-            raise ValueError(f"GIFT: a managed weight is placed {placement} on mesh dimension {names[dim]!r}, "
+            raise ValueError(f"GIFT: a managed weight is placed {placement!r} on mesh dimension {names[dim]!r}, "
                              "outside the data-parallel group; GIFT maps only plain Shard or Replicate "
                              "placements of model-parallel dimensions onto a TP rank's block")
         size, parts, coord = shape[placement.dim], mesh.size(dim), mesh.get_local_rank(dim)

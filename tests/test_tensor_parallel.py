@@ -46,6 +46,7 @@ def _tp_statistics(rank: int, world: int) -> dict:
     for layer in state.layers.values():
         layer.stats.consolidate(state.group)
     return {
+        "refused": _refusals(mesh, dp_group),
         "tp": tp_coord,
         "dp": dp_coord,
         "shapes": {name: layer.shape for name, layer in state.layers.items()},
@@ -53,6 +54,24 @@ def _tp_statistics(rank: int, world: int) -> dict:
         "world_shape": local_matrix_shape(model[2].weight, dist.group.WORLD),
         "factors": {name: layer.stats.factor.clone() for name, layer in state.layers.items()},
     }
+
+
+def _refusals(mesh, dp_group) -> list[str]:
+    """What GIFT cannot map onto a TP rank's block raises, naming the placement."""
+    from torch.distributed.tensor import DTensor, Partial
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from gift_compile.tensor_parallel import local_input, local_matrix_shape
+
+    out = []
+    strided = DTensor.from_local(torch.zeros(4, D), mesh["tp"], [_StridedShard(0, split_factor=2)])
+    pending = DTensor.from_local(torch.zeros(2, D), mesh["tp"], [Partial()])
+    for call in (lambda: local_matrix_shape(strided, dp_group), lambda: local_input(pending)):
+        try:
+            call()
+        except ValueError as e:
+            out.append(str(e))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -81,3 +100,10 @@ def test_statistics_come_from_the_local_inputs_over_the_data_parallel_group_only
         torch.testing.assert_close(r["factors"]["2.weight"], rowwise_input)
     slices = {r["tp"]: r["factors"]["2.weight"] for r in ranks}
     assert not torch.allclose(slices[0], slices[1])  # the TP ranks' blocks are different matrices
+
+
+def test_placements_without_a_block_are_refused_by_name(ranks: list[dict]) -> None:
+    for r in ranks:
+        strided, partial = r["refused"]
+        assert "placed _StridedShard" in strided and "mesh dimension 'tp'" in strided
+        assert "Partial (unreduced) activation" in partial
