@@ -28,6 +28,7 @@ from gift_compile.geometries import geometry_class
 from gift_compile.mark import SYNC, _GiftSync, _GiftTag
 from gift_compile.parts import Parts, model_parts
 from gift_compile.state import GiftState, LayerState
+from gift_compile.tensor_parallel import local_input, local_matrix_shape, on_local_block
 
 __all__ = ["eligible_linears", "manage", "observe_inputs", "statistics_paused"]
 
@@ -56,7 +57,7 @@ def observe_inputs(module: nn.Module, args: tuple[Any, ...]) -> None:
     computing them after one recompilation; never inside `statistics_paused`)."""
     layer: LayerState = module._gift_layer
     if torch.is_grad_enabled() and layer.collect_stats and not _paused:
-        layer.stats.observe(args[0])
+        layer.stats.observe(local_input(args[0]))
 
 
 def _routed_weight(module: nn.Module, w: torch.Tensor) -> torch.Tensor:
@@ -68,7 +69,7 @@ def _routed_weight(module: nn.Module, w: torch.Tensor) -> torch.Tensor:
     plan = layer.plan_str
     tensors = layer.mark_tensors(gstate.shared, gstate.replica_shared)
     if module._gift_group_name is None:
-        return _GiftTag.apply(w, plan, *tensors)
+        return on_local_block(w, lambda block: _GiftTag.apply(block, plan, *tensors))
     pending = layer.pending if layer.mode != SYNC else None
     return _GiftSync.apply(w, plan, module._gift_group_name, gstate.config.reduce_op, layer.mode, pending, *tensors)
 
@@ -113,26 +114,32 @@ def _unmanage_module(module: nn.Module) -> None:
         module.__dict__.pop(attr, None)
 
 
-def eligible_linears(model: Parts, config: GiftConfig, world: int, *, split_rows: bool) -> Iterator[tuple[str, nn.Module]]:
+def eligible_linears(model: Parts, config: GiftConfig, world: int, *, split_rows: bool,
+                     group: dist.ProcessGroup | None = None) -> Iterator[tuple[str, nn.Module]]:
     """`(fqn of the weight, module)` of every linear GIFT manages in `model` (each of its parts).
 
     Eligible: weights of `nn.Linear` (sub)class modules, 2-D, floating point, at least
     `config.min_numel` elements, FQN not matched by `config.exclude`, and (`split_rows`, for
-    reduce-scatter paths) a row count divisible by the world size. Ineligible weights that
-    are big enough are logged with the reason: they travel at full precision.
+    reduce-scatter paths) a row count divisible by the world size. Sizes are those of the
+    matrix one rank of the data-parallel `group` holds (`local_matrix_shape`: a tensor-parallel
+    rank's block). Ineligible weights that are big enough are logged with the reason: they
+    travel at full precision.
     """
     for fqn, module in (named for part in model_parts(model) for named in part.named_modules()):
         if not isinstance(module, nn.Linear):
             continue
         w = module._parameters.get("weight")
         name = f"{fqn}.weight" if fqn else "weight"
-        if w is None or w.dim() != 2 or w.numel() < config.min_numel or config.is_excluded(name):
+        if w is None or w.dim() != 2 or config.is_excluded(name):
+            continue
+        rows, cols = local_matrix_shape(w, group)
+        if rows * cols < config.min_numel:
             continue
         if not w.is_floating_point():
             logger.warning("GIFT: %s stays at full precision: dtype %s is not floating point", name, w.dtype)
             continue
-        if split_rows and w.shape[0] % world:
-            logger.warning("GIFT: %s stays at full precision: %d rows do not split over %d ranks", name, w.shape[0], world)
+        if split_rows and rows % world:
+            logger.warning("GIFT: %s stays at full precision: %d rows do not split over %d ranks", name, rows, world)
             continue
         yield name, module
 
@@ -168,12 +175,12 @@ def manage(model: Parts, config: GiftConfig, group: dist.ProcessGroup | None, *,
     world = state.world()
     group_name = group.group_name if mode == "sync" and world > 1 else None
     handles: list[Any] = []
-    for name, module in eligible_linears(parts, config, world, split_rows=split_rows):
+    for name, module in eligible_linears(parts, config, world, split_rows=split_rows, group=group):
         if name in state.layers:
             raise ValueError(f"gift_compile.manage: {name} is in two model parts; the parts (pipeline stages) of "
                              "one rank must hold disjoint layers under the whole model's names")
         w = module._parameters["weight"]
-        layer = state.add_layer(name, (int(w.shape[0]), int(w.shape[1])), device if device is not None else w.device)
+        layer = state.add_layer(name, local_matrix_shape(w, group), device if device is not None else w.device)
         module._gift_layer = layer
         state.modules[name] = module
         if mode in ("sync", "tag"):

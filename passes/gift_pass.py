@@ -58,6 +58,7 @@ logger = logging.getLogger("gift_compile")
 _c10d = torch.ops._c10d_functional
 from gift_compile.passes.matching import (
     _META_KEYS, BucketMatch, GiftRewriteError, _group_size, _is_mark, _why_not, count_ops, find_gradient_collectives,
+    launches_by_group,
 )
 
 @dataclass
@@ -85,6 +86,9 @@ class RewriteReport:
     fallbacks: list[tuple[str, str]] = field(default_factory=list)
     ops_before: dict[str, int] = field(default_factory=dict)
     ops_after: dict[str, int] = field(default_factory=dict)
+    # collective launches per (process group name, "forward" / "backward"), before and after
+    groups_before: dict[tuple[str, str], int] = field(default_factory=dict)
+    groups_after: dict[tuple[str, str], int] = field(default_factory=dict)
 
     @property
     def layers(self) -> list[str]:
@@ -110,6 +114,12 @@ class RewriteReport:
     @property
     def replica_baseline_bytes(self) -> int:
         return sum(r.replica_baseline_bytes for r in self.rewritten)
+
+    def group_launches(self, group_name: str) -> dict[str, tuple[int, int]]:
+        """Launches over `group_name` per phase, (before, after) the rewrite: for a group the
+        pass must leave alone (tensor parallelism's) the two are equal."""
+        return {phase: (self.groups_before.get((group_name, phase), 0), self.groups_after.get((group_name, phase), 0))
+                for phase in ("forward", "backward")}
 
     def launches(self, ops: dict[str, int]) -> int:
         """Collective launches in a graph's op counts (every `_c10d_functional` op but waits)."""
@@ -333,11 +343,11 @@ def rewrite_gradient_collectives(gm: fx.GraphModule | fx.Graph) -> RewriteReport
     """Entry point: rewrite every managed gradient collective of a graph, in place."""
     graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
     global _reports_seen
-    report = RewriteReport(ops_before=count_ops(graph))
+    report = RewriteReport(ops_before=count_ops(graph), groups_before=launches_by_group(graph))
     _REPORTS.append(report)
     _reports_seen += 1
     if not any(_is_mark(n) for n in graph.nodes):
-        report.ops_after = report.ops_before
+        report.ops_after, report.groups_after = report.ops_before, report.groups_before
         return report
     for match in find_gradient_collectives(graph):
         reason = _why_not(match)
@@ -353,7 +363,7 @@ def rewrite_gradient_collectives(gm: fx.GraphModule | fx.Graph) -> RewriteReport
     graph.lint()
     if isinstance(gm, fx.GraphModule):
         gm.recompile()
-    report.ops_after = count_ops(graph)
+    report.ops_after, report.groups_after = count_ops(graph), launches_by_group(graph)
     logger.info(
         "GIFT pass: rewrote %d gradient collectives (%d managed weights; collective launches %d -> %d; "
         "%d -> %d bytes per call)", len(report.rewritten), len(report.layers), report.launches(report.ops_before),

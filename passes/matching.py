@@ -81,6 +81,22 @@ def count_ops(graph: fx.Graph) -> dict[str, int]:
     return dict(c)
 
 
+def launches_by_group(graph: fx.Graph) -> dict[tuple[str, str], int]:
+    """Collective launches (every `_c10d_functional` op but waits) per process group name (the
+    last argument of every functional collective) and phase ("forward", or "backward" for nodes
+    of a joint graph's backward): the collectives a rewrite must leave alone are told apart
+    from the data-parallel ones it replaces by their group (tensor parallelism's activation
+    all-reduces and all-gathers run over the TP group)."""
+    c: Counter[tuple[str, str]] = Counter()
+    for n in graph.nodes:
+        if n.op != "call_function" or n.target is _c10d.wait_tensor.default:
+            continue
+        if "_c10d_functional" in str(n.target):
+            phase = "backward" if n.meta.get("autograd_backward") else "forward"
+            c[(str(n.kwargs.get("group_name", n.args[-1])), phase)] += 1
+    return dict(c)
+
+
 def _is_mark(n: Any) -> bool:
     return isinstance(n, fx.Node) and n.op == "call_function" and n.target is torch.ops.gift.mark.default
 
@@ -118,6 +134,20 @@ def _replica_reduction(x: Any) -> tuple[fx.Node, fx.Node] | None:
     return None
 
 
+def _replica_reductions(inputs: list[Any]) -> list[tuple[fx.Node, fx.Node] | None]:
+    """Per bucket entry, the replica all-reduce (HSDP) it went through, or None.
+
+    The replica group is the group of the all-reduces that marked gradients went through; an
+    entry all-reduced over another group is an input like any other (with tensor parallelism a
+    norm weight's gradient is all-reduced over the TP group before the data-parallel
+    reduce-scatter: that collective is TP's and stays as it is). Without a marked gradient
+    behind an all-reduce there is no replica hop.
+    """
+    found = [_replica_reduction(x) for x in inputs]
+    groups = {r[0].args[2] for r in found if r is not None and _trace_to_mark(r[0].args[0]) is not None}
+    return [r if r is not None and r[0].args[2] in groups else None for r in found]
+
+
 def _collective_inputs(n: fx.Node, pre_bucket: Any) -> tuple[fx.Node | None, fx.Node | None, list[Any]]:
     """`(wait, bucket, inputs)` of collective `n`: its wait, the `_pre_bucket_reduce_scatter` node
     feeding it (None when it sends one tensor) and the tensors it carries."""
@@ -137,7 +167,7 @@ def find_gradient_collectives(graph: fx.Graph) -> list[BucketMatch]:
         if n.op != "call_function" or n.target is not _c10d.reduce_scatter_tensor.default:
             continue
         wait, bucket, inputs = _collective_inputs(n, pre_bucket)
-        reductions = [_replica_reduction(x) for x in inputs]
+        reductions = _replica_reductions(inputs)
         if not any(reductions):
             continue
         originals = [x if r is None else r[0].args[0] for x, r in zip(inputs, reductions)]

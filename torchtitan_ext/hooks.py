@@ -24,6 +24,7 @@ from gift_compile.api import attach_optimizer, eligible_linears, manage
 from gift_compile.optimizers import geometry_for
 from gift_compile.parts import Parts
 from gift_compile.selection import select_metric_for
+from gift_compile.tensor_parallel import describe_blocks
 
 from . import cpu_compat, hsdp, pipeline_parallel
 from .section import AUTO_METRIC, GiftSection
@@ -34,11 +35,9 @@ __all__ = ["bind_gift_hook", "data_parallel_group", "gift_post_optimizer_build",
 
 # Why each layout is refused (torchtitan_ext/README.md, "Limits").
 _UNSUPPORTED_WHY = {
-    "tensor": "GIFT sizes each layer's map by the weight's global [out, in] and reduces its statistics over "
-              "the whole data-parallel state group, but a TP rank holds a colwise shard [out/tp, in] or a rowwise "
-              "shard [out, in/tp] whose map must come from the inputs that TP rank sees (block-diagonal across TP "
-              "ranks) with statistics reduced over the data-parallel group only; that per-TP-rank geometry is not "
-              "built",
+    "tensor with data-replicate (HSDP x TP)": "each TP rank's block would need GIFT's replica hop over the "
+              "TP-local shards (and on graph_trainer the pass would see TP's all-reduce of a norm gradient before "
+              "SimpleFSDP's replica all-reduce); that layout takes 8 ranks and has not been run",
     "context": "the FSDP mesh then spans dp_shard x cp, and the statistics would see a CP rank's slice "
                "of each sequence as separate tokens",
     "pipeline on graph_trainer": "graph_trainer traces the whole training step only without pipeline "
@@ -53,10 +52,12 @@ _UNSUPPORTED_WHY = {
 
 def data_parallel_group(parallel_dims: Any, trainer: str = "graph") -> dist.ProcessGroup:
     """The data-parallel group GIFT's state spans (statistics, transforms, selection): the FSDP
-    group, or with HSDP (both trainers) shards x replicas; other parallelisms are not supported."""
+    group, or with HSDP (both trainers) shards x replicas. With tensor parallelism (FSDP x TP,
+    both trainers) it is still the FSDP group, never the TP ranks: each TP rank's weight block
+    is its own GIFT matrix (`gift_compile.tensor_parallel`). Other layouts are refused by name."""
     ddp_on_graph = trainer != "fsdp2" and parallel_dims.dp_replicate > 1 and parallel_dims.dp_shard <= 1
     others = {
-        "tensor": parallel_dims.tp,
+        "tensor with data-replicate (HSDP x TP)": parallel_dims.tp if parallel_dims.dp_replicate > 1 else 1,
         "context": parallel_dims.cp,
         "pipeline on graph_trainer": parallel_dims.pp if trainer != "fsdp2" else 1,
         "expert": parallel_dims.ep,
@@ -65,8 +66,8 @@ def data_parallel_group(parallel_dims: Any, trainer: str = "graph") -> dist.Proc
     unsupported = [name for name, degree in others.items() if degree > 1]
     if unsupported:
         why = "; ".join(f"{name}: {_UNSUPPORTED_WHY[name]}" for name in unsupported)
-        raise ValueError(f"gift.enable supports FSDP and HSDP; {', '.join(unsupported)} "
-                         f"parallelism is on ({why})")
+        raise ValueError(f"gift.enable supports FSDP, HSDP, TP x FSDP and (FSDP2 trainer) pipeline "
+                         f"parallelism; {', '.join(unsupported)} parallelism is on ({why})")
     if parallel_dims.dp_replicate > 1:
         return parallel_dims.get_mesh("batch").get_group()
     return parallel_dims.get_mesh("fsdp").get_group()
@@ -98,8 +99,8 @@ def gift_post_optimizer_build(optimizers: Any, model_parts: list[nn.Module], par
         pipeline_parallel.check_data_parallel(parallel_dims)
         pipeline_parallel.guard_shape_inference()
     world = dist.get_world_size(group)
-    geometry = resolve_geometry(section, optimizers, model, world)
-    metric = resolve_select_metric(section, optimizers, model, world, geometry or section.geometry)
+    geometry = resolve_geometry(section, optimizers, model, world, group=group)
+    metric = resolve_select_metric(section, optimizers, model, world, geometry or section.geometry, group=group)
     config = section.to_gift_config(select_metric=metric, geometry=geometry)
     if trainer == "fsdp2":
         state = manage(model, config, group, mode="stats", split_rows=True)
@@ -115,6 +116,8 @@ def gift_post_optimizer_build(optimizers: Any, model_parts: list[nn.Module], par
             gift_hsdp.install_graph(state, replicas)
             gift_hsdp.check_replicas_identical(model, replicas)
             logger.info(hsdp.describe_graph_hops(state, parallel_dims.dp_shard))
+    if parallel_dims.tp > 1:
+        logger.info(describe_blocks(state))
     attach_optimizer(state, optimizers)
     stage = pipeline_parallel.stage_of(parallel_dims)
     where = ("" if stage is None else
@@ -122,20 +125,23 @@ def gift_post_optimizer_build(optimizers: Any, model_parts: list[nn.Module], par
     logger.info(f"GIFT: {len(state.layers)} weights managed{where} ({', '.join(state.layers) or 'none'})")
 
 
-def _managed_weights(section: GiftSection, model: Parts, world: int) -> list[nn.Parameter]:
-    """The weights GIFT will manage on `world` ranks (eligibility ignores the automatic choices)."""
+def _managed_weights(section: GiftSection, model: Parts, world: int,
+                     group: dist.ProcessGroup | None) -> list[nn.Parameter]:
+    """The weights GIFT will manage on `world` ranks of the data-parallel `group` (eligibility
+    ignores the automatic choices; `group` sizes a tensor-parallel rank's block)."""
     provisional = section.to_gift_config(**section.provisional())
-    return [m._parameters["weight"] for _, m in eligible_linears(model, provisional, world, split_rows=True)]
+    return [m._parameters["weight"] for _, m in eligible_linears(model, provisional, world, split_rows=True,
+                                                                 group=group)]
 
 
 def resolve_select_metric(section: GiftSection, optimizers: Any, model: Parts, world: int,
-                          geometry: str | None = None) -> str | None:
+                          geometry: str | None = None, *, group: dist.ProcessGroup | None = None) -> str | None:
     """The metric for ``select_metric = "auto_by_optimizer"``: `select_metric_for` over the
-    optimizer classes that step the weights GIFT will manage on `world` ranks and the
+    optimizer classes that step the weights GIFT will manage on `world` ranks of `group` and the
     (resolved) `geometry` (None for an explicit metric)."""
     if section.select_metric != AUTO_METRIC:
         return None
-    weights = _managed_weights(section, model, world)
+    weights = _managed_weights(section, model, world, group)
     if not weights:
         return "euclidean"  # nothing is managed, so nothing is selected: the metric is never used
     metric = select_metric_for(optimizers, weights, geometry)
@@ -143,12 +149,14 @@ def resolve_select_metric(section: GiftSection, optimizers: Any, model: Parts, w
     return metric
 
 
-def resolve_geometry(section: GiftSection, optimizers: Any, model: Parts, world: int) -> str | None:
+def resolve_geometry(section: GiftSection, optimizers: Any, model: Parts, world: int, *,
+                     group: dist.ProcessGroup | None = None) -> str | None:
     """The geometry for ``geometry = "auto_by_optimizer"``: `geometry_for` over the optimizer
-    classes that step the weights GIFT will manage on `world` ranks (None for an explicit one)."""
+    classes that step the weights GIFT will manage on `world` ranks of `group` (None for an
+    explicit one)."""
     if section.geometry != AUTO_METRIC:
         return None
-    weights = _managed_weights(section, model, world)
+    weights = _managed_weights(section, model, world, group)
     if not weights:
         return "none"  # nothing is managed, so no map is ever built
     geometry = geometry_for(optimizers, weights)

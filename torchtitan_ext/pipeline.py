@@ -44,7 +44,16 @@ def _pass_name(pass_fn: Callable) -> str:
     return pass_fn.func.__name__ if isinstance(pass_fn, functools.partial) else pass_fn.__name__
 
 
-def gift_rewrite_pass(gm: torch.fx.GraphModule, example_inputs: Any, *, fuse: bool) -> torch.fx.GraphModule:
+def _tp_launches(report: Any, tp_group: str) -> str:
+    """The rewrite log's account of tensor parallelism's collectives, which the pass leaves as
+    they were (it rewrites only the data-parallel reduce-scatters the marks reach)."""
+    counts = report.group_launches(tp_group)
+    return "; TP collectives left as they were: " + ", ".join(
+        f"{phase} {before} -> {after}" for phase, (before, after) in counts.items())
+
+
+def gift_rewrite_pass(gm: torch.fx.GraphModule, example_inputs: Any, *, fuse: bool,
+                      tp_group: str | None = None) -> torch.fx.GraphModule:
     """graph_trainer pass ``(gm, example_inputs) -> gm`` around the GIFT rewrite.
 
     With ``fuse``, every node the rewrite inserted is tagged ``compile_with_inductor`` so
@@ -54,7 +63,9 @@ def gift_rewrite_pass(gm: torch.fx.GraphModule, example_inputs: Any, *, fuse: bo
     whole graph is compiled anyway. The collectives themselves stay untagged, so the encode
     side, the collective and the decode side are separate regions and the all_to_all keeps
     the place (and overlap) the bucketing scheduler gave the reduce-scatter. A managed
-    gradient that cannot be rewritten raises inside the pass (no silent fp32).
+    gradient that cannot be rewritten raises inside the pass (no silent fp32). With tensor
+    parallelism, `tp_group` (the TP process group's name) makes the log count TP's collectives
+    before and after the rewrite, forward and backward.
     """
     before = set(gm.graph.nodes)
     report = rewrite_gradient_collectives(gm)
@@ -66,6 +77,7 @@ def gift_rewrite_pass(gm: torch.fx.GraphModule, example_inputs: Any, *, fuse: bo
         f"rewritten collectives {report.baseline_bytes} -> {report.wire_bytes}"
         + (f"; replica hop (HSDP): {report.replica_hops} all-reduces of the reduced shards after them, bytes per "
            f"step {report.replica_baseline_bytes} -> {report.replica_wire_bytes}" if report.replica_hops else "")
+        + (_tp_launches(report, tp_group) if tp_group is not None else "")
     )
     if fuse:
         for node in gm.graph.nodes:
@@ -94,7 +106,9 @@ def gift_pass_pipeline(traced_result: Any, config: Any, *, parallel_dims: Any = 
     terminal = {_pass_name(p) for p in final_inductor_compile_passes(config.compile, use_cudagraph=True)}
     terminal.add("cudagraph_pass")
     index = next((i for i, p in enumerate(passes) if _pass_name(p) in terminal), len(passes))
-    passes.insert(index, functools.partial(gift_rewrite_pass, fuse=config.gift.fuse))
+    tp_on = parallel_dims is not None and parallel_dims.tp > 1
+    tp_group = parallel_dims.get_mesh("tp").get_group().group_name if tp_on else None
+    passes.insert(index, functools.partial(gift_rewrite_pass, fuse=config.gift.fuse, tp_group=tp_group))
     return passes
 
 
