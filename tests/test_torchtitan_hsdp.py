@@ -23,7 +23,7 @@ from conftest import require
 
 require("torchtitan", "torchtitan extra not installed")
 
-from gift_compile.torchtitan_ext.hooks import data_parallel_group  # noqa: E402
+from gift_compile.torchtitan_ext.hooks import REFUSAL, data_parallel_group  # noqa: E402
 from gift_compile.torchtitan_ext.runs import RunResult, run_config  # noqa: E402
 
 STEPS = 3
@@ -63,7 +63,7 @@ def test_fsdp2_hsdp_runs_both_hops_at_their_formats_and_tracks_fp32(runs: Callab
     assert "fully_shard on the shard-only mesh" in gift.output
     assert "replica hop (all-reduce of each reduced shard over 2 replicas) at nvfp4" in gift.output
     # no refusal, no weight left at full precision, no GIFT warning (fallbacks are logged as such)
-    assert "gift.enable supports FSDP" not in gift.output
+    assert REFUSAL not in gift.output
     assert not [line for line in gift.output.splitlines() if "GIFT" in line and ("WARNING" in line or "full precision" in line)]
     steps = [r for r in gift.records if "loss" in r]
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
@@ -94,7 +94,7 @@ def test_graph_hsdp_rewrites_both_hops_at_their_formats_and_tracks_fp32(runs: Ca
     gift, off = runs("graph"), runs("graph_off")
     assert ("shard hop (each bucketed reduce-scatter over 2 ranks) at fp8_e4m3, then replica hop (all-reduce of "
             "the reduced shard over 2 replicas) at nvfp4") in gift.output
-    assert "gift.enable supports FSDP" not in gift.output
+    assert REFUSAL not in gift.output
     assert not [line for line in gift.output.splitlines() if "GIFT" in line and ("WARNING" in line or "full precision" in line)]
     # the rewrite log: each block's bucket is one GIFT reduce-scatter then one GIFT all-reduce of
     # the reduced shard (SimpleFSDP's 7 replica all-reduces + 1 reduce-scatter per block become

@@ -25,6 +25,7 @@ from conftest import require
 
 require("torchtitan", "torchtitan extra not installed")
 
+from gift_compile.torchtitan_ext.hooks import REFUSAL  # noqa: E402
 from gift_compile.torchtitan_ext.runs import RunResult, run_config  # noqa: E402
 
 STEPS = 3
@@ -61,7 +62,7 @@ def _steps(run: RunResult) -> list[dict]:
 
 
 def _assert_no_refusal_or_fallback(run: RunResult) -> None:
-    assert "gift.enable supports FSDP" not in run.output
+    assert REFUSAL not in run.output
     assert not [line for line in run.output.splitlines()
                 if "GIFT" in line and ("WARNING" in line or "full precision" in line)]
 

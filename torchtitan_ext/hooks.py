@@ -29,9 +29,12 @@ from gift_compile.tensor_parallel import describe_blocks
 from . import cpu_compat, hsdp, pipeline_parallel
 from .section import AUTO_METRIC, GiftSection
 
-__all__ = ["bind_gift_hook", "data_parallel_group", "gift_post_optimizer_build", "resolve_geometry",
+__all__ = ["REFUSAL", "bind_gift_hook", "data_parallel_group", "gift_post_optimizer_build", "resolve_geometry",
            "resolve_select_metric"]
 
+
+# How every refusal of a layout starts (tests look for it in a run's log to show there was none)
+REFUSAL = "gift.enable does not run on this layout"
 
 # Why each layout is refused (torchtitan_ext/README.md, "Limits").
 _UNSUPPORTED_WHY = {
@@ -66,8 +69,7 @@ def data_parallel_group(parallel_dims: Any, trainer: str = "graph") -> dist.Proc
     unsupported = [name for name, degree in others.items() if degree > 1]
     if unsupported:
         why = "; ".join(f"{name}: {_UNSUPPORTED_WHY[name]}" for name in unsupported)
-        raise ValueError(f"gift.enable supports FSDP, HSDP, TP x FSDP and (FSDP2 trainer) pipeline "
-                         f"parallelism; {', '.join(unsupported)} parallelism is on ({why})")
+        raise ValueError(f"{REFUSAL}; {', '.join(unsupported)} parallelism is on ({why})")
     if parallel_dims.dp_replicate > 1:
         return parallel_dims.get_mesh("batch").get_group()
     return parallel_dims.get_mesh("fsdp").get_group()
