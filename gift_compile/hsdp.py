@@ -25,7 +25,8 @@ whole reduction of each full local gradient, as GIFT's DDP hook does: the layers
 (without it every layer's measurement would read a never-written, zero probe). A separate
 `replica_format` is refused there (the selection measures at `format`), and so is an explicit
 gradient divide factor other than 1 (under the SUM reductions `fsdp2.install` forces, FSDP2
-applies it twice at one shard: in its copy and after the hook); FSDP2's default mean becomes GIFT's averaging all-reduce over the replicas.
+applies it twice at one shard: in its copy and after the hook); FSDP2's default mean becomes
+GIFT's averaging all-reduce over the replicas.
 
 Every rank of a replica group decodes the same all-gathered bytes, so replicas stay
 bit-identical. Each hop counts the bytes it hands to its collective in its own counters
@@ -208,16 +209,13 @@ def install(model: Parts, state: GiftState, replica_group: dist.ProcessGroup, *,
         if not isinstance(comm, GiftReduceScatter):
             raise ValueError("gift_compile.hsdp.install: call gift_compile.fsdp2.install first (the replica hop "
                              "reads the parameter layout of GIFT's reduce-scatter)")
-        shards = shard_process_group(module).size()
-        if shards == 1:
-            _check_sole_hop(state, hop, gradient_divide_factor(module))
-            module.set_all_reduce_hook(ReplicaAllReduce(comm, hop, compiled, sole=True,
-                                                        average=gradient_divide_factor(module) is None))
-            n += 1
-            continue
-        if gradient_divide_factor(module) is None:  # FSDP2's default mean would only count the shard group
+        shards, factor = shard_process_group(module).size(), gradient_divide_factor(module)
+        if shards == 1:  # no shard hop: this hop is the only collective
+            _check_sole_hop(state, hop, factor)
+        elif factor is None:  # FSDP2's default mean would only count the shard group
             module.set_gradient_divide_factor(float(shards * hop.world))
-        module.set_all_reduce_hook(ReplicaAllReduce(comm, hop, compiled))
+        module.set_all_reduce_hook(ReplicaAllReduce(comm, hop, compiled, sole=shards == 1,
+                                                    average=shards == 1 and factor is None))
         n += 1
     if n == 0:
         raise ValueError("gift_compile.hsdp.install: the model has no FSDP module")
