@@ -225,6 +225,14 @@ def _one_shard_worker(rank: int, world: int) -> dict:
             refusals.append("")
         except ValueError as e:
             refusals.append(str(e))
+    import gift_compile
+
+    _, alone = build(None)
+    try:
+        gift_compile.apply(alone, GiftConfig(min_numel=1024, exclude=()))
+        refusals.append("")
+    except ValueError as e:
+        refusals.append(str(e))
     return {"twice": twice, "errs": errs, "probes": probes, "residuals": residuals, "totals": totals,
             "accounted": accounted, "probe_err": probe_err, "record": record.layers, "decided": decided,
             "refusals": refusals}
@@ -249,6 +257,7 @@ def test_hsdp_with_one_shard_runs_the_replica_hop_as_the_only_collective():
         for name, row in r["record"].items():
             assert 0 < row["err_euclidean"] < 0.1 and 0 < row["err_transformed"] < 0.1, (name, row)
         assert all(r["decided"].values()), r["decided"]  # measured, so the gain rule decided every layer
-        replica_format, factor = r["refusals"]
+        replica_format, factor, apply = r["refusals"]
+        assert "reduce-scatters over a one-rank group" in apply, apply
         assert "there is no shard hop" in replica_format and "replica_format='int4'" in replica_format
         assert "by factor squared" in factor
