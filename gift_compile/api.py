@@ -93,7 +93,14 @@ def apply(model: nn.Module, config: GiftConfig | None = None, *, group: dist.Pro
     elif _fsdp2_modules(model):
         from gift_compile import fsdp2
 
-        state = manage(model, config, fsdp2.shard_group(model, group), mode="stats", split_rows=True)
+        shards = fsdp2.shard_group(model, group)
+        if shards.size() == 1:
+            raise ValueError(
+                "gift_compile.apply: the FSDP2 model reduce-scatters over a one-rank group; FSDP2 then copies each "
+                "gradient without calling the custom reduce-scatter, so GIFT would quantize and send nothing (with "
+                "replicas, install gift_compile.fsdp2 and gift_compile.hsdp: the replica hop then carries every "
+                "gradient)")
+        state = manage(model, config, shards, mode="stats", split_rows=True)
         fsdp2.install(model, state, compiled=fuse)
         kind = "FSDP2 custom reduce-scatter"
     elif _has_dtensor_params(model):

@@ -17,6 +17,17 @@ a native 2-D HSDP mesh it is a hard-coded `dist.all_reduce`, and `set_all_reduce
   `GiftConfig.replica_hop_format`. The shard of a managed weight holds whole rows, so the
   input-side transform (which acts on columns) is valid on it unchanged.
 
+One shard (a shard group of one rank, replication only): FSDP2 then never calls the custom
+reduce-scatter (its one-rank "reduce-scatter" is a local copy), so there is no shard hop and
+nothing crosses a one-rank group. The replica hop is then the only collective and carries the
+whole reduction of each full local gradient, as GIFT's DDP hook does: the layers' own plans at
+`GiftConfig.format`, with their error feedback and the gradient probe the refresh measures
+(without it every layer's measurement would read a never-written, zero probe). A separate
+`replica_format` is refused there (the selection measures at `format`), and so is an explicit
+gradient divide factor other than 1 (under the SUM reductions `fsdp2.install` forces, FSDP2
+applies it twice at one shard: in its copy and after the hook); FSDP2's default mean becomes
+GIFT's averaging all-reduce over the replicas.
+
 Every rank of a replica group decodes the same all-gathered bytes, so replicas stay
 bit-identical. Each hop counts the bytes it hands to its collective in its own counters
 (`GiftState.counters` for the shard hop, `ReplicaHop.counters` here), so telemetry reports
@@ -28,9 +39,9 @@ every replica after the hook; the optimizer steps identical shards with identica
 checkpoints (DCP) see each shard once per replica and deduplicate equal entries. The GIFT state
 itself must be built on the whole data-parallel group (shards x replicas): statistics, transforms
 and selection are then the same on every rank, which the replica hop's decode requires.
-Limits: one parameter group per FSDP module (FSDP2 refuses the hook otherwise); error feedback
-covers the shard hop only (its residual is the full local gradient; the replica hop's input is
-already reduced).
+Limits: one parameter group per FSDP module (FSDP2 refuses the hook otherwise); with two or
+more shards error feedback covers the shard hop only (its residual is the full local gradient;
+the replica hop's input is already reduced).
 """
 
 from __future__ import annotations
@@ -41,8 +52,8 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from gift_compile.collectives import (C_WIRE, C_BASELINE, C_CALLS, N_COUNTERS, ItemTensors,
-                                      Shared, bucket_wire_bytes, check_plan_agreement, run_bucket)
+from gift_compile.collectives import (C_WIRE, C_BASELINE, C_CALLS, N_COUNTERS, ItemTensors, Shared,
+                                      bucket_plan, bucket_wire_bytes, check_plan_agreement, run_bucket)
 from gift_compile.fsdp2 import CommTimer, GiftReduceScatter, discarding
 from gift_compile.fsdp_internals import (all_reduce_hook, check_torch, custom_reduce_scatter, fsdp_modules,
                                          gradient_divide_factor, is_native_hsdp, param_group_id,
@@ -89,12 +100,17 @@ class ReplicaHop:
 class ReplicaAllReduce:
     """FSDP2 all-reduce hook of one FSDP module: GIFT all-reduce of its reduced shard over the
     replica group (see the module docstring). `comm` is the module's `GiftReduceScatter`, whose
-    parameter segments (FSDP2's order, rows per shard) the flat shard is cut into."""
+    parameter segments (FSDP2's order, rows per shard) the flat shard is cut into. `sole`: the
+    shard group has one rank, so this hop is the only one and runs the layers' own plans and
+    tensors (error feedback, probe), averaging over the replicas when `average`."""
 
-    def __init__(self, comm: GiftReduceScatter, hop: ReplicaHop, compiled: bool) -> None:
+    def __init__(self, comm: GiftReduceScatter, hop: ReplicaHop, compiled: bool, *, sole: bool = False,
+                 average: bool = False) -> None:
         self.comm = comm
         self.hop = hop
         self.compiled = compiled
+        self.sole = sole
+        self.average = average
         self.last_plan: BucketPlan | None = None
 
     @property
@@ -104,10 +120,16 @@ class ReplicaAllReduce:
     def plan(self, dtype: torch.dtype) -> BucketPlan:
         """One item per parameter: managed weights' row shards at the replica format (no error
         feedback: the residual belongs to the shard hop), the others at full precision. An
-        fp32 replica format sends managed shards as raw fp32 too (exact, no transform)."""
+        fp32 replica format sends managed shards as raw fp32 too (exact, no transform). As the
+        `sole` hop: the layers' own plans (`GiftConfig.format`, their error feedback), as
+        GIFT's DDP all-reduce runs them."""
+        segments = self.comm._segments()
+        if self.sole:
+            return bucket_plan(segments, dtype, world=self.hop.world, group_name=self.hop.group.group_name,
+                               average=self.average, op="all_reduce")
         fmt = self.state.config.replica_hop_format
         items = []
-        for seg in self.comm._segments():
+        for seg in segments:
             if seg.plan is None or fmt == "fp32":
                 items.append(ItemPlan.passthrough(seg.name, seg.rows * seg.cols, dtype))
             else:
@@ -119,6 +141,8 @@ class ReplicaAllReduce:
     def __call__(self, reduce_output: torch.Tensor) -> None:
         if discarding():  # gradients the framework drops (`gift_compile.fsdp2.discarded_gradients`)
             dist.all_reduce(reduce_output, group=self.hop.group)
+            if self.average:
+                reduce_output.div_(self.hop.world)
             return
         segments = self.comm._segments()
         expected = sum(seg.rows * seg.cols for seg in segments)
@@ -136,15 +160,18 @@ class ReplicaAllReduce:
             piece = reduce_output[offset:offset + seg.rows * seg.cols]
             offset += seg.rows * seg.cols
             xs.append(piece.view(seg.rows, seg.cols) if item.managed else piece)
-            # the layer's transform and seed; no residual and no probe (both belong to the shard hop)
-            tensors.append(ItemTensors(seg.tensors.transform, None, None, seg.tensors.seed_offset)
-                           if item.managed else None)
+            # the layer's transform and seed; no residual and no probe (both belong to the shard
+            # hop), unless this hop is the only one
+            tensors.append(None if not item.managed else seg.tensors if self.sole
+                           else ItemTensors(seg.tensors.transform, None, None, seg.tensors.seed_offset))
         check_plan_agreement(plan, self.hop.group, always=self.state.config.plan_check == "always")
         managed = [i for i, seg in enumerate(segments) if seg.plan is not None]
         exact = None
         if managed and self.hop.measuring(self.state.steps):
             exact = torch.cat([xs[i].reshape(-1).float() for i in managed])
             dist.all_reduce(exact, group=self.hop.group)
+            if self.average:
+                exact.div_(self.hop.world)
         shared = Shared(self.state.seed, self.hop.rank, self.hop.counters)
         with self.hop.timer.timing(reduce_output.device):
             outs, _ = run_bucket(xs, tensors, shared, plan, compiled=self.compiled)
@@ -163,7 +190,9 @@ def install(model: Parts, state: GiftState, replica_group: dist.ProcessGroup, *,
     `model` must be `fully_shard`ed on the shard-only mesh (a native HSDP mesh would all-reduce
     before the hook: the gradient would cross the replica group twice). A module left at FSDP2's
     default gradient division divides by shards x replicas, what native HSDP divides by; an
-    explicit factor (torchtitan's 1.0) is kept. Sets `state.replica_hop`.
+    explicit factor (torchtitan's 1.0) is kept. With one shard the hop is the only collective
+    (see the module docstring: `format` only, factor 1 or FSDP2's default, which GIFT's
+    all-reduce then averages). Sets `state.replica_hop`.
     """
     device = state.counters.device
     hop = ReplicaHop(replica_group, device)
@@ -180,15 +209,41 @@ def install(model: Parts, state: GiftState, replica_group: dist.ProcessGroup, *,
         if not isinstance(comm, GiftReduceScatter):
             raise ValueError("gift_compile.hsdp.install: call gift_compile.fsdp2.install first (the replica hop "
                              "reads the parameter layout of GIFT's reduce-scatter)")
-        if gradient_divide_factor(module) is None:  # FSDP2's default mean would only count the shard group
-            module.set_gradient_divide_factor(float(shard_process_group(module).size() * hop.world))
-        module.set_all_reduce_hook(ReplicaAllReduce(comm, hop, compiled))
+        shards, factor = shard_process_group(module).size(), gradient_divide_factor(module)
+        if shards == 1:  # no shard hop: this hop is the only collective
+            _check_sole_hop(state, hop, factor)
+        elif factor is None:  # FSDP2's default mean would only count the shard group
+            module.set_gradient_divide_factor(float(shards * hop.world))
+        module.set_all_reduce_hook(ReplicaAllReduce(comm, hop, compiled, sole=shards == 1,
+                                                    average=shards == 1 and factor is None))
         n += 1
     if n == 0:
         raise ValueError("gift_compile.hsdp.install: the model has no FSDP module")
     state.replica_hop = hop
     check_replicas_identical(model, replica_group)
     return hop
+
+
+def _check_sole_hop(state: GiftState, hop: ReplicaHop, factor: float | None) -> None:
+    """Raise unless a one-shard model can run the replica hop as its only collective (see the
+    module docstring): one format, a divide factor FSDP2 applies once, a state over the replicas."""
+    config = state.config
+    if config.replica_hop_format != config.format:
+        raise ValueError(
+            f"gift_compile.hsdp.install: the shard group has one rank, so there is no shard hop and the replica "
+            f"all-reduce carries every gradient at format={config.format!r} (what the selection measures and error "
+            f"feedback covers); replica_format={config.replica_format!r} would send it at another format. Set "
+            f"replica_format='same' (or format={config.replica_hop_format!r})")
+    if factor is not None and factor != 1.0:
+        raise ValueError(
+            f"gift_compile.hsdp.install: the shard group has one rank and the gradient divide factor is {factor}; "
+            "FSDP2 (under the SUM reductions GIFT forces) divides a one-rank reduce-scatter's copy by an explicit "
+            "factor and again after the all-reduce hook (by factor squared). Leave the factor at FSDP2's default (GIFT's all-reduce then averages over "
+            "the replicas) or set 1.0 (sum)")
+    if state.world() != hop.world:
+        raise ValueError(
+            f"gift_compile.hsdp.install: the GIFT state spans {state.world()} ranks but the replica group "
+            f"{hop.world}; with one shard they must be the same group (shards x replicas)")
 
 
 def install_graph(state: GiftState, replica_group: dist.ProcessGroup) -> ReplicaHop:
@@ -229,7 +284,8 @@ def accounted_bytes(model: Parts) -> dict[str, int]:
             raise RuntimeError("gift_compile.hsdp.accounted_bytes: run a backward first (no plan ran yet)")
         dtype = hook.last_plan.items[0].torch_dtype
         pg = shard_process_group(hook.comm.module)
-        shard += bucket_wire_bytes(hook.comm.plan(pg.size(), dtype, pg.group_name))
+        if pg.size() > 1:  # one shard: FSDP2 copies, nothing is handed to a collective
+            shard += bucket_wire_bytes(hook.comm.plan(pg.size(), dtype, pg.group_name))
         replica += bucket_wire_bytes(hook.last_plan)
     return {"shard": shard, "replica": replica}
 

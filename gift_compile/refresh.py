@@ -21,7 +21,7 @@ import torch.distributed as dist
 from gift_compile import residual as residual_store
 from gift_compile.config import GiftConfig
 from gift_compile.geometry import apply_forward, apply_inverse
-from gift_compile.selection import LayerMeasurement, decide, harmful, measure
+from gift_compile.selection import LayerMeasurement, decide, harmful, measure, rests_on_gain
 from gift_compile.statistics import KFACStatistics, SketchStatistics
 from gift_compile.sync import all_reduce_, broadcast_, group_rank
 
@@ -158,12 +158,22 @@ class RefreshEngine:
             layer = self.layers[name]
             layer.measurement = m
             layer.boundary_score = m.boundary_hits if layer.boundary_score == 0 else 0.5 * (layer.boundary_score + m.boundary_hits)
+        # The gain rule cannot judge a layer without a finite measurement (its probe was zero or
+        # non-finite on some rank): it keeps its path, undecided ones stay undecided, and the
+        # next refresh measures it again. The all-reduced rows make this the same on every rank.
+        blind = sorted(n for n, m in measured.items() if not m.finite) if rests_on_gain(cfg) else []
+        if blind:
+            logger.warning("GIFT refresh at step %d: no finite error measurement for %s (zero or non-finite "
+                           "gradient probe); kept on their current path, measured again at the next refresh",
+                           self.steps, ", ".join(blind))
+        judged = {n: m for n, m in measured.items() if n not in blind}
         if deciding:
-            chosen = decide(cfg, measured, {n: l.boundary_score for n, l in self.layers.items()})
+            chosen = decide(cfg, judged, {n: l.boundary_score for n, l in self.layers.items()})
             for name, layer in self.layers.items():
-                self.set_selected(layer, name in chosen, decided=True)
+                if name not in blind:
+                    self.set_selected(layer, name in chosen, decided=True)
         else:
-            hurt = harmful(cfg, measured, {n for n, l in self.layers.items() if l.selected})
+            hurt = harmful(cfg, judged, {n for n, l in self.layers.items() if l.selected})
             for name in sorted(hurt):
                 logger.info("GIFT refresh at step %d: %s deselected, its transform now hurts (gain %.3f)",
                             self.steps, name, measured[name].gain)

@@ -21,6 +21,7 @@ are also available.
 from __future__ import annotations
 
 import fnmatch
+import math
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,12 @@ class LayerMeasurement:
     @property
     def gain(self) -> float:
         return self.err_euclidean / max(self.err_transformed, 1e-30)
+
+    @property
+    def finite(self) -> bool:
+        """Whether both errors were measured (`measure` returns NaN for a zero or non-finite
+        probe: a gradient that was never captured, is all zeros, or overflowed)."""
+        return math.isfinite(self.err_euclidean) and math.isfinite(self.err_transformed)
 
 
 def round_trip(g: torch.Tensor, spec: FormatSpec, kind: str, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -103,8 +110,25 @@ def measure(
     return LayerMeasurement(e_euc, e_t, over, boundary_hit_ratio(g))
 
 
+def rests_on_gain(config: GiftConfig) -> bool:
+    """Whether `config.select` decides by the measured gain (`"auto"`); the static rules and
+    the boundary-hits rank do not read it."""
+    return config.select == "auto" and config.boundary_hits_k is None
+
+
+def _require_finite(config: GiftConfig, measurements: dict[str, LayerMeasurement], caller: str) -> None:
+    """Raise when the gain rule would read an unmeasured (NaN) gain: such a layer must be
+    left out by the caller (the refresh defers it), never kept or dropped by a comparison."""
+    bad = sorted(n for n, m in measurements.items() if not m.finite)
+    if bad and rests_on_gain(config):
+        raise ValueError(f"gift_compile.selection.{caller}: no finite measurement for {', '.join(bad)} (zero or "
+                         "non-finite gradient probe); leave unmeasured layers out of the decision")
+
+
 def decide(config: GiftConfig, measurements: dict[str, LayerMeasurement], boundary_scores: dict[str, float]) -> set[str]:
-    """The set of layer FQNs that take the transformed path under `config.select`."""
+    """The set of layer FQNs that take the transformed path under `config.select` (the gain
+    rule refuses unmeasured layers, see `_require_finite`)."""
+    _require_finite(config, measurements, "decide")
     select = config.select
     names = list(measurements)
     if geometry_class(config.geometry).is_identity or select == "none":
@@ -119,17 +143,17 @@ def decide(config: GiftConfig, measurements: dict[str, LayerMeasurement], bounda
         return set(ranked[:k])
     chosen = set()
     for n, m in measurements.items():
-        if m.gain == m.gain and m.gain >= config.auto_min_gain and m.overhead <= config.auto_max_overhead:
+        if m.gain >= config.auto_min_gain and m.overhead <= config.auto_max_overhead:
             chosen.add(n)
     return chosen
 
 
-
 def harmful(config: GiftConfig, measurements: dict[str, LayerMeasurement], selected: set[str]) -> set[str]:
     """The `selected` layers whose measured transformed path is worse than the Euclidean one
-    (gain below 1; an unmeasurable, NaN gain is no evidence either way). Only the measured-gain
-    rule (`select="auto"`) is revisited: static rules and the boundary-hits rank do not rest on
-    the gain."""
-    if config.select != "auto" or config.boundary_hits_k is not None:
+    (gain below 1). Only the measured-gain rule (`select="auto"`) is revisited: static rules
+    and the boundary-hits rank do not rest on the gain. Unmeasured layers are refused as in
+    `decide`."""
+    if not rests_on_gain(config):
         return set()
-    return {n for n, m in measurements.items() if n in selected and m.gain == m.gain and m.gain < 1.0}
+    _require_finite(config, measurements, "harmful")
+    return {n for n, m in measurements.items() if n in selected and m.gain < 1.0}

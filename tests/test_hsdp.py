@@ -151,3 +151,113 @@ def test_hsdp_each_hop_at_its_format_counts_bytes_and_keeps_replicas_identical()
         assert replica_int4["totals"]["replica"]["wire"] * 4 < replica_int4["totals"]["replica"]["baseline"] * 1.5
         assert shard_fp8["totals"]["shard"]["wire"] < shard_fp8["totals"]["shard"]["baseline"]
         assert exact["totals"]["replica"]["wire"] > exact["totals"]["replica"]["baseline"]
+
+
+def _one_shard_worker(rank: int, world: int) -> dict:
+    """2 replicas x 1 shard: FSDP2 never calls the custom reduce-scatter, so GIFT's replica hop is
+    the only collective; one backward, then a refresh that measures every layer's probe."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from gift_compile import fsdp2, hsdp
+    from gift_compile.api import manage
+    from gift_compile.config import GiftConfig
+
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    replica_group = mesh.get_group("replicate")
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(100 + rank))
+
+    def build(config: GiftConfig | None, factor: float | None = None) -> tuple[nn.Module, nn.Module]:
+        torch.manual_seed(0)
+        reference, model = _Net(), _Net()
+        model.load_state_dict(reference.state_dict())
+        fully_shard(model.up, mesh=mesh["shard"])
+        fully_shard([model.norm, model.down], mesh=mesh["shard"])
+        fully_shard(model, mesh=mesh["shard"])
+        if factor is not None:
+            for m in (model, model.up, model.norm):
+                m.set_gradient_divide_factor(factor)
+        return reference, model
+
+    def rel_err(model: nn.Module, reference: nn.Module, name: str, divisor: float) -> float:
+        ref = dict(reference.named_parameters())[name].grad.clone()
+        dist.all_reduce(ref)
+        ref /= divisor
+        got = dict(model.named_parameters())[name].grad.full_tensor()
+        return float((got - ref).norm() / ref.norm())
+
+    # the premise of the refused explicit factor: FSDP2 at one shard, with the SUM reductions
+    # GIFT's install forces, divides by it twice (no GIFT here: FSDP2's own one-rank copy)
+    reference, plain = build(None, factor=2.0)
+    for m in (plain, plain.up, plain.norm):
+        m.set_force_sum_reduction_for_comms(True)
+    plain(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    local_ref = reference.up.weight.grad
+    twice = float((plain.up.weight.grad.full_tensor() - local_ref / 4).norm() / local_ref.norm())
+
+    config = GiftConfig(format="fp8_e4m3", select="auto", refresh_every=1, min_numel=1024, exclude=(),
+                        error_feedback=True)
+    reference, model = build(None)
+    state = manage(model, config, dist.group.WORLD, mode="stats", split_rows=True)
+    fsdp2.install(model, state, compiled=False)
+    hop = hsdp.install(model, state, replica_group, compiled=False)
+    hop.measure_every = 1
+    model(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    errs = {n: rel_err(model, reference, n, 2.0) for n in ("up.weight", "down.weight", "norm.weight")}
+    probes = {n: float(l.probe.norm()) for n, l in state.layers.items()}
+    residuals = {n: float(l.residual[0].abs().sum()) for n, l in state.layers.items()}
+    totals, accounted, probe_err = hsdp.hop_totals(state), hsdp.accounted_bytes(model), hop.take_error()
+    state.check_health()
+    record = state.refresh()
+    decided = {n: l.decided for n, l in state.layers.items()}
+
+    refusals = []
+    for kwargs, factor in (({"replica_format": "int4"}, None), ({}, 2.0)):
+        _, other = build(None, factor)
+        other_state = manage(other, GiftConfig(min_numel=1024, exclude=(), **kwargs), dist.group.WORLD,
+                             mode="stats", split_rows=True)
+        fsdp2.install(other, other_state, compiled=False)
+        try:
+            hsdp.install(other, other_state, replica_group, compiled=False)
+            refusals.append("")
+        except ValueError as e:
+            refusals.append(str(e))
+    import gift_compile
+
+    _, alone = build(None)
+    try:
+        gift_compile.apply(alone, GiftConfig(min_numel=1024, exclude=()))
+        refusals.append("")
+    except ValueError as e:
+        refusals.append(str(e))
+    return {"twice": twice, "errs": errs, "probes": probes, "residuals": residuals, "totals": totals,
+            "accounted": accounted, "probe_err": probe_err, "record": record.layers, "decided": decided,
+            "refusals": refusals}
+
+
+def test_hsdp_with_one_shard_runs_the_replica_hop_as_the_only_collective():
+    """Before: the probes stayed zero (every refresh measurement NaN, every layer silently
+    dropped), error feedback never ran and FSDP2 divided the gradient by 4 instead of 2."""
+    for r in run_ranks(_one_shard_worker, 2):
+        assert r["twice"] < 1e-6, r["twice"]
+        # the mean over 2 replicas, quantized once at fp8 (the norm travels at fp32)
+        assert r["errs"]["norm.weight"] < 1e-6, r["errs"]
+        for w in ("up.weight", "down.weight"):
+            assert 1e-3 < r["errs"][w] < 0.06, r["errs"]
+            assert r["probes"][w] > 0 and r["residuals"][w] > 0, r
+        assert 1e-3 < r["probe_err"] < 0.06, r["probe_err"]
+        # nothing crosses the one-rank shard group; the replica hop counted what it handed over
+        assert r["totals"]["shard"]["wire"] == r["totals"]["shard"]["calls"] == r["accounted"]["shard"] == 0
+        assert r["totals"]["replica"]["wire"] == r["accounted"]["replica"] > 0
+        assert r["totals"]["replica"]["calls"] == 2
+        assert r["totals"]["replica"]["wire"] < r["totals"]["replica"]["baseline"]
+        for name, row in r["record"].items():
+            assert 0 < row["err_euclidean"] < 0.1 and 0 < row["err_transformed"] < 0.1, (name, row)
+        assert all(r["decided"].values()), r["decided"]  # measured, so the gain rule decided every layer
+        replica_format, factor, apply = r["refusals"]
+        assert "reduce-scatters over a one-rank group" in apply, apply
+        assert "there is no shard hop" in replica_format and "replica_format='int4'" in replica_format
+        assert "by factor squared" in factor

@@ -213,3 +213,37 @@ def test_static_selections_are_not_revisited() -> None:
     source["b.weight"] = columns.flip(0).square().expand(32, 64).clone()
     record = st.refresh()
     assert record.layers["b.weight"]["gain"] < 1.0 and st.layers["b.weight"].selected
+
+
+def test_an_unmeasured_layer_is_neither_kept_nor_dropped_by_a_nan_gain(caplog) -> None:
+    """A zero probe (a gradient never captured, as on HSDP's one-rank shard hop before its fix)
+    or a non-finite one measures NaN: the gain rule must not decide on it. The layer keeps its
+    path with a warning naming it and is decided once a refresh measures it."""
+    from gift_compile.config import GiftConfig
+    from gift_compile.selection import LayerMeasurement, decide, harmful
+
+    st, source, columns = _revisit_state("auto")
+    saved = st.layers["b.weight"].probe.clone()
+    st.layers["b.weight"].probe.zero_()
+    with caplog.at_level("WARNING", logger="gift_compile"):
+        first = st.refresh()
+    assert "no finite error measurement for b.weight" in caplog.text
+    assert first.layers["a.weight"]["selected"] and st.layers["a.weight"].decided
+    b = st.layers["b.weight"]
+    assert not b.decided and not b.selected and first.layers["b.weight"]["gain"] != first.layers["b.weight"]["gain"]
+    b.probe.copy_(saved)
+    st.refresh()  # still undecided: this refresh decides it
+    assert b.decided and b.selected
+    # between decisions: a selected layer whose probe turned non-finite is not deselected
+    caplog.clear()
+    st.layers["a.weight"].probe.fill_(float("nan"))
+    with caplog.at_level("WARNING", logger="gift_compile"):
+        st.refresh()
+    assert st.layers["a.weight"].selected and "no finite error measurement for a.weight" in caplog.text
+    # the rules themselves refuse a NaN gain instead of reading it as a drop or a keep
+    nan = {"x": LayerMeasurement(float("nan"), float("nan"), 0.0, 0.0)}
+    with pytest.raises(ValueError, match="no finite measurement for x"):
+        decide(GiftConfig(select="auto"), nan, {})
+    with pytest.raises(ValueError, match="no finite measurement for x"):
+        harmful(GiftConfig(select="auto"), nan, {"x"})
+    assert decide(GiftConfig(select="all"), nan, {}) == {"x"}  # a static rule does not read the gain

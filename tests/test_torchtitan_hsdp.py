@@ -133,6 +133,7 @@ def test_graph_hsdp_rewrites_both_hops_at_their_formats_and_tracks_fp32(runs: Ca
     ("fsdp2", {"tp": 2, "dp_replicate": 2}, r"tensor with data-replicate \(HSDP x TP\) parallelism is on .*8 ranks"),
     ("fsdp2", {"pp": 2, "cp": 2}, "; context parallelism is on .*CP rank"),
     ("fsdp2", {"ep": 2}, "expert parallelism is on .*several parameter groups"),
+    ("fsdp2", {"dp_shard": 1}, "needs more than one data-parallel rank: FSDP2 copies a one-rank shard's gradient"),
 ])
 def test_layouts_gift_does_not_run_are_refused_by_name(trainer: str, dims: dict[str, int], names: str) -> None:
     parallel_dims = SimpleNamespace(**{"tp": 1, "cp": 1, "pp": 1, "ep": 1, "dp_replicate": 1, "dp_shard": 2, **dims})

@@ -70,6 +70,12 @@ def data_parallel_group(parallel_dims: Any, trainer: str = "graph") -> dist.Proc
     if unsupported:
         why = "; ".join(f"{name}: {_UNSUPPORTED_WHY[name]}" for name in unsupported)
         raise ValueError(f"{REFUSAL}; {', '.join(unsupported)} parallelism is on ({why})")
+    if trainer == "fsdp2" and parallel_dims.pp <= 1 and parallel_dims.dp_shard * parallel_dims.dp_replicate <= 1:
+        raise ValueError(
+            "gift.enable on the FSDP2 trainer needs more than one data-parallel rank: FSDP2 copies a one-rank "
+            "shard's gradient instead of calling the reduce-scatter GIFT replaces, and without replicas no gradient "
+            "crosses ranks, so nothing would be quantized or sent (and every refresh would measure never-written "
+            "gradient probes); run on more ranks or turn gift.enable off")
     if parallel_dims.dp_replicate > 1:
         return parallel_dims.get_mesh("batch").get_group()
     return parallel_dims.get_mesh("fsdp").get_group()

@@ -118,6 +118,11 @@ def describe_hops(model: Any, state: Any, shard_world: int) -> str:
     hop = state.replica_hop
     groups = len(gift_hsdp._hooks(model))
     config = state.config
+    if shard_world == 1:
+        return (f"GIFT HSDP with one shard: {groups} FSDP parameter groups, {len(state.layers)} managed weights; no "
+                f"shard hop (FSDP2 copies), the replica hop (all-reduce of each full gradient over {hop.world} "
+                f"replicas) is the only collective, at {config.format} with the layers' error feedback and probes; "
+                f"the other parameters travel unquantized inside the same buckets")
     return (f"GIFT HSDP: {groups} FSDP parameter groups, {len(state.layers)} managed weights; shard hop "
             f"(reduce-scatter over {shard_world} ranks) at {config.format}, replica hop (all-reduce of each "
             f"reduced shard over {hop.world} replicas) at {config.replica_hop_format}; the other parameters "

@@ -21,6 +21,7 @@ not counted. Under HSDP those figures are the shard hop's (the reduce-scatter), 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -63,9 +64,15 @@ def gift_metrics(state: GiftState, last: dict[str, Any]) -> dict[str, float]:
         out["gift/refresh_step"] = float(record.step)
         out["gift/refresh_s"] = record.seconds
         rows = list(record.layers.values())
+        # a layer whose probe was zero or non-finite has NaN errors (the refresh warned and kept
+        # its path): the means are over the measured layers, and the unmeasured ones are counted
+        measured = [r for r in rows if math.isfinite(float(r["err_euclidean"]))
+                    and math.isfinite(float(r["err_transformed"]))]
         if rows:
-            out["gift/err_euclidean_mean"] = sum(float(r["err_euclidean"]) for r in rows) / len(rows)
-            out["gift/err_transformed_mean"] = sum(float(r["err_transformed"]) for r in rows) / len(rows)
+            out["gift/unmeasured_layers"] = float(len(rows) - len(measured))
+        if measured:
+            out["gift/err_euclidean_mean"] = sum(float(r["err_euclidean"]) for r in measured) / len(measured)
+            out["gift/err_transformed_mean"] = sum(float(r["err_transformed"]) for r in measured) / len(measured)
         for fqn, row in record.layers.items():
             out[f"gift/err_euclidean/{fqn}"] = float(row["err_euclidean"])
             out[f"gift/err_transformed/{fqn}"] = float(row["err_transformed"])
