@@ -149,12 +149,16 @@ def _report(gift: RunResult, nogift: RunResult | None) -> None:
     print(f"  GIFT plan version {gift.last('gift/plan_version'):.0f} (per-layer selection/statistics switches); "
           f"the step was retraced {gift.output.count('retracing the step')} time(s) over all ranks")
 
-    refresh = next((r for r in reversed(gift.records) if "gift/refresh_step" in r), None)
+    # A refresh measures only the layers it may (re)select: once a decision left none selected,
+    # later refreshes until the next reselection measure none, so the report shows the last
+    # refresh that measured layers.
+    refresh = next((r for r in reversed(gift.records) if any(k.startswith("gift/selected/") for k in r)), None)
     if refresh is None:
-        print("\nNo GIFT refresh was reported (the run is too short): no per-layer errors.")
+        print("\nNo GIFT refresh measured per-layer errors (the run is too short): no per-layer errors.")
         return
     layers = [k.removeprefix("gift/selected/") for k in refresh if k.startswith("gift/selected/")]
-    print(f"\nPer-layer relative round-trip error at the last reported refresh (step {refresh['gift/refresh_step']:.0f})")
+    print(f"\nPer-layer relative round-trip error at the last refresh that measured layers "
+          f"(step {refresh['gift/refresh_step']:.0f})")
     width = max(map(len, layers))
     print(f"  {'layer':<{width}}  {'Euclidean':>9}  {'transformed':>11}  selected")
     for fqn in layers:
