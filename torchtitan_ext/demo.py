@@ -3,10 +3,12 @@
 One command that shows what GIFT does to training, without a GPU or a download: it trains
 the small Llama on the embedded Shakespeare corpus on 2 ranks (gloo on CPU; torchtitan
 picks NCCL on CUDA) with GIFT on, then the same config with GIFT off (same seed, init and
-data order), and prints whether the losses agree, how many bytes GIFT saves on the wire
-and which layers its geometry helps. It launches exactly the torchrun command a user would
-(:func:`.runs.run_config`) and streams the per-step JSONL records the run writes, so the
-numbers are torchtitan's own, not re-derived here.
+data order), and prints the geometry and selection metric GIFT chose from the optimizer
+(``--gift.geometry auto_by_optimizer``, as the shipped TOMLs set it), whether the losses
+agree, how many bytes GIFT saves on the wire and which layers its geometry helps. It
+launches exactly the torchrun command a user would (:func:`.runs.run_config`) and streams
+the per-step JSONL records the run writes, so the numbers are torchtitan's own, not
+re-derived here.
 
     python -m gift_compile.torchtitan_ext.demo [--nproc 2] [--steps N] [--no-compare]
 """
@@ -17,6 +19,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import tempfile
 import threading
@@ -33,6 +36,10 @@ DEFAULT_STEPS = 100
 REFRESH_EVERY = 10  # as in configs/*.toml
 VALIDATE_EVERY = 20
 GIFT_CONFIGS = ("llama3_debug_gift_graph", "llama3_debug_gift_fsdp2")
+# As in configs/llama3_debug_gift*.toml: the geometry follows the optimizer (second_moment under
+# the configs' AdamW, where the convergence study measured it ahead of plain low-bit and of K-FAC).
+GEOMETRY = "auto_by_optimizer"
+_RESOLVED = re.compile(r"GIFT: (geometry|select_metric) auto_by_optimizer -> (\w+)")
 
 
 def _stream_run(label: str, config: str, overrides: list[str], nproc: int, timeout_s: float) -> RunResult:
@@ -103,7 +110,21 @@ def _side_by_side(title: str, on: dict[int, float], off: dict[int, float] | None
         print(line)
 
 
+def resolved_choices(output: str) -> dict[str, str]:
+    """What ``auto_by_optimizer`` resolved to in a run's log (`geometry`, `select_metric`);
+    raises unless every rank logged the same choice for both."""
+    found: dict[str, set[str]] = {"geometry": set(), "select_metric": set()}
+    for key, value in _RESOLVED.findall(output):
+        found[key].add(value)
+    if any(len(values) != 1 for values in found.values()):
+        raise RuntimeError(f"demo: the GIFT-on run did not log one resolved geometry and select_metric: {found}")
+    return {key: values.pop() for key, values in found.items()}
+
+
 def _report(gift: RunResult, nogift: RunResult | None) -> None:
+    chosen = resolved_choices(gift.output)
+    print(f"\nGIFT geometry {GEOMETRY} -> {chosen['geometry']}, selection metric -> {chosen['select_metric']} "
+          "(chosen from the optimizer that steps the managed weights)")
     train_off = nogift.losses() if nogift else None
     _side_by_side("Training loss per step", gift.losses(), train_off)
     val_off = _validation(nogift) if nogift else None
@@ -128,12 +149,16 @@ def _report(gift: RunResult, nogift: RunResult | None) -> None:
     print(f"  GIFT plan version {gift.last('gift/plan_version'):.0f} (per-layer selection/statistics switches); "
           f"the step was retraced {gift.output.count('retracing the step')} time(s) over all ranks")
 
-    refresh = next((r for r in reversed(gift.records) if "gift/refresh_step" in r), None)
+    # A refresh measures only the layers it may (re)select: once a decision left none selected,
+    # later refreshes until the next reselection measure none, so the report shows the last
+    # refresh that measured layers.
+    refresh = next((r for r in reversed(gift.records) if any(k.startswith("gift/selected/") for k in r)), None)
     if refresh is None:
-        print("\nNo GIFT refresh was reported (the run is too short): no per-layer errors.")
+        print("\nNo GIFT refresh measured per-layer errors (the run is too short): no per-layer errors.")
         return
     layers = [k.removeprefix("gift/selected/") for k in refresh if k.startswith("gift/selected/")]
-    print(f"\nPer-layer relative round-trip error at the last reported refresh (step {refresh['gift/refresh_step']:.0f})")
+    print(f"\nPer-layer relative round-trip error at the last refresh that measured layers "
+          f"(step {refresh['gift/refresh_step']:.0f})")
     width = max(map(len, layers))
     print(f"  {'layer':<{width}}  {'Euclidean':>9}  {'transformed':>11}  selected")
     for fqn in layers:
@@ -162,7 +187,8 @@ def main(argv: list[str] | None = None) -> None:
     timeout_s = 600 + 10 * args.steps
     start = time.perf_counter()
     gift = _stream_run("GIFT on", args.config,
-                       [*common, f"--gift.format={args.format}", f"--gift.refresh-every={refresh_every}"],
+                       [*common, f"--gift.format={args.format}", f"--gift.geometry={GEOMETRY}",
+                        f"--gift.refresh-every={refresh_every}"],
                        args.nproc, timeout_s)
     nogift = None
     if args.compare:
