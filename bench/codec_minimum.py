@@ -24,22 +24,21 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from bench.overhead import codec_body, fake_group, generated_traffic, traffic_summary
+from bench.settings import CodecMinimumSettings
 from gift_compile.accounting import HEADER_BYTES
 from gift_compile.formats import FormatSpec, wire_bytes_for
 
 Log = Callable[[str], None]
 FP32 = 4
-OPS = ("reduce_scatter", "all_reduce")
-KINDS = ("identity", "lowrank", "dense")
-# (format, scaling): fp8 with row scales and the 4-bit / 2-bit two-level formats
-FORMATS = (("fp8_e4m3", "row"), ("nvfp4", "row"), ("int4", "row"), ("int2", "row"))
+OPS = CodecMinimumSettings.ops
+KINDS = CodecMinimumSettings.kinds
 
 
 def scale_sweeps(spec: FormatSpec) -> int:
@@ -93,15 +92,18 @@ def minimum_bytes(op: str, fmt: str, scaling: str, kind: str, rows: int, cols: i
     - `receive`: every sender's codes read once by the decode-and-sum: `w`.
     - reduce-scatter output: the fp32 shard written once (`output`: 4 / P). With a map the
       shard is decoded in transformed coordinates into an fp32 buffer the inverse's matmul
-      reads (write + read, 8 / P), and the low-rank expansion reads it once more (4 / P)
-      with its `[rows / P, r]` projection (write + read); the dense matmul writes the output.
+      reads (write + read, 8 / P); the low-rank expansion then needs the values once more,
+      the cheaper of reading that buffer (4 / P) or decoding every sender's codes again
+      (`w`), and its `[rows / P, r]` projection (write + read); the dense matmul writes the
+      output.
     - all-reduce: the reduced shard is re-encoded. With row scales the decode, sum, amax
       and encode of a row share one pass (no fp32 shard in memory); a tensor-wide scale
       needs a second sweep: the cheaper of reading the received codes again (`w`) or
       writing the fp32 shard and reading it twice (`12 / P`) (`reduced shard`). Then the
       shard's codes are written for the all-gather (`gather send`: w / P), every shard
       read back (`gather receive`: w) and the fp32 result written (`output`: 4); a map's
-      inverse costs as for the reduce-scatter, on the full tensor (`inverse`).
+      inverse costs as for the reduce-scatter, on the full tensor (`inverse`; there the
+      expansion's second look at the values is the gathered codes, `w`, when cheaper than 4).
     """
     if op not in OPS:
         raise ValueError(f"minimum_bytes: op {op!r}; allowed: {', '.join(OPS)}")
@@ -130,26 +132,12 @@ def minimum_bytes(op: str, fmt: str, scaling: str, kind: str, rows: int, cols: i
         t["gather send"] = w / world
         t["gather receive"] = w
     if kind == "lowrank":
-        t["inverse"] = 3 * FP32 * out_share + 2 * proj * out_share
+        t["inverse"] = 2 * FP32 * out_share + min(FP32 * out_share, w) + 2 * proj * out_share
     elif kind == "dense":
         t["inverse"] = 2 * FP32 * out_share
     t["output"] = FP32 * (1 / world if op == "reduce_scatter" else 1.0)
     t["total"] = sum(t.values())
     return t
-
-
-@dataclass(frozen=True)
-class CodecMinimumSettings:
-    """One run: the gradient shape `(label, rows, cols)`, low-rank `rank`, the plan's `world`
-    (a fake process group), ops, formats `(format, scaling)`, maps, and timing rounds."""
-
-    shape: tuple[str, int, int] = ("600M w2 (fc2) [1280,3456]", 1280, 3456)
-    rank: int = 32
-    world: int = 8
-    ops: tuple[str, ...] = OPS
-    formats: tuple[tuple[str, str], ...] = FORMATS[:2]
-    kinds: tuple[str, ...] = KINDS
-    repeats: int = 5
 
 
 def _time_round_robin(fns: dict[str, Callable[[torch.Tensor], object]], g: torch.Tensor,
@@ -209,6 +197,35 @@ def measure(s: CodecMinimumSettings, log: Log) -> dict[str, object]:
             "rows": rows_out, "kernels": kernels}
 
 
+# Kernels the generated code keeps apart from the codec's fused loops, and why (by kernel name).
+UNFUSED = {
+    "aten.mm": "extern matmul (the rank-r projection or the dense map): reads its fp32 operand from memory, "
+               "so the send side reads the gradient once more and the receive side materialises the decoded values",
+    "aten.cat": "Inductor's CPU lowering sends a uint8 cat to aten.cat (inputs realised first, then copied): "
+                "the codes are written, copied once more into the send buffer; GPU lowering writes them in place",
+    "aten.view.dtype": "size-changing dtype view: an extern kernel over a realised input",
+}
+
+
+def unfused(kernels: list[dict], threshold: float = 0.05) -> list[dict[str, object]]:
+    """The kernels of one body that `UNFUSED` explains, moving at least `threshold` B/element:
+    name, bytes per element and the reason."""
+    return [{"name": k["name"], "bytes_per_element": k["bytes_per_element"], "why": why}
+            for k in kernels if k["bytes_per_element"] >= threshold and not k["collective"]
+            for prefix, why in UNFUSED.items() if k["name"].startswith(prefix)]
+
+
+def run(s: CodecMinimumSettings, before: Path | None, log: Log) -> dict[str, object]:
+    """`measure`, with the matching rows of an earlier run's JSON (`before`, e.g. the committed
+    `bench/results/codec_before.json` of the code before the codec work) beside each row."""
+    result = measure(s, log)
+    if before is not None and before.exists():
+        old = json.loads(before.read_text())
+        result["before"] = {"file": before.name, "command": old.get("command"), "loadavg": old.get("loadavg")}
+        result["rows"] = compare(old, result)
+    return result
+
+
 def compare(before: dict, after: dict) -> list[dict[str, object]]:
     """Rows of `after` with the generated bytes, kernel count and time ratio of the matching
     row of `before` (same op, format, map, shape and world) next to them."""
@@ -230,10 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world", type=int, default=CodecMinimumSettings.world)
     p.add_argument("--repeats", type=int, default=CodecMinimumSettings.repeats)
     p.add_argument("--formats", default=",".join(f for f, _ in CodecMinimumSettings.formats),
-                   help=f"comma-separated subset of {','.join(f for f, _ in FORMATS)} (row scaling)")
+                   help="comma-separated quantized formats (row scaling where the format has a choice)")
     a = p.parse_args(argv)
-    s = CodecMinimumSettings(world=a.world, repeats=a.repeats,
-                             formats=tuple((f, "row") for f in a.formats.split(",")))
+    s = replace(CodecMinimumSettings(), world=a.world, repeats=a.repeats,
+                formats=tuple((f, "row") for f in a.formats.split(",")))
     result = measure(s, lambda m: print(m, flush=True))
     result["command"] = "python -m bench.codec_minimum " + " ".join(sys.argv[1:] if argv is None else argv)
     a.out.write_text(json.dumps(result, indent=1))
