@@ -150,15 +150,16 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return ((ints.unsqueeze(-1) >> shifts) & 0xFF).to(torch.uint8).reshape(*t.shape[:-1], t.shape[-1] * size)
 
 
-def _stored_codes(codes: torch.Tensor) -> torch.Tensor:
-    """`codes` (uint8) as a pointwise expression of their own rather than a dtype view.
+def _stored_codes(codes: torch.Tensor, spec: FormatSpec) -> torch.Tensor:
+    """`codes` (uint8) as a pointwise expression of their own where they are a dtype view.
 
     fp8 codes are a bitcast view of the encoder's float8 values; a `cat` that meets a view
     copies it into a buffer before concatenating (one more write and read of every code),
-    while a pointwise uint8 result is stored by the encode kernel itself. `| 0` changes no
-    bit.
+    while a pointwise uint8 result is stored by the encode kernel itself (`| 0` changes no
+    bit). Packed 4/2-bit codes are pointwise already, and the raw bytes of fp32/bf16 are a
+    size-changing view (an extern kernel), which a pointwise op would copy once more.
     """
-    return codes | 0
+    return codes | 0 if spec.float8_codes else codes
 
 
 def _from_bytes(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -277,7 +278,7 @@ def launch(xs: Sequence[torch.Tensor], items: Sequence[ItemTensors | None], shar
         if state.residual is not None:
             new = g - decode(codes, spec, scales, tscale, item.cols)
             residual_store.write(item.residual_format, state.residual, new[: item.rows])
-        blocks.append(_stored_codes(codes).reshape(w, -1))
+        blocks.append(_stored_codes(codes, spec).reshape(w, -1))
         blocks.extend(_scale_blocks(spec, item.cols, scales, tscale, w))
     flag = torch.zeros((), dtype=torch.int64, device=xs[0].device) if nonfinite is None else nonfinite.to(torch.int64)
     header = torch.stack([torch.full_like(flag, plan.fingerprint()), flag])
@@ -384,7 +385,7 @@ def gather_launch(shards: Sequence[torch.Tensor], items: Sequence[ItemTensors | 
         codes = encode(shard, spec, scales, tscale, stochastic_rounding=item.stochastic_rounding, seed=seed)
         if residual is not None:
             residual_store.write(item.residual_format, residual, shard - decode(codes, spec, scales, tscale, item.cols))
-        pieces.append(_stored_codes(codes).reshape(-1))
+        pieces.append(_stored_codes(codes, spec).reshape(-1))
         pieces.extend(b.reshape(-1) for b in _scale_blocks(spec, item.cols, scales, tscale, 1))
     buf = torch.cat(pieces)
     _count(shared, buf.numel(), 0, 0)
