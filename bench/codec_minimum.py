@@ -197,22 +197,26 @@ def measure(s: CodecMinimumSettings, log: Log) -> dict[str, object]:
             "rows": rows_out, "kernels": kernels}
 
 
-# Kernels the generated code keeps apart from the codec's fused loops, and why (by kernel name).
+# Kernels the generated code keeps apart from the codec's fused loops, by kernel-name prefix:
+# (short reason, why).
 UNFUSED = {
-    "aten.mm": "extern matmul (the rank-r projection or the dense map): reads its fp32 operand from memory, "
-               "so the send side reads the gradient once more and the receive side materialises the decoded values",
-    "aten.cat": "Inductor's CPU lowering sends a uint8 cat to aten.cat (inputs realised first, then copied): "
-                "the codes are written, copied once more into the send buffer; GPU lowering writes them in place",
-    "aten.view.dtype": "size-changing dtype view: an extern kernel over a realised input",
+    "aten.mm": ("extern matmul", "the rank-r projection and the dense map are extern matmuls: each reads its fp32 "
+                "operand from memory, so the send side reads the gradient once more and the receive side writes "
+                "the decoded values out for it"),
+    "aten.cat": ("CPU uint8 cat", "Inductor lowers a cat whose inputs are all uint8 on the CPU to aten.cat "
+                 "(`torch._inductor.lowering.cat`: inputs realised, then copied), so the codes are written once by "
+                 "the encode kernel and copied once more into the send buffer; other devices take Inductor's "
+                 "ConcatKernel, which can write each input in place (not measured here: no GPU)"),
+    "aten.view.dtype": ("extern dtype view", "a size-changing dtype view is an extern kernel over a realised input"),
 }
 
 
 def unfused(kernels: list[dict], threshold: float = 0.05) -> list[dict[str, object]]:
     """The kernels of one body that `UNFUSED` explains, moving at least `threshold` B/element:
-    name, bytes per element and the reason."""
-    return [{"name": k["name"], "bytes_per_element": k["bytes_per_element"], "why": why}
+    name, bytes per element and the short reason (a key of `UNFUSED`'s values)."""
+    return [{"name": k["name"], "bytes_per_element": k["bytes_per_element"], "why": short}
             for k in kernels if k["bytes_per_element"] >= threshold and not k["collective"]
-            for prefix, why in UNFUSED.items() if k["name"].startswith(prefix)]
+            for prefix, (short, _) in UNFUSED.items() if k["name"].startswith(prefix)]
 
 
 def run(s: CodecMinimumSettings, before: Path | None, log: Log) -> dict[str, object]:
@@ -221,8 +225,12 @@ def run(s: CodecMinimumSettings, before: Path | None, log: Log) -> dict[str, obj
     result = measure(s, log)
     if before is not None and before.exists():
         old = json.loads(before.read_text())
-        result["before"] = {"file": before.name, "command": old.get("command"), "loadavg": old.get("loadavg")}
-        result["rows"] = compare(old, result)
+        rows = compare(old, result)
+        if all(r["before_bytes_per_element"] is not None for r in rows):  # the same bodies were measured
+            result["before"] = {"file": before.name, "command": old["command"], "loadavg": old["loadavg"]}
+            result["rows"] = rows
+        else:
+            log(f"  {before.name} measured other bodies (shape, world, formats): no before columns")
     return result
 
 

@@ -139,7 +139,8 @@ def codec(r: dict) -> str:
             f"Codec run: `{r['meta']['sections']['codec']['command']}`.")
 
 
-BLOCKS: dict[str, Callable[[dict], str]] = {"codec": codec, "step_model": step_model, "convergence": convergence, "adamw_sweep": adamw_sweep}
+BLOCKS: dict[str, Callable[[dict], str]] = {"step_model": step_model, "codec": codec, "convergence": convergence,
+                                            "adamw_sweep": adamw_sweep}
 
 
 def render(readme: str, results: dict) -> str:

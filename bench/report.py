@@ -11,7 +11,7 @@ import math
 import statistics
 from typing import Any, Sequence
 
-from bench.codec_minimum import unfused
+from bench.codec_minimum import UNFUSED, unfused
 from bench.plots import FOCUS_FORMATS
 
 
@@ -403,12 +403,13 @@ def _codec(c: dict) -> list[str]:
             pair = {x["kind"]: x for x in c["rows"] if x["op"] == op and x["format"] == fmt}
             if "identity" in pair and "lowrank" in pair:
                 e, g = pair["identity"], pair["lowrank"]
-                out.append(f"GIFT low-rank / Euclidean, {op} {fmt}: generated "
-                           f"{g['bytes_per_element'] / e['bytes_per_element']:.2f}x, minimum {g['minimum'] / e['minimum']:.2f}x.")
+                gen, least = g["bytes_per_element"] / e["bytes_per_element"], g["minimum"] / e["minimum"]
+                out.append(f"GIFT low-rank / Euclidean, {op} {fmt}: generated {gen:.2f}x, minimum {least:.2f}x.")
     out.append("")
     over = [x for x in c["rows"] if x["vs_minimum"] > 1.3]
     if over:
-        out += ["Bodies above 1.3x of their minimum, with their excess and their three biggest kernels (B/element):", ""]
+        out += ["Bodies above 1.3x of their minimum, with their excess and their three biggest kernels "
+                "(B/element):", ""]
         for x in over:
             ks = sorted(c["kernels"][f"{x['op']} {x['format']} {x['kind']}"], key=lambda k: -k["bytes_per_element"])
             biggest = [f"`{k['name']}` {k['bytes_per_element']:.2f}" for k in ks if not k["collective"]][:3]
@@ -421,7 +422,9 @@ def _codec(c: dict) -> list[str]:
             notes.append([key, k["name"], k["bytes_per_element"], k["why"]])
     if notes:
         out += ["Kernels that stay outside the codec's fused loops (>= 0.05 B/element), with the reason:", "",
-                table(["body", "kernel", "B/el", "why"], notes, 2), ""]
+                table(["body", "kernel", "B/el", "reason"], notes, 2), ""]
+        out += [f"- **{short}**: {why}." for short, why in UNFUSED.values() if any(n[3] == short for n in notes)]
+        out.append("")
     return out
 
 
