@@ -60,6 +60,7 @@ from gift_compile.accounting import HEADER_BYTES, _itemsize, _scale_layout
 from gift_compile.formats import FormatSpec, choose_scales, decode, encode, scales_nonfinite
 from gift_compile import residual as residual_store
 from gift_compile.geometry import apply_forward, apply_inverse
+from gift_compile.maps import _traced
 from gift_compile.plan import BucketPlan, ItemPlan
 
 logger = logging.getLogger("gift_compile")
@@ -137,14 +138,18 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     """`t`'s bytes, uint8 `[..., n * itemsize]` for `t` `[..., n]`, in the little-endian order
     `t.view(torch.uint8)` gives on every host torch supports.
 
-    Spelled as a same-width bitcast and shifts: a pointwise expression that Inductor fuses
-    into the kernel writing the send buffer. A size-changing dtype view is an extern kernel
-    that needs its input in memory, which also turns the buffer's `cat` into a copy of
-    every block (codes included) instead of writing each block in place.
+    Traced, it is spelled as a same-width bitcast and shifts: a pointwise expression that
+    Inductor fuses into the kernel writing the send buffer. A size-changing dtype view is an
+    extern kernel that needs its input in memory, which also turns the buffer's `cat` into a
+    copy of every block (codes included) instead of writing each block in place. Eager
+    calls take the view itself (one copy, where the shifts would be several full passes
+    over a large full-precision item); both give the same bytes.
     """
     size = t.element_size()
     if size == 1:
         return t.view(torch.uint8)
+    if not _traced(t):
+        return t.contiguous().view(torch.uint8)
     ints = t.view(_INT_OF_SIZE[size])
     shifts = torch.arange(size, dtype=ints.dtype, device=t.device) * 8
     return ((ints.unsqueeze(-1) >> shifts) & 0xFF).to(torch.uint8).reshape(*t.shape[:-1], t.shape[-1] * size)
@@ -163,11 +168,14 @@ def _stored_codes(codes: torch.Tensor, spec: FormatSpec) -> torch.Tensor:
 
 
 def _from_bytes(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of `_as_bytes`: uint8 `[..., n * itemsize]` -> `dtype` `[..., n]`, by shifts and
-    a same-width bitcast (pointwise, so the consumer's kernel reads the bytes directly)."""
+    """Inverse of `_as_bytes`: uint8 `[..., n * itemsize]` -> `dtype` `[..., n]`; traced, by
+    shifts and a same-width bitcast (pointwise, so the consumer's kernel reads the bytes
+    directly), eagerly by the dtype view."""
     size = torch.empty((), dtype=dtype).element_size()
     if size == 1:
         return raw.view(dtype)
+    if not _traced(raw):
+        return raw.contiguous().view(dtype)
     itype = _INT_OF_SIZE[size]
     b = raw.reshape(*raw.shape[:-1], raw.shape[-1] // size, size).to(itype)
     word = b[..., 0]
