@@ -12,7 +12,10 @@ the others; the exit status is 1 when any section failed:
   per element from the generated kernels (`bench.overhead.generated_traffic`), median time of
   the compiled codec (CUDA events), achieved bandwidth against the measured copy bandwidth and
   the datasheet peak, and the float8 types the generated source uses (`tl.float8e4nv` is
-  Hopper's native E4M3 conversion);
+  Hopper's native E4M3 conversion); the minimum bytes the body needs
+  (`bench.codec_minimum.minimum_bytes`) and the time they take at the measured copy bandwidth,
+  against the codec's time; and per kernel (the profiler's device time of each generated
+  kernel, its bytes from Inductor's own estimate in the Triton source) the achieved bandwidth;
 - parity: the compiled codec on the device against the eager codec on the CPU for the same
   input and transform: how many output elements differ (the Euclidean codec should match
   exactly; GIFT's Triton kernels contract multiply-adds, which can move a code at a rounding tie);
@@ -50,6 +53,7 @@ from pathlib import Path
 import torch
 from torch._inductor.utils import run_and_get_code
 
+from bench.codec_minimum import minimum_bytes
 from bench.overhead import PATHS, codec_body, generated_traffic, traffic_summary
 from bench.report import table
 
@@ -130,6 +134,45 @@ def _fp8_types(codes: list[str]) -> list[str]:
     return sorted({m for c in codes for m in re.findall(r"tl\.float8\w+|at::Float8_\w+", c)})
 
 
+def triton_kernel_bytes(codes: list[str]) -> dict[str, float]:
+    """Bytes each generated Triton kernel moves, by kernel name, from the `kernel_num_gb`
+    Inductor writes into a kernel's metadata when compiled with `benchmark_kernel` (its own
+    count of the buffers the kernel reads and writes). C++ kernels carry no such figure."""
+    out = {}
+    for code in codes:
+        for m in re.finditer(r"'kernel_name': '(triton_\w+)'[^\n]*?'kernel_num_gb': ([0-9.e+-]+)", code):
+            out[m.group(1)] = float(m.group(2)) * 1e9
+    return out
+
+
+def kernel_times(fn: Callable[[], object], device: torch.device, calls: int = 10) -> dict[str, float]:
+    """Seconds per call of each generated kernel (Triton kernels on a GPU, Inductor's C++
+    kernels on a CPU, which it labels for the profiler under `cpp.enable_kernel_profile`) and
+    of extern kernels, from the profiler's device (GPU) or host (CPU) times over `calls` calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
+    with torch.no_grad():
+        fn()
+        with profile(activities=activities) as prof:
+            for _ in range(calls):
+                fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for ev in prof.key_averages():
+        name = ev.key
+        if device.type == "cuda":
+            total = ev.device_time_total
+        elif "cpp_fused" in name or name.startswith("aten::mm"):  # C++ kernels: `graph_<n>_cpp_fused_...`
+            total = ev.cpu_time_total
+        else:
+            continue
+        if total > 0:
+            times[name] = total / 1e6 / calls
+    return times
+
+
 def codec_section(device: torch.device, shapes: tuple[tuple[str, int, int], ...], rank: int, copy_bw: float,
                   peak: float | None, budget: Budget, min_left_s: float) -> list[dict[str, object]]:
     """Compile, count and time every codec path at every shape (skipping what the budget forbids)."""
@@ -146,16 +189,25 @@ def codec_section(device: torch.device, shapes: tuple[tuple[str, int, int], ...]
                 fmt, kind = PATHS[path]
                 body = codec_body(fmt, "row", kind, r, c, rank, device=device)
                 t0 = time.perf_counter()
-                (kernels, compiled), codes = run_and_get_code(generated_traffic, body, g)
+                with torch._inductor.config.patch({"benchmark_kernel": True, "cpp.enable_kernel_profile": True}):
+                    (kernels, compiled), codes = run_and_get_code(generated_traffic, body, g)
                 row["compile_s"] = time.perf_counter() - t0
                 with torch.no_grad():
                     seconds = _median_time(lambda: compiled(g), device)
                 summary = traffic_summary(kernels, r * c)
                 moved = float(summary["bytes_per_element"]) * r * c
+                minimum = minimum_bytes("all_reduce", fmt, "row", kind, r, c, rank, 1)["total"]
+                kbytes = triton_kernel_bytes(codes)
                 row.update(summary, status="ok", time_us=seconds * 1e6, achieved_bytes_per_s=moved / seconds,
                            of_copy=moved / seconds / copy_bw, of_datasheet=(moved / seconds / peak) if peak else None,
+                           minimum_bytes_per_element=minimum, minimum_us=minimum * r * c / copy_bw * 1e6,
                            fp8_types=_fp8_types(codes),
                            triton_kernels=sum(len(re.findall(r"def (triton_\w+)\(", code)) for code in codes))
+                row["vs_minimum_time"] = row["time_us"] / row["minimum_us"]
+                row["per_kernel"] = [
+                    {"kernel": name, "us": t * 1e6, "bytes": kbytes.get(name),
+                     "achieved_bytes_per_s": kbytes[name] / t if name in kbytes else None}
+                    for name, t in sorted(kernel_times(lambda: compiled(g), device).items(), key=lambda kv: -kv[1])]
             except Exception as exc:  # recorded, and the next path still runs
                 row.update(status="failed", error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc()[-3000:])
     return rows
@@ -271,6 +323,20 @@ def render(results: dict[str, object]) -> str:
                   "achieved = bytes / time.", "",
                   table(["gradient", "path", "status", "bytes/el", "µs", "GB/s", "of copy BW", "of datasheet",
                          "float8 types in source"], rows, 3), ""]
+        rows = [[r["shape"], r["path"], r["minimum_bytes_per_element"], r["bytes_per_element"],
+                 r["bytes_per_element"] / r["minimum_bytes_per_element"], r["minimum_us"], r["time_us"],
+                 r["vs_minimum_time"]] for r in codec if r.get("status") == "ok"]
+        lines += ["Against the minimum (`bench.codec_minimum.minimum_bytes`, one-rank all-reduce): the bytes the body "
+                  "needs, and the time they take at the measured copy bandwidth.", "",
+                  table(["gradient", "path", "minimum B/el", "generated B/el", "generated / min", "minimum µs",
+                         "codec µs", "time / minimum"], rows, 3), ""]
+        rows = [[r["shape"], r["path"], k["kernel"], k["us"], "" if k["bytes"] is None else k["bytes"] / 1e6,
+                 "" if k["achieved_bytes_per_s"] is None else k["achieved_bytes_per_s"] / 1e9,
+                 "" if k["achieved_bytes_per_s"] is None else k["achieved_bytes_per_s"] / copy_bw]
+                for r in codec if r.get("status") == "ok" for k in r["per_kernel"]]
+        lines += ["Per kernel (profiler time per call; bytes from Inductor's `kernel_num_gb` in the Triton source, "
+                  "absent for C++ and extern kernels):", "",
+                  table(["gradient", "path", "kernel", "µs", "MB", "GB/s", "of copy BW"], rows, 3), ""]
         ratios = []
         for r in codec:
             base = {"gift-fp8": "euclid-fp8", "gift-nvfp4": "euclid-nvfp4"}.get(r["path"])

@@ -93,10 +93,14 @@ def _describe(node: object) -> tuple[str, bool]:
     return f"fused[{','.join(telling)}{f',+{rest}' if rest else ''}]", False
 
 
-def generated_traffic(fn: Callable[..., object], *args: torch.Tensor) -> tuple[list[KernelTraffic], Callable[..., object]]:
+def generated_traffic(fn: Callable[..., object], *args: torch.Tensor,
+                      reset: bool = True) -> tuple[list[KernelTraffic], Callable[..., object]]:
     """Compile `fn(*args)` with Inductor (fullgraph, static shapes); return the bytes each
     generated kernel reads and writes, and the compiled function (valid until the next call
     of this function, which resets dynamo; call it under `torch.no_grad()` like the first call).
+    `reset=False` keeps dynamo's caches, so compiled functions of earlier calls stay valid (a
+    caller comparing several bodies side by side; each new `fn` still compiles, as a new
+    function or a new guard set).
 
     Inductor computes these counts from its scheduler nodes only when its metrics log is on,
     and only while compiling: so the FX-graph cache is bypassed, dynamo's caches are reset
@@ -117,7 +121,8 @@ def generated_traffic(fn: Callable[..., object], *args: torch.Tensor) -> tuple[l
 
     log = compile_fx.inductor_metrics_log
     level = log.level
-    torch._dynamo.reset()
+    if reset:
+        torch._dynamo.reset()
     compiled = torch.compile(fn, fullgraph=True, dynamic=False)
     try:
         log.setLevel(logging.INFO)

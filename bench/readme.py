@@ -114,7 +114,33 @@ def adamw_sweep(r: dict) -> str:
     return "\n".join(lines)
 
 
-BLOCKS: dict[str, Callable[[dict], str]] = {"step_model": step_model, "convergence": convergence, "adamw_sweep": adamw_sweep}
+def codec(r: dict) -> str:
+    """The codec bullet: per op and format, the Euclidean and GIFT low-rank bodies' generated
+    bytes next to their minimum (and the run before the codec work, when attached)."""
+    c = r["codec"]
+    st = c["settings"]
+    parts = []
+    for op in st["ops"]:
+        for fmt, _ in st["formats"]:
+            cells = []
+            for x in c["rows"]:
+                if (x["op"], x["format"]) == (op, fmt) and x["kind"] in ("identity", "lowrank"):
+                    was = (f", was {x['before_bytes_per_element']:.1f} in {x['before_kernels']}"
+                           if x.get("before_bytes_per_element") is not None else "")
+                    cells.append(f"{'Euclidean' if x['kind'] == 'identity' else 'GIFT'} {x['bytes_per_element']:.1f} B "
+                                 f"in {x['kernels']} kernels ({x['vs_minimum']:.2f}x its minimum "
+                                 f"{x['minimum']:.1f}{was})")
+            parts.append(f"{op} {fmt}: " + ", ".join(cells))
+    within = sum(x["vs_minimum"] <= 1.3 for x in c["rows"])
+    return (f"* **Codec cost** ({st['shape'][0]}, rank {st['rank']}, {st['world']}-rank plans; bytes per gradient "
+            "element read off Inductor's generated kernels, next to the minimum the work needs, computed from "
+            "shapes and formats by `bench.codec_minimum.minimum_bytes`; report section 3b): " + "; ".join(parts)
+            + f". Within 1.3x of the minimum: {within} of {len(c['rows'])} paths (all maps and formats). "
+            f"Codec run: `{r['meta']['sections']['codec']['command']}`.")
+
+
+BLOCKS: dict[str, Callable[[dict], str]] = {"step_model": step_model, "codec": codec, "convergence": convergence,
+                                            "adamw_sweep": adamw_sweep}
 
 
 def render(readme: str, results: dict) -> str:

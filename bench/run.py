@@ -1,7 +1,7 @@
 """`python -m bench.run [--quick]`: run the GIFT benchmarks and write REPORT.md, PNGs, results.json.
 
 Sections (each its own module): wire bytes, the reference model and its gradients,
-fidelity, kernel overhead, 2-rank convergence, the step-time projection and the memory
+fidelity, kernel overhead, the codec against its minimum traffic, 2-rank convergence, the step-time projection and the memory
 table. Progress is printed as it goes; results.json is rewritten after every section, so an
 interrupted run keeps what it finished. `--merge` keeps the other sections of an existing
 results.json in `--out` and replaces only the sections that run.
@@ -21,11 +21,13 @@ from pathlib import Path
 
 import torch
 
-from bench import convergence, fidelity, memory, overhead, plots, reference, report, step_model, wire
+from bench import codec_minimum, convergence, fidelity, memory, overhead, plots, reference, report, step_model, wire
 from bench.settings import BenchSettings, profile
 from gift_compile.torchtitan_ext import corpus
 
-SECTIONS = ("wire", "fidelity", "overhead", "convergence", "step_model", "memory")
+SECTIONS = ("wire", "fidelity", "overhead", "codec", "convergence", "step_model", "memory")
+# the codec measurement of the code before the codec work, shown beside every later run
+CODEC_BEFORE = Path(__file__).resolve().parent / "results" / "codec_before.json"
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
 
@@ -155,6 +157,11 @@ def main(argv: list[str] | None = None) -> dict:
     if "overhead" in only:
         log(f"overhead ({'compiled' if settings.overhead.compile else 'eager'} kernels, CPU)")
         results["overhead"] = overhead.run(settings.overhead, log)
+        _write_json(json_path, results)
+
+    if "codec" in only:
+        log(f"codec at the memory-traffic limit ({settings.codec.world} fake ranks, generated kernels vs minimum)")
+        results["codec"] = codec_minimum.run(settings.codec, CODEC_BEFORE, log)
         _write_json(json_path, results)
 
     if "convergence" in only:

@@ -103,6 +103,21 @@ class OverheadSettings:
 
 
 @dataclass(frozen=True)
+class CodecMinimumSettings:
+    """`bench.codec_minimum`: the gradient shape `(label, rows, cols)`, low-rank `rank`, the
+    plan's `world` (a fake process group), ops, formats `(format, scaling)`, maps, and timing
+    rounds (each round runs every map's body of one op and format once)."""
+
+    shape: tuple[str, int, int] = ("600M w2 (fc2) [1280,3456]", 1280, 3456)
+    rank: int = 32
+    world: int = 8
+    ops: tuple[str, ...] = ("reduce_scatter", "all_reduce")
+    formats: tuple[tuple[str, str], ...] = (("fp8_e4m3", "row"), ("nvfp4", "row"), ("int4", "row"), ("int2", "row"))
+    kinds: tuple[str, ...] = ("identity", "lowrank", "dense")
+    repeats: int = 5
+
+
+@dataclass(frozen=True)
 class StepSettings:
     """Step-time projection (`bench.step_model`) and memory table (`bench.memory`).
 
@@ -157,6 +172,7 @@ class BenchSettings:
     overhead: OverheadSettings
     convergence: ConvergenceSettings
     step: StepSettings = StepSettings()
+    codec: CodecMinimumSettings = CodecMinimumSettings()
     threads: int = 2
     formats: tuple[tuple[str, str, str], ...] = FORMATS
     transforms: tuple[tuple[str, str, int, str], ...] = TRANSFORMS
@@ -217,6 +233,8 @@ def profile(name: str) -> BenchSettings:
                                             eval_tokens=512),
             step=StepSettings(model="toy", gpus=4, arms=("fp32", "euclid-fp8", "gift-fp8 (13 fc2)"),
                               model_config=_TOY, memory_models=("Llama-600M",), memory_worlds=(8,)),
+            codec=CodecMinimumSettings(shape=("tiny w2 [96,256]", 96, 256), rank=8, world=2, ops=("reduce_scatter",),
+                                       formats=(("fp8_e4m3", "row"),), kinds=("identity", "lowrank"), repeats=2),
             threads=1,
         )
     reference = ReferenceSettings(_SMALL, steps=200, batch_size=16, seq_len=128, lr=3e-3, warmup=20)

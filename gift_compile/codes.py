@@ -136,16 +136,23 @@ def _pack(codes: torch.Tensor, spec: FormatSpec) -> torch.Tensor:
 
 
 def _unpack(payload: torch.Tensor, spec: FormatSpec, cp: int) -> torch.Tensor:
-    """uint8 payload `[..., rows, payload_cols]` -> int32 codes `[..., rows, cp]`."""
-    lead = payload.shape[:-1]
-    b = payload.to(torch.int32)
+    """uint8 payload `[..., rows, payload_cols]` -> int32 codes `[..., rows, cp]`.
+
+    Code j of a row is digit `j % per` of byte `j // per`: each byte is broadcast to its
+    `per` codes (an expand and a reshape, which Inductor indexes rather than copies) and the
+    digit picked by its position, so the decode kernel reads the packed bytes directly; a
+    stack of the digits would be written out full size first (4 bytes per code) and read back.
+    """
+    lead, pc = payload.shape[:-1], payload.shape[-1]
+    per = _TRITS_PER_BYTE if spec.name == "ternary" else 8 // _CODE_BITS[spec.name]
+    b = payload.to(torch.int32).unsqueeze(-1).expand(*lead, pc, per).reshape(*lead, pc * per)
+    pos = torch.arange(pc * per, dtype=torch.int32, device=payload.device) % per
     if spec.name == "ternary":
-        digits = [(b // 3**i) % 3 for i in range(_TRITS_PER_BYTE)]
+        digits = (b // torch.pow(3, pos)) % 3
     else:
         bits = _CODE_BITS[spec.name]
-        mask = (1 << bits) - 1
-        digits = [(b >> (bits * i)) & mask for i in range(8 // bits)]
-    return torch.stack(digits, dim=-1).reshape(*lead, len(digits) * payload.shape[-1])[..., :cp]
+        digits = (b >> (pos * bits)) & ((1 << bits) - 1)
+    return digits[..., :cp]
 
 
 def _grid_values(codes: torch.Tensor, spec: FormatSpec) -> torch.Tensor:

@@ -57,9 +57,10 @@ import torch
 import torch.distributed as dist
 
 from gift_compile.accounting import HEADER_BYTES, _itemsize, _scale_layout
-from gift_compile.formats import FormatSpec, choose_scales, decode, encode
+from gift_compile.formats import FormatSpec, choose_scales, decode, encode, scales_nonfinite
 from gift_compile import residual as residual_store
 from gift_compile.geometry import apply_forward, apply_inverse
+from gift_compile.maps import _traced
 from gift_compile.plan import BucketPlan, ItemPlan
 
 logger = logging.getLogger("gift_compile")
@@ -130,8 +131,57 @@ def group_info(group: dist.ProcessGroup | str | None) -> tuple[str | None, int, 
 
 
 # ---- encode side ----------------------------------------------------------------------------
+_INT_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
+    """`t`'s bytes, uint8 `[..., n * itemsize]` for `t` `[..., n]`, in the little-endian order
+    `t.view(torch.uint8)` gives on every host torch supports.
+
+    Traced, it is spelled as a same-width bitcast and shifts: a pointwise expression that
+    Inductor fuses into the kernel writing the send buffer. A size-changing dtype view is an
+    extern kernel that needs its input in memory, which also turns the buffer's `cat` into a
+    copy of every block (codes included) instead of writing each block in place. Eager
+    calls take the view itself (one copy, where the shifts would be several full passes
+    over a large full-precision item); both give the same bytes.
+    """
+    size = t.element_size()
+    if size == 1:
+        return t.view(torch.uint8)
+    if not _traced(t):
+        return t.contiguous().view(torch.uint8)
+    ints = t.view(_INT_OF_SIZE[size])
+    shifts = torch.arange(size, dtype=ints.dtype, device=t.device) * 8
+    return ((ints.unsqueeze(-1) >> shifts) & 0xFF).to(torch.uint8).reshape(*t.shape[:-1], t.shape[-1] * size)
+
+
+def _stored_codes(codes: torch.Tensor, spec: FormatSpec) -> torch.Tensor:
+    """`codes` (uint8) as a pointwise expression of their own where they are a dtype view.
+
+    fp8 codes are a bitcast view of the encoder's float8 values; a `cat` that meets a view
+    copies it into a buffer before concatenating (one more write and read of every code),
+    while a pointwise uint8 result is stored by the encode kernel itself (`| 0` changes no
+    bit). Packed 4/2-bit codes are pointwise already, and the raw bytes of fp32/bf16 are a
+    size-changing view (an extern kernel), which a pointwise op would copy once more.
+    """
+    return codes | 0 if spec.float8_codes else codes
+
+
+def _from_bytes(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of `_as_bytes`: uint8 `[..., n * itemsize]` -> `dtype` `[..., n]`; traced, by
+    shifts and a same-width bitcast (pointwise, so the consumer's kernel reads the bytes
+    directly), eagerly by the dtype view."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if size == 1:
+        return raw.view(dtype)
+    if not _traced(raw):
+        return raw.contiguous().view(dtype)
+    itype = _INT_OF_SIZE[size]
+    b = raw.reshape(*raw.shape[:-1], raw.shape[-1] // size, size).to(itype)
+    word = b[..., 0]
+    for i in range(1, size):
+        word = word | (b[..., i] << (8 * i))
+    return word.view(dtype)
 
 
 def _scale_blocks(spec: FormatSpec, cols: int, scales: torch.Tensor, tscale: torch.Tensor | None,
@@ -226,15 +276,17 @@ def launch(xs: Sequence[torch.Tensor], items: Sequence[ItemTensors | None], shar
         g = apply_forward(item.kind, _pad_rows(g.float(), rows), state.transform)
         if state.residual is not None:
             g = g + _pad_rows(_decayed(item, residual_store.read(item.residual_format, state.residual, item.cols)), rows)
-        bad = ~torch.isfinite(g).all()
-        nonfinite = bad if nonfinite is None else nonfinite | bad
         scales, tscale = choose_scales(g, spec)
+        # the flag read off the scales: a separate `all` over g would cost one more full read
+        # of g (and, with a map, a materialised g)
+        bad = ~torch.isfinite(g).all() if spec.passthrough else scales_nonfinite(spec, scales, tscale)
+        nonfinite = bad if nonfinite is None else nonfinite | bad
         seed = _rank_seed(shared, item, state) if item.stochastic_rounding else 0
         codes = encode(g, spec, scales, tscale, stochastic_rounding=item.stochastic_rounding, seed=seed)
         if state.residual is not None:
             new = g - decode(codes, spec, scales, tscale, item.cols)
             residual_store.write(item.residual_format, state.residual, new[: item.rows])
-        blocks.append(codes.reshape(w, -1))
+        blocks.append(_stored_codes(codes, spec).reshape(w, -1))
         blocks.extend(_scale_blocks(spec, item.cols, scales, tscale, w))
     flag = torch.zeros((), dtype=torch.int64, device=xs[0].device) if nonfinite is None else nonfinite.to(torch.int64)
     header = torch.stack([torch.full_like(flag, plan.fingerprint()), flag])
@@ -269,14 +321,14 @@ def _parse_scales(recv: torch.Tensor, offset: int, spec: FormatSpec, cols: int,
     if sdtype is not None:
         n = (rows * count if per_row else count) * _itemsize(sdtype)
         raw, offset = _take(recv, offset, n)
-        s = raw.view(sdtype)
+        s = _from_bytes(raw, sdtype)
         if per_row:
             scales = s.reshape(w, rows) if count == 1 and spec.block is None else s.reshape(w, rows, count)
         else:
             scales = s.reshape(w, 1, 1)
     if has_t:
         raw, offset = _take(recv, offset, 4)
-        tscale = raw.view(torch.float32).reshape(w, 1, 1)
+        tscale = _from_bytes(raw, torch.float32).reshape(w, 1, 1)
     return scales, tscale, offset
 
 
@@ -291,7 +343,7 @@ def finish(recv: torch.Tensor, items: Sequence[ItemTensors | None], shared: Shar
     """
     w = plan.world
     recv = recv.reshape(w, -1)
-    header = _take(recv, 0, HEADER_BYTES)[0].view(torch.int64)  # [w, 2]
+    header = _from_bytes(_take(recv, 0, HEADER_BYTES)[0], torch.int64)  # [w, 2]
     mismatch = header[:, 0] != plan.fingerprint()
     nonfinite = header[:, 1] != 0
     _count(shared, 0, 0, 0, nonfinite.any().to(torch.int64), mismatch.any().to(torch.int64))
@@ -302,7 +354,7 @@ def finish(recv: torch.Tensor, items: Sequence[ItemTensors | None], shared: Shar
         if not item.managed:
             per = plan.flat_sent(item) // w
             raw, offset = _take(recv, offset, per * _itemsize(item.torch_dtype))
-            total = raw.view(item.torch_dtype).float().sum(dim=0)
+            total = _from_bytes(raw, item.torch_dtype).float().sum(dim=0)
             outs.append(total / w if plan.average else total)
             continue
         spec, r = item.spec, plan.rows_sent(item) // w
@@ -341,7 +393,7 @@ def gather_launch(shards: Sequence[torch.Tensor], items: Sequence[ItemTensors | 
         codes = encode(shard, spec, scales, tscale, stochastic_rounding=item.stochastic_rounding, seed=seed)
         if residual is not None:
             residual_store.write(item.residual_format, residual, shard - decode(codes, spec, scales, tscale, item.cols))
-        pieces.append(codes.reshape(-1))
+        pieces.append(_stored_codes(codes, spec).reshape(-1))
         pieces.extend(b.reshape(-1) for b in _scale_blocks(spec, item.cols, scales, tscale, 1))
     buf = torch.cat(pieces)
     _count(shared, buf.numel(), 0, 0)
@@ -361,7 +413,7 @@ def gather_finish(gathered: torch.Tensor, items: Sequence[ItemTensors | None], p
         if not item.managed:
             per = plan.flat_sent(item) // w
             raw, offset = _take(allb, offset, per * _itemsize(item.torch_dtype))
-            outs.append(raw.view(item.torch_dtype).reshape(-1)[: item.numel].float())
+            outs.append(_from_bytes(raw, item.torch_dtype).reshape(-1)[: item.numel].float())
             continue
         spec, r = item.spec, plan.rows_sent(item) // w
         payload, offset = _take(allb, offset, r * spec.payload_cols(item.cols))
@@ -383,7 +435,7 @@ def bucket_core(xs: Sequence[torch.Tensor], items: Sequence[ItemTensors | None],
     `gather_finish`). The headers let an eager caller raise on every rank at once.
     """
     recv = _wait(launch(xs, items, shared, plan), plan)
-    headers = _take(recv.reshape(plan.world, -1), 0, HEADER_BYTES)[0].view(torch.int64)
+    headers = _from_bytes(_take(recv.reshape(plan.world, -1), 0, HEADER_BYTES)[0], torch.int64)
     if plan.op == "reduce_scatter":
         return finish(recv, items, shared, plan), headers
     shards = finish(recv, items, shared, plan, transformed=True)

@@ -54,7 +54,7 @@ import torch
 
 from gift_compile.codes import _grid_codes, _grid_values, _hash_uniform, _pack, _stochastic_grid, _unpack
 from gift_compile.scales import (
-    E4M3_MAX, Agree, _e4m3_decode, _e8m0_decode, _identity, _pow2_inverse, choose_scales,
+    E4M3_MAX, Agree, _e4m3_decode, _e8m0_decode, _identity, _pow2_inverse, choose_scales, scales_nonfinite,
 )
 from gift_compile.spec import (
     E2M1_MAX, FP32_MAX, INT4_MAX, MX_BLOCK, NVFP4_BLOCK, _FP8, _TWO_LEVEL, FormatSpec, _blocks, _count, _pad_cols,
@@ -63,8 +63,8 @@ from gift_compile.spec import (
 
 __all__ = [
     "BF16_MAX", "E2M1_MAX", "E4M3_MAX", "FP32_MAX", "INT4_MAX", "MX_BLOCK", "NVFP4_BLOCK", "Agree", "FormatSpec",
-    "QuantizedTensor", "as_rows", "choose_scales", "decode", "dequantize", "encode", "quantize", "wire_bytes",
-    "wire_bytes_for",
+    "QuantizedTensor", "as_rows", "choose_scales", "decode", "dequantize", "encode", "quantize", "scales_nonfinite",
+    "wire_bytes", "wire_bytes_for",
 ]
 
 BF16_MAX = torch.finfo(torch.bfloat16).max

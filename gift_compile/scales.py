@@ -170,3 +170,23 @@ def choose_scales(
         unit = unit * (1.0 / level)  # a multiply, spelled out: compiled code would use one anyway
     return agree(_e4m3_code(unit)), gscale
 
+
+def scales_nonfinite(spec: FormatSpec, scales: torch.Tensor, tensor_scale: torch.Tensor | None) -> torch.Tensor:
+    """Whether the tensor `choose_scales` chose `(scales, tensor_scale)` for held a NaN or Inf
+    (a 0-d bool), read off the scales instead of another pass over the tensor.
+
+    Every statistic maps a non-finite group to +inf and a finite one to a finite value
+    (`_finite_amax`, `_mean_abs`), and each scale keeps that marker: fp8 scales are +inf, E8M0
+    codes are the NaN code, and a two-level format's tensor scale is +inf (its maximum over
+    the blocks). So the flag is exactly `~isfinite(x).all()`, without the full-size read that
+    an `all` reduction of another shape than the scales' costs in generated code.
+    """
+    if spec.passthrough:
+        raise ValueError(f"scales_nonfinite: format {spec.name!r} has no scales to read the flag from")
+    if spec.name in _FP8:
+        return torch.isinf(scales).any()
+    if spec.name in _E8M0_EMAX:
+        return (scales == _E8M0_NAN).any()
+    assert tensor_scale is not None, f"{spec.name}: two-level formats have a tensor scale"
+    return torch.isinf(tensor_scale).any()
+

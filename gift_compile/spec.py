@@ -85,6 +85,11 @@ class FormatSpec:
         return self.name in ("fp32", "bf16")
 
     @property
+    def float8_codes(self) -> bool:
+        """Whether the payload is float8 values seen as bytes (fp8 formats and mxfp8)."""
+        return self.name in _FP8 or self.name == "mxfp8"
+
+    @property
     def has_tensor_scale(self) -> bool:
         """Whether `choose_scales` also returns an fp32 tensor scale (two-level formats)."""
         return self.name in _TWO_LEVEL

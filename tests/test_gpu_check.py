@@ -43,6 +43,13 @@ def test_codec_rows_hold_measured_bytes_and_times(dry_run: tuple[int, dict, str]
         assert r["status"] == "ok" and r["time_us"] > 0 and r["kernels"] >= 3
         assert r["achieved_bytes_per_s"] == pytest.approx(r["bytes_per_element"] * 64 * 192 / (r["time_us"] / 1e6))
         assert r["fp8_types"] == ["at::Float8_e4m3fn"]  # the codes are E4M3, converted in the C++ kernels
+        # the minimum is a lower bound of the generated traffic, priced at the measured copy bandwidth
+        assert 0 < r["minimum_bytes_per_element"] <= r["bytes_per_element"]
+        assert r["minimum_us"] == pytest.approx(r["minimum_bytes_per_element"] * 64 * 192 / copy_bw * 1e6)
+        assert r["vs_minimum_time"] == pytest.approx(r["time_us"] / r["minimum_us"])
+        # every generated C++ kernel is timed on its own (no bytes on the CPU: those come from Triton's metadata)
+        assert len([k for k in r["per_kernel"] if "cpp_fused" in k["kernel"]]) >= 2
+        assert all(k["us"] > 0 and k["bytes"] is None for k in r["per_kernel"])
     # the low-rank transform adds traffic (the projection matmul reads G; the expansion's output)
     assert rows["gift-fp8"]["bytes_per_element"] > rows["euclid-fp8"]["bytes_per_element"] > 10
 
@@ -52,6 +59,13 @@ def test_compiled_codec_matches_the_eager_cpu_codec(dry_run: tuple[int, dict, st
     parity = results["sections"]["parity"]["result"]
     assert [r["path"] for r in parity] == ["euclid-fp8", "gift-fp8"]
     assert all(r["differ"] == 0 and r["elements"] == 64 * 192 for r in parity)
+
+
+def test_triton_kernel_bytes_read_inductors_estimate() -> None:
+    code = ("@triton_heuristics.pointwise(size_hints={'x': 1024}, inductor_meta={'grid_type': 'Grid1D', "
+            "'kernel_name': 'triton_poi_fused_abs_0', 'mutated_arg_names': [], 'kernel_num_gb': 0.0125, "
+            "'num_load': 1})\n@triton.jit\ndef triton_poi_fused_abs_0(in_ptr0, out_ptr0, xnumel, XBLOCK):\n")
+    assert gpu_check.triton_kernel_bytes([code, "def cpp_fused_0(): pass"]) == {"triton_poi_fused_abs_0": 0.0125e9}
 
 
 def test_a_failing_section_is_reported_and_fails_the_check(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
