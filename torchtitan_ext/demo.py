@@ -190,7 +190,7 @@ def _report(arms: dict[str, RunResult], fmt: str) -> None:
             print(f"  {fqn:<{width}}  {refresh[f'gift/err_euclidean/{fqn}']:9.4f}  "
                   f"{refresh[f'gift/err_transformed/{fqn}']:11.4f}  {'yes' if refresh[f'gift/selected/{fqn}'] else 'no'}")
         n_sel, n_all, euclidean, transformed = selected_errors(refresh)
-        print(f"  {'mean (all)':<{width}}  {refresh['gift/err_euclidean_mean']:9.4f}  "
+        print(f"  {'mean (measured)':<{width}}  {refresh['gift/err_euclidean_mean']:9.4f}  "
               f"{refresh['gift/err_transformed_mean']:11.4f}  {n_sel}/{n_all}")
         print(f"  {'mean (selected)':<{width}}  {euclidean:9.4f}  {transformed:11.4f}")
 
