@@ -34,7 +34,12 @@ require("torchtitan", "torchtitan extra not installed")
 
 import torch  # noqa: E402
 
-from gift_compile.torchtitan_ext.demo import resolved_choices  # noqa: E402
+from gift_compile.torchtitan_ext.demo import (  # noqa: E402
+    closer_to_fp32,
+    last_measured_refresh,
+    resolved_choices,
+    selected_errors,
+)
 from gift_compile.torchtitan_ext.runs import RunResult, config_command, run_config, run_env  # noqa: E402
 from gift_compile.torchtitan_ext.telemetry import read_jsonl  # noqa: E402
 
@@ -157,6 +162,13 @@ def test_auto_by_optimizer_builds_second_moment_from_adamw_state(run: Callable[.
     assert gift.last("gift/err_euclidean_mean") > 0
     assert gift.last("gift/wire_bytes_per_step") == gift.last("gift/accounted_bytes_per_backward")
     _assert_close(_assert_trains(gift), run("llama3_debug_nogift_fsdp2").losses(), GIFT_TOLERANCE)
+    # what `make demo` reports of GIFT vs plain low-bit from the same records: over the layers the
+    # selection kept at nvfp4, GIFT's map has the lower round-trip error
+    refresh = last_measured_refresh(gift)
+    assert refresh is not None
+    n_selected, n_measured, euclidean, transformed = selected_errors(refresh)
+    assert n_measured >= n_selected >= 1, refresh
+    assert 0 < transformed < euclidean, (transformed, euclidean)
 
     folder = Path(gift.command[gift.command.index("--dump-folder") + 1]) / "checkpoint"
     first, second = (_checkpoint_tensors(folder / f"step-{s}") for s in (3, STEPS))
@@ -177,6 +189,14 @@ def test_auto_by_optimizer_builds_second_moment_from_adamw_state(run: Callable[.
             changed += not torch.equal(first[f"gift.rank0.{name}.transform.t0"],
                                        second[f"gift.rank0.{name}.transform.t0"])
     assert changed == gift.last("gift/selected_layers") >= 1  # exp_avg_sq moved between the refreshes
+
+
+def test_demo_names_the_arm_closer_to_fp32() -> None:
+    """The demo's verdict follows the measured distances, both printed; a tie claims no winner."""
+    assert closer_to_fp32(4.10, 4.30, 4.05).startswith("GIFT is closer to fp32 than plain low-bit")
+    assert closer_to_fp32(4.30, 4.10, 4.05).startswith("plain low-bit is closer to fp32 than GIFT")
+    assert "|GIFT - fp32| = 0.25000, |plain - fp32| = 0.05000" in closer_to_fp32(4.30, 4.10, 4.05)
+    assert closer_to_fp32(4.25, 4.0, 4.125).startswith("GIFT and plain low-bit are equally close")
 
 
 @pytest.mark.parametrize("config", ["llama3_debug_gift_fsdp2", "llama3_debug_gift_graph"])

@@ -1,16 +1,18 @@
-"""`make demo`: GIFT FP8 gradient reduce-scatters in a real torchtitan run, next to GIFT off.
+"""`make demo`: GIFT's recommended config in a real torchtitan run, next to plain low-bit and fp32.
 
 One command that shows what GIFT does to training, without a GPU or a download: it trains
 the small Llama on the embedded Shakespeare corpus on 2 ranks (gloo on CPU; torchtitan
-picks NCCL on CUDA) with GIFT on, then the same config with GIFT off (same seed, init and
-data order), and prints the geometry and selection metric GIFT chose from the optimizer
-(``--gift.geometry auto_by_optimizer``, as the shipped TOMLs set it), whether the losses
-agree, how many bytes GIFT saves on the wire and which layers its geometry helps. It
-launches exactly the torchrun command a user would (:func:`.runs.run_config`) and streams
-the per-step JSONL records the run writes, so the numbers are torchtitan's own, not
+picks NCCL on CUDA) three times with the same seed, init and data order: GIFT as recommended
+(NVFP4 gradient reduce-scatters, geometry chosen from the optimizer with
+``--gift.geometry auto_by_optimizer`` as the shipped TOMLs set it, per-layer selection
+``auto``), plain low-bit (the same codec and bytes, ``--gift.geometry none``: no map) and fp32
+(GIFT off). It prints the losses of the three, the bytes each sent at the collectives,
+which layers GIFT's map helps and by how much, and which low-bit arm ended closer to fp32.
+It launches exactly the torchrun command a user would (:func:`.runs.run_config`) and streams
+the per-step JSONL records the runs write, so the numbers are torchtitan's own, not
 re-derived here.
 
-    python -m gift_compile.torchtitan_ext.demo [--nproc 2] [--steps N] [--no-compare]
+    python -m gift_compile.torchtitan_ext.demo [--nproc 2] [--steps N] [--format F] [--no-compare]
 """
 
 from __future__ import annotations
@@ -30,15 +32,20 @@ from gift_compile.config import FORMATS
 
 from .runs import RunResult, run_config
 
-# Both runs on 2 shared cores, cold Inductor cache: 270 s measured (GIFT on 195 s, of which
-# 110 s to step 1; GIFT off 74 s), about half the ~10 min budget, as headroom for a busy box.
+# Two runs on 2 shared cores, cold Inductor cache: 270 s measured (GIFT on 195 s, of which
+# 110 s to step 1; GIFT off 74 s); the plain low-bit arm adds about one GIFT run.
 DEFAULT_STEPS = 100
+# The format where GIFT's map helps: at nvfp4 the selection keeps about half the layers (their
+# transformed error below the Euclidean one); at fp8_e4m3 it keeps none, so GIFT = plain fp8.
+DEFAULT_FORMAT = "nvfp4"
 REFRESH_EVERY = 10  # as in configs/*.toml
 VALIDATE_EVERY = 20
 GIFT_CONFIGS = ("llama3_debug_gift_graph", "llama3_debug_gift_fsdp2")
 # As in configs/llama3_debug_gift*.toml: the geometry follows the optimizer (second_moment under
 # the configs' AdamW, where the convergence study measured it ahead of plain low-bit and of K-FAC).
 GEOMETRY = "auto_by_optimizer"
+# Arm label -> the name the summary prints.
+ARM_NAMES = {"GIFT": "GIFT ({fmt})", "plain": "plain low-bit ({fmt})", "fp32": "fp32 (GIFT off)"}
 _RESOLVED = re.compile(r"GIFT: (geometry|select_metric) auto_by_optimizer -> (\w+)")
 
 
@@ -99,15 +106,12 @@ def _validation(result: RunResult) -> dict[int, float]:
     return {r["step"]: r["validation_loss"] for r in result.records if "validation_loss" in r}
 
 
-def _side_by_side(title: str, on: dict[int, float], off: dict[int, float] | None) -> None:
-    header = f"  {'step':>4}  {'GIFT on':>8}" + (f"  {'GIFT off':>8}  {'on - off':>8}" if off is not None else "")
-    print(f"\n{title}\n{header}")
-    for step, value in sorted(on.items()):
-        line = f"  {step:4d}  {value:8.5f}"
-        if off is not None:
-            ref = off.get(step, math.nan)
-            line += f"  {ref:8.5f}  {value - ref:+8.5f}"
-        print(line)
+def _table(title: str, columns: dict[str, dict[int, float]]) -> None:
+    """One row per step of the first arm, one column per arm (NaN where an arm lacks the step)."""
+    labels = list(columns)
+    print(f"\n{title}\n  {'step':>4}" + "".join(f"  {label:>10}" for label in labels))
+    for step in sorted(columns[labels[0]]):
+        print(f"  {step:4d}" + "".join(f"  {columns[label].get(step, math.nan):10.5f}" for label in labels))
 
 
 def resolved_choices(output: str) -> dict[str, str]:
@@ -121,52 +125,96 @@ def resolved_choices(output: str) -> dict[str, str]:
     return {key: values.pop() for key, values in found.items()}
 
 
-def _report(gift: RunResult, nogift: RunResult | None) -> None:
+def last_measured_refresh(result: RunResult) -> dict[str, Any] | None:
+    """The record of the last refresh that measured per-layer errors.
+
+    A refresh measures only the layers it may (re)select: once a decision left none selected,
+    later refreshes until the next reselection measure none."""
+    return next((r for r in reversed(result.records) if any(k.startswith("gift/selected/") for k in r)), None)
+
+
+def selected_errors(refresh: dict[str, Any]) -> tuple[int, int, float, float]:
+    """(selected, measured, mean Euclidean error, mean transformed error over the selected layers)
+    of one refresh record; the means are NaN when the refresh selected no layer."""
+    layers = [k.removeprefix("gift/selected/") for k in refresh if k.startswith("gift/selected/")]
+    chosen = [fqn for fqn in layers if refresh[f"gift/selected/{fqn}"]]
+    if not chosen:
+        return 0, len(layers), math.nan, math.nan
+    euclidean = sum(refresh[f"gift/err_euclidean/{fqn}"] for fqn in chosen) / len(chosen)
+    transformed = sum(refresh[f"gift/err_transformed/{fqn}"] for fqn in chosen) / len(chosen)
+    return len(chosen), len(layers), euclidean, transformed
+
+
+def closer_to_fp32(gift_val: float, plain_val: float, fp32_val: float) -> str:
+    """Which low-bit arm ended nearer the fp32 arm in validation loss, as measured. The sentence
+    gives both distances, since on one short seed a small gap may be noise."""
+    d_gift, d_plain = abs(gift_val - fp32_val), abs(plain_val - fp32_val)
+    if d_gift == d_plain:
+        return f"GIFT and plain low-bit are equally close to fp32 (|difference| {d_gift:.5f} each)"
+    nearer, farther = ("GIFT", "plain low-bit") if d_gift < d_plain else ("plain low-bit", "GIFT")
+    return (f"{nearer} is closer to fp32 than {farther}: |GIFT - fp32| = {d_gift:.5f}, "
+            f"|plain - fp32| = {d_plain:.5f}, as measured on one seed and one short run (no noise "
+            "estimate: not a significance claim)")
+
+
+def _report(arms: dict[str, RunResult], fmt: str) -> None:
+    gift = arms["GIFT"]
     chosen = resolved_choices(gift.output)
     print(f"\nGIFT geometry {GEOMETRY} -> {chosen['geometry']}, selection metric -> {chosen['select_metric']} "
           "(chosen from the optimizer that steps the managed weights)")
-    train_off = nogift.losses() if nogift else None
-    _side_by_side("Training loss per step", gift.losses(), train_off)
-    val_off = _validation(nogift) if nogift else None
-    _side_by_side("Validation loss", _validation(gift), val_off)
-    if train_off is not None:
-        diffs = [abs(v - train_off[s]) for s, v in gift.losses().items() if s in train_off]
-        last = max(train_off)
-        print(f"\n  max |on - off| over {len(diffs)} steps: {max(diffs):.5f}; "
-              f"at step {last}: {gift.losses()[last] - train_off[last]:+.5f}")
+    _table("Training loss per step", {label: run.losses() for label, run in arms.items()})
+    validation = {label: _validation(run) for label, run in arms.items()}
+    _table("Validation loss", validation)
 
-    wire, baseline = gift.last("gift/wire_bytes_per_step"), gift.last("gift/baseline_bytes_per_step")
-    calls = gift.last("gift/collectives_per_step")
-    print(f"\nBytes handed to GIFT's collectives per step and rank (counted at run time)\n"
-          f"  GIFT {wire / 1e6:.3f} MB in {calls:.0f} collectives, where fp32 would have sent {baseline / 1e6:.3f} MB: "
-          f"{baseline / wire:.2f}x fewer (bf16 would be 2.00x)")
     rewrite = next((line for line in gift.output.splitlines() if "GIFT rewrite:" in line), None)
     if rewrite is not None:  # graph_trainer: what the pass did to the traced step
-        print("\nGraph rewrite (GPU pass list, FSDP bucketing on):\n  " + rewrite.split("GIFT rewrite: ", 1)[1])
+        print("\nGraph rewrite of the GIFT arm (GPU pass list, FSDP bucketing on):\n  "
+              + rewrite.split("GIFT rewrite: ", 1)[1])
         passes = [line.strip() for line in gift.output.split("graph passes:", 1)[1].splitlines()[1:12]
                   if line.strip()[:1].isdigit()]
         print("  passes: " + ", ".join(p.split(". ", 1)[1] for p in passes))
     print(f"  GIFT plan version {gift.last('gift/plan_version'):.0f} (per-layer selection/statistics switches); "
           f"the step was retraced {gift.output.count('retracing the step')} time(s) over all ranks")
 
-    # A refresh measures only the layers it may (re)select: once a decision left none selected,
-    # later refreshes until the next reselection measure none, so the report shows the last
-    # refresh that measured layers.
-    refresh = next((r for r in reversed(gift.records) if any(k.startswith("gift/selected/") for k in r)), None)
+    refresh = last_measured_refresh(gift)
     if refresh is None:
         print("\nNo GIFT refresh measured per-layer errors (the run is too short): no per-layer errors.")
-        return
-    layers = [k.removeprefix("gift/selected/") for k in refresh if k.startswith("gift/selected/")]
-    print(f"\nPer-layer relative round-trip error at the last refresh that measured layers "
-          f"(step {refresh['gift/refresh_step']:.0f})")
-    width = max(map(len, layers))
-    print(f"  {'layer':<{width}}  {'Euclidean':>9}  {'transformed':>11}  selected")
-    for fqn in layers:
-        print(f"  {fqn:<{width}}  {refresh[f'gift/err_euclidean/{fqn}']:9.4f}  "
-              f"{refresh[f'gift/err_transformed/{fqn}']:11.4f}  {'yes' if refresh[f'gift/selected/{fqn}'] else 'no'}")
-    selected = sum(bool(refresh[f"gift/selected/{fqn}"]) for fqn in layers)
-    print(f"  {'mean':<{width}}  {refresh['gift/err_euclidean_mean']:9.4f}  "
-          f"{refresh['gift/err_transformed_mean']:11.4f}  {selected}/{len(layers)}")
+    else:
+        layers = [k.removeprefix("gift/selected/") for k in refresh if k.startswith("gift/selected/")]
+        print(f"\nPer-layer relative round-trip error at {fmt}, GIFT arm's last refresh that measured layers "
+              f"(step {refresh['gift/refresh_step']:.0f}), in the {chosen['select_metric']} selection metric: "
+              "Euclidean = plain low-bit's codec, transformed = GIFT's map")
+        width = max(map(len, layers))
+        print(f"  {'layer':<{width}}  {'Euclidean':>9}  {'transformed':>11}  selected")
+        for fqn in layers:
+            print(f"  {fqn:<{width}}  {refresh[f'gift/err_euclidean/{fqn}']:9.4f}  "
+                  f"{refresh[f'gift/err_transformed/{fqn}']:11.4f}  {'yes' if refresh[f'gift/selected/{fqn}'] else 'no'}")
+        n_sel, n_all, euclidean, transformed = selected_errors(refresh)
+        print(f"  {'mean (measured)':<{width}}  {refresh['gift/err_euclidean_mean']:9.4f}  "
+              f"{refresh['gift/err_transformed_mean']:11.4f}  {n_sel}/{n_all}")
+        print(f"  {'mean (selected)':<{width}}  {euclidean:9.4f}  {transformed:11.4f}")
+
+    print(f"\nSummary (same seed, init and data order; bytes per step and rank counted where handed to the collective)")
+    fp32_bytes = gift.last("gift/baseline_bytes_per_step")
+    print(f"  {'arm':<22}  {'final loss':>10}  {'val loss':>9}  {'MB/step':>8}")
+    for label, run in arms.items():
+        final = run.losses()[max(run.losses())]
+        val = validation[label][max(validation[label])] if validation[label] else math.nan
+        # The GIFT-off run has no GIFT collective to count at; GIFT's counter records the fp32
+        # bytes of the same collectives alongside the bytes it sent.
+        sent = run.last("gift/wire_bytes_per_step") if label != "fp32" else fp32_bytes
+        print(f"  {ARM_NAMES[label].format(fmt=fmt):<22}  {final:10.5f}  {val:9.5f}  {sent / 1e6:8.3f}")
+    if refresh is not None:
+        print(f"  round-trip error over the {n_sel} layers GIFT selected: plain (Euclidean) {euclidean:.4f}, "
+              f"GIFT (transformed) {transformed:.4f}")
+    if "plain" in arms:
+        plain_wire = arms["plain"].last("gift/wire_bytes_per_step")
+        gift_wire = gift.last("gift/wire_bytes_per_step")
+        print(f"  bytes: GIFT {fp32_bytes / gift_wire:.2f}x fewer than fp32, plain low-bit "
+              f"{fp32_bytes / plain_wire:.2f}x (GIFT / plain = {gift_wire / plain_wire:.4f})")
+    if "fp32" in arms and "plain" in arms:
+        last = {label: validation[label][max(validation[label])] for label in arms}
+        print("  " + closer_to_fp32(last["GIFT"], last["plain"], last["fp32"]))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -174,26 +222,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"training steps (default {DEFAULT_STEPS})")
     parser.add_argument("--config", default=GIFT_CONFIGS[0], choices=GIFT_CONFIGS, help="GIFT config function")
-    parser.add_argument("--format", default="fp8_e4m3", choices=FORMATS, help="GIFT wire format (default fp8_e4m3)")
+    parser.add_argument("--format", default=DEFAULT_FORMAT, choices=FORMATS,
+                        help=f"wire format of GIFT and plain low-bit (default {DEFAULT_FORMAT})")
     parser.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
-                        help="also run the GIFT-off config (default on)")
+                        help="also run plain low-bit and fp32 (default on)")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.nproc < 1:
         parser.error("--steps and --nproc must be positive")
 
     common = [f"--training.steps={args.steps}", f"--validator.freq={min(VALIDATE_EVERY, args.steps)}"]
     # A refresh is reported with the step after it, so the last one must come before the end.
-    refresh_every = max(1, min(REFRESH_EVERY, args.steps - 1))
+    low_bit = [*common, f"--gift.format={args.format}", f"--gift.refresh-every={max(1, min(REFRESH_EVERY, args.steps - 1))}"]
     timeout_s = 600 + 10 * args.steps
     start = time.perf_counter()
-    gift = _stream_run("GIFT on", args.config,
-                       [*common, f"--gift.format={args.format}", f"--gift.geometry={GEOMETRY}",
-                        f"--gift.refresh-every={refresh_every}"],
-                       args.nproc, timeout_s)
-    nogift = None
+    arms = {"GIFT": _stream_run("GIFT", args.config, [*low_bit, f"--gift.geometry={GEOMETRY}"], args.nproc, timeout_s)}
     if args.compare:
-        nogift = _stream_run("GIFT off", args.config.replace("_gift_", "_nogift_"), common, args.nproc, timeout_s)
-    _report(gift, nogift)
+        # Same trainer, same codec and bytes, no map: what GIFT's geometry adds over plain low-bit.
+        arms["plain"] = _stream_run("plain", args.config, [*low_bit, "--gift.geometry=none"], args.nproc, timeout_s)
+        arms["fp32"] = _stream_run("fp32", args.config.replace("_gift_", "_nogift_"), common, args.nproc, timeout_s)
+    _report(arms, args.format)
     print(f"\nTotal wall time: {time.perf_counter() - start:.0f} s")
 
 
