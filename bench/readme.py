@@ -22,6 +22,7 @@ from bench.fidelity_sweep import ORACLES
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 RESULTS = ROOT / "bench" / "results" / "results.json"
+HSDP_MODEL = ROOT / "bench" / "results" / "hsdp_step_model.json"
 
 
 def _pct(x: float) -> str:
@@ -139,8 +140,26 @@ def codec(r: dict) -> str:
             f"Codec run: `{r['meta']['sections']['codec']['command']}`.")
 
 
+def hsdp_model(_: dict) -> str:
+    """The HSDP step-model bullet, from `bench.hsdp_model`'s own results file (it prices codec
+    bytes from results.json, so it is re-run after the codec section and read here)."""
+    d = json.loads(HSDP_MODEL.read_text())
+    per_model = []
+    for model, arms in d["models"].items():
+        best = min((a for a in arms if a.startswith("HSDP")), key=lambda a: arms[a]["step_s"])
+        cells = ", ".join(f"{a} {_pct(v['vs_fsdp_fp32'])}" for a, v in arms.items() if a != "FSDP fp32")
+        per_model.append(f"{model}: {cells} (best HSDP arm: **{best}**, {arms[best]['network_bytes'] / 1e9:.2f} GB "
+                         f"of network traffic per GPU)")
+    return ("* **HSDP, a precision per hop** (`python -m bench.hsdp_model` -> "
+            "[bench/results/hsdp_step_model.md](bench/results/hsdp_step_model.md); "
+            f"{d['sources']['nodes, gpus_per_node'].split(': ')[-1]}, NVLink inside a node and a 400 Gb/s NIC per GPU "
+            "assumed, codec bytes measured from the generated kernels, the exposed share calibrated on the "
+            "paper's Euclidean FP8 figure and applied to both hops; step time against flat FSDP at fp32): "
+            + "; ".join(per_model) + ".")
+
+
 BLOCKS: dict[str, Callable[[dict], str]] = {"step_model": step_model, "codec": codec, "convergence": convergence,
-                                            "adamw_sweep": adamw_sweep}
+                                            "adamw_sweep": adamw_sweep, "hsdp_model": hsdp_model}
 
 
 def render(readme: str, results: dict) -> str:
