@@ -24,7 +24,7 @@ from conftest import require
 require("torchtitan", "torchtitan extra not installed")
 
 from gift_compile.torchtitan_ext.hooks import REFUSAL, data_parallel_group  # noqa: E402
-from gift_compile.torchtitan_ext.runs import RunResult, run_config  # noqa: E402
+from gift_compile.torchtitan_ext.runs import RunResult, shared_runs  # noqa: E402
 
 STEPS = 3
 HSDP = ["--parallelism.data-parallel-replicate-degree=2", "--parallelism.data-parallel-shard-degree=2",
@@ -35,27 +35,14 @@ TOLERANCE = 5e-3
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], RunResult]:
-    cache: dict[str, RunResult] = {}
-
-    def get(which: str) -> RunResult:
-        if which not in cache:
-            folder = str(tmp_path_factory.mktemp(which))
-            if which == "gift":
-                cache[which] = run_config("llama3_debug_gift_fsdp2", [*HSDP, *GIFT], dump_folder=folder, nproc=4)
-            elif which == "graph":
-                cache[which] = run_config("llama3_debug_gift_graph", [*HSDP, *GIFT], dump_folder=folder, nproc=4)
-            elif which == "graph_off":
-                cache[which] = run_config("llama3_debug_nogift_graph", HSDP, dump_folder=folder, nproc=4)
-            elif which == "gift_fp32":
-                cache[which] = run_config("llama3_debug_gift_fsdp2", [*HSDP, "--gift.format=fp32", "--gift.no-fuse",
-                                                                      "--gift.replica-format=fp32"],
-                                          dump_folder=folder, nproc=4)
-            else:
-                cache[which] = run_config("llama3_debug_nogift_fsdp2", HSDP, dump_folder=folder, nproc=4)
-            cache[which].check()
-        return cache[which]
-
-    return get
+    return shared_runs({
+        "gift": ("llama3_debug_gift_fsdp2", [*HSDP, *GIFT]),
+        "graph": ("llama3_debug_gift_graph", [*HSDP, *GIFT]),
+        "graph_off": ("llama3_debug_nogift_graph", HSDP),
+        "gift_fp32": ("llama3_debug_gift_fsdp2", [*HSDP, "--gift.format=fp32", "--gift.no-fuse",
+                                                  "--gift.replica-format=fp32"]),
+        "off": ("llama3_debug_nogift_fsdp2", HSDP),
+    }, lambda name: str(tmp_path_factory.mktemp(name)), nproc=4)
 
 
 def test_fsdp2_hsdp_runs_both_hops_at_their_formats_and_tracks_fp32(runs: Callable[[str], RunResult]) -> None:

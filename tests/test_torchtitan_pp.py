@@ -29,7 +29,7 @@ require("torchtitan", "torchtitan extra not installed")
 from gift_compile.config import GiftConfig  # noqa: E402
 from gift_compile.routing import manage, statistics_paused  # noqa: E402
 from gift_compile.torchtitan_ext.hooks import REFUSAL, data_parallel_group  # noqa: E402
-from gift_compile.torchtitan_ext.runs import RunResult, run_config  # noqa: E402
+from gift_compile.torchtitan_ext.runs import RunResult, shared_runs  # noqa: E402
 
 STEPS = 3
 PP = ["--parallelism.pipeline-parallel-degree=2", "--parallelism.data-parallel-shard-degree=2",
@@ -43,22 +43,11 @@ BLOCKS = {"gift": {0: {0, 1}, 1: {2, 3}}, "interleaved": {0: {0, 3}, 1: {1, 2}}}
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], RunResult]:
-    cache: dict[str, RunResult] = {}
-
-    def get(which: str) -> RunResult:
-        if which not in cache:
-            folder = str(tmp_path_factory.mktemp(which))
-            if which == "gift":
-                cache[which] = run_config("llama3_debug_gift_fsdp2", [*PP, *GIFT], dump_folder=folder, nproc=4)
-            elif which == "interleaved":
-                cache[which] = run_config("llama3_debug_gift_fsdp2", [*PP, *GIFT, *INTERLEAVED], dump_folder=folder,
-                                          nproc=4)
-            else:
-                cache[which] = run_config("llama3_debug_nogift_fsdp2", PP, dump_folder=folder, nproc=4)
-            cache[which].check()
-        return cache[which]
-
-    return get
+    return shared_runs({
+        "gift": ("llama3_debug_gift_fsdp2", [*PP, *GIFT]),
+        "interleaved": ("llama3_debug_gift_fsdp2", [*PP, *GIFT, *INTERLEAVED]),
+        "off": ("llama3_debug_nogift_fsdp2", PP),
+    }, lambda name: str(tmp_path_factory.mktemp(name)), nproc=4)
 
 
 def _check_stages(run: RunResult, which: str, parts: int) -> None:

@@ -26,7 +26,7 @@ from conftest import require
 require("torchtitan", "torchtitan extra not installed")
 
 from gift_compile.torchtitan_ext.hooks import REFUSAL  # noqa: E402
-from gift_compile.torchtitan_ext.runs import RunResult, run_config  # noqa: E402
+from gift_compile.torchtitan_ext.runs import RunResult, shared_runs  # noqa: E402
 
 STEPS = 3
 TP = ["--parallelism.tensor-parallel-degree=2", "--parallelism.data-parallel-shard-degree=2",
@@ -37,22 +37,12 @@ TOLERANCE = 5e-3  # the 2-rank tests' per-step loss tolerance (tests/test_torcht
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], RunResult]:
-    cache: dict[str, RunResult] = {}
-    configs = {
+    return shared_runs({
         "nvfp4": ("llama3_debug_gift_fsdp2", [*TP, *GIFT, "--gift.format=nvfp4"]),
         "fp32": ("llama3_debug_gift_fsdp2", [*TP, *GIFT, "--gift.format=fp32"]),
         "off": ("llama3_debug_nogift_fsdp2", TP),
         "graph": ("llama3_debug_gift_graph", [*TP, *GIFT, "--gift.format=nvfp4"]),
-    }
-
-    def get(which: str) -> RunResult:
-        if which not in cache:
-            config, overrides = configs[which]
-            folder = str(tmp_path_factory.mktemp(which))
-            cache[which] = run_config(config, overrides, dump_folder=folder, nproc=4).check()
-        return cache[which]
-
-    return get
+    }, lambda name: str(tmp_path_factory.mktemp(name)), nproc=4)
 
 
 def _steps(run: RunResult) -> list[dict]:

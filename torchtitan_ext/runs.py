@@ -13,13 +13,13 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .telemetry import read_jsonl
 
-__all__ = ["RunResult", "config_command", "run_config"]
+__all__ = ["RunResult", "config_command", "run_config", "shared_runs"]
 
 MODULE = "gift_compile.torchtitan_ext"
 
@@ -90,3 +90,19 @@ def run_config(
     stages = {int(m.group(1)): read_jsonl(os.path.join(dump_folder, f)) for f in sorted(os.listdir(dump_folder))
               if (m := re.fullmatch(r"gift_metrics\.pp(\d+)\.jsonl", f))} if os.path.isdir(dump_folder) else {}
     return RunResult(command, proc.returncode, proc.stdout + proc.stderr, wall, records, stages)
+
+
+def shared_runs(table: dict[str, tuple[str, Sequence[str]]], folder_for: Callable[[str], str], *,
+                nproc: int) -> Callable[[str], RunResult]:
+    """A getter that runs ``table[name]`` (``(config, overrides)``) on first use and returns the
+    checked result ever after: one multi-rank run serves every test that reads it (each costs
+    30 s or more on two cores). ``folder_for(name)`` gives the run's dump folder."""
+    cache: dict[str, RunResult] = {}
+
+    def get(name: str) -> RunResult:
+        if name not in cache:
+            config, overrides = table[name]
+            cache[name] = run_config(config, overrides, dump_folder=folder_for(name), nproc=nproc).check()
+        return cache[name]
+
+    return get
