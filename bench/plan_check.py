@@ -36,7 +36,7 @@ import torch.multiprocessing as mp
 
 from gift_compile import collectives as C
 from gift_compile.health import grad_checksum
-from gift_compile.sync import all_reduce_
+from gift_compile.sync import all_reduce_, exit_without_finalization
 from gift_compile.plan import BucketPlan, ItemPlan
 
 
@@ -81,6 +81,7 @@ def _worker(rank: int, world: int, store: str, rows: int, cols: int, repeats: in
                 f.write("\n".join(lines) + "\n")
     finally:
         dist.destroy_process_group()
+    exit_without_finalization(0)  # results are written: leave before finalization (gift_compile.sync)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -34,6 +34,7 @@ from bench.settings import profile
 from gift_compile import collectives as C
 from gift_compile.config import GiftConfig
 from gift_compile.torchtitan_ext import corpus
+from gift_compile.sync import exit_without_finalization
 
 # arm -> (error_feedback, second_hop_error_feedback, error_feedback_decay)
 ARMS: dict[str, tuple[bool, bool, float]] = {
@@ -76,6 +77,7 @@ def _worker(rank: int, world: int, store: str, data_path: str, formats: list[str
             Path(out).write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()
+    exit_without_finalization(0)  # results are written: leave before finalization (gift_compile.sync)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -34,6 +34,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 import gift_compile
+from gift_compile.sync import exit_without_finalization
 
 
 class SoakNet(nn.Module):
@@ -144,6 +145,7 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, ckpt_di
                 json.dump({"command": args.command, "ranks": reports}, f, indent=1)
     finally:
         dist.destroy_process_group()
+    exit_without_finalization(0)  # results are written: leave before finalization (gift_compile.sync)
 
 
 def main(argv: list[str] | None = None) -> dict:
