@@ -97,6 +97,12 @@ MODIFIERS: dict[str, dict[str, object]] = {
 }
 
 
+# the modifiers that change only GIFT's map (the rest, `sr`, `ef2`, `b9`, change the codec both
+# geometries share): a GIFT arm with them is compared with the Euclidean arm without them
+MAP_MODIFIERS = frozenset({"dense", "exact", "r64", "rf5", "grad", "mom", "d2", "auto", "vsq", "geo", "two"})
+assert MAP_MODIFIERS <= MODIFIERS.keys()
+
+
 def parse_arm(arm: str) -> tuple[str, str | None, bool]:
     """`(geometry, format short name, error feedback)` of an arm name (`fp32`: no format).
 
@@ -513,8 +519,8 @@ def _per_optimizer(by: dict[tuple[str, str, int, str], dict], arm_order: dict[st
         for arm in arms:
             geometry, fmt, ef = parse_arm(arm)
             twin = "-".join(["euclid", *arm.split("-")[1:]]) if geometry == "gift" else ""
-            if twin not in summary:  # GIFT-only modifiers (dense, rank, ...): compare with the plain twin
-                twin = f"euclid-{fmt}{'-ef' if ef else ''}"
+            if twin not in summary:  # GIFT-only modifiers (dense, rank, ...): the twin keeps only the codec's
+                twin = "-".join(["euclid", *(p for p in arm.split("-")[1:] if p not in MAP_MODIFIERS)])
             if geometry != "gift" or twin not in summary or arm not in summary:
                 continue
             done = [seed for seed in seeds if have(seed, arm) and have(seed, twin)]

@@ -135,6 +135,21 @@ def test_summarise_pairs_each_path_and_names_every_left_out_run() -> None:
     assert cv["optimizer_classes"]["muon"]["classes"] == ["Fp32Muon", "AdamW"]  # not recorded: built on CPU
 
 
+def test_a_gift_arm_with_map_modifiers_is_paired_with_the_euclidean_arm_of_the_same_codec() -> None:
+    """`gift-int2-ef-ef2-geo` changes the map (`geo`) and the codec (`ef`, `ef2`): its twin is
+    `euclid-int2-ef-ef2` (same codec, no map), not `euclid-int2-ef` (another codec)."""
+    from bench.convergence import summarise
+
+    s = profile("smoke").convergence
+    arms = ("fp32", "euclid-int2-ef", "euclid-int2-ef-ef2", "gift-int2-ef-ef2-geo")
+    s = dataclasses.replace(s, arms=(("adamw", arms),))
+    runs = [_run(None, "adamw", seed, arm, 2.0 + cost + 0.0001 * seed)
+            for seed in range(3) for arm, cost in zip(arms, (0.0, 0.04, 0.02, 0.01))]
+    gap = summarise(runs, s)["paths"]["all-reduce"]["optimizers"]["adamw"]["gaps"]["int2-ef-ef2-geo"]
+    assert gap["euclid_minus_fp32"]["mean"] == pytest.approx(0.02)
+    assert gap["share_closed"] == pytest.approx(0.5)
+
+
 @pytest.mark.parametrize("path", ["all-reduce", "reduce-scatter"])
 def test_second_moment_arms_train_on_both_paths(path: str, tmp_path) -> None:
     """`-vsq` (second-moment geometry) and `-geo` (geometry chosen from the optimizer) run under
