@@ -140,8 +140,10 @@ def test_pipeline_refusals_name_the_reason(trainer: str, dims: dict[str, int], n
 
 
 def test_pipeline_without_data_parallelism_is_refused() -> None:
-    from gift_compile.torchtitan_ext.pipeline_parallel import check_data_parallel
+    def dims(**degrees: int) -> SimpleNamespace:
+        return SimpleNamespace(**{"tp": 1, "cp": 1, "ep": 1, **degrees},
+                               get_mesh=lambda name: SimpleNamespace(get_group=lambda: name))
 
     with pytest.raises(ValueError, match="needs data parallelism: .*not the activations"):
-        check_data_parallel(SimpleNamespace(pp=2, dp_shard=1, dp_replicate=1))
-    check_data_parallel(SimpleNamespace(pp=2, dp_shard=1, dp_replicate=2))  # PP x DDP-style replicas: GIFT's hop
+        data_parallel_group(dims(pp=2, dp_shard=1, dp_replicate=1), "fsdp2")
+    assert data_parallel_group(dims(pp=2, dp_shard=1, dp_replicate=2), "fsdp2") == "batch"  # PP x DDP-style replicas: GIFT's hop

@@ -70,7 +70,14 @@ def data_parallel_group(parallel_dims: Any, trainer: str = "graph") -> dist.Proc
     if unsupported:
         why = "; ".join(f"{name}: {_UNSUPPORTED_WHY[name]}" for name in unsupported)
         raise ValueError(f"{REFUSAL}; {', '.join(unsupported)} parallelism is on ({why})")
-    if trainer == "fsdp2" and parallel_dims.pp <= 1 and parallel_dims.dp_shard * parallel_dims.dp_replicate <= 1:
+    if trainer == "fsdp2" and parallel_dims.dp_shard * parallel_dims.dp_replicate <= 1:
+        # one data-parallel rank (per pipeline stage): no gradient crosses ranks, nothing to compress
+        if parallel_dims.pp > 1:
+            raise ValueError(
+                f"gift.enable with pipeline parallelism (degree {parallel_dims.pp}) needs data parallelism: GIFT "
+                "compresses each stage's data-parallel gradient reduce-scatter, not the activations stages send each "
+                "other, and with data_parallel_shard_degree x data_parallel_replicate_degree = 1 no gradient crosses "
+                "ranks; set one of them > 1 or turn gift.enable off")
         raise ValueError(
             "gift.enable on the FSDP2 trainer needs more than one data-parallel rank: FSDP2 copies a one-rank "
             "shard's gradient instead of calling the reduce-scatter GIFT replaces, and without replicas no gradient "
@@ -104,7 +111,6 @@ def gift_post_optimizer_build(optimizers: Any, model_parts: list[nn.Module], par
     model = model_parts  # pipeline parallelism: the rank's stages, one state over them (.pipeline_parallel)
     group = data_parallel_group(parallel_dims, trainer)
     if parallel_dims.pp > 1:
-        pipeline_parallel.check_data_parallel(parallel_dims)
         pipeline_parallel.guard_shape_inference()
     world = dist.get_world_size(group)
     geometry = resolve_geometry(section, optimizers, model, world, group=group)

@@ -24,8 +24,6 @@ What this module adds:
   state; both passes run inside `gift_compile.routing.statistics_paused` and
   `gift_compile.fsdp2.discarded_gradients` (FSDP2's default reduce-scatter, state untouched)
   instead.
-* `check_data_parallel`: pipeline parallelism without data parallelism is refused by name (no
-  gradient collective to compress; the stages' activation traffic is not GIFT's).
 * `stage_of`: the pipeline stage coordinate of this rank, which the telemetry uses to write one
   JSON-lines file per stage (each stage's state manages different layers, and only the last
   stage sees the loss).
@@ -40,7 +38,7 @@ from typing import Any
 from gift_compile.fsdp2 import discarded_gradients
 from gift_compile.routing import statistics_paused
 
-__all__ = ["check_data_parallel", "guard_shape_inference", "stage_of"]
+__all__ = ["guard_shape_inference", "stage_of"]
 
 _SHAPE_INFERENCE = ("_forward_metadata_inference", "_backward_metadata_inference")
 
@@ -69,19 +67,6 @@ def _guarded(original: Callable[..., Any]) -> Callable[..., Any]:
 
     infer._gift_guarded = True  # type: ignore[attr-defined]
     return infer
-
-
-def check_data_parallel(parallel_dims: Any) -> None:
-    """Refuse GIFT on pipeline parallelism without data parallelism: GIFT compresses the
-    data-parallel gradient collectives of each stage (not the activations and their gradients
-    that stages send each other), and with one rank per stage there are none."""
-    data_parallel = parallel_dims.dp_shard * parallel_dims.dp_replicate
-    if parallel_dims.pp > 1 and data_parallel <= 1:
-        raise ValueError(
-            f"gift.enable with pipeline parallelism (degree {parallel_dims.pp}) needs data parallelism: GIFT "
-            "compresses each stage's data-parallel gradient reduce-scatter, not the activations stages send each "
-            "other, and with data_parallel_shard_degree x data_parallel_replicate_degree = 1 no gradient crosses "
-            "ranks; set one of them > 1 or turn gift.enable off")
 
 
 def stage_of(parallel_dims: Any) -> int | None:
