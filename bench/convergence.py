@@ -322,7 +322,8 @@ def _train(opt_name: str, arm: str, seed: int, s: ConvergenceSettings, paths: co
                                                              max_tokens=s.eval_tokens)))
             dist.barrier()
     result: dict[str, object] = {
-        "optimizer": opt_name, "arm": arm, "seed": seed, "path": s.path, "losses": losses, "evals": evals,
+        "optimizer": opt_name, "arm": arm, "seed": seed, "path": s.path, "world": world, "steps": s.steps,
+        "losses": losses, "evals": evals,
         "optimizer_classes": [type(o).__name__ for o in optimizers],
         "seconds": time.perf_counter() - start, "replicas_identical": _replicas_identical(model),
     }
@@ -344,7 +345,7 @@ def _train(opt_name: str, arm: str, seed: int, s: ConvergenceSettings, paths: co
 
 
 def _worker(rank: int, world: int, store_path: str, s: ConvergenceSettings, paths: corpus.CorpusPaths,
-            jsonl: str, log_every_run: bool, done: frozenset[tuple[str, str, int, str]] = frozenset()) -> None:
+            jsonl: str, log_every_run: bool, done: frozenset[RunKey] = frozenset()) -> None:
     """One rank: every (seed, optimizer, arm) not in `done` (`run_key`s), seeds outermost so
     every arm reaches n seeds before any reaches n + 1; rank 0 appends each run to `jsonl`."""
     torch.set_num_threads(1)
@@ -353,7 +354,7 @@ def _worker(rank: int, world: int, store_path: str, s: ConvergenceSettings, path
         for seed in s.seeds:
             for opt_name, arms in s.arms:
                 for arm in arms:
-                    if (s.path, opt_name, seed, arm) in done:
+                    if (s.path, world, s.steps, opt_name, seed, arm) in done:
                         continue
                     res = _train(opt_name, arm, seed, s, paths, rank, world)
                     curves = [None] * world
@@ -374,10 +375,37 @@ def _worker(rank: int, world: int, store_path: str, s: ConvergenceSettings, path
 PATHS = ("all-reduce", "reduce-scatter")
 
 
-def run_key(record: dict) -> tuple[str, str, int, str]:
-    """`(path, optimizer, seed, arm)` of a run record; records written before the path
-    existed are all-reduce runs."""
-    return record.get("path", "all-reduce"), record["optimizer"], record["seed"], record["arm"]
+RunKey = tuple[str, int, int, str, int, str]
+
+
+def run_key(record: dict) -> RunKey:
+    """`(path, world, steps, optimizer, seed, arm)` of a run record. Records written before a
+    field existed: the path is all-reduce, the world 2 ranks (every earlier run), the steps the
+    length of the loss curve."""
+    return (record.get("path", "all-reduce"), record.get("world", 2), record.get("steps", len(record["losses"])),
+            record["optimizer"], record["seed"], record["arm"])
+
+
+def study(record: dict, s: ConvergenceSettings) -> str:
+    """The study a run belongs to: its path, qualified by the ranks and steps where they differ
+    from the settings' (the 4-rank subset, the longer confirmation), so runs of different
+    designs are never paired with each other."""
+    path, world, steps = run_key(record)[:3]
+    return path + (f", {world} ranks" if world != s.world else "") + (f", {steps} steps" if steps != s.steps else "")
+
+
+def rescaled(s: ConvergenceSettings, *, world: int, steps: int) -> ConvergenceSettings:
+    """`s` on `world` ranks for `steps` steps, the same experiment otherwise: the global batch
+    is kept (each rank takes its share of the same sequences, `corpus.batches`), warmup and
+    the evaluation interval keep their share of the run. Raises where the batch cannot split."""
+    global_batch = s.local_batch * s.world
+    if world < 1 or global_batch % world:
+        raise ValueError(f"cannot split the global batch of {global_batch} sequences over {world} ranks")
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    return dataclasses.replace(s, world=world, local_batch=global_batch // world, steps=steps,
+                               warmup=max(1, round(s.warmup * steps / s.steps)),
+                               eval_every=max(1, round(s.eval_every * steps / s.steps)))
 
 
 def check_settings(s: ConvergenceSettings) -> None:
@@ -421,8 +449,9 @@ def run(s: ConvergenceSettings, paths: corpus.CorpusPaths, log: Log, jsonl: Path
 
 
 def summarise(runs: list[dict], s: ConvergenceSettings) -> dict[str, object]:
-    """Per path (`all-reduce` / `reduce-scatter`), per optimizer: per-arm paired statistics and
-    per-(bit width, EF) gaps from finished runs.
+    """Per study (`all-reduce` / `reduce-scatter`, or one of them at other ranks or steps:
+    `study`), per optimizer: per-arm paired statistics and per-(bit width, EF) gaps from
+    finished runs. `paths` is keyed by study; `world` and `steps` are the settings' own.
 
     Every run is either summarised or listed under `excluded` with the reason. Arms come from
     `s.arms` (in that order) plus any other arm found in the runs (at whatever n it has), so a
@@ -432,31 +461,35 @@ def summarise(runs: list[dict], s: ConvergenceSettings) -> dict[str, object]:
     """
     used: dict[tuple[str, str, int, str], dict] = {}
     excluded: list[dict[str, object]] = []
-    keys = {run_key(r) for r in runs}
+
+    def key_of(r: dict) -> tuple[str, str, int, str]:
+        return study(r, s), r["optimizer"], r["seed"], r["arm"]
+
+    keys = {key_of(r) for r in runs}
     for r in runs:
         r.setdefault("path", "all-reduce")  # records written before the path existed
-        tail = r["losses"][-max(1, s.steps // 10):]
+        tail = r["losses"][-max(1, len(r["losses"]) // 10):]
         r["final_train_loss"] = statistics.fmean(tail)
         r["final_bpb"] = r["evals"][-1][1]
-        key = run_key(r)
+        key = key_of(r)
         if key in used:
-            excluded.append({"key": list(key), "reason": "duplicate of an earlier run with the same path, optimizer, "
+            excluded.append({"key": list(key), "reason": "duplicate of an earlier run with the same study, optimizer, "
                                                           "seed and arm (the first is used)"})
         elif (key[0], key[1], key[2], "fp32") not in keys:
-            excluded.append({"key": list(key), "reason": "no fp32 run of the same seed, optimizer and path to pair with"})
+            excluded.append({"key": list(key), "reason": "no fp32 run of the same seed, optimizer and study to pair with"})
         else:
             used[key] = r
     arm_order = {opt: list(arms) for opt, arms in s.arms}
-    for path, opt, _, arm in used:
+    for _, opt, _, arm in used:
         arm_order.setdefault(opt, ["fp32"])
         if arm not in arm_order[opt]:
             arm_order[opt].append(arm)
     paths = {}
-    for path in PATHS:
-        mine = {k: r for k, r in used.items() if k[0] == path}
-        if mine:
-            paths[path] = {"seeds": sorted({k[2] for k in mine}), "runs": len(mine),
-                           "optimizers": _per_optimizer(mine, arm_order)}
+    found = {k[0] for k in used}
+    for label in [*(p for p in PATHS if p in found), *sorted(found - set(PATHS))]:
+        mine = {k: r for k, r in used.items() if k[0] == label}
+        paths[label] = {"seeds": sorted({k[2] for k in mine}), "runs": len(mine),
+                        "optimizers": _per_optimizer(mine, arm_order)}
     primary = "all-reduce" if "all-reduce" in paths else next(iter(paths), None)
     between: dict[str, dict[str, dict]] = {}  # reduce-scatter minus all-reduce, same seed (same init and data)
     for (path, opt, seed, arm), r in used.items():
@@ -592,17 +625,24 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seeds", required=True, help="comma-separated seeds, outermost loop")
     p.add_argument("--arms", required=True, help="'muon=fp32,euclid-int2;adamw=fp32,gift-int2' (in run order)")
     p.add_argument("--jsonl", type=Path, required=True, help="appended to; runs already in it are skipped")
+    p.add_argument("--world", type=int, default=None,
+                   help="ranks (default: the profile's); the global batch stays the profile's, so every rank count "
+                        "trains on the same data per step")
+    p.add_argument("--steps", type=int, default=None,
+                   help="steps (default: the profile's); warmup and evaluation interval scale with them")
     args = p.parse_args(argv)
     arms = tuple((opt, tuple(a.split(","))) for opt, a in (part.split("=") for part in args.arms.split(";")))
     s = dataclasses.replace(profile(args.profile).convergence, path=args.path, arms=arms,
                             seeds=tuple(int(x) for x in args.seeds.split(",")))
+    s = rescaled(s, world=args.world or s.world, steps=args.steps or s.steps)
     check_settings(s)
     done = frozenset(run_key(json.loads(line)) for line in args.jsonl.read_text().splitlines() if line.strip()) \
         if args.jsonl.exists() else frozenset()
     paths = corpus.prepare()
     todo = len(s.seeds) * sum(len(a) for _, a in s.arms) - sum(
-        (s.path, o, seed, a) in done for seed in s.seeds for o, arms_ in s.arms for a in arms_)
-    print(f"{todo} runs to do on the {s.path} path ({len(done)} already in {args.jsonl})", flush=True)
+        (s.path, s.world, s.steps, o, seed, a) in done for seed in s.seeds for o, arms_ in s.arms for a in arms_)
+    print(f"{todo} runs to do on the {s.path} path, {s.world} ranks, {s.steps} steps ({len(done)} already in "
+          f"{args.jsonl})", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_worker, args=(s.world, os.path.join(tmp, "store"), s, paths, str(args.jsonl), True, done),
                  nprocs=s.world, join=True)

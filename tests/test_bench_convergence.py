@@ -150,6 +150,39 @@ def test_a_gift_arm_with_map_modifiers_is_paired_with_the_euclidean_arm_of_the_s
     assert gap["share_closed"] == pytest.approx(0.5)
 
 
+def test_runs_at_other_ranks_or_steps_form_their_own_study_and_pair_only_within_it() -> None:
+    """The 4-rank subset and the longer confirmation sit in the same runs files as the main
+    study: a 4-rank GIFT run must be paired with the 4-rank fp32 run of its seed (never the
+    2-rank one), and a run with no partner in its own study is listed as left out."""
+    from bench.convergence import rescaled, summarise
+
+    s = dataclasses.replace(profile("smoke").convergence, arms=(("muon", ("fp32", "euclid-int2", "gift-int2")),))
+    runs = []
+    for seed in range(3):
+        for world, steps, cost in ((s.world, s.steps, 0.02), (4, s.steps, 0.01), (s.world, 4 * s.steps, 0.04)):
+            for arm, c in (("fp32", 0.0), ("euclid-int2", cost), ("gift-int2", cost / 4)):
+                r = _run("reduce-scatter", "muon", seed, arm, 2.0 + 0.01 * world + 0.1 * steps + c + 0.0001 * seed)
+                r.update(world=world, steps=steps, losses=[1.0] * steps)
+                runs.append(r)
+    orphan = _run("reduce-scatter", "muon", 7, "gift-int2", 2.0)
+    orphan.update(world=4, steps=s.steps)
+    cv = summarise([*runs, orphan], s)
+    four, long = "reduce-scatter, 4 ranks", f"reduce-scatter, {4 * s.steps} steps"
+    assert list(cv["paths"]) == ["reduce-scatter", *sorted([four, long])]  # the main studies first
+    for label, cost in (("reduce-scatter", 0.02), (four, 0.01), (long, 0.04)):
+        gap = cv["paths"][label]["optimizers"]["muon"]["gaps"]["int2"]
+        assert gap["euclid_minus_fp32"]["mean"] == pytest.approx(cost)
+        assert gap["share_closed"] == pytest.approx(0.75)
+        assert cv["paths"][label]["runs"] == 9
+    assert [e["key"] for e in cv["excluded"]] == [[four, "muon", 7, "gift-int2"]]
+
+    wide = rescaled(s, world=4, steps=4 * s.steps)
+    assert wide.local_batch * wide.world == s.local_batch * s.world  # same global batch: same data per step
+    assert (wide.warmup, wide.eval_every) == (4 * s.warmup, 4 * s.eval_every)
+    with pytest.raises(ValueError, match="cannot split the global batch"):
+        rescaled(s, world=3, steps=s.steps)
+
+
 @pytest.mark.parametrize("path", ["all-reduce", "reduce-scatter"])
 def test_second_moment_arms_train_on_both_paths(path: str, tmp_path) -> None:
     """`-vsq` (second-moment geometry) and `-geo` (geometry chosen from the optimizer) run under
