@@ -540,6 +540,33 @@ def _both_paths(cv: dict) -> list[str]:
                    "share closed, reduce-scatter", "RS minus AR"], rows), ""]
 
 
+def _other_designs(cv: dict) -> list[str]:
+    """Each study run at other ranks or steps (`bench.convergence.study`) next to the main study
+    of its path: per optimizer and gap, Euclidean's and GIFT's paired cost and the share closed,
+    so a confirmation is read against the result it confirms."""
+    paths = cv.get("paths", {})
+    rows = []
+    for label, pv in paths.items():
+        base = paths.get(label.split(",")[0])
+        if base is None or base is pv:
+            continue
+        for opt, o in pv["optimizers"].items():
+            for key, g in o["gaps"].items():
+                b = base["optimizers"].get(opt, {}).get("gaps", {}).get(key)
+                rows.append([label, opt, key, _ci(g["euclid_minus_fp32"]), _ci(g["gift_minus_fp32"]), _share(g),
+                             "—" if b is None else _ci(b["euclid_minus_fp32"]), "—" if b is None else _ci(b["gift_minus_fp32"]),
+                             "—" if b is None else _share(b)])
+    if not rows:
+        return []
+    return ["### Other ranks and longer runs", "",
+            "Studies run at another number of ranks (the same global batch, so the same data per step, split over "
+            "more ranks) or for more steps (warmup and evaluation scaled with them), each paired within itself by "
+            "seed, next to the main study of the same path (2 ranks, the profile's steps). Held-out bits/byte minus "
+            "fp32, mean ± t 95% CI (n seeds); share closed with its Fieller 95% CI.", "",
+            table(["study", "optimizer", "gap", "Euclidean - fp32", "GIFT - fp32", "share closed",
+                   "main: Euclidean - fp32", "main: GIFT - fp32", "main: share closed"], rows), ""]
+
+
 def _convergence(cv: dict, plots: dict) -> list[str]:
     runs = cv["runs"]
     if cv["mode"] == "compiled":
@@ -580,6 +607,7 @@ def _convergence(cv: dict, plots: dict) -> list[str]:
                               "n=1 have no CI and enter no test).", ""])
     out += _verdict_lines(cv)
     out += _both_paths(cv)
+    out += _other_designs(cv)
     for path, pv in paths.items():
         for opt, o in pv["optimizers"].items():
             rows = []

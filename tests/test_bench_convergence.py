@@ -175,6 +175,10 @@ def test_runs_at_other_ranks_or_steps_form_their_own_study_and_pair_only_within_
         assert gap["share_closed"] == pytest.approx(0.75)
         assert cv["paths"][label]["runs"] == 9
     assert [e["key"] for e in cv["excluded"]] == [[four, "muon", 7, "gift-int2"]]
+    from bench.report import _other_designs
+
+    rows = [line for line in "\n".join(_other_designs(cv)).splitlines() if line.startswith("| reduce-scatter,")]
+    assert len(rows) == 2 and all(r.count("75% (") == 2 for r in rows)  # each study's share next to the main one's
 
     wide = rescaled(s, world=4, steps=4 * s.steps)
     assert wide.local_batch * wide.world == s.local_batch * s.world  # same global batch: same data per step
