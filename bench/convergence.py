@@ -471,6 +471,8 @@ def summarise(runs: list[dict], s: ConvergenceSettings) -> dict[str, object]:
         tail = r["losses"][-max(1, len(r["losses"]) // 10):]
         r["final_train_loss"] = statistics.fmean(tail)
         r["final_bpb"] = r["evals"][-1][1]
+        if "geometry" not in r and r["arm"] != "fp32":  # recorded before the field: the arm's configured map
+            r["geometry"] = arm_config(r["arm"], s, r["seed"]).geometry
         key = key_of(r)
         if key in used:
             excluded.append({"key": list(key), "reason": "duplicate of an earlier run with the same study, optimizer, "
@@ -503,9 +505,21 @@ def summarise(runs: list[dict], s: ConvergenceSettings) -> dict[str, object]:
         "optimizers": paths[primary]["optimizers"] if primary else {},
         "rs_minus_ar": {opt: {arm: paired(d).as_dict() for arm, d in arms.items()} for opt, arms in between.items()},
         "optimizer_classes": _optimizer_classes(runs, list(arm_order), s),
+        "default_geometry": {opt: default_geometry(opt, s) for opt in arm_order},
         "gift_config": {"rank": s.rank, "refresh_every": s.refresh_every, "select": "all", "geometry": "lowrank"},
         "all_replicas_identical": all(r["replicas_identical"] for r in runs),
     }
+
+
+def default_geometry(opt: str, s: ConvergenceSettings) -> str:
+    """The geometry the product picks for optimizer `opt` (`geometry="auto"`), resolved as a
+    `-geo` run resolves it: the GIFT arm that records this geometry and no codec modifier is the
+    product's per-optimizer default in the study."""
+    model = TinyLlama(s.model, seed=0)
+    optimizers, _ = make_optimizers(model, opt, s.lr, s.muon_lr)
+    config = _resolve_geometry(arm_config("gift-nvfp4-geo", s, 0), model, optimizers, s.world, split_rows=False)
+    assert config is not None
+    return config.geometry
 
 
 def _optimizer_classes(runs: list[dict], opts: list[str], s: ConvergenceSettings) -> dict[str, dict[str, object]]:
@@ -548,6 +562,8 @@ def _per_optimizer(by: dict[tuple[str, str, int, str], dict], arm_order: dict[st
                 "final_bpb": statistics.fmean(bpb(seed, arm) for seed in done), "n": len(done), "seeds": done,
                 "paired_diff_bpb": paired(diff).as_dict(),
                 "seconds": statistics.fmean(by[(path, opt_name, seed, arm)]["seconds"] for seed in done),
+                # the geometry the runs resolved (`-geo`: chosen from the optimizer); None for fp32
+                "geometry": by[(path, opt_name, done[0], arm)].get("geometry"),
             }
         for arm in arms:
             geometry, fmt, ef = parse_arm(arm)
