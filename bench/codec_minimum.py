@@ -211,6 +211,18 @@ UNFUSED = {
 }
 
 
+def realisation_limits() -> dict[str, int]:
+    """Inductor's limits past which a pointwise expression is written to memory instead of
+    inlined into its consumers (`ir.StorageBox.has_exceeded_max_reads` / `has_large_inner_fn`),
+    on the CPU and on other devices, as the installed torch sets them. The low-rank map's
+    expansion reads 2r + 3 operands per element, over both at r = 32."""
+    import torch._inductor.config as inductor
+
+    return {"cpu_reads": inductor.realize_cpu_acc_reads_threshold,
+            "gpu_reads": inductor._realize_acc_reads_threshold_default,
+            "cpu_ops": inductor.realize_cpu_opcount_threshold, "gpu_ops": inductor._realize_opcount_threshold_default}
+
+
 def unfused(kernels: list[dict], threshold: float = 0.05) -> list[dict[str, object]]:
     """The kernels of one body that `UNFUSED` explains, moving at least `threshold` B/element:
     name, bytes per element and the short reason (a key of `UNFUSED`'s values)."""

@@ -11,7 +11,7 @@ import math
 import statistics
 from typing import Any, Sequence
 
-from bench.codec_minimum import UNFUSED, unfused
+from bench.codec_minimum import UNFUSED, realisation_limits, unfused
 from bench.plots import FOCUS_FORMATS
 
 
@@ -416,6 +416,26 @@ def _codec(c: dict) -> list[str]:
             out.append(f"- {x['op']} {x['format']} {x['kind']}: {x['bytes_per_element'] - x['minimum']:.2f} B/el over; "
                        + "; ".join(biggest))
         out.append("")
+    two_level = [x for x in c["rows"] if x["kind"] == "lowrank" and x["format"] in ("nvfp4", "int4", "int2")
+                 and x["vs_minimum"] > 1.3]
+    if two_level:
+        lim = realisation_limits()
+        biggest = []
+        for x in two_level:
+            ks = [k for k in c["kernels"][f"{x['op']} {x['format']} {x['kind']}"] if k["name"].startswith("fused")]
+            k = max(ks, key=lambda k: k["bytes_per_element"])
+            biggest.append(f"{x['op']} {x['format']} `{k['name']}` {k['bytes_per_element']:.2f}")
+        out += ["Why the low-rank map with a two-level format stays above 1.3x: the expansion "
+                "`G D^{-1/2} + (sum_k P_k C_k U^T_k) D^{1/2}` reads 2r + 3 = "
+                f"{2 * st['rank'] + 3} operands per element, and Inductor writes a pointwise expression to memory once it "
+                f"accumulates more reads than {lim['cpu_reads']} (CPU; {lim['gpu_reads']} on other devices) or more "
+                f"than {lim['cpu_ops']} ops ({lim['gpu_ops']}). Under row scaling (fp8) the written tensor's two "
+                "consumers, the row amax and the encoder, fuse into one kernel and the buffer stays local; a two-level "
+                "format's tensor scale needs every block's statistic before any block is encoded, so the encoder "
+                "runs in a later kernel and the transformed gradient is written and read back. Spelling the expansion "
+                "once per consumer (tried) only makes Inductor write each copy; a raised threshold is a global "
+                "Inductor setting the package does not change. The largest fused kernel of each such body "
+                "(B/element): " + "; ".join(biggest) + ".", ""]
     notes = []
     for key, ks in c["kernels"].items():
         for k in unfused(ks):
