@@ -25,6 +25,7 @@ RESULTS = ROOT / "bench" / "results" / "results.json"
 HSDP_MODEL = ROOT / "bench" / "results" / "hsdp_step_model.json"
 SECOND_HOP = ROOT / "bench" / "results" / "second_hop.json"
 MEMORY_SECOND_HOP = ROOT / "bench" / "results" / "memory_second_hop.json"
+SOAK = ROOT / "bench" / "results" / "soak.json"
 GIB = 2 ** 30
 
 
@@ -269,6 +270,26 @@ def closing(r: dict) -> str:
     return "\n".join(lines)
 
 
+def soak(_: dict) -> str:
+    """The soak paragraph, from `bench.soak`'s own results file (per rank: resident memory
+    after warm-up and at the end, its slope, graphs compiled, bytes against the accounting)."""
+    d = json.loads(SOAK.read_text())
+    ranks = d["ranks"]
+    r0 = ranks[0]
+    mem = " and ".join(f"{r['rss_mib_after_warmup']:.1f} -> {r['rss_mib_end']:.1f} MiB (rank {r['rank']})" for r in ranks)
+    slopes = " and ".join(f"{r['rss_slope_mib_per_1000_steps']:.1f}" for r in ranks)
+    off = sum(r["n_steps_off_the_accounting"] for r in ranks)
+    flags = sum(r["totals"]["nonfinite"] + r["totals"]["mismatch"] for r in ranks)
+    return (f"Soak (`{d['command']}`): {len(ranks)} gloo ranks, a compiled MLP with LayerNorms, GIFT FP8 + error "
+            f"feedback, {r0['refreshes']} refreshes, {r0['checkpoints']} DCP checkpoints: resident memory {mem} between "
+            f"step {r0['warmup_steps']} and step {r0['steps']:,} (least-squares slope {slopes} MiB per 1,000 steps), "
+            f"{max(r['recompiles_after_warmup'] for r in ranks)} recompiles after warm-up "
+            f"({max(r['graphs_end'] for r in ranks)} graph(s) in all); {off} of the {r0['steps']:,} steps on any rank differed from "
+            f"the accounted bytes ({r0['accounted_bytes_per_step']:,} per step: the managed all-reduces by their plans "
+            f"plus the plain bucket), {r0['totals']['plain_calls']:,} plain-sync launches on rank 0, {flags} health "
+            "flags.")
+
+
 def adamw_sweep(r: dict) -> str:
     """The AdamW geometry candidates of the fidelity sweeps that carry the AdamW metrics: each
     candidate's gain over Euclidean in AdamW's update (one round trip / 2-rank reduce-scatter)
@@ -343,7 +364,7 @@ BLOCKS: dict[str, Callable[[dict], str]] = {"fidelity": fidelity, "wire": wire, 
                                             "codec": codec, "memory": memory, "second_hop": second_hop,
                                             "convergence": convergence, "closing": closing,
                                             "adamw_sweep": adamw_sweep,
-                                            "hsdp_model": hsdp_model}
+                                            "hsdp_model": hsdp_model, "soak": soak}
 
 
 def render(readme: str, results: dict) -> str:
