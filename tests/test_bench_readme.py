@@ -36,10 +36,12 @@ def test_the_targets_block_judges_only_the_default_arm_and_never_at_one_seed() -
     """`closing` reads the per-optimizer default's gap (the GIFT arm without codec modifiers that
     resolved the default geometry), says "met" only where the data say so, and makes no call at
     n=1: each clause would pass as a no-op only if the verdicts were typed in."""
-    def gap(share: float, gift_resolved: bool, n: int = 5) -> dict:
-        p = {"mean": 0.001, "ci95": 0.0005, "n": n, "resolved": gift_resolved}
+    def gap(share: float, gift_resolved: bool, n: int = 5, euclid_resolved: bool = True) -> dict:
+        def p(resolved: bool) -> dict:
+            return {"mean": 0.001, "ci95": 0.0005, "n": n, "resolved": resolved}
         return {"format": "nvfp4", "share_closed": share, "share_closed_ci95": [share - 0.1, share + 0.1],
-                "gift_minus_fp32": p, "euclid_minus_fp32": p}
+                "gift_minus_fp32": p(gift_resolved), "euclid_minus_fp32": p(euclid_resolved),
+                "gift_minus_euclid": {"mean": -0.0005, "ci95": 0.0002, "n": n, "resolved": True}}
 
     def study(gaps: dict, geometry: dict) -> dict:
         return {"optimizers": {"muon": {"gaps": gaps, "arms": {f"gift-{k}": {"geometry": geometry[k]} for k in gaps}}}}
@@ -51,6 +53,9 @@ def test_the_targets_block_judges_only_the_default_arm_and_never_at_one_seed() -
         "all-reduce": study({"nvfp4": gap(0.85, True)}, {"nvfp4": "lowrank"}),
         "reduce-scatter, 4 ranks": study({"nvfp4": gap(float("nan"), False, n=1)}, {"nvfp4": "lowrank"}),
         "reduce-scatter, 480 steps": study({"nvfp4": gap(0.1, False)}, {"nvfp4": "none"}),
+        # GIFT within fp32's CI, but so is Euclidean: the design resolves nothing, so no verdict
+        "reduce-scatter, 8 ranks": study({"nvfp4": gap(float("nan"), False, euclid_resolved=False)},
+                                         {"nvfp4": "lowrank"}),
     }}
     lines = readme.closing({"convergence": cv, "sweeps": []}).splitlines()
     by = {line.split(" (default")[0].strip(): line for line in lines[1:]}
@@ -58,3 +63,5 @@ def test_the_targets_block_judges_only_the_default_arm_and_never_at_one_seed() -
     assert by["all-reduce, muon"].endswith("**met**.")
     assert "no test yet" in by["reduce-scatter, 4 ranks, muon"] and "met" not in by["reduce-scatter, 4 ranks, muon"]
     assert "reduce-scatter, 480 steps, muon" not in by  # its arm did not resolve the default geometry
+    assert "no verdict" in by["reduce-scatter, 8 ranks, muon"] and "met" not in by["reduce-scatter, 8 ranks, muon"]
+    assert "GIFT resolved better than Euclidean" in by["reduce-scatter, 8 ranks, muon"]
