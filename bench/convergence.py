@@ -354,7 +354,7 @@ def _worker(rank: int, world: int, store_path: str, s: ConvergenceSettings, path
         for seed in s.seeds:
             for opt_name, arms in s.arms:
                 for arm in arms:
-                    if (s.path, world, s.steps, opt_name, seed, arm) in done:
+                    if settings_key(s, opt_name, seed, arm) in done:
                         continue
                     res = _train(opt_name, arm, seed, s, paths, rank, world)
                     curves = [None] * world
@@ -384,6 +384,11 @@ def run_key(record: dict) -> RunKey:
     length of the loss curve."""
     return (record.get("path", "all-reduce"), record.get("world", 2), record.get("steps", len(record["losses"])),
             record["optimizer"], record["seed"], record["arm"])
+
+
+def settings_key(s: ConvergenceSettings, opt: str, seed: int, arm: str) -> RunKey:
+    """The `run_key` the run of `(opt, seed, arm)` under settings `s` will have."""
+    return s.path, s.world, s.steps, opt, seed, arm
 
 
 def study(record: dict, s: ConvergenceSettings) -> str:
@@ -656,7 +661,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.jsonl.exists() else frozenset()
     paths = corpus.prepare()
     todo = len(s.seeds) * sum(len(a) for _, a in s.arms) - sum(
-        (s.path, s.world, s.steps, o, seed, a) in done for seed in s.seeds for o, arms_ in s.arms for a in arms_)
+        settings_key(s, o, seed, a) in done for seed in s.seeds for o, arms_ in s.arms for a in arms_)
     print(f"{todo} runs to do on the {s.path} path, {s.world} ranks, {s.steps} steps ({len(done)} already in "
           f"{args.jsonl})", flush=True)
     with tempfile.TemporaryDirectory() as tmp:

@@ -160,11 +160,14 @@ def memory(r: dict) -> str:
     and the second-hop residual from `bench/results/memory_second_hop.json`."""
     rows = r["memory"]["rows"]
 
+    def row(model: str, world: int, config: str, src: list[dict] = rows) -> dict:
+        return next(x for x in src if (x["model"], x["world"], x["config"]) == (model, world, config))
+
     def gib(model: str, world: int, config: str, src: list[dict] = rows) -> float:
-        return next(x["gift_total"] for x in src if (x["model"], x["world"], x["config"]) == (model, world, config)) / GIB
+        return row(model, world, config, src)["gift_total"] / GIB
 
     def part(model: str, world: int, config: str, key: str) -> float:
-        return next(x["gift"][key] for x in rows if (x["model"], x["world"], x["config"]) == (model, world, config)) / GIB
+        return row(model, world, config)["gift"][key] / GIB
 
     defaults, ef = "GIFT defaults (lowrank r32, sketch statistics)", "GIFT defaults + error feedback (fp32 residual)"
     fp8, int4 = "GIFT + error feedback, fp8_e4m3 residual", "GIFT + error feedback, int4 residual"

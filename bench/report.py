@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 from bench.codec_minimum import UNFUSED, realisation_limits, unfused
 from bench.plots import FOCUS_FORMATS
+from gift_compile.spec import FormatSpec
 
 
 def _fmt(v: Any, digits: int = 4) -> str:
@@ -422,7 +423,7 @@ def _codec(c: dict) -> list[str]:
             out.append(f"- {x['op']} {x['format']} {x['kind']}: {x['bytes_per_element'] - x['minimum']:.2f} B/el over; "
                        + "; ".join(biggest))
         out.append("")
-    two_level = [x for x in c["rows"] if x["kind"] == "lowrank" and x["format"] in ("nvfp4", "int4", "int2")
+    two_level = [x for x in c["rows"] if x["kind"] == "lowrank" and FormatSpec(x["format"]).has_tensor_scale
                  and x["vs_minimum"] > 1.3]
     if two_level:
         lim = realisation_limits()

@@ -107,7 +107,8 @@ def geometry_for(optimizer: object, weights: list[torch.Tensor]) -> str:
 
     Most managed elements (by count) stepped by a matrix preconditioner (Muon, Shampoo, ...):
     "lowrank", the K-FAC map (the convergence study: under Muon it closes about half of
-    Euclidean low-bit's gap at NVFP4 on both paths, the most of any runnable map trained). Else, most stepped by an optimizer with a second moment (Adam, AdamW):
+    Euclidean low-bit's gap at NVFP4 on both paths, the most of any runnable map trained).
+    Else, most stepped by an optimizer with a second moment (Adam, AdamW):
     "second_moment" (the bench's AdamW-update sweep: K-FAC whitening raises the error of
     AdamW's next update, 0.84-0.87x Euclidean's gain, the second-moment column scaling lowers
     it, 1.15-1.19x at NVFP4 and int2). Anything else (SGD, ...) has no evidence either way:
