@@ -328,7 +328,13 @@ def _parse_scales(recv: torch.Tensor, offset: int, spec: FormatSpec, cols: int,
             scales = s.reshape(w, 1, 1)
     if has_t:
         raw, offset = _take(recv, offset, 4)
-        tscale = _from_bytes(raw, torch.float32).reshape(w, 1, 1)
+        # The dtype view, not `_from_bytes`'s shifts: the view is an extern kernel over these
+        # 4 bytes per sender, so the tensor scale reaches the decode as one realised fp32
+        # value. Spelled as shifts, its 4 byte loads count as reads of every block scale
+        # that multiplies it (and the decoded values), past Inductor's limit for a pointwise
+        # value with several users, and the unit of every block is written out at fp32 and
+        # read back (0.5 B per gradient element for NVFP4; `bench.codec_minimum`).
+        tscale = raw.view(torch.float32).reshape(w, 1, 1)
     return scales, tscale, offset
 
 

@@ -54,3 +54,27 @@ def test_generated_kernels_move_at_least_the_minimum() -> None:
     assert by_kind["identity"]["vs_euclid_time"] == 1.0
     # the projection matmul is an extern kernel the report names, with its reason
     assert any(k["name"].startswith("aten.mm") for k in unfused(res["kernels"]["reduce_scatter fp8_e4m3 lowrank"]))
+
+
+def test_two_level_decode_reads_the_codes_once_into_the_shard() -> None:
+    """The receive side of an NVFP4 reduce-scatter reads each sender's codes and scales once
+    and writes the fp32 shard, with nothing in between: no per-block unit (E4M3 scale times
+    the sender's tensor scale) written out at fp32 and read back, which Inductor does when
+    the tensor scale reaches the decode as byte loads and shifts (`exchange._parse_scales`)."""
+    import torch
+
+    from bench.overhead import codec_body, fake_group, generated_traffic
+    from gift_compile.formats import FormatSpec, wire_bytes_for
+
+    rows, cols, world = 64, 256, 2
+    with fake_group(world) as group:
+        body = codec_body("nvfp4", "row", "identity", rows, cols, 8, world=world, group_name=group,
+                          op="reduce_scatter", factor=False)
+        kernels, _ = generated_traffic(body, torch.zeros(rows, cols))
+    first_wait = next(i for i, k in enumerate(kernels) if k.name.startswith("_c10d_functional.wait_tensor"))
+    receive = [k for k in kernels[first_wait + 1:] if not k.collective]
+    moved = sum(k.reads + k.writes for k in receive)
+    wire = wire_bytes_for(FormatSpec("nvfp4", "row"), rows, cols)  # every sender's codes + scales, once
+    shard = rows * cols * 4 // world
+    assert receive and moved <= wire + shard + 64 * world, (moved, wire, shard, [(k.name, k.reads, k.writes)
+                                                                                  for k in receive])
