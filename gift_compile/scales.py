@@ -51,17 +51,20 @@ def _global_max(stat: torch.Tensor) -> torch.Tensor:
 def _mean_abs(xb: torch.Tensor, factor: float) -> torch.Tensor:
     """`factor * mean(|x|)` over the last dim (a power of two long): fp32, +inf if non-finite.
 
-    The sum runs in fp64 along an explicit pairwise tree: a library reduction may add in
-    any order, and a one-ulp difference between eager and compiled sums would change a
-    scale code. fp64 also keeps the sum of values near fp32's maximum finite; the result
-    saturates at fp32's maximum instead of becoming the non-finite marker.
+    The sum is an fp64 reduction, and exact wherever a block's nonzero magnitudes span at most
+    2**24 (24 binades): up to 32 fp32 values, each a multiple of the smallest one's ulp, then
+    add up within fp64's 53 bits, so every summation order (eager ATen's, Inductor's
+    vectorized loop) gives the same bits. A block with a wider spread may differ in the last
+    fp64 bit between orders, which reaches its fp32 statistic only on an fp32 rounding
+    boundary; every rank runs the same kernel either way. A reduction, unlike a spelled-out
+    pairwise tree (16 loads per block statistic, past Inductor's inlining limit), is computed
+    in the loop that reads the block, without a partial sum written out and read back.
+    fp64 also keeps the sum of values near fp32's maximum finite; the result saturates at
+    fp32's maximum instead of becoming the non-finite marker.
     """
     t = xb.abs().double()
     n = t.shape[-1]
-    while t.shape[-1] > 1:
-        h = t.shape[-1] // 2
-        t = t[..., :h] + t[..., h:]
-    m = t[..., 0] * (factor / n)
+    m = t.sum(-1) * (factor / n)
     m = torch.where(torch.isfinite(m), m.clamp(max=FP32_MAX), math.inf)
     return m.float()
 

@@ -471,3 +471,22 @@ def test_compiled_is_bit_identical_to_eager():
         assert torch.equal(torch.isnan(a), torch.isnan(b)) and torch.isnan(b[6, 50])
         assert torch.equal(a.nan_to_num(), b.nan_to_num())
     assert torch.isnan(comp[-2][6, 32:64]).all() and torch.isfinite(comp[-2][:6]).all()
+
+
+def test_mean_abs_statistic_is_order_free_within_24_binades():
+    """The int2/ternary block statistic sums |x| in fp64 as a reduction: exact, hence the
+    same in any order, for blocks whose magnitudes span up to 2**24 (an fp32 sum would not
+    be: it rounds after every add)."""
+    from gift_compile.scales import _mean_abs
+
+    g = torch.Generator().manual_seed(11)
+    mant = 1.0 + torch.rand(512, 32, generator=g)
+    xb = mant * torch.exp2(torch.randint(-12, 12, (512, 32), generator=g).float())  # 24 binades
+    xb = xb * torch.where(torch.rand(512, 32, generator=g) < 0.5, -1.0, 1.0)
+    perm = torch.argsort(torch.rand(512, 32, generator=g), dim=1)
+    a, b = _mean_abs(xb, 0.625), _mean_abs(torch.gather(xb, 1, perm), 0.625)
+    assert torch.equal(a, b)
+    ref = (xb.double().abs().sum(-1) * (0.625 / 32)).float()
+    assert torch.equal(a, ref)
+    naive = (xb.abs().sum(-1) * (0.625 / 32), torch.gather(xb, 1, perm).abs().sum(-1) * (0.625 / 32))
+    assert not torch.equal(*naive)  # fp32 accumulation would depend on the order
