@@ -206,7 +206,8 @@ UNFUSED = {
     "aten.cat": ("CPU uint8 cat", "Inductor lowers a cat whose inputs are all uint8 on the CPU to aten.cat "
                  "(`torch._inductor.lowering.cat`: inputs realised, then copied), so the codes are written once by "
                  "the encode kernel and copied once more into the send buffer; other devices take Inductor's "
-                 "ConcatKernel, which can write each input in place (not measured here: no GPU)"),
+                 "ConcatKernel, which writes an input in place only when it is a computed buffer of the cat's layout "
+                 "(the codes are a reshape of one: not measured here, no GPU)"),
     "aten.view.dtype": ("extern dtype view", "a size-changing dtype view is an extern kernel over a realised input"),
 }
 
