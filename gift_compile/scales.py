@@ -145,7 +145,11 @@ def choose_scales(
     if spec.name in _FP8:
         _, fmax, _, _ = _FP8[spec.name]
         if spec.scaling == "tensor":
-            amax = _finite_amax(x2, (0, 1)).reshape(1)
+            # The rows' maxima first, then theirs (the same value): a row reduction shares
+            # the loops of a `[rows, cols]` producer such as the low-rank map's expansion, so
+            # the kernel that writes the expansion takes the row maxima on the way instead of
+            # a full-tensor reduction reading it back.
+            amax = _global_max(_finite_amax(x2, 1, keepdim=False))
         elif spec.scaling == "row":
             amax = _finite_amax(x2, 1, keepdim=False)
         else:

@@ -78,3 +78,24 @@ def test_two_level_decode_reads_the_codes_once_into_the_shard() -> None:
     shard = rows * cols * 4 // world
     assert receive and moved <= wire + shard + 64 * world, (moved, wire, shard, [(k.name, k.reads, k.writes)
                                                                                   for k in receive])
+
+
+def test_tensor_scale_is_taken_in_the_kernel_writing_the_low_rank_transform() -> None:
+    """fp8 with one scale per tensor takes the amax over the rows' maxima, a row reduction the
+    CPU backend computes in the loops of the `[rows, cols]` expansion that produces the values
+    (`scales.choose_scales`): the transform is read back once, by the encoder, not also by a
+    whole-tensor amax pass."""
+    import torch
+
+    from bench.overhead import codec_body, fake_group, generated_traffic
+
+    rows, cols, world = 64, 256, 2
+    full = rows * cols * 4
+    with fake_group(world) as group:
+        body = codec_body("fp8_e5m2", "tensor", "lowrank", rows, cols, 8, world=world, group_name=group,
+                          op="reduce_scatter", factor=False)
+        kernels, _ = generated_traffic(body, torch.zeros(rows, cols))
+    send = kernels[:next(i for i, k in enumerate(kernels) if k.collective)]
+    described = [(k.name, k.reads, k.writes) for k in send]
+    assert any("amax" in k.name and k.writes >= full for k in send), described
+    assert sum(k.reads >= full for k in send) == 3, described  # projection, expansion, encoder
