@@ -52,9 +52,9 @@ def _mean_abs(xb: torch.Tensor, factor: float) -> torch.Tensor:
     """`factor * mean(|x|)` over the last dim (a power of two long): fp32, +inf if non-finite.
 
     The sum is an fp64 reduction, and exact wherever a block's nonzero magnitudes span at most
-    2**24 (24 binades): up to 32 fp32 values, each a multiple of the smallest one's ulp, then
-    add up within fp64's 53 bits, so every summation order (eager ATen's, Inductor's
-    vectorized loop) gives the same bits. A block with a wider spread may differ in the last
+    29 - log2(n) binades (24 for n = 32 values): fp32 values, each a multiple of the smallest
+    one's ulp, then add up within fp64's 53 bits, so every summation order (eager ATen's,
+    Inductor's vectorized loop) gives the same bits. A block with a wider spread may differ in the last
     fp64 bit between orders, which reaches its fp32 statistic only on an fp32 rounding
     boundary; every rank runs the same kernel either way. A reduction, unlike a spelled-out
     pairwise tree (16 loads per block statistic, past Inductor's inlining limit), is computed
