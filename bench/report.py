@@ -446,8 +446,9 @@ def _codec(c: dict) -> list[str]:
                 "makes Inductor write each copy; spelling it over the blocks (`[rows * d_in / 16, 16]`, the block "
                 "amax's loop) lets the CPU backend compute it inside the amax loop (4 B/element less) but indexes "
                 "the per-row and per-column operands by a division and a modulo, which it does not vectorize, and the "
-                "body ran several times slower on this CPU than with the extra pass. A raised threshold is a global Inductor setting the package does not change. "
-                "The largest fused kernel of each such body (B/element): " + "; ".join(biggest) + ".", ""]
+                "body ran several times slower on this CPU than with the extra pass. A raised threshold is a global "
+                "Inductor setting the package does not change. The largest fused kernel of each such body "
+                "(B/element): " + "; ".join(biggest) + ".", ""]
     notes = []
     for key, ks in c["kernels"].items():
         for k in unfused(ks):

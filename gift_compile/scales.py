@@ -49,18 +49,18 @@ def _global_max(stat: torch.Tensor) -> torch.Tensor:
 
 
 def _mean_abs(xb: torch.Tensor, factor: float) -> torch.Tensor:
-    """`factor * mean(|x|)` over the last dim (a power of two long): fp32, +inf if non-finite.
+    """`factor * mean(|x|)` over the last dim: fp32, +inf if non-finite.
 
-    The sum is an fp64 reduction, and exact wherever a block's nonzero magnitudes span at most
+    The sum is an fp64 reduction, exact wherever a block's nonzero magnitudes span at most
     29 - log2(n) binades (24 for n = 32 values): fp32 values, each a multiple of the smallest
     one's ulp, then add up within fp64's 53 bits, so every summation order (eager ATen's,
-    Inductor's vectorized loop) gives the same bits. A block with a wider spread may differ in the last
-    fp64 bit between orders, which reaches its fp32 statistic only on an fp32 rounding
-    boundary; every rank runs the same kernel either way. A reduction, unlike a spelled-out
-    pairwise tree (16 loads per block statistic, past Inductor's inlining limit), is computed
-    in the loop that reads the block, without a partial sum written out and read back.
-    fp64 also keeps the sum of values near fp32's maximum finite; the result saturates at
-    fp32's maximum instead of becoming the non-finite marker.
+    Inductor's vectorized loop) gives the same bits. A block with a wider spread may differ
+    in the last fp64 bit between orders, which reaches its fp32 statistic only on an fp32
+    rounding boundary; every rank runs the same kernel either way. A reduction, unlike a
+    spelled-out pairwise tree (16 loads per block statistic, past Inductor's inlining
+    limit), is computed in the loop that reads the block, without a partial sum written out
+    and read back. fp64 also keeps the sum of values near fp32's maximum finite; the result
+    saturates at fp32's maximum instead of becoming the non-finite marker.
     """
     t = xb.abs().double()
     n = t.shape[-1]
