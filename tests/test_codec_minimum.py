@@ -56,28 +56,55 @@ def test_generated_kernels_move_at_least_the_minimum() -> None:
     assert any(k["name"].startswith("aten.mm") for k in unfused(res["kernels"]["reduce_scatter fp8_e4m3 lowrank"]))
 
 
+
+ROWS, COLS, WORLD = 64, 256, 2
+FULL = ROWS * COLS * 4  # bytes of the fp32 gradient
+
+
+def _kernels(fmt: str, scaling: str, kind: str) -> list:
+    """The generated kernels of a tiny 2-rank reduce-scatter body (rank 8), in schedule order."""
+    import torch
+
+    from bench.overhead import codec_body, fake_group, generated_traffic
+
+    with fake_group(WORLD) as group:
+        body = codec_body(fmt, scaling, kind, ROWS, COLS, 8, world=WORLD, group_name=group, op="reduce_scatter",
+                          factor=False)
+        kernels, _ = generated_traffic(body, torch.zeros(ROWS, COLS))
+    return kernels
+
+
+def _send_side(kernels: list) -> list:
+    return kernels[:next(i for i, k in enumerate(kernels) if k.collective)]
+
+
 def test_two_level_decode_reads_the_codes_once_into_the_shard() -> None:
     """The receive side of an NVFP4 reduce-scatter reads each sender's codes and scales once
     and writes the fp32 shard, with nothing in between: no per-block unit (E4M3 scale times
     the sender's tensor scale) written out at fp32 and read back, which Inductor does when
     the tensor scale reaches the decode as byte loads and shifts (`exchange._parse_scales`)."""
-    import torch
-
-    from bench.overhead import codec_body, fake_group, generated_traffic
     from gift_compile.formats import FormatSpec, wire_bytes_for
 
-    rows, cols, world = 64, 256, 2
-    with fake_group(world) as group:
-        body = codec_body("nvfp4", "row", "identity", rows, cols, 8, world=world, group_name=group,
-                          op="reduce_scatter", factor=False)
-        kernels, _ = generated_traffic(body, torch.zeros(rows, cols))
+    kernels = _kernels("nvfp4", "row", "identity")
     first_wait = next(i for i, k in enumerate(kernels) if k.name.startswith("_c10d_functional.wait_tensor"))
     receive = [k for k in kernels[first_wait + 1:] if not k.collective]
     moved = sum(k.reads + k.writes for k in receive)
-    wire = wire_bytes_for(FormatSpec("nvfp4", "row"), rows, cols)  # every sender's codes + scales, once
-    shard = rows * cols * 4 // world
-    assert receive and moved <= wire + shard + 64 * world, (moved, wire, shard, [(k.name, k.reads, k.writes)
+    wire = wire_bytes_for(FormatSpec("nvfp4", "row"), ROWS, COLS)  # every sender's codes + scales, once
+    shard = FULL // WORLD
+    assert receive and moved <= wire + shard + 64 * WORLD, (moved, wire, shard, [(k.name, k.reads, k.writes)
                                                                                   for k in receive])
+
+
+def test_mean_abs_statistic_writes_no_partial_sums() -> None:
+    """int2's block statistic (fp64 mean |x|) is one reduction computed in the loop that reads
+    the block: that kernel writes one fp64 sum per block, not partial sums (a spelled-out
+    pairwise tree wrote four per block here, 1 B per gradient element)."""
+    from gift_compile.formats import FormatSpec
+
+    send = _send_side(_kernels("int2", "row", "identity"))
+    statistic = send[0]  # the first pass over the gradient
+    blocks = ROWS * COLS // FormatSpec("int2", "row", 32).block
+    assert statistic.reads >= FULL and statistic.writes <= blocks * 8, [(k.name, k.reads, k.writes) for k in send]
 
 
 def test_tensor_scale_is_taken_in_the_kernel_writing_the_low_rank_transform() -> None:
@@ -85,17 +112,7 @@ def test_tensor_scale_is_taken_in_the_kernel_writing_the_low_rank_transform() ->
     CPU backend computes in the loops of the `[rows, cols]` expansion that produces the values
     (`scales.choose_scales`): the transform is read back once, by the encoder, not also by a
     whole-tensor amax pass."""
-    import torch
-
-    from bench.overhead import codec_body, fake_group, generated_traffic
-
-    rows, cols, world = 64, 256, 2
-    full = rows * cols * 4
-    with fake_group(world) as group:
-        body = codec_body("fp8_e5m2", "tensor", "lowrank", rows, cols, 8, world=world, group_name=group,
-                          op="reduce_scatter", factor=False)
-        kernels, _ = generated_traffic(body, torch.zeros(rows, cols))
-    send = kernels[:next(i for i, k in enumerate(kernels) if k.collective)]
+    send = _send_side(_kernels("fp8_e5m2", "tensor", "lowrank"))
     described = [(k.name, k.reads, k.writes) for k in send]
-    assert any("amax" in k.name and k.writes >= full for k in send), described
-    assert sum(k.reads >= full for k in send) == 3, described  # projection, expansion, encoder
+    assert any("amax" in k.name and k.writes >= FULL for k in send), described
+    assert sum(k.reads >= FULL for k in send) == 3, described  # projection, expansion, encoder
