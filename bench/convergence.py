@@ -456,7 +456,8 @@ def run(s: ConvergenceSettings, paths: corpus.CorpusPaths, log: Log, jsonl: Path
 def summarise(runs: list[dict], s: ConvergenceSettings) -> dict[str, object]:
     """Per study (`all-reduce` / `reduce-scatter`, or one of them at other ranks or steps:
     `study`), per optimizer: per-arm paired statistics and per-(bit width, EF) gaps from
-    finished runs. `paths` is keyed by study; `world` and `steps` are the settings' own.
+    finished runs. `paths` is keyed by study (each entry names its collective path); `world`
+    and `steps` are the settings' own.
 
     Every run is either summarised or listed under `excluded` with the reason. Arms come from
     `s.arms` (in that order) plus any other arm found in the runs (at whatever n it has), so a
@@ -495,8 +496,8 @@ def summarise(runs: list[dict], s: ConvergenceSettings) -> dict[str, object]:
     found = {k[0] for k in used}
     for label in [*(p for p in PATHS if p in found), *sorted(found - set(PATHS))]:
         mine = {k: r for k, r in used.items() if k[0] == label}
-        paths[label] = {"seeds": sorted({k[2] for k in mine}), "runs": len(mine),
-                        "optimizers": _per_optimizer(mine, arm_order)}
+        paths[label] = {"path": next(iter(mine.values()))["path"], "seeds": sorted({k[2] for k in mine}),
+                        "runs": len(mine), "optimizers": _per_optimizer(mine, arm_order)}
     primary = "all-reduce" if "all-reduce" in paths else next(iter(paths), None)
     between: dict[str, dict[str, dict]] = {}  # reduce-scatter minus all-reduce, same seed (same init and data)
     for (path, opt, seed, arm), r in used.items():

@@ -580,7 +580,7 @@ def _other_designs(cv: dict) -> list[str]:
     paths = cv.get("paths", {})
     rows = []
     for label, pv in paths.items():
-        base = paths.get(label.split(",")[0])
+        base = paths.get(pv["path"])  # the main study of the same collective path
         if base is None or base is pv:
             continue
         for opt, o in pv["optimizers"].items():
