@@ -45,11 +45,10 @@ from bench.settings import ConvergenceSettings
 from bench.stats import holm, paired, ratio_ci
 from bench.tiny_llama import TinyLlama
 from gift_compile.collectives import all_reduce
-from gift_compile.api import eligible_linears
-from gift_compile.config import AUTO_GEOMETRY, GiftConfig
+from gift_compile.api import eligible_linears, resolve_auto
+from gift_compile.config import GiftConfig
 from gift_compile.formats import FormatSpec
 from gift_compile.geometries import geometry_class
-from gift_compile.optimizers import geometry_for, select_metric_for
 from gift_compile.sync import exit_without_finalization
 from gift_compile.geometry import Transform, gradient_factor
 from gift_compile.passes import last_reports, reports_seen
@@ -68,6 +67,8 @@ FORMATS: dict[str, dict[str, object]] = {
     "ternary": {"format": "ternary", "block_size": 32},
 }
 
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GiftConfig)}
 
 # arm suffixes beyond `-ef` (the tuning runs): what each changes in the GIFT config
 MODIFIERS: dict[str, dict[str, object]] = {
@@ -94,12 +95,19 @@ MODIFIERS: dict[str, dict[str, object]] = {
     "ef2": {"second_hop_error_feedback": True},
     # a leaky residual, beta 0.9, on whichever hops have error feedback
     "b9": {"error_feedback_decay": 0.9},
+    # what a user gets from `GiftConfig(format=..., geometry="auto")` with `optimizer=`: the
+    # product's defaults for selection (measured, metric chosen from the optimizer), refresh
+    # cadence and rank, instead of the study's every-layer, refresh-20 arms
+    "dflt": {"geometry": "auto", **{f: _DEFAULTS[f] for f in ("select", "select_metric", "refresh_every", "rank")}},
+    # the selection metric before it was chosen from the optimizer (plain L2 for every optimizer)
+    "euc": {"select_metric": "euclidean"},
 }
 
 
 # the modifiers that change only GIFT's map (the rest, `sr`, `ef2`, `b9`, change the codec both
 # geometries share): a GIFT arm with them is compared with the Euclidean arm without them
-MAP_MODIFIERS = frozenset({"dense", "exact", "r64", "rf5", "grad", "mom", "d2", "auto", "vsq", "geo", "two"})
+MAP_MODIFIERS = frozenset({"dense", "exact", "r64", "rf5", "grad", "mom", "d2", "auto", "vsq", "geo", "two", "dflt",
+                           "euc"})
 assert MAP_MODIFIERS <= MODIFIERS.keys()
 
 
@@ -110,7 +118,8 @@ def parse_arm(arm: str) -> tuple[str, str | None, bool]:
     `MODIFIERS` (stochastic rounding, dense whitening, exact statistics, rank 64, refresh
     every 5 steps, gradient-side geometry, momentum-side geometry, damping 1e-2, measured
     selection, the two-sided experiment, AdamW's second-moment column scaling, the geometry
-    chosen from the optimizer, second-hop error feedback, a decaying residual).
+    chosen from the optimizer, second-hop error feedback, a decaying residual, the product's
+    defaults, the plain-L2 selection metric).
     """
     if arm == "fp32":
         return "fp32", None, False
@@ -152,7 +161,7 @@ class TwoSided:
     """
 
     def __init__(self, model: nn.Module, config: GiftConfig, optimizer: torch.optim.Optimizer, world: int):
-        from gift_compile.api import eligible_linears
+        from gift_compile.api import eligible_linears, resolve_auto
 
         self.config, self.optimizer, self.world = config, optimizer, world
         self.weights = {name: m.weight for name, m in eligible_linears(model, config, world, split_rows=False)}
@@ -264,19 +273,17 @@ class ShardedTwin:
             local.copy_(piece)
 
 
-def _resolve_geometry(config: GiftConfig | None, model: nn.Module, optimizers: list[torch.optim.Optimizer],
-                      world: int, *, split_rows: bool) -> GiftConfig | None:
-    """`-geo` arms: `geometry="auto"` chosen from the optimizers that step the plain model's
-    managed weights (`geometry_for`), here rather than in `apply`, because on the reduce-scatter
-    path GIFT is applied to the twin, whose parameters no optimizer steps."""
-    if config is None or config.geometry != AUTO_GEOMETRY:
-        return config
+def _resolve_auto(config: GiftConfig | None, model: nn.Module, optimizers: list[torch.optim.Optimizer],
+                  world: int, *, split_rows: bool) -> GiftConfig | None:
+    """The arm's `geometry="auto"` / `select_metric="auto"` chosen as `apply` chooses them
+    (`gift_compile.api.resolve_auto`) from the optimizers that step the plain model's managed
+    weights: here rather than in `apply`, because on the reduce-scatter path GIFT is applied to
+    the twin, whose parameters no optimizer steps."""
+    if config is None:
+        return None
     provisional = dataclasses.replace(config, geometry="none")  # eligibility ignores the geometry
     weights = [m.weight for _, m in eligible_linears(model, provisional, world, split_rows=split_rows)]
-    chosen = dataclasses.replace(config, geometry=geometry_for(optimizers, weights))
-    if geometry_class(chosen.geometry).optimizer_coordinates:  # as `apply` does: judged in the update's coordinates
-        chosen = dataclasses.replace(chosen, select_metric=select_metric_for(optimizers, weights, chosen.geometry))
-    return chosen
+    return resolve_auto(config, optimizers, weights)
 
 
 def _train(opt_name: str, arm: str, seed: int, s: ConvergenceSettings, paths: corpus.CorpusPaths,
@@ -288,7 +295,7 @@ def _train(opt_name: str, arm: str, seed: int, s: ConvergenceSettings, paths: co
     two_sided = TwoSided(model, config, optimizers[0], world) if "two" in arm.split("-")[2:] else None
     sharded = ShardedTwin(model, rank, world) if s.path == "reduce-scatter" else None
     gift_model = sharded.module if sharded is not None else model
-    config = _resolve_geometry(config, model, optimizers, world, split_rows=sharded is not None)
+    config = _resolve_auto(config, model, optimizers, world, split_rows=sharded is not None)
     if config is not None and two_sided is None:  # the first optimizer drives GIFT's state (health check, refresh)
         # fuse=False: the FSDP2 hook's codec runs eagerly, as the eager all-reduce path's does (no per-run compile)
         gift_compile.apply(gift_model, config, group=dist.group.WORLD, optimizer=optimizers[0], fuse=False)
@@ -523,7 +530,7 @@ def default_geometry(opt: str, s: ConvergenceSettings) -> str:
     product's per-optimizer default in the study."""
     model = TinyLlama(s.model, seed=0)
     optimizers, _ = make_optimizers(model, opt, s.lr, s.muon_lr)
-    config = _resolve_geometry(arm_config("gift-nvfp4-geo", s, 0), model, optimizers, s.world, split_rows=False)
+    config = _resolve_auto(arm_config("gift-nvfp4-geo", s, 0), model, optimizers, s.world, split_rows=False)
     assert config is not None
     return config.geometry
 

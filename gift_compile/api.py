@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from gift_compile import collectives
-from gift_compile.config import AUTO_GEOMETRY, GiftConfig
+from gift_compile.config import AUTO_GEOMETRY, AUTO_METRIC, GiftConfig
 from gift_compile.geometries import Geometry, geometry_class
 from gift_compile.health import check_replicas
 from gift_compile.optimizers import geometry_for, leaf_optimizers, select_metric_for
@@ -75,8 +75,7 @@ def apply(model: nn.Module, config: GiftConfig | None = None, *, group: dist.Pro
     """
     config = config or GiftConfig()
     group = _default_group(group)
-    if config.geometry == AUTO_GEOMETRY:
-        config = _resolve_geometry(model, config, group, optimizer)
+    config = resolve_auto(config, optimizer, _managed_weights(model, config, group) if optimizer is not None else [])
     if geometry_class(config.geometry).needs_optimizer and optimizer is None:
         raise ValueError(f"gift_compile.apply: geometry={config.geometry!r} builds each layer's map from the "
                          "optimizer's state; pass optimizer=")
@@ -127,29 +126,44 @@ def apply(model: nn.Module, config: GiftConfig | None = None, *, group: dist.Pro
     return model
 
 
-def _resolve_geometry(model: nn.Module, config: GiftConfig, group: dist.ProcessGroup | None,
-                      optimizer: Any | None) -> GiftConfig:
-    """`config` with `geometry="auto"` replaced by `geometry_for(optimizer, managed weights)`,
-    and, when the chosen map is the optimizer's own preconditioning (`second_moment`), the
-    selection metric that judges it in those coordinates (`select_metric_for(..., geometry)`).
+def resolve_auto(config: GiftConfig, optimizer: Any | None, weights: list[torch.Tensor]) -> GiftConfig:
+    """`config` with its optimizer-dependent choices made for the optimizer that steps `weights`.
 
-    The choice depends on what steps the weights, so there is none without the optimizer:
-    raise rather than guess."""
+    `geometry="auto"` becomes `geometry_for(optimizer, weights)`; `select_metric="auto"`
+    becomes `select_metric_for(optimizer, weights, geometry)` ("whitened" under a matrix
+    preconditioner such as Muon, or for a map in the optimizer's own coordinates): the
+    selection then judges each layer by the error the optimizer's update sees, which is what
+    the convergence study found GIFT lowers. Without an optimizer the geometry cannot be
+    chosen (raises) and the metric is "euclidean" (logged). The bench calls this too, with the
+    weights of the model the optimizer steps.
+    """
+    geometry_auto, metric_auto = config.geometry == AUTO_GEOMETRY, config.select_metric == AUTO_METRIC
+    if not (geometry_auto or metric_auto):
+        return config
     if optimizer is None:
-        raise ValueError("gift_compile.apply: geometry='auto' is chosen from the optimizer that steps the managed "
-                         "weights; pass optimizer= or name a geometry")
-    world = collectives.group_info(group)[1]
-    split_rows = bool(_fsdp2_modules(model)) or _has_dtensor_params(model)
-    provisional = dataclasses.replace(config, geometry=Geometry.name)  # eligibility ignores the geometry
-    weights = [m._parameters["weight"] for _, m in eligible_linears(model, provisional, world, split_rows=split_rows)]
-    if not weights:  # nothing managed: nothing mapped
-        return dataclasses.replace(config, geometry=Geometry.name)
-    chosen = dataclasses.replace(config, geometry=geometry_for(optimizer, weights))
-    if geometry_class(chosen.geometry).optimizer_coordinates:  # judged where the update sees the error
+        if geometry_auto:
+            raise ValueError("gift_compile.apply: geometry='auto' is chosen from the optimizer that steps the "
+                             "managed weights; pass optimizer= or name a geometry")
+        logger.warning("gift_compile.apply: select_metric='auto' without optimizer=: layers are selected by the "
+                       "plain (euclidean) error; under Muon/Shampoo pass optimizer= or set select_metric='whitened'")
+        return dataclasses.replace(config, select_metric="euclidean")
+    if not weights:  # nothing managed: nothing mapped or selected
+        return dataclasses.replace(config, geometry=Geometry.name if geometry_auto else config.geometry,
+                                   select_metric="euclidean")
+    chosen = dataclasses.replace(config, geometry=geometry_for(optimizer, weights)) if geometry_auto else config
+    if metric_auto:
         chosen = dataclasses.replace(chosen, select_metric=select_metric_for(optimizer, weights, chosen.geometry))
-    logger.info("gift_compile.apply: geometry='auto' -> %r, select_metric %r (optimizer %s)", chosen.geometry,
+    logger.info("gift_compile.apply: geometry %r, select_metric %r (chosen for optimizer %s)", chosen.geometry,
                 chosen.select_metric, ", ".join(type(o).__name__ for o in leaf_optimizers(optimizer)))
     return chosen
+
+
+def _managed_weights(model: nn.Module, config: GiftConfig, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+    """The weights `apply` would manage (eligibility does not depend on the geometry)."""
+    world = collectives.group_info(group)[1]
+    split_rows = bool(_fsdp2_modules(model)) or _has_dtensor_params(model)
+    provisional = dataclasses.replace(config, geometry=Geometry.name)
+    return [m._parameters["weight"] for _, m in eligible_linears(model, provisional, world, split_rows=split_rows)]
 
 
 def attach_optimizer(state: GiftState, optimizer: torch.optim.Optimizer) -> None:

@@ -34,6 +34,9 @@ AUTO_GEOMETRY = "auto"
 NONFINITE = ("error", "propagate")
 REDUCE_OPS = ("avg", "sum")
 SELECT_METRICS = ("euclidean", "whitened")
+# `select_metric` value resolved by `apply(..., optimizer=)` from the optimizer
+# (`gift_compile.optimizers.select_metric_for`); measured as "euclidean" where no optimizer is known.
+AUTO_METRIC = "auto"
 UNREWRITTEN = ("error", "warn")
 PLAN_CHECKS = ("first", "always")
 STATISTICS = ("sketch", "dense")
@@ -155,8 +158,16 @@ class GiftConfig:
         seed: base seed of stochastic rounding and of the Hadamard signs; must fit int64
             (it is held in an int64 tensor).
         select_metric: how select="auto" compares the two paths: "euclidean" (relative L2
-            error of the gradient) or "whitened" (the error seen in the layer's whitened
-            geometry, which is what preconditioned optimizers such as Muon/Shampoo amplify).
+            error of the gradient), "whitened" (the error seen in the layer's whitened
+            geometry, which is what preconditioned optimizers such as Muon/Shampoo amplify),
+            or "auto" (the default): `apply(..., optimizer=)` picks it from the optimizer that
+            steps the managed weights (`select_metric_for`: "whitened" under a matrix
+            preconditioner or for a map in the optimizer's own coordinates, else
+            "euclidean"). The plain L2 error rises under whitening on most layers even where
+            the error Muon's update sees falls, so judging Muon's layers in plain L2 drops
+            most of them and with them GIFT's gain. Without an optimizer (`apply` without
+            `optimizer=`, a `GiftState` built directly) "auto" measures as "euclidean" (logged
+            by `apply`).
         auto_min_gain: with select="auto", the transformed path must cut the measured error
             by at least this factor to be enabled.
         auto_max_overhead: with select="auto", the transform's FLOPs may be at most this
@@ -212,7 +223,7 @@ class GiftConfig:
     nonfinite: str = "error"
     reduce_op: str = "avg"
     seed: int = 0
-    select_metric: str = "euclidean"
+    select_metric: str = AUTO_METRIC
     auto_min_gain: float = 1.05
     auto_max_overhead: float = 0.25
     unrewritten: str = "error"
@@ -227,7 +238,7 @@ class GiftConfig:
         # Types first (a str where a float belongs must not surface as a TypeError from a
         # comparison), then ranges; every failure is a GiftConfigError naming the field.
         for name, choices in (("format", FORMATS), ("scaling", SCALINGS), ("geometry", (*GEOMETRIES, AUTO_GEOMETRY)),
-                              ("nonfinite", NONFINITE), ("select_metric", SELECT_METRICS),
+                              ("nonfinite", NONFINITE), ("select_metric", (*SELECT_METRICS, AUTO_METRIC)),
                               ("reduce_op", REDUCE_OPS), ("unrewritten", UNREWRITTEN),
                               ("plan_check", PLAN_CHECKS), ("residual_format", FORMATS),
                               ("statistics", STATISTICS)):
