@@ -35,7 +35,7 @@ import torch.nn as nn
 from gift_compile import collectives
 from gift_compile.config import AUTO_GEOMETRY, AUTO_METRIC, GiftConfig
 from gift_compile.geometries import Geometry, geometry_class
-from gift_compile.health import check_replicas
+from gift_compile.health import queue_backward_check
 from gift_compile.optimizers import geometry_for, leaf_optimizers, select_metric_for
 from gift_compile.passes.inductor import hold_inductor_pass, release_inductor_pass
 from gift_compile.routing import _unmanage_module, eligible_linears, manage  # noqa: F401 (public here too)
@@ -115,6 +115,10 @@ def apply(model: nn.Module, config: GiftConfig | None = None, *, group: dist.Pro
             from gift_compile.plain_sync import PlainSync
 
             state.handles.extend(PlainSync(model, state, group).install())
+            # the end-of-backward checks, armed by each managed weight's gradient reaching
+            # `.grad` (eagerly after a compiled backward too; also for a weight read directly)
+            state.handles.extend(state.weight(n).register_post_accumulate_grad_hook(lambda _: queue_backward_check(state))
+                                 for n in state.layers)
         kind = "GIFT all-reduce in the backward graph"
     if optimizer is not None:
         attach_optimizer(state, optimizer)
@@ -153,8 +157,10 @@ def resolve_auto(config: GiftConfig, optimizer: Any | None, weights: list[torch.
     chosen = dataclasses.replace(config, geometry=geometry_for(optimizer, weights)) if geometry_auto else config
     if metric_auto:
         chosen = dataclasses.replace(chosen, select_metric=select_metric_for(optimizer, weights, chosen.geometry))
-    logger.info("gift_compile.apply: geometry %r, select_metric %r (chosen for optimizer %s)", chosen.geometry,
-                chosen.select_metric, ", ".join(type(o).__name__ for o in leaf_optimizers(optimizer)))
+    made = [f"{f}='auto' -> {getattr(chosen, f)!r}" for f, auto in (("geometry", geometry_auto),
+                                                                     ("select_metric", metric_auto)) if auto]
+    logger.info("gift_compile.apply: %s (optimizer %s)", ", ".join(made),
+                ", ".join(type(o).__name__ for o in leaf_optimizers(optimizer)))
     return chosen
 
 
@@ -168,14 +174,12 @@ def _managed_weights(model: nn.Module, config: GiftConfig, group: dist.ProcessGr
 
 def attach_optimizer(state: GiftState, optimizer: torch.optim.Optimizer) -> None:
     """Drive `state` from `optimizer`: before each step, refuse gradients accumulated under
-    `no_sync` that were never synchronised and raise (on every rank) for bad headers or for
-    managed gradients that differ between replicas (`gift_compile.health`); after each step,
-    `state.step()` (seed, refresh)."""
+    `no_sync` that were never synchronised; after each step, `state.step()` (seed, refresh).
+    The fault checks need no optimizer: they run at the end of each backward
+    (`gift_compile.health.end_of_backward`)."""
 
     def before(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         state.check_pending()
-        state.check_health()
-        check_replicas(state)
 
     def after(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         state.step()
@@ -188,10 +192,9 @@ def attach_optimizer(state: GiftState, optimizer: torch.optim.Optimizer) -> None
 
 def step(model: nn.Module) -> None:
     """Advance GIFT's state by one optimizer step (call after `optimizer.step()` when `apply`
-    got no optimizer)."""
+    got no optimizer). The fault checks have already run at the end of the backward."""
     st = state(model)
     st.check_pending()
-    check_replicas(st)
     st.step()
 
 

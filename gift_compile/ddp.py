@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from gift_compile.collectives import Segment, group_info, sync_buffer
 from gift_compile.config import GiftConfig
+from gift_compile.health import queue_backward_check
 from gift_compile.routing import manage
 from gift_compile.state import GiftState
 
@@ -57,6 +58,7 @@ def _gift_hook(hs: "_HookState", bucket: dist.GradBucket) -> torch.futures.Futur
     config = hs.state.config
     sync_buffer(buf, segments, hs.state.shared, op="all_reduce", group=hs.group, average=config.reduce_op == "avg",
                 out=buf, plan_check=config.plan_check, compiled=hs.fuse)
+    queue_backward_check(hs.state)
     fut.set_result(buf)
     return fut
 

@@ -36,6 +36,7 @@ from gift_compile.fsdp_internals import (
     DefaultReduceScatter, ReduceScatter, check_torch, custom_reduce_scatter, fsdp_modules, packed_params,
     shard_process_group,
 )
+from gift_compile.health import queue_backward_check
 from gift_compile.parts import Parts
 from gift_compile.plan import BucketPlan
 from gift_compile.state import GiftState
@@ -156,6 +157,7 @@ class GiftReduceScatter(ReduceScatter):
         sync_buffer(input_tensor, segments, self.state.shared, op="reduce_scatter", group=group, average=False,
                     out=output_tensor, plan_check=config.plan_check, compiled=self.compiled,
                     timing=self.timer.timing(input_tensor.device))
+        queue_backward_check(self.state)
         return None
 
 

@@ -10,7 +10,8 @@ end, when every gradient has arrived (DDP's reducer with a single bucket). So:
 * a rank whose backward produces gradients in another order cannot pair the wrong tensors
   (each parameter has its slot; item names and order are in the plan fingerprint);
 * each rank's non-finite flag travels in the same all-reduce, so a NaN/Inf in a norm gain on
-  one rank raises on every rank at the optimizer step, naming it (`GiftState.check_health`),
+  one rank raises on every rank at the end of the backward, naming it (the flush runs in the
+  same end-of-backward callback as `gift_compile.health`'s checks, before them),
   like a managed weight's; the layout (names, order, sizes) is agreed across ranks at `apply`;
 * one launch per backward instead of one per parameter (`comm_totals()["plain_calls"]`).
 
@@ -36,6 +37,7 @@ import torch.nn as nn
 
 from gift_compile import collectives
 from gift_compile.collectives import C_BASELINE, C_NONFINITE, C_NONFINITE_RANKS, C_PLAIN_CALLS, C_WIRE, RANK_BITS
+from gift_compile.health import queue_backward_check
 from gift_compile.mark import SYNC
 from gift_compile.plan import BucketPlan, ItemPlan
 from gift_compile.state import GiftState
@@ -99,7 +101,8 @@ class PlainSync:
     def _queue_flush(self) -> None:
         if not self._queued:
             self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+            self.state.backward_watch.flushes.append(self.flush)  # before the checks read the counters
+            queue_backward_check(self.state)
 
     @torch.no_grad()
     def flush(self) -> None:

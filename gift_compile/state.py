@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import zlib
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -162,6 +162,21 @@ class LayerState:
         return sd
 
 
+@dataclass
+class BackwardWatch:
+    """Bookkeeping of the checks that run when a backward's collectives have completed:
+    whether they are queued for the running backward, what must run before them, how many synchronising backward passes
+    ran since the state last advanced (`GiftState.step`), and whether the user was warned
+    that it does not advance."""
+
+    queued: bool = False
+    since_step: int = 0
+    warned: bool = False
+    # collectives that run at the end of the backward themselves (`gift_compile.plain_sync`'s
+    # flush), run by the same callback before the checks read the counters they fill
+    flushes: list[Callable[[], None]] = field(default_factory=list)
+
+
 class GiftHealthError(RuntimeError):
     """Raised on every rank when the collectives' headers reported a plan mismatch."""
 
@@ -178,7 +193,7 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
 
     __slots__ = ("config", "group", "collective", "layers", "seed", "rank", "counters", "steps", "history",
                  "grad_source", "_health_seen", "modules", "handles", "active", "sync_mode", "dirty_params",
-                 "plan_version", "_sharing_checked", "comm_timer", "retraces", "replica_hop")
+                 "plan_version", "_sharing_checked", "comm_timer", "retraces", "replica_hop", "backward_watch")
 
     def __init__(self, config: GiftConfig, group: dist.ProcessGroup | None, collective: str = "all_reduce"):
         if config.second_hop_error_feedback and collective != "all_reduce":
@@ -215,6 +230,8 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         # HSDP's replica hop (`gift_compile.hsdp.ReplicaHop`: group, counters, error probe), set
         # by `gift_compile.hsdp.install`; None without a replica hop.
         self.replica_hop: Any = None
+        # The end-of-backward checks (`gift_compile.health.queue_backward_check`).
+        self.backward_watch = BackwardWatch()
 
     @property
     def shared(self) -> Shared:
@@ -359,9 +376,12 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
             )
 
     def step(self) -> None:
-        """Once per optimizer step, after it: health check, seed, and the refresh every
-        `refresh_every` steps."""
+        """Once per optimizer step, after it: seed, and the refresh every `refresh_every` steps.
+
+        The health counters are checked again here for collectives that ran outside a checked
+        backward (a traced whole step); the backward's own checks have consumed the rest."""
         self.check_health()
+        self.backward_watch.since_step = 0
         for layer in self.layers.values():
             if layer.mode == "sync_pending":
                 layer.mode = "sync"

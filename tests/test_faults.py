@@ -30,8 +30,8 @@ def MLP() -> nn.Module:
 
 
 def _nan_training_body(rank: int, world: int, compiled: bool) -> list[str]:
-    """A NaN gradient on rank 1 at step 1: every rank's optimizer step raises, the loop skips
-    the step, and training continues in lockstep."""
+    """A NaN gradient on rank 1 at step 1: every rank's backward raises when its collectives
+    complete, the loop skips the step, and training continues in lockstep."""
     torch._inductor.config.fx_graph_cache = False
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -43,8 +43,8 @@ def _nan_training_body(rank: int, world: int, compiled: bool) -> list[str]:
         x = torch.randn(16, 64, generator=torch.Generator().manual_seed(10 * step + rank))
         if rank == 1 and step == 1:
             x[3, 7] = float("inf")
-        fwd(x).pow(2).mean().backward()
         try:
+            fwd(x).pow(2).mean().backward()
             opt.step()
             outcome.append("stepped")
         except FloatingPointError as e:

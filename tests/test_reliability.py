@@ -2,8 +2,10 @@
 the plain path's full-precision sync pairs parameters by name whatever the backward order.
 
 A learnable gain vector whose gradient turns NaN on rank 1 only, inside the backward (after
-the forward, before any sync): every rank's optimizer step raises, naming rank 1, before the
-optimizer touches the parameter.
+the forward, before any sync): every rank's backward raises when its collectives complete,
+naming rank 1, before the optimizer touches the parameter. The checks run at the end of the
+backward, so they hold alike when `apply` got `optimizer=` and when the loop drives GIFT with
+`gift_compile.step(model)` (each case runs with both drivers).
 """
 
 from __future__ import annotations
@@ -63,34 +65,67 @@ def _batch(step: int, rank: int) -> torch.Tensor:
     return torch.randn(16, 64, generator=torch.Generator().manual_seed(100 * step + rank))
 
 
-def _nan_gain_body(rank: int, world: int, path: str) -> dict:
+def _drive(net: nn.Module, config: GiftConfig, driver: str) -> torch.optim.Optimizer:
+    """`apply` with `optimizer=` ("optimizer") or without it ("step": the loop calls
+    `gift_compile.step` after each optimizer step, see `_step`)."""
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    gift_compile.apply(net, config, optimizer=opt if driver == "optimizer" else None, fuse=False)
+    return opt
+
+
+def _step(net: nn.Module, opt: torch.optim.Optimizer, driver: str, loss: torch.Tensor) -> str:
+    """One training step; where it raised (`backward: ...` / `step: ...`) or "stepped"."""
+    try:
+        loss.backward()
+    except (FloatingPointError, RuntimeError) as e:  # the health error, GiftReplicaError
+        opt.zero_grad()
+        return f"backward: {type(e).__name__}: {e}"
+    try:
+        opt.step()
+        if driver == "step":
+            gift_compile.step(net)
+    except (FloatingPointError, RuntimeError) as e:
+        return f"step: {type(e).__name__}: {e}"
+    finally:
+        opt.zero_grad()
+    return "stepped"
+
+
+def _nan_gain_body(rank: int, world: int, path: str, driver: str) -> dict:
     torch._inductor.config.fx_graph_cache = False
     model = GainNet()
+    if path == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in (model.fc1, model.fc2):
+            fully_shard(layer)
+        fully_shard(model)
     net = nn.parallel.DistributedDataParallel(model) if path == "ddp" else model
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    gift_compile.apply(net, GiftConfig(**CFG), optimizer=opt, fuse=False)
+    opt = _drive(net, GiftConfig(**CFG), driver)
     fwd = torch.compile(net, fullgraph=True, dynamic=False) if path == "compiled" else net
+
+    def gain() -> torch.Tensor:
+        g = model.gain.detach()
+        return g.full_tensor() if path == "fsdp2" else g.clone()
+
     out: dict = {}
     for step in range(2):
-        before = model.gain.detach().clone()
-        fwd(_batch(step, rank), poison=(rank == 1 and step == 1)).pow(2).mean().backward()
-        try:
-            opt.step()
-            out[step] = "stepped"
-        except FloatingPointError as e:
-            out[step] = str(e)
-        out[f"gain_unchanged_{step}"] = torch.equal(model.gain.detach(), before)
-        opt.zero_grad()
-    out["gain_finite"] = bool(torch.isfinite(model.gain).all())
+        before = gain()
+        out[step] = _step(net, opt, driver, fwd(_batch(step, rank), poison=(rank == 1 and step == 1)).pow(2).mean())
+        out[f"gain_unchanged_{step}"] = torch.equal(gain(), before)
+    out["gain_finite"] = bool(torch.isfinite(gain()).all())
+    out["quantized"] = gift_compile.state(net).comm_totals()["calls"] > 0
     return out
 
 
-@pytest.mark.parametrize("path", ["eager", "compiled", "ddp"])
-def test_nan_in_an_unmanaged_gradient_on_one_rank_raises_on_every_rank(path):
-    results = run_ranks(_nan_gain_body, 2, path, timeout=FAST)
+@pytest.mark.parametrize("driver", ["optimizer", "step"])
+@pytest.mark.parametrize("path", ["eager", "compiled", "ddp", "fsdp2"])
+def test_nan_in_an_unmanaged_gradient_on_one_rank_raises_on_every_rank(path, driver):
+    results = run_ranks(_nan_gain_body, 2, path, driver, timeout=FAST)
     for r in results:
-        assert r[0] == "stepped" and r["gain_unchanged_0"] is False, r  # a healthy step moves the gain
-        assert "NaN/Inf from rank(s) [1]" in r[1], r  # every rank raises, naming rank 1
+        assert r[0] == "stepped" and r["gain_unchanged_0"] is False and r["quantized"], r  # a healthy step
+        # every rank's backward raises, naming rank 1, with or without the optimizer hook
+        assert r[1].startswith("backward: FloatingPointError") and "NaN/Inf from rank(s) [1]" in r[1], r
         assert r["gain_unchanged_1"] and r["gain_finite"], r  # before the optimizer touched it
 
 
@@ -138,28 +173,28 @@ class DirectRead(nn.Module):
         return nn.functional.linear(h, self.fc2.weight, self.fc2.bias)
 
 
-def _direct_read_body(rank: int, world: int, exclude: tuple[str, ...]) -> dict:
+def _direct_read_body(rank: int, world: int, exclude: tuple[str, ...], driver: str = "optimizer",
+                      compiled: bool = False) -> dict:
+    torch._inductor.config.fx_graph_cache = False
     model = DirectRead()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    gift_compile.apply(model, GiftConfig(**{**CFG, "exclude": exclude}), optimizer=opt)
+    opt = _drive(model, GiftConfig(**{**CFG, "exclude": exclude}), driver)
+    fwd = torch.compile(model, fullgraph=True, dynamic=False) if compiled else model
     before = model.fc2.weight.detach().clone()
-    model(_batch(0, rank)).pow(2).mean().backward()
-    try:
-        opt.step()
-        outcome = "stepped"
-    except RuntimeError as e:
-        outcome = f"{type(e).__name__}: {e}"
+    outcome = _step(model, opt, driver, fwd(_batch(0, rank)).pow(2).mean())
     return {"outcome": outcome, "managed": sorted(gift_compile.state(model).layers),
             "unchanged": torch.equal(model.fc2.weight.detach(), before),
             "params": [p.detach().clone() for p in model.parameters()]}
 
 
-def test_managed_weight_read_directly_raises_on_every_rank_and_exclude_syncs_it():
-    for r in run_ranks(_direct_read_body, 2, (), timeout=FAST):
+@pytest.mark.parametrize("driver,compiled", [("optimizer", False), ("step", False), ("step", True)])
+def test_managed_weight_read_directly_raises_on_every_rank_and_exclude_syncs_it(driver, compiled):
+    for r in run_ranks(_direct_read_body, 2, (), driver, compiled, timeout=FAST):
         assert r["managed"] == ["fc1.weight", "fc2.weight"]
-        assert r["outcome"].startswith("GiftReplicaError") and "fc2.weight (rank(s) [1]" in r["outcome"], r
+        assert r["outcome"].startswith("backward: GiftReplicaError") and "fc2.weight (rank(s) [1]" in r["outcome"], r
         assert "fc1.weight" not in r["outcome"] and r["unchanged"], r  # raised before the optimizer step
-    a, b = run_ranks(_direct_read_body, 2, ("*fc2*",), timeout=FAST)  # the documented opt-out
+    if compiled:
+        return
+    a, b = run_ranks(_direct_read_body, 2, ("*fc2*",), driver, timeout=FAST)  # the documented opt-out
     assert a["managed"] == ["fc1.weight"] and a["outcome"] == b["outcome"] == "stepped"
     for x, y in zip(a["params"], b["params"]):
         assert torch.equal(x, y)  # fc2 synchronised at full precision: the replicas agree
@@ -233,3 +268,33 @@ def test_same_shaped_layers_in_another_order_on_one_rank_raise_on_every_rank(com
     else:  # eager: the fingerprint exchange raises in the backward, before the data moves
         assert "rank(s) [1] differ from rank 0" in a and "items[0].name: 'fc_b.weight' vs 'fc_a.weight'" in a, a
         assert "rank(s) [0] differ from rank 1" in b, b
+
+
+def _undriven_body(rank: int, world: int) -> dict[str, list[str]]:
+    """`apply` without `optimizer=`: a loop that never calls `gift_compile.step` is warned once,
+    after a refresh interval of synchronising backward passes; one that calls it is not."""
+    import logging
+
+    seen: dict[str, list[str]] = {}
+    for driven in (False, True):
+        records: list[str] = []
+        handler = logging.Handler()
+        handler.emit = lambda rec: records.append(rec.getMessage())  # type: ignore[method-assign]
+        logging.getLogger("gift_compile").addHandler(handler)
+        model = DirectRead()
+        opt = _drive(model, GiftConfig(**{**CFG, "refresh_every": 3}), "step")
+        for step in range(8):
+            model(_batch(step, 0)).pow(2).mean().backward()  # the same batch on both ranks: replicas agree
+            opt.step()
+            opt.zero_grad()
+            if driven:
+                gift_compile.step(model)
+        logging.getLogger("gift_compile").removeHandler(handler)
+        seen["driven" if driven else "undriven"] = [m for m in records if "has not advanced" in m]
+    return seen
+
+
+def test_a_state_that_never_advances_is_warned_about_once():
+    for r in run_ranks(_undriven_body, 2, timeout=FAST):
+        assert len(r["undriven"]) == 1 and r["undriven"][0].startswith("GIFT: 4 synchronising backward"), r
+        assert "gift_compile.step(model)" in r["undriven"][0] and r["driven"] == [], r

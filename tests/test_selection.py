@@ -100,8 +100,9 @@ def test_torchtitan_section_resolves_auto_by_optimizer() -> None:
     assert resolve_select_metric(explicit, _muon_adamw(net), net, world=2) is None
     with pytest.raises(ValueError, match="is explicit"):
         explicit.to_gift_config(select_metric="whitened")
-    with pytest.raises(GiftConfigError, match="allowed: euclidean, whitened, auto_by_optimizer"):
+    with pytest.raises(GiftConfigError, match="allowed: euclidean, whitened, auto, auto_by_optimizer"):
         GiftSection(select_metric="plain")
+    assert GiftSection(select_metric="auto").select_metric == GiftSection().select_metric  # one meaning
 
 
 def test_geometry_for_follows_the_optimizer() -> None:
@@ -139,10 +140,11 @@ def test_apply_resolves_geometry_auto_from_the_optimizer_and_raises_without_one(
         with caplog.at_level("INFO", logger="gift_compile"):
             gift_compile.apply(m, cfg, optimizer=make(list(m.parameters())))
         assert gift_compile.state(m).config.geometry == expected
-        # the second-moment map is judged where AdamW's update sees the error; the others keep
-        # the configured metric
-        assert gift_compile.state(m).config.select_metric == ("whitened" if expected == "second_moment" else "euclidean")
-        assert f"geometry='auto' -> {expected!r}" in caplog.text
+        # the selection judges each layer where the update sees the error: the second-moment map
+        # in AdamW's coordinates, Muon's layers in their whitened geometry; SGD in plain L2
+        metric = "euclidean" if expected == "none" else "whitened"
+        assert gift_compile.state(m).config.select_metric == metric
+        assert f"geometry='auto' -> {expected!r}, select_metric='auto' -> {metric!r}" in caplog.text
         gift_compile.remove(m)
 
 
@@ -247,3 +249,28 @@ def test_an_unmeasured_layer_is_neither_kept_nor_dropped_by_a_nan_gain(caplog) -
     with pytest.raises(ValueError, match="no finite measurement for x"):
         harmful(GiftConfig(select="auto"), nan, {"x"})
     assert decide(GiftConfig(select="all"), nan, {}) == {"x"}  # a static rule does not read the gain
+
+
+def test_the_default_selection_metric_follows_the_optimizer_and_an_explicit_one_is_kept(caplog) -> None:
+    """`GiftConfig()`'s select_metric ("auto") under Muon judges layers in their whitened
+    geometry (plain L2 drops most of Muon's layers, and with them GIFT's gain); under AdamW with
+    the K-FAC map in plain L2; without `optimizer=` plain L2, logged; an explicit metric stays."""
+    import gift_compile
+    from gift_compile.config import GiftConfig
+
+    def muon(ps):
+        return torch.optim.Muon([p for p in ps if p.dim() == 2], lr=1e-3)
+
+    cases = ((muon, {}, "whitened"), (lambda ps: torch.optim.AdamW(ps), {}, "euclidean"),
+             (None, {}, "euclidean"), (muon, {"select_metric": "euclidean"}, "euclidean"))
+    for make, extra, metric in cases:
+        m = _MLP()
+        cfg = GiftConfig(min_numel=1024, **extra)
+        assert cfg.geometry == "lowrank" and cfg.select == "auto"
+        caplog.clear()
+        with caplog.at_level("INFO", logger="gift_compile"):
+            gift_compile.apply(m, cfg, optimizer=None if make is None else make(list(m.parameters())))
+        assert gift_compile.state(m).config.select_metric == metric, (extra, metric)
+        if make is None:
+            assert "select_metric='auto' without optimizer=" in caplog.text
+        gift_compile.remove(m)

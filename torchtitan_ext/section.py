@@ -12,7 +12,8 @@ converts with ``reduce_op="sum"``. Nor is ``second_hop_error_feedback``: torchti
 paths are reduce-scatters (FSDP, and HSDP's shard hop), which have no re-encoded second hop
 (`GiftState` refuses it there).
 
-``select_metric`` may also be ``auto_by_optimizer`` (the default here): the metric is then
+``select_metric`` may also be ``auto_by_optimizer`` (the default here; ``auto``, the core's
+spelling, means the same): the metric is then
 chosen once the optimizers exist (`gift_compile.torchtitan_ext.hooks`), "whitened" when the
 managed weights are stepped by a matrix preconditioner (Muon/DistMuon, Shampoo, SOAP, ...),
 "euclidean" for elementwise optimizers (Adam, AdamW), see
@@ -141,6 +142,11 @@ class GiftSection:
         for name in _INTEGRATION_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GiftSection.{name}={getattr(self, name)!r} is invalid; allowed: true or false")
+        # the core's spelling of the automatic choice ("auto", resolved by `apply`) means the
+        # same here, where the hooks resolve it once the optimizers exist
+        for name in ("select_metric", "geometry"):
+            if getattr(self, name) == "auto":
+                setattr(self, name, AUTO_METRIC)
         # automatic choices are resolved later, once the optimizers exist: validate the rest now
         self.to_gift_config(**self.provisional())
 
