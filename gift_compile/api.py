@@ -38,8 +38,9 @@ from gift_compile.geometries import Geometry, geometry_class
 from gift_compile.health import queue_backward_check
 from gift_compile.optimizers import geometry_for, leaf_optimizers, select_metric_for
 from gift_compile.passes.inductor import hold_inductor_pass, release_inductor_pass
+from gift_compile.plan import dtype_name
 from gift_compile.routing import _unmanage_module, eligible_linears, manage  # noqa: F401 (public here too)
-from gift_compile.state import GiftState
+from gift_compile.state import GiftState, _first_difference
 
 logger = logging.getLogger("gift_compile")
 
@@ -83,7 +84,10 @@ def apply(model: nn.Module, config: GiftConfig | None = None, *, group: dist.Pro
     if existing is not None:
         if existing.config == config:
             return model
-        raise ValueError("gift_compile.apply: model already has GIFT with a different config; call gift_compile.remove first")
+        diff = _first_difference(dataclasses.asdict(existing.config), dataclasses.asdict(config))
+        raise ValueError(f"gift_compile.apply: model already has GIFT with a different config ({diff}: applied vs "
+                         "requested); call gift_compile.remove first")
+    _refuse_unsupported_dtypes(model)
     if isinstance(model, nn.parallel.DistributedDataParallel):
         from gift_compile import ddp
 
@@ -162,6 +166,19 @@ def resolve_auto(config: GiftConfig, optimizer: Any | None, weights: list[torch.
     logger.info("gift_compile.apply: %s (optimizer %s)", ", ".join(made),
                 ", ".join(type(o).__name__ for o in leaf_optimizers(optimizer)))
     return chosen
+
+
+def _refuse_unsupported_dtypes(model: nn.Module) -> None:
+    """Refuse, at `apply` and naming the parameter, a trainable parameter whose gradient GIFT's
+    collectives cannot carry (fp64): every trainable gradient travels in a GIFT bucket (managed
+    or passed through), and otherwise the first backward fails inside a hook, far from the cause."""
+    for name, p in model.named_parameters():
+        if p.requires_grad and p.is_floating_point():
+            try:
+                dtype_name(p.dtype)
+            except TypeError as e:
+                raise TypeError(f"gift_compile.apply: parameter {name} is {p.dtype}: {e}; cast the model "
+                                "(model.float()) before apply") from None
 
 
 def _managed_weights(model: nn.Module, config: GiftConfig, group: dist.ProcessGroup | None) -> list[torch.Tensor]:

@@ -223,3 +223,23 @@ def test_deselected_layers_run_the_euclidean_codec_and_collect_nothing():
     assert auto["mm"][0] == auto["mm"][1] < static["mm"][0]  # no transform matmuls at all
     assert auto["tokens"][1] > auto["tokens"][0] and auto["tokens"][3] == auto["tokens"][1]  # stats stop
     assert static["tokens"][3] > static["tokens"][1]  # a selected layer keeps its statistics
+
+
+def test_reapply_with_another_config_names_the_differing_field():
+    """A second `apply` with another config says which field differs (and both values), not
+    just "different config": the user then knows what to make equal or to remove."""
+    m = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    gift_compile.apply(m, GiftConfig(min_numel=16))
+    with pytest.raises(ValueError, match=r"different config \(format: 'fp8_e4m3' vs 'nvfp4'"):
+        gift_compile.apply(m, GiftConfig(format="nvfp4", min_numel=16))
+    gift_compile.remove(m)
+
+
+def test_fp64_parameters_are_refused_at_apply_naming_the_parameter():
+    """fp64 gradients cannot travel in a GIFT bucket; `apply` says so, naming the parameter,
+    instead of the first backward failing inside a hook."""
+    m = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    m[1].double()
+    with pytest.raises(TypeError, match=r"parameter 1\.weight is torch\.float64"):
+        gift_compile.apply(m, GiftConfig(min_numel=16))
+    assert not hasattr(m, "_gift_state")
