@@ -24,7 +24,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -34,6 +34,7 @@ from bench.overhead import codec_body, fake_group, generated_traffic, traffic_su
 from bench.settings import CodecMinimumSettings
 from gift_compile.accounting import HEADER_BYTES
 from gift_compile.formats import FormatSpec, wire_bytes_for
+from gift_compile.geometries import Dense, Geometry, LowRank
 
 Log = Callable[[str], None]
 FP32 = 4
@@ -54,16 +55,33 @@ def scale_sweeps(spec: FormatSpec) -> int:
     return 2 if spec.has_tensor_scale or (spec.block is None and spec.scaling == "tensor") else 1
 
 
-def _map_floats(kind: str, cols: int, rank: int) -> tuple[int, int]:
-    """fp32 values the forward and the inverse map read (`gift_compile.maps`): low rank
-    `(D^-1/2, V, C, D^1/2)` and `(V, C', D^1/2)`; dense `T^T` and `T^-T`."""
-    if kind == "identity":
-        return 0, 0
-    if kind == "lowrank":
-        return 2 * cols + cols * rank + rank, cols + cols * rank + rank
-    if kind == "dense":
-        return cols * cols, cols * cols
-    raise ValueError(f"minimum_bytes: no traffic model for transform kind {kind!r}; modelled: {', '.join(KINDS)}")
+@dataclass(frozen=True)
+class _MapTraffic:
+    """What one map kind adds to a body's traffic (terms of `minimum_bytes`), kept in a table by
+    kind so no code here compares map names (the geometry table owns them)."""
+
+    floats: Callable[[int, int], tuple[int, int]]  # (cols, rank) -> fp32 values read by forward, inverse
+    projection: Callable[[float, int], float] | None  # (one projection per element, sweeps) -> B/el
+    inverse: Callable[[float, float, float], float] | None  # (output share, wire B/el, projection) -> B/el
+
+
+# `(D^-1/2, V, C, D^1/2)` and `(V, C', D^1/2)` for the low rank map, `T^T` and `T^-T` for the dense
+# one (`gift_compile.maps`); the identity reads nothing and adds no term.
+_MAP_TRAFFIC: dict[str, _MapTraffic] = {
+    Geometry.kind: _MapTraffic(lambda cols, rank: (0, 0), None, None),
+    LowRank.kind: _MapTraffic(lambda cols, rank: (2 * cols + cols * rank + rank, cols + cols * rank + rank),
+                              lambda proj, sweeps: FP32 + proj * (1 + sweeps),
+                              lambda share, w, proj: 2 * FP32 * share + min(FP32 * share, w) + 2 * proj * share),
+    Dense.kind: _MapTraffic(lambda cols, rank: (cols * cols, cols * cols), lambda proj, sweeps: 2 * FP32,
+                            lambda share, w, proj: 2 * FP32 * share),
+}
+
+
+def _map_traffic(kind: str) -> _MapTraffic:
+    """The traffic model of map `kind` (raises naming the modelled kinds)."""
+    if kind not in _MAP_TRAFFIC:
+        raise ValueError(f"minimum_bytes: no traffic model for transform kind {kind!r}; modelled: {', '.join(_MAP_TRAFFIC)}")
+    return _MAP_TRAFFIC[kind]
 
 
 def minimum_bytes(op: str, fmt: str, scaling: str, kind: str, rows: int, cols: int, rank: int,
@@ -86,7 +104,7 @@ def minimum_bytes(op: str, fmt: str, scaling: str, kind: str, rows: int, cols: i
       `[rows, r]` projection written once and read by each sweep (`4 r / cols (1 + S)`).
       Dense: the matmul reads G (4) and writes `G T^T` (4), which each sweep reads (4 S)
       instead of G: `projection` 4 + 4.
-    - `map`: the map's tensors, read once per direction (`_map_floats`), over n.
+    - `map`: the map's tensors, read once per direction (`_MAP_TRAFFIC`), over n.
     - `send`: the codes and scales written into the send buffer: `w` (rows padded to a
       multiple of P for an all-reduce); `headers`: 2 x 16 P / n.
     - `receive`: every sender's codes read once by the decode-and-sum: `w`.
@@ -115,12 +133,11 @@ def minimum_bytes(op: str, fmt: str, scaling: str, kind: str, rows: int, cols: i
     rows_sent = -(-rows // world) * world
     w = wire_bytes_for(spec, rows_sent, cols) / n
     proj = FP32 * rank / cols  # one [rows, r] fp32 projection, per element of [rows, cols]
-    fwd_map, inv_map = _map_floats(kind, cols, rank)
+    traffic = _map_traffic(kind)
+    fwd_map, inv_map = traffic.floats(cols, rank)
     t: dict[str, float] = {"gradient": FP32 * sweeps}
-    if kind == "lowrank":
-        t["projection"] = FP32 + proj * (1 + sweeps)
-    elif kind == "dense":
-        t["projection"] = 2 * FP32
+    if traffic.projection is not None:
+        t["projection"] = traffic.projection(proj, sweeps)
     t["map"] = FP32 * (fwd_map + inv_map) / n
     t["send"] = w
     t["headers"] = 2 * HEADER_BYTES * world / n
@@ -131,10 +148,8 @@ def minimum_bytes(op: str, fmt: str, scaling: str, kind: str, rows: int, cols: i
         t["reduced shard"] = 0.0 if sweeps == 1 else min(w, 3 * FP32 / world)
         t["gather send"] = w / world
         t["gather receive"] = w
-    if kind == "lowrank":
-        t["inverse"] = 2 * FP32 * out_share + min(FP32 * out_share, w) + 2 * proj * out_share
-    elif kind == "dense":
-        t["inverse"] = 2 * FP32 * out_share
+    if traffic.inverse is not None:
+        t["inverse"] = traffic.inverse(out_share, w, proj)
     t["output"] = FP32 * (1 / world if op == "reduce_scatter" else 1.0)
     t["total"] = sum(t.values())
     return t
@@ -185,7 +200,7 @@ def measure(s: CodecMinimumSettings, log: Log) -> dict[str, object]:
                         f"{minimum['total']:.2f} ({summary['bytes_per_element'] / minimum['total']:.2f}x; "
                         f"compiled in {time.perf_counter() - start:.0f} s)")
                 times = _time_round_robin(fns, g, s.repeats)
-                base = times.get("identity")
+                base = times.get(Geometry.kind)
                 for r in rows_out[-len(s.kinds):]:
                     t = times[r["kind"]]
                     r["median_ms"] = statistics.median(t) * 1e3

@@ -112,7 +112,8 @@ assert MAP_MODIFIERS <= MODIFIERS.keys()
 
 
 def parse_arm(arm: str) -> tuple[str, str | None, bool]:
-    """`(geometry, format short name, error feedback)` of an arm name (`fp32`: no format).
+    """`(side, format short name, error feedback)` of an arm name (`fp32`: no format); the
+    side is `euclid`, `gift` or `fp32`, the arm's coordinates (not a geometry name).
 
     Names are `fp32` or `(euclid|gift)-<format>[-ef][-<modifier>...]`, modifiers from
     `MODIFIERS` (stochastic rounding, dense whitening, exact statistics, rank 64, refresh
@@ -132,10 +133,10 @@ def parse_arm(arm: str) -> tuple[str, str | None, bool]:
 
 
 def arm_config(arm: str, s: ConvergenceSettings, seed: int) -> GiftConfig | None:
-    geometry, fmt, ef = parse_arm(arm)
+    side, fmt, ef = parse_arm(arm)
     if fmt is None:
         return None
-    gift = {"geometry": "lowrank", "select": "all", "rank": s.rank} if geometry == "gift" else {"geometry": "none"}
+    gift = {"geometry": "lowrank", "select": "all", "rank": s.rank} if side == "gift" else {"geometry": "none"}
     extra = {"refresh_every": s.refresh_every}
     for mod in arm.split("-")[2:]:
         extra.update(MODIFIERS.get(mod, {}))
@@ -579,11 +580,11 @@ def _per_optimizer(by: dict[tuple[str, str, int, str], dict], arm_order: dict[st
                 "geometry": by[(path, opt_name, done[0], arm)].get("geometry"),
             }
         for arm in arms:
-            geometry, fmt, ef = parse_arm(arm)
-            twin = "-".join(["euclid", *arm.split("-")[1:]]) if geometry == "gift" else ""
+            side, fmt, ef = parse_arm(arm)
+            twin = "-".join(["euclid", *arm.split("-")[1:]]) if side == "gift" else ""
             if twin not in summary:  # GIFT-only modifiers (dense, rank, ...): the twin keeps only the codec's
                 twin = "-".join(["euclid", *(p for p in arm.split("-")[1:] if p not in MAP_MODIFIERS)])
-            if geometry != "gift" or twin not in summary or arm not in summary:
+            if side != "gift" or twin not in summary or arm not in summary:
                 continue
             done = [seed for seed in seeds if have(seed, arm) and have(seed, twin)]
             g_minus_e = [bpb(seed, arm) - bpb(seed, twin) for seed in done]

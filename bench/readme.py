@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Callable
 
 from bench.fidelity_sweep import ORACLES
+from bench.report import CODEC_PAIR
+from gift_compile.geometries import IDENTITY_KIND
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -337,10 +339,10 @@ def codec(r: dict) -> str:
         for fmt, _ in st["formats"]:
             cells = []
             for x in c["rows"]:
-                if (x["op"], x["format"]) == (op, fmt) and x["kind"] in ("identity", "lowrank"):
+                if (x["op"], x["format"]) == (op, fmt) and x["kind"] in CODEC_PAIR:
                     was = (f", was {x['before_bytes_per_element']:.1f} in {x['before_kernels']}"
                            if x.get("before_bytes_per_element") is not None else "")
-                    cells.append(f"{'Euclidean' if x['kind'] == 'identity' else 'GIFT'} {x['bytes_per_element']:.1f} B "
+                    cells.append(f"{'Euclidean' if x['kind'] == IDENTITY_KIND else 'GIFT'} {x['bytes_per_element']:.1f} B "
                                  f"in {x['kernels']} kernels ({x['vs_minimum']:.2f}x its minimum "
                                  f"{x['minimum']:.1f}{was})")
             parts.append(f"{op} {fmt}: " + ", ".join(cells))

@@ -13,7 +13,11 @@ from typing import Any, Sequence
 
 from bench.codec_minimum import UNFUSED, realisation_limits, unfused
 from bench.plots import FOCUS_FORMATS
+from gift_compile.geometries import IDENTITY_KIND, LowRank
 from gift_compile.spec import FormatSpec
+
+# The codec rows set side by side: the Euclidean body and GIFT's low-rank one.
+CODEC_PAIR = (IDENTITY_KIND, LowRank.kind)
 
 
 def _fmt(v: Any, digits: int = 4) -> str:
@@ -410,8 +414,8 @@ def _codec(c: dict) -> list[str]:
     for op in st["ops"]:
         for fmt, _ in st["formats"]:
             pair = {x["kind"]: x for x in c["rows"] if x["op"] == op and x["format"] == fmt}
-            if "identity" in pair and "lowrank" in pair:
-                e, g = pair["identity"], pair["lowrank"]
+            if set(CODEC_PAIR) <= set(pair):
+                e, g = (pair[kind] for kind in CODEC_PAIR)
                 gen, least = g["bytes_per_element"] / e["bytes_per_element"], g["minimum"] / e["minimum"]
                 out.append(f"GIFT low-rank / Euclidean, {op} {fmt}: generated {gen:.2f}x, minimum {least:.2f}x.")
     out.append("")
@@ -425,7 +429,7 @@ def _codec(c: dict) -> list[str]:
             out.append(f"- {x['op']} {x['format']} {x['kind']}: {x['bytes_per_element'] - x['minimum']:.2f} B/el over; "
                        + "; ".join(biggest))
         out.append("")
-    two_level = [x for x in c["rows"] if x["kind"] == "lowrank" and FormatSpec(x["format"]).has_tensor_scale
+    two_level = [x for x in c["rows"] if x["kind"] == LowRank.kind and FormatSpec(x["format"]).has_tensor_scale
                  and x["vs_minimum"] > 1.3]
     if two_level:
         lim = realisation_limits()

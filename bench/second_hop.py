@@ -53,14 +53,14 @@ def _worker(rank: int, world: int, store: str, data_path: str, formats: list[str
         data = torch.load(data_path, weights_only=False)
         results: dict[str, dict[str, dict[str, float]]] = {}
         for fmt in formats:
-            for geometry in GEOMETRIES:
+            for side in GEOMETRIES:
                 for arm, (ef1, ef2, beta) in ARMS.items():
                     cfg = GiftConfig(format=fmt, error_feedback=ef1, second_hop_error_feedback=ef2,
                                      error_feedback_decay=beta)
                     errs = {}
                     for name, layer in data["layers"].items():
                         halves = layer["halves"]  # [batches, 2, out, in]
-                        t = layer["transform"] if geometry == "gift" else None
+                        t = layer["transform"] if side == "gift" else None
                         out_rows, d_in = halves.shape[2], halves.shape[3]
                         first = torch.zeros(out_rows, d_in) if ef1 else None
                         second = torch.zeros(-(-out_rows // world), d_in) if ef2 else None
@@ -70,9 +70,9 @@ def _worker(rank: int, world: int, store: str, data_path: str, formats: list[str
                             acc += C.all_reduce(pair[rank], dist.group.WORLD, cfg, t, first, second_hop_residual=second)
                             exact += pair.mean(0)
                         errs[name] = float((acc - exact).norm() / exact.norm())
-                    results.setdefault(fmt, {}).setdefault(geometry, {})[arm] = sum(errs.values()) / len(errs)
+                    results.setdefault(fmt, {}).setdefault(side, {})[arm] = sum(errs.values()) / len(errs)
                     if rank == 0:
-                        print(f"  {fmt} {geometry:9s} {arm:24s} {results[fmt][geometry][arm]:.4f}", flush=True)
+                        print(f"  {fmt} {side:9s} {arm:24s} {results[fmt][side][arm]:.4f}", flush=True)
         if rank == 0:
             Path(out).write_text(json.dumps(results))
     finally:

@@ -139,14 +139,18 @@ def test_second_moment_raises_without_an_optimizer_or_without_exp_avg_sq():
 
 
 def _names_in(node: ast.AST) -> set[str]:
-    """String constants in an expression (a literal, or a tuple/list/set of them)."""
-    return {n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    """The strings a compared side *is* (a literal, or a tuple/list/set of literals); keys
+    inside it (`x["kind"]`, `.get("geometry")`) are not compared values, so they do not count."""
+    elts = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+    return {n.value for n in elts if isinstance(n, ast.Constant) and isinstance(n.value, str)}
 
 
 def _is_geometry_value(node: ast.AST) -> bool:
-    """`kind`, `geometry`, `x.kind`, `x.geometry`: a value holding a geometry or map name."""
+    """`kind`, `geometry`, `x.kind`, `x.geometry`, `x["kind"]`: a value holding a geometry or
+    map name (the bench reads them from result rows as dict entries)."""
     return (isinstance(node, ast.Name) and node.id in ("kind", "geometry")
-            or isinstance(node, ast.Attribute) and node.attr in ("kind", "geometry"))
+            or isinstance(node, ast.Attribute) and node.attr in ("kind", "geometry")
+            or isinstance(node, ast.Subscript) and _names_in(node.slice) & {"kind", "geometry"} != set())
 
 
 # Names that are also values of other options ("none": select; "dense": statistics) count only
@@ -172,7 +176,7 @@ def _name_comparisons(source: str) -> list[int]:
 
 def test_no_geometry_name_comparisons_outside_the_table():
     found = {}
-    for folder in ("gift_compile", "passes", "torchtitan_ext"):
+    for folder in ("gift_compile", "passes", "torchtitan_ext", "bench"):
         for path in sorted((ROOT / folder).rglob("*.py")):
             if path.name == "geometries.py":
                 continue
@@ -185,5 +189,6 @@ def test_no_geometry_name_comparisons_outside_the_table():
 def test_the_name_checker_finds_comparisons():
     src = ('if cfg.geometry == "momentum": pass\nif kind in ("dense", "lowrank"): pass\nif select == "none": pass\n'
            'if layer.kind != "identity": pass\nif statistics == "dense": pass\nif stat_kind == "amax": pass\n'
-           'if x == "hadamard": pass\n')
-    assert _name_comparisons(src) == [1, 2, 4, 7]
+           'if x == "hadamard": pass\nif row["kind"] == "dense": pass\nif "identity" in pair: pass\n'
+           'if name.split(".")[-2] == layer: pass\nif o.get("geometry") == geometry: pass\n')
+    assert _name_comparisons(src) == [1, 2, 4, 7, 8, 9]
