@@ -6,7 +6,7 @@ use the refreshed geometry). On a 2-core box a run takes 25-40 s; runs are share
 the tests of this module, so no test pays for more than two runs (< 3 minutes).
 
 Tolerance of GIFT against GIFT-off: FP8 E4M3 per-row quantization of the managed
-gradients perturbs each step's update by ~2% relative (README, formats table); over 6
+gradients perturbs each step's update by ~2% relative (docs/design.md, formats table); over 6
 AdamW steps the loss moves by ~1e-4, so we require |loss_gift - loss_off| < 5e-3 per step
 (an order of magnitude below the 0.2-0.5 loss drop the runs show) and that GIFT really
 ran (rewrite, wire bytes, refresh).
@@ -225,7 +225,7 @@ def test_resume_restores_gift_state(config: str, tmp_path: Path) -> None:
     # resumes from the step-3 checkpoint and ends with the uninterrupted run's parameters,
     # optimizer and GIFT state, bit for bit. (torchrun's in-place restart, --max-restarts=1,
     # cannot be used on gloo here: the restarted workers read the killed attempt's gloo
-    # addresses from the agent's store and fail in connectFullMesh; see the README.)
+    # addresses from the agent's store and fail in connectFullMesh; see docs/torchtitan.md.)
     killed, killed_at = _run_killing_rank(config, args, tmp_path / "killed", after_step=4)
     assert killed.returncode != 0 and killed_at >= 4, killed.output[-3000:]
     assert not (tmp_path / "killed" / "checkpoint" / f"step-{STEPS}").exists()

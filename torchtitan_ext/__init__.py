@@ -1,4 +1,4 @@
-"""torchtitan integration of GIFT (see README.md in this folder).
+"""torchtitan integration of GIFT (guide: docs/torchtitan.md).
 
 ``--module gift_compile.torchtitan_ext --config <fn>`` makes torchtitan's ConfigManager
 import :mod:`gift_compile.torchtitan_ext.config_registry`; ``gift-train`` runs it from a

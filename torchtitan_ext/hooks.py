@@ -36,7 +36,7 @@ __all__ = ["REFUSAL", "bind_gift_hook", "data_parallel_group", "gift_post_optimi
 # How every refusal of a layout starts (tests look for it in a run's log to show there was none)
 REFUSAL = "gift.enable does not run on this layout"
 
-# Why each layout is refused (torchtitan_ext/README.md, "Limits").
+# Why each layout is refused (docs/torchtitan.md, "Limits").
 _UNSUPPORTED_WHY = {
     "tensor with data-replicate (HSDP x TP)": "each TP rank's block would need GIFT's replica hop over the "
               "TP-local shards (and on graph_trainer the pass would see TP's all-reduce of a norm gradient before "
