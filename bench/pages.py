@@ -12,7 +12,7 @@ from __future__ import annotations
 import ast
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -171,7 +171,7 @@ def torchtitan_runs() -> dict[str, dict]:
     return json.loads((RESULTS / "torchtitan_runs.json").read_text())["runs"]
 
 
-def torchtitan_run(name: str):
+def torchtitan_run(name: str) -> Callable[[dict], str]:
     """The block renderer of one committed torchtitan run: its recorded text and provenance."""
     def render(_: dict) -> str:
         run = torchtitan_runs()[name]
