@@ -66,7 +66,8 @@ def formats(_: dict) -> str:
     lines = [f"Standard Gaussian data, {SHAPE[0]} x {SHAPE[1]}, seed {SEED}: relative L2 error of one round trip "
              f"with round-to-nearest and with `stochastic_rounding=True` (seed {SR_SEED}), and the exact wire "
              "accounting (payload + every scale) for that shape (`tests/test_formats.py` bounds the same errors):",
-             "", "| format | block scale | rel. L2 error | with SR | bits / element on the wire |", "|---|---|---|---|---|"]
+             "", "| format | block scale | rel. L2 error | with SR | bits / element on the wire |",
+             "|---|---|---|---|---|"]
     for label, scale, cases in FORMAT_ROWS:
         err, sr, bits = [], [], []
         for fmt, scaling, block in cases:
@@ -110,7 +111,8 @@ def plan_check(_: dict) -> str:
         f"`{cmd[1]}` ({cmd[2]}): {bucket[5]} gloo ranks, a [{rows}, {cols}] {bucket[3]} {bucket[4]} bucket, medians of "
         f"{bucket[6]} repeats at load {load[1]} on {load[2]} cores (`bench/results/plan_check.txt`):", "",
         "| check | when | cost |", "|---|---|---|",
-        f"| header (fingerprint + non-finite flag) | every bucket, eager and compiled | 16 bytes per rank ({sent[2]} of "
+        "| header (fingerprint + non-finite flag) | every bucket, eager and compiled | "
+        f"16 bytes per rank ({sent[2]} of "
         f"{int(sent[1]):,} bytes: {sent[3]}%) plus a comparison fused into the decode side |",
         f"| fingerprint table | every eager bucket call (FSDP2/DDP hooks, GIFT's eager per-layer sync, the public API) "
         f"| {table[0]:.2f} ms ({table[1]}% of the {coll:.0f} ms eager bucket): one [world, 2] int64 all-reduce and a "
@@ -118,10 +120,12 @@ def plan_check(_: dict) -> str:
         f"| descriptions (`all_gather_object`) | a plan's first call and any mismatch; every call with "
         f"`plan_check=\"always\"` | {desc[0]:.1f} ms with the table ({desc[1]}%) |",
         f"| non-finite flag of passthrough items | every bucket | an `isfinite` reduction over the passthrough bytes: "
-        f"{flag[0]:.0f} ms for {elements} fp32 elements eagerly ({flag[1]}% of a bucket of that size; real buckets pass "
+        f"{flag[0]:.0f} ms for {elements} fp32 elements eagerly ({flag[1]}% of a bucket of that size; real buckets "
+        "pass "
         "norms and biases through, embeddings when excluded); compiled cores fuse it with the byte copy (not measured "
         "apart) |",
-        f"| replica checksum | at the end of each backward of GIFT's own sync (plain module) | one read of each managed "
+        "| replica checksum | at the end of each backward of GIFT's own sync (plain module) | one read of each "
+        "managed "
         f"gradient and a [world, layers, 2] all-reduce: {checksum[0]:.0f} ms per {elements} gradient elements eagerly "
         f"({checksum[1]}%) |"])
 
