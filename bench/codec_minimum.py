@@ -39,7 +39,6 @@ from gift_compile.geometries import Dense, Geometry, LowRank
 Log = Callable[[str], None]
 FP32 = 4
 OPS = CodecMinimumSettings.ops
-KINDS = CodecMinimumSettings.kinds
 
 
 def scale_sweeps(spec: FormatSpec) -> int:
