@@ -322,12 +322,12 @@ def codec(r: dict) -> str:
 
 
 def headline(r: dict) -> str:
-    """The README's one results table: per study and optimizer, the product's default at NVFP4
-    and int2 against plain low-bit at the same bytes (from the convergence summary), and the
-    bytes each format hands to the collectives."""
+    """The README's one results table: per study and optimizer, the map `geometry="auto"` picks,
+    at NVFP4 and int2, against plain low-bit at the same bytes (from the convergence summary), and
+    the bytes each format hands to the collectives."""
     cv = r["convergence"]
-    lines = [f"| study | optimizer | GIFT default | format | plain low-bit − fp32 | GIFT − fp32 | share of plain's gap "
-             "closed | GIFT vs plain (paired) |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| study | optimizer | map of `geometry=\"auto\"` | format | plain low-bit − fp32 | GIFT − fp32 | share "
+             "of plain's gap closed | GIFT vs plain (paired) |", "|---|---|---|---|---|---|---|---|"]
     for study, pv in cv["paths"].items():
         for opt, o in pv["optimizers"].items():
             geometry = cv["default_geometry"][opt]
