@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from bench.fidelity_sweep import ORACLES
+from gift_compile.config import GiftConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -211,9 +212,10 @@ def second_hop(_: dict) -> str:
 TARGETS = {"nvfp4": 0.8, "int2": 0.5}
 
 
-def default_gap(o: dict, fmt: str, geometry: str) -> str | None:
-    """The gap key of the product's per-optimizer default at `fmt` in one study: the GIFT arm
-    with no codec modifier (plain or `-geo`) whose runs resolved the default geometry."""
+def study_gap(o: dict, fmt: str, geometry: str) -> str | None:
+    """The gap key of the study's arm of the per-optimizer map at `fmt`: the GIFT arm with no
+    codec modifier (plain or `-geo`: every layer, the study's refresh) whose runs resolved
+    `geometry`."""
     for key, g in o["gaps"].items():
         parts = key.split("-")
         if parts[0] == fmt and set(parts[1:]) <= {"geo"} and o["arms"][f"gift-{key}"].get("geometry") == geometry:
@@ -221,11 +223,64 @@ def default_gap(o: dict, fmt: str, geometry: str) -> str | None:
     return None
 
 
+def default_gap(o: dict, fmt: str, geometry: str) -> str | None:
+    """The gap key the targets judge at `fmt`: the product's defaults (`<fmt>-dflt`, what
+    `GiftConfig(format=..., geometry="auto")` with `optimizer=` runs) where the study ran
+    them, else the study's arm of the default map (`study_gap`)."""
+    key = f"{fmt}-dflt"
+    if key in o["gaps"] and o["arms"][f"gift-{key}"].get("geometry") == geometry:
+        return key
+    return study_gap(o, fmt, geometry)
+
+
+def _versus(c: dict) -> str:
+    """One paired comparison of a default arm with another arm (`_defaults_vs_study`)."""
+    if c["n"] < 2:
+        return f"`{c['arm']}` {c['mean']:+.4f} (n=1)"
+    verdict = ("resolved (Holm 5%)" if c.get("holm_rejects") else "not resolved (Holm 5%)")
+    return f"minus `{c['arm']}` {c['mean']:+.4f} ± {c['ci95']:.4f} (n={c['n']}, {verdict})"
+
+
+def defaults(r: dict) -> str:
+    """What a user gets by default, per study and optimizer: the `-dflt` arms (map and selection
+    metric chosen from the optimizer, measured selection, the product's refresh cadence) against
+    Euclidean, the study's every-layer arm and the plain-L2 metric, all from the summary."""
+    cv = r["convergence"]
+    lines = [f"* **What the defaults deliver** (`GiftConfig(format=F, geometry=\"auto\")` with `optimizer=`: the "
+             "map and the selection metric chosen from the optimizer, `select=\"auto\"`, refresh every "
+             f"{GiftConfig.refresh_every} steps: the `-dflt` arms; against Euclidean at the same format, the "
+             f"study's arm of the same map on every layer (refresh every {cv['gift_config']['refresh_every']}), and "
+             "the same default judging layers by the plain-L2 error (`-dflt-euc`, the metric before it followed "
+             "the optimizer); held-out bits/byte minus fp32, mean ± 95% CI over n seeds; default minus another "
+             "arm paired per seed, Holm over each optimizer's comparisons):"]
+    for study, pv in cv["paths"].items():
+        for opt, o in pv["optimizers"].items():
+            for arm, cmp in o.get("defaults", {}).items():
+                key, a = arm.removeprefix("gift-"), o["arms"][arm]
+                g = o["gaps"][key]
+                kept = (f", {a['selected_layers']:.1f} of {a['managed_layers']} layers kept" if "selected_layers" in a
+                        else "")
+                cells = [f"Euclidean {_ci(g['euclid_minus_fp32'])}",
+                         f"default `{arm}` (`{a['geometry']}`, `{a.get('select_metric')}` metric{kept}): "
+                         f"{_ci(g['gift_minus_fp32'])}, {_share(g)}"]
+                if "study" in cmp:
+                    cells.append(f"study's arm `{cmp['study']['arm']}`: {_share(o['gaps'][cmp['study']['arm'].removeprefix('gift-')])}")
+                if "plain_metric" in cmp:
+                    e = o["arms"][cmp["plain_metric"]["arm"]]
+                    kept_e = f" ({e['selected_layers']:.1f} layers kept)" if "selected_layers" in e else ""
+                    cells.append(f"plain-L2 metric{kept_e}: "
+                                 f"{_share(o['gaps'][cmp['plain_metric']['arm'].removeprefix('gift-')])}")
+                cells.extend(f"default {_versus(c)}" for c in cmp.values())
+                lines.append(f"  {study}, {opt}: " + "; ".join(cells) + ".")
+    return "\n".join(lines)
+
+
 def closing(r: dict) -> str:
     """Where the per-optimizer default stands against the study's targets, per study (path,
     ranks, steps), and what the Muon sweep and the trained candidates say about the rest."""
     cv = r["convergence"]
-    lines = ["* **Against the targets** (NVFP4 with the per-optimizer default within fp32's 95% CI or closing >= "
+    lines = ["* **Against the targets** (NVFP4 with the per-optimizer default (the `-dflt` arm, the product's "
+             "defaults, where the study ran it) within fp32's 95% CI or closing >= "
              f"{TARGETS['nvfp4']:.0%} of Euclidean's gap; int2 closing >= {TARGETS['int2']:.0%}; computed from the "
              "convergence summary, n seeds per study; judged only where Euclidean's own cost is resolved):"]
     for study, pv in cv["paths"].items():
@@ -372,7 +427,7 @@ def hsdp_model(_: dict) -> str:
 
 BLOCKS: dict[str, Callable[[dict], str]] = {"fidelity": fidelity, "wire": wire, "step_model": step_model,
                                             "codec": codec, "memory": memory, "second_hop": second_hop,
-                                            "convergence": convergence, "closing": closing,
+                                            "convergence": convergence, "closing": closing, "defaults": defaults,
                                             "adamw_sweep": adamw_sweep,
                                             "hsdp_model": hsdp_model, "soak": soak}
 
