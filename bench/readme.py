@@ -247,8 +247,9 @@ def defaults(r: dict) -> str:
     Euclidean, the study's every-layer arm and the plain-L2 metric, all from the summary."""
     cv = r["convergence"]
     lines = [f"* **What the defaults deliver** (`GiftConfig(format=F, geometry=\"auto\")` with `optimizer=`: the "
-             "map and the selection metric chosen from the optimizer, `select=\"auto\"`, refresh every "
-             f"{GiftConfig.refresh_every} steps: the `-dflt` arms; against Euclidean at the same format, the "
+             "map and the selection metric chosen from the optimizer, `select=\"auto\"`, refreshes after "
+             f"a warm-up from step {GiftConfig.refresh_warmup} every {GiftConfig.refresh_every} steps: the `-dflt` "
+             "arms; `-nowarm`: without the warm-up; against Euclidean at the same format, the "
              f"study's arm of the same map on every layer (refresh every {cv['gift_config']['refresh_every']}), and "
              "the same default judging layers by the plain-L2 error (`-dflt-euc`, the metric before it followed "
              "the optimizer); held-out bits/byte minus fp32, mean ± 95% CI over n seeds; default minus another "
