@@ -627,10 +627,11 @@ def _defaults_vs_study(summary: dict, bpb: Callable[[int, str], float], have: Ca
         parts = arm.split("-")
         if parts[0] != "gift" or "dflt" not in parts or "euc" in parts:
             continue
-        base = [p for p in parts if p not in ("dflt",)]
+        base = [p for p in parts if p not in ("dflt", "nowarm")]  # the study's arms have no warm-up
         study = next((a for a in ("-".join(base), "-".join([*base, "geo"]))
                       if a in summary and summary[a].get("geometry") == v.get("geometry")), None)
-        for other, label in ((study, "study"), (f"{arm}-euc", "plain_metric")):
+        plain = next((a for a in summary if set(a.split("-")) == {*parts, "euc"}), None)  # any modifier order
+        for other, label in ((study, "study"), (plain, "plain_metric")):
             if other is None or other not in summary:
                 continue
             done = [seed for seed in seeds if have(seed, arm) and have(seed, other)]

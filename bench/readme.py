@@ -27,6 +27,8 @@ HSDP_MODEL = ROOT / "bench" / "results" / "hsdp_step_model.json"
 SECOND_HOP = ROOT / "bench" / "results" / "second_hop.json"
 MEMORY_SECOND_HOP = ROOT / "bench" / "results" / "memory_second_hop.json"
 SOAK = ROOT / "bench" / "results" / "soak.json"
+# `bench.fault_table` on this checkout and on the last one before the end-of-backward checks
+FAULTS, FAULTS_BEFORE = (ROOT / "bench" / "results" / f for f in ("fault_table.json", "fault_table_before.json"))
 GIB = 2 ** 30
 
 
@@ -236,7 +238,7 @@ def default_gap(o: dict, fmt: str, geometry: str) -> str | None:
 def _versus(c: dict) -> str:
     """One paired comparison of a default arm with another arm (`_defaults_vs_study`)."""
     if c["n"] < 2:
-        return f"`{c['arm']}` {c['mean']:+.4f} (n=1)"
+        return f"minus `{c['arm']}` {c['mean']:+.4f} (n=1)"
     verdict = ("resolved (Holm 5%)" if c.get("holm_rejects") else "not resolved (Holm 5%)")
     return f"minus `{c['arm']}` {c['mean']:+.4f} ± {c['ci95']:.4f} (n={c['n']}, {verdict})"
 
@@ -336,6 +338,26 @@ def closing(r: dict) -> str:
     return "\n".join(lines)
 
 
+def faults(_: dict) -> str:
+    """Where each injected fault surfaced, per path and step driver, before and after the
+    checks moved to the end of the backward (`bench.fault_table`'s two results files)."""
+    now, before = (json.loads(f.read_text()) for f in (FAULTS, FAULTS_BEFORE))
+    old = {(r["fault"], r["path"], r["driver"]): r for r in before["rows"]}
+
+    def cell(r: dict) -> str:
+        return f"{r['where']}; replicas {'agree' if r['replicas_agree'] else 'differ'}" + (
+            "" if r["finite"] else "; parameters non-finite")
+
+    lines = [f"Where each fault surfaced on every rank (`python -m bench.fault_table`, 2 gloo ranks; before: "
+             f"checkout {before['commit']}, now: {now['commit']}; `silent`: nothing raised). Driver `optimizer`: "
+             "`apply(..., optimizer=opt)`; `step`: `apply` without it and `gift_compile.step(model)` after each step.",
+             "", "| fault | path | driver | before | now |", "|---|---|---|---|---|"]
+    for r in now["rows"]:
+        b = old.get((r["fault"], r["path"], r["driver"]))
+        lines.append(f"| {r['fault']} | {r['path']} | {r['driver']} | {cell(b) if b else 'not run'} | {cell(r)} |")
+    return "\n".join(lines)
+
+
 def soak(_: dict) -> str:
     """The soak paragraph, from `bench.soak`'s own results file (per rank: resident memory
     after warm-up and at the end, its slope, graphs compiled, bytes against the accounting)."""
@@ -430,7 +452,7 @@ BLOCKS: dict[str, Callable[[dict], str]] = {"fidelity": fidelity, "wire": wire, 
                                             "codec": codec, "memory": memory, "second_hop": second_hop,
                                             "convergence": convergence, "closing": closing, "defaults": defaults,
                                             "adamw_sweep": adamw_sweep,
-                                            "hsdp_model": hsdp_model, "soak": soak}
+                                            "hsdp_model": hsdp_model, "soak": soak, "faults": faults}
 
 
 def render(readme: str, results: dict) -> str:
