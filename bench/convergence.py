@@ -31,7 +31,7 @@ import tempfile
 import time
 from collections import deque
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -98,16 +98,20 @@ MODIFIERS: dict[str, dict[str, object]] = {
     # what a user gets from `GiftConfig(format=..., geometry="auto")` with `optimizer=`: the
     # product's defaults for selection (measured, metric chosen from the optimizer), refresh
     # cadence and rank, instead of the study's every-layer, refresh-20 arms
-    "dflt": {"geometry": "auto", **{f: _DEFAULTS[f] for f in ("select", "select_metric", "refresh_every", "rank")}},
+    "dflt": {"geometry": "auto", **{f: _DEFAULTS[f] for f in ("select", "select_metric", "refresh_every",
+                                                              "refresh_warmup", "rank")}},
     # the selection metric before it was chosen from the optimizer (plain L2 for every optimizer)
     "euc": {"select_metric": "euclidean"},
+    # no refresh warm-up: refreshes only at multiples of refresh_every (the schedule before the
+    # warm-up existed; every study arm without `-dflt` runs so, to keep its meaning)
+    "nowarm": {"refresh_warmup": 0},
 }
 
 
 # the modifiers that change only GIFT's map (the rest, `sr`, `ef2`, `b9`, change the codec both
 # geometries share): a GIFT arm with them is compared with the Euclidean arm without them
 MAP_MODIFIERS = frozenset({"dense", "exact", "r64", "rf5", "grad", "mom", "d2", "auto", "vsq", "geo", "two", "dflt",
-                           "euc"})
+                           "euc", "nowarm"})
 assert MAP_MODIFIERS <= MODIFIERS.keys()
 
 
@@ -120,7 +124,7 @@ def parse_arm(arm: str) -> tuple[str, str | None, bool]:
     every 5 steps, gradient-side geometry, momentum-side geometry, damping 1e-2, measured
     selection, the two-sided experiment, AdamW's second-moment column scaling, the geometry
     chosen from the optimizer, second-hop error feedback, a decaying residual, the product's
-    defaults, the plain-L2 selection metric).
+    defaults, the plain-L2 selection metric, no refresh warm-up).
     """
     if arm == "fp32":
         return "fp32", None, False
@@ -137,7 +141,7 @@ def arm_config(arm: str, s: ConvergenceSettings, seed: int) -> GiftConfig | None
     if fmt is None:
         return None
     gift = {"geometry": "lowrank", "select": "all", "rank": s.rank} if side == "gift" else {"geometry": "none"}
-    extra = {"refresh_every": s.refresh_every}
+    extra = {"refresh_every": s.refresh_every, "refresh_warmup": 0}  # the study's fixed cadence
     for mod in arm.split("-")[2:]:
         extra.update(MODIFIERS.get(mod, {}))
     return GiftConfig(**{**FORMATS[fmt], **gift, "error_feedback": ef, "seed": seed, **extra})
@@ -578,6 +582,9 @@ def _per_optimizer(by: dict[tuple[str, str, int, str], dict], arm_order: dict[st
                 "seconds": statistics.fmean(by[(path, opt_name, seed, arm)]["seconds"] for seed in done),
                 # the geometry the runs resolved (`-geo`: chosen from the optimizer); None for fp32
                 "geometry": by[(path, opt_name, done[0], arm)].get("geometry"),
+                # the selection metric the runs resolved and the layers their selection kept at the
+                # end (mean over seeds); absent for runs recorded before the fields existed
+                **_selection(by[(path, opt_name, seed, arm)] for seed in done),
             }
         for arm in arms:
             side, fmt, ef = parse_arm(arm)
@@ -604,8 +611,45 @@ def _per_optimizer(by: dict[tuple[str, str, int, str], dict], arm_order: dict[st
                 "share_closed_ci95": None if closed is None else list(closed),
             }
         if summary:
-            per_opt[opt_name] = {"arms": summary, "gaps": gaps, "verdict": _verdict(summary, gaps)}
+            per_opt[opt_name] = {"arms": summary, "gaps": gaps, "verdict": _verdict(summary, gaps),
+                                 "defaults": _defaults_vs_study(summary, bpb, have, seeds)}
     return per_opt
+
+
+def _defaults_vs_study(summary: dict, bpb: Callable[[int, str], float], have: Callable[[int, str], bool],
+                       seeds: list[int]) -> dict[str, dict[str, object]]:
+    """Per `-dflt` arm (the product's defaults): its paired difference in held-out bits/byte to
+    the study's arm of the same map on every layer (`gift-<fmt>[-ef]`, or `-geo` where the
+    default resolved the optimizer's geometry) and, where run, to the same default judged by
+    the plain-L2 metric (`-euc`). The comparisons of one optimizer and study form one family:
+    `holm_rejects` is Holm's 5% family-wise decision on each paired t test's p-value."""
+    rows: dict[str, dict[str, object]] = {}
+    for arm, v in summary.items():
+        parts = arm.split("-")
+        if parts[0] != "gift" or "dflt" not in parts or "euc" in parts:
+            continue
+        base = [p for p in parts if p not in ("dflt", "nowarm")]  # the study's arms have no warm-up
+        study = next((a for a in ("-".join(base), "-".join([*base, "geo"]))
+                      if a in summary and summary[a].get("geometry") == v.get("geometry")), None)
+        plain = next((a for a in summary if set(a.split("-")) == {*parts, "euc"}), None)  # any modifier order
+        for other, label in ((study, "study"), (plain, "plain_metric")):
+            if other is None or other not in summary:
+                continue
+            done = [seed for seed in seeds if have(seed, arm) and have(seed, other)]
+            rows.setdefault(arm, {})[label] = {"arm": other, **paired([bpb(x, arm) - bpb(x, other) for x in done]).as_dict()}
+    tests = [(arm, label) for arm, cmp in rows.items() for label in cmp if cmp[label]["n"] > 1]
+    for (arm, label), rejects in zip(tests, holm([rows[arm][label]["p"] for arm, label in tests])):
+        rows[arm][label]["holm_rejects"] = rejects
+    return rows
+
+
+def _selection(records: Iterable[dict]) -> dict[str, object]:
+    """`select_metric`, mean `selected_layers` and `managed_layers` of an arm's runs, where recorded."""
+    rs = [r for r in records if "selected_layers" in r]
+    if not rs:
+        return {}
+    return {"select_metric": rs[0].get("select_metric"), "managed_layers": rs[0]["managed_layers"],
+            "selected_layers": statistics.fmean(r["selected_layers"] for r in rs)}
 
 
 def _verdict(summary: dict, gaps: dict) -> dict[str, object]:

@@ -1,10 +1,11 @@
-"""Generated blocks of the pages that do not come from `results.json`: the formats table (computed
-from `gift_compile.formats`), the cost of the cross-rank checks (`bench/results/plan_check.txt`),
-`make demo`'s output (`bench/results/demo.json`), the torchtitan runs
-(`bench/results/torchtitan_runs.json`), the skip table (the suite's own `require` calls) and the
-README's one results table. `bench.readme` places and checks them like its other blocks: a table
-typed by hand went stale (the soak row kept an older run's figures next to the generated block),
-and a skip table typed by hand missed skips the suite could take.
+"""Generated blocks that read committed results files of their own (some next to results.json):
+the formats table (computed from `gift_compile.formats`), the cost of the cross-rank checks
+(`bench/results/plan_check.txt`), `make demo`'s output (`bench/results/demo.json`), the torchtitan
+runs (`bench/results/torchtitan_runs.json`), the skip table (the suite's own `require` calls), the
+fault table, the soak, the second hop, the HSDP step model and the memory bullet. `bench.readme`
+places and checks them with its results.json blocks: a table typed by hand went stale (the soak
+row kept an older run's figures next to the generated block), and a skip table typed by hand
+missed skips the suite could take.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 TESTS = ROOT / "tests"
 SECOND_HOP, SOAK, HSDP_MODEL = RESULTS / "second_hop.json", RESULTS / "soak.json", RESULTS / "hsdp_step_model.json"
+MEMORY_SECOND_HOP = RESULTS / "memory_second_hop.json"
+GIB = 2 ** 30
+# `bench.fault_table` on this checkout and on the last one before the end-of-backward checks
+FAULTS, FAULTS_BEFORE = (RESULTS / f for f in ("fault_table.json", "fault_table_before.json"))
 
 
 def _pct(x: float) -> str:
@@ -124,8 +129,8 @@ def plan_check(_: dict) -> str:
         "pass "
         "norms and biases through, embeddings when excluded); compiled cores fuse it with the byte copy (not measured "
         "apart) |",
-        "| replica checksum | at the end of each backward of GIFT's own sync (plain module) | one read of each "
-        "managed "
+        "| replica checksum | at the end of each synchronising backward of GIFT's own sync (plain module) | one "
+        "read of each managed "
         f"gradient and a [world, layers, 2] all-reduce: {checksum[0]:.0f} ms per {elements} gradient elements eagerly "
         f"({checksum[1]}%) |"])
 
@@ -237,6 +242,63 @@ def hsdp_model(_: dict) -> str:
             "assumed, codec bytes measured from the generated kernels, the exposed share calibrated on the "
             "paper's Euclidean FP8 figure and applied to both hops; step time against flat FSDP at fp32): "
             + "; ".join(per_model) + ".")
+
+
+def faults(_: dict) -> str:
+    """Where each injected fault surfaced, per path and step driver, before and after the
+    checks moved to the end of the backward (`bench.fault_table`'s two results files)."""
+    now, before = (json.loads(f.read_text()) for f in (FAULTS, FAULTS_BEFORE))
+    old = {(r["fault"], r["path"], r["driver"]): r for r in before["rows"]}
+
+    def cell(r: dict) -> str:
+        return f"{r['where']}; replicas {'agree' if r['replicas_agree'] else 'differ'}" + (
+            "" if r["finite"] else "; parameters non-finite")
+
+    lines = [f"Where each fault surfaced on every rank (`python -m bench.fault_table`, 2 gloo ranks; before: "
+             f"checkout {before['commit']}, now: {now['commit']}; `silent`: nothing raised). Driver `optimizer`: "
+             "`apply(..., optimizer=opt)`; `step`: `apply` without it and `gift_compile.step(model)` after each step.",
+             "", "| fault | path | driver | before | now |", "|---|---|---|---|---|"]
+    for r in now["rows"]:
+        b = old.get((r["fault"], r["path"], r["driver"]))
+        lines.append(f"| {r['fault']} | {r['path']} | {r['driver']} | {cell(b) if b else 'not run'} | {cell(r)} |")
+    return "\n".join(lines)
+
+
+def memory(r: dict) -> str:
+    """The memory bullet: GIFT's state per rank from real `GiftState` objects (results.json),
+    and the second-hop residual from `bench/results/memory_second_hop.json`."""
+    rows = r["memory"]["rows"]
+
+    def row(model: str, world: int, config: str, src: list[dict] = rows) -> dict:
+        return next(x for x in src if (x["model"], x["world"], x["config"]) == (model, world, config))
+
+    def gib(model: str, world: int, config: str, src: list[dict] = rows) -> float:
+        return row(model, world, config, src)["gift_total"] / GIB
+
+    def part(model: str, world: int, config: str, key: str) -> float:
+        return row(model, world, config)["gift"][key] / GIB
+
+    defaults, ef = "GIFT defaults (lowrank r32, sketch statistics)", "GIFT defaults + error feedback (fp32 residual)"
+    fp8, int4 = "GIFT + error feedback, fp8_e4m3 residual", "GIFT + error feedback, int4 residual"
+    first = "first version: dense statistics + error feedback (fp32)"
+    fsdp = next(x["fsdp_per_rank"] for x in rows if (x["model"], x["world"]) == ("Llama-3-8B", 64)) / GIB
+    hop = json.loads(MEMORY_SECOND_HOP.read_text())["rows"]
+    both32, both4 = ("GIFT + error feedback on both all-reduce hops, fp32 residuals",
+                     "GIFT + error feedback on both all-reduce hops, int4 residuals")
+    big, small = "Llama-3-8B", "Llama-600M"
+    return (f"* **Memory per rank** (`bench.memory`: real `GiftState` objects for the model's managed layers on the "
+            f"meta device, `GiftState.memory_bytes()`): {big} on 64 ranks — GIFT defaults {gib(big, 64, defaults):.2f} "
+            f"GiB (statistics {part(big, 64, defaults, 'statistics'):.2f}: sketches, one per distinct input; transforms "
+            f"{part(big, 64, defaults, 'transforms'):.2f}; probes {part(big, 64, defaults, 'probes'):.2f}); with error "
+            f"feedback the residual is the rank's full local gradient: {gib(big, 64, ef):.1f} GiB with an fp32 "
+            f"residual, {gib(big, 64, fp8):.1f} GiB in fp8_e4m3, {gib(big, 64, int4):.1f} GiB in int4 (first version "
+            f"{gib(big, 64, first):.1f} GiB). FSDP's sharded params + grads + AdamW state is {fsdp:.2f} GiB per rank on "
+            f"64 ranks. {small} on 8 ranks: {gib(small, 8, defaults):.2f} GiB (EF: {gib(small, 8, ef):.2f} fp32 / "
+            f"{gib(small, 8, fp8):.2f} fp8 / {gib(small, 8, int4):.2f} int4; first version {gib(small, 8, first):.2f}). "
+            f"On both all-reduce hops (`bench/results/memory_second_hop.json`) the owner's second-hop residual adds "
+            f"1/world of the first-hop one: {big} fp32 {gib(big, 8, ef, hop):.2f} -> {gib(big, 8, both32, hop):.2f} GiB "
+            f"on 8 ranks, {gib(big, 64, both32, hop):.2f} on 64; int4 residuals {gib(big, 8, int4, hop):.2f} -> "
+            f"{gib(big, 8, both4, hop):.2f} / {gib(big, 64, both4, hop):.2f} GiB.")
 
 
 # ---- the skips -----------------------------------------------------------------------------

@@ -24,12 +24,11 @@ from bench.fidelity_sweep import ORACLES
 from bench import pages, report
 from bench.report import CODEC_PAIR
 from gift_compile.geometries import IDENTITY_KIND
+from gift_compile.config import GiftConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "results.json"
 REPORT = ROOT / "bench" / "results" / "REPORT.md"
-MEMORY_SECOND_HOP = ROOT / "bench" / "results" / "memory_second_hop.json"
-GIB = 2 ** 30
 
 
 def _pct(x: float) -> str:
@@ -158,51 +157,15 @@ def wire(r: dict) -> str:
             + "; the integer formats' bits per element are in the formats table of [design.md](design.md).")
 
 
-def memory(r: dict) -> str:
-    """The memory bullet: GIFT's state per rank from real `GiftState` objects (results.json),
-    and the second-hop residual from `bench/results/memory_second_hop.json`."""
-    rows = r["memory"]["rows"]
-
-    def row(model: str, world: int, config: str, src: list[dict] = rows) -> dict:
-        return next(x for x in src if (x["model"], x["world"], x["config"]) == (model, world, config))
-
-    def gib(model: str, world: int, config: str, src: list[dict] = rows) -> float:
-        return row(model, world, config, src)["gift_total"] / GIB
-
-    def part(model: str, world: int, config: str, key: str) -> float:
-        return row(model, world, config)["gift"][key] / GIB
-
-    defaults, ef = "GIFT defaults (lowrank r32, sketch statistics)", "GIFT defaults + error feedback (fp32 residual)"
-    fp8, int4 = "GIFT + error feedback, fp8_e4m3 residual", "GIFT + error feedback, int4 residual"
-    first = "first version: dense statistics + error feedback (fp32)"
-    fsdp = next(x["fsdp_per_rank"] for x in rows if (x["model"], x["world"]) == ("Llama-3-8B", 64)) / GIB
-    hop = json.loads(MEMORY_SECOND_HOP.read_text())["rows"]
-    both32, both4 = ("GIFT + error feedback on both all-reduce hops, fp32 residuals",
-                     "GIFT + error feedback on both all-reduce hops, int4 residuals")
-    big, small = "Llama-3-8B", "Llama-600M"
-    return (f"* **Memory per rank** (`bench.memory`: real `GiftState` objects for the model's managed layers on the "
-            f"meta device, `GiftState.memory_bytes()`): {big} on 64 ranks — GIFT defaults {gib(big, 64, defaults):.2f} "
-            f"GiB (statistics {part(big, 64, defaults, 'statistics'):.2f}: sketches, one per distinct input; transforms "
-            f"{part(big, 64, defaults, 'transforms'):.2f}; probes {part(big, 64, defaults, 'probes'):.2f}); with error "
-            f"feedback the residual is the rank's full local gradient: {gib(big, 64, ef):.1f} GiB with an fp32 "
-            f"residual, {gib(big, 64, fp8):.1f} GiB in fp8_e4m3, {gib(big, 64, int4):.1f} GiB in int4 (first version "
-            f"{gib(big, 64, first):.1f} GiB). FSDP's sharded params + grads + AdamW state is {fsdp:.2f} GiB per rank on "
-            f"64 ranks. {small} on 8 ranks: {gib(small, 8, defaults):.2f} GiB (EF: {gib(small, 8, ef):.2f} fp32 / "
-            f"{gib(small, 8, fp8):.2f} fp8 / {gib(small, 8, int4):.2f} int4; first version {gib(small, 8, first):.2f}). "
-            f"On both all-reduce hops (`bench/results/memory_second_hop.json`) the owner's second-hop residual adds "
-            f"1/world of the first-hop one: {big} fp32 {gib(big, 8, ef, hop):.2f} -> {gib(big, 8, both32, hop):.2f} GiB "
-            f"on 8 ranks, {gib(big, 64, both32, hop):.2f} on 64; int4 residuals {gib(big, 8, int4, hop):.2f} -> "
-            f"{gib(big, 8, both4, hop):.2f} / {gib(big, 64, both4, hop):.2f} GiB.")
-
-
 # The value study's targets (issue text, not results): NVFP4 with the per-optimizer default within
 # fp32's 95% CI or closing this share of Euclidean's gap; int2 closing this share.
 TARGETS = {"nvfp4": 0.8, "int2": 0.5}
 
 
-def default_gap(o: dict, fmt: str, geometry: str) -> str | None:
-    """The gap key of the product's per-optimizer default at `fmt` in one study: the GIFT arm
-    with no codec modifier (plain or `-geo`) whose runs resolved the default geometry."""
+def study_gap(o: dict, fmt: str, geometry: str) -> str | None:
+    """The gap key of the study's arm of the per-optimizer map at `fmt`: the GIFT arm with no
+    codec modifier (plain or `-geo`: every layer, the study's refresh) whose runs resolved
+    `geometry`."""
     for key, g in o["gaps"].items():
         parts = key.split("-")
         if parts[0] == fmt and set(parts[1:]) <= {"geo"} and o["arms"][f"gift-{key}"].get("geometry") == geometry:
@@ -210,11 +173,65 @@ def default_gap(o: dict, fmt: str, geometry: str) -> str | None:
     return None
 
 
+def default_gap(o: dict, fmt: str, geometry: str) -> str | None:
+    """The gap key the targets judge at `fmt`: the product's defaults (`<fmt>-dflt`, what
+    `GiftConfig(format=..., geometry="auto")` with `optimizer=` runs) where the study ran
+    them, else the study's arm of the default map (`study_gap`)."""
+    key = f"{fmt}-dflt"
+    if key in o["gaps"] and o["arms"][f"gift-{key}"].get("geometry") == geometry:
+        return key
+    return study_gap(o, fmt, geometry)
+
+
+def _versus(c: dict) -> str:
+    """One paired comparison of a default arm with another arm (`_defaults_vs_study`)."""
+    if c["n"] < 2:
+        return f"minus `{c['arm']}` {c['mean']:+.4f} (n=1)"
+    verdict = ("resolved (Holm 5%)" if c.get("holm_rejects") else "not resolved (Holm 5%)")
+    return f"minus `{c['arm']}` {c['mean']:+.4f} ± {c['ci95']:.4f} (n={c['n']}, {verdict})"
+
+
+def defaults(r: dict) -> str:
+    """What a user gets by default, per study and optimizer: the `-dflt` arms (map and selection
+    metric chosen from the optimizer, measured selection, the product's refresh cadence) against
+    Euclidean, the study's every-layer arm and the plain-L2 metric, all from the summary."""
+    cv = r["convergence"]
+    lines = [f"* **What the defaults deliver** (`GiftConfig(format=F, geometry=\"auto\")` with `optimizer=`: the "
+             "map and the selection metric chosen from the optimizer, `select=\"auto\"`, refreshes after "
+             f"a warm-up from step {GiftConfig.refresh_warmup} every {GiftConfig.refresh_every} steps: the `-dflt` "
+             "arms; `-nowarm`: without the warm-up; against Euclidean at the same format, the "
+             f"study's arm of the same map on every layer (refresh every {cv['gift_config']['refresh_every']}), and "
+             "the same default judging layers by the plain-L2 error (`-dflt-euc`, the metric before it followed "
+             "the optimizer); held-out bits/byte minus fp32, mean ± 95% CI over n seeds; default minus another "
+             "arm paired per seed, Holm over each optimizer's comparisons):"]
+    for study, pv in cv["paths"].items():
+        for opt, o in pv["optimizers"].items():
+            for arm, cmp in o.get("defaults", {}).items():
+                key, a = arm.removeprefix("gift-"), o["arms"][arm]
+                g = o["gaps"][key]
+                kept = (f", {a['selected_layers']:.1f} of {a['managed_layers']} layers kept" if "selected_layers" in a
+                        else "")
+                cells = [f"Euclidean {_ci(g['euclid_minus_fp32'])}",
+                         f"default `{arm}` (`{a['geometry']}`, `{a.get('select_metric')}` metric{kept}): "
+                         f"{_ci(g['gift_minus_fp32'])}, {_share(g)}"]
+                if "study" in cmp:
+                    cells.append(f"study's arm `{cmp['study']['arm']}`: {_share(o['gaps'][cmp['study']['arm'].removeprefix('gift-')])}")
+                if "plain_metric" in cmp:
+                    e = o["arms"][cmp["plain_metric"]["arm"]]
+                    kept_e = f" ({e['selected_layers']:.1f} layers kept)" if "selected_layers" in e else ""
+                    cells.append(f"plain-L2 metric{kept_e}: "
+                                 f"{_share(o['gaps'][cmp['plain_metric']['arm'].removeprefix('gift-')])}")
+                cells.extend(f"default {_versus(c)}" for c in cmp.values())
+                lines.append(f"  {study}, {opt}: " + "; ".join(cells) + ".")
+    return "\n".join(lines)
+
+
 def closing(r: dict) -> str:
     """Where the per-optimizer default stands against the study's targets, per study (path,
     ranks, steps), and what the Muon sweep and the trained candidates say about the rest."""
     cv = r["convergence"]
-    lines = ["* **Against the targets** (NVFP4 with the per-optimizer default within fp32's 95% CI or closing >= "
+    lines = ["* **Against the targets** (NVFP4 with the per-optimizer default (the `-dflt` arm, the product's "
+             "defaults, where the study ran it) within fp32's 95% CI or closing >= "
              f"{TARGETS['nvfp4']:.0%} of Euclidean's gap; int2 closing >= {TARGETS['int2']:.0%}; computed from the "
              "convergence summary, n seeds per study; judged only where Euclidean's own cost is resolved):"]
     for study, pv in cv["paths"].items():
@@ -350,10 +367,11 @@ def headline(r: dict) -> str:
 
 
 BLOCKS: dict[str, Callable[[dict], str]] = {
-    "fidelity": fidelity, "wire": wire, "step_model": step_model, "codec": codec, "memory": memory,
+    "fidelity": fidelity, "wire": wire, "step_model": step_model, "codec": codec, "memory": pages.memory,
     "second_hop": pages.second_hop, "convergence": convergence, "closing": closing, "adamw_sweep": adamw_sweep,
     "hsdp_model": pages.hsdp_model, "soak": pages.soak, "headline": headline, "formats": pages.formats,
     "plan_check": pages.plan_check, "demo": pages.demo, "demo_summary": pages.demo_summary, "skips": pages.skips,
+    "defaults": defaults, "faults": pages.faults,
     **{name: pages.torchtitan_run(name) for name in pages.torchtitan_runs()},
 }
 # Which page holds each block (relative to the repository root); every block is on exactly one
@@ -361,8 +379,8 @@ BLOCKS: dict[str, Callable[[dict], str]] = {
 PAGES: dict[str, tuple[str, ...]] = {
     "README.md": ("headline", "demo_summary"),
     "docs/benchmarks.md": ("fidelity", "wire", "codec", "step_model", "hsdp_model", "memory", "second_hop",
-                           "convergence", "adamw_sweep", "closing"),
-    "docs/reliability.md": ("plan_check", "soak", "skips"),
+                           "convergence", "defaults", "adamw_sweep", "closing"),
+    "docs/reliability.md": ("faults", "plan_check", "soak", "skips"),
     "docs/design.md": ("formats",),
     "docs/torchtitan.md": ("demo", *pages.torchtitan_runs()),
 }

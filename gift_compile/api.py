@@ -128,7 +128,7 @@ def apply(model: nn.Module, config: GiftConfig | None = None, *, group: dist.Pro
         attach_optimizer(state, optimizer)
     else:
         logger.warning("gift_compile.apply: no optimizer given; call gift_compile.step(model) after every optimizer "
-                       "step, or GIFT's geometry never refreshes and health checks never run")
+                       "step, or GIFT's geometry never refreshes (the fault checks run at the end of each backward)")
     hold_inductor_pass(model)  # installed while a model with GIFT applied is alive (see passes.inductor)
     logger.info("gift_compile.apply: %d weights managed via %s (%s)", len(state.layers), kind, ", ".join(state.layers))
     return model

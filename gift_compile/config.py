@@ -124,6 +124,14 @@ class GiftConfig:
             `select_metric="whitened"`, the error in AdamW's update coordinates), else `none`.
         rank: rank of the low-rank part of the whitening.
         refresh_every: steps between geometry refreshes (statistics, transforms, selection).
+        refresh_warmup: the first refresh comes after this many steps, and the refreshes
+            double their spacing (w, 2w, 4w, ...) until they reach `refresh_every`; from then
+            on every multiple of `refresh_every` (0: only the multiples). Every adaptive map is
+            the identity until its first refresh, and the geometry moves fastest early in
+            training: with refreshes only every 50 steps, GIFT's default closed none of
+            Euclidean's NVFP4 gap in the bench's 120-step Muon runs, against 45% for the same
+            map refreshed every 20 (the convergence block's `-dflt` arms). The warm-up costs
+            log2(refresh_every / w) extra refreshes per run.
         ema: decay of the exponential moving average of the statistics (not used by
             `geometry="momentum"`).
         damping: relative floor of the diagonal (times the mean eigenvalue).
@@ -210,6 +218,7 @@ class GiftConfig:
     geometry: str = "lowrank"
     rank: int = 32
     refresh_every: int = 50
+    refresh_warmup: int = 10
     ema: float = 0.95
     damping: float = 1e-3
     select: str | tuple[str, ...] = "auto"
@@ -264,6 +273,8 @@ class GiftConfig:
             _fail("sketch_cols", self.sketch_cols, "a non-negative integer (0: twice the rank)")
         if not _is_int(self.reselect_every) or self.reselect_every < 0:
             _fail("reselect_every", self.reselect_every, "a non-negative integer")
+        if not _is_int(self.refresh_warmup) or self.refresh_warmup < 0:
+            _fail("refresh_warmup", self.refresh_warmup, "a non-negative integer")
         if not _is_int(self.seed) or not _INT64_MIN <= self.seed <= _INT64_MAX:
             _fail("seed", self.seed, f"an integer in [{_INT64_MIN}, {_INT64_MAX}] (int64)")
         floats = {
@@ -330,6 +341,14 @@ class GiftConfig:
 
     def is_excluded(self, fqn: str) -> bool:
         return any(fnmatch.fnmatch(fqn, pat) for pat in self.exclude)
+
+    def refresh_due(self, step: int) -> bool:
+        """Whether the optimizer step numbered `step` (1-based) ends with a refresh: a warm-up
+        step (`refresh_warmup` * 2^k below `refresh_every`) or a multiple of `refresh_every`."""
+        if step % self.refresh_every == 0:
+            return True
+        w = self.refresh_warmup
+        return w > 0 and step < self.refresh_every and step % w == 0 and (step // w) & (step // w - 1) == 0
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

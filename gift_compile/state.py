@@ -376,7 +376,8 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
             )
 
     def step(self) -> None:
-        """Once per optimizer step, after it: seed, and the refresh every `refresh_every` steps.
+        """Once per optimizer step, after it: seed, and the refresh when `config.refresh_due`
+        (the warm-up steps, then every `refresh_every` steps).
 
         The health counters are checked again here for collectives that ran outside a checked
         backward (a traced whole step); the backward's own checks have consumed the rest."""
@@ -387,7 +388,7 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
                 layer.mode = "sync"
         self.steps += 1
         self.seed.add_(1)
-        if self.steps % self.config.refresh_every == 0:
+        if self.config.refresh_due(self.steps):
             self.refresh()
 
 def _first_difference(a: Any, b: Any, path: str = "") -> str:

@@ -150,6 +150,38 @@ def test_a_gift_arm_with_map_modifiers_is_paired_with_the_euclidean_arm_of_the_s
     assert gap["share_closed"] == pytest.approx(0.5)
 
 
+def test_the_default_arm_is_compared_with_the_study_arm_and_judged_by_the_targets() -> None:
+    """`gift-nvfp4-dflt` (the product's defaults) is paired with Euclidean like any GIFT arm, and
+    also with the study's every-layer arm of the map it resolved (`gift-nvfp4`) and with its
+    plain-L2 variant (`-euc`), Holm over the family; the targets and the defaults block judge it
+    rather than the study's arm, and show the layers its selection kept."""
+    from bench.convergence import summarise
+    from bench.readme import default_gap, defaults
+
+    s = profile("smoke").convergence
+    arms = ("fp32", "euclid-nvfp4", "gift-nvfp4", "gift-nvfp4-dflt", "gift-nvfp4-dflt-euc")
+    s = dataclasses.replace(s, arms=(("muon", arms),))
+    runs = []
+    for seed in range(5):
+        for arm, cost in zip(arms, (0.0, 0.004, 0.002, 0.0021, 0.0039)):
+            noise = 0.0003 * ((seed * len(arm)) % 3 - 1) * (arm != "fp32")  # differs between arms
+            r = _run("reduce-scatter", "muon", seed, arm, 2.0 + cost + noise)
+            if arm.startswith("gift"):
+                r.update(geometry="lowrank", select_metric="euclidean" if arm.endswith("euc") else "whitened",
+                         managed_layers=28, selected_layers=9 if arm.endswith("euc") else 28)
+            runs.append(r)
+    o = summarise(runs, s)["paths"]["reduce-scatter"]["optimizers"]["muon"]
+    d = o["defaults"]["gift-nvfp4-dflt"]
+    assert d["study"]["arm"] == "gift-nvfp4" and d["study"]["mean"] == pytest.approx(0.0001, abs=3e-4)
+    assert d["plain_metric"]["arm"] == "gift-nvfp4-dflt-euc" and d["plain_metric"]["mean"] == pytest.approx(-0.0018, abs=3e-4)
+    assert d["plain_metric"]["holm_rejects"] and not d["study"]["holm_rejects"]
+    assert o["gaps"]["nvfp4-dflt"]["share_closed"] == pytest.approx(0.475, abs=0.1)
+    assert default_gap(o, "nvfp4", "lowrank") == "nvfp4-dflt"  # the targets judge the product's defaults
+    text = defaults({"convergence": summarise(runs, s)})
+    assert "default `gift-nvfp4-dflt` (`lowrank`, `whitened` metric, 28.0 of 28 layers kept)" in text
+    assert "study's arm `gift-nvfp4`: 48% closed" in text and "plain-L2 metric (9.0 layers kept): -4% closed" in text
+
+
 def test_runs_at_other_ranks_or_steps_form_their_own_study_and_pair_only_within_it() -> None:
     """The 4-rank subset and the longer confirmation sit in the same runs files as the main
     study: a 4-rank GIFT run must be paired with the 4-rank fp32 run of its seed (never the

@@ -35,7 +35,7 @@ BAD_TYPES = [
     ("nonfinite", 0), ("reduce_op", 1), ("select_metric", None), ("unrewritten", False), ("plan_check", 2),
     ("reselect_every", 1.5), ("statistics", 1), ("sketch_cols", "64"), ("residual_format", None),
     ("replica_format", None), ("replica_format", 4),
-    ("block_size", 32.0), ("block_size", True), ("rank", True), ("rank", "8"), ("refresh_every", False),
+    ("block_size", 32.0), ("block_size", True), ("rank", True), ("rank", "8"), ("refresh_every", False), ("refresh_warmup", -1), ("refresh_warmup", 2.0),
     ("refresh_every", 10.0), ("stats_tokens", "1024"), ("min_numel", True), ("min_numel", 4096.0),
     ("min_numel", -1), ("seed", "0"), ("seed", True), ("seed", 1.5), ("seed", 2**70), ("seed", 2**63),
     ("seed", -(2**63) - 1),
@@ -92,3 +92,12 @@ def test_dict_round_trip_and_unknown_keys():
         GiftConfig.from_dict({"formt": "fp8_e4m3"})
     with pytest.raises(GiftConfigError, match=r"GiftConfig\.seed='0'"):
         GiftConfig.from_dict({**GiftConfig().to_dict(), "seed": "0"})
+
+
+def test_refresh_schedule_warms_up_then_follows_refresh_every():
+    due = [s for s in range(1, 260) if GiftConfig().refresh_due(s)]
+    assert due == [10, 20, 40, 50, 100, 150, 200, 250]  # the defaults: warm-up 10, every 50
+    assert [s for s in range(1, 130) if GiftConfig(refresh_warmup=0).refresh_due(s)] == [50, 100]
+    assert [s for s in range(1, 70) if GiftConfig(refresh_every=20, refresh_warmup=3).refresh_due(s)] == [3, 6, 12, 20,
+                                                                                                        40, 60]
+    assert [s for s in range(1, 70) if GiftConfig(refresh_every=20, refresh_warmup=20).refresh_due(s)] == [20, 40, 60]

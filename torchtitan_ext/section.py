@@ -73,6 +73,9 @@ class GiftSection:
     refresh_every: int = _DEFAULTS.refresh_every
     """Steps between geometry refreshes."""
 
+    refresh_warmup: int = _DEFAULTS.refresh_warmup
+    """First refresh after this many steps, spacing doubling up to refresh_every (0: none)."""
+
     ema: float = _DEFAULTS.ema
     """EMA decay of the K-FAC statistics."""
 
