@@ -343,8 +343,8 @@ def headline(r: dict) -> str:
     at NVFP4 and int2, against plain low-bit at the same bytes (from the convergence summary), and
     the bytes each format hands to the collectives."""
     cv = r["convergence"]
-    lines = ["| study | optimizer | map of `geometry=\"auto\"` | format | plain low-bit − fp32 | GIFT − fp32 | share "
-             "of plain's gap closed | GIFT vs plain (paired) |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| study | optimizer | map of `geometry=\"auto\"` | format | GIFT arm | plain low-bit − fp32 | GIFT − fp32 | "
+             "share of plain's gap closed | GIFT vs plain (paired) |", "|---|---|---|---|---|---|---|---|---|"]
     for study, pv in cv["paths"].items():
         for opt, o in pv["optimizers"].items():
             geometry = cv["default_geometry"][opt]
@@ -354,13 +354,19 @@ def headline(r: dict) -> str:
                     continue
                 g, d = o["gaps"][key], o["gaps"][key]["gift_minus_euclid"]
                 verdict = ("**better**" if d["mean"] < 0 else "worse") if d["resolved"] else "not resolved"
-                lines.append(f"| {study} | {opt} | `{geometry}` | {fmt} | {_ci(g['euclid_minus_fp32'])} | "
+                arm = "the defaults" if "dflt" in key.split("-") else "every layer"
+                lines.append(f"| {study} | {opt} | `{geometry}` | {fmt} | {arm} | {_ci(g['euclid_minus_fp32'])} | "
                              f"{_ci(g['gift_minus_fp32'])} | {_share(g)} | {verdict} |")
     rows = r["wire"]["rows"]
     world, model = max(x["world"] for x in rows), r["wire"]["models"][-1]["name"]
     by = {x["format"]: x for x in rows if (x["model"], x["world"], x["op"]) == (model, world, "all_reduce")}
     return "\n".join(lines + ["", f"Held-out bits/byte minus fp32 communication of the same seed, mean ± 95% CI over n "
-                                   f"seeds, {cv['steps']} steps; \"resolved\" = the paired 95% CI excludes 0. Bytes "
+                                   f"seeds, {cv['steps']} steps; \"resolved\" = the paired 95% CI excludes 0. GIFT arm: "
+                                   "\"the defaults\" = `GiftConfig(format=..., geometry=\"auto\")` with `optimizer=` as "
+                                   f"a user gets it (measured selection, refreshes from step {GiftConfig.refresh_warmup}, then every "
+                                   f"{GiftConfig.refresh_every} steps), where the "
+                                   "study ran it; \"every layer\" = the study's arm (every layer mapped, refresh every "
+                                   f"{cv['gift_config']['refresh_every']} steps). Bytes "
                                    f"handed to the collectives ({model}, {world} ranks, all-reduce, unmanaged "
                                    "parameters fp32): " + ", ".join(f"{f} {by[f]['vs_fp32']:.2f}x of fp32"
                                                                     for f in ("fp8 row", "nvfp4") if f in by) + "."])
