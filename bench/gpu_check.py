@@ -65,6 +65,13 @@ GPU_SHAPES = (("600M w2 (fc2)", 1280, 3456), ("8B w2 (fc2)", 4096, 14336),
 DRY_SHAPES = (("dry w2", 64, 192), ("dry w1", 192, 64))
 CODEC_PATHS = ("euclid-fp8", "gift-fp8", "euclid-nvfp4", "gift-nvfp4")
 SECTIONS = ("device", "codec", "parity", "torchtitan")
+TORCHTITAN_TORCH = "2.13"  # the oldest torch torchtitan 0.3.0 imports with
+
+
+def torch_below(version: str) -> bool:
+    """Whether the running torch is older than `version` ("major.minor")."""
+    have = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    return have < tuple(int(x) for x in version.split("."))
 
 
 class Budget:
@@ -288,7 +295,13 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         sections["codec"]["error"] = "; ".join(f"{r['shape']} {r['path']}: {r['error']}" for r in rows
                                                if r.get("status") == "failed")
     attempt("parity", lambda: parity_section(device, shapes[0], rank), 60)
-    attempt("torchtitan", lambda: torchtitan_section(args.steps, max(60.0, budget.left() - 10)), 90)
+    if "torchtitan" in args.sections and torch_below(TORCHTITAN_TORCH):
+        # torchtitan 0.3.0 imports names torch added in 2.13 (`DataParallelMeshDims`): a GPU
+        # machine with an older torch of its own cannot run it, which is not a fault of the check
+        sections["torchtitan"] = {"status": f"skipped: torch {torch.__version__} < {TORCHTITAN_TORCH} "
+                                            "(torchtitan 0.3.0 needs it)"}
+    else:
+        attempt("torchtitan", lambda: torchtitan_section(args.steps, max(60.0, budget.left() - 10)), 90)
     results["seconds"] = args.budget_s - budget.left()
     return results
 
@@ -308,6 +321,7 @@ def render(results: dict[str, object]) -> str:
                   f"Measured copy bandwidth {dev['copy_bytes_per_s'] / 1e12:.3f} TB/s (bytes read + written per "
                   "second of a large device-to-device copy: the practical ceiling of a memory-bound kernel).", ""]
     codec = sec.get("codec", {}).get("result")
+    copy_bw = dev["copy_bytes_per_s"] if dev else math.nan  # the per-kernel table's "of copy BW"
     if codec:
         rows = []
         for r in codec:

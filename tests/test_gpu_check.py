@@ -77,3 +77,25 @@ def test_a_failing_section_is_reported_and_fails_the_check(tmp_path: Path, monke
     results = json.loads((tmp_path / "gpu_check.json").read_text())
     assert code == 1 and results["sections"]["device"]["status"] == "failed"
     assert "simulated device fault" in (tmp_path / "GPU.md").read_text()
+
+
+def test_render_prices_triton_kernels_against_the_measured_copy_bandwidth(dry_run: tuple[int, dict, str]) -> None:
+    """The per-kernel table as a GPU run fills it (Triton kernels with bytes): the H200 run
+    crashed here (`NameError: copy_bw`) after writing its JSON; the CPU dry run has no such rows."""
+    _, results, _ = dry_run
+    results = json.loads(json.dumps(results))
+    row = next(r for r in results["sections"]["codec"]["result"] if r.get("status") == "ok")
+    bw = results["sections"]["device"]["result"]["copy_bytes_per_s"]
+    row["per_kernel"] = [{"kernel": "triton_poi_fused_0", "us": 10.0, "bytes": 1e6, "achieved_bytes_per_s": bw / 4}]
+    md = gpu_check.render(results)
+    line = md.split("| triton_poi_fused_0 |")[1].splitlines()[0]
+    assert line.rstrip(" |").endswith("| 0.250")  # a quarter of the copy bandwidth
+
+
+def test_torchtitan_section_is_skipped_with_its_reason_below_torch_2_13(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpu_check.torch, "__version__", "2.11.0+cu130")
+    assert gpu_check.torch_below("2.13") and not gpu_check.torch_below("2.11")
+    code = gpu_check.main(["--dry-run", "--sections", "torchtitan", "--out", str(tmp_path)])
+    status = json.loads((tmp_path / "gpu_check.json").read_text())["sections"]["torchtitan"]["status"]
+    assert code == 0 and status == "skipped: torch 2.11.0+cu130 < 2.13 (torchtitan 0.3.0 needs it)"
