@@ -174,13 +174,16 @@ def study_gap(o: dict, fmt: str, geometry: str) -> str | None:
 
 
 def default_gap(o: dict, fmt: str, geometry: str) -> str | None:
-    """The gap key the targets judge at `fmt`: the product's defaults (`<fmt>-dflt`, what
-    `GiftConfig(format=..., geometry="auto")` with `optimizer=` runs) where the study ran
-    them, else the study's arm of the default map (`study_gap`)."""
-    key = f"{fmt}-dflt"
-    if key in o["gaps"] and o["arms"][f"gift-{key}"].get("geometry") == geometry:
-        return key
-    return study_gap(o, fmt, geometry)
+    """The gap key the targets and the headline judge at `fmt`: the product's defaults
+    (`<fmt>-dflt`, what `GiftConfig(format=..., geometry="auto")` with `optimizer=` runs) once
+    they have as many seeds as the study's arm of the default map (`study_gap`), else that arm
+    (a default still running is not judged on fewer seeds than the arm it replaces)."""
+    study, key = study_gap(o, fmt, geometry), f"{fmt}-dflt"
+    if key not in o["gaps"] or o["arms"][f"gift-{key}"].get("geometry") != geometry:
+        return study
+    if study is not None and o["gaps"][key]["gift_minus_fp32"]["n"] < o["gaps"][study]["gift_minus_fp32"]["n"]:
+        return study
+    return key
 
 
 def _versus(c: dict) -> str:
