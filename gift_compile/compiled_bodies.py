@@ -42,12 +42,11 @@ from gift_compile.plan import BucketPlan
 
 logger = logging.getLogger("gift_compile")
 
-__all__ = ["MAX_BODIES", "body", "item_keys_seen", "set_max_bodies", "stats"]
+__all__ = ["MAX_BODIES", "body", "live_item_plans", "set_max_bodies", "stats"]
 
 MAX_BODIES = 256
 
 _bodies: OrderedDict[tuple[str, BucketPlan], tuple[Callable[..., object], types.CodeType]] = OrderedDict()
-_keys_seen: set[BucketPlan] = set()
 _created = 0
 _evicted = 0
 _evicted_graphs = 0
@@ -87,7 +86,6 @@ def body(stage: str, fn: Callable[..., object], key: BucketPlan) -> Callable[...
     f, code = _fresh(stage, fn, key)
     compiled = torch.compile(f, fullgraph=True, dynamic=False)
     _bodies[k] = (compiled, code)
-    _keys_seen.add(key)
     _created += 1
     while len(_bodies) > MAX_BODIES:
         (old_stage, old_key), (_, old_code) = _bodies.popitem(last=False)
@@ -122,6 +120,6 @@ def stats() -> dict[str, int]:
             "recompiles": sum(max(0, n - 1) for n in live) + _evicted_recompiles}
 
 
-def item_keys_seen() -> int:
-    """Distinct item plans compiled for in this process (any stage)."""
-    return len(_keys_seen)
+def live_item_plans() -> int:
+    """Distinct item plans among the live bodies (any stage)."""
+    return len({key for _, key in _bodies})

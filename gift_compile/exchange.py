@@ -61,8 +61,8 @@ import torch.distributed as dist
 from gift_compile import compiled_bodies
 from gift_compile.accounting import HEADER_BYTES
 from gift_compile.item_codec import (
-    ItemTensors, Shared, _as_bytes, _from_bytes, _take, decode_item, encode_item, gather_decode_item, item_plan,
-    item_width, reduce_reencode_item, reencode_item,
+    ItemTensors, Shared, _as_bytes, _from_bytes, _take, decode_item, decode_stage, encode_item, encode_stage,
+    gather_decode_item, gather_decode_stage, item_plan, item_width, reduce_reencode_stage, reencode_item,
 )
 from gift_compile.plan import BucketPlan, ItemPlan
 
@@ -138,13 +138,13 @@ def flagged_ranks(mask: int) -> list[int]:
     return [r for r in range(RANK_BITS + 1) if mask >> r & 1]
 
 
-def _key(item: ItemPlan, state: ItemTensors | None, plan: BucketPlan, compiled: bool) -> BucketPlan:
-    """The single-item plan the item's codec runs under. Compiled bodies take it anonymous where
-    no code reads the name (passthrough items, managed items with a seed-offset tensor), so
-    equally shaped layers of different blocks share one body; eager callers agree on the full
-    bucket plan, names and order included, before they launch (`check_plan_agreement`), and
-    the header then guards shapes and formats. Traced callers keep the name (error messages)."""
-    anonymous = compiled and (not item.managed or (state is not None and state.seed_offset is not None))
+def _key(item: ItemPlan, state: ItemTensors | None, plan: BucketPlan) -> BucketPlan:
+    """The single-item plan an item's compiled body is keyed by, anonymous where no code reads
+    the name (passthrough items, managed items with a seed-offset tensor), so equally shaped
+    layers of different blocks share one body. Eager callers agree on the full bucket plan,
+    names and order included, before they launch (`check_plan_agreement`), and the header
+    then guards shapes and formats."""
+    anonymous = not item.managed or (state is not None and state.seed_offset is not None)
     return item_plan(item, plan.world, plan.average, plan.op, anonymous)
 
 
@@ -171,11 +171,11 @@ def launch(xs: Sequence[torch.Tensor], items: Sequence[ItemTensors | None], shar
     body_shared = _body_shared(shared, xs[0].device) if compiled else shared
     for x, state, item in zip(xs, items, plan.items):
         baseline += x.numel() * x.element_size()
-        key = _key(item, state, plan, compiled)
         if compiled:  # contiguous: a bucket's strides would be guards, i.e. one body per bucket layout
-            item_blocks, bad = compiled_bodies.body("encode", encode_item, key)(x.contiguous(), state, body_shared)
+            body = compiled_bodies.body("encode", encode_stage, _key(item, state, plan))
+            item_blocks, bad = body(x.contiguous(), state, body_shared)
         else:
-            item_blocks, bad = encode_item(x, state, shared, key)
+            item_blocks, bad = encode_item(x, state, shared, item, plan)
         blocks.extend(item_blocks)
         nonfinite = bad if nonfinite is None else nonfinite | bad
     flag = nonfinite.to(torch.int64)
@@ -214,19 +214,13 @@ def finish(recv: torch.Tensor, items: Sequence[ItemTensors | None], shared: Shar
     offset = HEADER_BYTES
     outs = []
     for state, item in zip(items, plan.items):
-        key = _key(item, state, plan, compiled)
         if compiled:
-            cols, offset = _take(recv, offset, item_width(key))
-            outs.append(compiled_bodies.body("decode", _decode_stage, key)(cols, state))
+            cols, offset = _take(recv, offset, item_width(item, plan))
+            outs.append(compiled_bodies.body("decode", decode_stage, _key(item, state, plan))(cols, state))
         else:
-            out, offset = decode_item(recv, offset, state, key, transformed)
+            out, offset = decode_item(recv, offset, state, item, plan, transformed)
             outs.append(out)
     return outs
-
-
-def _decode_stage(cols: torch.Tensor, state: ItemTensors | None, p: BucketPlan) -> torch.Tensor:
-    """The compiled decode of one item from its own columns."""
-    return decode_item(cols, 0, state, p)[0]
 
 
 def _gather_send(pieces: list[torch.Tensor], shared: Shared, plan: BucketPlan) -> torch.Tensor:
@@ -243,23 +237,23 @@ def gather_launch(shards: Sequence[torch.Tensor], items: Sequence[ItemTensors | 
     `item_codec.reencode_item`) and start one all_gather of codes + scales (not yet waited)."""
     pieces = []
     for shard, state, item in zip(shards, items, plan.items):
-        pieces.extend(reencode_item(shard, state, shared, _key(item, state, plan, False)))
+        pieces.extend(reencode_item(shard, state, shared, item, plan))
     return _gather_send(pieces, shared, plan)
 
 
 def _regather_launch(recv: torch.Tensor, items: Sequence[ItemTensors | None], shared: Shared,
                      plan: BucketPlan) -> torch.Tensor:
     """`finish(transformed=True)` then `gather_launch`, each item in ONE compiled body
-    (`item_codec.reduce_reencode_item`): decode, sum and re-encode share the body, so the fp32
+    (`item_codec.reduce_reencode_stage`): decode, sum and re-encode share the body, so the fp32
     shard need not be written out between two bodies."""
     recv = _read_headers(recv, shared, plan)
     body_shared = _body_shared(shared, recv.device)
     offset = HEADER_BYTES
     pieces = []
     for state, item in zip(items, plan.items):
-        key = _key(item, state, plan, True)
-        cols, offset = _take(recv, offset, item_width(key))
-        pieces.extend(compiled_bodies.body("reduce_reencode", reduce_reencode_item, key)(cols, state, body_shared))
+        cols, offset = _take(recv, offset, item_width(item, plan))
+        body = compiled_bodies.body("reduce_reencode", reduce_reencode_stage, _key(item, state, plan))
+        pieces.extend(body(cols, state, body_shared))
     return _gather_send(pieces, shared, plan)
 
 
@@ -272,19 +266,13 @@ def gather_finish(gathered: torch.Tensor, items: Sequence[ItemTensors | None], p
     offset = 0
     outs = []
     for state, item in zip(items, plan.items):
-        key = _key(item, state, plan, compiled)
         if compiled:
-            cols, offset = _take(allb, offset, item_width(key))
-            outs.append(compiled_bodies.body("gather_decode", _gather_decode_stage, key)(cols, state))
+            cols, offset = _take(allb, offset, item_width(item, plan))
+            outs.append(compiled_bodies.body("gather_decode", gather_decode_stage, _key(item, state, plan))(cols, state))
         else:
-            out, offset = gather_decode_item(allb, offset, state, key)
+            out, offset = gather_decode_item(allb, offset, state, item, plan)
             outs.append(out)
     return outs
-
-
-def _gather_decode_stage(cols: torch.Tensor, state: ItemTensors | None, p: BucketPlan) -> torch.Tensor:
-    """The compiled gather-decode of one item from its own columns."""
-    return gather_decode_item(cols, 0, state, p)[0]
 
 
 def _wait(t: torch.Tensor, plan: BucketPlan) -> torch.Tensor:

@@ -19,8 +19,9 @@ bucket (the FX pass, `torch.compile` of `bucket_core`) fuses exactly what it fus
 the eager compiled path (`gift_compile.compiled_bodies`) compiles them one item plan at a time:
 one implementation of the codec, two ways to run it.
 
-Every function takes a single-item `BucketPlan` (`item_plan`: the item, the world size, op and
-average; no group, no other item), so its code depends on nothing the bucket adds.
+Every function takes its item's `ItemPlan` and a `BucketPlan` of which it reads the world
+size, op and average only, so its code depends on nothing else the bucket holds; the compiled
+stages (`encode_stage`, ...) take a single-item plan (`item_plan`), their key.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ from gift_compile.plan import BucketPlan, ItemPlan
 RANK_SEED_STRIDE = 1_000_003
 _ALL_GATHER_SEED = 7
 
-__all__ = ["RANK_SEED_STRIDE", "ItemTensors", "Shared", "decode_item", "encode_item", "gather_decode_item", "item_plan", "item_width",
-           "reduce_reencode_item", "reencode_item"]
+__all__ = ["RANK_SEED_STRIDE", "ItemTensors", "Shared", "decode_item", "decode_stage", "encode_item", "encode_stage",
+           "gather_decode_item", "gather_decode_stage", "item_plan", "item_width", "reduce_reencode_stage",
+           "reencode_item"]
 
 
 class ItemTensors(NamedTuple):
@@ -74,30 +76,21 @@ class Shared(NamedTuple):
     counters: torch.Tensor | None = None
 
 
+@functools.lru_cache(maxsize=4096)
 def item_plan(item: ItemPlan, world: int, average: bool, op: str, anonymous: bool) -> BucketPlan:
-    """The single-item plan the per-item functions take: `item` in a bucket of its own with no
-    group (they run no collective). `anonymous` drops the name where no code reads it (a
-    passthrough item, a managed item whose seed offset is a tensor), so equally shaped layers
-    of different blocks share it. Eager calls are memoised (they build it for every item of
-    every call, and a `BucketPlan` hashes its items when it is made); a trace builds it
-    directly (Dynamo warns on a cache wrapper and would trace through it anyway)."""
-    if torch.compiler.is_compiling():
-        return _make_item_plan(item, world, average, op, anonymous)
-    return _cached_item_plan(item, world, average, op, anonymous)
-
-
-def _make_item_plan(item: ItemPlan, world: int, average: bool, op: str, anonymous: bool) -> BucketPlan:
+    """The single-item plan a compiled body is keyed by and takes: `item` in a bucket of its
+    own with no group (a body runs no collective). `anonymous` drops the name where no code
+    reads it (a passthrough item, a managed item whose seed offset is a tensor), so equally
+    shaped layers of different blocks share it. Memoised: eager callers build it for every
+    item of every call, and a `BucketPlan` hashes its items when it is made. Never called
+    inside a trace (traced callers pass the bucket's own plan and item)."""
     return BucketPlan((dataclasses.replace(item, name="") if anonymous else item,), world, None, average, op)
 
 
-_cached_item_plan = functools.lru_cache(maxsize=4096)(_make_item_plan)
-
-
-def item_width(p: BucketPlan) -> int:
+def item_width(item: ItemPlan, p: BucketPlan) -> int:
     """Bytes of the item's block that one destination receives (an all_to_all) or one rank
     sends (the all-reduce's all_gather): codes and scales of `rows_sent / world` rows, or the
     raw bytes of a passthrough item's `flat_sent / world` elements."""
-    item = p.items[0]
     if not item.managed:
         return p.flat_sent(item) // p.world * _itemsize(item.torch_dtype)
     return _item_bytes_per_dest(item.spec, p.rows_sent(item) // p.world, item.cols)
@@ -223,7 +216,7 @@ def _parse_scales(recv: torch.Tensor, offset: int, spec: FormatSpec, cols: int,
 
 
 # ---- the per-item codec ---------------------------------------------------------------------
-def encode_item(x: torch.Tensor, state: ItemTensors | None, shared: Shared,
+def encode_item(x: torch.Tensor, state: ItemTensors | None, shared: Shared, item: ItemPlan,
                 p: BucketPlan) -> tuple[list[torch.Tensor], torch.Tensor]:
     """The item's blocks of the send buffer (uint8, `[world, *]` each, row j for rank j: codes,
     then scales) and whether it holds NaN/Inf (bool, 0-d). Updates the item's error-feedback
@@ -232,7 +225,7 @@ def encode_item(x: torch.Tensor, state: ItemTensors | None, shared: Shared,
     Blocks, not one concatenated block: the caller concatenates every item's blocks with the
     header in one `cat`, so a graph holding the bucket writes each block once into the send
     buffer (a `cat` of `cat`s would copy the codes twice)."""
-    item, w = p.items[0], p.world
+    w = p.world
     if not item.managed:
         flat = x.reshape(-1)
         bad = ~torch.isfinite(flat).all()  # read in the same kernel as the byte copy once fused
@@ -257,14 +250,14 @@ def encode_item(x: torch.Tensor, state: ItemTensors | None, shared: Shared,
     return [_stored_codes(codes, spec).reshape(w, -1), *_scale_blocks(spec, item.cols, scales, tscale, w)], bad
 
 
-def decode_item(recv: torch.Tensor, offset: int, state: ItemTensors | None, p: BucketPlan,
+def decode_item(recv: torch.Tensor, offset: int, state: ItemTensors | None, item: ItemPlan, p: BucketPlan,
                 transformed: bool = False) -> tuple[torch.Tensor, int]:
     """Decode and sum the item's block of every sender: columns `[offset, offset + item_width)`
     of `recv` (`[world, *]` uint8, the waited all_to_all output). Returns the fp32 result and
     the offset past the item: a managed item's `[rows_sent/world, cols]` shard (in the item's
     original coordinates, or still transformed with `transformed=True`, which the all-reduce's
     second stage needs), a passthrough item's flat shard."""
-    item, w = p.items[0], p.world
+    w = p.world
     if not item.managed:
         raw, offset = _take(recv, offset, p.flat_sent(item) // w * _itemsize(item.torch_dtype))
         total = _from_bytes(raw, item.torch_dtype).float().sum(dim=0)
@@ -278,11 +271,11 @@ def decode_item(recv: torch.Tensor, offset: int, state: ItemTensors | None, p: B
     return (total if transformed else apply_inverse(item.kind, total, state.transform)), offset
 
 
-def reencode_item(shard: torch.Tensor, state: ItemTensors | None, shared: Shared, p: BucketPlan) -> list[torch.Tensor]:
+def reencode_item(shard: torch.Tensor, state: ItemTensors | None, shared: Shared, item: ItemPlan,
+                  p: BucketPlan) -> list[torch.Tensor]:
     """All-reduce stage 2: this rank's reduced shard (transformed coordinates) re-encoded with
     local scales, as flat uint8 pieces of the all_gather input (codes, then scales). With
     second-hop error feedback the owner's residual is added first and the new one kept."""
-    item = p.items[0]
     if not item.managed:
         return [_as_bytes(shard.to(item.torch_dtype)).reshape(-1)]
     spec = item.spec
@@ -304,13 +297,13 @@ def reencode_item(shard: torch.Tensor, state: ItemTensors | None, shared: Shared
                                                                                            tscale, 1))]
 
 
-def gather_decode_item(gathered: torch.Tensor, offset: int, state: ItemTensors | None,
+def gather_decode_item(gathered: torch.Tensor, offset: int, state: ItemTensors | None, item: ItemPlan,
                        p: BucketPlan) -> tuple[torch.Tensor, int]:
     """Decode every rank's re-encoded shard of the item (columns `[offset, offset + item_width)`
     of `gathered`, `[world, *]`; the same bytes on every rank), inverse-transform, crop the
     padding: the full fp32 result, `[rows, cols]` for a managed item, flat for a passthrough
     one; and the offset past the item."""
-    item, w = p.items[0], p.world
+    w = p.world
     if not item.managed:
         raw, offset = _take(gathered, offset, p.flat_sent(item) // w * _itemsize(item.torch_dtype))
         return _from_bytes(raw, item.torch_dtype).reshape(-1)[: item.numel].float(), offset
@@ -321,9 +314,27 @@ def gather_decode_item(gathered: torch.Tensor, offset: int, state: ItemTensors |
     return apply_inverse(item.kind, full, state.transform)[: item.rows], offset
 
 
-def reduce_reencode_item(cols: torch.Tensor, state: ItemTensors | None, shared: Shared,
-                         p: BucketPlan) -> list[torch.Tensor]:
+# ---- compiled stages: a single-item plan `p` (`item_plan`) as the last argument -----------------
+def encode_stage(x: torch.Tensor, state: ItemTensors | None, shared: Shared,
+                 p: BucketPlan) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """`encode_item` of `p`'s item."""
+    return encode_item(x, state, shared, p.items[0], p)
+
+
+def decode_stage(cols: torch.Tensor, state: ItemTensors | None, p: BucketPlan) -> torch.Tensor:
+    """`decode_item` of `p`'s item from its own columns (`[world, item_width]`)."""
+    return decode_item(cols, 0, state, p.items[0], p)[0]
+
+
+def reduce_reencode_stage(cols: torch.Tensor, state: ItemTensors | None, shared: Shared,
+                          p: BucketPlan) -> list[torch.Tensor]:
     """The all-reduce's middle for one item, from its own received columns: decode and sum in
-    transformed coordinates, then `reencode_item` (one compiled body: the fp32 shard stays in
-    registers where the codec fuses, as it does inside a graph holding the whole bucket)."""
-    return reencode_item(decode_item(cols, 0, state, p, transformed=True)[0], state, shared, p)
+    transformed coordinates, then `reencode_item`, in one body (the fp32 shard is not written
+    out between two bodies where the codec fuses, as inside a graph of the whole bucket)."""
+    item = p.items[0]
+    return reencode_item(decode_item(cols, 0, state, item, p, transformed=True)[0], state, shared, item, p)
+
+
+def gather_decode_stage(cols: torch.Tensor, state: ItemTensors | None, p: BucketPlan) -> torch.Tensor:
+    """`gather_decode_item` of `p`'s item from its own columns."""
+    return gather_decode_item(cols, 0, state, p.items[0], p)[0]
