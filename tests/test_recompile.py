@@ -95,7 +95,7 @@ def _fsdp2_body(rank: int, world: int, n_blocks: int, steps: int, change: bool, 
 
 def _check_quantized_and_bounded(r: dict) -> None:
     t = r["totals"]
-    assert t["calls"] > 0 and 0 < t["wire"] < t["baseline"] / 2, t  # nvfp4 on the wire
+    assert t["calls"] > 0 and 0 < t["wire"] < 0.8 * t["baseline"], t  # nvfp4 for the attention weights
     assert min(r["errs"]) > 1e-3 and max(r["errs"]) < 0.5, r["errs"]  # quantized, neither exact nor garbage
     # one encode and one decode body per item plan: managed [64, 64] on either path, the
     # blocks' and the root's full-precision items (by size); nothing per block or pattern
