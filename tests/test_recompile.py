@@ -186,3 +186,32 @@ def test_per_item_compiled_bodies_match_eager_bucket_core_bitwise() -> None:
             assert float(eager[0][0][0][0].abs().sum()) > 0  # a real result, not zeros on both sides
         # reduce-scatter: encode + decode per item plan; all-reduce: encode, reduce_reencode, gather_decode
         assert res["stats"]["bodies"] == 3 * 2 + 3 * 3 and res["stats"]["recompiles"] == 0, res["stats"]
+
+
+def test_bodies_past_the_bound_are_evicted_with_one_warning(caplog) -> None:
+    """Past `MAX_BODIES` the least recently used body is dropped (logged once) and compiled
+    again when it is needed: a process cycling through more item plans than the bound
+    recompiles, it never fails; results stay those of the eager bucket."""
+    import logging
+
+    from gift_compile import collectives as C
+    from gift_compile import compiled_bodies
+    from gift_compile.plan import BucketPlan, ItemPlan
+
+    plans = [BucketPlan((ItemPlan(name="x", rows=rows, cols=32, format="fp8_e4m3"),), 1, None, False, "reduce_scatter")
+             for rows in (4, 8)]
+    before, bound = compiled_bodies.stats(), compiled_bodies.MAX_BODIES
+    compiled_bodies.set_max_bodies(1)
+    try:
+        with caplog.at_level(logging.WARNING, logger="gift_compile"):
+            for plan in (*plans, plans[0]):  # the first plan's bodies were dropped: compiled again
+                x = torch.randn(plan.items[0].rows, 32, generator=torch.Generator().manual_seed(0))
+                got = C.run_bucket([x], [C.ItemTensors(())], C.Shared(), plan, compiled=True)[0][0]
+                assert torch.equal(got, C.run_bucket([x], [C.ItemTensors(())], C.Shared(), plan)[0][0])
+    finally:
+        compiled_bodies.set_max_bodies(bound)
+    after = compiled_bodies.stats()
+    assert after["bodies"] - before["bodies"] == 6 and after["evicted"] - before["evicted"] >= 5, after
+    assert after["live"] == 1 and after["recompiles"] == 0, after
+    warnings = [r for r in caplog.records if "compiled codec bodies" in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in caplog.records]  # once per process
