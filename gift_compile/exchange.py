@@ -152,8 +152,10 @@ def _body_shared(shared: Shared, device: torch.device) -> Shared:
     """`shared` as a compiled body takes it: seed and rank as int64 tensors (a Python int is a
     graph constant, so a seed that changes per call would recompile per value), no counters
     (the glue counts)."""
-    as_t = lambda v: v if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
-    return Shared(as_t(shared.seed), as_t(shared.rank), None)
+    def as_tensor(v: torch.Tensor | int) -> torch.Tensor:
+        return v if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=torch.int64, device=device)
+
+    return Shared(as_tensor(shared.seed), as_tensor(shared.rank), None)
 
 
 def launch(xs: Sequence[torch.Tensor], items: Sequence[ItemTensors | None], shared: Shared,
@@ -268,7 +270,8 @@ def gather_finish(gathered: torch.Tensor, items: Sequence[ItemTensors | None], p
     for state, item in zip(items, plan.items):
         if compiled:
             cols, offset = _take(allb, offset, item_width(item, plan))
-            outs.append(compiled_bodies.body("gather_decode", gather_decode_stage, _key(item, state, plan))(cols, state))
+            body = compiled_bodies.body("gather_decode", gather_decode_stage, _key(item, state, plan))
+            outs.append(body(cols, state))
         else:
             out, offset = gather_decode_item(allb, offset, state, item, plan)
             outs.append(out)

@@ -38,7 +38,8 @@ _TINY32 = torch.finfo(torch.float32).tiny
 _EVERY_RANK = -1
 
 
-def _gated(finite: torch.Tensor, gate: torch.Tensor | None, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | int]:
+def _gated(finite: torch.Tensor, gate: torch.Tensor | None,
+           n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | int]:
     """`(take, drop, tokens)` of one observation: whether its contribution enters the window,
     whether it counts as dropped (non-finite), and the tokens it adds; all masked by `gate`."""
     if gate is None:
