@@ -201,6 +201,7 @@ class RefreshEngine:
             layer.leader, layer.stats = leader, leader.stats
             leader.followers.append(layer)
             layer._replan()
+        leader.sync_stats_gate()
         self.plan_version += 1
 
     @torch.no_grad()
@@ -240,6 +241,8 @@ class RefreshEngine:
         layer.selected, layer.decided = selected, decided
         if [(l.selected, l.collect_stats) for l in group] != before:
             layer._replan()
+            for member in group:  # a follower's path decides whether its leader feeds statistics
+                member.sync_stats_gate()
             self.plan_version += 1
 
     def _broadcast_transforms(self, owners: dict[str, int], names: set[str]) -> None:

@@ -53,10 +53,23 @@ def statistics_paused() -> Iterator[None]:
 
 def observe_inputs(module: nn.Module, args: tuple[Any, ...]) -> None:
     """Forward pre-hook feeding a managed layer's K-FAC statistics (training passes only, and
-    only while the layer's selection needs them: a Python flag, so a compiled forward stops
-    computing them after one recompilation; never inside `statistics_paused`)."""
+    only while the layer's selection needs them; never inside `statistics_paused`).
+
+    Eagerly the need is a Python flag (`collect_stats`: no work for a layer that needs none).
+    Traced, it is the layer's `stats_gate` tensor, and the statistic is computed and masked:
+    a flag would be a guard, so every pattern of selected layers would be one compilation of
+    the forward, and the blocks of a per-block compiled model (torchtitan), which share one
+    code object, would hit dynamo's `recompile_limit` once more than 8 of them differ (issue
+    31). The price is the statistic of a deselected layer computed for nothing in compiled
+    forwards (one `[m, d_in]` product per layer, m <= `stats_tokens`). Whether a layer leads
+    its statistic (`leader`) is structure that changes once, at the first refresh."""
     layer: LayerState = module._gift_layer
-    if torch.is_grad_enabled() and layer.collect_stats and not _paused:
+    if not torch.is_grad_enabled() or _paused:
+        return
+    if torch.compiler.is_compiling():
+        if layer.leader is None:
+            layer.stats.observe(local_input(args[0]), gate=layer.stats_gate)
+    elif layer.collect_stats:
         layer.stats.observe(local_input(args[0]))
 
 

@@ -87,6 +87,10 @@ class LayerState:
         self.decided = False
         self.measurement: LayerMeasurement | None = None
         self.boundary_score = 0.0
+        # `collect_stats` as a tensor (bool, 0-d), what a traced forward's statistics hook
+        # reads (`routing.observe_inputs`): a Python flag there is a guard, one compilation
+        # per pattern of selected layers, per block of a per-block compiled model.
+        self.stats_gate = torch.zeros((), dtype=torch.bool, device=device)
         self.transform.activate()  # a fixed rotation is always on; adaptive maps start as the identity
         self._replan()
 
@@ -116,6 +120,11 @@ class LayerState:
         n = len(self.transform.tensors) if self.selected else 0
         self.plan = replace(self._full_plan, kind=self.active_kind, n_tensors=n)
         self.plan_str = self.plan.to_str()  # precomputed: the forward passes it to traced code
+        self.sync_stats_gate()
+
+    def sync_stats_gate(self) -> None:
+        """Set `stats_gate` to `collect_stats` (in place; called whenever that can change)."""
+        self.stats_gate.fill_(self.collect_stats)
 
     def active_tensors(self) -> tuple[torch.Tensor, ...]:
         return self.transform.tensors if self.selected else ()

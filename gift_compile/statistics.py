@@ -38,6 +38,15 @@ _TINY32 = torch.finfo(torch.float32).tiny
 _EVERY_RANK = -1
 
 
+def _gated(finite: torch.Tensor, gate: torch.Tensor | None,
+           n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | int]:
+    """`(take, drop, tokens)` of one observation: whether its contribution enters the window,
+    whether it counts as dropped (non-finite), and the tokens it adds; all masked by `gate`."""
+    if gate is None:
+        return finite, ~finite, n
+    return finite & gate, ~finite & gate, gate.to(torch.float32) * n
+
+
 class KFACStatistics:
     """Running K-FAC input factor `A = E[x x^T]` of one linear layer.
 
@@ -57,19 +66,22 @@ class KFACStatistics:
         self.initialized = torch.zeros((), dtype=torch.bool, device=device)
         self.dropped = torch.zeros((), dtype=torch.int64, device=device)
 
-    def observe(self, x: torch.Tensor) -> None:
+    def observe(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> None:
         """Add one forward's inputs to the window; a batch with NaN/Inf adds nothing and is
-        counted in `dropped` (one non-finite batch must not poison the running average)."""
+        counted in `dropped` (one non-finite batch must not poison the running average).
+        `gate` (bool, 0-d) masks the whole update: a traced forward gates with a tensor
+        instead of branching on a Python flag (`routing.observe_inputs`)."""
         x2 = x.detach().reshape(-1, x.shape[-1])
         n = x2.shape[0]
         stride = max(1, -(-n // self.max_tokens))
         sub = x2[::stride].float()
         new = sub.t() @ sub
         finite = torch.isfinite(new.diagonal()).all() & torch.isfinite(new).all()
-        self.acc.add_(torch.where(finite, new, 0.0))
-        self.count.add_(finite.to(torch.float32) * sub.shape[0])
-        self.dropped.add_((~finite).to(torch.int64))
-        self.tokens.add_(n)
+        take, drop, tokens = _gated(finite, gate, n)
+        self.acc.add_(torch.where(take, new, 0.0))
+        self.count.add_(take.to(torch.float32) * sub.shape[0])
+        self.dropped.add_(drop.to(torch.int64))
+        self.tokens.add_(tokens)
 
     @torch.no_grad()
     def consolidate(self, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -195,8 +207,9 @@ class SketchStatistics:
                 "holder": self.holder}
 
     # ---- hot path ------------------------------------------------------------------------
-    def observe(self, x: torch.Tensor) -> None:
-        """Add the inputs `x` (`[..., d_in]`) of one forward to the window, in place.
+    def observe(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> None:
+        """Add the inputs `x` (`[..., d_in]`) of one forward to the window, in place; `gate`
+        as in `KFACStatistics.observe`.
 
         Finiteness is tested on the contribution, not on `x`: a NaN or Inf anywhere in the
         subsample reaches the column sums of squares (squares cannot cancel an Inf), and the
@@ -211,11 +224,12 @@ class SketchStatistics:
         y_new = sub.t() @ (sub @ self.omega)
         diag_new = (sub * sub).sum(dim=0)
         finite = torch.isfinite(diag_new).all() & torch.isfinite(y_new).all()
-        self.y_acc.add_(torch.where(finite, y_new, 0.0))
-        self.diag_acc.add_(torch.where(finite, diag_new, 0.0))
-        self.count.add_(finite.to(torch.float32) * sub.shape[0])
-        self.dropped.add_((~finite).to(torch.int64))
-        self.tokens.add_(n)
+        take, drop, tokens = _gated(finite, gate, n)
+        self.y_acc.add_(torch.where(take, y_new, 0.0))
+        self.diag_acc.add_(torch.where(take, diag_new, 0.0))
+        self.count.add_(take.to(torch.float32) * sub.shape[0])
+        self.dropped.add_(drop.to(torch.int64))
+        self.tokens.add_(tokens)
 
     def observe_flops(self, tokens: int) -> float:
         """FLOPs of one `observe` of `tokens` tokens (for cost models): the two sketch matmuls
