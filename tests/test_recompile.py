@@ -87,7 +87,10 @@ def _fsdp2_body(rank: int, world: int, n_blocks: int, steps: int, change: bool, 
                 errs.append(float((got - exact / world).norm() / exact.norm()))
         opt.step()
         opt.zero_grad()
-    block_graphs = len(torch._C._dynamo.eval_frame._debug_get_cache_entry_list(torch.nn.Module._call_impl.__code__))
+    from bench.tiny_llama import TransformerBlock
+
+    # dynamo starts at the block's forward (nn.Module's call wrappers are skipped frames)
+    block_graphs = len(torch._C._dynamo.eval_frame._debug_get_cache_entry_list(TransformerBlock.forward.__code__))
     return {"totals": st.comm_totals(), "errs": errs, "stats": compiled_bodies.stats(),
             "item_plans": compiled_bodies.live_item_plans(), "plan_version": st.plan_version,
             "block_graphs": block_graphs}
@@ -124,11 +127,12 @@ def test_per_block_compiled_fsdp2_model_with_changing_selections() -> None:
     """torchtitan's compiled model: every block compiled (one code object), a selection that
     differs from block to block and changes before every step. The statistics hook's Python
     flag was a guard: the 9th distinct block pattern was FailOnRecompileLimitHit in the first
-    forward. Now the block compiles once, and once more when q/k/v start sharing one
-    statistic at the first refresh (structure, not selection)."""
+    forward. Now the block's compilations stay below dynamo's limit whatever the patterns."""
     for r in run_ranks(_fsdp2_body, 2, 12, 4, True, True):
         _check_quantized_and_bounded(r)
-        assert r["plan_version"] >= 8 and r["block_graphs"] <= 2, r
+        # 48 block patterns ran; the block's entries (4 on torch 2.13) come from structure
+        # (the first refresh's shared statistics, FSDP2's first iterations), not from patterns
+        assert r["plan_version"] >= 8 and 1 <= r["block_graphs"] <= 4, r
 
 
 def _mixed_bucket_body(rank: int, world: int) -> dict:
