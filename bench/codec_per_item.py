@@ -36,14 +36,14 @@ from gift_compile.plan import BucketPlan, ItemPlan
 Log = Callable[[str], None]
 
 
-def bucket(kind: str, fmt: str, world: int, group: str | None, op: str, rank: int = 8
+def bucket(layout: str, fmt: str, world: int, group: str | None, op: str, rank: int = 8
            ) -> tuple[BucketPlan, list[torch.Tensor], list[ItemTensors | None]]:
-    """`kind` "single": one managed low-rank `[256, 512]` item; "multi": low-rank `[256, 512]`,
+    """`layout` "single": one managed low-rank `[256, 512]` item; "multi": low-rank `[256, 512]`,
     identity `[256, 512]` and `[512, 256]`, and a 512-element passthrough item."""
     t = Transform("lowrank", 512, rank, seed=0)
     low = ItemPlan(name="low", rows=256, cols=512, format=fmt, kind="lowrank", n_tensors=len(t.tensors))
     items: list[tuple[ItemPlan, ItemTensors | None]] = [(low, ItemTensors(t.tensors, seed_offset=torch.tensor(1)))]
-    if kind == "multi":
+    if layout == "multi":
         items += [(ItemPlan(name="a", rows=256, cols=512, format=fmt), ItemTensors((), seed_offset=torch.tensor(2))),
                   (ItemPlan(name="b", rows=512, cols=256, format=fmt), ItemTensors((), seed_offset=torch.tensor(3))),
                   (ItemPlan.passthrough("norm", 512, torch.float32), None)]
@@ -56,10 +56,10 @@ def _codec_bytes(fn: Callable[..., object], *args: torch.Tensor) -> int:
     return sum(k.reads + k.writes for k in generated_traffic(fn, *args)[0] if not k.collective)
 
 
-def measure(kind: str, fmt: str, op: str, world: int) -> dict[str, float]:
+def measure(layout: str, fmt: str, op: str, world: int) -> dict[str, float]:
     """Bytes per gradient element of both ways for one bucket."""
     with fake_group(world) as group:
-        plan, xs, states = bucket(kind, fmt, world, group, op)
+        plan, xs, states = bucket(layout, fmt, world, group, op)
         n = sum(x.numel() for x in xs)
         whole = traffic_summary(generated_traffic(lambda *g: bucket_core(list(g), states, Shared(), plan)[0], *xs)[0], n)
         shared = Shared(torch.tensor(0), torch.tensor(0), None)
@@ -88,10 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--format", default="nvfp4")
     p.add_argument("--world", type=int, default=8)
     a = p.parse_args(argv)
-    for kind in ("single", "multi"):
+    for layout in ("single", "multi"):
         for op in ("reduce_scatter", "all_reduce"):
-            r = measure(kind, a.format, op, a.world)
-            print(f"{kind:6s} {op:14s} {a.format}: bucket graph {r['bucket']:.2f} B/el, per item "
+            r = measure(layout, a.format, op, a.world)
+            print(f"{layout:6s} {op:14s} {a.format}: bucket graph {r['bucket']:.2f} B/el, per item "
                   f"{r['per_item']:.2f} B/el (bodies {r['per_item_bodies']:.2f} + glue {r['per_item_glue']:.2f})",
                   flush=True)
     return 0
