@@ -107,20 +107,24 @@ def end_of_backward(state: GiftState) -> None:
     `BackwardWatch.flushes`: the health counters (a non-finite gradient or a
     plan mismatch on any rank raises on every rank), the replica check of GIFT's own sync
     (skipped while `no_sync` accumulates local gradients on purpose), and a warning, once,
-    when the state has not advanced for more than a refresh interval of synchronising
-    backward passes."""
+    when the state has not advanced for more than a refresh interval of optimizer steps."""
     watch = state.backward_watch
     watch.queued = False
     flushes, watch.flushes = watch.flushes, []
     for flush in flushes:
         flush()
     syncing = state.sync_mode == SYNC
-    if syncing:
+    # an optimizer step changes the managed weights in place (their version counters): one
+    # between two backward passes that `GiftState.step` did not follow is a step the state
+    # missed (micro-batches and pipeline stages of one step change no weight)
+    versions = sum(state.weight(name)._version for name in state.modules)
+    if watch.versions is not None and versions != watch.versions:
         watch.since_step += 1
+    watch.versions = versions
     if watch.since_step > state.config.refresh_every and not watch.warned:
         watch.warned = True
         logger.warning(
-            "GIFT: %d synchronising backward passes and the GIFT state has not advanced: its geometry never "
+            "GIFT: %d optimizer steps and the GIFT state has not advanced: its geometry never "
             "refreshes and stochastic-rounding seeds repeat. Pass optimizer= to gift_compile.apply, or call "
             "gift_compile.step(model) after every optimizer step.", watch.since_step)
     state.check_health()

@@ -174,12 +174,15 @@ class LayerState:
 @dataclass
 class BackwardWatch:
     """Bookkeeping of the checks that run when a backward's collectives have completed:
-    whether they are queued for the running backward, what must run before them, how many synchronising backward passes
-    ran since the state last advanced (`GiftState.step`), and whether the user was warned
-    that it does not advance."""
+    whether they are queued for the running backward, what must run before them, how many
+    optimizer steps ran since the state last advanced (`GiftState.step`), and whether the user
+    was warned that it does not advance."""
 
     queued: bool = False
+    # optimizer steps (seen as changed parameter versions between two backward passes) since
+    # the state last advanced, and the versions at the last backward (None: not yet seen)
     since_step: int = 0
+    versions: int | None = None
     warned: bool = False
     # collectives that run at the end of the backward themselves (`gift_compile.plain_sync`'s
     # flush), run by the same callback before the checks read the counters they fill
@@ -391,7 +394,7 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         The health counters are checked again here for collectives that ran outside a checked
         backward (a traced whole step); the backward's own checks have consumed the rest."""
         self.check_health()
-        self.backward_watch.since_step = 0
+        self.backward_watch.since_step, self.backward_watch.versions = 0, None
         for layer in self.layers.values():
             if layer.mode == "sync_pending":
                 layer.mode = "sync"
