@@ -25,6 +25,7 @@ import copy
 import dataclasses
 import functools
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -61,8 +62,10 @@ Log = Callable[[str], None]
 # short format name -> GiftConfig keyword arguments (and the order of the bit-width axis)
 FORMATS: dict[str, dict[str, object]] = {
     "fp8": {"format": "fp8_e4m3", "scaling": "row"},
+    "int6": {"format": "int6", "block_size": 32},
     "nvfp4": {"format": "nvfp4"},
     "int4": {"format": "int4", "block_size": 32},
+    "int3": {"format": "int3", "block_size": 32},
     "int2": {"format": "int2", "block_size": 32},
     "ternary": {"format": "ternary", "block_size": 32},
 }
@@ -345,6 +348,8 @@ def _train(opt_name: str, arm: str, seed: int, s: ConvergenceSettings, paths: co
         result["wire_bytes_per_step"] = totals["wire"] / s.steps
         result["baseline_bytes_per_step"] = totals["baseline"] / s.steps
         result["managed_layers"] = len(state.layers)
+        # the frontier's x axis: bits per managed element from the collectives' own byte counts
+        result["managed_elements"] = sum(math.prod(layer.shape) for layer in state.layers.values())
         result["selected_layers"] = sum(layer.selected for layer in state.layers.values())
         result["geometry"] = state.config.geometry  # as resolved (`-geo`: chosen from the optimizer)
         result["select_metric"] = state.config.select_metric

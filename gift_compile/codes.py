@@ -13,12 +13,14 @@ import math
 
 import torch
 
-from gift_compile.spec import E2M1_MAX, INT4_MAX, _CODE_BITS, _TRITS_PER_BYTE, FormatSpec
+from gift_compile.spec import E2M1_MAX, INT4_MAX, _CODE_BITS, _GROUP_BITS, _INT_MAX, _TRITS_PER_BYTE, FormatSpec
 
 # Round-to-nearest-even decision thresholds between neighbouring grid magnitudes, as
 # (threshold in units of the scale, whether a value equal to it rounds up).
 _E2M1_STEPS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
-_INT4_STEPS = tuple((k + 0.5, k % 2 == 1) for k in range(INT4_MAX))
+# integer formats (mxint4 shares int4's grid): magnitudes 0..max, ties to the even one
+_INT_LEVELS = {**_INT_MAX, "mxint4": INT4_MAX}
+_INT_STEPS = {n: tuple((k + 0.5, k % 2 == 1) for k in range(m)) for n, m in _INT_LEVELS.items()}
 _INT2_STEPS = ((2.0, False),)  # magnitudes {1, 3}; a tie goes to the smaller one
 _TERNARY_STEPS = ((0.5, False),)
 
@@ -75,14 +77,14 @@ def _grid_codes(
 
     `unit` is the block scale broadcast to `x2`'s shape (0 for blocks that underflowed,
     NaN for non-finite ones) and `inv_unit` its reciprocal (0 where `unit` is 0 or NaN).
-    Code layouts: nvfp4 sign bit 3 + E2M1 magnitude; int4/mxint4 4-bit two's complement in
-    [-7, 7]; int2 bit 0 = magnitude 3 (else 1), bit 1 = sign; ternary digit value + 1.
+    Code layouts: nvfp4 sign bit 3 + E2M1 magnitude; int6/int4/mxint4/int3 two's complement
+    of their width in [-max, max]; int2 bit 0 = magnitude 3 (else 1), bit 1 = sign; ternary digit value + 1.
     """
     name = spec.name
     neg = x2 < 0
     if u is None:
         a = x2.abs()
-        steps = {"nvfp4": _E2M1_STEPS, "int2": _INT2_STEPS, "ternary": _TERNARY_STEPS}.get(name, _INT4_STEPS)
+        steps = {"nvfp4": _E2M1_STEPS, "int2": _INT2_STEPS, "ternary": _TERNARY_STEPS}.get(name) or _INT_STEPS[name]
         mag = _nearest_magnitude(a, unit, steps)
         if name == "int2":
             # No zero level: an exact 0 goes to -1 or +1 by column parity, so the zeros of a
@@ -102,7 +104,7 @@ def _grid_codes(
             p = torch.floor((v.clamp(-3.0, 3.0) + 3.0) * 0.5 + u).clamp(0, 3).to(torch.int32)
             neg, mag = p < 2, ((p == 0) | (p == 3)).to(torch.int32)
         else:
-            top = 1.0 if name == "ternary" else float(INT4_MAX)
+            top = 1.0 if name == "ternary" else float(_INT_LEVELS[name])
             mag = torch.floor(a + u).clamp(max=top).to(torch.int32)
     neg = neg.to(torch.int32)
     if name == "nvfp4":
@@ -111,7 +113,7 @@ def _grid_codes(
         return mag + neg * 2
     if name == "ternary":
         return 1 + mag * (1 - 2 * neg)
-    return (mag * (1 - 2 * neg)) & 0xF
+    return (mag * (1 - 2 * neg)) & ((1 << _CODE_BITS[name]) - 1)
 
 
 def _pack(codes: torch.Tensor, spec: FormatSpec) -> torch.Tensor:
@@ -127,12 +129,15 @@ def _pack(codes: torch.Tensor, spec: FormatSpec) -> torch.Tensor:
             byte = byte + d[..., i] * 3**i
         return byte.to(torch.uint8)
     bits = _CODE_BITS[spec.name]
-    per = 8 // bits
+    per = (8 if 8 % bits == 0 else _GROUP_BITS) // bits
     c = codes.reshape(rows, cp // per, per)
-    byte = c[..., 0]
+    word = c[..., 0]
     for i in range(1, per):
-        byte = byte | (c[..., i] << (bits * i))
-    return byte.to(torch.uint8)
+        word = word | (c[..., i] << (bits * i))
+    if 8 % bits == 0:
+        return word.to(torch.uint8)
+    # a 24-bit group -> its three bytes, low byte first
+    return torch.stack([(word >> s) & 0xFF for s in (0, 8, 16)], dim=-1).reshape(rows, 3 * (cp // per)).to(torch.uint8)
 
 
 def _unpack(payload: torch.Tensor, spec: FormatSpec, cp: int) -> torch.Tensor:
@@ -144,7 +149,13 @@ def _unpack(payload: torch.Tensor, spec: FormatSpec, cp: int) -> torch.Tensor:
     stack of the digits would be written out full size first (4 bytes per code) and read back.
     """
     lead, pc = payload.shape[:-1], payload.shape[-1]
-    per = _TRITS_PER_BYTE if spec.name == "ternary" else 8 // _CODE_BITS[spec.name]
+    if spec.name != "ternary" and 8 % _CODE_BITS[spec.name]:
+        # 24-bit groups: each group's three bytes become one word, unpacked like a byte below
+        g = payload.to(torch.int32).reshape(*lead, pc // 3, 3)
+        payload, pc = g[..., 0] | (g[..., 1] << 8) | (g[..., 2] << 16), pc // 3
+        per = _GROUP_BITS // _CODE_BITS[spec.name]
+    else:
+        per = _TRITS_PER_BYTE if spec.name == "ternary" else 8 // _CODE_BITS[spec.name]
     b = payload.to(torch.int32).unsqueeze(-1).expand(*lead, pc, per).reshape(*lead, pc * per)
     pos = torch.arange(pc * per, dtype=torch.int32, device=payload.device) % per
     if spec.name == "ternary":
@@ -164,4 +175,5 @@ def _grid_values(codes: torch.Tensor, spec: FormatSpec) -> torch.Tensor:
         return ((1 + 2 * (codes & 1)) * (1 - 2 * (codes >> 1))).to(torch.float32)
     if spec.name == "ternary":
         return (codes - 1).to(torch.float32)
-    return ((codes ^ 8) - 8).to(torch.float32)  # sign-extend a 4-bit two's complement code
+    half = 1 << (_CODE_BITS[spec.name] - 1)
+    return ((codes ^ half) - half).to(torch.float32)  # sign-extend a two's complement code

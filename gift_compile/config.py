@@ -19,10 +19,11 @@ from typing import Any, NoReturn
 
 from gift_compile.geometries import GEOMETRIES as GEOMETRY_CLASSES
 
-FORMATS = ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "mxfp8", "nvfp4", "mxint4", "int4", "int2", "ternary")
+FORMATS = ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "mxfp8", "nvfp4", "mxint4", "int6", "int4", "int3", "int2",
+           "ternary")
 # Formats whose block length is `block_size`; their block statistics are reduced by a
 # pairwise tree and packed whole into bytes, hence a short list of power-of-two lengths.
-BLOCK_SIZE_FORMATS = ("int4", "int2", "ternary")
+BLOCK_SIZE_FORMATS = ("int6", "int4", "int3", "int2", "ternary")
 BLOCK_SIZE_CHOICES = (16, 32)
 # `replica_format` value meaning "the cross-replica hop uses `format` too".
 SAME_FORMAT = "same"
@@ -105,9 +106,9 @@ class GiftConfig:
         format: wire format of the gradient codes (see `gift_compile.formats`).
         scaling: scale granularity for the fp8 formats: one per tensor, per row, or per
             block of `block_size` elements along the last dimension. The block-scaled
-            formats (mxfp8, nvfp4, mxint4, int4, int2, ternary) ignore this field.
+            formats (mxfp8, nvfp4, mxint4, int6, int4, int3, int2, ternary) ignore this field.
         block_size: block length for fp8 with `scaling="block"` (any even size), and for
-            int4/int2/ternary (16 or 32). mxfp8/mxint4 use 32 and nvfp4 16 regardless.
+            int6/int4/int3/int2/ternary (16 or 32). mxfp8/mxint4 use 32 and nvfp4 16 regardless.
         geometry: coordinates in which the gradient is quantized. `none` is the Euclidean
             baseline, `hadamard` a random-sign block Hadamard rotation, `dense` a full
             Cholesky whitening of the K-FAC input factor, `lowrank` the rank-`rank` plus

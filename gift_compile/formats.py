@@ -18,8 +18,9 @@ Families (bits per element on the wire, scales included, for long rows):
 - E8M0 block scale (OCP MX style, block 32): mxfp8 (8.25, E4M3 elements), mxint4 (4.25,
   integers in [-7, 7]);
 - E4M3 block scale times a power-of-two fp32 tensor scale (NVIDIA's two-level scheme):
-  nvfp4 (4.5, E2M1 elements, block 16), int4 (integers in [-7, 7]; 4.5 / 4.25 for block
-  16 / 32), int2 (levels {-3, -1, 1, 3} x step; 2.5 / 2.25), ternary (levels {-1, 0, 1}
+  nvfp4 (4.5, E2M1 elements, block 16), int6 (integers in [-31, 31], the block maximum on 29;
+  6.5 / 6.25 for block 16 / 32), int4 (integers in [-7, 7]; 4.5 / 4.25), int3 (integers in
+  [-3, 3]; 3.5 / 3.25; 3- and 6-bit codes packed in 24-bit groups), int2 (levels {-3, -1, 1, 3} x step; 2.5 / 2.25), ternary (levels {-1, 0, 1}
   x step, five trits per byte; 2.1 / 1.85).
 
 Numerics shared by every format:

@@ -26,13 +26,23 @@ MX_BLOCK = 32
 NVFP4_BLOCK = 16
 E2M1_MAX = 6.0
 INT4_MAX = 7
+# The two-level integer formats: largest code magnitude (integers in [-max, max], stored as
+# `bits`-bit two's complement; one code, -2**(bits-1), unused). int3 and int6 fill the
+# frontier's holes between 2 and 4 bits and between 4 and 8.
+_INT_MAX = {"int6": 31, "int4": INT4_MAX, "int3": 3}
 # E8M0-scaled formats: scale = 2**(floor(log2(block amax)) - emax), emax the exponent of the
 # element grid's largest binade (E4M3: 448 = 1.75 * 2**8; integers up to 7 = 1.75 * 2**2).
 _E8M0_EMAX = {"mxfp8": 8, "mxint4": 2}
 # Two-level formats: the per-block statistic, and the grid level it maps onto.
-_TWO_LEVEL = {"nvfp4": ("amax", E2M1_MAX), "int4": ("amax", float(INT4_MAX)),
-              "int2": ("mean_abs", 1.0), "ternary": ("mean_abs", 1.0)}
-_CODE_BITS = {"nvfp4": 4, "mxint4": 4, "int4": 4, "int2": 2}
+# int6 maps the block maximum onto 29, not 31: its E4M3 block scale rounds to nearest (up to
+# 1/16 low), and 29 * 16/15 < 31 keeps the maximum inside the grid; at 31 it would saturate by
+# up to two steps, more than the half step of rounding (int4/int3 lose at most a third of one).
+_TWO_LEVEL = {"nvfp4": ("amax", E2M1_MAX), "int6": ("amax", 29.0), "int4": ("amax", float(INT4_MAX)),
+              "int3": ("amax", 3.0), "int2": ("mean_abs", 1.0), "ternary": ("mean_abs", 1.0)}
+_CODE_BITS = {"nvfp4": 4, "mxint4": 4, "int6": 6, "int4": 4, "int3": 3, "int2": 2}
+# Code widths that do not divide a byte are packed in 24-bit groups (three bytes hold eight
+# 3-bit or four 6-bit codes); a block (16 or 32 columns) is always a whole number of groups.
+_GROUP_BITS = 24
 _TRITS_PER_BYTE = 5  # 3**5 = 243 <= 256: 1.6 bits per trit
 
 

@@ -17,7 +17,8 @@ ALL = [("fp32", "row", 32), ("bf16", "row", 32),
        ("fp8_e4m3", "tensor", 32), ("fp8_e4m3", "row", 32), ("fp8_e4m3", "block", 32),
        ("fp8_e5m2", "tensor", 32), ("fp8_e5m2", "row", 32), ("fp8_e5m2", "block", 16),
        ("mxfp8", "row", 32), ("nvfp4", "row", 32), ("mxint4", "row", 32),
-       ("int4", "row", 16), ("int4", "row", 32), ("int2", "row", 16), ("int2", "row", 32),
+       ("int6", "row", 16), ("int6", "row", 32), ("int4", "row", 16), ("int4", "row", 32),
+       ("int3", "row", 16), ("int3", "row", 32), ("int2", "row", 16), ("int2", "row", 32),
        ("ternary", "row", 16), ("ternary", "row", 32)]
 LOSSY = [c for c in ALL if c[0] != "fp32"]
 # Relative L2 error of one round trip of standard Gaussian data (256 x 1024, seed 0):
@@ -26,7 +27,9 @@ LEVELS = {
     ("bf16", 32): (0.001, 0.003), ("fp8_e4m3", 32): (0.024, 0.029), ("fp8_e4m3", 16): (0.024, 0.029),
     ("fp8_e5m2", 32): (0.049, 0.057), ("fp8_e5m2", 16): (0.049, 0.057), ("mxfp8", 32): (0.026, 0.034),
     ("nvfp4", 32): (0.088, 0.102), ("mxint4", 32): (0.128, 0.139),
+    ("int6", 16): (0.020, 0.023), ("int6", 32): (0.022, 0.025),
     ("int4", 16): (0.083, 0.090), ("int4", 32): (0.094, 0.102),
+    ("int3", 16): (0.192, 0.207), ("int3", 32): (0.219, 0.235),
     ("int2", 16): (0.326, 0.346), ("int2", 32): (0.331, 0.351),
     ("ternary", 16): (0.416, 0.438), ("ternary", 32): (0.421, 0.443),
 }
@@ -34,14 +37,16 @@ LEVELS = {
 # format's range, from each grid: bf16 half an ulp (2**-8 relative); e4m3 / e5m2 half an ulp
 # (2**-4 / 2**-3); mxfp8 saturation of [256, 512) at 448 (1/8); nvfp4 half the top E2M1 step
 # (1) times a block scale up to 1.0625 * amax / 6; mxint4 half a step of amax / [4, 8) and
-# saturation at 7 (1/8); int4 half a step of 1.0625 * amax / 7. int2 and ternary clip at a
+# saturation at 7 (1/8); int4 / int3 half a step of 1.0625 * amax / 7 (/ 3), int6 of 1.0625 *
+# amax / 29 (its maximum maps onto 29 of 31). int2 and ternary clip at a
 # multiple of the block's mean |x|, so only "never more than the group maximum" holds.
 GROUP_TOL = {"bf16": 2.0**-8, "fp8_e4m3": 2.0**-4, "fp8_e5m2": 2.0**-3, "mxfp8": 0.125, "nvfp4": 1.0625 / 6,
-             "mxint4": 0.125, "int4": 1.0625 * 0.5 / 7, "int2": 1.0, "ternary": 1.0}
+             "mxint4": 0.125, "int4": 1.0625 * 0.5 / 7,
+             "int6": 1.0625 * 0.5 / 29, "int3": 1.0625 * 0.5 / 3, "int2": 1.0, "ternary": 1.0}
 # Smallest group maximum with the full grid: fp32's normal range, except mxint4, whose
 # smallest E8M0 scale 2**-127 needs amax >= 4 * 2**-127 to put the amax in [4, 8).
 FULL_RANGE = {"mxint4": 2.0**-125}
-TWO_LEVEL_AMAX = ("nvfp4", "int4")  # E4M3 block scale under a tensor scale: 2**14 of range
+TWO_LEVEL_AMAX = ("nvfp4", "int6", "int4", "int3")  # E4M3 block scale under a tensor scale: 2**14 of range
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -56,7 +61,8 @@ def gauss() -> torch.Tensor:
 # The same with stochastic rounding (seed 1): measured value +-4%.
 SR_LEVELS = {
     "bf16": 0.0017, "fp8_e4m3": 0.0376, "fp8_e5m2": 0.0748, "mxfp8": 0.0394, "nvfp4": 0.1372, "mxint4": 0.1872,
-    ("int4", 16): 0.1225, ("int4", 32): 0.1383, ("int2", 16): 0.4338, ("int2", 32): 0.4354,
+    ("int6", 16): 0.0300, ("int6", 32): 0.0337, ("int4", 16): 0.1225, ("int4", 32): 0.1383,
+    ("int3", 16): 0.2839, ("int3", 32): 0.3222, ("int2", 16): 0.4338, ("int2", 32): 0.4354,
     ("ternary", 16): 0.5284, ("ternary", 32): 0.5307,
 }
 
@@ -75,7 +81,7 @@ def test_fp32_is_lossless(gauss):
     assert torch.equal(dequantize(quantize(gauss, "fp32")), gauss)
 
 
-@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2", "mxfp8", "nvfp4", "mxint4", "int4"])
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2", "mxfp8", "nvfp4", "mxint4", "int6", "int4", "int3"])
 def test_representable_values_round_trip_exactly(fmt):
     # Values on the format's grid whose block amax maps exactly onto the format maximum.
     if fmt == "nvfp4":
@@ -88,10 +94,16 @@ def test_representable_values_round_trip_exactly(fmt):
         # every integer in [-7, 7] in each block; amax 7 -> scale exactly 1
         x = torch.cat([torch.arange(-7.0, 8.0), torch.tensor([7.0]), torch.arange(7.0, -8.0, -1), torch.tensor([0.0])])
         x = torch.cat([x, x * 0.5]).reshape(2, 32)
+    elif fmt == "int3":
+        # every integer in [-3, 3]; amax 3 -> scale exactly 1
+        x = torch.tensor([-3.0, -2, -1, 0, 1, 2, 3, 3] * 4).reshape(2, 16)
+    elif fmt == "int6":
+        # amax 29 -> scale exactly 1 (int6 maps the maximum onto 29), odd integers up to 29
+        x = torch.cat([torch.arange(-29.0, 30.0, 2), torch.tensor([29.0, -29.0])]).reshape(2, 16)
     else:
         fmax = 448.0 if fmt == "fp8_e4m3" else 57344.0
         x = torch.tensor([fmax, 1.0, -2.0, 0.5, 0.0, -fmax / 4, 3.0, 1.5]).reshape(1, 8)
-    y = dequantize(quantize(x, fmt, scaling="tensor"))
+    y = dequantize(quantize(x, fmt, scaling="tensor", block_size=16))
     assert torch.equal(y, x), (fmt, (y - x).abs().max())
 
 
@@ -110,8 +122,8 @@ def _reference_int_formats(x: torch.Tensor, fmt: str, block: int) -> torch.Tenso
         _, e = torch.frexp(xb.abs().amax(-1))  # amax = m * 2^e, m in [0.5, 1): floor(log2) = e - 1
         unit = torch.exp2((e - 1 - 2).clamp(-127, 127).double())
     else:
-        if fmt == "int4":
-            stat, level = xb.abs().amax(-1), 7.0
+        if fmt in ("int6", "int4", "int3"):
+            stat, level = xb.abs().amax(-1), {"int6": 29.0, "int4": 7.0, "int3": 3.0}[fmt]
         else:
             stat, level = xb.abs().mean(-1) * {"int2": 0.625, "ternary": 1.5}[fmt], 1.0
         stat = stat.float()
@@ -127,12 +139,13 @@ def _reference_int_formats(x: torch.Tensor, fmt: str, block: int) -> torch.Tenso
         sign = torch.where((v < 0) | ((v == 0) & odd), -1.0, 1.0).double()
         q = torch.where(v.abs() > 2, 3.0, 1.0).double() * sign
     else:
-        top = 1.0 if fmt == "ternary" else 7.0
+        top = {"ternary": 1.0, "int6": 31.0, "int3": 3.0}.get(fmt, 7.0)
         q = torch.round(v).clamp(-top, top)  # round half to even
     return (q * unit).reshape(x.shape)
 
 
-@pytest.mark.parametrize("fmt,block", [("mxint4", 32), ("int4", 16), ("int4", 32), ("int2", 16), ("int2", 32),
+@pytest.mark.parametrize("fmt,block", [("mxint4", 32), ("int6", 16), ("int6", 32), ("int4", 16), ("int4", 32),
+                                       ("int3", 16), ("int3", 32), ("int2", 16), ("int2", 32),
                                        ("ternary", 16), ("ternary", 32)])
 def test_integer_formats_match_a_float64_reference(fmt, block):
     g = torch.Generator().manual_seed(5)
@@ -217,10 +230,28 @@ def test_bits_per_element():
     for block in (16, 32):
         assert FormatSpec("int4", block_size=block).bits_per_element(cols, rows) == pytest.approx(4 + 8 / block + tensor_scale)
         assert FormatSpec("int2", block_size=block).bits_per_element(cols, rows) == pytest.approx(2 + 8 / block + tensor_scale)
+        # three bytes per eight 3-bit / four 6-bit codes
+        assert FormatSpec("int3", block_size=block).bits_per_element(cols, rows) == pytest.approx(3 + 8 / block + tensor_scale)
+        assert FormatSpec("int6", block_size=block).bits_per_element(cols, rows) == pytest.approx(6 + 8 / block + tensor_scale)
         # five trits per byte: ceil(1024 / 5) = 205 bytes per row
         assert FormatSpec("ternary", block_size=block).bits_per_element(cols, rows) == pytest.approx(
             8 * 205 / cols + 8 / block + tensor_scale)
     assert FormatSpec("ternary", block_size=16).payload_cols(37) == 10  # 48 padded trits -> 10 bytes
+    assert FormatSpec("int3", block_size=16).payload_cols(37) == 18  # 48 padded codes -> 6 groups of 3 bytes
+
+
+def test_24_bit_packing_layout():
+    """int3 / int6 codes sit low bits first in 24-bit groups, low byte first: a receiver built
+    from this description (another language, another device) decodes the same values."""
+    x = torch.tensor([[3.0, -3, 2, -2, 1, -1, 0, 3] + [0.0] * 8])  # amax 3: unit exactly 1
+    q = quantize(x, "int3", block_size=16)
+    codes = [v & 7 for v in (3, -3, 2, -2, 1, -1, 0, 3)]
+    word = sum(c << (3 * i) for i, c in enumerate(codes))
+    assert q.payload[0, :3].tolist() == [word & 0xFF, (word >> 8) & 0xFF, word >> 16]
+    assert q.payload[0, 3:].tolist() == [0, 0, 0]
+    y = torch.tensor([[29.0, -29, 5, -1] + [0.0] * 12])  # int6: amax 29 -> unit exactly 1
+    word = sum((v & 63) << (6 * i) for i, v in enumerate((29, -29, 5, -1)))
+    assert quantize(y, "int6", block_size=16).payload[0, :3].tolist() == [word & 0xFF, (word >> 8) & 0xFF, word >> 16]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -243,7 +274,8 @@ def test_unsupported_dtype_and_nonfinite_are_errors():
 
 
 @pytest.mark.parametrize("fmt,scaling", [("fp8_e4m3", "row"), ("mxfp8", "row"), ("nvfp4", "row"), ("fp8_e5m2", "tensor"),
-                                         ("mxint4", "row"), ("int4", "row"), ("int2", "row"), ("ternary", "row")])
+                                         ("mxint4", "row"), ("int6", "row"), ("int4", "row"), ("int3", "row"),
+                                         ("int2", "row"), ("ternary", "row")])
 def test_nonfinite_propagates_as_nan_never_finite(fmt, scaling):
     x = torch.randn(4, 64)
     x[1, 5] = math.inf
@@ -255,7 +287,7 @@ def test_nonfinite_propagates_as_nan_never_finite(fmt, scaling):
     if fmt in ("mxfp8", "mxint4"):  # block-local scales: exactly the two 32-element blocks
         assert torch.isnan(y[1, :32]).all() and torch.isnan(y[2, 32:]).all()
         assert int(torch.isnan(y).sum()) == 64
-    if fmt in ("nvfp4", "int4", "int2", "ternary"):  # the shared tensor scale is non-finite
+    if fmt in ("nvfp4", "int6", "int4", "int3", "int2", "ternary"):  # the shared tensor scale is non-finite
         assert torch.isnan(y).all()
 
 
@@ -270,7 +302,7 @@ def test_stochastic_rounding_is_seeded_and_unbiased():
     assert abs(float(a.mean() - x.mean())) < 0.2 * abs(float(nearest.mean() - x.mean())) + 1e-4
 
 
-@pytest.mark.parametrize("fmt", ["mxint4", "int4", "int2", "ternary"])
+@pytest.mark.parametrize("fmt", ["mxint4", "int6", "int4", "int3", "int2", "ternary"])
 def test_integer_stochastic_rounding_is_seeded_and_unbiased(fmt):
     # Identical rows, so every row has the same scales; 24 values of +-1 keep every test
     # value inside the grid of each format (no clipping), 8 test values sit between levels.
@@ -352,7 +384,7 @@ def test_bad_arguments_raise_value_errors_naming_them():
         spec.bits_per_element(0, 4)
     with pytest.raises(ValueError, match="x must be a torch.Tensor"):
         quantize([1.0, 2.0], "int4")
-    for fmt in ("int4", "int2", "ternary"):
+    for fmt in ("int6", "int4", "int3", "int2", "ternary"):
         with pytest.raises(ValueError, match="block_size=64 is invalid for format"):
             FormatSpec(fmt, block_size=64)
         with pytest.raises(ValueError, match=r"GiftConfig\.block_size=64 is invalid; allowed: 16 or 32"):
@@ -450,7 +482,7 @@ def test_compiled_is_bit_identical_to_eager():
     # Every distinct code path once (mxint4 and ternary share int4's stochastic branch).
     cases = [("fp8_e5m2", 16, (True,)), ("mxfp8", 32, (False,)), ("nvfp4", 16, (False, True)),
              ("mxint4", 32, (False,)), ("int4", 16, (False, True)), ("int2", 32, (False, True)),
-             ("ternary", 16, (False,))]
+             ("ternary", 16, (False,)), ("int3", 16, (False, True)), ("int6", 32, (False,))]
 
     def round_trips(x: torch.Tensor, bad: torch.Tensor) -> list[torch.Tensor]:
         out = []
