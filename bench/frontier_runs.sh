@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The rate-distortion frontier (docs/benchmarks.md, "The frontier"): reduce-scatter path, 2 ranks,
+# Muon, paired seeds 0-4, appended to bench/results/convergence_runs_frontier.jsonl (runs already
+# there are skipped, so it can be stopped and restarted). The fp32 arm and the NVFP4 / int2 study
+# arms come from convergence_runs_rs.jsonl (same path, ranks, steps, seeds: the pairs match).
+# GIFT arms run the product's defaults (`-dflt`: GiftConfig(format=F, geometry="auto") with
+# optimizer=); Euclidean arms are geometry="none". Pairs are run in order of importance (the
+# 2-bit region first), each pair to n=5 before the next starts. Then:
+#   python -m bench.frontier && python -m bench.readme
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+OUT=${OUT:-bench/results/convergence_runs_frontier.jsonl}
+export OMP_NUM_THREADS=1
+for arms in \
+  "euclid-int3,gift-int3-dflt" \
+  "euclid-ternary,gift-ternary-dflt" \
+  "gift-int2-dflt,gift-int2-ef-dflt" \
+  "euclid-int3-ef,gift-int3-ef-dflt" \
+  "euclid-ternary-ef,gift-ternary-ef-dflt" \
+  "euclid-int6,gift-int6-dflt" \
+  "gift-nvfp4-ef-dflt,gift-int4-dflt" \
+  "euclid-int4,euclid-fp8" ; do
+  $PY -m bench.convergence --profile full --path reduce-scatter --seeds 0,1,2,3,4 --arms "muon=$arms" --jsonl "$OUT"
+done
