@@ -40,7 +40,7 @@ from gift_compile.config import GiftConfig
 
 PATHS = ("eager", "compiled", "ddp", "fsdp2")
 DRIVERS = ("optimizer", "step")
-CFG = dict(format="fp8_e4m3", min_numel=1024, rank=8, refresh_every=2, select="all", exclude=())
+CFG = dict(format="fp8_e4m3", geometry="lowrank", min_numel=1024, rank=8, refresh_every=2, select="all", exclude=())
 
 
 class _Poison(torch.autograd.Function):

@@ -161,7 +161,7 @@ class _EigenBasis:
 
 
 def _config(fmt: str, scaling: str) -> GiftConfig:
-    return GiftConfig(format=fmt, scaling=scaling, select="all")
+    return GiftConfig(format=fmt, scaling=scaling, geometry="lowrank", select="all")
 
 
 def round_trip_errors(

@@ -288,7 +288,8 @@ def evaluate(samples: list[LayerSample], formats: list[str], labels: list[str], 
     metrics = METRICS + (ADAM_METRICS if state is not None else ())
     num = {m: defaultdict(float) for m in metrics}  # (format, label, layer) -> sum ||error||^2
     den = {m: defaultdict(float) for m in metrics}  # layer -> sum ||reference||^2
-    configs = {f: GiftConfig(format=SWEEP_FORMATS[f][0], scaling=SWEEP_FORMATS[f][1], select="all") for f in formats}
+    configs = {f: GiftConfig(format=SWEEP_FORMATS[f][0], scaling=SWEEP_FORMATS[f][1], geometry="lowrank", select="all")
+               for f in formats}
     extra_bits: dict[str, float] = defaultdict(float)
     elements = sum(x.grad.numel() for x in samples)
     done = 0

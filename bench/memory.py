@@ -34,15 +34,17 @@ Log = Callable[[str], None]
 DEFAULTS = "GIFT defaults (lowrank r32, sketch statistics)"
 WITH_EF = "GIFT defaults + error feedback (fp32 residual)"
 CONFIGS: dict[str, GiftConfig] = {
-    DEFAULTS: GiftConfig(),
-    WITH_EF: GiftConfig(error_feedback=True),
-    "GIFT + error feedback, fp8_e4m3 residual": GiftConfig(error_feedback=True, residual_format="fp8_e4m3"),
-    "GIFT + error feedback, int4 residual": GiftConfig(error_feedback=True, residual_format="int4"),
+    DEFAULTS: GiftConfig(geometry="lowrank"),
+    WITH_EF: GiftConfig(geometry="lowrank", error_feedback=True),
+    "GIFT + error feedback, fp8_e4m3 residual":
+        GiftConfig(geometry="lowrank", error_feedback=True, residual_format="fp8_e4m3"),
+    "GIFT + error feedback, int4 residual": GiftConfig(geometry="lowrank", error_feedback=True, residual_format="int4"),
     "GIFT + error feedback on both all-reduce hops, fp32 residuals":
-        GiftConfig(error_feedback=True, second_hop_error_feedback=True),
+        GiftConfig(geometry="lowrank", error_feedback=True, second_hop_error_feedback=True),
     "GIFT + error feedback on both all-reduce hops, int4 residuals":
-        GiftConfig(error_feedback=True, second_hop_error_feedback=True, residual_format="int4"),
-    "first version: dense statistics + error feedback (fp32)": GiftConfig(statistics="dense", error_feedback=True),
+        GiftConfig(geometry="lowrank", error_feedback=True, second_hop_error_feedback=True, residual_format="int4"),
+    "first version: dense statistics + error feedback (fp32)":
+        GiftConfig(geometry="lowrank", statistics="dense", error_feedback=True),
     "Euclidean low-bit (geometry=none)": GiftConfig(geometry="none"),
 }
 

@@ -55,7 +55,7 @@ def _worker(rank: int, world: int, store: str, data_path: str, formats: list[str
         for fmt in formats:
             for side in GEOMETRIES:
                 for arm, (ef1, ef2, beta) in ARMS.items():
-                    cfg = GiftConfig(format=fmt, error_feedback=ef1, second_hop_error_feedback=ef2,
+                    cfg = GiftConfig(format=fmt, geometry="lowrank", error_feedback=ef1, second_hop_error_feedback=ef2,
                                      error_feedback_decay=beta)
                     errs = {}
                     for name, layer in data["layers"].items():

@@ -89,8 +89,8 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, ckpt_di
     try:
         model = SoakNet(args.width)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        cfg = gift_compile.GiftConfig(format="fp8_e4m3", min_numel=1024, rank=8, select="all", exclude=(),
-                                      error_feedback=True, refresh_every=args.refresh_every)
+        cfg = gift_compile.GiftConfig(format="fp8_e4m3", geometry="lowrank", min_numel=1024, rank=8, select="all",
+                                      exclude=(), error_feedback=True, refresh_every=args.refresh_every)
         gift_compile.apply(model, cfg, optimizer=opt)
         st = gift_compile.state(model)
         fwd = torch.compile(model, fullgraph=True, dynamic=False)

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from gift_compile import collectives
-from gift_compile.config import AUTO_GEOMETRY, AUTO_METRIC, GiftConfig
+from gift_compile.config import AUTO_GEOMETRY, AUTO_METRIC, FALLBACK_GEOMETRY, GiftConfig
 from gift_compile.geometries import Geometry, geometry_class
 from gift_compile.health import queue_backward_check
 from gift_compile.optimizers import geometry_for, leaf_optimizers, select_metric_for
@@ -141,8 +141,8 @@ def resolve_auto(config: GiftConfig, optimizer: Any | None, weights: list[torch.
     becomes `select_metric_for(optimizer, weights, geometry)` ("whitened" under a matrix
     preconditioner such as Muon, or for a map in the optimizer's own coordinates): the
     selection then judges each layer by the error the optimizer's update sees, which is what
-    the convergence study found GIFT lowers. Without an optimizer the geometry cannot be
-    chosen (raises) and the metric is "euclidean" (logged). The bench calls this too, with the
+    the convergence study found GIFT lowers. Without an optimizer the geometry falls back to
+    K-FAC's `lowrank` and the metric to "euclidean" (both logged as warnings). The bench calls this too, with the
     weights of the model the optimizer steps.
     """
     geometry_auto, metric_auto = config.geometry == AUTO_GEOMETRY, config.select_metric == AUTO_METRIC
@@ -150,11 +150,16 @@ def resolve_auto(config: GiftConfig, optimizer: Any | None, weights: list[torch.
         return config
     if optimizer is None:
         if geometry_auto:
-            raise ValueError("gift_compile.apply: geometry='auto' is chosen from the optimizer that steps the "
-                             "managed weights; pass optimizer= or name a geometry")
-        logger.warning("gift_compile.apply: select_metric='auto' without optimizer=: layers are selected by the "
-                       "plain (euclidean) error; under Muon/Shampoo pass optimizer= or set select_metric='whitened'")
-        return dataclasses.replace(config, select_metric="euclidean")
+            logger.warning("gift_compile.apply: geometry='auto' without optimizer=: using K-FAC's %r map; under "
+                           "Adam/AdamW it loses to plain low-bit (pass optimizer= or name a geometry)",
+                           FALLBACK_GEOMETRY)
+            config = dataclasses.replace(config, geometry=FALLBACK_GEOMETRY)
+        if metric_auto:
+            logger.warning("gift_compile.apply: select_metric='auto' without optimizer=: layers are selected by the "
+                           "plain (euclidean) error; under Muon/Shampoo pass optimizer= or set "
+                           "select_metric='whitened'")
+            config = dataclasses.replace(config, select_metric="euclidean")
+        return config
     if not weights:  # nothing managed: nothing mapped or selected
         return dataclasses.replace(config, geometry=Geometry.name if geometry_auto else config.geometry,
                                    select_metric="euclidean")

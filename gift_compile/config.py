@@ -32,6 +32,9 @@ GEOMETRIES = tuple(GEOMETRY_CLASSES)  # the names of the geometry table
 # `geometry` value resolved by `apply(..., optimizer=)` to the optimizer's geometry
 # (`gift_compile.optimizers.geometry_for`).
 AUTO_GEOMETRY = "auto"
+# What `geometry="auto"` (the default) becomes when `apply` is given no optimizer: K-FAC's
+# input-side map, GIFT's own geometry (logged as a warning: under AdamW it is the wrong map).
+FALLBACK_GEOMETRY = "lowrank"
 NONFINITE = ("error", "propagate")
 REDUCE_OPS = ("avg", "sum")
 SELECT_METRICS = ("euclidean", "whitened")
@@ -119,10 +122,12 @@ class GiftConfig:
             orthogonalizes, replaced at each refresh (no EMA: M already averages); needs the
             optimizer (`apply(..., optimizer=)` or `attach_optimizer`). `second_moment`
             scales each input column by `(c_j / mean(c))^{-1/2}`, `c_j` the column sum of
-            Adam's/AdamW's `exp_avg_sq` (needs the optimizer). `auto` is resolved by
-            `apply(..., optimizer=)` from the optimizer: `lowrank` under a matrix
-            preconditioner (Muon, Shampoo), `second_moment` under Adam/AdamW (and then
+            Adam's/AdamW's `exp_avg_sq` (needs the optimizer). `auto` (the default) is
+            resolved by `apply(..., optimizer=)` from the optimizer, because the convergence
+            study found the right map depends on it: `lowrank` under a matrix preconditioner
+            (Muon, Shampoo), `second_moment` under Adam/AdamW (and then
             `select_metric="whitened"`, the error in AdamW's update coordinates), else `none`.
+            Without `optimizer=` it falls back to `lowrank` with a logged warning.
         rank: rank of the low-rank part of the whitening.
         refresh_every: steps between geometry refreshes (statistics, transforms, selection).
         refresh_warmup: the first refresh comes after this many steps, and the refreshes
@@ -216,7 +221,7 @@ class GiftConfig:
     format: str = "fp8_e4m3"
     scaling: str = "row"
     block_size: int = 32
-    geometry: str = "lowrank"
+    geometry: str = AUTO_GEOMETRY
     rank: int = 32
     refresh_every: int = 50
     refresh_warmup: int = 10

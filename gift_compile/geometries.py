@@ -52,6 +52,10 @@ def geometry_class(name: str) -> type[Geometry]:
     try:
         return GEOMETRIES[name]
     except KeyError:
+        if name == "auto":  # GiftConfig's default: a choice `apply` makes, not a map
+            raise ValueError("geometry 'auto' is chosen from the optimizer by gift_compile.apply(..., optimizer=) "
+                             "(gift_compile.api.resolve_auto); name a geometry to build GIFT's state without it") \
+                from None
         raise ValueError(f"unknown geometry {name!r}; allowed: {', '.join(GEOMETRIES)}") from None
 
 

@@ -53,7 +53,8 @@ def test_apply_is_idempotent_and_remove_undoes_it():
 def _eager_training_body(rank: int, world: int, fmt: str) -> tuple[list[torch.Tensor], list[dict]]:
     m = MLP()
     opt = torch.optim.SGD(m.parameters(), lr=0.05)
-    gift_compile.apply(m, GiftConfig(format=fmt, min_numel=1024, refresh_every=4, error_feedback=True, rank=8, select="all"),
+    gift_compile.apply(m, GiftConfig(format=fmt, geometry="lowrank", min_numel=1024, refresh_every=4, error_feedback=True,
+                                     rank=8, select="all"),
                        optimizer=opt)
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(64, 96, generator=g) @ torch.diag(torch.logspace(0, -2, 96))
@@ -88,18 +89,20 @@ def test_selection_policies():
         "c.w1.weight": LayerMeasurement(0.05, 0.02, 0.5, 0.02),  # too expensive
     }
     hits = {n: m.boundary_hits for n, m in ms.items()}
-    assert decide(GiftConfig(), ms, hits) == {"a.w2.weight"}
-    assert decide(GiftConfig(select="all"), ms, hits) == set(ms)
-    assert decide(GiftConfig(select="none"), ms, hits) == set()
-    assert decide(GiftConfig(select=("*.w2.*",)), ms, hits) == {"a.w2.weight", "b.w2.weight"}
-    assert decide(GiftConfig(select="boundary_hits:2"), ms, hits) == {"b.w2.weight", "c.w1.weight"}
+    assert decide(GiftConfig(geometry="lowrank"), ms, hits) == {"a.w2.weight"}
+    assert decide(GiftConfig(geometry="lowrank", select="all"), ms, hits) == set(ms)
+    assert decide(GiftConfig(geometry="lowrank", select="none"), ms, hits) == set()
+    assert decide(GiftConfig(geometry="lowrank", select=("*.w2.*",)), ms, hits) == {"a.w2.weight", "b.w2.weight"}
+    assert decide(GiftConfig(geometry="lowrank", select="boundary_hits:2"), ms, hits) == {"b.w2.weight",
+                                                                                          "c.w1.weight"}
     assert decide(GiftConfig(geometry="none", select="all"), ms, hits) == set()
 
 
 def _auto_record(metric: str) -> dict:
     # strongly anisotropic input geometry; fp8 per-row errors are ~uniform per element, so
     # plain L2 does not improve, while the error seen in the whitened geometry does
-    cfg = GiftConfig(format="fp8_e4m3", scaling="row", rank=16, refresh_every=1, select_metric=metric)
+    cfg = GiftConfig(format="fp8_e4m3", scaling="row", geometry="lowrank", rank=16, refresh_every=1,
+                     select_metric=metric)
     st = GiftState(cfg, None)
     layer = st.add_layer("w", (128, 96), "cpu")
     g = torch.Generator().manual_seed(0)
@@ -196,8 +199,8 @@ def _deselected_body(rank: int, world: int) -> dict:
         m = MLP()
         opt = torch.optim.SGD(m.parameters(), lr=0.01)
         # auto_min_gain far above any measured gain: the measured rule deselects every layer
-        gift_compile.apply(m, GiftConfig(min_numel=1024, refresh_every=2, rank=8, select=select, auto_min_gain=1e9),
-                           optimizer=opt)
+        gift_compile.apply(m, GiftConfig(geometry="lowrank", min_numel=1024, refresh_every=2, rank=8, select=select,
+                                         auto_min_gain=1e9), optimizer=opt)
         st = gift_compile.state(m)
         fwd = torch.compile(m, fullgraph=True, dynamic=False)
         n0 = reports_seen()

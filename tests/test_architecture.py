@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_gift_state_refuses_undeclared_attributes():
-    st = GiftState(GiftConfig(), None)
+    st = GiftState(GiftConfig(geometry="lowrank"), None)
     st.retraces += 1  # declared: adapters may update it
     with pytest.raises(AttributeError):
         st.undeclared_timer = object()

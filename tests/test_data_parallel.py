@@ -20,7 +20,7 @@ from gift_compile.plan import BucketPlan, ItemPlan
 from multirank import run_ranks
 from mlp import MLP as _MLP
 
-CFG = dict(format="fp8_e4m3", min_numel=1024, rank=8, refresh_every=2, select="all", exclude=())
+CFG = dict(format="fp8_e4m3", geometry="lowrank", min_numel=1024, rank=8, refresh_every=2, select="all", exclude=())
 
 
 def MLP() -> nn.Module:

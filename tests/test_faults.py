@@ -35,7 +35,7 @@ def _nan_training_body(rank: int, world: int, compiled: bool) -> list[str]:
     torch._inductor.config.fx_graph_cache = False
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    gift_compile.apply(model, GiftConfig(format="fp8_e4m3", min_numel=1024, refresh_every=2, select="all", rank=8),
+    gift_compile.apply(model, GiftConfig(format="fp8_e4m3", geometry="lowrank", min_numel=1024, refresh_every=2, select="all", rank=8),
                        optimizer=opt)
     fwd = torch.compile(model, fullgraph=True, dynamic=False) if compiled else model
     outcome = []
@@ -92,7 +92,7 @@ def test_ranks_with_different_gift_setups_refuse_to_start():
 
 
 def _state(**overrides: object) -> GiftState:
-    st = GiftState(GiftConfig(**{"rank": 4, "refresh_every": 1, "select": "all", **overrides}), None)
+    st = GiftState(GiftConfig(**{"geometry": "lowrank", "rank": 4, "refresh_every": 1, "select": "all", **overrides}), None)
     st.add_layer("a.weight", (32, 48), "cpu")
     st.add_layer("b.weight", (16, 48), "cpu")
     g = torch.Generator().manual_seed(0)
@@ -132,7 +132,7 @@ def test_checkpoint_faults_name_layer_and_key():
     bad = {k: v for k, v in good.items() if not k.startswith("b.weight.transform")}
     with pytest.raises(ValueError, match=r"layer b.weight: key 'transform.t0' is missing"):
         target.load_state_dict(bad)
-    only_a = GiftState(GiftConfig(rank=4, refresh_every=1, select="all"), None)
+    only_a = GiftState(GiftConfig(geometry="lowrank", rank=4, refresh_every=1, select="all"), None)
     only_a.add_layer("a.weight", (32, 48), "cpu")
     with pytest.raises(ValueError, match=r"layers differ: missing \['b.weight'\]"):
         target.load_state_dict(only_a.state_dict())
@@ -171,7 +171,7 @@ def test_checkpoint_conversions_are_logged(caplog):
     lambda: C.all_reduce(torch.ones(()), None, GiftConfig()),
     lambda: C.all_reduce(torch.ones(4, 8, dtype=torch.int64), None, GiftConfig()),
     lambda: C.all_reduce(torch.ones(4, 8), None, GiftConfig(), residual=torch.zeros(4, 9)),
-    lambda: GiftState(GiftConfig(), None).add_layer("w", (0, 16), "meta"),
+    lambda: GiftState(GiftConfig(geometry="lowrank"), None).add_layer("w", (0, 16), "meta"),
 ])
 def test_bad_arguments_are_one_clear_error(call):
     with pytest.raises((ValueError, TypeError)) as info:

@@ -197,8 +197,8 @@ def _one_shard_worker(rank: int, world: int) -> dict:
     local_ref = reference.up.weight.grad
     twice = float((plain.up.weight.grad.full_tensor() - local_ref / 4).norm() / local_ref.norm())
 
-    config = GiftConfig(format="fp8_e4m3", select="auto", refresh_every=1, min_numel=1024, exclude=(),
-                        error_feedback=True)
+    config = GiftConfig(format="fp8_e4m3", geometry="lowrank", select="auto", refresh_every=1, min_numel=1024,
+                        exclude=(), error_feedback=True)
     reference, model = build(None)
     state = manage(model, config, dist.group.WORLD, mode="stats", split_rows=True)
     fsdp2.install(model, state, compiled=False)
@@ -217,8 +217,8 @@ def _one_shard_worker(rank: int, world: int) -> dict:
     refusals = []
     for kwargs, factor in (({"replica_format": "int4"}, None), ({}, 2.0)):
         _, other = build(None, factor)
-        other_state = manage(other, GiftConfig(min_numel=1024, exclude=(), **kwargs), dist.group.WORLD,
-                             mode="stats", split_rows=True)
+        other_state = manage(other, GiftConfig(geometry="lowrank", min_numel=1024, exclude=(), **kwargs),
+                             dist.group.WORLD, mode="stats", split_rows=True)
         fsdp2.install(other, other_state, compiled=False)
         try:
             hsdp.install(other, other_state, replica_group, compiled=False)

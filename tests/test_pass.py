@@ -232,7 +232,7 @@ def _bucket_graph_body(rank: int, world: int) -> dict:
     from gift_compile.plan import BucketPlan, ItemPlan
     from gift_compile.state import GiftState
 
-    st = GiftState(gift_compile.GiftConfig(format="fp8_e4m3", rank=4, select="all", refresh_every=1),
+    st = GiftState(gift_compile.GiftConfig(format="fp8_e4m3", geometry="lowrank", rank=4, select="all", refresh_every=1),
                    dist.group.WORLD, collective="reduce_scatter")
     a, b = st.add_layer("a.weight", (8, 48), "cpu"), st.add_layer("b.weight", (16, 32), "cpu")
     gen = torch.Generator().manual_seed(0)

@@ -83,7 +83,8 @@ def _worker(rank: int, world: int) -> dict:
             "calls": (shard_delta[C_CALLS], replica_delta[C_CALLS]),
         })
     # a mark without the replica hop crossing a replica all-reduce is refused, not quantized at the wrong hop
-    _, _, gm = build(GiftConfig(format="fp8_e4m3", select="all", min_numel=1024, exclude=()), with_hop=False)
+    _, _, gm = build(GiftConfig(format="fp8_e4m3", geometry="lowrank", select="all", min_numel=1024, exclude=()),
+                     with_hop=False)
     try:
         rewrite_gradient_collectives(gm)
         out["refused"] = None

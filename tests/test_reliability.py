@@ -20,7 +20,7 @@ from gift_compile.config import GiftConfig
 from multirank import run_ranks
 
 FAST = 300  # seconds: a hang fails the test quickly
-CFG = dict(format="fp8_e4m3", min_numel=1024, rank=8, refresh_every=2, select="all", exclude=())
+CFG = dict(format="fp8_e4m3", geometry="lowrank", min_numel=1024, rank=8, refresh_every=2, select="all", exclude=())
 
 
 class _PoisonGrad(torch.autograd.Function):

@@ -201,7 +201,7 @@ def test_decay_zero_equals_no_error_feedback_bitwise():
 
 
 def _state(**overrides: object) -> GiftState:
-    st = GiftState(GiftConfig(**{"rank": 4, "refresh_every": 1, "select": "all", **overrides}), None)
+    st = GiftState(GiftConfig(**{"geometry": "lowrank", "rank": 4, "refresh_every": 1, "select": "all", **overrides}), None)
     st.add_layer("a.weight", (32, 48), "cpu")
     return st
 
@@ -229,12 +229,12 @@ def test_memory_and_refusals():
     mem = st.memory_bytes()
     assert mem["second_hop_residuals"] == mem["residuals"] > 0  # one rank: the shard is the tensor
     # sized for a 4-rank all-reduce without a group (the memory benchmark): a quarter of the rows
-    sized = GiftState(GiftConfig(second_hop_error_feedback=True), None)
+    sized = GiftState(GiftConfig(geometry="lowrank", second_hop_error_feedback=True), None)
     layer = sized.add_layer("w", (30, 48), "meta", world=4)
     assert layer.second_hop_residual[0].shape == (8, 48) and layer.residual is None
     assert sized.memory_bytes()["second_hop_residuals"] == 8 * 48 * 4
     with pytest.raises(ValueError, match="no second hop"):
-        GiftState(GiftConfig(second_hop_error_feedback=True), None, collective="reduce_scatter")
+        GiftState(GiftConfig(geometry="lowrank", second_hop_error_feedback=True), None, collective="reduce_scatter")
 
 
 @pytest.mark.parametrize("kwargs, field", [

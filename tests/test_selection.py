@@ -95,7 +95,7 @@ def test_torchtitan_section_resolves_auto_by_optimizer() -> None:
     net = _Net()
     assert resolve_select_metric(section, _Container(_muon_adamw(net)), net, world=2) == "whitened"
     assert resolve_select_metric(section, _Container([torch.optim.AdamW(net.parameters())]), net, world=2) == "euclidean"
-    assert section.to_gift_config(select_metric="whitened").select_metric == "whitened"
+    assert section.to_gift_config(select_metric="whitened", geometry="lowrank").select_metric == "whitened"
     explicit = GiftSection(select_metric="euclidean")
     assert resolve_select_metric(explicit, _muon_adamw(net), net, world=2) is None
     with pytest.raises(ValueError, match="is explicit"):
@@ -123,14 +123,17 @@ def test_geometry_for_follows_the_optimizer() -> None:
         geometry_for(mixed, [nn.Linear(4, 4).weight])
 
 
-def test_apply_resolves_geometry_auto_from_the_optimizer_and_raises_without_one(caplog) -> None:
+def test_apply_resolves_geometry_auto_from_the_optimizer_and_falls_back_logged_without_one(caplog) -> None:
     import gift_compile
     from gift_compile.api import manage
     from gift_compile.config import GiftConfig
 
     cfg = GiftConfig(geometry="auto", min_numel=1024)
-    with pytest.raises(ValueError, match="geometry='auto' is chosen from the optimizer"):
-        gift_compile.apply(_MLP(), cfg)
+    m = _MLP()
+    with caplog.at_level("WARNING", logger="gift_compile"):
+        gift_compile.apply(m, cfg)
+    assert gift_compile.state(m).config.geometry == "lowrank"
+    assert "geometry='auto' without optimizer=: using K-FAC's 'lowrank' map" in caplog.text
     with pytest.raises(ValueError, match="geometry='auto' is resolved from the optimizer before managing"):
         manage(_MLP(), cfg, None, mode="sync")
     for make, expected in ((lambda ps: torch.optim.AdamW(ps), "second_moment"),
@@ -245,32 +248,40 @@ def test_an_unmeasured_layer_is_neither_kept_nor_dropped_by_a_nan_gain(caplog) -
     # the rules themselves refuse a NaN gain instead of reading it as a drop or a keep
     nan = {"x": LayerMeasurement(float("nan"), float("nan"), 0.0, 0.0)}
     with pytest.raises(ValueError, match="no finite measurement for x"):
-        decide(GiftConfig(select="auto"), nan, {})
+        decide(GiftConfig(geometry="lowrank", select="auto"), nan, {})
     with pytest.raises(ValueError, match="no finite measurement for x"):
-        harmful(GiftConfig(select="auto"), nan, {"x"})
-    assert decide(GiftConfig(select="all"), nan, {}) == {"x"}  # a static rule does not read the gain
+        harmful(GiftConfig(geometry="lowrank", select="auto"), nan, {"x"})
+    # a static rule does not read the gain
+    assert decide(GiftConfig(geometry="lowrank", select="all"), nan, {}) == {"x"}
 
 
-def test_the_default_selection_metric_follows_the_optimizer_and_an_explicit_one_is_kept(caplog) -> None:
-    """`GiftConfig()`'s select_metric ("auto") under Muon judges layers in their whitened
-    geometry (plain L2 drops most of Muon's layers, and with them GIFT's gain); under AdamW with
-    the K-FAC map in plain L2; without `optimizer=` plain L2, logged; an explicit metric stays."""
+def test_the_default_geometry_and_metric_follow_the_optimizer_and_explicit_ones_are_kept(caplog) -> None:
+    """`GiftConfig()`'s geometry and select_metric ("auto") follow the optimizer: under Muon the
+    K-FAC map, layers judged in their whitened geometry (plain L2 drops most of Muon's layers,
+    and with them GIFT's gain); under AdamW the second-moment map, judged in AdamW's update
+    coordinates; without `optimizer=` K-FAC's map and plain L2, both logged; explicit choices stay."""
     import gift_compile
     from gift_compile.config import GiftConfig
 
     def muon(ps):
         return torch.optim.Muon([p for p in ps if p.dim() == 2], lr=1e-3)
 
-    cases = ((muon, {}, "whitened"), (lambda ps: torch.optim.AdamW(ps), {}, "euclidean"),
-             (None, {}, "euclidean"), (muon, {"select_metric": "euclidean"}, "euclidean"))
-    for make, extra, metric in cases:
+    def adamw(ps):
+        return torch.optim.AdamW(ps)
+
+    cases = ((muon, {}, "lowrank", "whitened"), (adamw, {}, "second_moment", "whitened"),
+             (None, {}, "lowrank", "euclidean"), (muon, {"select_metric": "euclidean"}, "lowrank", "euclidean"),
+             (adamw, {"geometry": "lowrank"}, "lowrank", "euclidean"))
+    for make, extra, geometry, metric in cases:
         m = _MLP()
         cfg = GiftConfig(min_numel=1024, **extra)
-        assert cfg.geometry == "lowrank" and cfg.select == "auto"
+        assert cfg.geometry == extra.get("geometry", "auto") and cfg.select == "auto"
         caplog.clear()
         with caplog.at_level("INFO", logger="gift_compile"):
             gift_compile.apply(m, cfg, optimizer=None if make is None else make(list(m.parameters())))
-        assert gift_compile.state(m).config.select_metric == metric, (extra, metric)
+        resolved = gift_compile.state(m).config
+        assert (resolved.geometry, resolved.select_metric) == (geometry, metric), (extra, geometry, metric)
         if make is None:
             assert "select_metric='auto' without optimizer=" in caplog.text
+            assert "geometry='auto' without optimizer=: using K-FAC's 'lowrank' map" in caplog.text
         gift_compile.remove(m)

@@ -255,7 +255,7 @@ def test_layers_reading_the_same_input_share_one_statistic():
     from gift_compile.config import GiftConfig
     from gift_compile.state import GiftState
 
-    st = GiftState(GiftConfig(rank=4, refresh_every=1, select="all"), None)
+    st = GiftState(GiftConfig(geometry="lowrank", rank=4, refresh_every=1, select="all"), None)
     for name in ("q", "k", "v", "o"):
         st.add_layer(f"{name}.weight", (32, 256), "cpu")
     before = st.memory_bytes()["statistics"]
@@ -275,7 +275,7 @@ def test_layers_reading_the_same_input_share_one_statistic():
         assert torch.equal(a, b)
     assert not torch.equal(q.transform.tensors[1], o.transform.tensors[1])
     # a checkpoint restores the sharing
-    fresh = GiftState(GiftConfig(rank=4, refresh_every=1, select="all"), None)
+    fresh = GiftState(GiftConfig(geometry="lowrank", rank=4, refresh_every=1, select="all"), None)
     for name in ("q", "k", "v", "o"):
         fresh.add_layer(f"{name}.weight", (32, 256), "cpu")
     fresh.load_state_dict(st.state_dict())

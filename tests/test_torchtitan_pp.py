@@ -107,7 +107,7 @@ def _part(block: int) -> nn.Module:
 
 
 def test_manage_spans_parts_and_refuses_shared_names() -> None:
-    config = GiftConfig(min_numel=0)
+    config = GiftConfig(geometry="lowrank", min_numel=0)
     a, b = _part(0), _part(3)
     state = manage([a, b], config, None, mode="stats")
     assert list(state.layers) == ["layers.0.weight", "layers.3.weight"]
@@ -118,7 +118,7 @@ def test_manage_spans_parts_and_refuses_shared_names() -> None:
 
 def test_statistics_paused_keeps_shape_inference_out_of_the_statistics() -> None:
     part = _part(0)
-    state = manage(part, GiftConfig(min_numel=0), None, mode="stats")
+    state = manage(part, GiftConfig(geometry="lowrank", min_numel=0), None, mode="stats")
     stats = state.layers["layers.0.weight"].stats
     linear = part["layers"]["0"]
     with statistics_paused():

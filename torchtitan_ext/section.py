@@ -17,8 +17,8 @@ spelling, means the same): the metric is then
 chosen once the optimizers exist (`gift_compile.torchtitan_ext.hooks`), "whitened" when the
 managed weights are stepped by a matrix preconditioner (Muon/DistMuon, Shampoo, SOAP, ...),
 "euclidean" for elementwise optimizers (Adam, AdamW), see
-`gift_compile.selection.select_metric_for`. ``geometry`` may be ``auto_by_optimizer`` too: the
-geometry is then chosen the same way (`gift_compile.optimizers.geometry_for`: lowrank under a
+`gift_compile.selection.select_metric_for`. ``geometry`` is ``auto_by_optimizer`` too by default
+(the core's default ``auto``): the geometry is then chosen the same way (`gift_compile.optimizers.geometry_for`: lowrank under a
 matrix preconditioner, second_moment under Adam/AdamW, none otherwise).
 """
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from gift_compile.config import GiftConfig, GiftConfigError
+from gift_compile.config import FALLBACK_GEOMETRY, GiftConfig, GiftConfigError
 
 __all__ = ["AUTO_METRIC", "GiftSection"]
 
@@ -157,7 +157,7 @@ class GiftSection:
         """Stand-ins for the automatic choices (what `to_gift_config` needs to validate the rest,
         and what weight eligibility, which ignores both, is computed with)."""
         return {"select_metric": "euclidean" if self.select_metric == AUTO_METRIC else None,
-                "geometry": _DEFAULTS.geometry if self.geometry == AUTO_METRIC else None}
+                "geometry": FALLBACK_GEOMETRY if self.geometry == AUTO_METRIC else None}
 
     def to_gift_config(self, select_metric: str | None = None, geometry: str | None = None) -> GiftConfig:
         """The validated GiftConfig (raises ValueError naming the bad field).
