@@ -5,7 +5,8 @@
 # arms come from convergence_runs_rs.jsonl (same path, ranks, steps, seeds: the pairs match).
 # GIFT arms run the product's defaults (`-dflt`: GiftConfig(format=F, geometry="auto") with
 # optimizer=); Euclidean arms are geometry="none". Pairs are run in order of importance (the
-# 2-bit region first), each pair to n=5 before the next starts. Then:
+# 2-bit region first: int2 with GIFT's defaults is the goal's point), each pair to n=5 before the
+# next starts. Then:
 #   python -m bench.frontier && python -m bench.readme
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,9 +15,9 @@ OUT=${OUT:-bench/results/convergence_runs_frontier.jsonl}
 export OMP_NUM_THREADS=1
 for arms in \
   "euclid-int3,gift-int3-dflt" \
-  "euclid-ternary,gift-ternary-dflt" \
   "gift-int2-dflt,gift-int2-ef-dflt" \
   "euclid-int3-ef,gift-int3-ef-dflt" \
+  "euclid-ternary,gift-ternary-dflt" \
   "euclid-ternary-ef,gift-ternary-ef-dflt" \
   "euclid-int6,gift-int6-dflt" \
   "gift-nvfp4-ef-dflt,gift-int4-dflt" \

@@ -380,15 +380,16 @@ BLOCKS: dict[str, Callable[[dict], str]] = {
     "second_hop": pages.second_hop, "convergence": convergence, "closing": closing, "adamw_sweep": adamw_sweep,
     "hsdp_model": pages.hsdp_model, "soak": pages.soak, "headline": headline, "formats": pages.formats,
     "plan_check": pages.plan_check, "demo": pages.demo, "demo_summary": pages.demo_summary, "skips": pages.skips,
-    "defaults": defaults, "faults": pages.faults,
+    "defaults": defaults, "faults": pages.faults, "frontier": pages.frontier,
+    "frontier_headline": pages.frontier_headline,
     **{name: pages.torchtitan_run(name) for name in pages.torchtitan_runs()},
 }
 # Which page holds each block (relative to the repository root); every block is on exactly one
 # page, and a page that lacks one of its blocks' markers, or carries a marker of another's, fails.
 PAGES: dict[str, tuple[str, ...]] = {
-    "README.md": ("headline", "demo_summary"),
+    "README.md": ("headline", "frontier_headline", "demo_summary"),
     "docs/benchmarks.md": ("fidelity", "wire", "codec", "step_model", "hsdp_model", "memory", "second_hop",
-                           "convergence", "defaults", "adamw_sweep", "closing"),
+                           "convergence", "defaults", "adamw_sweep", "closing", "frontier"),
     "docs/reliability.md": ("faults", "plan_check", "soak", "skips"),
     "docs/design.md": ("formats",),
     "docs/torchtitan.md": ("demo", *pages.torchtitan_runs()),

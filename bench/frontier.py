@@ -1,0 +1,195 @@
+"""The rate-distortion frontier: how few wire bits per gradient element still train as well as fp32.
+
+The convergence study compares one format at a time against a share-of-gap target; a user asks
+instead how few bits can be sent without losing to fp32. This module answers that from the
+study's own runs (no new measurement here: `bench/frontier_runs.sh` makes the runs, this reads
+them). Design: the reduce-scatter path (FSDP2), 2 gloo ranks, 120 steps, paired seeds; every
+arm is paired per seed with the fp32 run of the same seed (`bench/results/convergence_runs_rs.jsonl`
+holds fp32 and the study's arms, `convergence_runs_frontier.jsonl` the frontier's).
+
+- x: wire bits per managed gradient element, from the collectives' own byte counters
+  (`GiftState.comm_totals`): `8 * (wire - unmanaged) / managed elements`, the unmanaged
+  parameters (embeddings, norms) being sent in fp32 by every arm (their bytes are the baseline's
+  minus 4 per managed element). The whole gradient's bits (`32 * wire / baseline`) are kept too.
+- y: held-out bits/byte minus fp32's (same seed), mean with a t-based 95% CI over n seeds.
+- fp32's band: the 95% CI half-width of fp32's own mean held-out bits/byte over its seeds (its
+  run-to-run spread, measured, not assumed).
+- "within fp32's CI": the arm's paired gap, at its Bonferroni-adjusted two-sided level over the
+  arms judged for that optimizer (family-wise 5%), has its upper bound inside fp32's band. Only
+  arms with n >= `MIN_SEEDS` are judged.
+
+Methods: Euclidean (`geometry="none"`), Euclidean + error feedback, GIFT as a user gets it
+(`-dflt`: `GiftConfig(format=F, geometry="auto")` with `optimizer=`), GIFT + error feedback (the
+same defaults). Writes `bench/results/frontier.json` and `frontier.png`; `bench.pages.frontier`
+renders the tables from the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+from bench.convergence import FORMATS, run_key
+from bench.stats import paired, t_quantile
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+RUN_FILES = (RESULTS / "convergence_runs_rs.jsonl", RESULTS / "convergence_runs_frontier.jsonl")
+OUT = RESULTS / "frontier.json"
+STUDY = ("reduce-scatter", 2, 120)  # (path, ranks, steps) of every run the frontier pairs
+MIN_SEEDS = 5
+ALPHA = 0.05
+# method -> arm name pattern
+METHODS: dict[str, str] = {
+    "Euclidean": "euclid-{fmt}",
+    "Euclidean + EF": "euclid-{fmt}-ef",
+    "GIFT (defaults)": "gift-{fmt}-dflt",
+    "GIFT + EF (defaults)": "gift-{fmt}-ef-dflt",
+}
+COMMAND = "bash bench/frontier_runs.sh && python -m bench.frontier && python -m bench.readme"
+
+
+def load(files: tuple[Path, ...] = RUN_FILES) -> list[dict]:
+    """The runs of the frontier's design (`STUDY`) from `files`, the last record of a key winning."""
+    runs: dict[tuple, dict] = {}
+    for f in files:
+        if not f.exists():
+            continue
+        for line in f.read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                key = run_key(r)
+                if key[:3] == STUDY:
+                    runs[key] = r
+    return list(runs.values())
+
+
+def _final(r: dict) -> float:
+    return float(r["evals"][-1][1])
+
+
+def _bits(r: dict, managed: int) -> tuple[float, float]:
+    """(bits per managed element, bits per gradient element) of a run, from its byte counters."""
+    wire, base = r["wire_bytes_per_step"], r["baseline_bytes_per_step"]
+    return 8.0 * (wire - (base - 4.0 * managed)) / managed, 32.0 * wire / base
+
+
+def summarise(runs: list[dict]) -> dict[str, object]:
+    """Per optimizer: fp32's band, each (method, format) arm's gap and bits, the judgements."""
+    runs = [r for r in runs if run_key(r)[:3] == STUDY]  # never pair runs of another design
+    by: dict[tuple[str, str], dict[int, dict]] = defaultdict(dict)
+    for r in runs:
+        by[(r["optimizer"], r["arm"])][r["seed"]] = r
+    managed = {r["managed_elements"] for r in runs if "managed_elements" in r}
+    if len(managed) != 1:
+        raise ValueError(f"frontier: runs disagree on (or never record) the managed element count: {managed}")
+    m_el = managed.pop()
+    out: dict[str, object] = {"study": {"path": STUDY[0], "world": STUDY[1], "steps": STUDY[2]},
+                              "managed_elements": m_el, "min_seeds": MIN_SEEDS, "alpha": ALPHA,
+                              "command": COMMAND, "optimizers": {}}
+    for opt in sorted({o for o, _ in by}):
+        fp32 = by.get((opt, "fp32"), {})
+        if len(fp32) < 2:
+            continue
+        vals = [_final(r) for r in fp32.values()]
+        band = t_quantile(0.975, len(vals) - 1) * statistics.stdev(vals) / math.sqrt(len(vals))
+        arms = []
+        for fmt in FORMATS:
+            for method, pattern in METHODS.items():
+                arm = pattern.format(fmt=fmt)
+                runs_ = by.get((opt, arm), {})
+                seeds = sorted(s for s in runs_ if s in fp32)
+                if not seeds:
+                    continue
+                gap = paired([_final(runs_[s]) - _final(fp32[s]) for s in seeds])
+                bits = [_bits(runs_[s], m_el) for s in seeds]
+                arms.append({"method": method, "format": fmt, "arm": arm, "n": len(seeds), "seeds": seeds,
+                             "bits_managed": statistics.fmean(b[0] for b in bits),
+                             "bits_whole": statistics.fmean(b[1] for b in bits), "gap": gap.as_dict(),
+                             "geometry": runs_[seeds[0]].get("geometry"),
+                             "selected_layers": statistics.fmean(runs_[s].get("selected_layers", math.nan) for s in seeds),
+                             "managed_layers": runs_[seeds[0]].get("managed_layers")})
+        judged = [a for a in arms if a["n"] >= MIN_SEEDS]
+        for a in arms:
+            a["judged"] = a in judged
+            if a["judged"]:
+                g = a["gap"]
+                t_adj = t_quantile(1.0 - ALPHA / (2 * len(judged)), g["n"] - 1)
+                a["upper_adjusted"] = g["mean"] + t_adj * g["std"] / math.sqrt(g["n"])
+                a["within"] = a["upper_adjusted"] <= band
+        fewest = {}
+        for method in METHODS:
+            inside = [a for a in judged if a["method"] == method and a["within"]]
+            fewest[method] = min(inside, key=lambda a: a["bits_managed"])["arm"] if inside else None
+        out["optimizers"][opt] = {
+            "fp32": {"n": len(vals), "mean": statistics.fmean(vals), "std": statistics.stdev(vals), "band95": band},
+            "family_size": len(judged), "arms": arms, "fewest_within": fewest,
+            "shift_bits": _shifts(arms, fewest),
+        }
+    return out
+
+
+def _shifts(arms: list[dict], fewest: dict[str, str | None]) -> dict[str, float | None]:
+    """How many bits left of its Euclidean counterpart GIFT's fewest-within point sits (positive:
+    GIFT needs fewer bits), per pair; None where either side has no point within the band."""
+    bits = {a["arm"]: a["bits_managed"] for a in arms}
+    out = {}
+    for gift, euclid in (("GIFT (defaults)", "Euclidean"), ("GIFT + EF (defaults)", "Euclidean + EF")):
+        g, e = fewest.get(gift), fewest.get(euclid)
+        out[f"{gift} vs {euclid}"] = None if g is None or e is None else bits[e] - bits[g]
+    return out
+
+
+def plot(summary: dict, out: Path = RESULTS) -> str:
+    """Gap to fp32 against bits per managed element, one panel per optimizer, fp32's band shaded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    opts = list(summary["optimizers"])
+    fig, axes = plt.subplots(1, len(opts), figsize=(7 * len(opts), 4.8), squeeze=False)
+    styles = {"Euclidean": ("tab:blue", "o", "-"), "Euclidean + EF": ("tab:blue", "s", "--"),
+              "GIFT (defaults)": ("tab:orange", "o", "-"), "GIFT + EF (defaults)": ("tab:orange", "s", "--")}
+    for ax, opt in zip(axes[0], opts):
+        o = summary["optimizers"][opt]
+        ax.axhspan(-o["fp32"]["band95"], o["fp32"]["band95"], color="0.85",
+                   label=f"fp32's 95% CI (n={o['fp32']['n']})")
+        for method, (color, marker, ls) in styles.items():
+            pts = sorted((a for a in o["arms"] if a["method"] == method), key=lambda a: a["bits_managed"])
+            if not pts:
+                continue
+            ci = [0.0 if a["gap"]["ci95"] != a["gap"]["ci95"] else a["gap"]["ci95"] for a in pts]
+            ax.errorbar([a["bits_managed"] for a in pts], [a["gap"]["mean"] for a in pts], yerr=ci, color=color,
+                        marker=marker, ls=ls, capsize=3, label=method)
+        ax.axhline(0, color="black", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("wire bits per managed gradient element (counted at the collective)")
+        ax.set_ylabel("held-out bits/byte minus fp32 (same seed), mean ± 95% CI")
+        ax.set_title(f"{opt}: {summary['study']['path']}, {summary['study']['world']} ranks, "
+                     f"{summary['study']['steps']} steps")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "frontier.png", dpi=110)
+    plt.close(fig)
+    return "frontier.png"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.frontier", description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--no-plot", action="store_true")
+    a = p.parse_args(argv)
+    summary = summarise(load())
+    a.out.write_text(json.dumps(summary, indent=1) + "\n")
+    if not a.no_plot:
+        plot(summary, a.out.parent)
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""bench.frontier: the judgement "within fp32's CI" and the bits axis, on synthetic run records
+whose answers are known (the committed tables themselves are checked by test_bench_readme)."""
+
+import math
+
+import pytest
+
+from bench import frontier
+from bench.stats import t_quantile
+
+MANAGED = 1000
+FP32 = [2.70, 2.71, 2.72, 2.73, 2.74]  # fp32's spread: band = t(0.975, 4) * sd / sqrt(5)
+
+
+def _run(opt: str, arm: str, seed: int, bpb: float, bits: float = 32.0) -> dict:
+    """A record as bench.convergence writes it; unmanaged gradient: 500 fp32 elements."""
+    base = 4.0 * (MANAGED + 500)
+    wire = 4.0 * 500 + bits * MANAGED / 8.0
+    rec = {"optimizer": opt, "arm": arm, "seed": seed, "path": "reduce-scatter", "world": 2, "steps": 120,
+           "losses": [0.0] * 120, "evals": [[120, bpb]], "seconds": 1.0}
+    if arm != "fp32":
+        rec.update(wire_bytes_per_step=wire, baseline_bytes_per_step=base, managed_elements=MANAGED)
+    return rec
+
+
+def _runs(gaps: dict[str, tuple[list[float], float]]) -> list[dict]:
+    out = [_run("muon", "fp32", s, v) for s, v in enumerate(FP32)]
+    for arm, (diffs, bits) in gaps.items():
+        out += [_run("muon", arm, s, FP32[s] + d, bits) for s, d in enumerate(diffs)]
+    return out
+
+
+def test_within_needs_the_adjusted_upper_bound_inside_fp32s_band():
+    band = t_quantile(0.975, 4) * 0.01 * math.sqrt(2.5) / math.sqrt(5)  # sd of FP32 = 0.0158
+    small = [0.001, 0.002, 0.0015, 0.0012, 0.0018]  # far inside
+    big = [band * 0.9 + e for e in (0.0, 0.002, -0.002, 0.001, -0.001)]  # mean inside, upper bound outside
+    s = frontier.summarise(_runs({"euclid-int3": (small, 3.25), "gift-int2-dflt": (big, 2.25),
+                                  "gift-int3-dflt": (small[:3], 3.25)}))
+    o = s["optimizers"]["muon"]
+    assert o["fp32"]["band95"] == pytest.approx(band, rel=1e-6)
+    arms = {a["arm"]: a for a in o["arms"]}
+    assert arms["euclid-int3"]["within"] and not arms["gift-int2-dflt"]["within"]
+    assert not arms["gift-int3-dflt"]["judged"] and "within" not in arms["gift-int3-dflt"]  # n=3 < 5
+    assert o["family_size"] == 2  # Bonferroni over the judged arms only
+    t_adj = t_quantile(1 - 0.05 / 4, 4)
+    g = arms["gift-int2-dflt"]["gap"]
+    assert arms["gift-int2-dflt"]["upper_adjusted"] == pytest.approx(g["mean"] + t_adj * g["std"] / math.sqrt(5))
+    assert o["fewest_within"] == {"Euclidean": "euclid-int3", "Euclidean + EF": None, "GIFT (defaults)": None,
+                                  "GIFT + EF (defaults)": None}
+
+
+def test_bits_come_from_the_byte_counters_and_fewest_bits_wins():
+    tiny = [0.0, 0.0005, -0.0005, 0.0002, -0.0002]
+    s = frontier.summarise(_runs({"gift-int3-dflt": (tiny, 3.25), "gift-int2-dflt": (tiny, 2.25),
+                                  "euclid-int3": (tiny, 3.25)}))
+    o = s["optimizers"]["muon"]
+    arms = {a["arm"]: a for a in o["arms"]}
+    assert arms["gift-int2-dflt"]["bits_managed"] == pytest.approx(2.25)
+    assert arms["gift-int2-dflt"]["bits_whole"] == pytest.approx(32 * (2000 + 2.25 * MANAGED / 8) / 6000)
+    assert o["fewest_within"]["GIFT (defaults)"] == "gift-int2-dflt"
+    assert o["shift_bits"]["GIFT (defaults) vs Euclidean"] == pytest.approx(1.0)
+
+
+def test_runs_of_another_design_are_not_paired():
+    runs = _runs({"euclid-int3": ([0.001] * 5, 3.25)})
+    other = [dict(r, world=4) for r in _runs({"gift-int3-dflt": ([0.0] * 5, 3.25)}) if r["arm"] != "fp32"]
+    s = frontier.summarise(runs + other)
+    assert [a["arm"] for a in s["optimizers"]["muon"]["arms"]] == ["euclid-int3"]
