@@ -19,9 +19,10 @@ holds fp32 and the study's arms, `convergence_runs_frontier.jsonl` the frontier'
   arms with n >= `MIN_SEEDS` are judged.
 
 Methods: Euclidean (`geometry="none"`), Euclidean + error feedback, GIFT as a user gets it
-(`-dflt`: `GiftConfig(format=F, geometry="auto")` with `optimizer=`), GIFT + error feedback (the
-same defaults). Writes `bench/results/frontier.json` and `frontier.png`; `bench.pages.frontier`
-renders the tables from the JSON.
+(`-dflt`: `GiftConfig(format=F)` with `optimizer=`), GIFT + error feedback (the same defaults),
+and GIFT + a leaky residual (`error_feedback_decay=0.9`) where it was run. Writes
+`bench/results/frontier.json` and `frontier.png`; `bench.pages.frontier` renders the tables from
+the JSON.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ METHODS: dict[str, str] = {
     "Euclidean + EF": "euclid-{fmt}-ef",
     "GIFT (defaults)": "gift-{fmt}-dflt",
     "GIFT + EF (defaults)": "gift-{fmt}-ef-dflt",
+    # error feedback whose residual decays (send g + 0.9 e): the leaky variant
+    "GIFT + leaky EF (defaults)": "gift-{fmt}-ef-b9-dflt",
 }
 COMMAND = "bash bench/frontier_runs.sh && python -m bench.frontier && python -m bench.readme"
 
@@ -154,7 +157,8 @@ def plot(summary: dict, out: Path = RESULTS) -> str:
     opts = list(summary["optimizers"])
     fig, axes = plt.subplots(1, len(opts), figsize=(7 * len(opts), 4.8), squeeze=False)
     styles = {"Euclidean": ("tab:blue", "o", "-"), "Euclidean + EF": ("tab:blue", "s", "--"),
-              "GIFT (defaults)": ("tab:orange", "o", "-"), "GIFT + EF (defaults)": ("tab:orange", "s", "--")}
+              "GIFT (defaults)": ("tab:orange", "o", "-"), "GIFT + EF (defaults)": ("tab:orange", "s", "--"),
+              "GIFT + leaky EF (defaults)": ("tab:red", "^", ":")}
     for ax, opt in zip(axes[0], opts):
         o = summary["optimizers"][opt]
         ax.axhspan(-o["fp32"]["band95"], o["fp32"]["band95"], color="0.85",

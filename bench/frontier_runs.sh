@@ -6,7 +6,8 @@
 # GIFT arms run the product's defaults (`-dflt`: GiftConfig(format=F, geometry="auto") with
 # optimizer=); Euclidean arms are geometry="none". Pairs are run in order of importance (the
 # 2-bit region first: int2 with GIFT's defaults is the goal's point), each pair to n=5 before the
-# next starts. Then:
+# next starts; GIFT + EF with a leaky residual (beta 0.9, `-b9`) right after it, the technique most
+# likely to move the 2-bit point. Then:
 #   python -m bench.frontier && python -m bench.readme
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,6 +17,7 @@ export OMP_NUM_THREADS=1
 for arms in \
   "euclid-int3,gift-int3-dflt" \
   "gift-int2-dflt,gift-int2-ef-dflt" \
+  "gift-int2-ef-b9-dflt" \
   "euclid-int3-ef,gift-int3-ef-dflt" \
   "euclid-ternary,gift-ternary-dflt" \
   "euclid-ternary-ef,gift-ternary-ef-dflt" \

@@ -359,6 +359,8 @@ def _spelled(arm: dict) -> str:
         kw["geometry"] = "none"
     if "EF" in arm["method"]:
         kw["error_feedback"] = True
+    if "leaky" in arm["method"]:
+        kw["error_feedback_decay"] = 0.9
     return "GiftConfig(" + ", ".join(f"{k}={v!r}".replace("'", '"') for k, v in kw.items()) + ")"
 
 
