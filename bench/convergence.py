@@ -45,15 +45,15 @@ from bench.reference import make_optimizers, train_step
 from bench.settings import ConvergenceSettings
 from bench.stats import holm, paired, ratio_ci
 from bench.tiny_llama import TinyLlama
-from gift_compile.collectives import all_reduce
+from gift_compile.exchange.collectives import all_reduce
 from gift_compile.api import eligible_linears, resolve_auto
 from gift_compile.config import GiftConfig
-from gift_compile.formats import FormatSpec
-from gift_compile.geometries import geometry_class
+from gift_compile.codec import FormatSpec
+from gift_compile.geometry.table import geometry_class
 from gift_compile.sync import exit_without_finalization
 from gift_compile.geometry import Transform, gradient_factor
 from gift_compile.passes import last_reports, reports_seen
-from gift_compile.state import GiftState
+from gift_compile.runtime.state import GiftState
 from gift_compile.sync import all_reduce_
 from gift_compile.torchtitan_ext import corpus
 

@@ -13,8 +13,8 @@ from typing import Any, Sequence
 
 from bench.codec_minimum import UNFUSED, realisation_limits, unfused
 from bench.plots import FOCUS_FORMATS
-from gift_compile.geometries import IDENTITY_KIND, LowRank
-from gift_compile.spec import FormatSpec
+from gift_compile.geometry.table import IDENTITY_KIND, LowRank
+from gift_compile.codec.spec import FormatSpec
 
 # The codec rows set side by side: the Euclidean body and GIFT's low-rank one.
 CODEC_PAIR = (IDENTITY_KIND, LowRank.kind)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from gift_compile.geometries import GEOMETRIES as GEOMETRY_CLASSES
+from gift_compile.geometry.table import GEOMETRIES as GEOMETRY_CLASSES
 
 FORMATS = ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "mxfp8", "nvfp4", "mxint4", "int6", "int4", "int3", "int2",
            "ternary")
@@ -30,13 +30,13 @@ SAME_FORMAT = "same"
 SCALINGS = ("tensor", "row", "block")
 GEOMETRIES = tuple(GEOMETRY_CLASSES)  # the names of the geometry table
 # `geometry` value resolved by `apply(..., optimizer=)` to the optimizer's geometry
-# (`gift_compile.optimizers.geometry_for`).
+# (`gift_compile.geometry.optimizers.geometry_for`).
 AUTO_GEOMETRY = "auto"
 NONFINITE = ("error", "propagate")
 REDUCE_OPS = ("avg", "sum")
 SELECT_METRICS = ("euclidean", "whitened")
 # `select_metric` value resolved by `apply(..., optimizer=)` from the optimizer
-# (`gift_compile.optimizers.select_metric_for`); measured as "euclidean" where no optimizer is known.
+# (`gift_compile.geometry.optimizers.select_metric_for`); measured as "euclidean" where no optimizer is known.
 AUTO_METRIC = "auto"
 UNREWRITTEN = ("error", "warn")
 PLAN_CHECKS = ("first", "always")
@@ -103,7 +103,7 @@ class GiftConfig:
     """How gradients are communicated.
 
     Attributes:
-        format: wire format of the gradient codes (see `gift_compile.formats`).
+        format: wire format of the gradient codes (see `gift_compile.codec`).
         scaling: scale granularity for the fp8 formats: one per tensor, per row, or per
             block of `block_size` elements along the last dimension. The block-scaled
             formats (mxfp8, nvfp4, mxint4, int6, int4, int3, int2, ternary) ignore this field.

@@ -6,8 +6,8 @@ import torch.nn as nn
 
 import gift_compile
 from gift_compile.config import GiftConfig
-from gift_compile.selection import LayerMeasurement, decide
-from gift_compile.state import GiftState
+from gift_compile.runtime.selection import LayerMeasurement, decide
+from gift_compile.runtime.state import GiftState
 from multirank import run_ranks
 from mlp import MLP as _MLP
 

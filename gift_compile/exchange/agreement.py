@@ -1,0 +1,78 @@
+"""Cross-rank agreement of the eager bucket paths: all ranks check that they run the same plan
+before data moves (`check_plan_agreement`), and raise together on what the collective's
+headers report (`raise_on_bad_headers`: a plan mismatch, a non-finite gradient).
+
+Split out of `gift_compile.exchange.collectives` because these are host-side checks of eager callers
+(small collectives and Python objects on the process group), not part of the traceable core
+that the FX pass splices into graphs; `collectives` re-exports them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from gift_compile.exchange.plan import BucketPlan
+
+_CHECKED_PLANS: set[tuple[str | None, int]] = set()
+
+
+def _host_device(group: dist.ProcessGroup) -> torch.device:
+    """Where a small tensor collective on `group` runs (NCCL needs the current CUDA device)."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+
+
+def check_plan_agreement(plan: BucketPlan, group: dist.ProcessGroup | None, *, always: bool = False) -> None:
+    """Raise on every rank, naming the ranks and the first difference, unless all ranks call
+    with the same plan (item names and order included).
+
+    A mismatched all_to_all would hang (different sizes) or decode garbage (same sizes), and a
+    check that only some ranks run (because only they meet the plan for the first time) would
+    hang against their peers' data collective. So every eager call first exchanges a fixed-size
+    table, each rank's plan fingerprint and whether it has compared this plan's full
+    description before: one small collective whatever the plans. All ranks read the same
+    table, so they all take the same branch: when a fingerprint differs, or some rank meets
+    the plan for the first time (or `always`), they exchange the descriptions
+    (`all_gather_object`) and raise together on a difference.
+    """
+    if plan.group_name is None or group is None:
+        return
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    key = (plan.group_name, plan.fingerprint())
+    table = torch.zeros(world, 2, dtype=torch.int64, device=_host_device(group))
+    table[me, 0], table[me, 1] = plan.fingerprint(), int(key not in _CHECKED_PLANS or always)
+    dist.all_reduce(table, group=group)
+    rows = table.tolist()
+    differ = [r for r, (fp, _) in enumerate(rows) if fp != plan.fingerprint()]
+    if not differ and not any(new for _, new in rows):
+        return
+    mine = plan.as_dict()
+    theirs: list[dict | None] = [None] * world
+    dist.all_gather_object(theirs, mine, group=group)
+    differ = sorted(set(differ) | {r for r, t in enumerate(theirs) if t != mine})
+    if differ:
+        from gift_compile.runtime.state import _first_difference  # the setup check's differ, reused
+
+        r = differ[0]
+        raise RuntimeError(
+            f"GIFT: ranks disagree on a collective's plan: rank(s) {differ} differ from rank {me}; first "
+            f"difference: {_first_difference(mine, theirs[r])} (this rank vs rank {r}).\n  this rank: "
+            f"{plan.describe()}\n  rank {r}: {BucketPlan.from_dict(theirs[r]).describe() if theirs[r] else None}"
+        )
+    _CHECKED_PLANS.add(key)
+
+
+def raise_on_bad_headers(headers: torch.Tensor, plan: BucketPlan, nonfinite_policy: str) -> None:
+    """Eager callers: raise on every rank (all read the same headers) for a plan mismatch, or
+    for a non-finite gradient under `nonfinite="error"`, naming the offending ranks."""
+    fps, flags = headers[:, 0].tolist(), headers[:, 1].tolist()
+    differ = [r for r, f in enumerate(fps) if f != plan.fingerprint()]
+    if differ:
+        raise RuntimeError(f"GIFT: rank(s) {differ} ran a different collective plan than {plan.describe()}")
+    bad = [r for r, f in enumerate(flags) if f]
+    if bad and nonfinite_policy == "error":
+        names = ", ".join(i.name for i in plan.items)
+        raise FloatingPointError(
+            f"GIFT: non-finite (NaN/Inf) gradient on rank(s) {bad} in {names}; raised on every rank "
+            "(nonfinite='error'). Set nonfinite='propagate' to communicate NaN rows instead."
+        )
