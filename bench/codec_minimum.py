@@ -32,8 +32,8 @@ import torch
 
 from bench.overhead import codec_body, fake_group, generated_traffic, traffic_summary
 from bench.settings import CodecMinimumSettings
-from gift_compile.exchange.accounting import HEADER_BYTES
 from gift_compile.codec import FormatSpec, wire_bytes_for
+from gift_compile.exchange.accounting import HEADER_BYTES
 from gift_compile.geometry.table import Dense, Geometry, LowRank
 
 Log = Callable[[str], None]

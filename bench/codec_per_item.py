@@ -28,10 +28,10 @@ import torch
 from bench.overhead import fake_group, generated_traffic, traffic_summary
 from gift_compile.exchange.accounting import HEADER_BYTES
 from gift_compile.exchange.bucket import _key, bucket_core
-from gift_compile.geometry import Transform
 from gift_compile.exchange.item_codec import (ItemTensors, Shared, decode_stage, encode_stage, gather_decode_stage,
                                      item_width, reduce_reencode_stage)
 from gift_compile.exchange.plan import BucketPlan, ItemPlan
+from gift_compile.geometry import Transform
 
 Log = Callable[[str], None]
 

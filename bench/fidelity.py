@@ -36,9 +36,9 @@ from torch.optim import _muon
 
 from bench.reference import LayerSample
 from bench.settings import FidelitySettings
-from gift_compile.exchange.collectives import all_reduce
-from gift_compile.config import GiftConfig
 from gift_compile.codec import FormatSpec, as_rows, choose_scales, decode, encode
+from gift_compile.config import GiftConfig
+from gift_compile.exchange.collectives import all_reduce
 from gift_compile.geometry import Transform, gradient_factor
 from gift_compile.geometry.statistics import SketchStatistics
 

@@ -45,8 +45,8 @@ import torch
 from bench import fidelity, reference
 from bench.reference import LayerSample
 from bench.settings import profile
-from gift_compile.exchange.collectives import all_reduce
 from gift_compile.config import GiftConfig
+from gift_compile.exchange.collectives import all_reduce
 from gift_compile.geometry import Transform, gradient_factor
 from gift_compile.torchtitan_ext import corpus
 

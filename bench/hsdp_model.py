@@ -32,8 +32,8 @@ from pathlib import Path
 
 from bench.step_model import StepModelInputs, arm_layers
 from bench.wire import MODEL_CONFIGS, meta_model
-from gift_compile.exchange.collectives import bucket_wire_bytes
 from gift_compile.config import GiftConfig
+from gift_compile.exchange.collectives import bucket_wire_bytes
 from gift_compile.exchange.plan import BucketPlan, ItemPlan
 
 RESULTS = Path(__file__).parent / "results"

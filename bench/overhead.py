@@ -38,8 +38,8 @@ from torch._inductor.utils import aggregate_origins
 
 from bench.settings import OverheadSettings
 from gift_compile.exchange.collectives import ItemTensors, Shared, bucket_core
-from gift_compile.geometry import Transform, dense_whitening, lowrank_refresh_flops, lowrank_whitening
 from gift_compile.exchange.plan import BucketPlan, ItemPlan
+from gift_compile.geometry import Transform, dense_whitening, lowrank_refresh_flops, lowrank_whitening
 from gift_compile.runtime.selection import transform_flops
 
 Log = Callable[[str], None]

@@ -35,9 +35,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from gift_compile.exchange import collectives as C
+from gift_compile.exchange.plan import BucketPlan, ItemPlan
 from gift_compile.runtime.health import grad_checksum
 from gift_compile.sync import all_reduce_, exit_without_finalization
-from gift_compile.exchange.plan import BucketPlan, ItemPlan
 
 
 def _worker(rank: int, world: int, store: str, rows: int, cols: int, repeats: int, out: str) -> None:

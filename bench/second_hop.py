@@ -31,10 +31,10 @@ import torch.multiprocessing as mp
 from bench import reference
 from bench.fidelity import build_transform
 from bench.settings import profile
-from gift_compile.exchange import collectives as C
 from gift_compile.config import GiftConfig
-from gift_compile.torchtitan_ext import corpus
+from gift_compile.exchange import collectives as C
 from gift_compile.sync import exit_without_finalization
+from gift_compile.torchtitan_ext import corpus
 
 # arm -> (error_feedback, second_hop_error_feedback, error_feedback_decay)
 ARMS: dict[str, tuple[bool, bool, float]] = {

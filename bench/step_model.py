@@ -45,10 +45,10 @@ from torch.utils.flop_counter import FlopCounterMode
 from bench.overhead import codec_traffic
 from bench.wire import MODEL_CONFIGS, describe_config, meta_model
 from gift_compile.api import eligible_linears
-from gift_compile.exchange.collectives import bucket_wire_bytes
 from gift_compile.config import GiftConfig
-from gift_compile.geometry import lowrank_refresh_flops
+from gift_compile.exchange.collectives import bucket_wire_bytes
 from gift_compile.exchange.plan import BucketPlan, ItemPlan
+from gift_compile.geometry import lowrank_refresh_flops
 from gift_compile.runtime.selection import transform_flops
 from gift_compile.runtime.state import GiftState
 from bench.tiny_llama import TinyLlamaConfig

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from bench.reference import managed_linears
-from gift_compile.exchange.collectives import wire_bytes_per_rank
 from gift_compile.codec import FormatSpec
+from gift_compile.exchange.collectives import wire_bytes_per_rank
 from bench.tiny_llama import TinyLlama, TinyLlamaConfig
 
 # (label, format, scaling) of the wire table; fp32 / bf16 are the baselines.

@@ -32,15 +32,19 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from gift_compile.exchange import collectives
 from gift_compile.config import AUTO_GEOMETRY, AUTO_METRIC, GiftConfig
-from gift_compile.geometry.table import Geometry, geometry_class
-from gift_compile.runtime.health import queue_backward_check
-from gift_compile.geometry.optimizers import geometry_for, leaf_optimizers, select_metric_for
-from gift_compile.passes.inductor import hold_inductor_pass, release_inductor_pass
+from gift_compile.exchange import collectives
+from gift_compile.exchange.agreement import first_difference
 from gift_compile.exchange.plan import dtype_name
+from gift_compile.frameworks import ddp
+from gift_compile.frameworks.plain_sync import PlainSync
 from gift_compile.frameworks.routing import _unmanage_module, eligible_linears, manage  # noqa: F401 (public here too)
-from gift_compile.runtime.state import GiftState, _first_difference
+from gift_compile.geometry.optimizer_maps import leaf_optimizers
+from gift_compile.geometry.optimizers import geometry_for, select_metric_for
+from gift_compile.geometry.table import Geometry, geometry_class
+from gift_compile.passes.inductor import hold_inductor_pass, release_inductor_pass
+from gift_compile.runtime.health import queue_backward_check
+from gift_compile.runtime.state import GiftState
 
 logger = logging.getLogger("gift_compile")
 
@@ -84,16 +88,16 @@ def apply(model: nn.Module, config: GiftConfig | None = None, *, group: dist.Pro
     if existing is not None:
         if existing.config == config:
             return model
-        diff = _first_difference(dataclasses.asdict(existing.config), dataclasses.asdict(config))
+        diff = first_difference(dataclasses.asdict(existing.config), dataclasses.asdict(config))
         raise ValueError(f"gift_compile.apply: model already has GIFT with a different config ({diff}: applied vs "
                          "requested); call gift_compile.remove first")
     _refuse_unsupported_dtypes(model)
     if isinstance(model, nn.parallel.DistributedDataParallel):
-        from gift_compile.frameworks import ddp
-
         state = ddp.install(model, config, group, fuse=fuse)
         kind = "DDP comm hook"
     elif _fsdp2_modules(model):
+        # Imported here, not at the top: it imports FSDP2's private internals, which only a
+        # `fully_shard` model needs (`frameworks.fsdp_internals` checks the torch version).
         from gift_compile.frameworks import fsdp2
 
         shards = fsdp2.shard_group(model, group)
@@ -116,8 +120,6 @@ def apply(model: nn.Module, config: GiftConfig | None = None, *, group: dist.Pro
         state = manage(model, config, group, mode="sync") if world > 1 else GiftState(config, None)
         model._gift_state = state
         if world > 1:
-            from gift_compile.frameworks.plain_sync import PlainSync
-
             state.handles.extend(PlainSync(model, state, group).install())
             # the end-of-backward checks, armed by each managed weight's gradient reaching
             # `.grad` (eagerly after a compiled backward too; also for a weight read directly)

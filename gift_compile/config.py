@@ -17,18 +17,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from gift_compile.geometry.table import GEOMETRIES as GEOMETRY_CLASSES
+# The format names belong to the codec, the layer below this one (docs/architecture.md).
+from gift_compile.codec.spec import BLOCK_SIZE_CHOICES, BLOCK_SIZE_FORMATS, FORMATS, SCALINGS
 
-FORMATS = ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "mxfp8", "nvfp4", "mxint4", "int6", "int4", "int3", "int2",
-           "ternary")
-# Formats whose block length is `block_size`; their block statistics are reduced by a
-# pairwise tree and packed whole into bytes, hence a short list of power-of-two lengths.
-BLOCK_SIZE_FORMATS = ("int6", "int4", "int3", "int2", "ternary")
-BLOCK_SIZE_CHOICES = (16, 32)
 # `replica_format` value meaning "the cross-replica hop uses `format` too".
 SAME_FORMAT = "same"
-SCALINGS = ("tensor", "row", "block")
-GEOMETRIES = tuple(GEOMETRY_CLASSES)  # the names of the geometry table
+# The names of the geometry table (`gift_compile.geometry.table.GEOMETRIES`), in its order.
+# Spelled here because the config sits below the geometry layer and validates at construction
+# (a typo fails before any process group exists); the table checks at import that its classes
+# carry exactly these names.
+GEOMETRIES = ("none", "hadamard", "dense", "lowrank", "gradient", "momentum", "second_moment")
 # `geometry` value resolved by `apply(..., optimizer=)` to the optimizer's geometry
 # (`gift_compile.geometry.optimizers.geometry_for`).
 AUTO_GEOMETRY = "auto"

@@ -50,8 +50,8 @@ import torch.fx as fx
 from gift_compile.exchange.collectives import (
     ItemTensors, Shared, bucket_core, bucket_wire_bytes, finish, gather_finish, gather_launch, launch,
 )
-from gift_compile.exchange.plan import BucketPlan, ItemPlan
 from gift_compile.exchange.mark import unpack_mark_tensors, unpack_replica_shared
+from gift_compile.exchange.plan import BucketPlan, ItemPlan
 
 logger = logging.getLogger("gift_compile")
 

@@ -14,12 +14,12 @@ import torch.fx as fx
 from torch._inductor import config as inductor_config
 
 import gift_compile
-from gift_compile.exchange import collectives as C
 from gift_compile.config import GiftConfig
+from gift_compile.exchange import collectives as C
 from gift_compile.exchange.plan import ItemPlan
-from gift_compile.runtime.state import GiftState
 from gift_compile.passes import gift_pass
 from gift_compile.passes.inductor import GiftGraphPass, package_sources
+from gift_compile.runtime.state import GiftState
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gift_compile.exchange import collectives as C
 from gift_compile.config import GiftConfig
+from gift_compile.exchange import collectives as C
 from gift_compile.geometry import Transform
 from multirank import run_ranks
 

@@ -15,8 +15,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import gift_compile
-from gift_compile.exchange import collectives as C
 from gift_compile.config import GiftConfig
+from gift_compile.exchange import collectives as C
 from gift_compile.geometry import Transform
 from gift_compile.runtime.state import GiftState
 from multirank import run_ranks

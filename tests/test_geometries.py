@@ -10,8 +10,8 @@ import torch
 
 from gift_compile.config import GEOMETRIES as CONFIG_GEOMETRIES
 from gift_compile.config import GiftConfig
-from gift_compile.geometry.table import GEOMETRIES, KINDS, Geometry, Momentum, SecondMoment, geometry_class, map_class
 from gift_compile.geometry.statistics import KFACStatistics, SketchStatistics
+from gift_compile.geometry.table import GEOMETRIES, KINDS, Geometry, Momentum, SecondMoment, geometry_class, map_class
 
 ROOT = Path(__file__).resolve().parent.parent
 NAMES = set(GEOMETRIES) | set(KINDS)

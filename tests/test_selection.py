@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from gift_compile.config import GiftConfigError
-from gift_compile.runtime.selection import leaf_optimizers, preconditions_matrices, select_metric_for
+from gift_compile.geometry.optimizer_maps import leaf_optimizers
+from gift_compile.geometry.optimizers import preconditions_matrices, select_metric_for
 from conftest import require
 from mlp import MLP as _MLP
 

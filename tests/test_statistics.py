@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
-from gift_compile.exchange.collectives import all_reduce
 from gift_compile.config import GiftConfig
+from gift_compile.exchange.collectives import all_reduce
 from gift_compile.geometry import Transform, lowrank_tensors
 from gift_compile.geometry.statistics import KFACStatistics, SketchStatistics, sketch_matrix
 from tests.multirank import run_ranks

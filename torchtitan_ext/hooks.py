@@ -18,13 +18,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torchtitan.tools.logging import logger
 
+from gift_compile.api import attach_optimizer, eligible_linears, manage
 from gift_compile.frameworks import fsdp2
 from gift_compile.frameworks import hsdp as gift_hsdp
-from gift_compile.api import attach_optimizer, eligible_linears, manage
-from gift_compile.geometry.optimizers import geometry_for
 from gift_compile.frameworks.parts import Parts
-from gift_compile.runtime.selection import select_metric_for
 from gift_compile.frameworks.tensor_parallel import describe_blocks
+from gift_compile.geometry.optimizers import geometry_for, select_metric_for
 
 from . import cpu_compat, hsdp, pipeline_parallel
 from .section import AUTO_METRIC, GiftSection

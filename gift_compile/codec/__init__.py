@@ -41,9 +41,11 @@ Numerics shared by every format:
 
 The codec is split by concern: `gift_compile.codec.spec` (`FormatSpec`, the format tables, byte
 sizes), `gift_compile.codec.scales` (scale statistics and codes, `choose_scales`) and
-`gift_compile.codec.codes` (element grids, codes, packing). This module combines them (`encode`,
-`decode`, `quantize`, `dequantize`, `wire_bytes`) and is the public entry point: every public
-name of the codec is importable from here.
+`gift_compile.codec.codes` (element grids, codes, packing). This package module combines them
+(`encode`, `decode`, `quantize`, `dequantize`, `wire_bytes`) and is the public entry point:
+every public name of the codec is importable from here. `gift_compile.codec.residual` stores
+error-feedback residuals in a format. The codec is the lowest layer (docs/architecture.md): it
+imports nothing else of GIFT.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ E8M0 scale codes, and `choose_scales`.
 Split out of `gift_compile.codec` (whose docstring states the numerics) because choosing
 scales is a step of its own: a caller may agree on the statistics across ranks before any
 element is encoded, and `encode` / `decode` read the scale codes back through the helpers
-here. `formats` re-exports the public names.
+here. the package (`gift_compile.codec`) re-exports the public names.
 """
 
 from __future__ import annotations

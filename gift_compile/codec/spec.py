@@ -2,7 +2,9 @@
 
 Split out of `gift_compile.codec` so that the scale machinery (`gift_compile.codec.scales`) and the
 element codes (`gift_compile.codec.codes`) can read a format's description and tables without
-importing the encoder built on them (no import cycle); `formats` re-exports the public names.
+importing the encoder built on them (no import cycle); the package re-exports the public names.
+The format names (`FORMATS`, `SCALINGS`, the block-size formats and lengths) live here, the
+lowest layer that knows formats; `GiftConfig` validates against them from above (`gift_compile.config`).
 Also here: the 2-D row view every format works on (`as_rows`, padding to whole blocks) and
 `wire_bytes_for`, the shape-only byte count behind `FormatSpec.bits_per_element`.
 """
@@ -15,8 +17,13 @@ from dataclasses import dataclass
 
 import torch
 
-from gift_compile.config import BLOCK_SIZE_CHOICES, BLOCK_SIZE_FORMATS, FORMATS, SCALINGS
-
+FORMATS = ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "mxfp8", "nvfp4", "mxint4", "int6", "int4", "int3", "int2",
+           "ternary")
+# Formats whose block length is `block_size`; their block statistics are reduced by a
+# pairwise tree and packed whole into bytes, hence a short list of power-of-two lengths.
+BLOCK_SIZE_FORMATS = ("int6", "int4", "int3", "int2", "ternary")
+BLOCK_SIZE_CHOICES = (16, 32)
+SCALINGS = ("tensor", "row", "block")
 FP32_MAX = torch.finfo(torch.float32).max
 _FP8 = {
     "fp8_e4m3": (torch.float8_e4m3fn, 448.0, 3, -6),

@@ -9,12 +9,32 @@ that the FX pass splices into graphs; `collectives` re-exports them.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
 from gift_compile.exchange.plan import BucketPlan
 
+__all__ = ["check_plan_agreement", "first_difference", "raise_on_bad_headers"]
+
 _CHECKED_PLANS: set[tuple[str | None, int]] = set()
+
+
+def first_difference(a: Any, b: Any, path: str = "") -> str:
+    """Where two nested descriptions (dicts, lists, values) first differ, as `path: a vs b`:
+    the plan check across ranks and `apply`'s check of a second config both name it."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b)):
+            if a.get(k) != b.get(k):
+                return first_difference(a.get(k), b.get(k), f"{path}.{k}" if path else k)
+    if isinstance(a, list) and isinstance(b, list):
+        if len(a) != len(b):
+            return f"{path}: {len(a)} vs {len(b)} entries"
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                return first_difference(x, y, f"{path}[{i}]")
+    return f"{path}: {a!r} vs {b!r}"
 
 
 def _host_device(group: dist.ProcessGroup) -> torch.device:
@@ -51,12 +71,10 @@ def check_plan_agreement(plan: BucketPlan, group: dist.ProcessGroup | None, *, a
     dist.all_gather_object(theirs, mine, group=group)
     differ = sorted(set(differ) | {r for r, t in enumerate(theirs) if t != mine})
     if differ:
-        from gift_compile.runtime.state import _first_difference  # the setup check's differ, reused
-
         r = differ[0]
         raise RuntimeError(
             f"GIFT: ranks disagree on a collective's plan: rank(s) {differ} differ from rank {me}; first "
-            f"difference: {_first_difference(mine, theirs[r])} (this rank vs rank {r}).\n  this rank: "
+            f"difference: {first_difference(mine, theirs[r])} (this rank vs rank {r}).\n  this rank: "
             f"{plan.describe()}\n  rank {r}: {BucketPlan.from_dict(theirs[r]).describe() if theirs[r] else None}"
         )
     _CHECKED_PLANS.add(key)

@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from gift_compile.config import GiftConfig
 from gift_compile.exchange.accounting import HEADER_BYTES, bucket_wire_bytes, wire_bytes_per_rank
 from gift_compile.exchange.agreement import check_plan_agreement, raise_on_bad_headers
 from gift_compile.exchange.bucket import (
@@ -27,9 +28,8 @@ from gift_compile.exchange.bucket import (
     N_COUNTERS, RANK_BITS, ItemTensors, Shared, bucket_core, finish, flagged_ranks, gather_finish, gather_launch,
     group_info, launch, run_bucket,
 )
-from gift_compile.config import GiftConfig
-from gift_compile.geometry.table import IDENTITY_KIND, Geometry
 from gift_compile.exchange.plan import BucketPlan, ItemPlan, dtype_name
+from gift_compile.geometry.table import IDENTITY_KIND, Geometry
 
 __all__ = [
     "C_BASELINE", "C_CALLS", "C_MISMATCH", "C_MISMATCH_RANKS", "C_NONFINITE", "C_NONFINITE_RANKS", "C_PLAIN_CALLS",

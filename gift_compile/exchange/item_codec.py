@@ -32,12 +32,12 @@ from typing import NamedTuple
 
 import torch
 
-from gift_compile.exchange.accounting import _item_bytes_per_dest, _itemsize, _scale_layout
 from gift_compile.codec import FormatSpec, choose_scales, decode, encode, scales_nonfinite
 from gift_compile.codec import residual as residual_store
+from gift_compile.exchange.accounting import _item_bytes_per_dest, _itemsize, _scale_layout
+from gift_compile.exchange.plan import BucketPlan, ItemPlan
 from gift_compile.geometry import apply_forward, apply_inverse
 from gift_compile.geometry.maps import _traced
-from gift_compile.exchange.plan import BucketPlan, ItemPlan
 
 RANK_SEED_STRIDE = 1_000_003
 _ALL_GATHER_SEED = 7

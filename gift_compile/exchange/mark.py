@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from gift_compile.exchange import collectives
 from gift_compile.codec import residual as residual_store
+from gift_compile.exchange import collectives
 from gift_compile.exchange.collectives import ItemTensors, Shared
 from gift_compile.exchange.plan import ItemPlan
 

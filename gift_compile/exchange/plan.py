@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from gift_compile.config import GiftConfig
 from gift_compile.codec import FormatSpec
+from gift_compile.config import GiftConfig
 from gift_compile.geometry.table import IDENTITY_KIND, geometry_class
 
 __all__ = ["BucketPlan", "ItemPlan", "dtype_name"]

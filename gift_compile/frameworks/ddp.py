@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from gift_compile.exchange.collectives import Segment, group_info, sync_buffer
 from gift_compile.config import GiftConfig
-from gift_compile.runtime.health import queue_backward_check
+from gift_compile.exchange.collectives import Segment, group_info, sync_buffer
 from gift_compile.frameworks.routing import manage
+from gift_compile.runtime.health import queue_backward_check
 from gift_compile.runtime.state import GiftState
 
 logger = logging.getLogger("gift_compile")

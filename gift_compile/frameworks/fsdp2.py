@@ -23,7 +23,6 @@ gradient and the layout always maps; a buffer that does not match raises.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -32,47 +31,18 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from gift_compile.exchange.collectives import Segment, bucket_plan, bucket_wire_bytes, sync_buffer
+from gift_compile.exchange.plan import BucketPlan
 from gift_compile.frameworks.fsdp_internals import (
     DefaultReduceScatter, ReduceScatter, check_torch, custom_reduce_scatter, fsdp_modules, packed_params,
     shard_process_group,
 )
-from gift_compile.runtime.health import queue_backward_check
 from gift_compile.frameworks.parts import Parts
-from gift_compile.exchange.plan import BucketPlan
+from gift_compile.runtime.health import queue_backward_check
 from gift_compile.runtime.state import GiftState
+from gift_compile.runtime.telemetry import CommTimer
 
 __all__ = ["GiftReduceScatter", "accounted_bytes", "discarded_gradients", "discarding", "install", "shard_group",
            "uninstall"]
-
-
-class CommTimer:
-    """Time spent in GIFT's reduce-scatter hooks: CUDA events on the current stream (read at
-    `take`, so the hot path never synchronizes), host wall time elsewhere."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self._events: list[tuple[Any, Any]] = []
-
-    @contextlib.contextmanager
-    def timing(self, device: torch.device) -> Iterator[None]:
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield
-            end.record()
-            self._events.append((start, end))
-        else:
-            t0 = time.perf_counter()
-            yield
-            self.seconds += time.perf_counter() - t0
-
-    def take(self) -> float:
-        """Seconds since the last `take`."""
-        for start, end in self._events:
-            end.synchronize()
-            self.seconds += start.elapsed_time(end) / 1e3
-        out, self.seconds, self._events = self.seconds, 0.0, []
-        return out
 
 
 # How many `discarded_gradients` contexts are open.

@@ -54,13 +54,14 @@ import torch.distributed as dist
 
 from gift_compile.exchange.collectives import (C_WIRE, C_BASELINE, C_CALLS, N_COUNTERS, ItemTensors, Shared,
                                       bucket_plan, bucket_wire_bytes, check_plan_agreement, run_bucket)
-from gift_compile.frameworks.fsdp2 import CommTimer, GiftReduceScatter, discarding
+from gift_compile.exchange.plan import BucketPlan, ItemPlan
+from gift_compile.frameworks.fsdp2 import GiftReduceScatter, discarding
 from gift_compile.frameworks.fsdp_internals import (all_reduce_hook, check_torch, custom_reduce_scatter, fsdp_modules,
                                          gradient_divide_factor, is_native_hsdp, param_group_id,
                                          shard_process_group)
 from gift_compile.frameworks.parts import Parts, model_parts
-from gift_compile.exchange.plan import BucketPlan, ItemPlan
 from gift_compile.runtime.state import GiftState
+from gift_compile.runtime.telemetry import CommTimer
 
 __all__ = ["ReplicaAllReduce", "ReplicaHop", "accounted_bytes", "check_replicas_identical", "hop_totals", "install",
            "install_graph"]

@@ -24,11 +24,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gift_compile.config import AUTO_GEOMETRY, GiftConfig
-from gift_compile.geometry.table import geometry_class
 from gift_compile.exchange.mark import SYNC, _GiftSync, _GiftTag
 from gift_compile.frameworks.parts import Parts, model_parts
-from gift_compile.runtime.state import GiftState, LayerState
 from gift_compile.frameworks.tensor_parallel import local_input, local_matrix_shape, on_local_block
+from gift_compile.geometry.table import geometry_class
+from gift_compile.runtime.layer import LayerState
+from gift_compile.runtime.state import GiftState
 
 __all__ = ["eligible_linears", "manage", "observe_inputs", "statistics_paused"]
 

@@ -5,6 +5,11 @@ A thin facade over the geometry table (`gift_compile.geometry.table`): a kind ("
 "hadamard", "dense", "lowrank") names the map a plan carries; `map_class(kind)` is the class
 whose code runs. Benchmarks and user code that pick a map by kind use these names; GIFT's own
 layers build their geometry from `GiftConfig.geometry` through `geometry_class`.
+
+The package is the geometry layer (docs/architecture.md): the maps (`maps`, `optimizer_maps`),
+their statistics and whitening math (`statistics`, `whitening`), the table (`table`) and the
+optimizer inspections behind `"auto"` (`optimizers`); it imports only the codec, the config
+and `sync`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The maps built from the optimizer's own state: `Momentum` (the low-rank map of the momentum
 `M^T M`, what Muon orthogonalizes) and `SecondMoment` (one scale per input column from Adam's
 `exp_avg_sq`, the coordinates AdamW's update sees). Each reads its tensor through
-`_optimizer_state_source`, which raises naming the layer when the optimizer keeps none.
+`_optimizer_state_source`, which raises naming the layer when the optimizer keeps none, over
+the optimizers `leaf_optimizers` finds inside a container.
 """
 
 from __future__ import annotations
@@ -12,13 +13,27 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from gift_compile.geometry.maps import FactorSource, Geometry, Gradient
-from gift_compile.geometry.optimizers import leaf_optimizers
 from gift_compile.sync import all_reduce_
 
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-__all__ = ["Momentum", "SecondMoment"]
+__all__ = ["Momentum", "SecondMoment", "leaf_optimizers"]
+
+
+def leaf_optimizers(optimizer: object) -> list[torch.optim.Optimizer]:
+    """The `torch.optim.Optimizer`s inside `optimizer`: itself, the members of a container
+    with an `optimizers` list (torchtitan's `OptimizersContainer`), or of a list/tuple."""
+    if isinstance(optimizer, (list, tuple)):
+        return [leaf for o in optimizer for leaf in leaf_optimizers(o)]
+    inner = getattr(optimizer, "optimizers", None)
+    if isinstance(inner, (list, tuple)):
+        return leaf_optimizers(inner)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer]
+    raise TypeError(f"GIFT: {type(optimizer).__name__} is not a torch.optim.Optimizer, a container of them "
+                    "(an `optimizers` list) or a list of them")
+
 
 def _optimizer_state_source(geometry: str, keys: tuple[str, ...], what: str, weights: Callable[[str], torch.Tensor],
                             optimizer: Any | None, steps: Callable[[], int], advice: str) -> FactorSource:

@@ -1,9 +1,10 @@
 """What the optimizer steps: the inspections GIFT derives settings from.
 
-`leaf_optimizers` finds the `torch.optim.Optimizer`s inside a container (the momentum geometry
-reads their state); `select_metric_for` chooses `GiftConfig.select_metric` from whether the
+`select_metric_for` chooses `GiftConfig.select_metric` from whether the
 optimizer preconditions whole matrices, `geometry_for` chooses `GiftConfig.geometry` from the
-same inspection plus whether the optimizer keeps Adam's second moment.
+same inspection plus whether the optimizer keeps Adam's second moment. Above the geometry table
+(it asks the table whether a geometry works in the optimizer's coordinates); the optimizer
+maps below the table find the optimizers themselves (`leaf_optimizers`).
 """
 
 from __future__ import annotations
@@ -12,8 +13,11 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["MATRIX_PRECONDITIONERS", "SECOND_MOMENT_OPTIMIZERS", "geometry_for", "leaf_optimizers",
-           "preconditions_matrices", "select_metric_for"]
+from gift_compile.geometry.optimizer_maps import leaf_optimizers
+from gift_compile.geometry.table import geometry_class
+
+__all__ = ["MATRIX_PRECONDITIONERS", "SECOND_MOMENT_OPTIMIZERS", "geometry_for", "preconditions_matrices",
+           "select_metric_for"]
 
 # Optimizers that precondition each weight matrix as a whole (orthogonalize it or whiten it
 # with curvature factors), recognised by a lower-case fragment of their class name or of a
@@ -30,20 +34,6 @@ MATRIX_PRECONDITIONERS = ("muon", "shampoo", "soap", "kfac", "kron")
 SECOND_MOMENT_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam,
 )
-
-
-def leaf_optimizers(optimizer: object) -> list[torch.optim.Optimizer]:
-    """The `torch.optim.Optimizer`s inside `optimizer`: itself, the members of a container
-    with an `optimizers` list (torchtitan's `OptimizersContainer`), or of a list/tuple."""
-    if isinstance(optimizer, (list, tuple)):
-        return [leaf for o in optimizer for leaf in leaf_optimizers(o)]
-    inner = getattr(optimizer, "optimizers", None)
-    if isinstance(inner, (list, tuple)):
-        return leaf_optimizers(inner)
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return [optimizer]
-    raise TypeError(f"GIFT: {type(optimizer).__name__} is not a torch.optim.Optimizer, a container of them "
-                    "(an `optimizers` list) or a list of them")
 
 
 def preconditions_matrices(optimizer: torch.optim.Optimizer) -> bool:
@@ -87,8 +77,6 @@ def select_metric_for(optimizer: object, weights: list[torch.Tensor], geometry: 
     and would be refused. Weights that no optimizer steps are ignored; if none of them is
     stepped the choice is undefined and this raises.
     """
-    from gift_compile.geometry.table import geometry_class  # the table imports this module
-
     stepped = _stepped(optimizer, weights, "select_metric")
     if _mostly(stepped, preconditions_matrices):
         return "whitened"

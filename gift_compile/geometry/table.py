@@ -29,6 +29,7 @@ Maps:
 
 from __future__ import annotations
 
+from gift_compile.config import GEOMETRIES as CONFIG_NAMES
 from gift_compile.geometry.maps import Dense, FactorSource, Geometry, Gradient, Hadamard, LowRank, Statistics
 from gift_compile.geometry.optimizer_maps import Momentum, SecondMoment
 
@@ -39,6 +40,9 @@ __all__ = ["GEOMETRIES", "IDENTITY_KIND", "KINDS", "Dense", "FactorSource", "Geo
 GEOMETRIES: dict[str, type[Geometry]] = {
     cls.name: cls for cls in (Geometry, Hadamard, Dense, LowRank, Gradient, Momentum, SecondMoment)
 }
+# `GiftConfig` validates names from below this layer, against its own list: the two must agree.
+if tuple(GEOMETRIES) != CONFIG_NAMES:
+    raise ImportError(f"gift_compile.config.GEOMETRIES {CONFIG_NAMES} != the geometry table's {tuple(GEOMETRIES)}")
 # The map each plan kind runs (geometries sharing a map share its code: the first one listed).
 _MAPS: dict[str, type[Geometry]] = {}
 for _cls in GEOMETRIES.values():

@@ -16,7 +16,7 @@ from gift_compile.codec import residual as residual_store
 from gift_compile.config import GiftConfig
 
 if TYPE_CHECKING:
-    from gift_compile.runtime.state import LayerState
+    from gift_compile.runtime.layer import LayerState
 
 __all__ = ["Checkpointing", "STATE_VERSION"]
 

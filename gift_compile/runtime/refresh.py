@@ -21,12 +21,12 @@ import torch.distributed as dist
 from gift_compile.codec import residual as residual_store
 from gift_compile.config import GiftConfig
 from gift_compile.geometry import apply_forward, apply_inverse
-from gift_compile.runtime.selection import LayerMeasurement, decide, harmful, measure, rests_on_gain
 from gift_compile.geometry.statistics import KFACStatistics, SketchStatistics
+from gift_compile.runtime.selection import LayerMeasurement, decide, harmful, measure, rests_on_gain
 from gift_compile.sync import all_reduce_, broadcast_, group_rank
 
 if TYPE_CHECKING:
-    from gift_compile.runtime.state import LayerState
+    from gift_compile.runtime.layer import LayerState
 
 __all__ = ["RefreshEngine", "RefreshRecord"]
 

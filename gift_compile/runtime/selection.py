@@ -26,15 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
+from gift_compile.codec import FormatSpec, as_rows, choose_scales, encode
 from gift_compile.config import GiftConfig
 from gift_compile.exchange.collectives import ItemTensors, Shared, bucket_core
 from gift_compile.exchange.plan import BucketPlan, ItemPlan
-from gift_compile.codec import FormatSpec, as_rows, choose_scales, encode
 from gift_compile.geometry.table import IDENTITY_KIND, geometry_class, map_class
-# Re-exported: the optimizer inspections lived here before `gift_compile.geometry.optimizers`.
-from gift_compile.geometry.optimizers import (  # noqa: F401
-    MATRIX_PRECONDITIONERS, leaf_optimizers, preconditions_matrices, select_metric_for,
-)
 
 _E5M2_MAX_CODE = 0x7B  # 0 11110 11: 57344, the largest finite E5M2 magnitude
 

@@ -1,4 +1,4 @@
-"""Per-layer GIFT state, and `GiftState`: the layers of one `apply`, the step driver and health.
+"""`GiftState`: the layers of one `apply` (`gift_compile.runtime.layer`), the step driver and health.
 
 Everything a compiled graph reads or writes (transform tensors, error-feedback residual, the
 gradient probe, the stochastic-rounding seed, this process's rank, the byte/health counters)
@@ -19,156 +19,24 @@ rank in the same step.
 from __future__ import annotations
 
 import json
-import zlib
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from gift_compile.codec import residual as residual_store
-from gift_compile.runtime.checkpoint import Checkpointing
-from gift_compile.exchange.collectives import (C_MISMATCH, C_MISMATCH_RANKS, C_NONFINITE, C_NONFINITE_RANKS, N_COUNTERS,
-                                      ItemTensors, Shared, flagged_ranks)
 from gift_compile.config import GiftConfig
-from gift_compile.geometry.table import IDENTITY_KIND, geometry_class
-from gift_compile.exchange.plan import BucketPlan, ItemPlan
+from gift_compile.exchange.agreement import first_difference
+from gift_compile.exchange.collectives import (C_MISMATCH, C_MISMATCH_RANKS, C_NONFINITE, C_NONFINITE_RANKS, N_COUNTERS,
+                                               Shared, flagged_ranks)
+from gift_compile.exchange.plan import BucketPlan
+from gift_compile.geometry.table import geometry_class
+from gift_compile.runtime.checkpoint import Checkpointing
+from gift_compile.runtime.layer import LayerState
 from gift_compile.runtime.refresh import RefreshEngine, RefreshRecord
 from gift_compile.runtime.selection import LayerMeasurement, decide
+from gift_compile.runtime.telemetry import CommTimer, Telemetry
 from gift_compile.sync import all_gather_object_, group_rank, world_size
-from gift_compile.runtime.telemetry import Telemetry
-
-if TYPE_CHECKING:
-    from gift_compile.frameworks.fsdp2 import CommTimer
-
-
-PROBE_ROWS = 128
-
-
-class LayerState:
-    """What GIFT keeps for one managed weight `[out, in]`.
-
-    `plan` is the static description the `gift::mark` op carries into graphs; the transform
-    tensors, `residual`, `second_hop_residual` and `probe` are the layer's runtime tensors;
-    `stats` is fed by the layer's forward pre-hook. `world` sizes the second-hop residual:
-    this rank's shard of the all-reduce, `ceil(out / world)` rows.
-    """
-
-    def __init__(self, fqn: str, shape: tuple[int, int], config: GiftConfig, device: torch.device | str,
-                 world: int = 1):
-        self.fqn = fqn
-        self.shape = (int(shape[0]), int(shape[1]))
-        self.config = config
-        out, d_in = self.shape
-        geometry = geometry_class(config.geometry)
-        stable = zlib.crc32(fqn.encode()) & 0x7FFFFFFF
-        self.transform = geometry(d_in, config.rank, seed=config.seed + stable, device=device)
-        self.stats = geometry.make_statistics(config, d_in, device)
-        # Statistics shared with other layers that read the same input (q/k/v, gate/up):
-        # a follower reads its leader's statistics and feeds none itself.
-        self.leader: LayerState | None = None
-        self.followers: list[LayerState] = []
-        self.grad_factor: torch.Tensor | None = geometry.allocate_factor(d_in, device)
-        self.residual = (residual_store.allocate(config.residual_format, out, d_in, device)
-                         if config.error_feedback else None)
-        self.second_hop_residual = (residual_store.allocate(config.residual_format, -(-out // world), d_in, device)
-                                    if config.second_hop_error_feedback else None)
-        self.probe = torch.zeros(min(out, PROBE_ROWS), d_in, device=device)
-        self._full_plan = ItemPlan.managed_layer(fqn, self.shape, config, len(self.transform.tensors))
-        self.seed_offset = torch.tensor(self._full_plan.seed_offset, dtype=torch.int64, device=device)
-        # GIFT's own sync: "sync", "accumulate" (inside `gift_compile.no_sync`) or
-        # "sync_pending" (the next backward sends gradient + `pending`, allocated on first use).
-        self.mode = "sync"
-        self.pending: torch.Tensor | None = None
-        # Selection is structure: a layer takes the transformed path (`selected`) or runs the
-        # Euclidean codec with no transform at all; `decided` ends the statistics of a
-        # deselected layer (see GiftConfig.reselect_every).
-        self.selected = False
-        self.decided = False
-        self.measurement: LayerMeasurement | None = None
-        self.boundary_score = 0.0
-        # `collect_stats` as a tensor (bool, 0-d), what a traced forward's statistics hook
-        # reads (`routing.observe_inputs`): a Python flag there is a guard, one compilation
-        # per pattern of selected layers, per block of a per-block compiled model.
-        self.stats_gate = torch.zeros((), dtype=torch.bool, device=device)
-        self.transform.activate()  # a fixed rotation is always on; adaptive maps start as the identity
-        self._replan()
-
-    @property
-    def kind(self) -> str:
-        """The transform kind GIFT builds for this layer (used when it is selected)."""
-        return self.transform.kind
-
-    @property
-    def active_kind(self) -> str:
-        """The kind the collectives run now: the layer's, or the identity when not selected."""
-        return self.transform.kind if self.selected else IDENTITY_KIND
-
-    @property
-    def needs_stats(self) -> bool:
-        """Whether this layer's geometry must stay current: selected, or selection still open."""
-        return self.stats is not None and (self.selected or not self.decided or self.config.reselect_every > 0)
-
-    @property
-    def collect_stats(self) -> bool:
-        """Whether this layer's forward feeds statistics: it or a follower needs them, and it
-        is not itself a follower."""
-        return self.leader is None and (self.needs_stats or any(f.needs_stats for f in self.followers))
-
-    def _replan(self) -> None:
-        """The static plan of the active path (graphs carry it; a change is a recompile)."""
-        n = len(self.transform.tensors) if self.selected else 0
-        self.plan = replace(self._full_plan, kind=self.active_kind, n_tensors=n)
-        self.plan_str = self.plan.to_str()  # precomputed: the forward passes it to traced code
-        self.sync_stats_gate()
-
-    def sync_stats_gate(self) -> None:
-        """Set `stats_gate` to `collect_stats` (in place; called whenever that can change)."""
-        self.stats_gate.fill_(self.collect_stats)
-
-    def active_tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.transform.tensors if self.selected else ()
-
-    def tensors(self) -> ItemTensors:
-        """Runtime tensors for `gift_compile.exchange.collectives`."""
-        return ItemTensors(self.active_tensors(), self.residual, self.probe, self.seed_offset,
-                           self.second_hop_residual)
-
-    def residual_buffers(self) -> dict[str, tuple[torch.Tensor, ...]]:
-        """The error-feedback residuals this layer keeps, by state-dict prefix (first hop:
-        `residual`, the all-reduce's second hop: `second_hop_residual`)."""
-        return {k: v for k, v in (("residual", self.residual), ("second_hop_residual", self.second_hop_residual))
-                if v is not None}
-
-    def mark_tensors(self, shared: Shared, replica: Shared | None = None) -> list[torch.Tensor]:
-        """Inputs of the `gift::mark` op, in the order `unpack_mark_tensors` reads them; with a
-        graph replica hop (`plan.replica_format`) also its rank and counters (`replica`)."""
-        extra = [t for bufs in self.residual_buffers().values() for t in bufs]
-        out = [*self.active_tensors(), *extra, self.probe, self.seed_offset, shared.seed, shared.rank, shared.counters]
-        if self.plan.replica_format:
-            if replica is None:
-                raise RuntimeError(f"GIFT: {self.fqn} has a replica hop in its plan but no replica tensors were given")
-            out += [replica.rank, replica.counters]
-        return out
-
-    def set_replica_format(self, fmt: str) -> None:
-        """Put HSDP's replica hop into the plan the mark carries (before any graph is traced)."""
-        self._full_plan = replace(self._full_plan, replica_format=fmt)
-        self._replan()
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        sd = {f"transform.{k}": v for k, v in self.transform.state_dict().items()}
-        if self.stats is not None:
-            sd.update({f"stats.{k}": v for k, v in self.stats.state_dict().items()})
-        if self.grad_factor is not None:
-            sd["grad_factor"] = self.grad_factor
-        for prefix, bufs in self.residual_buffers().items():
-            sd.update({f"{prefix}.{i}": t for i, t in enumerate(bufs)})
-        sd["probe"] = self.probe
-        sd["selected"] = torch.tensor(self.selected)
-        sd["decided"] = torch.tensor(self.decided)
-        sd["boundary_score"] = torch.tensor(self.boundary_score)
-        return sd
 
 
 @dataclass
@@ -356,7 +224,7 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         for r, other in enumerate(everyone):
             if other != mine:
                 a, b = json.loads(mine), json.loads(other)
-                diff = _first_difference(a, b)
+                diff = first_difference(a, b)
                 raise ValueError(f"GIFT: rank {r} set up a different GIFT plan than rank {group_rank(self.group)}: {diff}")
 
     # ---- step driver -------------------------------------------------------------------
@@ -402,18 +270,3 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         self.seed.add_(1)
         if self.config.refresh_due(self.steps):
             self.refresh()
-
-def _first_difference(a: Any, b: Any, path: str = "") -> str:
-    if isinstance(a, dict) and isinstance(b, dict):
-        for k in sorted(set(a) | set(b)):
-            if a.get(k) != b.get(k):
-                return _first_difference(a.get(k), b.get(k), f"{path}.{k}" if path else k)
-    if isinstance(a, list) and isinstance(b, list):
-        if len(a) != len(b):
-            return f"{path}: {len(a)} vs {len(b)} entries"
-        for i, (x, y) in enumerate(zip(a, b)):
-            if x != y:
-                return _first_difference(x, y, f"{path}[{i}]")
-    return f"{path}: {a!r} vs {b!r}"
-
-

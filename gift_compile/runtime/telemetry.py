@@ -1,13 +1,17 @@
 """What a `GiftState` reports: bytes counted by the collectives, shape-based accounting, the
-memory it keeps, and the per-layer selection summary.
+memory it keeps, and the per-layer selection summary; and `CommTimer`, the time a framework
+hook spends in GIFT's collectives (a `GiftState` holds the FSDP2 hook's).
 
-`GiftState` inherits it; the fields it reads are `GiftState`'s.
+`GiftState` inherits `Telemetry`; the fields it reads are `GiftState`'s.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import TYPE_CHECKING
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,9 +19,39 @@ from gift_compile.exchange.collectives import C_BASELINE, C_CALLS, C_MISMATCH, C
 from gift_compile.geometry.statistics import SketchStatistics
 
 if TYPE_CHECKING:
-    from gift_compile.runtime.state import LayerState
+    from gift_compile.runtime.layer import LayerState
 
-__all__ = ["Telemetry"]
+__all__ = ["CommTimer", "Telemetry"]
+
+
+class CommTimer:
+    """Time spent in GIFT's reduce-scatter hooks: CUDA events on the current stream (read at
+    `take`, so the hot path never synchronizes), host wall time elsewhere."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._events: list[tuple[Any, Any]] = []
+
+    @contextlib.contextmanager
+    def timing(self, device: torch.device) -> Iterator[None]:
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self.seconds += time.perf_counter() - t0
+
+    def take(self) -> float:
+        """Seconds since the last `take`."""
+        for start, end in self._events:
+            end.synchronize()
+            self.seconds += start.elapsed_time(end) / 1e3
+        out, self.seconds, self._events = self.seconds, 0.0, []
+        return out
 
 
 class Telemetry:
