@@ -15,6 +15,7 @@ from torch._inductor import config as inductor_config
 
 import gift_compile
 from gift_compile.config import GiftConfig
+from gift_compile.exchange import agreement
 from gift_compile.exchange import collectives as C
 from gift_compile.exchange.plan import ItemPlan
 from gift_compile.passes import gift_pass
@@ -72,6 +73,19 @@ def test_rewrite_reports_are_bounded():
     assert len(gift_pass.last_reports(since=gift_pass.reports_seen() - 3)) == 3
     with pytest.raises(RuntimeError, match="were dropped"):
         gift_pass.last_reports(since=start)
+
+
+def test_the_checked_plans_are_bounded(monkeypatch):
+    """The plans whose description this process compared across ranks: a bounded LRU, so a
+    run whose plans keep changing does not grow it (a dropped plan is compared once more)."""
+    monkeypatch.setattr(agreement, "_CHECKED_PLANS", type(agreement._CHECKED_PLANS)())
+    for fp in range(agreement.MAX_CHECKED_PLANS + 5):
+        agreement._remember_checked(("g", fp))
+    agreement._remember_checked(("g", 5))  # used again: now the most recent
+    agreement._remember_checked(("g", -1))
+    kept = list(agreement._CHECKED_PLANS)
+    assert len(kept) == agreement.MAX_CHECKED_PLANS
+    assert kept[-2:] == [("g", 5), ("g", -1)] and ("g", 6) not in kept and ("g", 7) in kept
 
 
 def test_the_pass_cache_key_hashes_the_package_modules_found_by_the_import_system():

@@ -9,6 +9,7 @@ that the FX pass splices into graphs; `collectives` re-exports them.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -18,7 +19,11 @@ from gift_compile.exchange.plan import BucketPlan
 
 __all__ = ["check_plan_agreement", "first_difference", "raise_on_bad_headers"]
 
-_CHECKED_PLANS: set[tuple[str | None, int]] = set()
+# The (group, plan fingerprint) pairs whose full description this process has compared, most
+# recently used last. Bounded so that a long run with changing plans does not grow it: a pair
+# that falls out only costs one more exchange of descriptions the next time it is seen.
+MAX_CHECKED_PLANS = 1024
+_CHECKED_PLANS: OrderedDict[tuple[str | None, int], None] = OrderedDict()
 
 
 def first_difference(a: Any, b: Any, path: str = "") -> str:
@@ -77,7 +82,15 @@ def check_plan_agreement(plan: BucketPlan, group: dist.ProcessGroup | None, *, a
             f"difference: {first_difference(mine, theirs[r])} (this rank vs rank {r}).\n  this rank: "
             f"{plan.describe()}\n  rank {r}: {BucketPlan.from_dict(theirs[r]).describe() if theirs[r] else None}"
         )
-    _CHECKED_PLANS.add(key)
+    _remember_checked(key)
+
+
+def _remember_checked(key: tuple[str | None, int]) -> None:
+    """Mark `key` as compared, most recently; the least recently used past the bound fall out."""
+    _CHECKED_PLANS[key] = None
+    _CHECKED_PLANS.move_to_end(key)
+    while len(_CHECKED_PLANS) > MAX_CHECKED_PLANS:
+        _CHECKED_PLANS.popitem(last=False)
 
 
 def raise_on_bad_headers(headers: torch.Tensor, plan: BucketPlan, nonfinite_policy: str) -> None:
