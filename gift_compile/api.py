@@ -105,8 +105,8 @@ def apply(model: nn.Module, config: GiftConfig | None = None, *, group: dist.Pro
             raise ValueError(
                 "gift_compile.apply: the FSDP2 model reduce-scatters over a one-rank group; FSDP2 then copies each "
                 "gradient without calling the custom reduce-scatter, so GIFT would quantize and send nothing (with "
-                "replicas, install gift_compile.frameworks.fsdp2 and gift_compile.frameworks.hsdp: the replica hop then carries every "
-                "gradient)")
+                "replicas, install gift_compile.frameworks.fsdp2 and gift_compile.frameworks.hsdp: the replica hop "
+                "then carries every gradient)")
         state = manage(model, config, shards, mode="stats", split_rows=True)
         fsdp2.install(model, state, compiled=fuse)
         kind = "FSDP2 custom reduce-scatter"
@@ -205,8 +205,7 @@ def attach_optimizer(state: GiftState, optimizer: torch.optim.Optimizer) -> None
 
     state.handles.append(optimizer.register_step_pre_hook(before))
     state.handles.append(optimizer.register_step_post_hook(after))
-    geometry = geometry_class(state.config.geometry)
-    state.grad_source = geometry.factor_source(state.weight, optimizer, lambda: state.steps)
+    state.grad_source = state.geometry.factor_source(state.weight, optimizer, lambda: state.steps)
 
 
 def step(model: nn.Module) -> None:

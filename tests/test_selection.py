@@ -223,6 +223,7 @@ def test_an_unmeasured_layer_is_neither_kept_nor_dropped_by_a_nan_gain(caplog) -
     or a non-finite one measures NaN: the gain rule must not decide on it. The layer keeps its
     path with a warning naming it and is decided once a refresh measures it."""
     from gift_compile.config import GiftConfig
+    from gift_compile.geometry.table import LowRank
     from gift_compile.runtime.selection import LayerMeasurement, decide, harmful
 
     st, source, columns = _revisit_state("auto")
@@ -246,10 +247,10 @@ def test_an_unmeasured_layer_is_neither_kept_nor_dropped_by_a_nan_gain(caplog) -
     # the rules themselves refuse a NaN gain instead of reading it as a drop or a keep
     nan = {"x": LayerMeasurement(float("nan"), float("nan"), 0.0, 0.0)}
     with pytest.raises(ValueError, match="no finite measurement for x"):
-        decide(GiftConfig(select="auto"), nan, {})
+        decide(GiftConfig(select="auto"), LowRank, nan, {})
     with pytest.raises(ValueError, match="no finite measurement for x"):
         harmful(GiftConfig(select="auto"), nan, {"x"})
-    assert decide(GiftConfig(select="all"), nan, {}) == {"x"}  # a static rule does not read the gain
+    assert decide(GiftConfig(select="all"), LowRank, nan, {}) == {"x"}  # a static rule does not read the gain
 
 
 def test_the_default_selection_metric_follows_the_optimizer_and_an_explicit_one_is_kept(caplog) -> None:

@@ -3,8 +3,8 @@ counter-based uniforms), the per-element codes of the integer and E2M1 formats, 
 packing into bytes and back.
 
 Split out of `gift_compile.codec` because the code layouts and the bit packing do not depend
-on how scales are chosen (`gift_compile.codec.scales`); `encode` / `decode` in the package (`gift_compile.codec`) put the two
-together.
+on how scales are chosen (`gift_compile.codec.scales`); `encode` / `decode` in the package
+(`gift_compile.codec`) put the two together.
 """
 
 from __future__ import annotations

@@ -44,8 +44,8 @@ loop over the items. The codec of one item is `gift_compile.exchange.item_codec`
 compiled=True)` runs each item through a body compiled for that item's plan alone
 (`gift_compile.exchange.compiled_bodies`), so the compilations are bounded by the model's distinct
 item plans, not by its buckets' patterns; traced callers (the FX pass, a `torch.compile` of
-`bucket_core`) get the same per-item functions inlined into their graph. `gift_compile.exchange.collectives` is what callers use
-(the flat-buffer helper `sync_buffer` and the one-tensor API) and re-exports all of it. The
+`bucket_core`) get the same per-item functions inlined into their graph.
+`gift_compile.exchange.collectives` is what callers use (the flat-buffer helper `sync_buffer` and the one-tensor API) and re-exports all of it. The
 shape-based accounting lives in `gift_compile.exchange.accounting`, the eager cross-rank checks in
 `gift_compile.exchange.agreement`.
 """

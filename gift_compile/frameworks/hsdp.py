@@ -208,8 +208,8 @@ def install(model: Parts, state: GiftState, replica_group: dist.ProcessGroup, *,
             )
         comm = custom_reduce_scatter(module)
         if not isinstance(comm, GiftReduceScatter):
-            raise ValueError("gift_compile.frameworks.hsdp.install: call gift_compile.frameworks.fsdp2.install first (the replica hop "
-                             "reads the parameter layout of GIFT's reduce-scatter)")
+            raise ValueError("gift_compile.frameworks.hsdp.install: call gift_compile.frameworks.fsdp2.install first "
+                             "(the replica hop reads the parameter layout of GIFT's reduce-scatter)")
         shards, factor = shard_process_group(module).size(), gradient_divide_factor(module)
         if shards == 1:  # no shard hop: this hop is the only collective
             _check_sole_hop(state, hop, factor)
@@ -231,14 +231,14 @@ def _check_sole_hop(state: GiftState, hop: ReplicaHop, factor: float | None) -> 
     config = state.config
     if config.replica_hop_format != config.format:
         raise ValueError(
-            f"gift_compile.frameworks.hsdp.install: the shard group has one rank, so there is no shard hop and the replica "
-            f"all-reduce carries every gradient at format={config.format!r} (what the selection measures and error "
+            f"gift_compile.frameworks.hsdp.install: the shard group has one rank, so there is no shard hop and the "
+            f"replica all-reduce carries every gradient at format={config.format!r} (what the selection measures and error "
             f"feedback covers); replica_format={config.replica_format!r} would send it at another format. Set "
             f"replica_format='same' (or format={config.replica_hop_format!r})")
     if factor is not None and factor != 1.0:
         raise ValueError(
-            f"gift_compile.frameworks.hsdp.install: the shard group has one rank and the gradient divide factor is {factor}; "
-            "FSDP2 (under the SUM reductions GIFT forces) divides a one-rank reduce-scatter's copy by an explicit "
+            f"gift_compile.frameworks.hsdp.install: the shard group has one rank and the gradient divide factor is "
+            f"{factor}; FSDP2 (under the SUM reductions GIFT forces) divides a one-rank reduce-scatter's copy by an explicit "
             "factor and again after the all-reduce hook (by factor squared). Leave the factor at FSDP2's default (GIFT's all-reduce then averages over "
             "the replicas) or set 1.0 (sum)")
     if state.world() != hop.world:

@@ -36,7 +36,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from gift_compile.exchange import collectives
-from gift_compile.exchange.collectives import C_BASELINE, C_NONFINITE, C_NONFINITE_RANKS, C_PLAIN_CALLS, C_WIRE, RANK_BITS
+from gift_compile.exchange.collectives import (C_BASELINE, C_NONFINITE, C_NONFINITE_RANKS, C_PLAIN_CALLS, C_WIRE,
+                                               RANK_BITS)
 from gift_compile.exchange.mark import SYNC
 from gift_compile.exchange.plan import BucketPlan, ItemPlan
 from gift_compile.runtime.health import queue_backward_check

@@ -27,7 +27,6 @@ from gift_compile.config import AUTO_GEOMETRY, GiftConfig
 from gift_compile.exchange.mark import SYNC, _GiftSync, _GiftTag
 from gift_compile.frameworks.parts import Parts, model_parts
 from gift_compile.frameworks.tensor_parallel import local_input, local_matrix_shape, on_local_block
-from gift_compile.geometry.table import geometry_class
 from gift_compile.runtime.layer import LayerState
 from gift_compile.runtime.state import GiftState
 
@@ -204,7 +203,7 @@ def manage(model: Parts, config: GiftConfig, group: dist.ProcessGroup | None, *,
         if layer.stats is not None:
             handles.append(module.register_forward_pre_hook(observe_inputs))
     state.handles.extend(handles)
-    state.grad_source = geometry_class(config.geometry).factor_source(state.weight, None, lambda: state.steps)
+    state.grad_source = state.geometry.factor_source(state.weight, None, lambda: state.steps)
     for part in parts:
         part._gift_state = state
     state.check_agreement()

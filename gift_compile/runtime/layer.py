@@ -16,7 +16,7 @@ from gift_compile.codec import residual as residual_store
 from gift_compile.config import GiftConfig
 from gift_compile.exchange.collectives import ItemTensors, Shared
 from gift_compile.exchange.plan import ItemPlan
-from gift_compile.geometry.table import IDENTITY_KIND, geometry_class
+from gift_compile.geometry.table import IDENTITY_KIND, Geometry
 from gift_compile.runtime.selection import LayerMeasurement
 
 __all__ = ["PROBE_ROWS", "LayerState"]
@@ -33,13 +33,12 @@ class LayerState:
     this rank's shard of the all-reduce, `ceil(out / world)` rows.
     """
 
-    def __init__(self, fqn: str, shape: tuple[int, int], config: GiftConfig, device: torch.device | str,
-                 world: int = 1):
+    def __init__(self, fqn: str, shape: tuple[int, int], config: GiftConfig, geometry: type[Geometry],
+                 device: torch.device | str, world: int = 1):
         self.fqn = fqn
         self.shape = (int(shape[0]), int(shape[1]))
         self.config = config
         out, d_in = self.shape
-        geometry = geometry_class(config.geometry)
         stable = zlib.crc32(fqn.encode()) & 0x7FFFFFFF
         self.transform = geometry(d_in, config.rank, seed=config.seed + stable, device=device)
         self.stats = geometry.make_statistics(config, d_in, device)
@@ -53,7 +52,7 @@ class LayerState:
         self.second_hop_residual = (residual_store.allocate(config.residual_format, -(-out // world), d_in, device)
                                     if config.second_hop_error_feedback else None)
         self.probe = torch.zeros(min(out, PROBE_ROWS), d_in, device=device)
-        self._full_plan = ItemPlan.managed_layer(fqn, self.shape, config, len(self.transform.tensors))
+        self._full_plan = ItemPlan.managed_layer(fqn, self.shape, config, geometry.kind, len(self.transform.tensors))
         self.seed_offset = torch.tensor(self._full_plan.seed_offset, dtype=torch.int64, device=device)
         # GIFT's own sync: "sync", "accumulate" (inside `gift_compile.no_sync`) or
         # "sync_pending" (the next backward sends gradient + `pending`, allocated on first use).

@@ -168,7 +168,7 @@ class RefreshEngine:
                            self.steps, ", ".join(blind))
         judged = {n: m for n, m in measured.items() if n not in blind}
         if deciding:
-            chosen = decide(cfg, judged, {n: l.boundary_score for n, l in self.layers.items()})
+            chosen = decide(cfg, self.geometry, judged, {n: l.boundary_score for n, l in self.layers.items()})
             for name, layer in self.layers.items():
                 if name not in blind:
                     self.set_selected(layer, name in chosen, decided=True)

@@ -30,7 +30,7 @@ from gift_compile.codec import FormatSpec, as_rows, choose_scales, encode
 from gift_compile.config import GiftConfig
 from gift_compile.exchange.collectives import ItemTensors, Shared, bucket_core
 from gift_compile.exchange.plan import BucketPlan, ItemPlan
-from gift_compile.geometry.table import IDENTITY_KIND, geometry_class, map_class
+from gift_compile.geometry.table import IDENTITY_KIND, Geometry, map_class
 
 _E5M2_MAX_CODE = 0x7B  # 0 11110 11: 57344, the largest finite E5M2 magnitude
 
@@ -117,17 +117,19 @@ def _require_finite(config: GiftConfig, measurements: dict[str, LayerMeasurement
     left out by the caller (the refresh defers it), never kept or dropped by a comparison."""
     bad = sorted(n for n, m in measurements.items() if not m.finite)
     if bad and rests_on_gain(config):
-        raise ValueError(f"gift_compile.runtime.selection.{caller}: no finite measurement for {', '.join(bad)} (zero or "
-                         "non-finite gradient probe); leave unmeasured layers out of the decision")
+        raise ValueError(f"gift_compile.runtime.selection.{caller}: no finite measurement for {', '.join(bad)} "
+                         "(zero or non-finite gradient probe); leave unmeasured layers out of the decision")
 
 
-def decide(config: GiftConfig, measurements: dict[str, LayerMeasurement], boundary_scores: dict[str, float]) -> set[str]:
-    """The set of layer FQNs that take the transformed path under `config.select` (the gain
-    rule refuses unmeasured layers, see `_require_finite`)."""
+def decide(config: GiftConfig, geometry: type[Geometry], measurements: dict[str, LayerMeasurement],
+           boundary_scores: dict[str, float]) -> set[str]:
+    """The set of layer FQNs that take the transformed path under `config.select` and the
+    layers' `geometry` (its class, as the `GiftState` holds it; the gain rule refuses
+    unmeasured layers, see `_require_finite`)."""
     _require_finite(config, measurements, "decide")
     select = config.select
     names = list(measurements)
-    if geometry_class(config.geometry).is_identity or select == "none":
+    if geometry.is_identity or select == "none":
         return set()
     if select == "all":
         return set(names)

@@ -73,13 +73,17 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
 
     __slots__ = ("config", "group", "collective", "layers", "seed", "rank", "counters", "steps", "history",
                  "grad_source", "_health_seen", "modules", "handles", "active", "sync_mode", "dirty_params",
-                 "plan_version", "_sharing_checked", "comm_timer", "retraces", "replica_hop", "backward_watch")
+                 "plan_version", "_sharing_checked", "comm_timer", "retraces", "replica_hop", "backward_watch",
+                 "geometry")
 
     def __init__(self, config: GiftConfig, group: dist.ProcessGroup | None, collective: str = "all_reduce"):
         if config.second_hop_error_feedback and collective != "all_reduce":
             raise ValueError(f"GIFT: second_hop_error_feedback=True needs GIFT's all-reduce; this state runs a "
                              f"{collective}, which has no second hop (only error_feedback applies)")
         self.config = config
+        # The geometry's class, looked up once from `config.geometry`: layers, refresh,
+        # selection and the framework hooks use this object, never the name.
+        self.geometry = geometry_class(config.geometry)
         self.group = group
         self.collective = collective
         self.layers: dict[str, LayerState] = {}
@@ -155,10 +159,10 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         if not self.layers and self.seed.device != torch.device(device):
             # graphs read these where the weights live
             self.seed, self.rank, self.counters = (t.to(device) for t in (self.seed, self.rank, self.counters))
-        layer = LayerState(fqn, shape, self.config, device, world)
+        layer = LayerState(fqn, shape, self.config, self.geometry, device, world)
         self.layers[fqn] = layer
         if self._static_selection():  # decided before any graph exists: not a plan change
-            chosen = fqn in decide(self.config, {fqn: LayerMeasurement(1.0, 1.0, 0.0, 0.0)}, {})
+            chosen = fqn in decide(self.config, self.geometry, {fqn: LayerMeasurement(1.0, 1.0, 0.0, 0.0)}, {})
             layer.selected, layer.decided = chosen and not layer.transform.is_identity, True
             layer._replan()
         return layer
@@ -166,7 +170,7 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
     def _static_selection(self) -> bool:
         """Whether the selection rule needs no measurement (all, none, globs, no geometry)."""
         cfg = self.config
-        return geometry_class(cfg.geometry).is_identity or cfg.select in ("all", "none") or isinstance(cfg.select, tuple)
+        return self.geometry.is_identity or cfg.select in ("all", "none") or isinstance(cfg.select, tuple)
 
     def world(self) -> int:
         return world_size(self.group)

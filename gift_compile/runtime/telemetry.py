@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gift_compile.exchange.collectives import C_BASELINE, C_CALLS, C_MISMATCH, C_NONFINITE, C_PLAIN_CALLS, C_WIRE, bucket_wire_bytes
+from gift_compile.exchange.collectives import (C_BASELINE, C_CALLS, C_MISMATCH, C_NONFINITE, C_PLAIN_CALLS, C_WIRE,
+                                               bucket_wire_bytes)
 from gift_compile.geometry.statistics import SketchStatistics
 
 if TYPE_CHECKING:
