@@ -236,7 +236,7 @@ def test_gift_section_rejects_non_bool_switches() -> None:
 
 
 def test_range_errors_name_the_config_function_for_its_own_values() -> None:
-    from gift_compile.torchtitan_ext.launcher import _check_ranges
+    from gift_compile.torchtitan_ext.keys import check_ranges
 
     @dataclasses.dataclass
     class Training:
@@ -249,5 +249,5 @@ def test_range_errors_name_the_config_function_for_its_own_values() -> None:
         training: Training = dataclasses.field(default_factory=Training)
 
     with pytest.raises(ValueError, match=r"^config function m\.f: key 'training\.steps' = 0 is invalid"):
-        _check_ranges(Root(), {}, "config function m.f")
-    _check_ranges(Root(), {"training.steps": (2, "job.toml")}, "config function m.f")  # the override wins
+        check_ranges(Root(), {}, "config function m.f")
+    check_ranges(Root(), {"training.steps": (2, "job.toml")}, "config function m.f")  # the override wins
