@@ -2,7 +2,7 @@
 NEEDS, computed from shapes and formats, next to what Inductor's generated kernels move.
 
 `minimum_bytes` derives, term by term, the traffic of one managed `[rows, cols]` fp32 gradient
-through GIFT's bucket body (`gift_compile.exchange.bucket_core`) on a `world`-rank plan, for a
+through GIFT's bucket body (`gift_compile.exchange.bucket.bucket_core`) on a `world`-rank plan, for a
 reduce-scatter and an all-reduce, with the Euclidean (`identity`), low-rank and dense maps and
 any quantized format. `measure` compiles the same body on a fake `world`-rank process group
 (`bench.overhead.codec_traffic`'s way: collectives are no-ops, the codec is what it would be),
@@ -32,9 +32,9 @@ import torch
 
 from bench.overhead import codec_body, fake_group, generated_traffic, traffic_summary
 from bench.settings import CodecMinimumSettings
-from gift_compile.accounting import HEADER_BYTES
-from gift_compile.formats import FormatSpec, wire_bytes_for
-from gift_compile.geometries import Dense, Geometry, LowRank
+from gift_compile.codec import FormatSpec, wire_bytes_for
+from gift_compile.exchange.accounting import HEADER_BYTES
+from gift_compile.geometry.table import Dense, Geometry, LowRank
 
 Log = Callable[[str], None]
 FP32 = 4
@@ -65,7 +65,7 @@ class _MapTraffic:
 
 
 # `(D^-1/2, V, C, D^1/2)` and `(V, C', D^1/2)` for the low rank map, `T^T` and `T^-T` for the dense
-# one (`gift_compile.maps`); the identity reads nothing and adds no term.
+# one (`gift_compile.geometry.maps`); the identity reads nothing and adds no term.
 _MAP_TRAFFIC: dict[str, _MapTraffic] = {
     Geometry.kind: _MapTraffic(lambda cols, rank: (0, 0), None, None),
     LowRank.kind: _MapTraffic(lambda cols, rank: (2 * cols + cols * rank + rank, cols + cols * rank + rank),

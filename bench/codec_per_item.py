@@ -7,7 +7,7 @@ Two ways to run one bucket's codec compiled, both measured from Inductor's gener
   training graph and what `run_bucket(compiled=True)` did before issue 31 (one compilation
   per bucket plan, i.e. per pattern of selected layers).
 - `per_item`: what `run_bucket(compiled=True)` does now: each item's stages compiled alone
-  (`gift_compile.compiled_bodies`), plus the eager glue between them, counted from shapes:
+  (`gift_compile.exchange.compiled_bodies`), plus the eager glue between them, counted from shapes:
   the send buffer's `cat` (every block read and written once), a dense copy of each item's
   columns of the received buffer (read and written once), and for an all-reduce the same
   two copies around the all_gather. A graph of the whole bucket fuses those copies into the
@@ -26,12 +26,12 @@ from typing import Callable
 import torch
 
 from bench.overhead import fake_group, generated_traffic, traffic_summary
-from gift_compile.accounting import HEADER_BYTES
-from gift_compile.exchange import _key, bucket_core
-from gift_compile.geometry import Transform
-from gift_compile.item_codec import (ItemTensors, Shared, decode_stage, encode_stage, gather_decode_stage,
+from gift_compile.exchange.accounting import HEADER_BYTES
+from gift_compile.exchange.bucket import _key, bucket_core
+from gift_compile.exchange.item_codec import (ItemTensors, Shared, decode_stage, encode_stage, gather_decode_stage,
                                      item_width, reduce_reencode_stage)
-from gift_compile.plan import BucketPlan, ItemPlan
+from gift_compile.exchange.plan import BucketPlan, ItemPlan
+from gift_compile.geometry import Transform
 
 Log = Callable[[str], None]
 

@@ -45,15 +45,15 @@ from bench.reference import make_optimizers, train_step
 from bench.settings import ConvergenceSettings
 from bench.stats import holm, paired, ratio_ci
 from bench.tiny_llama import TinyLlama
-from gift_compile.collectives import all_reduce
+from gift_compile.exchange.collectives import all_reduce
 from gift_compile.api import eligible_linears, resolve_auto
 from gift_compile.config import GiftConfig
-from gift_compile.formats import FormatSpec
-from gift_compile.geometries import geometry_class
+from gift_compile.codec import FormatSpec
+from gift_compile.geometry.table import geometry_class
 from gift_compile.sync import exit_without_finalization
 from gift_compile.geometry import Transform, gradient_factor
 from gift_compile.passes import last_reports, reports_seen
-from gift_compile.state import GiftState
+from gift_compile.runtime.state import GiftState
 from gift_compile.sync import all_reduce_
 from gift_compile.torchtitan_ext import corpus
 
@@ -164,7 +164,7 @@ class TwoSided:
     Every `refresh_every` optimizer steps each managed weight gets the dense whitening of its
     momentum's input-side factor M^T M / out (R) and output-side factor M M^T / in (L)
     (`fidelity_sweep`'s `mom2-dense-d1e-2`); the gradient travels as L^-1 G R^-T through the
-    product's Euclidean codec (`gift_compile.collectives.all_reduce`, the same bits on every
+    product's Euclidean codec (`gift_compile.exchange.collectives.all_reduce`, the same bits on every
     rank) and is mapped back. Identity until the first refresh, like GIFT's maps.
     """
 
@@ -228,7 +228,7 @@ def _replicas_identical(model: nn.Module) -> bool:
 class ShardedTwin:
     """The reduce-scatter path: the model's FSDP2 twin (`fully_shard` per transformer block and
     at the root, 1-D mesh over the world) runs forward and backward, so its gradients are
-    reduce-scattered by FSDP2 (by `gift_compile.fsdp2.GiftReduceScatter` once `apply` runs on
+    reduce-scattered by FSDP2 (by `gift_compile.frameworks.fsdp2.GiftReduceScatter` once `apply` runs on
     the twin: ONE quantization per gradient, no re-encoded second hop).
 
     The optimizer keeps stepping the plain model: after the backward each reduced shard is

@@ -3,7 +3,7 @@
 Three measurements on the reference model's real gradients (see `bench.reference`):
 
 1. One round trip (transform, quantize, dequantize, inverse) through
-   `gift_compile.collectives.all_reduce(g, None, config, transform)`, the product's own code
+   `gift_compile.exchange.collectives.all_reduce(g, None, config, transform)`, the product's own code
    path with no peers. Error is measured in original coordinates, per layer and
    energy-weighted over layers (`sqrt(sum ||E||^2 / sum ||G||^2)`), next to the Gaussian
    rate-distortion value at the same wire bits per element.
@@ -16,7 +16,7 @@ Three measurements on the reference model's real gradients (see `bench.reference
    orthogonalization (its coefficients and step count, in fp64), which equalizes the
    gradient's singular values and so amplifies noise in its weak singular directions.
 3. P simulated ranks (P = 2, 8, 32), each with its own gradient (per-micro-batch gradients):
-   our collective exactly as `gift_compile.collectives` runs it (each rank encodes with its
+   our collective exactly as `gift_compile.exchange.collectives` runs it (each rank encodes with its
    own local scales, every sender's codes are decoded with that sender's scales and summed in
    fp32; for an all-reduce, each summed shard is re-quantized and all-gathered) against two
    in-network FP8 sums, where the collective adds the codes themselves in FP8 (each partial
@@ -36,11 +36,11 @@ from torch.optim import _muon
 
 from bench.reference import LayerSample
 from bench.settings import FidelitySettings
-from gift_compile.collectives import all_reduce
+from gift_compile.codec import FormatSpec, as_rows, choose_scales, decode, encode
 from gift_compile.config import GiftConfig
-from gift_compile.formats import FormatSpec, as_rows, choose_scales, decode, encode
+from gift_compile.exchange.collectives import all_reduce
 from gift_compile.geometry import Transform, gradient_factor
-from gift_compile.statistics import SketchStatistics
+from gift_compile.geometry.statistics import SketchStatistics
 
 Log = Callable[[str], None]
 # The two transforms the multi-rank experiment compares (cost grows with P x formats).
@@ -275,7 +275,7 @@ class _Agreement:
 
 
 def agreed_scales(xs: list[torch.Tensor], spec: FormatSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The scales every rank computes in `gift_compile.collectives` for local tensors `xs`.
+    """The scales every rank computes in `gift_compile.exchange.collectives` for local tensors `xs`.
 
     `choose_scales` may agree on several statistics in sequence (nvfp4: the tensor scale,
     then block-scale codes that depend on it). Each pass runs every simulated rank through
@@ -293,7 +293,7 @@ def agreed_scales(xs: list[torch.Tensor], spec: FormatSpec) -> tuple[torch.Tenso
 
 
 def _ours(xs: list[torch.Tensor], spec: FormatSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """Our collective on simulated ranks, as `gift_compile.collectives` runs it:
+    """Our collective on simulated ranks, as `gift_compile.exchange.collectives` runs it:
     `(reduce-scatter result, all-reduce result)`.
 
     Reduce-scatter: each rank encodes with its own local scales, every sender's codes are

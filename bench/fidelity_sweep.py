@@ -45,8 +45,8 @@ import torch
 from bench import fidelity, reference
 from bench.reference import LayerSample
 from bench.settings import profile
-from gift_compile.collectives import all_reduce
 from gift_compile.config import GiftConfig
+from gift_compile.exchange.collectives import all_reduce
 from gift_compile.geometry import Transform, gradient_factor
 from gift_compile.torchtitan_ext import corpus
 
@@ -217,7 +217,7 @@ class AdamCodec:
 
     Order of the parts of a composed label: the side channel is split off first, the residual
     is scaled by vhat^(-p/2), then mapped by the K-FAC transform or a Hadamard, quantized by the
-    product's Euclidean codec (`gift_compile.collectives.all_reduce`, no peers) and mapped
+    product's Euclidean codec (`gift_compile.exchange.collectives.all_reduce`, no peers) and mapped
     back in reverse. `extra_bits` is the side channel's cost per gradient element.
     """
 

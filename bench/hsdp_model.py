@@ -2,7 +2,7 @@
 
 8 nodes x 8 GPUs: NVLink inside a node, one 400 Gb/s-class NIC per GPU across nodes. Flat FSDP
 reduce-scatters every gradient over all 64 ranks, so every byte crosses the network. HSDP
-(`gift_compile.hsdp`) reduce-scatters over the 8 GPUs of a node (NVLink) at `format`, then each
+(`gift_compile.frameworks.hsdp`) reduce-scatters over the 8 GPUs of a node (NVLink) at `format`, then each
 GPU all-reduces its 1/8 shard with its peers in the 7 other nodes (network) at
 `replica_format`. Per arm and model::
 
@@ -14,7 +14,7 @@ read from the generated kernels of the all-reduce plans by `bench.step_model` an
 bench/results/results.json; the same figure prices a reduce-scatter's codec, an upper bound
 since it skips the re-encode and the full decode) or *calibrated* (the exposed share of
 communication that reproduces the paper's Euclidean FP8 result, `bench.step_model`). Bytes on
-each hop are `gift_compile.collectives.bucket_wire_bytes` of the plans GIFT runs, the accounting
+each hop are `gift_compile.exchange.collectives.bucket_wire_bytes` of the plans GIFT runs, the accounting
 the 4-rank HSDP tests check against the bytes counted at run time. Statistics and refresh costs
 come from `bench.step_model.arm_layers` (a meta-device `GiftState` of the model).
 
@@ -32,9 +32,9 @@ from pathlib import Path
 
 from bench.step_model import StepModelInputs, arm_layers
 from bench.wire import MODEL_CONFIGS, meta_model
-from gift_compile.collectives import bucket_wire_bytes
 from gift_compile.config import GiftConfig
-from gift_compile.plan import BucketPlan, ItemPlan
+from gift_compile.exchange.collectives import bucket_wire_bytes
+from gift_compile.exchange.plan import BucketPlan, ItemPlan
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -23,7 +23,7 @@ import torch
 from bench.wire import MODEL_CONFIGS, describe_config, meta_model
 from gift_compile.api import eligible_linears
 from gift_compile.config import GiftConfig
-from gift_compile.state import GiftState
+from gift_compile.runtime.state import GiftState
 from bench.tiny_llama import TinyLlamaConfig
 
 Log = Callable[[str], None]

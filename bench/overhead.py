@@ -1,6 +1,6 @@
 """Overhead: what the GIFT codec costs in memory traffic and kernel time, next to the Euclidean one.
 
-Each path is the body of the collective (`gift_compile.collectives.bucket_core`: transform,
+Each path is the body of the collective (`gift_compile.exchange.collectives.bucket_core`: transform,
 local scales, encode, decode every sender, fp32 sum, re-encode and gather for an all-reduce,
 inverse), compiled with `torch.compile(fullgraph=True, dynamic=False)` so Inductor fuses it as
 it would inside a training step.
@@ -37,10 +37,10 @@ from torch._inductor.graph import GraphLowering
 from torch._inductor.utils import aggregate_origins
 
 from bench.settings import OverheadSettings
-from gift_compile.collectives import ItemTensors, Shared, bucket_core
+from gift_compile.exchange.collectives import ItemTensors, Shared, bucket_core
+from gift_compile.exchange.plan import BucketPlan, ItemPlan
 from gift_compile.geometry import Transform, dense_whitening, lowrank_refresh_flops, lowrank_whitening
-from gift_compile.plan import BucketPlan, ItemPlan
-from gift_compile.selection import transform_flops
+from gift_compile.runtime.selection import transform_flops
 
 Log = Callable[[str], None]
 

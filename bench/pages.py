@@ -1,5 +1,5 @@
 """Generated blocks that read committed results files of their own (some next to results.json):
-the formats table (computed from `gift_compile.formats`), the cost of the cross-rank checks
+the formats table (computed from `gift_compile.codec`), the cost of the cross-rank checks
 (`bench/results/plan_check.txt`), `make demo`'s output (`bench/results/demo.json`), the torchtitan
 runs (`bench/results/torchtitan_runs.json`), the skip table (the suite's own `require` calls), the
 fault table, the soak, the second hop, the HSDP step model and the memory bullet. `bench.readme`
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from bench.convergence import FORMATS as RUN_FORMATS
-from gift_compile.formats import FormatSpec, dequantize, quantize
+from gift_compile.codec import FormatSpec, dequantize, quantize
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"

@@ -11,7 +11,7 @@ sizes or decode garbage on equal sizes) or from stepping on bad gradients:
   API), plus an `all_gather_object` of the plan's description on a plan's first call or a
   mismatch (every call with `GiftConfig(plan_check="always")`);
 - the non-finite flag of a passthrough item (an `isfinite` reduction over its bytes);
-- the replica check before each optimizer step of GIFT's own sync (`gift_compile.health`):
+- the replica check before each optimizer step of GIFT's own sync (`gift_compile.runtime.health`):
   a checksum of each managed gradient's bits and one small all-reduce.
 
     python -m bench.plan_check [--rows 1280 --cols 3456 --repeats 20]
@@ -34,10 +34,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from gift_compile import collectives as C
-from gift_compile.health import grad_checksum
+from gift_compile.exchange import collectives as C
+from gift_compile.exchange.plan import BucketPlan, ItemPlan
+from gift_compile.runtime.health import grad_checksum
 from gift_compile.sync import all_reduce_, exit_without_finalization
-from gift_compile.plan import BucketPlan, ItemPlan
 
 
 def _worker(rank: int, world: int, store: str, rows: int, cols: int, repeats: int, out: str) -> None:

@@ -23,7 +23,7 @@ from typing import Callable
 from bench.fidelity_sweep import ORACLES
 from bench import pages, report
 from bench.report import CODEC_PAIR
-from gift_compile.geometries import IDENTITY_KIND
+from gift_compile.geometry.table import IDENTITY_KIND
 from gift_compile.config import GiftConfig
 
 ROOT = Path(__file__).resolve().parent.parent

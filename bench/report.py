@@ -13,8 +13,8 @@ from typing import Any, Sequence
 
 from bench.codec_minimum import UNFUSED, realisation_limits, unfused
 from bench.plots import FOCUS_FORMATS
-from gift_compile.geometries import IDENTITY_KIND, LowRank
-from gift_compile.spec import FormatSpec
+from gift_compile.geometry.table import IDENTITY_KIND, LowRank
+from gift_compile.codec.spec import FormatSpec
 
 # The codec rows set side by side: the Euclidean body and GIFT's low-rank one.
 CODEC_PAIR = (IDENTITY_KIND, LowRank.kind)
@@ -159,7 +159,7 @@ def _reference(ref: dict) -> list[str]:
 def _fidelity(fid: dict, plots: dict) -> list[str]:
     formats, transforms = fid["formats"], fid["transforms"]
     out = ["## 2. Fidelity", "",
-           "Round trip = `gift_compile.collectives.all_reduce(g, None, GiftConfig(format, scaling), transform)`: "
+           "Round trip = `gift_compile.exchange.collectives.all_reduce(g, None, GiftConfig(format, scaling), transform)`: "
            "transform, agree scales, encode, decode, inverse; error in original coordinates. Transforms are "
            "`gift_compile.geometry.Transform(kind, d_in, rank).refresh_from(factor, 1e-3)`. RD = Gaussian "
            "rate-distortion 2^-R at the format's exact wire bits R per element (payload + scales): what an "
@@ -252,7 +252,7 @@ def _multirank(fid: dict, plots: dict) -> list[str]:
     mr = fid["multirank"]
     out = ["### 2.4 Summing over P ranks: our collective vs in-network FP8 sums", "",
            "Each simulated rank holds the gradient of its own micro-batches; target = their mean (fp32). "
-           "`ours RS`: our collective as `gift_compile.collectives` runs it: each rank encodes with its own "
+           "`ours RS`: our collective as `gift_compile.exchange.collectives` runs it: each rank encodes with its own "
            "local scales, every sender's codes are decoded with that sender's scales and summed in fp32 (the "
            "reduce-scatter, FSDP). `ours AR`: plus the all-reduce's second stage (each rank's summed shard "
            "re-quantized with its own scales, all-gathered, decoded identically everywhere). The other columns "
@@ -315,7 +315,7 @@ def _pm_ratio(x: dict) -> str:
 def _overhead(ov: dict, plots: dict) -> list[str]:
     tr = ov["traffic"]
     out = ["## 3. Overhead", "",
-           "The body of the collective (`gift_compile.collectives.bucket_core`: transform, local scales, encode, "
+           "The body of the collective (`gift_compile.exchange.bucket.bucket_core`: transform, local scales, encode, "
            "decode every sender + fp32 sum, re-encode and gather for an all-reduce, inverse) compiled with "
            "`torch.compile(fullgraph=True, dynamic=False)`. `bf16` = cast to bf16 and back; `gift-*` = low-rank "
            f"rank-{ov['rank']} whitening; `*-fp8` = E4M3 per-row.", "",
@@ -351,7 +351,7 @@ def _overhead(ov: dict, plots: dict) -> list[str]:
             "share the 2 cores: absolute times are noisy). Paths timed round-robin in one process, "
             f"{ov['repeats']} rounds (each sample loops enough calls to last ~20 ms); `vs Euclidean` = median over "
             "rounds of the paired ratio to the same-format Euclidean path in the same round (± half the IQR). "
-            "Transform FLOPs (forward + inverse) from `gift_compile.selection.transform_flops`. A CPU runs these "
+            "Transform FLOPs (forward + inverse) from `gift_compile.runtime.selection.transform_flops`. A CPU runs these "
             "kernels compute-bound (the fp8 conversions and the rank-r multiply-adds), a GPU memory-bound: the "
             "bytes above are what transfers (section 6).", ""]
     rows = [[x["shape"], x["path"], x["median_ms"], x["min_ms"], x["iqr_ms"], _pm_ratio(x), x["vs_bf16"],
@@ -472,7 +472,7 @@ BASE_PATH = {"gift-fp8": "euclid-fp8", "hadamard-fp8": "euclid-fp8", "dense-fp8"
 
 def _wire(wr: dict, plots: dict) -> list[str]:
     out = ["## 4. Wire bytes per step", "",
-           "`gift_compile.collectives.wire_bytes_per_rank` for the managed weights (codes + every scale; "
+           "`gift_compile.exchange.collectives.wire_bytes_per_rank` for the managed weights (codes + every scale; "
            "for an all-reduce, the all-to-all of codes plus the all-gather of this rank's re-quantized "
            "shard), unmanaged parameters at fp32; baselines `numel x 4` / `numel x 2`. Shapes assumed:", ""]
     rows = [[m["name"], m["description"], m["params"], m["managed_params"],

@@ -2,7 +2,7 @@
 
 GIFT's all-reduce quantizes twice: each rank's contribution (independent errors that average
 down over ranks), then each reduced shard before the all-gather (one error that every rank
-applies). This experiment runs the real collective (`gift_compile.collectives.all_reduce`) on
+applies). This experiment runs the real collective (`gift_compile.exchange.collectives.all_reduce`) on
 2 gloo ranks, each rank holding one half-batch gradient of the bench's reference model
 (`LayerSample.halves`), cycling through the held-out batches for `--steps` steps, and reports
 the time-averaged error `||sum_t (out_t - exact_t)|| / ||sum_t exact_t||` per layer (mean over
@@ -31,10 +31,10 @@ import torch.multiprocessing as mp
 from bench import reference
 from bench.fidelity import build_transform
 from bench.settings import profile
-from gift_compile import collectives as C
 from gift_compile.config import GiftConfig
-from gift_compile.torchtitan_ext import corpus
+from gift_compile.exchange import collectives as C
 from gift_compile.sync import exit_without_finalization
+from gift_compile.torchtitan_ext import corpus
 
 # arm -> (error_feedback, second_hop_error_feedback, error_feedback_decay)
 ARMS: dict[str, tuple[bool, bool, float]] = {

@@ -30,7 +30,7 @@ FORMATS: tuple[tuple[str, str, str], ...] = (
 
 # (label, geometry.Transform kind, rank, factor source): `kfac` is A = E[x x^T] of the
 # previous batch (forward pre-hooks), `kfac-sketch` the same A seen only through
-# `gift_compile.statistics.SketchStatistics` (a 2 x rank column sketch plus diag(A)), `grad`
+# `gift_compile.geometry.statistics.SketchStatistics` (a 2 x rank column sketch plus diag(A)), `grad`
 # the gradient-side factor G^T G / out of the previous batch's gradient (what
 # GiftConfig(geometry="gradient") uses).
 TRANSFORMS: tuple[tuple[str, str, int, str], ...] = (

@@ -1,6 +1,6 @@
 """`python -m bench.sketch_fidelity`: GIFT whitened from the sketch against the exact factor.
 
-`gift_compile.statistics.SketchStatistics` keeps `A Omega` (d_in x 2r) and `diag A` instead of
+`gift_compile.geometry.statistics.SketchStatistics` keeps `A Omega` (d_in x 2r) and `diag A` instead of
 the dense K-FAC factor. This measures what that costs in fidelity and what it saves:
 
 1. On the bench's reference gradients (the cached reference model of `--profile`, held-out
@@ -35,11 +35,11 @@ import torch
 
 from bench import fidelity, reference
 from bench.settings import FORMATS, TRANSFORMS, profile
-from gift_compile.torchtitan_ext import corpus
-from gift_compile.collectives import all_reduce
 from gift_compile.config import GiftConfig
+from gift_compile.exchange.collectives import all_reduce
 from gift_compile.geometry import Transform, lowrank_refresh_flops
-from gift_compile.statistics import KFACStatistics, SketchStatistics
+from gift_compile.geometry.statistics import KFACStatistics, SketchStatistics
+from gift_compile.torchtitan_ext import corpus
 
 EXACT, SKETCH = "kfac-r32", "kfac-sketch-r32"
 DEFAULT_FORMATS = ("e4m3/row", "e5m2/tensor", "nvfp4")

@@ -15,14 +15,14 @@ plain fp32 all-reduce), and what each arm costs is read off the code, not re-der
 - codec time: bytes per gradient element *measured from the generated kernels* of each
   layer's all-reduce plan on `gpus` ranks (`bench.overhead.codec_traffic`, a fake process group
   stands in for the peers) over HBM bandwidth, plus the transform's FLOPs
-  (`gift_compile.selection.transform_flops`) at the fp32 rate (the projection and expansion run
+  (`gift_compile.runtime.selection.transform_flops`) at the fp32 rate (the projection and expansion run
   in fp32);
 - statistics: FLOPs of the layer's statistics update (`stats.observe` on `tokens_per_gpu`
   tokens, counted by `torch.utils.flop_counter.FlopCounterMode`) at the fp32 rate;
 - refresh: `gift_compile.geometry.lowrank_refresh_flops` per adaptive layer every
   `refresh_every` steps at an effective fp64 rate, divided over the ranks (each layer has one
   owner rank, `GiftState.owners`);
-- comm: bytes each rank transmits per step (`gift_compile.collectives.bucket_wire_bytes` of the
+- comm: bytes each rank transmits per step (`gift_compile.exchange.collectives.bucket_wire_bytes` of the
   layer's plan: the all_to_all sends (P-1)/P of its input, the all_gather P-1 copies of this
   rank's shard; unmanaged parameters and the fp32 arm take a ring all-reduce, 2 (P-1)/P of
   the fp32 buffer) over the link bandwidth;
@@ -45,12 +45,12 @@ from torch.utils.flop_counter import FlopCounterMode
 from bench.overhead import codec_traffic
 from bench.wire import MODEL_CONFIGS, describe_config, meta_model
 from gift_compile.api import eligible_linears
-from gift_compile.collectives import bucket_wire_bytes
 from gift_compile.config import GiftConfig
+from gift_compile.exchange.collectives import bucket_wire_bytes
+from gift_compile.exchange.plan import BucketPlan, ItemPlan
 from gift_compile.geometry import lowrank_refresh_flops
-from gift_compile.plan import BucketPlan, ItemPlan
-from gift_compile.selection import transform_flops
-from gift_compile.state import GiftState
+from gift_compile.runtime.selection import transform_flops
+from gift_compile.runtime.state import GiftState
 from bench.tiny_llama import TinyLlamaConfig
 
 Log = Callable[[str], None]

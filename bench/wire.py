@@ -1,7 +1,7 @@
 """Wire bytes per step: what each format puts on the network, for three model sizes.
 
-Counted with the product's own accounting (`gift_compile.collectives.wire_bytes_per_rank`,
-i.e. `gift_compile.formats.wire_bytes_for` of the codes plus every scale), per rank and per
+Counted with the product's own accounting (`gift_compile.exchange.collectives.wire_bytes_per_rank`,
+i.e. `gift_compile.codec.wire_bytes_for` of the codes plus every scale), per rank and per
 optimizer step, for the managed linear weights; the parameters GIFT leaves at full precision
 (embeddings, output head, norms: `GiftConfig.exclude` and `min_numel`) are counted at fp32.
 The fp32 and bf16 baselines use the same convention (`numel * 4`, `numel * 2`). That
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from bench.reference import managed_linears
-from gift_compile.collectives import wire_bytes_per_rank
-from gift_compile.formats import FormatSpec
+from gift_compile.codec import FormatSpec
+from gift_compile.exchange.collectives import wire_bytes_per_rank
 from bench.tiny_llama import TinyLlama, TinyLlamaConfig
 
 # (label, format, scaling) of the wire table; fp32 / bf16 are the baselines.

@@ -7,7 +7,7 @@
 
 `apply` works on plain modules (GIFT all-reduces the gradients in the compiled backward),
 FSDP2 (`fully_shard`) and `DistributedDataParallel` models. See `GiftConfig` for the knobs,
-`gift_compile.formats` / `gift_compile.collectives` for the core, and `gift_compile.passes`
+`gift_compile.codec` / `gift_compile.exchange.collectives` for the core, and `gift_compile.passes`
 for the FX rewrite.
 """
 

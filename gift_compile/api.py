@@ -7,11 +7,11 @@ One entry point for every way a model is data-parallel:
   emits, in a traced graph, `gift::mark(grad, [state tensors], plan)` followed by a
   functional `all_reduce`; the FX pass (registered with Inductor) rewrites the pair into the
   quantized collective. Eagerly the same backward calls the same core directly. Other
-  parameters travel at full precision in one bucket per backward (`gift_compile.plain_sync`).
+  parameters travel at full precision in one bucket per backward (`gift_compile.frameworks.plain_sync`).
 * `fully_shard` (FSDP2): its reduce-scatter never enters a graph; `FSDPModule.
-  set_custom_reduce_scatter` gets GIFT's bucketed reduce-scatter (`gift_compile.fsdp2`).
+  set_custom_reduce_scatter` gets GIFT's bucketed reduce-scatter (`gift_compile.frameworks.fsdp2`).
 * `DistributedDataParallel`: a DDP comm hook runs GIFT's bucketed all-reduce on each bucket
-  (`gift_compile.ddp`).
+  (`gift_compile.frameworks.ddp`).
 * SimpleFSDP-style models whose parameters are DTensors with a traced reduce-scatter
   (torchtitan's graph_trainer): only the mark is added; the pass rewrites the framework's
   (possibly bucketed) reduce-scatters.
@@ -32,15 +32,19 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from gift_compile import collectives
 from gift_compile.config import AUTO_GEOMETRY, AUTO_METRIC, FALLBACK_GEOMETRY, GiftConfig
-from gift_compile.geometries import Geometry, geometry_class
-from gift_compile.health import queue_backward_check
-from gift_compile.optimizers import geometry_for, leaf_optimizers, select_metric_for
+from gift_compile.exchange import collectives
+from gift_compile.exchange.agreement import first_difference
+from gift_compile.exchange.plan import dtype_name
+from gift_compile.frameworks import ddp
+from gift_compile.frameworks.plain_sync import PlainSync
+from gift_compile.frameworks.routing import _unmanage_module, eligible_linears, manage  # noqa: F401 (public here too)
+from gift_compile.geometry.optimizer_maps import leaf_optimizers
+from gift_compile.geometry.optimizers import geometry_for, select_metric_for
+from gift_compile.geometry.table import Geometry, geometry_class
 from gift_compile.passes.inductor import hold_inductor_pass, release_inductor_pass
-from gift_compile.plan import dtype_name
-from gift_compile.routing import _unmanage_module, eligible_linears, manage  # noqa: F401 (public here too)
-from gift_compile.state import GiftState, _first_difference
+from gift_compile.runtime.health import queue_backward_check
+from gift_compile.runtime.state import GiftState
 
 logger = logging.getLogger("gift_compile")
 
@@ -84,25 +88,25 @@ def apply(model: nn.Module, config: GiftConfig | None = None, *, group: dist.Pro
     if existing is not None:
         if existing.config == config:
             return model
-        diff = _first_difference(dataclasses.asdict(existing.config), dataclasses.asdict(config))
+        diff = first_difference(dataclasses.asdict(existing.config), dataclasses.asdict(config))
         raise ValueError(f"gift_compile.apply: model already has GIFT with a different config ({diff}: applied vs "
                          "requested); call gift_compile.remove first")
     _refuse_unsupported_dtypes(model)
     if isinstance(model, nn.parallel.DistributedDataParallel):
-        from gift_compile import ddp
-
         state = ddp.install(model, config, group, fuse=fuse)
         kind = "DDP comm hook"
     elif _fsdp2_modules(model):
-        from gift_compile import fsdp2
+        # Imported here, not at the top: it imports FSDP2's private internals, which only a
+        # `fully_shard` model needs (`frameworks.fsdp_internals` checks the torch version).
+        from gift_compile.frameworks import fsdp2
 
         shards = fsdp2.shard_group(model, group)
         if shards.size() == 1:
             raise ValueError(
                 "gift_compile.apply: the FSDP2 model reduce-scatters over a one-rank group; FSDP2 then copies each "
                 "gradient without calling the custom reduce-scatter, so GIFT would quantize and send nothing (with "
-                "replicas, install gift_compile.fsdp2 and gift_compile.hsdp: the replica hop then carries every "
-                "gradient)")
+                "replicas, install gift_compile.frameworks.fsdp2 and gift_compile.frameworks.hsdp: the replica hop "
+                "then carries every gradient)")
         state = manage(model, config, shards, mode="stats", split_rows=True)
         fsdp2.install(model, state, compiled=fuse)
         kind = "FSDP2 custom reduce-scatter"
@@ -116,8 +120,6 @@ def apply(model: nn.Module, config: GiftConfig | None = None, *, group: dist.Pro
         state = manage(model, config, group, mode="sync") if world > 1 else GiftState(config, None)
         model._gift_state = state
         if world > 1:
-            from gift_compile.plain_sync import PlainSync
-
             state.handles.extend(PlainSync(model, state, group).install())
             # the end-of-backward checks, armed by each managed weight's gradient reaching
             # `.grad` (eagerly after a compiled backward too; also for a weight read directly)
@@ -198,7 +200,7 @@ def attach_optimizer(state: GiftState, optimizer: torch.optim.Optimizer) -> None
     """Drive `state` from `optimizer`: before each step, refuse gradients accumulated under
     `no_sync` that were never synchronised; after each step, `state.step()` (seed, refresh).
     The fault checks need no optimizer: they run at the end of each backward
-    (`gift_compile.health.end_of_backward`)."""
+    (`gift_compile.runtime.health.end_of_backward`)."""
 
     def before(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         state.check_pending()
@@ -208,8 +210,7 @@ def attach_optimizer(state: GiftState, optimizer: torch.optim.Optimizer) -> None
 
     state.handles.append(optimizer.register_step_pre_hook(before))
     state.handles.append(optimizer.register_step_post_hook(after))
-    geometry = geometry_class(state.config.geometry)
-    state.grad_source = geometry.factor_source(state.weight, optimizer, lambda: state.steps)
+    state.grad_source = state.geometry.factor_source(state.weight, optimizer, lambda: state.steps)
 
 
 def step(model: nn.Module) -> None:
@@ -268,7 +269,7 @@ def remove(model: nn.Module) -> nn.Module:
     for mod in model.modules():
         mod.__dict__.pop("_gift_state", None)
     if _fsdp2_modules(model):
-        from gift_compile import fsdp2
+        from gift_compile.frameworks import fsdp2
 
         fsdp2.uninstall(model)
     if isinstance(model, nn.parallel.DistributedDataParallel):

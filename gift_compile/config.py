@@ -17,20 +17,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from gift_compile.geometries import GEOMETRIES as GEOMETRY_CLASSES
+# The format names belong to the codec, the layer below this one (docs/architecture.md).
+from gift_compile.codec.spec import BLOCK_SIZE_CHOICES, BLOCK_SIZE_FORMATS, FORMATS, SCALINGS
 
-FORMATS = ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "mxfp8", "nvfp4", "mxint4", "int6", "int4", "int3", "int2",
-           "ternary")
-# Formats whose block length is `block_size`; their block statistics are reduced by a
-# pairwise tree and packed whole into bytes, hence a short list of power-of-two lengths.
-BLOCK_SIZE_FORMATS = ("int6", "int4", "int3", "int2", "ternary")
-BLOCK_SIZE_CHOICES = (16, 32)
 # `replica_format` value meaning "the cross-replica hop uses `format` too".
 SAME_FORMAT = "same"
-SCALINGS = ("tensor", "row", "block")
-GEOMETRIES = tuple(GEOMETRY_CLASSES)  # the names of the geometry table
+# The names of the geometry table (`gift_compile.geometry.table.GEOMETRIES`), in its order.
+# Spelled here because the config sits below the geometry layer and validates at construction
+# (a typo fails before any process group exists); the table checks at import that its classes
+# carry exactly these names.
+GEOMETRIES = ("none", "hadamard", "dense", "lowrank", "gradient", "momentum", "second_moment")
 # `geometry` value resolved by `apply(..., optimizer=)` to the optimizer's geometry
-# (`gift_compile.optimizers.geometry_for`).
+# (`gift_compile.geometry.optimizers.geometry_for`).
 AUTO_GEOMETRY = "auto"
 # What `geometry="auto"` (the default) becomes when `apply` is given no optimizer: K-FAC's
 # input-side map, GIFT's own geometry (logged as a warning: under AdamW it is the wrong map).
@@ -39,7 +37,7 @@ NONFINITE = ("error", "propagate")
 REDUCE_OPS = ("avg", "sum")
 SELECT_METRICS = ("euclidean", "whitened")
 # `select_metric` value resolved by `apply(..., optimizer=)` from the optimizer
-# (`gift_compile.optimizers.select_metric_for`); measured as "euclidean" where no optimizer is known.
+# (`gift_compile.geometry.optimizers.select_metric_for`); measured as "euclidean" where no optimizer is known.
 AUTO_METRIC = "auto"
 UNREWRITTEN = ("error", "warn")
 PLAN_CHECKS = ("first", "always")
@@ -106,7 +104,7 @@ class GiftConfig:
     """How gradients are communicated.
 
     Attributes:
-        format: wire format of the gradient codes (see `gift_compile.formats`).
+        format: wire format of the gradient codes (see `gift_compile.codec`).
         scaling: scale granularity for the fp8 formats: one per tensor, per row, or per
             block of `block_size` elements along the last dimension. The block-scaled
             formats (mxfp8, nvfp4, mxint4, int6, int4, int3, int2, ternary) ignore this field.

@@ -1,7 +1,7 @@
 """Rewrite gradient collectives of GIFT-managed weights into GIFT's bucketed collective.
 
 A pure function of the graph: every managed weight's gradient carries a `gift::mark` node whose
-arguments are its state tensors and its static plan (`gift_compile.plan.ItemPlan`, as text), so
+arguments are its state tensors and its static plan (`gift_compile.exchange.plan.ItemPlan`, as text), so
 nothing outside the graph is consulted.
 
 `find_gradient_collectives` (`gift_compile.passes.matching`) returns one `BucketMatch` per
@@ -11,7 +11,7 @@ built by Inductor's `bucketing::_pre_bucket_reduce_scatter` (torchtitan's graph_
 each transformer block's reduce-scatters into one). Every other collective (tensor/sequence
 parallel, forward all-gathers, buckets of unmanaged parameters) is left alone.
 
-`rewrite_bucket` replaces a match by `gift_compile.collectives`: the encode side and the
+`rewrite_bucket` replaces a match by `gift_compile.exchange.collectives`: the encode side and the
 all_to_all (`launch`) where the framework launched its collective, the decode side
 (`finish`, and for an all-reduce the all_gather stage) where it waited, so whatever overlap a
 scheduler arranged is kept and the collective count does not grow for reduce-scatters. Entries
@@ -27,7 +27,7 @@ all-reduce of the reduced shard over the replica group follows it (at the plan's
 `replica_format`, no error feedback: the residual belongs to the shard hop), one bucket per
 reduce-scatter bucket. A managed weight's shard is whole rows, so its input-side transform
 applies unchanged. The replica hop counts its bytes in its own counters, which the marks carry
-(`gift_compile.mark.unpack_replica_shared`), and `RewriteRecord` accounts them separately.
+(`gift_compile.exchange.mark.unpack_replica_shared`), and `RewriteRecord` accounts them separately.
 
 A marked gradient that cannot be rewritten raises (or, where its plan says
 `unrewritten="warn"`, is logged and sent at full precision): never a silent fp32 fallback.
@@ -47,11 +47,11 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from gift_compile.collectives import (
+from gift_compile.exchange.collectives import (
     ItemTensors, Shared, bucket_core, bucket_wire_bytes, finish, gather_finish, gather_launch, launch,
 )
-from gift_compile.plan import BucketPlan, ItemPlan
-from gift_compile.mark import unpack_mark_tensors, unpack_replica_shared
+from gift_compile.exchange.mark import unpack_mark_tensors, unpack_replica_shared
+from gift_compile.exchange.plan import BucketPlan, ItemPlan
 
 logger = logging.getLogger("gift_compile")
 

@@ -33,8 +33,6 @@ import torch.fx as fx
 from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-import gift_compile
-import gift_compile.passes
 from gift_compile.passes.gift_pass import rewrite_gradient_collectives
 
 __all__ = ["GiftGraphPass", "hold_inductor_pass", "register_inductor_pass", "release_inductor_pass",
@@ -43,15 +41,18 @@ __all__ = ["GiftGraphPass", "hold_inductor_pass", "register_inductor_pass", "rel
 
 @functools.cache
 def package_sources() -> tuple[str, ...]:
-    """Source files of the modules of `gift_compile` and `gift_compile.passes`, located by the
-    import system (`pkgutil` over each package's `__path__`, `find_spec` for each module)."""
-    files = []
-    for package in (gift_compile, gift_compile.passes):
-        files.append(package.__spec__.origin)
-        for info in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
+    """Source files of the modules of `gift_compile` (its layer subpackages included) and
+    `gift_compile.passes`, located by the import system (`pkgutil.walk_packages` over each
+    package's `__path__`, recursing into subpackages, `find_spec` for each module)."""
+    files = set()
+    # Specs, not imports: this module sits below `gift_compile`'s top (`api` imports it) and
+    # inside `gift_compile.passes`, so importing either package here would import upward.
+    for package in (importlib.util.find_spec("gift_compile"), importlib.util.find_spec(__package__)):
+        files.add(package.origin)
+        for info in pkgutil.walk_packages(package.submodule_search_locations, package.name + "."):
             spec = importlib.util.find_spec(info.name)
             if spec is not None and spec.origin is not None and spec.origin.endswith(".py"):
-                files.append(spec.origin)
+                files.add(spec.origin)
     return tuple(sorted(files))
 
 

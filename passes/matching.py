@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from gift_compile.plan import ItemPlan, dtype_name
+from gift_compile.exchange.plan import ItemPlan, dtype_name
 
 _c10d = torch.ops._c10d_functional
 _aten = torch.ops.aten
@@ -214,7 +214,7 @@ def _why_not(match: BucketMatch) -> str | None:
             return "the entries' replica all-reduces differ in group or reduce op, or do not sum"
         if not all(replica):
             return ("the gradient crosses a replica all-reduce (HSDP) but its mark carries no replica hop "
-                    "(gift_compile.hsdp.install_graph was not called before tracing)")
+                    "(gift_compile.frameworks.hsdp.install_graph was not called before tracing)")
     elif match.op == "all_reduce" and any(replica):
         return ("an all-reduce of a gradient whose plan has a replica hop (HSDP) that does not feed a shard "
                 "reduce-scatter bucket; the pass only rewrites the replica hop after the reduce-scatter")

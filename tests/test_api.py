@@ -6,8 +6,9 @@ import torch.nn as nn
 
 import gift_compile
 from gift_compile.config import GiftConfig
-from gift_compile.selection import LayerMeasurement, decide
-from gift_compile.state import GiftState
+from gift_compile.geometry.table import geometry_class
+from gift_compile.runtime.selection import LayerMeasurement, decide
+from gift_compile.runtime.state import GiftState
 from multirank import run_ranks
 from mlp import MLP as _MLP
 
@@ -89,13 +90,16 @@ def test_selection_policies():
         "c.w1.weight": LayerMeasurement(0.05, 0.02, 0.5, 0.02),  # too expensive
     }
     hits = {n: m.boundary_hits for n, m in ms.items()}
-    assert decide(GiftConfig(geometry="lowrank"), ms, hits) == {"a.w2.weight"}
-    assert decide(GiftConfig(geometry="lowrank", select="all"), ms, hits) == set(ms)
-    assert decide(GiftConfig(geometry="lowrank", select="none"), ms, hits) == set()
-    assert decide(GiftConfig(geometry="lowrank", select=("*.w2.*",)), ms, hits) == {"a.w2.weight", "b.w2.weight"}
-    assert decide(GiftConfig(geometry="lowrank", select="boundary_hits:2"), ms, hits) == {"b.w2.weight",
-                                                                                          "c.w1.weight"}
-    assert decide(GiftConfig(geometry="none", select="all"), ms, hits) == set()
+
+    def decide_for(config: GiftConfig) -> set[str]:
+        return decide(config, geometry_class(config.geometry), ms, hits)
+
+    assert decide_for(GiftConfig(geometry="lowrank")) == {"a.w2.weight"}
+    assert decide_for(GiftConfig(geometry="lowrank", select="all")) == set(ms)
+    assert decide_for(GiftConfig(geometry="lowrank", select="none")) == set()
+    assert decide_for(GiftConfig(geometry="lowrank", select=("*.w2.*",))) == {"a.w2.weight", "b.w2.weight"}
+    assert decide_for(GiftConfig(geometry="lowrank", select="boundary_hits:2")) == {"b.w2.weight", "c.w1.weight"}
+    assert decide_for(GiftConfig(geometry="none", select="all")) == set()
 
 
 def _auto_record(metric: str) -> dict:

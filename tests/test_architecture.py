@@ -14,12 +14,13 @@ import torch.fx as fx
 from torch._inductor import config as inductor_config
 
 import gift_compile
-from gift_compile import collectives as C
 from gift_compile.config import GiftConfig
-from gift_compile.plan import ItemPlan
-from gift_compile.state import GiftState
+from gift_compile.exchange import agreement
+from gift_compile.exchange import collectives as C
+from gift_compile.exchange.plan import ItemPlan
 from gift_compile.passes import gift_pass
 from gift_compile.passes.inductor import GiftGraphPass, package_sources
+from gift_compile.runtime.state import GiftState
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,7 +34,7 @@ def test_gift_state_refuses_undeclared_attributes():
 
 def test_importing_the_package_changes_no_inductor_config():
     code = ("import torch._inductor.config as c; before = c.post_grad_custom_post_pass; "
-            "import gift_compile, gift_compile.passes, gift_compile.mark; "
+            "import gift_compile, gift_compile.passes, gift_compile.exchange.mark; "
             "assert c.post_grad_custom_post_pass is before is None, c.post_grad_custom_post_pass")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=300)
 
@@ -74,11 +75,26 @@ def test_rewrite_reports_are_bounded():
         gift_pass.last_reports(since=start)
 
 
+def test_the_checked_plans_are_bounded(monkeypatch):
+    """The plans whose description this process compared across ranks: a bounded LRU, so a
+    run whose plans keep changing does not grow it (a dropped plan is compared once more)."""
+    monkeypatch.setattr(agreement, "_CHECKED_PLANS", type(agreement._CHECKED_PLANS)())
+    for fp in range(agreement.MAX_CHECKED_PLANS + 5):
+        agreement._remember_checked(("g", fp))
+    agreement._remember_checked(("g", 5))  # used again: now the most recent
+    agreement._remember_checked(("g", -1))
+    kept = list(agreement._CHECKED_PLANS)
+    assert len(kept) == agreement.MAX_CHECKED_PLANS
+    assert kept[-2:] == [("g", 5), ("g", -1)] and ("g", 6) not in kept and ("g", 7) in kept
+
+
 def test_the_pass_cache_key_hashes_the_package_modules_found_by_the_import_system():
-    names = {Path(p).name for p in package_sources()}
-    assert {"__init__.py", "mark.py", "geometries.py", "collectives.py", "gift_pass.py", "inductor.py"} <= names
-    # The modules split out of formats.py and collectives.py are in the key too.
-    assert {"spec.py", "scales.py", "codes.py", "accounting.py", "agreement.py"} <= names
+    names = {"/".join(Path(p).parts[-2:]) for p in package_sources()}
+    assert {"gift_compile/__init__.py", "exchange/mark.py", "geometry/table.py", "exchange/collectives.py",
+            "passes/gift_pass.py", "passes/inductor.py"} <= names
+    # Every layer subpackage's modules are in the key, not only the package's top level.
+    assert {"codec/__init__.py", "codec/spec.py", "codec/scales.py", "codec/codes.py", "exchange/accounting.py",
+            "exchange/agreement.py", "runtime/state.py", "frameworks/fsdp2.py"} <= names
     assert all(Path(p).is_file() for p in package_sources())
     assert GiftGraphPass().uuid() == GiftGraphPass().uuid()
 
@@ -100,7 +116,7 @@ def test_sync_buffer_cuts_runs_and_copies_back_every_segment(op):
 
 
 def test_fsdp2_internals_are_read_only_on_a_tested_torch():
-    from gift_compile.fsdp_internals import check_torch
+    from gift_compile.frameworks.fsdp_internals import check_torch
 
     check_torch()  # the installed torch is a tested one
     check_torch("2.14.1")

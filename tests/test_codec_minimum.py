@@ -83,7 +83,7 @@ def test_two_level_decode_reads_the_codes_once_into_the_shard() -> None:
     and writes the fp32 shard, with nothing in between: no per-block unit (E4M3 scale times
     the sender's tensor scale) written out at fp32 and read back, which Inductor does when
     the tensor scale reaches the decode as byte loads and shifts (`exchange._parse_scales`)."""
-    from gift_compile.formats import FormatSpec, wire_bytes_for
+    from gift_compile.codec import FormatSpec, wire_bytes_for
 
     kernels = _kernels("nvfp4", "row", "identity")
     first_wait = next(i for i, k in enumerate(kernels) if k.name.startswith("_c10d_functional.wait_tensor"))
@@ -99,7 +99,7 @@ def test_mean_abs_statistic_writes_no_partial_sums() -> None:
     """int2's block statistic (fp64 mean |x|) is one reduction computed in the loop that reads
     the block: that kernel writes one fp64 sum per block, not partial sums (a spelled-out
     pairwise tree wrote four per block here, 1 B per gradient element)."""
-    from gift_compile.formats import FormatSpec
+    from gift_compile.codec import FormatSpec
 
     send = _send_side(_kernels("int2", "row", "identity"))
     statistic = send[0]  # the first pass over the gradient

@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gift_compile import collectives as C
 from gift_compile.config import GiftConfig
+from gift_compile.exchange import collectives as C
 from gift_compile.geometry import Transform
 from multirank import run_ranks
 
@@ -59,7 +59,7 @@ def test_all_reduce_identical_on_every_rank_and_accurate(world):
 def _traced_ops_body(rank: int, world: int) -> list[tuple[str, str]]:
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from gift_compile.plan import BucketPlan, ItemPlan
+    from gift_compile.exchange.plan import BucketPlan, ItemPlan
 
     t = Transform("lowrank", 96, rank=8)
     managed = ItemPlan(name="w", rows=16, cols=96, format="fp8_e5m2", kind="lowrank", n_tensors=5)
@@ -106,7 +106,7 @@ def test_error_feedback_shrinks_the_mean_error():
 
 
 def _compiled_body(rank: int, world: int) -> tuple[torch.Tensor, ...]:
-    from gift_compile.plan import BucketPlan, ItemPlan
+    from gift_compile.exchange.plan import BucketPlan, ItemPlan
 
     cfg = GiftConfig(format="fp8_e4m3", stochastic_rounding=True, error_feedback=True)
     t = Transform("lowrank", 96, rank=8)
@@ -153,7 +153,7 @@ def test_bad_inputs_are_clear_errors():
 
 
 def test_wire_bytes_accounting():
-    from gift_compile.formats import FormatSpec
+    from gift_compile.codec import FormatSpec
 
     # fp8 row scaling, 2 ranks, all-reduce of [64, 256]: the all_to_all carries a 16-byte
     # header per rank + codes + row scales, then the re-encoded half shard (codes + row scales)
@@ -165,7 +165,7 @@ def test_wire_bytes_accounting():
 def _bucket_body(rank: int, world: int) -> dict:
     """One bucket of two managed weights (different transforms) and one fp32 tensor, against
     the same tensors sent one by one; bytes counted at run time vs the accounting."""
-    from gift_compile.plan import BucketPlan, ItemPlan
+    from gift_compile.exchange.plan import BucketPlan, ItemPlan
 
     g = torch.Generator().manual_seed(rank)
     xs = [torch.randn(16, 96, generator=g), torch.randn(8, 64, generator=g), torch.randn(40, generator=g)]
@@ -249,8 +249,8 @@ def test_mismatched_plans_raise_on_every_rank_naming_both(case):
 
 def _ef_storage_body(rank: int, world: int, steps: int) -> dict[str, float]:
     """Time-averaged all-reduce error with error feedback, residual stored in various formats."""
-    from gift_compile import residual as R
-    from gift_compile.plan import BucketPlan, ItemPlan
+    from gift_compile.codec import residual as R
+    from gift_compile.exchange.plan import BucketPlan, ItemPlan
 
     x = local_grad(rank)
     exact = x.clone()

@@ -14,9 +14,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import gift_compile
-from gift_compile.collectives import bucket_wire_bytes
 from gift_compile.config import GiftConfig
-from gift_compile.plan import BucketPlan, ItemPlan
+from gift_compile.exchange.collectives import bucket_wire_bytes
+from gift_compile.exchange.plan import BucketPlan, ItemPlan
 from multirank import run_ranks
 from mlp import MLP as _MLP
 

@@ -15,10 +15,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import gift_compile
-from gift_compile import collectives as C
 from gift_compile.config import GiftConfig
+from gift_compile.exchange import collectives as C
 from gift_compile.geometry import Transform
-from gift_compile.state import GiftState
+from gift_compile.runtime.state import GiftState
 from multirank import run_ranks
 from mlp import MLP as _MLP
 
@@ -157,7 +157,7 @@ def test_checkpoint_conversions_are_logged(caplog):
     layer.residual[0].copy_(value)
     target = _state(error_feedback=True, residual_format="fp8_e4m3", format="nvfp4")
     target.load_state_dict(exact.state_dict())
-    from gift_compile import residual as R
+    from gift_compile.codec import residual as R
 
     back = R.read("fp8_e4m3", target.layers["a.weight"].residual, 48)
     assert 0 < float((back - value).norm() / value.norm()) < 0.04  # re-stored in 8 bits

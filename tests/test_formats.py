@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gift_compile import GiftConfig
-from gift_compile.formats import (
+from gift_compile.codec import (
     FormatSpec, choose_scales, decode, dequantize, encode, quantize, wire_bytes, wire_bytes_for,
 )
 
@@ -509,7 +509,7 @@ def test_mean_abs_statistic_is_order_free_within_24_binades():
     """The int2/ternary block statistic sums |x| in fp64 as a reduction: exact, hence the
     same in any order, for blocks whose magnitudes span up to 2**24 (an fp32 sum would not
     be: it rounds after every add)."""
-    from gift_compile.scales import _mean_abs
+    from gift_compile.codec.scales import _mean_abs
 
     g = torch.Generator().manual_seed(11)
     mant = 1.0 + torch.rand(512, 32, generator=g)

@@ -6,11 +6,11 @@ import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
 
-from gift_compile import maps
 from gift_compile.config import GiftConfig
+from gift_compile.geometry import maps
 from gift_compile.geometry import Transform, apply_forward, apply_inverse, gradient_factor, top_eigenpairs
-from gift_compile.statistics import KFACStatistics
-from gift_compile.state import GiftState
+from gift_compile.geometry.statistics import KFACStatistics
+from gift_compile.runtime.state import GiftState
 
 
 def anisotropic_inputs(n: int = 4096, d: int = 96, seed: int = 0) -> torch.Tensor:

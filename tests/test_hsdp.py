@@ -1,6 +1,6 @@
 """HSDP on FSDP2 with a precision per hop, 4 gloo ranks (2 replicas x 2 shards): `fully_shard` on
 the shard-only mesh, GIFT's reduce-scatter over the shard group at `format` and GIFT's all-reduce of
-the reduced shard over the replica group at `replica_format` (`gift_compile.hsdp`)."""
+the reduced shard over the replica group at `replica_format` (`gift_compile.frameworks.hsdp`)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def _hsdp_worker(rank: int, world: int) -> list[dict]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from gift_compile import fsdp2, hsdp
+    from gift_compile.frameworks import fsdp2, hsdp
     from gift_compile.api import manage
     from gift_compile.config import GiftConfig
 
@@ -93,7 +93,7 @@ def _refusals(rank: int, mesh, replica_group) -> list[str]:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from gift_compile import fsdp2, hsdp
+    from gift_compile.frameworks import fsdp2, hsdp
     from gift_compile.api import manage
     from gift_compile.config import GiftConfig
 
@@ -160,7 +160,7 @@ def _one_shard_worker(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from gift_compile import fsdp2, hsdp
+    from gift_compile.frameworks import fsdp2, hsdp
     from gift_compile.api import manage
     from gift_compile.config import GiftConfig
 

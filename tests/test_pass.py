@@ -227,10 +227,10 @@ def _bucket_graph_body(rank: int, world: int) -> dict:
     from torch.fx.experimental.proxy_tensor import make_fx
 
     import torch._inductor.fx_passes.bucketing  # noqa: F401  (registers the bucketing ops)
-    from gift_compile import collectives as C
+    from gift_compile.exchange import collectives as C
     from gift_compile.passes import count_ops, rewrite_gradient_collectives
-    from gift_compile.plan import BucketPlan, ItemPlan
-    from gift_compile.state import GiftState
+    from gift_compile.exchange.plan import BucketPlan, ItemPlan
+    from gift_compile.runtime.state import GiftState
 
     st = GiftState(gift_compile.GiftConfig(format="fp8_e4m3", geometry="lowrank", rank=4, select="all", refresh_every=1),
                    dist.group.WORLD, collective="reduce_scatter")

@@ -23,9 +23,9 @@ def _worker(rank: int, world: int) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from gift_compile import hsdp
+    from gift_compile.frameworks import hsdp
     from gift_compile.api import manage
-    from gift_compile.collectives import C_BASELINE, C_CALLS, C_WIRE
+    from gift_compile.exchange.collectives import C_BASELINE, C_CALLS, C_WIRE
     from gift_compile.config import GiftConfig
     from gift_compile.passes import GiftRewriteError, count_ops, rewrite_gradient_collectives
 

@@ -1,5 +1,5 @@
 """Compilations do not grow with the number of distinct selection patterns or with depth
-(issue 31): the exchange compiles one body per item plan (`gift_compile.compiled_bodies`),
+(issue 31): the exchange compiles one body per item plan (`gift_compile.exchange.compiled_bodies`),
 not one per bucket plan, so blocks whose layers take different paths share bodies, a
 selection that changes at every refresh adds none past the first few, and dynamo's
 per-function `recompile_limit` is never reached.
@@ -59,7 +59,7 @@ def _fsdp2_body(rank: int, world: int, n_blocks: int, steps: int, change: bool, 
 
     import gift_compile
     from bench.tiny_llama import loss
-    from gift_compile import compiled_bodies
+    from gift_compile.exchange import compiled_bodies
     from gift_compile.config import GiftConfig
 
     model, ref = _model(n_blocks), _model(n_blocks)
@@ -141,10 +141,10 @@ def _mixed_bucket_body(rank: int, world: int) -> dict:
     (`bucket_core`) and through the per-item compiled bodies, from equal starting state."""
     import torch.distributed as dist
 
-    from gift_compile import collectives as C
-    from gift_compile import compiled_bodies
+    from gift_compile.exchange import collectives as C
+    from gift_compile.exchange import compiled_bodies
     from gift_compile.geometry import Transform
-    from gift_compile.plan import BucketPlan, ItemPlan
+    from gift_compile.exchange.plan import BucketPlan, ItemPlan
 
     t = Transform("lowrank", 96, rank=8)
     a = torch.randn(256, 96, generator=torch.Generator().manual_seed(0))
@@ -198,9 +198,9 @@ def test_bodies_past_the_bound_are_evicted_with_one_warning(caplog) -> None:
     recompiles, it never fails; results stay those of the eager bucket."""
     import logging
 
-    from gift_compile import collectives as C
-    from gift_compile import compiled_bodies
-    from gift_compile.plan import BucketPlan, ItemPlan
+    from gift_compile.exchange import collectives as C
+    from gift_compile.exchange import compiled_bodies
+    from gift_compile.exchange.plan import BucketPlan, ItemPlan
 
     plans = [BucketPlan((ItemPlan(name="x", rows=rows, cols=32, format="fp8_e4m3"),), 1, None, False, "reduce_scatter")
              for rows in (4, 8)]

@@ -202,7 +202,7 @@ def test_managed_weight_read_directly_raises_on_every_rank_and_exclude_syncs_it(
 
 def _plan_change_body(rank: int, world: int, case: str) -> list[str]:
     """Both ranks agree on the first call; the second call differs on one rank."""
-    from gift_compile import collectives as C
+    from gift_compile.exchange import collectives as C
 
     out = []
     for call in range(2):

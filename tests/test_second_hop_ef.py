@@ -15,12 +15,12 @@ import torch
 import torch.distributed as dist
 
 import gift_compile
-from gift_compile import collectives as C
-from gift_compile import residual as R
+from gift_compile.codec import residual as R
+from gift_compile.codec import FormatSpec, choose_scales, decode, encode
 from gift_compile.config import GiftConfig, GiftConfigError
-from gift_compile.formats import FormatSpec, choose_scales, decode, encode
-from gift_compile.plan import BucketPlan, ItemPlan
-from gift_compile.state import GiftState
+from gift_compile.exchange import collectives as C
+from gift_compile.exchange.plan import BucketPlan, ItemPlan
+from gift_compile.runtime.state import GiftState
 from conftest import require, require_data_package
 from multirank import run_ranks
 

@@ -119,9 +119,9 @@ def test_second_moment_on_fsdp2_every_rank_builds_the_same_map_from_its_row_shar
 
 
 def test_second_moment_map_traces_fullgraph_and_a_refresh_does_not_recompile():
-    from gift_compile.collectives import ItemTensors, Shared, bucket_core
-    from gift_compile.geometries import SecondMoment
-    from gift_compile.plan import BucketPlan, ItemPlan
+    from gift_compile.exchange.collectives import ItemTensors, Shared, bucket_core
+    from gift_compile.geometry.table import SecondMoment
+    from gift_compile.exchange.plan import BucketPlan, ItemPlan
 
     geo = SecondMoment(64)
     item = ItemPlan(name="w", rows=32, cols=64, format="nvfp4", kind=geo.kind, n_tensors=len(geo.tensors))

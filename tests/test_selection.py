@@ -1,5 +1,5 @@
 """Optimizer-aware choices of the selection metric and of the geometry
-(`gift_compile.optimizers.select_metric_for` / `geometry_for`) and their torchtitan form,
+(`gift_compile.geometry.optimizers.select_metric_for` / `geometry_for`) and their torchtitan form,
 ``auto_by_optimizer``, resolved from the optimizers; a measured selection revisited at every
 refresh."""
 
@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from gift_compile.config import GiftConfigError
-from gift_compile.selection import leaf_optimizers, preconditions_matrices, select_metric_for
+from gift_compile.geometry.optimizer_maps import leaf_optimizers
+from gift_compile.geometry.optimizers import preconditions_matrices, select_metric_for
 from conftest import require
 from mlp import MLP as _MLP
 
@@ -106,7 +107,7 @@ def test_torchtitan_section_resolves_auto_by_optimizer() -> None:
 
 
 def test_geometry_for_follows_the_optimizer() -> None:
-    from gift_compile.optimizers import geometry_for
+    from gift_compile.geometry.optimizers import geometry_for
 
     net = _Net()
     assert geometry_for(_muon_adamw(net), _hidden(net)) == "lowrank"
@@ -156,6 +157,7 @@ def test_torchtitan_section_resolves_geometry_auto_by_optimizer() -> None:
     from gift_compile.torchtitan_ext.hooks import resolve_geometry
     from gift_compile.torchtitan_ext.section import AUTO_METRIC, GiftSection
 
+    assert GiftSection().geometry == AUTO_METRIC  # the default, as the core's GiftConfig().geometry == "auto"
     section = GiftSection(enable=True, min_numel=1024, geometry=AUTO_METRIC)
     with pytest.raises(ValueError, match="geometry='auto_by_optimizer' needs the optimizer to be resolved"):
         section.to_gift_config(select_metric="euclidean")
@@ -180,7 +182,7 @@ def _revisit_state(select: str) -> tuple:
     """A one-process GiftState with two second-moment layers whose probes have input columns of
     very different sizes, and a settable second-moment source per layer."""
     from gift_compile.config import GiftConfig
-    from gift_compile.state import GiftState
+    from gift_compile.runtime.state import GiftState
 
     st = GiftState(GiftConfig(geometry="second_moment", format="int2", select=select, refresh_every=1), None)
     columns = torch.logspace(-3, 0, 64)
@@ -225,7 +227,8 @@ def test_an_unmeasured_layer_is_neither_kept_nor_dropped_by_a_nan_gain(caplog) -
     or a non-finite one measures NaN: the gain rule must not decide on it. The layer keeps its
     path with a warning naming it and is decided once a refresh measures it."""
     from gift_compile.config import GiftConfig
-    from gift_compile.selection import LayerMeasurement, decide, harmful
+    from gift_compile.geometry.table import LowRank
+    from gift_compile.runtime.selection import LayerMeasurement, decide, harmful
 
     st, source, columns = _revisit_state("auto")
     saved = st.layers["b.weight"].probe.clone()
@@ -248,11 +251,11 @@ def test_an_unmeasured_layer_is_neither_kept_nor_dropped_by_a_nan_gain(caplog) -
     # the rules themselves refuse a NaN gain instead of reading it as a drop or a keep
     nan = {"x": LayerMeasurement(float("nan"), float("nan"), 0.0, 0.0)}
     with pytest.raises(ValueError, match="no finite measurement for x"):
-        decide(GiftConfig(geometry="lowrank", select="auto"), nan, {})
+        decide(GiftConfig(geometry="lowrank", select="auto"), LowRank, nan, {})
     with pytest.raises(ValueError, match="no finite measurement for x"):
         harmful(GiftConfig(geometry="lowrank", select="auto"), nan, {"x"})
     # a static rule does not read the gain
-    assert decide(GiftConfig(geometry="lowrank", select="all"), nan, {}) == {"x"}
+    assert decide(GiftConfig(geometry="lowrank", select="all"), LowRank, nan, {}) == {"x"}
 
 
 def test_the_default_geometry_and_metric_follow_the_optimizer_and_explicit_ones_are_kept(caplog) -> None:

@@ -7,10 +7,10 @@ import torch
 import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
-from gift_compile.collectives import all_reduce
 from gift_compile.config import GiftConfig
+from gift_compile.exchange.collectives import all_reduce
 from gift_compile.geometry import Transform, lowrank_tensors
-from gift_compile.statistics import KFACStatistics, SketchStatistics, sketch_matrix
+from gift_compile.geometry.statistics import KFACStatistics, SketchStatistics, sketch_matrix
 from tests.multirank import run_ranks
 
 D, R, SPIKES = 256, 16, 8
@@ -253,7 +253,7 @@ def test_layers_reading_the_same_input_share_one_statistic():
     """q/k/v-style layers (same input) are detected from bit-identical first windows and share
     one statistic: memory drops, their maps come from the same factor, the others stay apart."""
     from gift_compile.config import GiftConfig
-    from gift_compile.state import GiftState
+    from gift_compile.runtime.state import GiftState
 
     st = GiftState(GiftConfig(geometry="lowrank", rank=4, refresh_every=1, select="all"), None)
     for name in ("q", "k", "v", "o"):

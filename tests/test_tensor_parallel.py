@@ -1,4 +1,4 @@
-"""Each TP rank's weight block is its own GIFT matrix (`gift_compile.tensor_parallel`), checked
+"""Each TP rank's weight block is its own GIFT matrix (`gift_compile.frameworks.tensor_parallel`), checked
 on 4 gloo ranks (a 2 x 2 mesh: data-parallel x TP) with torch's own colwise / rowwise TP.
 
 The K-FAC input factor of a managed layer must come from the inputs this TP rank computes with
@@ -34,8 +34,8 @@ def _tp_statistics(rank: int, world: int) -> dict:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from gift_compile import GiftConfig
-    from gift_compile.routing import manage
-    from gift_compile.tensor_parallel import local_matrix_shape
+    from gift_compile.frameworks.routing import manage
+    from gift_compile.frameworks.tensor_parallel import local_matrix_shape
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp_group, tp_coord, dp_coord = mesh.get_group("dp"), mesh.get_local_rank("tp"), mesh.get_local_rank("dp")
@@ -61,7 +61,7 @@ def _refusals(mesh, dp_group) -> list[str]:
     from torch.distributed.tensor import DTensor, Partial
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from gift_compile.tensor_parallel import local_input, local_matrix_shape
+    from gift_compile.frameworks.tensor_parallel import local_input, local_matrix_shape
 
     out = []
     strided = DTensor.from_local(torch.zeros(4, D), mesh["tp"], [_StridedShard(0, split_factor=2)])

@@ -27,7 +27,7 @@ from conftest import require
 require("torchtitan", "torchtitan extra not installed")
 
 from gift_compile.config import GiftConfig  # noqa: E402
-from gift_compile.routing import manage, statistics_paused  # noqa: E402
+from gift_compile.frameworks.routing import manage, statistics_paused  # noqa: E402
 from gift_compile.torchtitan_ext.hooks import REFUSAL, data_parallel_group  # noqa: E402
 from gift_compile.torchtitan_ext.runs import RunResult, shared_runs  # noqa: E402
 

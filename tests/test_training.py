@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 import gift_compile
-from gift_compile.formats import FormatSpec, choose_scales, decode, encode
+from gift_compile.codec import FormatSpec, choose_scales, decode, encode
 from gift_compile.torchtitan_ext import corpus
 from bench.tiny_llama import TinyLlama, TinyLlamaConfig, loss
 from conftest import require, require_data_package

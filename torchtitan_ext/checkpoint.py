@@ -17,7 +17,7 @@ from typing import Any
 import torch.distributed as dist
 from torchtitan.components.checkpoint import CheckpointManager
 
-from gift_compile.state import GiftState
+from gift_compile.runtime.state import GiftState
 
 __all__ = ["GiftCheckpointManager"]
 

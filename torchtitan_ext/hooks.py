@@ -18,13 +18,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torchtitan.tools.logging import logger
 
-from gift_compile import fsdp2
-from gift_compile import hsdp as gift_hsdp
 from gift_compile.api import attach_optimizer, eligible_linears, manage
-from gift_compile.optimizers import geometry_for
-from gift_compile.parts import Parts
-from gift_compile.selection import select_metric_for
-from gift_compile.tensor_parallel import describe_blocks
+from gift_compile.frameworks import fsdp2
+from gift_compile.frameworks import hsdp as gift_hsdp
+from gift_compile.frameworks.parts import Parts
+from gift_compile.frameworks.tensor_parallel import describe_blocks
+from gift_compile.geometry.optimizers import geometry_for, select_metric_for
 
 from . import cpu_compat, hsdp, pipeline_parallel
 from .section import AUTO_METRIC, GiftSection
@@ -57,7 +56,7 @@ def data_parallel_group(parallel_dims: Any, trainer: str = "graph") -> dist.Proc
     """The data-parallel group GIFT's state spans (statistics, transforms, selection): the FSDP
     group, or with HSDP (both trainers) shards x replicas. With tensor parallelism (FSDP x TP,
     both trainers) it is still the FSDP group, never the TP ranks: each TP rank's weight block
-    is its own GIFT matrix (`gift_compile.tensor_parallel`). Other layouts are refused by name."""
+    is its own GIFT matrix (`gift_compile.frameworks.tensor_parallel`). Other layouts are refused by name."""
     ddp_on_graph = trainer != "fsdp2" and parallel_dims.dp_replicate > 1 and parallel_dims.dp_shard <= 1
     others = {
         "tensor with data-replicate (HSDP x TP)": parallel_dims.tp if parallel_dims.dp_replicate > 1 else 1,
@@ -92,10 +91,10 @@ def gift_post_optimizer_build(optimizers: Any, model_parts: list[nn.Module], par
                               section: GiftSection, trainer: str, inner: Callable | None) -> None:
     """``post_optimizer_build_fn``: GIFT for the stock trainer ("fsdp2") or graph_trainer ("graph").
 
-    FSDP2: statistics hooks plus `gift_compile.fsdp2`'s bucketed reduce-scatter on every FSDP
-    module, and with HSDP `gift_compile.hsdp`'s replica all-reduce hook. graph_trainer: the
+    FSDP2: statistics hooks plus `gift_compile.frameworks.fsdp2`'s bucketed reduce-scatter on every FSDP
+    module, and with HSDP `gift_compile.frameworks.hsdp`'s replica all-reduce hook. graph_trainer: the
     `gift::mark` tags whose reduce-scatters (bucketed or not) the ``gift`` pass pipeline
-    rewrites, with HSDP carrying the replica hop (`gift_compile.hsdp.install_graph`) the pass
+    rewrites, with HSDP carrying the replica hop (`gift_compile.frameworks.hsdp.install_graph`) the pass
     puts after each rewritten reduce-scatter. Both: `attach_optimizer` on torchtitan's optimizer
     container (health check before its step, `GiftState.step()` after). With pipeline
     parallelism (FSDP2 only) one state spans every model part (stage) of the rank, over its

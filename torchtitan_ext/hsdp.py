@@ -2,7 +2,7 @@
 
 torchtitan's parallelize function shards each model on the 2-D ``["dp_replicate", "fsdp"]``
 mesh when replication is on, and FSDP2 then runs the replica all-reduce itself, at full
-precision, before any hook (see `gift_compile.hsdp`). With ``gift.enable`` the job config wraps
+precision, before any hook (see `gift_compile.frameworks.hsdp`). With ``gift.enable`` the job config wraps
 ``ModelSpec.parallelize_fn`` (`shard_only_parallelize`): the model's own parallelize function
 runs unchanged but sees a ``ParallelDims`` view that reports replication off, so it shards on
 the shard-only ``fsdp`` mesh. Everything else in torchtitan keeps the real ``ParallelDims``
@@ -20,7 +20,7 @@ from typing import Any
 import torch.distributed as dist
 from torchtitan.tools.logging import logger
 
-from gift_compile import hsdp as gift_hsdp
+from gift_compile.frameworks import hsdp as gift_hsdp
 
 __all__ = ["ShardOnlyDims", "bind_shard_only_parallelize", "describe_graph_hops", "describe_hops", "graph_accounted_bytes",
            "replica_group", "replica_metrics", "shard_only_parallelize"]

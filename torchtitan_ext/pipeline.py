@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from gift_compile.hsdp import check_replicas_identical
+from gift_compile.frameworks.hsdp import check_replicas_identical
 from gift_compile.passes import rewrite_gradient_collectives
 
 from . import cpu_compat

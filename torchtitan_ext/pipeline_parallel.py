@@ -21,8 +21,8 @@ What this module adds:
   (``_backward_metadata_inference``), whose gradients FSDP2 reduce-scatters (once more in that
   step) and the stage then drops. Those uninitialized values would enter the K-FAC statistics,
   the error-feedback residuals, the byte counters and the health checks of the stage's GIFT
-  state; both passes run inside `gift_compile.routing.statistics_paused` and
-  `gift_compile.fsdp2.discarded_gradients` (FSDP2's default reduce-scatter, state untouched)
+  state; both passes run inside `gift_compile.frameworks.routing.statistics_paused` and
+  `gift_compile.frameworks.fsdp2.discarded_gradients` (FSDP2's default reduce-scatter, state untouched)
   instead.
 * `stage_of`: the pipeline stage coordinate of this rank, which the telemetry uses to write one
   JSON-lines file per stage (each stage's state manages different layers, and only the last
@@ -35,8 +35,8 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from gift_compile.fsdp2 import discarded_gradients
-from gift_compile.routing import statistics_paused
+from gift_compile.frameworks.fsdp2 import discarded_gradients
+from gift_compile.frameworks.routing import statistics_paused
 
 __all__ = ["guard_shape_inference", "stage_of"]
 

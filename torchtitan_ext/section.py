@@ -17,8 +17,9 @@ spelling, means the same): the metric is then
 chosen once the optimizers exist (`gift_compile.torchtitan_ext.hooks`), "whitened" when the
 managed weights are stepped by a matrix preconditioner (Muon/DistMuon, Shampoo, SOAP, ...),
 "euclidean" for elementwise optimizers (Adam, AdamW), see
-`gift_compile.selection.select_metric_for`. ``geometry`` is ``auto_by_optimizer`` too by default
-(the core's default ``auto``): the geometry is then chosen the same way (`gift_compile.optimizers.geometry_for`: lowrank under a
+`gift_compile.geometry.optimizers.select_metric_for`. ``geometry`` is ``auto_by_optimizer`` too by
+default (the core's default ``auto``): the geometry is then chosen the same way
+(`gift_compile.geometry.optimizers.geometry_for`: lowrank under a
 matrix preconditioner, second_moment under Adam/AdamW, none otherwise).
 """
 

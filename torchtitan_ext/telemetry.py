@@ -31,8 +31,8 @@ import torch.distributed as dist
 from torchtitan.components.metrics import MetricsProcessor, _get_metrics_rank
 from torchtitan.tools.logging import logger
 
-from gift_compile import fsdp2
-from gift_compile.state import GiftState
+from gift_compile.frameworks import fsdp2
+from gift_compile.runtime.state import GiftState
 
 from .hsdp import replica_metrics
 

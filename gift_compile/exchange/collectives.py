@@ -1,0 +1,203 @@
+"""GIFT's quantized collectives as callers use them: one bucket from a flat buffer, and the
+one-tensor public API.
+
+`sync_buffer` (with `Segment` and `bucket_plan`) is the one bucket helper every eager path calls
+(the public `reduce_scatter` / `all_reduce`, GIFT's own sync in a weight's backward, the DDP,
+FSDP2 and HSDP hooks): cut a flat buffer into items, build and check the plan, run the bucket,
+copy the results back. The bucket exchange itself (encode, one all_to_all, decode and fp32 sum;
+for an all-reduce the re-encoded shards' all-gather) is `gift_compile.exchange.bucket`, the wire
+accounting `gift_compile.exchange.accounting` and the eager cross-rank checks `gift_compile.exchange.agreement`;
+their public names are re-exported here, so `gift_compile.exchange.collectives` stays the one import for
+the core.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from gift_compile.config import GiftConfig
+from gift_compile.exchange.accounting import HEADER_BYTES, bucket_wire_bytes, wire_bytes_per_rank
+from gift_compile.exchange.agreement import check_plan_agreement, raise_on_bad_headers
+from gift_compile.exchange.bucket import (
+    C_BASELINE, C_CALLS, C_MISMATCH, C_MISMATCH_RANKS, C_NONFINITE, C_NONFINITE_RANKS, C_PLAIN_CALLS, C_WIRE,
+    N_COUNTERS, RANK_BITS, ItemTensors, Shared, bucket_core, finish, flagged_ranks, gather_finish, gather_launch,
+    group_info, launch, run_bucket,
+)
+from gift_compile.exchange.plan import BucketPlan, ItemPlan, dtype_name
+from gift_compile.geometry.table import IDENTITY_KIND, Geometry
+
+__all__ = [
+    "C_BASELINE", "C_CALLS", "C_MISMATCH", "C_MISMATCH_RANKS", "C_NONFINITE", "C_NONFINITE_RANKS", "C_PLAIN_CALLS",
+    "C_WIRE", "HEADER_BYTES", "N_COUNTERS", "RANK_BITS", "ItemTensors", "Segment", "Shared", "all_reduce",
+    "bucket_core", "bucket_plan", "bucket_wire_bytes", "check_plan_agreement", "finish", "flagged_ranks",
+    "gather_finish", "gather_launch", "group_info", "launch", "raise_on_bad_headers", "reduce_scatter", "run_bucket",
+    "sync_buffer", "wire_bytes_per_rank",
+]
+
+
+# ---- one bucket from a flat buffer: every eager path --------------------------------------------
+class Segment(NamedTuple):
+    """One gradient in a flat bucket buffer.
+
+    `rows x cols` is the gradient's block in the buffer's layout: for an all-reduce the whole
+    gradient (segments follow each other), for a reduce-scatter each rank's row block (the
+    buffer is `[world, chunk]`, rank `r`'s blocks of every segment in row `r`, as FSDP2's
+    `chunk_cat` and the bucketed reduce-scatters pack it). `plan` is a managed weight's plan
+    (its dtype is set from the buffer) with its runtime `tensors`; `None` sends the segment at
+    full precision.
+    """
+
+    name: str
+    rows: int
+    cols: int
+    plan: ItemPlan | None = None
+    tensors: ItemTensors | None = None
+
+
+def bucket_plan(segments: Sequence[Segment], dtype: torch.dtype, *, world: int, group_name: str | None,
+                average: bool, op: str) -> BucketPlan:
+    """The plan of a buffer cut into `segments` (see `Segment` for the two layouts)."""
+    per_item = world if op == "reduce_scatter" else 1
+    items = tuple(ItemPlan.passthrough(s.name, per_item * s.rows * s.cols, dtype) if s.plan is None
+                  else s.plan.with_dtype(dtype) for s in segments)
+    return BucketPlan(items, world, group_name, average, op)
+
+
+def sync_buffer(buffer: torch.Tensor, segments: Sequence[Segment], shared: Shared, *, op: str,
+                group: dist.ProcessGroup | str | None, average: bool, out: torch.Tensor | None = None,
+                plan_check: str | None = None, nonfinite: str | None = None, compiled: bool = False,
+                timing: contextlib.AbstractContextManager | None = None) -> list[torch.Tensor]:
+    """One bucket collective over a flat buffer, the steps every eager caller shares (the
+    public one-tensor API, GIFT's own sync in a weight's backward, the DDP and FSDP2 hooks):
+    cut `buffer` into `segments`, build the `BucketPlan`, check it across ranks, `run_bucket`,
+    copy the results into `out`.
+
+    `plan_check` ("first" or "always", `GiftConfig.plan_check`) runs `check_plan_agreement`
+    before data moves (None: the caller checked the plan when it was set up). `nonfinite`
+    (`GiftConfig.nonfinite`) raises on every rank for bad headers now (None: left to the
+    counters, checked once per optimizer step). `out` receives the results: for an
+    all-reduce at the segments' offsets (it may be `buffer` itself), for a reduce-scatter
+    this rank's shards concatenated. `timing` is entered around the collective. Returns the
+    fp32 outputs (all-reduce: full gradients; reduce-scatter: this rank's shards).
+    """
+    group_name, world, _ = group_info(group)
+    xs: list[torch.Tensor] = []
+    if op == "reduce_scatter":
+        chunks = buffer.view(world, sum(s.rows * s.cols for s in segments))
+    offset = 0
+    for seg in segments:
+        n = seg.rows * seg.cols
+        if op == "reduce_scatter":
+            piece = chunks[:, offset:offset + n]
+            xs.append(piece if seg.plan is None else piece.reshape(world * seg.rows, seg.cols))
+        else:
+            piece = buffer[offset:offset + n]
+            xs.append(piece if seg.plan is None else piece.view(seg.rows, seg.cols))
+        offset += n
+    plan = bucket_plan(segments, buffer.dtype, world=world, group_name=group_name, average=average, op=op)
+    if plan_check is not None:
+        pg = dist.distributed_c10d._resolve_process_group(group) if isinstance(group, str) else group
+        check_plan_agreement(plan, pg if group_name else None, always=plan_check == "always")
+    with timing if timing is not None else contextlib.nullcontext():
+        outs, headers = run_bucket(xs, [s.tensors for s in segments], shared, plan, compiled=compiled)
+    if nonfinite is not None:
+        raise_on_bad_headers(headers, plan, nonfinite)
+    if out is not None and op == "reduce_scatter":
+        out.copy_(torch.cat([o.reshape(-1) for o in outs]))
+    elif out is not None:
+        offset = 0
+        for x, o in zip(xs, outs):
+            out[offset:offset + x.numel()].copy_(o.reshape(-1))
+            offset += x.numel()
+    return outs
+
+
+# ---- one-tensor public API -----------------------------------------------------------------------
+@torch.compiler.disable
+def _single(x: torch.Tensor, group: dist.ProcessGroup | str | None, config: GiftConfig, transform: Geometry | None,
+            residual: torch.Tensor | None, seed: torch.Tensor | int, op: str, compiled: bool,
+            second_hop_residual: torch.Tensor | None = None) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"GIFT {op}: x must be a tensor, got {type(x).__name__}")
+    dtype_name(x.dtype)
+    if x.dim() < 1 or x.numel() == 0:
+        raise ValueError(f"GIFT {op}: x must have at least one dimension and one element, got shape {tuple(x.shape)}")
+    rows, cols = (1, x.shape[0]) if x.dim() == 1 else (x.numel() // x.shape[-1], x.shape[-1])
+    if op == "reduce_scatter":
+        rows, cols = x.shape[0], x.numel() // x.shape[0]
+    kind = IDENTITY_KIND if transform is None else transform.kind
+    tensors = () if transform is None else transform.tensors
+    if transform is not None and cols != transform.d_in:
+        raise ValueError(f"GIFT {op}: x's last dim {cols} != transform d_in {transform.d_in}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"GIFT {op}: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    name, world, rank = group_info(group)
+    if second_hop_residual is not None and second_hop_residual.shape != (-(-rows // world), cols):
+        raise ValueError(f"GIFT {op}: second_hop_residual shape {tuple(second_hop_residual.shape)} != this rank's "
+                         f"shard {(-(-rows // world), cols)} (rows {rows} padded to a multiple of {world}, / {world})")
+    if op == "reduce_scatter" and rows % world:
+        raise ValueError(f"GIFT reduce_scatter: dim 0 of x ({rows}) is not divisible by the world size {world}")
+    item = ItemPlan(name="x", rows=rows, cols=cols, dtype=dtype_name(x.dtype), managed=True, format=config.format,
+                    scaling=config.scaling, block_size=config.block_size, kind=kind, n_tensors=len(tensors),
+                    error_feedback=residual is not None, stochastic_rounding=config.stochastic_rounding,
+                    second_hop_error_feedback=second_hop_residual is not None,
+                    error_feedback_decay=config.error_feedback_decay)
+    res2 = None if residual is None else (residual.reshape(rows, cols),)
+    hop2 = None if second_hop_residual is None else (second_hop_residual,)
+    seg_rows = rows // world if op == "reduce_scatter" else rows
+    segment = Segment("x", seg_rows, cols, item, ItemTensors(tensors, res2, None, second_hop_residual=hop2))
+    outs = sync_buffer(x.reshape(-1), [segment], Shared(seed, rank, None), op=op, group=group,
+                       average=config.reduce_op == "avg", plan_check=config.plan_check, nonfinite=config.nonfinite,
+                       compiled=compiled)
+    return outs[0]
+
+
+def reduce_scatter(
+    x: torch.Tensor,
+    group: dist.ProcessGroup | str | None,
+    config: GiftConfig,
+    transform: Geometry | None = None,
+    residual: torch.Tensor | None = None,
+    *,
+    seed: torch.Tensor | int = 0,
+    compiled: bool = False,
+) -> torch.Tensor:
+    """Low-bit reduce-scatter along dim 0: this rank's shard of the sum (or mean) of `x`.
+
+    `x.shape[0]` must be divisible by the world size. `residual` (fp32, shape of `x`) is error
+    feedback in transformed coordinates, updated in place. A non-finite `x` on any rank raises
+    on every rank under `config.nonfinite == "error"`; ranks calling with different plans raise
+    before any data moves. `compiled` runs the core through `torch.compile`.
+
+    This is an eager API (its checks talk to the host); inside your own compiled code call
+    `bucket_core` with a `BucketPlan`, which traces with `fullgraph=True`.
+    """
+    out = _single(x, group, config, transform, residual, seed, "reduce_scatter", compiled)
+    return out.to(x.dtype).reshape(-1, *x.shape[1:])
+
+
+def all_reduce(
+    x: torch.Tensor,
+    group: dist.ProcessGroup | str | None,
+    config: GiftConfig,
+    transform: Geometry | None = None,
+    residual: torch.Tensor | None = None,
+    *,
+    second_hop_residual: torch.Tensor | None = None,
+    seed: torch.Tensor | int = 0,
+    compiled: bool = False,
+) -> torch.Tensor:
+    """Low-bit all-reduce of `x` (at least 1-D): bit-identical result on every rank.
+
+    Arguments as in `reduce_scatter`; rows need not divide by the world size (padded).
+    `second_hop_residual` (fp32 `[ceil(rows / world), cols]`, rows and cols of `x`'s 2-D view)
+    is the owner-side error feedback of this rank's reduced shard, updated in place. Both
+    residuals are decayed by `config.error_feedback_decay`.
+    """
+    return _single(x, group, config, transform, residual, seed, "all_reduce", compiled,
+                   second_hop_residual).to(x.dtype).reshape(x.shape)

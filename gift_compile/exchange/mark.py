@@ -1,0 +1,138 @@
+"""The `gift::mark` op and the autograd functions that put it on a managed weight's gradient.
+
+A managed linear's forward routes its weight through `_GiftTag` (a framework collective
+follows: the FX pass rewrites it) or `_GiftSync` (GIFT synchronises the gradient itself). In a
+traced backward both emit `gift::mark(grad, [state tensors], plan)`: the gradient, the layer's
+runtime tensors (`unpack_mark_tensors` reads them back) and its static `ItemPlan` as text. The
+FX pass (`gift_compile.passes`) imports this module alone to find the op; nothing here depends
+on `GiftState`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+
+from gift_compile.codec import residual as residual_store
+from gift_compile.exchange import collectives
+from gift_compile.exchange.collectives import ItemTensors, Shared
+from gift_compile.exchange.plan import ItemPlan
+
+__all__ = ["ACCUMULATE", "SYNC", "SYNC_PENDING", "mark", "unpack_mark_tensors", "unpack_replica_shared"]
+
+logger = logging.getLogger("gift_compile")
+_c10d = torch.ops._c10d_functional
+_warned_unrewritten: set[str] = set()
+
+# How a managed weight's backward behaves (a forward argument, so a change is a dynamo guard:
+# at most three graph variants, never a recompile from step to step).
+SYNC, ACCUMULATE, SYNC_PENDING = "sync", "accumulate", "sync_pending"
+
+
+@torch.library.custom_op("gift::mark", mutates_args=())
+def mark(grad: torch.Tensor, state: list[torch.Tensor], plan: str) -> torch.Tensor:
+    """Identity on a managed weight's gradient that carries its static plan and state tensors.
+
+    The FX pass consumes it; executing it means no pass rewrote the graph (a backend without
+    Inductor's post-grad hooks, or an eager SimpleFSDP model), so the gradient would travel at
+    full precision. That raises unless the layer's config says `unrewritten="warn"`.
+    """
+    item = ItemPlan.from_str(plan)
+    message = (f"GIFT: the gradient of {item.name} reached gift::mark without the GIFT pass rewriting its "
+               "collective (compiled without Inductor's post-grad passes, or run eagerly on a framework whose "
+               "collective GIFT only rewrites in graphs); it would travel at full precision")
+    if item.unrewritten == "error":
+        raise RuntimeError(message + ". Set GiftConfig(unrewritten='warn') to allow that.")
+    if item.name not in _warned_unrewritten:
+        _warned_unrewritten.add(item.name)
+        logger.warning("%s (unrewritten='warn')", message)
+    return grad.clone()
+
+
+@mark.register_fake
+def _mark_fake(grad: torch.Tensor, state: list[torch.Tensor], plan: str) -> torch.Tensor:
+    return torch.empty_like(grad)
+
+
+def _tracing(t: torch.Tensor) -> bool:
+    return torch.compiler.is_compiling() or is_fake(t)
+
+
+class _GiftTag(torch.autograd.Function):
+    """Identity whose backward marks the gradient for a framework-owned collective."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, plan: str, *state: torch.Tensor) -> torch.Tensor:
+        # State tensors are ctx attributes, not saved tensors: other layers' backward passes
+        # update the shared counters in place before this one runs, which autograd's version
+        # check on saved tensors would reject.
+        ctx.plan, ctx.state = plan, state
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        state = list(ctx.state)
+        return (torch.ops.gift.mark(grad, state, ctx.plan), None, *[None] * len(state))
+
+
+class _GiftSync(torch.autograd.Function):
+    """Identity whose backward synchronises the gradient over the data-parallel group.
+
+    `mode` SYNC communicates this backward's gradient; ACCUMULATE adds it to `pending` and
+    returns no gradient (gradient accumulation without communication); SYNC_PENDING
+    communicates gradient + `pending` and clears it, so an accumulated step is sent once.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, plan: str, group_name: str, op: str, mode: str,
+                pending: torch.Tensor | None, *state: torch.Tensor) -> torch.Tensor:
+        ctx.plan, ctx.group_name, ctx.op, ctx.mode = plan, group_name, op, mode
+        ctx.pending, ctx.state = pending, state  # attributes, not saved tensors: see _GiftTag
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        saved, pending = list(ctx.state), ctx.pending
+        nones = [None] * (5 + len(saved))
+        if ctx.mode == ACCUMULATE:
+            pending.add_(grad)
+            return (None, *nones)
+        if ctx.mode == SYNC_PENDING:
+            grad = grad + pending
+            pending.zero_()
+        if _tracing(grad):
+            marked = torch.ops.gift.mark(grad, saved, ctx.plan)
+            return (_c10d.wait_tensor(_c10d.all_reduce(marked, ctx.op, ctx.group_name)), *nones)
+        item = ItemPlan.from_str(ctx.plan)
+        tensors, shared = unpack_mark_tensors(item, saved)
+        segment = collectives.Segment(item.name, item.rows, item.cols, item, tensors)
+        outs = collectives.sync_buffer(grad.reshape(-1), [segment], shared, op="all_reduce", group=ctx.group_name,
+                                       average=ctx.op == "avg", plan_check="first")
+        return (outs[0].to(grad.dtype).reshape(grad.shape), *nones)
+
+
+def unpack_mark_tensors(plan: ItemPlan, tensors: list[Any]) -> tuple[ItemTensors, Shared]:
+    """Inverse of `LayerState.mark_tensors` (works on tensors and on FX nodes alike). Read from
+    the front, so a replica hop's tail (`unpack_replica_shared`) is ignored here."""
+    n = plan.n_tensors
+    k = residual_store.buffer_count(plan.residual_format)
+    transform = tuple(tensors[:n])
+    residual = tuple(tensors[n:n + k]) if plan.error_feedback else None
+    n += k if plan.error_feedback else 0
+    second = tuple(tensors[n:n + k]) if plan.second_hop_error_feedback else None
+    n += k if plan.second_hop_error_feedback else 0
+    probe, seed_offset, seed, rank, counters = tensors[n:n + 5]
+    return ItemTensors(transform, residual, probe, seed_offset, second), Shared(seed, rank, counters)
+
+
+def unpack_replica_shared(plan: ItemPlan, tensors: list[Any]) -> Shared:
+    """The replica hop's `Shared` (the step's seed, this rank's rank in the replica group, the
+    hop's own counters) from a mark's tensors; only for a plan with a `replica_format`."""
+    if not plan.replica_format:
+        raise ValueError(f"GIFT: the mark of {plan.name} carries no replica hop (its plan has no replica_format)")
+    bufs = residual_store.buffer_count(plan.residual_format)
+    k = plan.n_tensors + bufs * (int(plan.error_feedback) + int(plan.second_hop_error_feedback))
+    return Shared(tensors[k + 2], tensors[k + 5], tensors[k + 6])

@@ -1,0 +1,190 @@
+"""Static plans of GIFT collectives: everything a traced graph must know about them.
+
+A plan fixes the shape of the code (formats, transform kind, which tensors exist), never the
+data (transforms, residuals, seeds, the rank: those are tensors). `ItemPlan` describes one
+gradient, `BucketPlan` one collective over a list of gradients (a framework's bucket, an FSDP2
+module's flat buffer, a DDP bucket, or a single weight).
+
+An `ItemPlan` is carried *inside* the graph, as the string argument of the `gift::mark` op
+that tags a managed weight's gradient, so the FX pass needs no process-global registry: the
+graph describes itself, and the same graph (and the same compiled artifact) serves every rank
+and every process, whatever layers were created before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from gift_compile.codec import FormatSpec
+from gift_compile.config import GiftConfig
+from gift_compile.geometry.table import IDENTITY_KIND
+
+__all__ = ["BucketPlan", "ItemPlan", "dtype_name"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Name of a gradient dtype GIFT can carry (raises for anything else)."""
+    for name, d in _DTYPES.items():
+        if d == dtype:
+            return name
+    raise TypeError(f"GIFT: unsupported gradient dtype {dtype}; expected float32, bfloat16 or float16")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ItemPlan:
+    """One gradient of a collective.
+
+    `managed` items are transformed and quantized; the others (norm weights, embeddings, small
+    or excluded weights that share a bucket with managed ones) travel as raw bytes of their
+    dtype and are summed in fp32. `rows x cols` is the gradient's 2-D view for managed items
+    (rows are what collectives split); passthrough items are handled flat (`rows * cols`
+    elements).
+    """
+
+    name: str
+    rows: int
+    cols: int
+    dtype: str = "float32"
+    managed: bool = True
+    format: str = "fp32"
+    scaling: str = "row"
+    block_size: int = 32
+    kind: str = IDENTITY_KIND  # the map (`gift_compile.geometry.table.map_class`)
+    n_tensors: int = 0
+    error_feedback: bool = False
+    stochastic_rounding: bool = False
+    unrewritten: str = "error"
+    residual_format: str = "fp32"
+    # HSDP in a traced graph: the wire format of the replica hop (the all-reduce of the reduced
+    # shard over the replica group), "" without one. When set, the `gift::mark` carries the
+    # replica hop's rank and counters after the shared tensors (`unpack_replica_shared`).
+    replica_format: str = ""
+    # the all-reduce's second hop: the owner's residual of re-encoding its reduced shard
+    second_hop_error_feedback: bool = False
+    error_feedback_decay: float = 1.0  # beta of both residuals: send g + beta e
+
+    def __post_init__(self) -> None:
+        # Derived values are computed once here (not fields: they stay out of eq/hash/to_str),
+        # so traced code only reads constants.
+        object.__setattr__(self, "_seed_offset", (zlib.crc32(self.name.encode()) % 1_000_003) * 7919)
+
+    @classmethod
+    def managed_layer(cls, name: str, shape: tuple[int, int], config: GiftConfig, kind: str,
+                      n_tensors: int) -> "ItemPlan":
+        """The plan of a managed weight `[out, in]` under `config`, whose map is `kind` (the
+        layer's geometry's, resolved once by its `GiftState`)."""
+        return cls(name=name, rows=int(shape[0]), cols=int(shape[1]), dtype="float32", managed=True,
+                   format=config.format, scaling=config.scaling, block_size=config.block_size,
+                   kind=kind, n_tensors=n_tensors,
+                   error_feedback=config.error_feedback, stochastic_rounding=config.stochastic_rounding,
+                   unrewritten=config.unrewritten, residual_format=config.residual_format,
+                   second_hop_error_feedback=config.second_hop_error_feedback,
+                   error_feedback_decay=config.error_feedback_decay)
+
+    @classmethod
+    def passthrough(cls, name: str, numel: int, dtype: torch.dtype) -> "ItemPlan":
+        """A full-precision item of `numel` elements."""
+        return cls(name=name, rows=1, cols=int(numel), dtype=dtype_name(dtype), managed=False)
+
+    @property
+    def spec(self) -> FormatSpec:
+        return FormatSpec(self.format, self.scaling, self.block_size)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.cols
+
+    @property
+    def seed_offset(self) -> int:
+        """Stochastic-rounding seed offset of this layer: a stable hash of its name, so seeds do
+        not depend on how many layers a process registered before."""
+        return self._seed_offset
+
+    def with_dtype(self, dtype: torch.dtype) -> "ItemPlan":
+        return dataclasses.replace(self, dtype=dtype_name(dtype))
+
+    def to_str(self) -> str:
+        """Compact, stable text form (the `gift::mark` op's plan argument)."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_str(cls, text: str) -> "ItemPlan":
+        return cls(**json.loads(text))
+
+    def describe(self) -> str:
+        if not self.managed:
+            return f"{self.name}: {self.numel} x {self.dtype} full precision"
+        return (f"{self.name}: [{self.rows}, {self.cols}] {self.dtype} -> {self.format}/{self.scaling}"
+                f"/b{self.block_size} {self.kind} ef={int(self.error_feedback)}{int(self.second_hop_error_feedback)}"
+                f"{'' if self.error_feedback_decay == 1.0 else f' beta={self.error_feedback_decay}'}"
+                f" sr={int(self.stochastic_rounding)}")
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """One quantized collective over `items` on a group of `world` ranks.
+
+    `op` is "reduce_scatter" (each rank receives the sum of its 1/world row block of every
+    item) or "all_reduce" (every rank receives every full sum). `average` divides by `world`.
+    """
+
+    items: tuple[ItemPlan, ...]
+    world: int
+    group_name: str | None
+    average: bool
+    op: str = "reduce_scatter"
+
+    def __post_init__(self) -> None:
+        if self.op not in ("reduce_scatter", "all_reduce"):
+            raise ValueError(f"BucketPlan.op={self.op!r}; allowed: reduce_scatter, all_reduce")
+        if not self.items:
+            raise ValueError("BucketPlan: a bucket needs at least one item")
+        # Item names and order are in: two equally shaped layers taken in another order on
+        # another rank must not pair (their seeds and transforms differ).
+        text = repr((tuple(i.to_str() for i in self.items), self.world, self.average, self.op))
+        digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+        object.__setattr__(self, "_fingerprint", int.from_bytes(digest, "little", signed=True))
+
+    def rows_sent(self, item: ItemPlan) -> int:
+        """Rows of a managed item as communicated: an all-reduce pads them to a multiple of
+        the world size; a reduce-scatter needs them divisible."""
+        if self.op == "all_reduce":
+            return -(-item.rows // self.world) * self.world
+        return item.rows
+
+    def flat_sent(self, item: ItemPlan) -> int:
+        """Elements of a passthrough item as communicated (padded for an all-reduce)."""
+        if self.op == "all_reduce":
+            return -(-item.numel // self.world) * self.world
+        return item.numel
+
+    def fingerprint(self) -> int:
+        """A signed 64-bit hash of everything static that decides the bytes and their meaning,
+        item names and order included (not the group name, which may be spelled differently on
+        different ranks)."""
+        return self._fingerprint
+
+    def as_dict(self) -> dict:
+        """Plain-data form (what ranks exchange to name the first difference of two plans)."""
+        return {"op": self.op, "world": self.world, "average": self.average,
+                "items": [dataclasses.asdict(i) for i in self.items]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "BucketPlan":
+        return cls(tuple(ItemPlan(**i) for i in d["items"]), d["world"], None, d["average"], d["op"])
+
+    def describe(self) -> str:
+        head = f"{self.op} over {self.world} ranks ({'avg' if self.average else 'sum'})"
+        return head + ": " + "; ".join(i.describe() for i in self.items)

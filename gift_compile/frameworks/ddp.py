@@ -1,0 +1,75 @@
+"""GIFT for `DistributedDataParallel`: a comm hook that runs GIFT's all-reduce on each bucket.
+
+DDP hands a comm hook one `GradBucket` at a time: a flat buffer holding the gradients of
+several parameters in order (the accumulated `.grad`s; under `model.no_sync()` DDP calls no
+hook and the next synchronising backward sends the accumulated gradients). The hook builds
+one bucket plan, managed weights quantized with their layer's transform/residual/seed and
+every other parameter at full precision, runs `gift_compile.exchange.collectives.sync_buffer` (one
+all_to_all plus one all_gather per DDP bucket, the same core as the FSDP2 hook and the FX
+pass), and writes the results back into the buffer. The returned future is complete: the
+collective has run (DDP overlaps buckets with the rest of the backward either way).
+"""
+
+# No `from __future__ import annotations`: DDP checks the comm hook's annotations at runtime.
+
+import logging
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from gift_compile.config import GiftConfig
+from gift_compile.exchange.collectives import Segment, group_info, sync_buffer
+from gift_compile.frameworks.routing import manage
+from gift_compile.runtime.health import queue_backward_check
+from gift_compile.runtime.state import GiftState
+
+logger = logging.getLogger("gift_compile")
+
+__all__ = ["install"]
+
+
+class _HookState:
+    """What the comm hook needs: the GIFT state, parameter names and layers, the group."""
+
+    def __init__(self, state: GiftState, model: nn.Module, group: dist.ProcessGroup, fuse: bool) -> None:
+        self.state = state
+        self.group = group
+        self.fuse = fuse
+        self.names = {id(p): n for n, p in model.named_parameters()}
+        self.layers = {id(m._parameters["weight"]): m._gift_layer for m in state.modules.values()}
+
+
+def _gift_hook(hs: "_HookState", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    buf = bucket.buffer()
+    _, world, _ = group_info(hs.group)
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    if not hs.state.active:  # gift_compile.remove was called: DDP's default behaviour
+        dist.all_reduce(buf.div_(world), group=hs.group)
+        fut.set_result(buf)
+        return fut
+    segments = []
+    for p in bucket.parameters():
+        layer = hs.layers.get(id(p))
+        if layer is None:
+            segments.append(Segment(hs.names.get(id(p), "param"), 1, p.numel()))
+        else:
+            segments.append(Segment(layer.fqn, *layer.shape, layer.plan, layer.tensors()))
+    config = hs.state.config
+    sync_buffer(buf, segments, hs.state.shared, op="all_reduce", group=hs.group, average=config.reduce_op == "avg",
+                out=buf, plan_check=config.plan_check, compiled=hs.fuse)
+    queue_backward_check(hs.state)
+    fut.set_result(buf)
+    return fut
+
+
+def install(model: nn.parallel.DistributedDataParallel, config: GiftConfig, group: dist.ProcessGroup | None, *,
+            fuse: bool = True) -> GiftState:
+    """Manage the wrapped module's linear weights (statistics hooks) and register the hook."""
+    pg = model.process_group if group is None or group is dist.group.WORLD else group
+    if pg is not model.process_group and dist.get_world_size(pg) != dist.get_world_size(model.process_group):
+        raise ValueError("gift_compile.apply: group= differs from the DistributedDataParallel process group")
+    state = manage(model.module, config, model.process_group, mode="stats", collective="all_reduce")
+    model.register_comm_hook(_HookState(state, model.module, model.process_group, fuse), _gift_hook)
+    model._gift_state = state
+    return state

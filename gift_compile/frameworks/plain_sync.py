@@ -1,0 +1,148 @@
+"""Full-precision sync of the parameters GIFT does not manage, for `apply` on a plain module.
+
+GIFT synchronises a plain (non-DDP, non-FSDP) module itself: managed weights through their
+quantized collective in the backward, every other parameter (biases, norms, embeddings,
+excluded or small weights) here. Those gradients are packed in a FIXED order, the model's
+parameter order, into ONE flat fp32 buffer (one slot per parameter, an arrival flag per
+parameter, a non-finite flag per rank) and all-reduced once per synchronising backward, at its
+end, when every gradient has arrived (DDP's reducer with a single bucket). So:
+
+* a rank whose backward produces gradients in another order cannot pair the wrong tensors
+  (each parameter has its slot; item names and order are in the plan fingerprint);
+* each rank's non-finite flag travels in the same all-reduce, so a NaN/Inf in a norm gain on
+  one rank raises on every rank at the end of the backward, naming it (the flush runs in the
+  same end-of-backward callback as `gift_compile.runtime.health`'s checks, before them),
+  like a managed weight's; the layout (names, order, sizes) is agreed across ranks at `apply`;
+* one launch per backward instead of one per parameter (`comm_totals()["plain_calls"]`).
+
+A parameter that received a gradient on no rank keeps `.grad` unset; one that received it on
+some rank only gets the synchronised sum on every rank (an arrival flag travels in the
+bucket), so replicas stay identical. Every rank must run the same number of synchronising
+backward passes that reach unmanaged parameters (as with DDP).
+
+Accumulation: a synchronising backward routes each incoming gradient into its slot and lets
+autograd accumulate zeros, then adds the synchronised value to `.grad`, so gradients summed
+over several synchronising backward passes stay right for `avg` and `sum`. Inside
+`gift_compile.no_sync` gradients accumulate locally and the parameter is marked dirty; the
+next synchronising backward sends its whole accumulated `.grad` once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from gift_compile.exchange import collectives
+from gift_compile.exchange.collectives import (C_BASELINE, C_NONFINITE, C_NONFINITE_RANKS, C_PLAIN_CALLS, C_WIRE,
+                                               RANK_BITS)
+from gift_compile.exchange.mark import SYNC
+from gift_compile.exchange.plan import BucketPlan, ItemPlan
+from gift_compile.runtime.health import queue_backward_check
+from gift_compile.runtime.state import GiftState
+
+__all__ = ["PlainSync", "ARRIVED_ITEM"]
+
+ARRIVED_ITEM = "<plain-sync arrivals>"  # the bucket's last item: which parameters got a gradient
+
+
+class PlainSync:
+    """The bucket of a model's unmanaged parameters and the hooks that fill and flush it."""
+
+    def __init__(self, model: nn.Module, state: GiftState, group: dist.ProcessGroup) -> None:
+        managed = {id(m._parameters["weight"]) for m in state.modules.values()}
+        self.state = state
+        self.group = group
+        self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in managed]
+        name, world, self.me = collectives.group_info(group)
+        items = [ItemPlan.passthrough(n, p.numel(), p.dtype) for n, p in self.params]
+        items.append(ItemPlan.passthrough(ARRIVED_ITEM, len(self.params), torch.float32))
+        self.plan = BucketPlan(tuple(items), world, name, state.config.reduce_op == "avg", "all_reduce")
+        self.average = state.config.reduce_op == "avg"
+        # One fp32 buffer: every parameter's slot in parameter order, one arrival flag per
+        # parameter, one non-finite flag per rank (each rank sets its own; the sum names them).
+        self.n_values = sum(p.numel() for _, p in self.params)
+        device = self.params[0][1].device if self.params else None
+        self.flat = torch.zeros(self.n_values + len(self.params) + world, device=device)
+        self.slots, offset = [], 0
+        for _, p in self.params:
+            self.slots.append(self.flat[offset:offset + p.numel()].view(p.shape))
+            offset += p.numel()
+        self.arrived = self.flat[offset:offset + len(self.params)]
+        self.flags = self.flat[offset + len(self.params):]
+        self.baseline_bytes = sum(p.numel() * p.element_size() for _, p in self.params)
+        self._queued = False
+
+    def install(self) -> list[Any]:
+        """Agree on the bucket's plan across ranks (names, order, sizes) and register the hooks."""
+        if not self.params:
+            return []
+        collectives.check_plan_agreement(self.plan, self.group, always=True)
+        return [p.register_hook(self._incoming(i, p)) for i, (_, p) in enumerate(self.params)]
+
+    def _incoming(self, i: int, p: torch.Tensor) -> Any:
+        key = id(p)
+        st = self.state
+
+        def hook(g: torch.Tensor) -> torch.Tensor | None:
+            if st.sync_mode != SYNC:
+                st.dirty_params.add(key)
+                return None
+            self._queue_flush()
+            if key in st.dirty_params:
+                return None  # the whole accumulated .grad is sent at the flush
+            self.slots[i].add_(g)
+            self.arrived[i] = 1.0
+            return torch.zeros_like(g)  # autograd accumulates nothing; the flush adds the sum
+
+        return hook
+
+    def _queue_flush(self) -> None:
+        if not self._queued:
+            self._queued = True
+            self.state.backward_watch.flushes.append(self.flush)  # before the checks read the counters
+            queue_backward_check(self.state)
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """End of a synchronising backward: one all-reduce of the flat buffer, then each
+        parameter that got a gradient on any rank receives the synchronised sum (or mean)."""
+        self._queued = False
+        st = self.state
+        for i, (_, p) in enumerate(self.params):
+            if id(p) in st.dirty_params:
+                st.dirty_params.discard(id(p))
+                if p.grad is not None:
+                    self.slots[i].add_(p.grad)
+                    self.arrived[i] = 1.0
+                    p.grad.zero_()
+        values = self.flat[: self.n_values]
+        self.flags[self.me] = 0.0 if bool(torch.isfinite(values).all()) else 1.0
+        dist.all_reduce(self.flat, group=self.group)
+        bad = [r for r, f in enumerate(self.flags.tolist()) if f > 0]
+        self._count(bad)
+        world = self.flags.numel()
+        for (_, p), slot, arrived in zip(self.params, self.slots, self.arrived.tolist()):
+            if arrived > 0:
+                synced = (slot / world if self.average else slot).to(p.dtype)
+                if p.grad is None:
+                    p.grad = synced.clone() if synced.data_ptr() == slot.data_ptr() else synced
+                else:
+                    p.grad.add_(synced)
+        self.flat.zero_()
+
+    def _count(self, bad: list[int]) -> None:
+        """Bytes handed to the all-reduce, the launch, and the ranks whose gradients were not
+        finite, into the state's counters (read by `GiftState.check_health`)."""
+        c = self.state.counters
+        c[C_WIRE] += self.flat.numel() * self.flat.element_size()
+        c[C_BASELINE] += self.baseline_bytes
+        c[C_PLAIN_CALLS] += 1
+        if bad:
+            c[C_NONFINITE] += 1
+            mask = 0
+            for r in bad:
+                mask |= 1 << min(r, RANK_BITS)
+            c[C_NONFINITE_RANKS : C_NONFINITE_RANKS + 1].bitwise_or_(mask)

@@ -1,0 +1,210 @@
+"""Which linears GIFT manages and how their weights reach it: `manage`, the class swap that
+routes a weight through the `gift::mark` autograd functions, and the statistics hook.
+
+`manage` registers a model's eligible linear weights with a new `GiftState` (the one function
+behind `gift_compile.apply` and the framework adapters); `_managed_class` gives a managed
+linear a cached subclass whose forward routes the weight through `_GiftTag` / `_GiftSync`;
+`observe_inputs` feeds the layer's input statistics, except inside `statistics_paused` (forward
+passes that are not training data, such as a pipeline schedule's shape inference).
+
+`model` may be the several parts (pipeline stages) one rank holds (`gift_compile.frameworks.parts`): one
+state then manages the linears of all of them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gift_compile.config import AUTO_GEOMETRY, GiftConfig
+from gift_compile.exchange.mark import SYNC, _GiftSync, _GiftTag
+from gift_compile.frameworks.parts import Parts, model_parts
+from gift_compile.frameworks.tensor_parallel import local_input, local_matrix_shape, on_local_block
+from gift_compile.runtime.layer import LayerState
+from gift_compile.runtime.state import GiftState
+
+__all__ = ["eligible_linears", "manage", "observe_inputs", "statistics_paused"]
+
+logger = logging.getLogger("gift_compile")
+
+# How many `statistics_paused` contexts are open (a Python global: a compiled forward guards on it).
+_paused = 0
+
+
+@contextmanager
+def statistics_paused() -> Iterator[None]:
+    """Forward passes inside feed no statistics: they run on inputs that are not training data
+    (torch's pipeline stages infer shapes with a real forward on uninitialized tensors on their
+    first step), which would otherwise enter the K-FAC factors."""
+    global _paused
+    _paused += 1
+    try:
+        yield
+    finally:
+        _paused -= 1
+
+
+def observe_inputs(module: nn.Module, args: tuple[Any, ...]) -> None:
+    """Forward pre-hook feeding a managed layer's K-FAC statistics (training passes only, and
+    only while the layer's selection needs them; never inside `statistics_paused`).
+
+    Eagerly the need is a Python flag (`collect_stats`: no work for a layer that needs none).
+    Traced, it is the layer's `stats_gate` tensor, and the statistic is computed and masked:
+    a flag would be a guard, so every pattern of selected layers would be one compilation of
+    the forward, and the blocks of a per-block compiled model (torchtitan), which share one
+    code object, would hit dynamo's `recompile_limit` once more than 8 of them differ (issue
+    31). The price is the statistic of a deselected layer computed for nothing in compiled
+    forwards (one `[m, d_in]` product per layer, m <= `stats_tokens`). Whether a layer leads
+    its statistic (`leader`) is structure that changes once, at the first refresh."""
+    layer: LayerState = module._gift_layer
+    if not torch.is_grad_enabled() or _paused:
+        return
+    if torch.compiler.is_compiling():
+        if layer.leader is None:
+            layer.stats.observe(local_input(args[0]), gate=layer.stats_gate)
+    elif layer.collect_stats:
+        layer.stats.observe(local_input(args[0]))
+
+
+def _routed_weight(module: nn.Module, w: torch.Tensor) -> torch.Tensor:
+    """`w` routed through GIFT's autograd function (identity forward)."""
+    if not (torch.is_grad_enabled() and w.requires_grad):
+        return w
+    layer: LayerState = module._gift_layer
+    gstate: GiftState = module._gift_state
+    plan = layer.plan_str
+    tensors = layer.mark_tensors(gstate.shared, gstate.replica_shared)
+    if module._gift_group_name is None:
+        return on_local_block(w, lambda block: _GiftTag.apply(block, plan, *tensors))
+    pending = layer.pending if layer.mode != SYNC else None
+    return _GiftSync.apply(w, plan, module._gift_group_name, gstate.config.reduce_op, layer.mode, pending, *tensors)
+
+
+_MANAGED_CLASSES: dict[type, type] = {}
+
+
+def _linear_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
+    return F.linear(input, _routed_weight(self, self.weight), self.bias)
+
+
+def _managed_class(cls: type) -> type:
+    """Cached subclass of `cls` that routes the weight through GIFT in its forward.
+
+    For `nn.Linear` and subclasses that keep its `forward`, the subclass overrides `forward`:
+    `module.weight` stays the Parameter users and optimizers expect (`.grad`,
+    `requires_grad_`). A class whose `weight` is already a property (SimpleFSDP's
+    all-gathering parametrization) or that brings its own `forward` gets a `weight` property
+    instead, on top of its own; there `module.weight` is a computed tensor while grads are
+    recorded, and the parameter is `module._parameters["weight"]`.
+    """
+    if cls in _MANAGED_CLASSES:
+        return _MANAGED_CLASSES[cls]
+    base = getattr(cls, "weight", None)
+    if not isinstance(base, property) and cls.forward is nn.Linear.forward:
+        managed = type(f"Gift{cls.__name__}", (cls,), {"forward": _linear_forward, "_gift_base_class": cls})
+    else:
+        def weight(self: nn.Module) -> torch.Tensor:
+            w = base.__get__(self, cls) if isinstance(base, property) else self._parameters["weight"]
+            return _routed_weight(self, w)
+
+        managed = type(f"Gift{cls.__name__}", (cls,), {"weight": property(weight), "_gift_base_class": cls})
+    _MANAGED_CLASSES[cls] = managed
+    return managed
+
+
+def _unmanage_module(module: nn.Module) -> None:
+    base = getattr(type(module), "_gift_base_class", None)
+    if base is not None:
+        module.__class__ = base
+    for attr in ("_gift_layer", "_gift_group_name", "_gift_state"):
+        module.__dict__.pop(attr, None)
+
+
+def eligible_linears(model: Parts, config: GiftConfig, world: int, *, split_rows: bool,
+                     group: dist.ProcessGroup | None = None) -> Iterator[tuple[str, nn.Module]]:
+    """`(fqn of the weight, module)` of every linear GIFT manages in `model` (each of its parts).
+
+    Eligible: weights of `nn.Linear` (sub)class modules, 2-D, floating point, at least
+    `config.min_numel` elements, FQN not matched by `config.exclude`, and (`split_rows`, for
+    reduce-scatter paths) a row count divisible by the world size. Sizes are those of the
+    matrix one rank of the data-parallel `group` holds (`local_matrix_shape`: a tensor-parallel
+    rank's block). Ineligible weights that are big enough are logged with the reason: they
+    travel at full precision.
+    """
+    for fqn, module in (named for part in model_parts(model) for named in part.named_modules()):
+        if not isinstance(module, nn.Linear):
+            continue
+        w = module._parameters.get("weight")
+        name = f"{fqn}.weight" if fqn else "weight"
+        if w is None or w.dim() != 2 or config.is_excluded(name):
+            continue
+        rows, cols = local_matrix_shape(w, group)
+        if rows * cols < config.min_numel:
+            continue
+        if not w.is_floating_point():
+            logger.warning("GIFT: %s stays at full precision: dtype %s is not floating point", name, w.dtype)
+            continue
+        if split_rows and rows % world:
+            logger.warning("GIFT: %s stays at full precision: %d rows do not split over %d ranks", name, rows, world)
+            continue
+        yield name, module
+
+
+def manage(model: Parts, config: GiftConfig, group: dist.ProcessGroup | None, *, mode: str,
+           device: torch.device | str | None = None, split_rows: bool = False,
+           collective: str | None = None) -> GiftState:
+    """Register `model`'s eligible linear weights with a new `GiftState`; the one function
+    behind `apply` and the torchtitan adapter.
+
+    `mode`: "sync" (GIFT all-reduces the gradient itself, in the weight's backward), "tag"
+    (only the `gift::mark`: a traced framework collective is rewritten by the pass), or
+    "stats" (only the K-FAC statistics hook: a framework hook calls GIFT's collective).
+    `collective` ("all_reduce" / "reduce_scatter") is what the gradients go through; by
+    default "sync" all-reduces and the others reduce-scatter (DDP's hook all-reduces).
+    The state's tensors live on `device` (default: each weight's), which matters for
+    frameworks that parallelize on the meta device and materialize afterwards. With several
+    parts (the pipeline stages a rank holds) the one state spans all of them; `group` is then
+    the data-parallel group of those stages (never the pipeline group), so agreement,
+    statistics and selection run among the ranks that hold the same layers.
+    """
+    parts = model_parts(model)
+    if mode not in ("sync", "tag", "stats"):
+        raise ValueError(f"gift_compile.manage: mode={mode!r}; allowed: sync, tag, stats")
+    if any(getattr(part, "_gift_state", None) is not None for part in parts):
+        raise ValueError("gift_compile: GIFT is already applied to this model; call gift_compile.remove first")
+    if config.geometry == AUTO_GEOMETRY:
+        raise ValueError("gift_compile.manage: geometry='auto' is resolved from the optimizer before managing "
+                         "(gift_compile.apply(..., optimizer=) does it, or pass geometry_for(optimizer, weights))")
+    if collective is None:  # a framework hook that all-reduces (DDP) says so
+        collective = "all_reduce" if mode == "sync" else "reduce_scatter"
+    state = GiftState(config, group, collective=collective)
+    world = state.world()
+    group_name = group.group_name if mode == "sync" and world > 1 else None
+    handles: list[Any] = []
+    for name, module in eligible_linears(parts, config, world, split_rows=split_rows, group=group):
+        if name in state.layers:
+            raise ValueError(f"gift_compile.manage: {name} is in two model parts; the parts (pipeline stages) of "
+                             "one rank must hold disjoint layers under the whole model's names")
+        w = module._parameters["weight"]
+        layer = state.add_layer(name, local_matrix_shape(w, group), device if device is not None else w.device)
+        module._gift_layer = layer
+        state.modules[name] = module
+        if mode in ("sync", "tag"):
+            module._gift_state = state
+            module._gift_group_name = group_name
+            module.__class__ = _managed_class(type(module))
+        if layer.stats is not None:
+            handles.append(module.register_forward_pre_hook(observe_inputs))
+    state.handles.extend(handles)
+    state.grad_source = state.geometry.factor_source(state.weight, None, lambda: state.steps)
+    for part in parts:
+        part._gift_state = state
+    state.check_agreement()
+    return state

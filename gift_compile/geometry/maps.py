@@ -1,0 +1,381 @@
+"""The maps that need only the layer's own statistics or gradient: the identity (`Geometry`,
+the base class every geometry derives from), `Hadamard`, `Dense`, `LowRank` and `Gradient`,
+with the traced kernels they share (the block Walsh-Hadamard butterfly, the low-rank sum).
+
+They live apart from `gift_compile.geometry.table`, which holds the one name -> class table and
+re-exports every class, so that the table module stays small and the maps whose factor comes
+from the optimizer (`gift_compile.geometry.optimizer_maps`) can derive from these.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+from gift_compile.geometry.statistics import KFACStatistics, SketchStatistics
+from gift_compile.geometry.whitening import dense_whitening, gradient_factor, lowrank_whitening
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from gift_compile.config import GiftConfig
+
+__all__ = ["Dense", "FactorSource", "Geometry", "Gradient", "Hadamard", "LowRank", "Statistics"]
+
+Statistics = KFACStatistics | SketchStatistics
+# A layer's factor source for the gradient-side geometries: weight FQN -> tensor (or None: skip).
+FactorSource = Callable[[str], "torch.Tensor | None"]
+
+_MAX_HADAMARD_BLOCK = 1024
+
+
+def hadamard_block(d_in: int) -> int:
+    """Largest power of two dividing `d_in` (capped): the butterfly's block length."""
+    return min(d_in & -d_in, _MAX_HADAMARD_BLOCK)
+
+
+def _fwht(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Orthonormal Walsh-Hadamard transform over consecutive blocks of the last dim."""
+    shape = x.shape
+    y = x.reshape(-1, shape[-1] // block, block)
+    h = 1
+    while h < block:
+        y = y.reshape(y.shape[0], y.shape[1], block // (2 * h), 2, h)
+        a, b = y[..., 0, :], y[..., 1, :]
+        y = torch.stack((a + b, a - b), dim=-2)
+        h *= 2
+    return (y.reshape(shape) * (1.0 / math.sqrt(block)))
+
+
+# Eager (untraced) CPU calls expand the low-rank term over row blocks of about this many
+# elements (512 KiB of fp32), so each block's r multiply-adds run in cache rather than as r
+# full-size passes (measured fastest of 2^14..2^17 at a 1280 x 3456 gradient).
+EAGER_BLOCK_ELEMENTS = 1 << 17
+
+
+def _traced(t: torch.Tensor) -> bool:
+    """Whether `t` flows through a tracer (dynamo, or make_fx as in the FX pass) rather than
+    through eager kernels: traced code must stay one whole-tensor expression for Inductor."""
+    return torch.compiler.is_compiling() or is_fake(t) or get_proxy_mode() is not None
+
+
+def _low_rank_sum(p: torch.Tensor, c: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    """`sum_k (p[:, k] c[k]) basis[k]` for `p` `[rows, r]`, `basis` `[r, d_in]`, as a chain of
+    r multiply-adds in a fixed order.
+
+    Spelled elementwise on purpose: Inductor inlines the chain into the kernel that consumes
+    it (the scale amax and the quantizer on the send side, the output write on the receive
+    side), so the `[rows, d_in]` product of a rank-r matmul is never written to memory; the
+    short loop over r runs in registers. With fp-contract off (Inductor's CPU default), eager
+    kernels round every multiply and add exactly as the generated code does, so compiled and
+    eager results are bit-identical.
+    """
+    pc = p * c
+    acc = pc[:, :1] * basis[0]
+    for k in range(1, basis.shape[0]):
+        acc = acc + pc[:, k:k + 1] * basis[k]
+    return acc
+
+
+def _rows(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """`fn(x, p)` on `[rows, d_in]` / `[rows, r]`; eager CPU calls run it over row blocks (the
+    same elementwise arithmetic per element, hence the same bits, with a cache-sized working
+    set), traced calls and accelerators on the whole tensor."""
+    step = max(1, EAGER_BLOCK_ELEMENTS // max(1, x.shape[-1]))
+    if x.shape[0] <= step or x.device.type != "cpu" or _traced(x):
+        return fn(x, p)
+    return torch.cat([fn(x[i:i + step], p[i:i + step]) for i in range(0, x.shape[0], step)])
+
+
+class Geometry:
+    """The Euclidean geometry (`none`, map `identity`) and the interface of every geometry.
+
+    Class attributes are static facts about the geometry (they fix graphs and allocations);
+    an instance holds one layer's map tensors. Subclasses override what differs.
+    """
+
+    name: ClassVar[str] = "none"  # the GiftConfig.geometry value
+    kind: ClassVar[str] = "identity"  # the map a plan carries (shared by geometries with the same map)
+    is_identity: ClassVar[bool] = True  # no map at all: nothing to select, nothing to measure
+    adaptive: ClassVar[bool] = False  # whether a refresh rebuilds the map from statistics
+    uses_gradient_factor: ClassVar[bool] = False  # refreshed from a gradient-side factor (no input hooks)
+    needs_optimizer: ClassVar[bool] = False  # the factor lives in the optimizer's state
+    # the map's coordinates are the ones the optimizer's update sees, so the error measured
+    # there (`select_metric="whitened"`) is the error of the update itself
+    optimizer_coordinates: ClassVar[bool] = False
+
+    def __init__(self, d_in: int, rank: int = 32, *, seed: int = 0, device: torch.device | str = "cpu"):
+        self.d_in = d_in
+        self.rank = min(rank, d_in)
+        self.tensors: tuple[torch.Tensor, ...] = self._allocate(seed, dict(dtype=torch.float32, device=device))
+
+    def _allocate(self, seed: int, f32: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+        """The map's tensors at their final shapes (the identity map has none)."""
+        return ()
+
+    # ---- the traced map ------------------------------------------------------------------
+    @staticmethod
+    def apply_forward(g: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """`G T^T` for a gradient `g` of shape `[..., d_in]` (fp32)."""
+        return g
+
+    @staticmethod
+    def apply_inverse(gt: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """`G~ T^{-T}`: exact inverse of `apply_forward` (up to fp32 rounding)."""
+        return gt
+
+    def forward(self, g: torch.Tensor) -> torch.Tensor:
+        return self.apply_forward(g, self.tensors)
+
+    def inverse(self, gt: torch.Tensor) -> torch.Tensor:
+        return self.apply_inverse(gt, self.tensors)
+
+    # ---- selection switches --------------------------------------------------------------
+    @torch.no_grad()
+    def set_identity(self) -> None:
+        """Make the map the identity while keeping the graph (used to deselect a layer)."""
+
+    @torch.no_grad()
+    def activate(self) -> None:
+        """Undo `set_identity` for a fixed map (adaptive maps are rebuilt by `refresh_from`)."""
+
+    # ---- statistics and refresh ----------------------------------------------------------
+    @classmethod
+    def make_statistics(cls, config: GiftConfig, d_in: int, device: torch.device | str) -> Statistics | None:
+        """The input-statistics object the layer's forward hook feeds (None: no hook)."""
+        return None
+
+    @classmethod
+    def allocate_factor(cls, d_in: int, device: torch.device | str) -> torch.Tensor | None:
+        """The gradient-side factor kept between refreshes (None when the geometry has none)."""
+        return torch.zeros(d_in, d_in, device=device) if cls.uses_gradient_factor else None
+
+    @staticmethod
+    @torch.no_grad()
+    def reduce_factor(local: torch.Tensor, group: dist.ProcessGroup | None, sharded: bool) -> torch.Tensor:
+        """A refresh's gradient-side factor from the rank's (local shard of the) source tensor,
+        the same on every rank: here `R = G^T G / out`, summed over `group` when `sharded`."""
+        return gradient_factor(local, group, sharded=sharded)
+
+    @staticmethod
+    @torch.no_grad()
+    def fold_factor(kept: torch.Tensor, new: torch.Tensor, ema: float) -> None:
+        """Fold a refresh's gradient factor into the kept one: an EMA (the first one copied)."""
+        if float(kept.abs().sum()) == 0.0:
+            kept.copy_(new)
+        else:
+            kept.mul_(ema).add_(new, alpha=1 - ema)
+
+    @classmethod
+    def factor_source(cls, weights: Callable[[str], torch.Tensor], optimizer: Any | None,
+                      steps: Callable[[], int]) -> FactorSource:
+        """Where a refresh reads each layer's gradient-side tensor: the reduced `.grad` of its
+        weight (`weights(name)` is the weight parameter)."""
+        return lambda name: weights(name).grad
+
+    @torch.no_grad()
+    def refresh_from(self, a: torch.Tensor, damping: float) -> None:
+        """Recompute the whitening of the SPD factor `a` (`[d_in, d_in]`) in place (fixed maps:
+        nothing to do)."""
+
+    @torch.no_grad()
+    def refresh_from_stats(self, stats: Statistics, damping: float) -> None:
+        """Recompute the whitening in place from a layer's consolidated statistics object.
+
+        `KFACStatistics` hands over its dense factor (`refresh_from`); `SketchStatistics` holds
+        none, and only a map that can be built from a sketch accepts it.
+        """
+        if isinstance(stats, SketchStatistics):
+            self._refresh_from_sketch(stats, damping)
+        else:
+            self.refresh_from(stats.factor, damping)
+
+    def _refresh_from_sketch(self, stats: SketchStatistics, damping: float) -> None:
+        """Fixed maps have nothing to refresh from a sketch either."""
+
+    # ---- cost ----------------------------------------------------------------------------
+    @classmethod
+    def transform_flops(cls, rows: int, d_in: int, rank: int) -> float:
+        """FLOPs of forward plus inverse map of a `[rows, d_in]` gradient."""
+        return 0.0
+
+    @staticmethod
+    def rank_of(tensors: tuple[torch.Tensor, ...]) -> int:
+        """The rank a map's tensors were allocated with (0 for full-rank and fixed maps)."""
+        return 0
+
+    def memory_bytes(self) -> int:
+        """Bytes of the map's tensors."""
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    # ---- checkpointing -------------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {f"t{i}": t for i, t in enumerate(self.tensors)}
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        for i, t in enumerate(self.tensors):
+            t.copy_(sd[f"t{i}"])
+
+
+class Hadamard(Geometry):
+    """Random signs, then an orthonormal block Walsh-Hadamard butterfly: fixed, always on
+    while selected; the 0-d `gate` switches it off by data."""
+
+    name, kind, is_identity = "hadamard", "hadamard", False
+
+    def _allocate(self, seed: int, f32: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+        gen = torch.Generator().manual_seed(seed)
+        signs = torch.randint(0, 2, (self.d_in,), generator=gen).float() * 2 - 1
+        return (signs.to(**f32), torch.ones((), **f32))
+
+    @staticmethod
+    def apply_forward(g: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        signs, gate = tensors
+        return torch.where(gate > 0, _fwht(g * signs, hadamard_block(g.shape[-1])), g)
+
+    @staticmethod
+    def apply_inverse(gt: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        signs, gate = tensors
+        return torch.where(gate > 0, _fwht(gt, hadamard_block(gt.shape[-1])) * signs, gt)
+
+    @torch.no_grad()
+    def set_identity(self) -> None:
+        self.tensors[1].zero_()
+
+    @torch.no_grad()
+    def activate(self) -> None:
+        self.tensors[1].fill_(1.0)
+
+    @classmethod
+    def transform_flops(cls, rows: int, d_in: int, rank: int) -> float:
+        block = d_in & -d_in
+        return 2 * rows * d_in * max(1, block.bit_length() - 1)
+
+
+class Dense(Geometry):
+    """Dense K-FAC whitening `T = L^{-1}` from the exact input factor (input hooks)."""
+
+    name, kind, is_identity, adaptive = "dense", "dense", False, True
+
+    def _allocate(self, seed: int, f32: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+        eye = torch.eye(self.d_in, **f32)
+        return (eye, eye.clone())
+
+    @staticmethod
+    def apply_forward(g: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        tt, _ = tensors
+        return g @ tt
+
+    @staticmethod
+    def apply_inverse(gt: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        _, tinv = tensors
+        return gt @ tinv
+
+    @torch.no_grad()
+    def set_identity(self) -> None:
+        for t in self.tensors:
+            t.copy_(torch.eye(self.d_in))
+
+    @classmethod
+    def make_statistics(cls, config: GiftConfig, d_in: int, device: torch.device | str) -> Statistics | None:
+        return KFACStatistics(d_in, ema=config.ema, max_tokens=config.stats_tokens, device=device)
+
+    @torch.no_grad()
+    def refresh_from(self, a: torch.Tensor, damping: float) -> None:
+        tt, tinv = dense_whitening(a, damping)
+        self.tensors[0].copy_(tt)
+        self.tensors[1].copy_(tinv)
+
+    def _refresh_from_sketch(self, stats: SketchStatistics, damping: float) -> None:
+        raise ValueError("a dense transform needs the exact factor (KFACStatistics), not a SketchStatistics")
+
+    @classmethod
+    def transform_flops(cls, rows: int, d_in: int, rank: int) -> float:
+        return 2 * 2.0 * rows * d_in * d_in
+
+
+class LowRank(Geometry):
+    """Rank-r K-FAC whitening from the input factor (input hooks; sketched by default)."""
+
+    name, kind, is_identity, adaptive = "lowrank", "lowrank", False, True
+
+    def _allocate(self, seed: int, f32: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+        d_in, r = self.d_in, self.rank
+        return (torch.ones(d_in, **f32), torch.zeros(d_in, r, **f32), torch.zeros(r, **f32), torch.zeros(r, **f32),
+                torch.ones(d_in, **f32))
+
+    @staticmethod
+    def apply_forward(g: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """`G D^{-1/2} M = G D^{-1/2} + (G U) C V^T` with `U = D^{-1/2} V` and
+        `C = (I+S^2)^{-1/2} - I`. The projection `P = G U` is one skinny matmul (it reads `G`
+        once and writes `[rows, r]`); the expansion uses `V^T = U^T D^{1/2}` so that the matmul's
+        operand `U^T` (which Inductor materialises contiguously, `[r, d_in]`) is also the
+        expansion's basis, read as contiguous rows: `G D^{-1/2} + (sum_k P_k C_k U^T_k) D^{1/2}`.
+        """
+        dinv, v, cf, _, dsq = tensors
+        g2 = g.reshape(-1, g.shape[-1])
+        ut = (v * dinv.unsqueeze(1)).t().contiguous()
+        p = torch.mm(g2, ut.t())
+        out = _rows(lambda x, pb: x * dinv + _low_rank_sum(pb, cf, ut) * dsq, g2, p)
+        return out.reshape(g.shape)
+
+    @staticmethod
+    def apply_inverse(gt: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """`G~ M^{-1} D^{1/2} = (G~ + (G~ V) C' V^T) D^{1/2}`, `C' = (I+S^2)^{1/2} - I`;
+        the matmul's operand `V^T` (materialised `[r, d_in]`) is the expansion's basis."""
+        _, v, _, ci, dsq = tensors
+        g2 = gt.reshape(-1, gt.shape[-1])
+        vt = v.t().contiguous()
+        p = torch.mm(g2, vt.t())
+        out = _rows(lambda x, pb: (x + _low_rank_sum(pb, ci, vt)) * dsq, g2, p)
+        return out.reshape(gt.shape)
+
+    @torch.no_grad()
+    def set_identity(self) -> None:
+        dinv, v, cf, ci, dsq = self.tensors
+        dinv.fill_(1.0), v.zero_(), cf.zero_(), ci.zero_(), dsq.fill_(1.0)
+
+    @classmethod
+    def make_statistics(cls, config: GiftConfig, d_in: int, device: torch.device | str) -> Statistics | None:
+        """A sketch (unless configured dense, or the layer is too narrow for the sketch to be
+        smaller), else the exact factor."""
+        cols = config.sketch_cols or 2 * config.rank
+        if config.statistics == "sketch" and 2 * d_in > 3 * cols:
+            return SketchStatistics(d_in, rank=config.rank, sketch_cols=cols, ema=config.ema,
+                                    max_tokens=config.stats_tokens, seed=config.seed, device=device)
+        return KFACStatistics(d_in, ema=config.ema, max_tokens=config.stats_tokens, device=device)
+
+    @torch.no_grad()
+    def refresh_from(self, a: torch.Tensor, damping: float) -> None:
+        for dst, src in zip(self.tensors, lowrank_whitening(a, self.rank, damping)):
+            dst.copy_(src)
+
+    def _refresh_from_sketch(self, stats: SketchStatistics, damping: float) -> None:
+        for dst, src in zip(self.tensors, stats.whitening(self.rank, damping)):
+            dst.copy_(src)
+
+    @classmethod
+    def transform_flops(cls, rows: int, d_in: int, rank: int) -> float:
+        return 2 * (4.0 * rows * d_in * rank + 2.0 * rows * d_in)
+
+    @staticmethod
+    def rank_of(tensors: tuple[torch.Tensor, ...]) -> int:
+        return tensors[1].shape[1]
+
+
+class Gradient(LowRank):
+    """Rank-r whitening of the gradient-side factor `R = G^T G / out` of the reduced gradient,
+    folded into an EMA over refreshes (no input hooks)."""
+
+    name = "gradient"
+    uses_gradient_factor = True
+
+    @classmethod
+    def make_statistics(cls, config: GiftConfig, d_in: int, device: torch.device | str) -> Statistics | None:
+        return None

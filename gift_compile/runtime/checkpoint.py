@@ -1,0 +1,151 @@
+"""Checkpointing of a `GiftState`: `state_dict` / `load_state_dict` (torch.distributed.checkpoint's
+Stateful), with validation and the conversions a changed config allows.
+
+`GiftState` inherits it; the fields it reads are `GiftState`'s.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from gift_compile.codec import residual as residual_store
+from gift_compile.config import GiftConfig
+
+if TYPE_CHECKING:
+    from gift_compile.runtime.layer import LayerState
+
+__all__ = ["Checkpointing", "STATE_VERSION"]
+
+logger = logging.getLogger("gift_compile")
+
+STATE_VERSION = 2
+# (config flag, state-dict prefix) of each error-feedback residual a layer may keep
+_RESIDUALS = (("error_feedback", "residual"), ("second_hop_error_feedback", "second_hop_residual"))
+
+
+class Checkpointing:
+    """Saving and loading a `GiftState` (a mixin: no fields of its own)."""
+
+    __slots__ = ()
+    config: GiftConfig
+    layers: dict[str, LayerState]
+    seed: torch.Tensor
+    steps: int
+    _sharing_checked: bool
+
+
+
+    # ---- checkpointing -----------------------------------------------------------------
+    def _meta(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION,
+            "config": self.config.to_dict(),
+            "sharing_checked": self._sharing_checked,
+            "shared": {l.fqn: [f.fqn for f in l.followers] for l in self.layers.values() if l.followers},
+            "layers": {n: {"shape": list(l.shape), "kind": l.kind, "rank": l.transform.rank,
+                           "error_feedback": l.residual is not None,
+                           "second_hop_error_feedback": l.second_hop_residual is not None,
+                           "residual_format": self.config.residual_format if l.residual_buffers() else None}
+                       for n, l in self.layers.items()},
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """A snapshot (detached copies): loaders such as DCP write into the tensors they are
+        given before `load_state_dict` validates them, which must not touch the live state."""
+        sd: dict[str, Any] = {"meta": json.dumps(self._meta(), sort_keys=True), "seed": self.seed.detach().clone(),
+                              "steps": torch.tensor(self.steps)}
+        for name, layer in self.layers.items():
+            sd.update({f"{name}.{k}": v.detach().clone() for k, v in layer.state_dict().items()})
+        return sd
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Load a checkpoint after validating it against this state; raises ValueError naming
+        the layer and key that do not fit, before anything is modified.
+
+        Accepted with a logged conversion: a different wire format, refresh cadence, EMA,
+        damping or selection rule (the saved geometry stays valid), and turning error feedback
+        on (residuals start at zero). Refused: other layers, shapes, geometry kind or rank,
+        turning error feedback off with saved residuals, and non-finite tensors.
+        """
+        if "meta" not in sd:
+            raise ValueError("GIFT checkpoint has no 'meta' entry: it was not written by this version of GiftState")
+        meta = json.loads(sd["meta"]) if isinstance(sd["meta"], str) else sd["meta"]
+        mine = self._meta()
+        if meta.get("version") != STATE_VERSION:
+            raise ValueError(f"GIFT checkpoint version {meta.get('version')} != {STATE_VERSION}")
+        saved_layers, my_layers = meta["layers"], mine["layers"]
+        missing, extra = sorted(set(my_layers) - set(saved_layers)), sorted(set(saved_layers) - set(my_layers))
+        if missing or extra:
+            raise ValueError(f"GIFT checkpoint layers differ: missing {missing}, unexpected {extra}")
+        converted = []
+        for name, want in my_layers.items():
+            got = saved_layers[name]
+            for key in ("shape", "kind", "rank"):
+                if got[key] != want[key]:
+                    raise ValueError(f"GIFT checkpoint: layer {name}: {key} {got[key]} != expected {want[key]}")
+            for flag, prefix in _RESIDUALS:
+                had, has = bool(got.get(flag, False)), bool(want[flag])  # older checkpoints: no second hop
+                if had and not has:
+                    raise ValueError(f"GIFT checkpoint: layer {name} has a {prefix} but {flag} is off now; its "
+                                     "accumulated error would be lost")
+                if has and not had:
+                    converted.append(f"{name}: {prefix} starts at zero ({flag} newly on)")
+        recoded: dict[tuple[str, str], torch.Tensor] = {}  # residuals saved in another format, as fp32
+        for name, layer in self.layers.items():
+            got, want = saved_layers[name], my_layers[name]
+            for flag, prefix in _RESIDUALS:
+                if not (got.get(flag, False) and want[flag]) or got["residual_format"] == want["residual_format"]:
+                    continue
+                n = residual_store.buffer_count(got["residual_format"])
+                bufs = tuple(torch.as_tensor(sd.get(f"{name}.{prefix}.{i}", torch.empty(0))) for i in range(n))
+                try:
+                    value = residual_store.read(got["residual_format"], bufs, layer.shape[1])
+                except (RuntimeError, ValueError) as e:
+                    raise ValueError(f"GIFT checkpoint: layer {name}: unreadable {got['residual_format']} {prefix}: {e}")
+                recoded[(name, prefix)] = value
+                converted.append(f"{name}: {prefix} re-stored from {got['residual_format']} to {want['residual_format']}")
+        plan: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for name, layer in self.layers.items():
+            for key, dst in layer.state_dict().items():
+                full = f"{name}.{key}"
+                prefix = key.rsplit(".", 1)[0]
+                flag = dict((p, f) for f, p in _RESIDUALS).get(prefix)
+                if flag is not None and ((name, prefix) in recoded or not saved_layers[name].get(flag, False)):
+                    continue
+                if full not in sd:
+                    raise ValueError(f"GIFT checkpoint: layer {name}: key {key!r} is missing")
+                src = torch.as_tensor(sd[full])
+                if src.shape != dst.shape:
+                    raise ValueError(f"GIFT checkpoint: layer {name}: key {key!r} has shape {tuple(src.shape)}, "
+                                     f"expected {tuple(dst.shape)}")
+                if src.is_floating_point() and not bool(torch.isfinite(src).all()):
+                    raise ValueError(f"GIFT checkpoint: layer {name}: key {key!r} holds NaN/Inf values")
+                if key not in ("selected", "decided", "boundary_score"):
+                    plan.append((dst, src))
+        unknown = sorted(k for k in sd if k not in ("meta", "seed", "steps")
+                         and not any(k.startswith(f"{n}.") for n in self.layers))
+        if unknown:
+            raise ValueError(f"GIFT checkpoint has unexpected keys {unknown[:5]}")
+        for dst, src in plan:
+            dst.copy_(src)
+        for (name, prefix), value in recoded.items():
+            residual_store.write(self.config.residual_format, self.layers[name].residual_buffers()[prefix], value)
+        for leader, followers in meta.get("shared", {}).items():
+            if not self.layers[leader].followers:
+                self.share_statistics([leader, *followers])
+        self._sharing_checked = bool(meta.get("sharing_checked", False))
+        for name, layer in self.layers.items():
+            self.set_selected(layer, bool(sd[f"{name}.selected"]), decided=bool(sd[f"{name}.decided"]))
+            layer.boundary_score = float(sd[f"{name}.boundary_score"])
+        self.seed.copy_(torch.as_tensor(sd["seed"]))
+        self.steps = int(sd["steps"])
+        changed = {k: (meta["config"].get(k), v) for k, v in mine["config"].items() if meta["config"].get(k) != v}
+        if changed:
+            converted.append(f"config changed since the checkpoint: {changed}")
+        for line in converted:
+            logger.warning("GIFT checkpoint loaded with a conversion: %s", line)

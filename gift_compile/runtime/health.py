@@ -1,0 +1,132 @@
+"""The checks that run when a backward's collectives have completed, whatever drives the step.
+
+Every GIFT collective writes, into the state's counters, whether any rank's gradient was
+non-finite and whether any rank's plan differed (the headers all ranks exchanged). At the end
+of each backward that ran GIFT's collectives (the autograd engine's final callback, queued by
+`queue_backward_check` from the collective's hook or from a managed weight's gradient
+accumulation) `end_of_backward` reads them (`GiftState.check_health`: the same error on every
+rank, in the same backward) and runs the replica check below. So `apply` without
+`optimizer=` is as safe as with it: neither the optimizer hook nor `gift_compile.step` is
+needed for a fault to raise before the optimizer changes anything. A state that never
+advances (no `optimizer=`, no `gift_compile.step`) is warned about once.
+
+Replica check of GIFT's own sync: a managed weight whose gradient bypassed the collective.
+
+On a plain module GIFT synchronises a managed weight in the backward of the identity its
+layer's forward routes the weight through. Code that reads the weight directly
+(`F.linear(h, self.fc2.weight, self.fc2.bias)` in a custom block, a tied or wrapped weight)
+puts a gradient into `.grad` that no collective saw, and the replicas drift apart without an
+error. After a correct sync every rank holds bit-identical gradients (every rank decodes the
+same bytes), so GIFT checks exactly that at the end of each synchronising backward: a 64-bit checksum of each
+managed weight's gradient bits, summed into one small table over the group, compared on every
+rank. A difference raises `GiftReplicaError` on every rank, naming the weights and ranks,
+before the optimizer changes anything (and before `zero_grad` could hide it). The fix is to call the module (`self.fc2(h)`), or to
+take the weight off GIFT's path with `GiftConfig(exclude=("*fc2*",))`: unmanaged parameters
+are synchronised by `gift_compile.frameworks.plain_sync`, which hooks the parameter itself and so sees
+every use of it.
+
+DDP and FSDP2 synchronise the whole `.grad` of every parameter themselves, and SimpleFSDP
+models read the weight through GIFT's property, so the check applies to GIFT's own sync only.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from gift_compile.exchange.mark import SYNC
+from gift_compile.runtime.state import GiftState
+from gift_compile.sync import all_reduce_, group_rank
+
+__all__ = ["GiftReplicaError", "check_replicas", "end_of_backward", "grad_checksum", "queue_backward_check"]
+
+logger = logging.getLogger("gift_compile")
+
+
+class GiftReplicaError(RuntimeError):
+    """Raised on every rank when managed weights' gradients differ between replicas."""
+
+
+def grad_checksum(grad: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """`[present, sum of the bit patterns]` (int64, on `device`) of a gradient; `[0, 0]` for
+    None. Integer sums are exact and order-independent, so equal gradients give equal sums."""
+    if grad is None:
+        return torch.zeros(2, dtype=torch.int64, device=device)
+    bits = {4: torch.int32, 2: torch.int16}[grad.element_size()]
+    total = grad.detach().contiguous().view(bits).sum(dtype=torch.int64).to(device)
+    return torch.stack([torch.ones((), dtype=torch.int64, device=device), total])
+
+
+def synced_layers(state: GiftState) -> list[str]:
+    """The managed weights GIFT synchronises itself (in their layer's backward)."""
+    return [n for n, m in state.modules.items() if getattr(m, "_gift_group_name", None) is not None]
+
+
+@torch.no_grad()
+def check_replicas(state: GiftState) -> None:
+    """Raise `GiftReplicaError` on every rank unless every rank holds bit-identical
+    gradients for each managed weight of GIFT's own sync (one small all-reduce)."""
+    names = synced_layers(state)
+    world = state.world()
+    if not names or world <= 1:
+        return
+    device = state.counters.device  # where the group's collectives run
+    mine = torch.stack([grad_checksum(state.modules[n]._parameters["weight"].grad, device) for n in names])
+    table = torch.zeros(world, *mine.shape, dtype=torch.int64, device=device)
+    table[group_rank(state.group)] = mine
+    table = all_reduce_(table, state.group).cpu()
+    differ = [(n, [r for r in range(world) if not torch.equal(table[r, i], table[0, i])])
+              for i, n in enumerate(names) if not (table[:, i] == table[0, i]).all()]
+    if differ:
+        listed = "; ".join(f"{n} (rank(s) {ranks} differ from rank 0)" for n, ranks in differ)
+        raise GiftReplicaError(
+            f"GIFT: the gradients of {len(differ)} managed weight(s) differ between replicas before the optimizer "
+            f"step: {listed}. Their gradient reached .grad without GIFT's sync: the weight is read directly "
+            "(e.g. F.linear(x, module.weight)) instead of by calling its module. Call the module, or exclude the "
+            "weight from GIFT (GiftConfig(exclude=...)) so it is synchronised at full precision."
+        )
+
+
+def queue_backward_check(state: GiftState) -> None:
+    """Run `end_of_backward(state)` once when the running backward completes (called by every
+    hook through which a backward reaches GIFT's collectives; later calls in the same backward
+    are no-ops). Outside a backward (a collective called directly) the checks run now."""
+    watch = state.backward_watch
+    if watch.queued or not state.active:
+        return
+    if torch._C._current_graph_task_id() == -1:
+        end_of_backward(state)
+        return
+    watch.queued = True
+    torch.autograd.Variable._execution_engine.queue_callback(lambda: end_of_backward(state))
+
+
+def end_of_backward(state: GiftState) -> None:
+    """The checks of a completed backward, after the end-of-backward collectives queued in
+    `BackwardWatch.flushes`: the health counters (a non-finite gradient or a
+    plan mismatch on any rank raises on every rank), the replica check of GIFT's own sync
+    (skipped while `no_sync` accumulates local gradients on purpose), and a warning, once,
+    when the state has not advanced for more than a refresh interval of optimizer steps."""
+    watch = state.backward_watch
+    watch.queued = False
+    flushes, watch.flushes = watch.flushes, []
+    for flush in flushes:
+        flush()
+    syncing = state.sync_mode == SYNC
+    # an optimizer step changes the managed weights in place (their version counters): one
+    # between two backward passes that `GiftState.step` did not follow is a step the state
+    # missed (micro-batches and pipeline stages of one step change no weight)
+    versions = sum(state.weight(name)._version for name in state.modules)
+    if watch.versions is not None and versions != watch.versions:
+        watch.since_step += 1
+    watch.versions = versions
+    if watch.since_step > state.config.refresh_every and not watch.warned:
+        watch.warned = True
+        logger.warning(
+            "GIFT: %d optimizer steps and the GIFT state has not advanced: its geometry never "
+            "refreshes and stochastic-rounding seeds repeat. Pass optimizer= to gift_compile.apply, or call "
+            "gift_compile.step(model) after every optimizer step.", watch.since_step)
+    state.check_health()
+    if syncing:
+        check_replicas(state)

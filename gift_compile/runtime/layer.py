@@ -1,0 +1,149 @@
+"""`LayerState`: what GIFT keeps for one managed weight.
+
+Its own module, below `GiftState`'s (`gift_compile.runtime.state`), because the refresh engine,
+checkpointing and telemetry that `GiftState` inherits read layers too: importing the layer from
+here keeps every one of them below `state` (no import cycle, TYPE_CHECKING included).
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import replace
+
+import torch
+
+from gift_compile.codec import residual as residual_store
+from gift_compile.config import GiftConfig
+from gift_compile.exchange.collectives import ItemTensors, Shared
+from gift_compile.exchange.plan import ItemPlan
+from gift_compile.geometry.table import IDENTITY_KIND, Geometry
+from gift_compile.runtime.selection import LayerMeasurement
+
+__all__ = ["PROBE_ROWS", "LayerState"]
+
+PROBE_ROWS = 128
+
+
+class LayerState:
+    """What GIFT keeps for one managed weight `[out, in]`.
+
+    `plan` is the static description the `gift::mark` op carries into graphs; the transform
+    tensors, `residual`, `second_hop_residual` and `probe` are the layer's runtime tensors;
+    `stats` is fed by the layer's forward pre-hook. `world` sizes the second-hop residual:
+    this rank's shard of the all-reduce, `ceil(out / world)` rows.
+    """
+
+    def __init__(self, fqn: str, shape: tuple[int, int], config: GiftConfig, geometry: type[Geometry],
+                 device: torch.device | str, world: int = 1):
+        self.fqn = fqn
+        self.shape = (int(shape[0]), int(shape[1]))
+        self.config = config
+        out, d_in = self.shape
+        stable = zlib.crc32(fqn.encode()) & 0x7FFFFFFF
+        self.transform = geometry(d_in, config.rank, seed=config.seed + stable, device=device)
+        self.stats = geometry.make_statistics(config, d_in, device)
+        # Statistics shared with other layers that read the same input (q/k/v, gate/up):
+        # a follower reads its leader's statistics and feeds none itself.
+        self.leader: LayerState | None = None
+        self.followers: list[LayerState] = []
+        self.grad_factor: torch.Tensor | None = geometry.allocate_factor(d_in, device)
+        self.residual = (residual_store.allocate(config.residual_format, out, d_in, device)
+                         if config.error_feedback else None)
+        self.second_hop_residual = (residual_store.allocate(config.residual_format, -(-out // world), d_in, device)
+                                    if config.second_hop_error_feedback else None)
+        self.probe = torch.zeros(min(out, PROBE_ROWS), d_in, device=device)
+        self._full_plan = ItemPlan.managed_layer(fqn, self.shape, config, geometry.kind, len(self.transform.tensors))
+        self.seed_offset = torch.tensor(self._full_plan.seed_offset, dtype=torch.int64, device=device)
+        # GIFT's own sync: "sync", "accumulate" (inside `gift_compile.no_sync`) or
+        # "sync_pending" (the next backward sends gradient + `pending`, allocated on first use).
+        self.mode = "sync"
+        self.pending: torch.Tensor | None = None
+        # Selection is structure: a layer takes the transformed path (`selected`) or runs the
+        # Euclidean codec with no transform at all; `decided` ends the statistics of a
+        # deselected layer (see GiftConfig.reselect_every).
+        self.selected = False
+        self.decided = False
+        self.measurement: LayerMeasurement | None = None
+        self.boundary_score = 0.0
+        # `collect_stats` as a tensor (bool, 0-d), what a traced forward's statistics hook
+        # reads (`routing.observe_inputs`): a Python flag there is a guard, one compilation
+        # per pattern of selected layers, per block of a per-block compiled model.
+        self.stats_gate = torch.zeros((), dtype=torch.bool, device=device)
+        self.transform.activate()  # a fixed rotation is always on; adaptive maps start as the identity
+        self._replan()
+
+    @property
+    def kind(self) -> str:
+        """The transform kind GIFT builds for this layer (used when it is selected)."""
+        return self.transform.kind
+
+    @property
+    def active_kind(self) -> str:
+        """The kind the collectives run now: the layer's, or the identity when not selected."""
+        return self.transform.kind if self.selected else IDENTITY_KIND
+
+    @property
+    def needs_stats(self) -> bool:
+        """Whether this layer's geometry must stay current: selected, or selection still open."""
+        return self.stats is not None and (self.selected or not self.decided or self.config.reselect_every > 0)
+
+    @property
+    def collect_stats(self) -> bool:
+        """Whether this layer's forward feeds statistics: it or a follower needs them, and it
+        is not itself a follower."""
+        return self.leader is None and (self.needs_stats or any(f.needs_stats for f in self.followers))
+
+    def _replan(self) -> None:
+        """The static plan of the active path (graphs carry it; a change is a recompile)."""
+        n = len(self.transform.tensors) if self.selected else 0
+        self.plan = replace(self._full_plan, kind=self.active_kind, n_tensors=n)
+        self.plan_str = self.plan.to_str()  # precomputed: the forward passes it to traced code
+        self.sync_stats_gate()
+
+    def sync_stats_gate(self) -> None:
+        """Set `stats_gate` to `collect_stats` (in place; called whenever that can change)."""
+        self.stats_gate.fill_(self.collect_stats)
+
+    def active_tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.transform.tensors if self.selected else ()
+
+    def tensors(self) -> ItemTensors:
+        """Runtime tensors for `gift_compile.exchange.collectives`."""
+        return ItemTensors(self.active_tensors(), self.residual, self.probe, self.seed_offset,
+                           self.second_hop_residual)
+
+    def residual_buffers(self) -> dict[str, tuple[torch.Tensor, ...]]:
+        """The error-feedback residuals this layer keeps, by state-dict prefix (first hop:
+        `residual`, the all-reduce's second hop: `second_hop_residual`)."""
+        return {k: v for k, v in (("residual", self.residual), ("second_hop_residual", self.second_hop_residual))
+                if v is not None}
+
+    def mark_tensors(self, shared: Shared, replica: Shared | None = None) -> list[torch.Tensor]:
+        """Inputs of the `gift::mark` op, in the order `unpack_mark_tensors` reads them; with a
+        graph replica hop (`plan.replica_format`) also its rank and counters (`replica`)."""
+        extra = [t for bufs in self.residual_buffers().values() for t in bufs]
+        out = [*self.active_tensors(), *extra, self.probe, self.seed_offset, shared.seed, shared.rank, shared.counters]
+        if self.plan.replica_format:
+            if replica is None:
+                raise RuntimeError(f"GIFT: {self.fqn} has a replica hop in its plan but no replica tensors were given")
+            out += [replica.rank, replica.counters]
+        return out
+
+    def set_replica_format(self, fmt: str) -> None:
+        """Put HSDP's replica hop into the plan the mark carries (before any graph is traced)."""
+        self._full_plan = replace(self._full_plan, replica_format=fmt)
+        self._replan()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        sd = {f"transform.{k}": v for k, v in self.transform.state_dict().items()}
+        if self.stats is not None:
+            sd.update({f"stats.{k}": v for k, v in self.stats.state_dict().items()})
+        if self.grad_factor is not None:
+            sd["grad_factor"] = self.grad_factor
+        for prefix, bufs in self.residual_buffers().items():
+            sd.update({f"{prefix}.{i}": t for i, t in enumerate(bufs)})
+        sd["probe"] = self.probe
+        sd["selected"] = torch.tensor(self.selected)
+        sd["decided"] = torch.tensor(self.decided)
+        sd["boundary_score"] = torch.tensor(self.boundary_score)
+        return sd

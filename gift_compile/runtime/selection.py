@@ -1,0 +1,157 @@
+"""Which managed layers take the transformed (GIFT) path, decided from measurements.
+
+The gain of whitening depends on the layer and on the scaling granularity (on a small
+Llama's real gradients, rank-32 whitening under E5M2 ranged from 0.89x to 1.93x the
+Euclidean error per layer), so the default policy measures it: at a geometry refresh it
+quantizes a sample of the layer's real, not yet quantized local gradient both ways (error in
+plain L2, or with `select_metric="whitened"` in the layer's whitened geometry, the one a
+preconditioned optimizer amplifies), and enables the transform only where the error drops
+by at least `auto_min_gain` and the transform's FLOPs stay below `auto_max_overhead` of the
+layer's backward FLOPs. The decision is part of the compiled graph (`GiftState.set_selected`),
+taken at the first refresh and again every `reselect_every` refreshes. Between decisions the
+selected layers are still measured at every refresh, and one whose transformed path has become
+worse than the Euclidean one (gain below 1, by the same metric) is deselected there
+(`harmful`): statistics mature after the first decision, and a map that hurts must not be kept
+until the next full decision (or forever, with `reselect_every=0`). Admission needs
+`auto_min_gain`, removal a gain below 1: the gap keeps a layer near the boundary from flipping
+at every refresh. The paper's offline rule (top-K by E5M2 saturation share) and explicit globs
+are also available.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass
+
+import torch
+
+from gift_compile.codec import FormatSpec, as_rows, choose_scales, encode
+from gift_compile.config import GiftConfig
+from gift_compile.exchange.collectives import ItemTensors, Shared, bucket_core
+from gift_compile.exchange.plan import BucketPlan, ItemPlan
+from gift_compile.geometry.table import IDENTITY_KIND, Geometry, map_class
+
+_E5M2_MAX_CODE = 0x7B  # 0 11110 11: 57344, the largest finite E5M2 magnitude
+
+
+@dataclass
+class LayerMeasurement:
+    """Relative errors of one round trip on a gradient sample, Euclidean path vs transformed
+    path, in the metric of `GiftConfig.select_metric`."""
+
+    err_euclidean: float
+    err_transformed: float
+    overhead: float
+    boundary_hits: float
+
+    @property
+    def gain(self) -> float:
+        return self.err_euclidean / max(self.err_transformed, 1e-30)
+
+    @property
+    def finite(self) -> bool:
+        """Whether both errors were measured (`measure` returns NaN for a zero or non-finite
+        probe: a gradient that was never captured, is all zeros, or overflowed)."""
+        return math.isfinite(self.err_euclidean) and math.isfinite(self.err_transformed)
+
+
+def round_trip(g: torch.Tensor, spec: FormatSpec, kind: str, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Transform, quantize, dequantize, inverse on one rank: the collective with no peers."""
+    rows, cols = g.shape
+    item = ItemPlan(name="probe", rows=rows, cols=cols, format=spec.name, scaling=spec.scaling,
+                    block_size=spec.block_size, kind=kind, n_tensors=len(tensors))
+    plan = BucketPlan((item,), 1, None, False, "all_reduce")
+    return bucket_core([g.float()], [ItemTensors(tuple(tensors))], Shared(), plan)[0][0]
+
+
+def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    return float((approx - exact).norm() / exact.norm().clamp(min=1e-30))
+
+
+def boundary_hit_ratio(g: torch.Tensor) -> float:
+    """Share of E5M2 per-tensor codes that land on the format maximum (the paper's statistic)."""
+    spec = FormatSpec("fp8_e5m2", "tensor")
+    scales, _ = choose_scales(g, spec)
+    codes = encode(g, spec, scales) & 0x7F
+    return float((codes == _E5M2_MAX_CODE).float().mean())
+
+
+def transform_flops(kind: str, rows: int, d_in: int, rank: int) -> float:
+    """FLOPs of forward plus inverse transform of a `[rows, d_in]` gradient (the map's own
+    `transform_flops`)."""
+    return map_class(kind).transform_flops(rows, d_in, rank)
+
+
+def backward_flops(rows: int, d_in: int, tokens: float) -> float:
+    """Weight- plus input-gradient matmuls of a linear layer: 2 * (2 * tokens * out * in)."""
+    return 4.0 * max(tokens, 1.0) * rows * d_in
+
+
+def measure(
+    sample: torch.Tensor, config: GiftConfig, kind: str, tensors: tuple[torch.Tensor, ...], shape: tuple[int, int], tokens: float
+) -> LayerMeasurement:
+    spec = FormatSpec(config.format, config.scaling, config.block_size)
+    g = as_rows(sample).float()
+    if not bool(torch.isfinite(g).all()) or float(g.norm()) == 0.0:
+        return LayerMeasurement(float("nan"), float("nan"), 0.0, 0.0)
+    geometry = map_class(kind)
+    euclidean, transformed = round_trip(g, spec, IDENTITY_KIND, ()), round_trip(g, spec, kind, tensors)
+    if config.select_metric == "whitened":  # both errors seen in the candidate's geometry
+        g, euclidean, transformed = (geometry.apply_forward(t, tensors) for t in (g, euclidean, transformed))
+    e_euc, e_t = relative_error(euclidean, g), relative_error(transformed, g)
+    over = geometry.transform_flops(shape[0], shape[1], geometry.rank_of(tensors)) / backward_flops(
+        shape[0], shape[1], tokens
+    )
+    return LayerMeasurement(e_euc, e_t, over, boundary_hit_ratio(g))
+
+
+def rests_on_gain(config: GiftConfig) -> bool:
+    """Whether `config.select` decides by the measured gain (`"auto"`); the static rules and
+    the boundary-hits rank do not read it."""
+    return config.select == "auto" and config.boundary_hits_k is None
+
+
+def _require_finite(config: GiftConfig, measurements: dict[str, LayerMeasurement], caller: str) -> None:
+    """Raise when the gain rule would read an unmeasured (NaN) gain: such a layer must be
+    left out by the caller (the refresh defers it), never kept or dropped by a comparison."""
+    bad = sorted(n for n, m in measurements.items() if not m.finite)
+    if bad and rests_on_gain(config):
+        raise ValueError(f"gift_compile.runtime.selection.{caller}: no finite measurement for {', '.join(bad)} "
+                         "(zero or non-finite gradient probe); leave unmeasured layers out of the decision")
+
+
+def decide(config: GiftConfig, geometry: type[Geometry], measurements: dict[str, LayerMeasurement],
+           boundary_scores: dict[str, float]) -> set[str]:
+    """The set of layer FQNs that take the transformed path under `config.select` and the
+    layers' `geometry` (its class, as the `GiftState` holds it; the gain rule refuses
+    unmeasured layers, see `_require_finite`)."""
+    _require_finite(config, measurements, "decide")
+    select = config.select
+    names = list(measurements)
+    if geometry.is_identity or select == "none":
+        return set()
+    if select == "all":
+        return set(names)
+    if isinstance(select, tuple):
+        return {n for n in names if any(fnmatch.fnmatch(n, pat) for pat in select)}
+    k = config.boundary_hits_k
+    if k is not None:
+        ranked = sorted(names, key=lambda n: boundary_scores.get(n, 0.0), reverse=True)
+        return set(ranked[:k])
+    chosen = set()
+    for n, m in measurements.items():
+        if m.gain >= config.auto_min_gain and m.overhead <= config.auto_max_overhead:
+            chosen.add(n)
+    return chosen
+
+
+def harmful(config: GiftConfig, measurements: dict[str, LayerMeasurement], selected: set[str]) -> set[str]:
+    """The `selected` layers whose measured transformed path is worse than the Euclidean one
+    (gain below 1). Only the measured-gain rule (`select="auto"`) is revisited: static rules
+    and the boundary-hits rank do not rest on the gain. Unmeasured layers are refused as in
+    `decide`."""
+    if not rests_on_gain(config):
+        return set()
+    _require_finite(config, measurements, "harmful")
+    return {n for n, m in measurements.items() if n in selected and m.gain < 1.0}

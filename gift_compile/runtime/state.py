@@ -1,0 +1,276 @@
+"""`GiftState`: the layers of one `apply` (`gift_compile.runtime.layer`), the step driver and health.
+
+Everything a compiled graph reads or writes (transform tensors, error-feedback residual, the
+gradient probe, the stochastic-rounding seed, this process's rank, the byte/health counters)
+is a tensor allocated once and updated in place, so graphs never recompile. `GiftState`
+declares every field it has (`__slots__`: nothing can be added from outside); its refresh
+engine (`gift_compile.runtime.refresh`), checkpointing (`gift_compile.runtime.checkpoint`) and telemetry
+(`gift_compile.runtime.telemetry`) live in their own modules as mixins over these fields.
+
+`GiftState.step()` is called once per optimizer step (an optimizer hook installed by
+`gift_compile.apply(..., optimizer=...)`, `gift_compile.step(model)`, or a framework adapter),
+never per backward pass, so refresh cadence and seeds count optimizer steps whatever the
+gradient accumulation or the subset of layers that received gradients. It first checks the
+health counters that every collective fills from the headers all ranks exchanged: a plan
+mismatch or (under `nonfinite="error"`) a non-finite gradient on any rank raises on every
+rank in the same step.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from gift_compile.config import GiftConfig
+from gift_compile.exchange.agreement import first_difference
+from gift_compile.exchange.collectives import (C_MISMATCH, C_MISMATCH_RANKS, C_NONFINITE, C_NONFINITE_RANKS, N_COUNTERS,
+                                               Shared, flagged_ranks)
+from gift_compile.exchange.plan import BucketPlan
+from gift_compile.geometry.table import geometry_class
+from gift_compile.runtime.checkpoint import Checkpointing
+from gift_compile.runtime.layer import LayerState
+from gift_compile.runtime.refresh import RefreshEngine, RefreshRecord
+from gift_compile.runtime.selection import LayerMeasurement, decide
+from gift_compile.runtime.telemetry import CommTimer, Telemetry
+from gift_compile.sync import all_gather_object_, group_rank, world_size
+
+
+@dataclass
+class BackwardWatch:
+    """Bookkeeping of the checks that run when a backward's collectives have completed:
+    whether they are queued for the running backward, what must run before them, how many
+    optimizer steps ran since the state last advanced (`GiftState.step`), and whether the user
+    was warned that it does not advance."""
+
+    queued: bool = False
+    # optimizer steps (seen as changed parameter versions between two backward passes) since
+    # the state last advanced, and the versions at the last backward (None: not yet seen)
+    since_step: int = 0
+    versions: int | None = None
+    warned: bool = False
+    # collectives that run at the end of the backward themselves (`gift_compile.frameworks.plain_sync`'s
+    # flush), run by the same callback before the checks read the counters they fill
+    flushes: list[Callable[[], None]] = field(default_factory=list)
+
+
+class GiftHealthError(RuntimeError):
+    """Raised on every rank when the collectives' headers reported a plan mismatch."""
+
+
+class GiftState(RefreshEngine, Checkpointing, Telemetry):
+    """All layers managed by one `apply` (or one framework adapter), plus the step driver.
+
+    Implements `state_dict`/`load_state_dict` (torch.distributed.checkpoint's Stateful);
+    loading validates layer names, shapes, geometry, rank, error feedback and finiteness.
+    Replicated across ranks: `seed`, `steps`, transforms, the K-FAC factor (EMA), the
+    gradient-side factor, selection and boundary scores. Per rank: the K-FAC accumulator of
+    the current window, the error-feedback residuals, the gradient probes and the counters.
+    """
+
+    __slots__ = ("config", "group", "collective", "layers", "seed", "rank", "counters", "steps", "history",
+                 "grad_source", "_health_seen", "modules", "handles", "active", "sync_mode", "dirty_params",
+                 "plan_version", "_sharing_checked", "comm_timer", "retraces", "replica_hop", "backward_watch",
+                 "geometry")
+
+    def __init__(self, config: GiftConfig, group: dist.ProcessGroup | None, collective: str = "all_reduce"):
+        if config.second_hop_error_feedback and collective != "all_reduce":
+            raise ValueError(f"GIFT: second_hop_error_feedback=True needs GIFT's all-reduce; this state runs a "
+                             f"{collective}, which has no second hop (only error_feedback applies)")
+        self.config = config
+        # The geometry's class, looked up once from `config.geometry`: layers, refresh,
+        # selection and the framework hooks use this object, never the name.
+        self.geometry = geometry_class(config.geometry)
+        self.group = group
+        self.collective = collective
+        self.layers: dict[str, LayerState] = {}
+        self.seed = torch.full((), config.seed, dtype=torch.int64)
+        self.rank = torch.full((), group_rank(group), dtype=torch.int64)
+        self.counters = torch.zeros(N_COUNTERS, dtype=torch.int64)
+        self.steps = 0
+        self.history: list[RefreshRecord] = []
+        self.grad_source: Callable[[str], torch.Tensor | None] | None = None
+        self._health_seen = torch.zeros(N_COUNTERS, dtype=torch.int64)
+        # Set by `gift_compile.api.manage` and friends.
+        self.modules: dict[str, torch.nn.Module] = {}
+        self.handles: list[Any] = []
+        self.active = True
+        # GIFT's own sync: "sync" or "accumulate" (inside `gift_compile.no_sync`), and the
+        # unmanaged parameters whose `.grad` holds unsynchronised local contributions.
+        self.sync_mode = "sync"
+        self.dirty_params: set[int] = set()
+        # Bumped whenever a layer's plan or statistics switch changes: compiled graphs that
+        # carry the old plan must be retraced (dynamo does it through its guards; the
+        # torchtitan graph_trainer hook does it by dropping its traced step).
+        self.plan_version = 0
+        self._sharing_checked = False  # identical statistics are detected at the first refresh
+        # Telemetry filled by adapters: the FSDP2 hook's comm timer, and how often a framework
+        # dropped its traced step for a plan change (torchtitan's graph_trainer hook).
+        self.comm_timer: CommTimer | None = None
+        self.retraces = 0
+        # HSDP's replica hop (`gift_compile.frameworks.hsdp.ReplicaHop`: group, counters, error probe), set
+        # by `gift_compile.frameworks.hsdp.install`; None without a replica hop.
+        self.replica_hop: Any = None
+        # The end-of-backward checks (`gift_compile.runtime.health.queue_backward_check`).
+        self.backward_watch = BackwardWatch()
+
+    @property
+    def shared(self) -> Shared:
+        return Shared(self.seed, self.rank, self.counters)
+
+    @property
+    def replica_shared(self) -> Shared | None:
+        """The replica hop's `Shared` (seed, rank in the replica group, its own counters), or None."""
+        hop = self.replica_hop
+        return None if hop is None else Shared(self.seed, hop.rank, hop.counters)
+
+    def _health_counts(self) -> torch.Tensor:
+        """The counters of every hop, summed (each hop's collectives write its health flags
+        into its own counters); the rank masks are OR-ed across hops and cleared."""
+        now = self.counters.detach().to("cpu", copy=True)
+        self.counters[C_NONFINITE_RANKS:C_MISMATCH_RANKS + 1].zero_()  # rank masks: read once, then cleared
+        if self.replica_hop is not None:
+            hop = self.replica_hop.counters
+            other = hop.detach().to("cpu", copy=True)
+            hop[C_NONFINITE_RANKS:C_MISMATCH_RANKS + 1].zero_()
+            masks = now[C_NONFINITE_RANKS:C_MISMATCH_RANKS + 1] | other[C_NONFINITE_RANKS:C_MISMATCH_RANKS + 1]
+            now += other
+            now[C_NONFINITE_RANKS:C_MISMATCH_RANKS + 1] = masks  # bit masks are OR-ed, not summed
+        return now
+
+    def add_layer(self, fqn: str, shape: tuple[int, int], device: torch.device | str, *,
+                  world: int | None = None) -> LayerState:
+        """Register a managed weight; a fixed rotation chosen by a static rule starts active.
+
+        `world` sizes the second-hop residual (this rank's shard of the all-reduce); it
+        defaults to the state's group and may differ only for a state without a group (the
+        memory benchmark sizes a `world`-rank state on the meta device)."""
+        if world is None:
+            world = self.world()
+        elif self.group is not None and world != self.world():
+            raise ValueError(f"GiftState.add_layer: {fqn}: world={world} but the state's group has {self.world()} ranks")
+        if fqn in self.layers:
+            raise ValueError(f"GiftState.add_layer: {fqn} is already managed")
+        if len(shape) != 2 or not all(isinstance(d, int) and d > 0 for d in shape):
+            raise ValueError(f"GiftState.add_layer: {fqn}: shape must be two positive ints [out, in], got {shape}")
+        if not self.layers and self.seed.device != torch.device(device):
+            # graphs read these where the weights live
+            self.seed, self.rank, self.counters = (t.to(device) for t in (self.seed, self.rank, self.counters))
+        layer = LayerState(fqn, shape, self.config, self.geometry, device, world)
+        self.layers[fqn] = layer
+        if self._static_selection():  # decided before any graph exists: not a plan change
+            chosen = fqn in decide(self.config, self.geometry, {fqn: LayerMeasurement(1.0, 1.0, 0.0, 0.0)}, {})
+            layer.selected, layer.decided = chosen and not layer.transform.is_identity, True
+            layer._replan()
+        return layer
+
+    def _static_selection(self) -> bool:
+        """Whether the selection rule needs no measurement (all, none, globs, no geometry)."""
+        cfg = self.config
+        return self.geometry.is_identity or cfg.select in ("all", "none") or isinstance(cfg.select, tuple)
+
+    def world(self) -> int:
+        return world_size(self.group)
+
+    def weight(self, name: str) -> torch.Tensor:
+        """The managed weight parameter `name` (what the optimizer steps and `.grad` lands on)."""
+        return self.modules[name]._parameters["weight"]
+
+    def layer_plan(self, fqn: str) -> BucketPlan:
+        """The one-layer collective this state's own sync runs for `fqn` (for accounting)."""
+        group_name = self.group.group_name if self.world() > 1 else None
+        return BucketPlan((self.layers[fqn].plan,), self.world(), group_name, self.config.reduce_op == "avg",
+                          self.collective)
+
+    # ---- gradient accumulation (GIFT's own sync) -----------------------------------------
+    def enter_accumulate(self) -> None:
+        """`no_sync` entered: managed weights accumulate into their pending buffers."""
+        self.sync_mode = "accumulate"
+        for layer in self.layers.values():
+            if layer.pending is None:
+                layer.pending = torch.zeros(layer.shape, device=layer.probe.device)
+            layer.mode = "accumulate"
+
+    def exit_accumulate(self) -> None:
+        """`no_sync` left: the next backward sends gradient + pending once."""
+        self.sync_mode = "sync"
+        for layer in self.layers.values():
+            layer.mode = "sync_pending"
+
+    def check_pending(self) -> None:
+        """Refuse an optimizer step that would drop gradients accumulated under `no_sync`
+        (inside it, or after it without a synchronising backward)."""
+        waiting = [n for n, l in self.layers.items() if l.mode == "accumulate"
+                   or (l.mode == "sync_pending" and bool(l.pending.any()))]
+        if waiting or self.dirty_params:
+            raise RuntimeError(
+                f"GIFT: gradients accumulated under gift_compile.no_sync were never synchronised "
+                f"({len(waiting)} managed weights, {len(self.dirty_params)} other parameters); run the last "
+                "micro-batch's backward outside no_sync before the optimizer step"
+            )
+
+    # ---- agreement ---------------------------------------------------------------------
+    def describe(self) -> str:
+        """Everything ranks must agree on: config and every layer's plan, in order."""
+        return json.dumps({"config": self.config.to_dict(), "layers": [l.plan.to_str() for l in self.layers.values()]},
+                          sort_keys=True)
+
+    def check_agreement(self) -> None:
+        """Raise on every rank, naming the first difference, unless all ranks manage the same
+        layers with the same config (checked once, when the model is set up)."""
+        if self.world() <= 1:
+            return
+        mine = self.describe()
+        everyone = all_gather_object_(mine, self.group)
+        for r, other in enumerate(everyone):
+            if other != mine:
+                a, b = json.loads(mine), json.loads(other)
+                diff = first_difference(a, b)
+                raise ValueError(f"GIFT: rank {r} set up a different GIFT plan than rank {group_rank(self.group)}: {diff}")
+
+    # ---- step driver -------------------------------------------------------------------
+    def check_health(self) -> None:
+        """Raise on every rank if the collectives since the last check saw a plan mismatch or
+        (under `nonfinite="error"`) a non-finite gradient on any rank.
+
+        Every rank decoded the same headers, so every rank raises in the same step; the
+        counters are consumed first, so a caller that catches the error, drops the step's
+        gradients and goes on is not raised at again.
+        """
+        now = self._health_counts()
+        masks = C_NONFINITE_RANKS, C_MISMATCH_RANKS  # OR-ed rank masks: read, then cleared
+        nonfinite_ranks, mismatch_ranks = flagged_ranks(int(now[masks[0]])), flagged_ranks(int(now[masks[1]]))
+        now[masks[0]:masks[1] + 1] = 0
+        new = now - self._health_seen
+        self._health_seen = now
+        if int(new[C_MISMATCH]):
+            raise GiftHealthError(
+                f"GIFT: {int(new[C_MISMATCH])} collective(s) since the last step ran with a plan that differs "
+                f"between ranks: rank(s) {mismatch_ranks} differ from rank {group_rank(self.group)} (different "
+                "format, shapes, layers or layer order); the gradients of this step are garbage"
+            )
+        if int(new[C_NONFINITE]) and self.config.nonfinite == "error":
+            raise FloatingPointError(
+                f"GIFT: {int(new[C_NONFINITE])} gradient collective(s) in this step carried NaN/Inf from rank(s) "
+                f"{nonfinite_ranks}; raised on every rank (nonfinite='error'). Skip the step (zero the gradients) or "
+                "set nonfinite='propagate'."
+            )
+
+    def step(self) -> None:
+        """Once per optimizer step, after it: seed, and the refresh when `config.refresh_due`
+        (the warm-up steps, then every `refresh_every` steps).
+
+        The health counters are checked again here for collectives that ran outside a checked
+        backward (a traced whole step); the backward's own checks have consumed the rest."""
+        self.check_health()
+        self.backward_watch.since_step, self.backward_watch.versions = 0, None
+        for layer in self.layers.values():
+            if layer.mode == "sync_pending":
+                layer.mode = "sync"
+        self.steps += 1
+        self.seed.add_(1)
+        if self.config.refresh_due(self.steps):
+            self.refresh()
