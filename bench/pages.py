@@ -349,7 +349,9 @@ def _gap_cell(a: dict | None) -> str:
         return "not run"
     g = a["gap"]
     text = f"{g['mean']:+.4f} (n=1)" if g["n"] < 2 else f"{g['mean']:+.4f} ± {g['ci95']:.4f} (n={g['n']})"
-    return text + ("" if not a["judged"] else " **within**" if a["within"] else " outside")
+    if not a["judged"]:
+        return text
+    return text[:-1] + f"; bound {a['upper_adjusted']:+.4f})" + (" **within**" if a["within"] else " outside")
 
 
 def _spelled(arm: dict) -> str:
@@ -373,8 +375,9 @@ def frontier(_: dict) -> str:
     lines = [f"Reduce-scatter path (FSDP2), {s['world']} ranks, {s['steps']} steps; held-out bits/byte minus fp32's "
              "(same seed), mean ± t 95% CI over n paired seeds; bits per managed element counted at the collectives; "
              f"**within** = inside fp32's 95% CI: the gap's upper bound, Bonferroni-adjusted over the arms with n >= "
-             f"{f['min_seeds']} (family-wise {100 * f['alpha']:.0f}%), below the half-width of fp32's own CI over its "
-             f"seeds. GIFT arms run the product's defaults (`-dflt`). Command: `{f['command']}`.", ""]
+             f"{f['min_seeds']} (family-wise {100 * f['alpha']:.0f}%; `bound` in each cell), below the half-width of "
+             f"fp32's own CI over its seeds. GIFT arms run the product's defaults (`-dflt`). Command: "
+             f"`{f['command']}`.", ""]
     methods = list(next(iter(f["optimizers"].values()))["fewest_within"])
     lines += ["| optimizer | format | bits / managed element (whole gradient) | " + " | ".join(methods) + " |",
               "|---|---|---|" + "---|" * len(methods)]
