@@ -164,14 +164,16 @@ def plot(summary: dict, out: Path = RESULTS) -> str:
         ax.axhspan(-o["fp32"]["band95"], o["fp32"]["band95"], color="0.85",
                    label=f"fp32's 95% CI (n={o['fp32']['n']})")
         for method, (color, marker, ls) in styles.items():
-            pts = sorted((a for a in o["arms"] if a["method"] == method), key=lambda a: a["bits_managed"])
+            # arms still short of MIN_SEEDS are in the table, not on the plot (no CI to draw yet)
+            pts = sorted((a for a in o["arms"] if a["method"] == method and a["judged"]),
+                         key=lambda a: a["bits_managed"])
             if not pts:
                 continue
             ci = [0.0 if a["gap"]["ci95"] != a["gap"]["ci95"] else a["gap"]["ci95"] for a in pts]
             ax.errorbar([a["bits_managed"] for a in pts], [a["gap"]["mean"] for a in pts], yerr=ci, color=color,
                         marker=marker, ls=ls, capsize=3, label=method)
         ax.axhline(0, color="black", lw=0.8)
-        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({round(a["bits_managed"], 2) for a in o["arms"] if a["judged"]}))
         ax.set_xlabel("wire bits per managed gradient element (counted at the collective)")
         ax.set_ylabel("held-out bits/byte minus fp32 (same seed), mean ± 95% CI")
         ax.set_title(f"{opt}: {summary['study']['path']}, {summary['study']['world']} ranks, "
