@@ -13,7 +13,9 @@ import math
 
 import torch
 
-from gift_compile.codec.spec import E2M1_MAX, INT4_MAX, _CODE_BITS, _GROUP_BITS, _INT_MAX, _TRITS_PER_BYTE, FormatSpec
+from gift_compile.codec.spec import (
+    E2M1_MAX, INT4_MAX, _CODE_BITS, _GROUP_BITS, _INT_MAX, _TRITS_PER_BYTE, FormatSpec,
+)
 
 # Round-to-nearest-even decision thresholds between neighbouring grid magnitudes, as
 # (threshold in units of the scale, whether a value equal to it rounds up).
@@ -78,7 +80,8 @@ def _grid_codes(
     `unit` is the block scale broadcast to `x2`'s shape (0 for blocks that underflowed,
     NaN for non-finite ones) and `inv_unit` its reciprocal (0 where `unit` is 0 or NaN).
     Code layouts: nvfp4 sign bit 3 + E2M1 magnitude; int6/int4/mxint4/int3 two's complement
-    of their width in [-max, max]; int2 bit 0 = magnitude 3 (else 1), bit 1 = sign; ternary digit value + 1.
+    of their width in [-max, max]; int2 bit 0 = magnitude 3 (else 1), bit 1 = sign; ternary
+    digit value + 1.
     """
     name = spec.name
     neg = x2 < 0
@@ -116,6 +119,16 @@ def _grid_codes(
     return (mag * (1 - 2 * neg)) & ((1 << _CODE_BITS[name]) - 1)
 
 
+def _word_layout(spec: FormatSpec) -> tuple[int, int]:
+    """`(codes per word, bytes per word)` of a packed format, the one layout `_pack` writes and
+    `_unpack` reads: a byte of 1/2/4-bit codes or of five trits, or a 24-bit group of 3- or
+    6-bit codes (widths that do not divide a byte)."""
+    if spec.name == "ternary":
+        return _TRITS_PER_BYTE, 1
+    bits = _CODE_BITS[spec.name]
+    return (8 // bits, 1) if 8 % bits == 0 else (_GROUP_BITS // bits, _GROUP_BITS // 8)
+
+
 def _pack(codes: torch.Tensor, spec: FormatSpec) -> torch.Tensor:
     """int32 codes `[rows, cp]` -> uint8 payload `[rows, payload_cols]`, low bits first."""
     rows, cp = codes.shape
@@ -129,15 +142,16 @@ def _pack(codes: torch.Tensor, spec: FormatSpec) -> torch.Tensor:
             byte = byte + d[..., i] * 3**i
         return byte.to(torch.uint8)
     bits = _CODE_BITS[spec.name]
-    per = (8 if 8 % bits == 0 else _GROUP_BITS) // bits
+    per, nbytes = _word_layout(spec)
     c = codes.reshape(rows, cp // per, per)
     word = c[..., 0]
     for i in range(1, per):
         word = word | (c[..., i] << (bits * i))
-    if 8 % bits == 0:
+    if nbytes == 1:
         return word.to(torch.uint8)
-    # a 24-bit group -> its three bytes, low byte first
-    return torch.stack([(word >> s) & 0xFF for s in (0, 8, 16)], dim=-1).reshape(rows, 3 * (cp // per)).to(torch.uint8)
+    # a multi-byte word -> its bytes, low byte first
+    return torch.stack([(word >> (8 * i)) & 0xFF for i in range(nbytes)], dim=-1).reshape(
+        rows, nbytes * (cp // per)).to(torch.uint8)
 
 
 def _unpack(payload: torch.Tensor, spec: FormatSpec, cp: int) -> torch.Tensor:
@@ -149,14 +163,15 @@ def _unpack(payload: torch.Tensor, spec: FormatSpec, cp: int) -> torch.Tensor:
     stack of the digits would be written out full size first (4 bytes per code) and read back.
     """
     lead, pc = payload.shape[:-1], payload.shape[-1]
-    if spec.name != "ternary" and 8 % _CODE_BITS[spec.name]:
-        # 24-bit groups: each group's three bytes become one word, unpacked like a byte below
-        g = payload.to(torch.int32).reshape(*lead, pc // 3, 3)
-        payload, pc = g[..., 0] | (g[..., 1] << 8) | (g[..., 2] << 16), pc // 3
-        per = _GROUP_BITS // _CODE_BITS[spec.name]
-    else:
-        per = _TRITS_PER_BYTE if spec.name == "ternary" else 8 // _CODE_BITS[spec.name]
-    b = payload.to(torch.int32).unsqueeze(-1).expand(*lead, pc, per).reshape(*lead, pc * per)
+    per, nbytes = _word_layout(spec)
+    words = payload.to(torch.int32)
+    if nbytes > 1:
+        # multi-byte words: each word's bytes (low byte first) become one int, unpacked like a byte
+        g = words.reshape(*lead, pc // nbytes, nbytes)
+        words, pc = g[..., 0], pc // nbytes
+        for i in range(1, nbytes):
+            words = words | (g[..., i] << (8 * i))
+    b = words.unsqueeze(-1).expand(*lead, pc, per).reshape(*lead, pc * per)
     pos = torch.arange(pc * per, dtype=torch.int32, device=payload.device) % per
     if spec.name == "ternary":
         digits = (b // torch.pow(3, pos)) % 3
