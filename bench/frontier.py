@@ -116,14 +116,14 @@ def summarise(runs: list[dict]) -> dict[str, object]:
                              "geometry": runs_[seeds[0]].get("geometry"),
                              "selected_layers": statistics.fmean(runs_[s].get("selected_layers", math.nan) for s in seeds),
                              "managed_layers": runs_[seeds[0]].get("managed_layers")})
-        judged = [a for a in arms if a["n"] >= MIN_SEEDS]
         for a in arms:
-            a["judged"] = a in judged
-            if a["judged"]:
-                g = a["gap"]
-                t_adj = t_quantile(1.0 - ALPHA / (2 * len(judged)), g["n"] - 1)
-                a["upper_adjusted"] = g["mean"] + t_adj * g["std"] / math.sqrt(g["n"])
-                a["within"] = a["upper_adjusted"] <= band
+            a["judged"] = a["n"] >= MIN_SEEDS
+        judged = [a for a in arms if a["judged"]]
+        for a in judged:
+            g = a["gap"]
+            t_adj = t_quantile(1.0 - ALPHA / (2 * len(judged)), g["n"] - 1)
+            a["upper_adjusted"] = g["mean"] + t_adj * g["std"] / math.sqrt(g["n"])
+            a["within"] = a["upper_adjusted"] <= band
         fewest = {}
         for method in METHODS:
             inside = [a for a in judged if a["method"] == method and a["within"]]

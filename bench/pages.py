@@ -348,10 +348,11 @@ def _gap_cell(a: dict | None) -> str:
     if a is None:
         return "not run"
     g = a["gap"]
-    text = f"{g['mean']:+.4f} (n=1)" if g["n"] < 2 else f"{g['mean']:+.4f} ± {g['ci95']:.4f} (n={g['n']})"
+    spread = "" if g["n"] < 2 else f" ± {g['ci95']:.4f}"
     if not a["judged"]:
-        return text
-    return text[:-1] + f"; bound {a['upper_adjusted']:+.4f})" + (" **within**" if a["within"] else " outside")
+        return f"{g['mean']:+.4f}{spread} (n={g['n']})"
+    verdict = "**within**" if a["within"] else "outside"
+    return f"{g['mean']:+.4f}{spread} (n={g['n']}; bound {a['upper_adjusted']:+.4f}) {verdict}"
 
 
 def _spelled(arm: dict) -> str:
