@@ -144,8 +144,8 @@ def resolve_auto(config: GiftConfig, optimizer: Any | None, weights: list[torch.
     preconditioner such as Muon, or for a map in the optimizer's own coordinates): the
     selection then judges each layer by the error the optimizer's update sees, which is what
     the convergence study found GIFT lowers. Without an optimizer the geometry falls back to
-    K-FAC's `lowrank` and the metric to "euclidean" (both logged as warnings). The bench calls this too, with the
-    weights of the model the optimizer steps.
+    K-FAC's `lowrank` and the metric to "euclidean" (both logged as warnings). The bench calls
+    this too, with the weights of the model the optimizer steps.
     """
     geometry_auto, metric_auto = config.geometry == AUTO_GEOMETRY, config.select_metric == AUTO_METRIC
     if not (geometry_auto or metric_auto):
