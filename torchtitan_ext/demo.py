@@ -173,7 +173,8 @@ def _report(arms: dict[str, RunResult], fmt: str) -> None:
         passes = [line.strip() for line in gift.output.split("graph passes:", 1)[1].splitlines()[1:12]
                   if line.strip()[:1].isdigit()]
         print("  passes: " + ", ".join(p.split(". ", 1)[1] for p in passes))
-    print(f"  GIFT plan version {gift.last('gift/plan_version'):.0f} (per-layer selection/statistics switches); "
+    print(f"  GIFT plan version {gift.last('gift/plan_version'):.0f} (changes of what the graph carries), "
+          f"{gift.last('gift/selection_changes'):.0f} selection change(s) (data in the graph); "
           f"the step was retraced {gift.output.count('retracing the step')} time(s) over all ranks")
 
     refresh = last_measured_refresh(gift)

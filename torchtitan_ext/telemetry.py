@@ -53,6 +53,7 @@ def gift_metrics(state: GiftState, last: dict[str, Any]) -> dict[str, float]:
         "gift/compression": delta["baseline"] / delta["wire"] if delta["wire"] else float("nan"),
         "gift/collectives_per_step": delta["calls"] / steps,
         "gift/plan_version": float(state.plan_version),
+        "gift/selection_changes": float(state.selection_changes),
     }
     timer = state.comm_timer
     if timer is not None:

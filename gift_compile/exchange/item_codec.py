@@ -36,7 +36,7 @@ from gift_compile.codec import FormatSpec, choose_scales, decode, encode, scales
 from gift_compile.codec import residual as residual_store
 from gift_compile.exchange.accounting import _item_bytes_per_dest, _itemsize, _scale_layout
 from gift_compile.exchange.plan import BucketPlan, ItemPlan
-from gift_compile.geometry import apply_forward, apply_inverse
+from gift_compile.geometry import apply_forward, apply_inverse, gated_tensors
 from gift_compile.geometry.maps import _traced
 
 RANK_SEED_STRIDE = 1_000_003
@@ -61,6 +61,12 @@ class ItemTensors(NamedTuple):
     seed_offset: torch.Tensor | None = None
     # the all-reduce's second hop: this rank's reduced shard's residual, `[rows_sent/world, cols]`
     second_hop_residual: tuple[torch.Tensor, ...] | None = None
+
+
+def _map_tensors(item: ItemPlan, state: ItemTensors) -> tuple[torch.Tensor, ...]:
+    """The tensors the item's map runs with: as carried, or, for a gated plan, computed from the
+    layer's map and its path gate (the last tensor), so the selection is data in the graph."""
+    return gated_tensors(item.kind, state.transform) if item.gated else state.transform
 
 
 class Shared(NamedTuple):
@@ -235,7 +241,7 @@ def encode_item(x: torch.Tensor, state: ItemTensors | None, shared: Shared, item
     g = x.reshape(item.rows, item.cols)
     if state.probe is not None:
         state.probe.copy_(g[: state.probe.shape[0]])
-    g = apply_forward(item.kind, _pad_rows(g.float(), rows), state.transform)
+    g = apply_forward(item.kind, _pad_rows(g.float(), rows), _map_tensors(item, state))
     if state.residual is not None:
         g = g + _pad_rows(_decayed(item, residual_store.read(item.residual_format, state.residual, item.cols)), rows)
     scales, tscale = choose_scales(g, spec)
@@ -268,7 +274,7 @@ def decode_item(recv: torch.Tensor, offset: int, state: ItemTensors | None, item
     total = decode(payload.reshape(w, r, -1), spec, scales, tscale, item.cols).sum(dim=0)
     if p.average:
         total = total / w
-    return (total if transformed else apply_inverse(item.kind, total, state.transform)), offset
+    return (total if transformed else apply_inverse(item.kind, total, _map_tensors(item, state))), offset
 
 
 def reencode_item(shard: torch.Tensor, state: ItemTensors | None, shared: Shared, item: ItemPlan,
@@ -311,7 +317,7 @@ def gather_decode_item(gathered: torch.Tensor, offset: int, state: ItemTensors |
     payload, offset = _take(gathered, offset, r * spec.payload_cols(item.cols))
     scales, tscale, offset = _parse_scales(gathered, offset, spec, item.cols, r)
     full = decode(payload.reshape(w, r, -1), spec, scales, tscale, item.cols).reshape(w * r, item.cols)
-    return apply_inverse(item.kind, full, state.transform)[: item.rows], offset
+    return apply_inverse(item.kind, full, _map_tensors(item, state))[: item.rows], offset
 
 
 # ---- compiled stages: a single-item plan `p` (`item_plan`) as the last argument -----------------

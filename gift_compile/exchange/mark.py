@@ -21,7 +21,7 @@ from gift_compile.exchange import collectives
 from gift_compile.exchange.collectives import ItemTensors, Shared
 from gift_compile.exchange.plan import ItemPlan
 
-__all__ = ["ACCUMULATE", "SYNC", "SYNC_PENDING", "mark", "unpack_mark_tensors", "unpack_replica_shared"]
+__all__ = ["ACCUMULATE", "SYNC", "SYNC_PENDING", "mark", "tracing", "unpack_mark_tensors", "unpack_replica_shared"]
 
 logger = logging.getLogger("gift_compile")
 _c10d = torch.ops._c10d_functional
@@ -57,7 +57,9 @@ def _mark_fake(grad: torch.Tensor, state: list[torch.Tensor], plan: str) -> torc
     return torch.empty_like(grad)
 
 
-def _tracing(t: torch.Tensor) -> bool:
+def tracing(t: torch.Tensor) -> bool:
+    """Whether `t` flows through a tracer (dynamo, or the fake tensors of AOT tracing) rather
+    than eager kernels: graphs get the rewrite-ready mark, eager code runs the exchange."""
     return torch.compiler.is_compiling() or is_fake(t)
 
 
@@ -103,7 +105,7 @@ class _GiftSync(torch.autograd.Function):
         if ctx.mode == SYNC_PENDING:
             grad = grad + pending
             pending.zero_()
-        if _tracing(grad):
+        if tracing(grad):
             marked = torch.ops.gift.mark(grad, saved, ctx.plan)
             return (_c10d.wait_tensor(_c10d.all_reduce(marked, ctx.op, ctx.group_name)), *nones)
         item = ItemPlan.from_str(ctx.plan)

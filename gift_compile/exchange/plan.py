@@ -70,6 +70,10 @@ class ItemPlan:
     # the all-reduce's second hop: the owner's residual of re-encoding its reduced shard
     second_hop_error_feedback: bool = False
     error_feedback_decay: float = 1.0  # beta of both residuals: send g + beta e
+    # The selection as data (issue 31): the item's tensors end with the layer's 0-d bool path
+    # gate (counted in `n_tensors`), and the map runs as the identity where it is off. Traced
+    # graphs carry this plan whatever the selection, so a selection change is no recompile.
+    gated: bool = False
 
     def __post_init__(self) -> None:
         # Derived values are computed once here (not fields: they stay out of eq/hash/to_str),
@@ -127,7 +131,7 @@ class ItemPlan:
         if not self.managed:
             return f"{self.name}: {self.numel} x {self.dtype} full precision"
         return (f"{self.name}: [{self.rows}, {self.cols}] {self.dtype} -> {self.format}/{self.scaling}"
-                f"/b{self.block_size} {self.kind} ef={int(self.error_feedback)}{int(self.second_hop_error_feedback)}"
+                f"/b{self.block_size} {self.kind}{' gated' if self.gated else ''} ef={int(self.error_feedback)}{int(self.second_hop_error_feedback)}"
                 f"{'' if self.error_feedback_decay == 1.0 else f' beta={self.error_feedback_decay}'}"
                 f" sr={int(self.stochastic_rounding)}")
 

@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gift_compile.config import AUTO_GEOMETRY, GiftConfig
-from gift_compile.exchange.mark import SYNC, _GiftSync, _GiftTag
+from gift_compile.exchange.mark import SYNC, _GiftSync, _GiftTag, tracing
 from gift_compile.frameworks.parts import Parts, model_parts
 from gift_compile.frameworks.tensor_parallel import local_input, local_matrix_shape, on_local_block
 from gift_compile.runtime.layer import LayerState
@@ -79,8 +79,12 @@ def _routed_weight(module: nn.Module, w: torch.Tensor) -> torch.Tensor:
         return w
     layer: LayerState = module._gift_layer
     gstate: GiftState = module._gift_state
-    plan = layer.plan_str
-    tensors = layer.mark_tensors(gstate.shared, gstate.replica_shared)
+    # Traced, the weight carries the selection-independent plan (the map gated by data), so a
+    # compiled model has one graph whatever its layers' selection (issue 31); eagerly, the
+    # active path's own plan (a deselected layer runs no map).
+    traced = tracing(w)
+    plan = layer.traced_plan_str if traced else layer.plan_str
+    tensors = layer.mark_tensors(gstate.shared, gstate.replica_shared, traced=traced)
     if module._gift_group_name is None:
         return on_local_block(w, lambda block: _GiftTag.apply(block, plan, *tensors))
     pending = layer.pending if layer.mode != SYNC else None

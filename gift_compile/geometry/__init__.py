@@ -22,7 +22,7 @@ from gift_compile.geometry.whitening import (
     top_eigenpairs,
 )
 
-__all__ = ["KINDS", "Transform", "apply_forward", "apply_inverse", "dense_whitening", "diag_floor",
+__all__ = ["KINDS", "Transform", "apply_forward", "apply_inverse", "dense_whitening", "diag_floor", "gated_tensors",
            "gradient_factor", "lowrank_refresh_flops", "lowrank_tensors", "lowrank_whitening", "top_eigenpairs"]
 
 
@@ -41,3 +41,10 @@ def apply_forward(kind: str, g: torch.Tensor, tensors: tuple[torch.Tensor, ...])
 def apply_inverse(kind: str, gt: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """`G~ T^{-T}`: exact inverse of `apply_forward` (up to fp32 rounding)."""
     return map_class(kind).apply_inverse(gt, tensors)
+
+
+def gated_tensors(kind: str, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """The tensors map `kind` runs with, from a gated plan's (`ItemPlan.gated`): the layer's
+    map tensors followed by its 0-d bool path gate; the map's own where the gate is on, the
+    identity's values where it is off (`Geometry.gated`)."""
+    return map_class(kind).gated(tuple(tensors[:-1]), tensors[-1])

@@ -136,6 +136,15 @@ class Geometry:
         return self.apply_inverse(gt, self.tensors)
 
     # ---- selection switches --------------------------------------------------------------
+    @staticmethod
+    def gated(tensors: tuple[torch.Tensor, ...], on: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The map's tensors where the 0-d bool `on` is true, the identity's values where it is
+        false: a traced graph reads a layer's selection as this data (issue 31), so a change of
+        selection is no guard and no recompile. Exact: where `on` holds, every tensor is the
+        input's own bits (`torch.where`, no arithmetic); where it does not, the map computes
+        the identity up to the sign of zeros."""
+        return tensors
+
     @torch.no_grad()
     def set_identity(self) -> None:
         """Make the map the identity while keeping the graph (used to deselect a layer)."""
@@ -244,6 +253,11 @@ class Hadamard(Geometry):
         signs, gate = tensors
         return torch.where(gate > 0, _fwht(gt, hadamard_block(gt.shape[-1])) * signs, gt)
 
+    @staticmethod
+    def gated(tensors: tuple[torch.Tensor, ...], on: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        signs, gate = tensors
+        return signs, torch.where(on, gate, 0.0)
+
     @torch.no_grad()
     def set_identity(self) -> None:
         self.tensors[1].zero_()
@@ -276,6 +290,11 @@ class Dense(Geometry):
     def apply_inverse(gt: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
         _, tinv = tensors
         return gt @ tinv
+
+    @staticmethod
+    def gated(tensors: tuple[torch.Tensor, ...], on: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        eye = torch.eye(tensors[0].shape[0], dtype=tensors[0].dtype, device=tensors[0].device)
+        return tuple(torch.where(on, t, eye) for t in tensors)
 
     @torch.no_grad()
     def set_identity(self) -> None:
@@ -335,6 +354,12 @@ class LowRank(Geometry):
         p = torch.mm(g2, vt.t())
         out = _rows(lambda x, pb: (x + _low_rank_sum(pb, ci, vt)) * dsq, g2, p)
         return out.reshape(gt.shape)
+
+    @staticmethod
+    def gated(tensors: tuple[torch.Tensor, ...], on: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        dinv, v, cf, ci, dsq = tensors
+        return (torch.where(on, dinv, 1.0), torch.where(on, v, 0.0), torch.where(on, cf, 0.0),
+                torch.where(on, ci, 0.0), torch.where(on, dsq, 1.0))
 
     @torch.no_grad()
     def set_identity(self) -> None:

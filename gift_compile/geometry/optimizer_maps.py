@@ -131,6 +131,10 @@ class SecondMoment(_OptimizerStateFactor, Geometry):
     def apply_inverse(gt: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
         return gt * tensors[1]
 
+    @staticmethod
+    def gated(tensors: tuple[torch.Tensor, ...], on: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.where(on, t, 1.0) for t in tensors)
+
     @torch.no_grad()
     def set_identity(self) -> None:
         for t in self.tensors:

@@ -69,6 +69,9 @@ class LayerState:
         # reads (`routing.observe_inputs`): a Python flag there is a guard, one compilation
         # per pattern of selected layers, per block of a per-block compiled model.
         self.stats_gate = torch.zeros((), dtype=torch.bool, device=device)
+        # `selected` as a tensor (bool, 0-d), what traced graphs read: they carry `traced_plan`,
+        # the layer's map gated by it, so a selection change is data, not a recompile.
+        self.path_gate = torch.zeros((), dtype=torch.bool, device=device)
         self.transform.activate()  # a fixed rotation is always on; adaptive maps start as the identity
         self._replan()
 
@@ -94,10 +97,18 @@ class LayerState:
         return self.leader is None and (self.needs_stats or any(f.needs_stats for f in self.followers))
 
     def _replan(self) -> None:
-        """The static plan of the active path (graphs carry it; a change is a recompile)."""
+        """The plans of the active path: `plan` (the eager codec's: the identity when not
+        selected, so a deselected layer costs no map) and `traced_plan`, which graphs carry
+        (selection independent: the map gated by `path_gate`; one graph for every selection)."""
         n = len(self.transform.tensors) if self.selected else 0
         self.plan = replace(self._full_plan, kind=self.active_kind, n_tensors=n)
-        self.plan_str = self.plan.to_str()  # precomputed: the forward passes it to traced code
+        self.plan_str = self.plan.to_str()
+        if self.transform.is_identity:
+            self.traced_plan = self.plan
+        else:
+            self.traced_plan = replace(self._full_plan, n_tensors=len(self.transform.tensors) + 1, gated=True)
+        self.traced_plan_str = self.traced_plan.to_str()  # precomputed: the forward passes it to traced code
+        self.path_gate.fill_(self.selected)
         self.sync_stats_gate()
 
     def sync_stats_gate(self) -> None:
@@ -118,11 +129,14 @@ class LayerState:
         return {k: v for k, v in (("residual", self.residual), ("second_hop_residual", self.second_hop_residual))
                 if v is not None}
 
-    def mark_tensors(self, shared: Shared, replica: Shared | None = None) -> list[torch.Tensor]:
-        """Inputs of the `gift::mark` op, in the order `unpack_mark_tensors` reads them; with a
+    def mark_tensors(self, shared: Shared, replica: Shared | None = None, *, traced: bool = False) -> list[torch.Tensor]:
+        """Inputs of the `gift::mark` op, in the order `unpack_mark_tensors` reads them, for
+        `plan` (eager) or, `traced`, for `traced_plan` (the whole map and `path_gate`); with a
         graph replica hop (`plan.replica_format`) also its rank and counters (`replica`)."""
         extra = [t for bufs in self.residual_buffers().values() for t in bufs]
-        out = [*self.active_tensors(), *extra, self.probe, self.seed_offset, shared.seed, shared.rank, shared.counters]
+        transform = (*self.transform.tensors, self.path_gate) if traced and self.traced_plan.gated \
+            else self.active_tensors()
+        out = [*transform, *extra, self.probe, self.seed_offset, shared.seed, shared.rank, shared.counters]
         if self.plan.replica_format:
             if replica is None:
                 raise RuntimeError(f"GIFT: {self.fqn} has a replica hop in its plan but no replica tensors were given")

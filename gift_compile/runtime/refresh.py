@@ -53,6 +53,7 @@ class RefreshEngine:
     history: list[RefreshRecord]
     grad_source: Callable[[str], torch.Tensor | None] | None
     plan_version: int
+    selection_changes: int
     _sharing_checked: bool
 
 
@@ -235,7 +236,8 @@ class RefreshEngine:
 
     def set_selected(self, layer: LayerState, selected: bool, *, decided: bool = True) -> None:
         """Put a layer on the transformed (`selected`) or Euclidean path. A change of path or
-        of its statistics switch changes the plan graphs carry (`plan_version`)."""
+        of its statistics switch changes the eager plan and the gates traced graphs read
+        (`path_gate`, `stats_gate`), not what they carry: no retrace (`selection_changes`)."""
         group = [layer.leader or layer, *(layer.leader or layer).followers]
         before = [(l.selected, l.collect_stats) for l in group]
         layer.selected, layer.decided = selected, decided
@@ -243,7 +245,7 @@ class RefreshEngine:
             layer._replan()
             for member in group:  # a follower's path decides whether its leader feeds statistics
                 member.sync_stats_gate()
-            self.plan_version += 1
+            self.selection_changes += 1
 
     def _broadcast_transforms(self, owners: dict[str, int], names: set[str]) -> None:
         """The rebuilt layers' transform tensors from their owners, one packed broadcast per owner."""

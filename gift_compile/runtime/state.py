@@ -73,8 +73,8 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
 
     __slots__ = ("config", "group", "collective", "layers", "seed", "rank", "counters", "steps", "history",
                  "grad_source", "_health_seen", "modules", "handles", "active", "sync_mode", "dirty_params",
-                 "plan_version", "_sharing_checked", "comm_timer", "retraces", "replica_hop", "backward_watch",
-                 "geometry")
+                 "plan_version", "selection_changes", "_sharing_checked", "comm_timer", "retraces", "replica_hop",
+                 "backward_watch", "geometry")
 
     def __init__(self, config: GiftConfig, group: dist.ProcessGroup | None, collective: str = "all_reduce"):
         if config.second_hop_error_feedback and collective != "all_reduce":
@@ -102,10 +102,13 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         # unmanaged parameters whose `.grad` holds unsynchronised local contributions.
         self.sync_mode = "sync"
         self.dirty_params: set[int] = set()
-        # Bumped whenever a layer's plan or statistics switch changes: compiled graphs that
-        # carry the old plan must be retraced (dynamo does it through its guards; the
-        # torchtitan graph_trainer hook does it by dropping its traced step).
+        # Bumped whenever what traced graphs carry changes (which layers feed their own
+        # statistics, at the first refresh): graphs with the old structure must be retraced
+        # (dynamo does it through its guards; the torchtitan graph_trainer hook by dropping its
+        # traced step). A selection change is data in graphs (`LayerState.path_gate`), counted
+        # in `selection_changes` instead.
         self.plan_version = 0
+        self.selection_changes = 0
         self._sharing_checked = False  # identical statistics are detected at the first refresh
         # Telemetry filled by adapters: the FSDP2 hook's comm timer, and how often a framework
         # dropped its traced step for a plan change (torchtitan's graph_trainer hook).
