@@ -46,7 +46,7 @@ from bench.settings import ConvergenceSettings
 from bench.stats import holm, paired, ratio_ci
 from bench.tiny_llama import TinyLlama
 from gift_compile.exchange.collectives import all_reduce
-from gift_compile.api import eligible_linears, resolve_auto
+from gift_compile.api import eligible_linears, managed_weights, resolve_auto
 from gift_compile.config import GiftConfig
 from gift_compile.codec import FormatSpec
 from gift_compile.geometry.table import geometry_class
@@ -169,8 +169,6 @@ class TwoSided:
     """
 
     def __init__(self, model: nn.Module, config: GiftConfig, optimizer: torch.optim.Optimizer, world: int):
-        from gift_compile.api import eligible_linears, resolve_auto
-
         self.config, self.optimizer, self.world = config, optimizer, world
         self.weights = {name: m.weight for name, m in eligible_linears(model, config, world, split_rows=False)}
         self.maps = {name: (Transform("dense", w.shape[0]), Transform("dense", w.shape[1]))
@@ -281,17 +279,15 @@ class ShardedTwin:
             local.copy_(piece)
 
 
-def _resolve_auto(config: GiftConfig | None, model: nn.Module, optimizers: list[torch.optim.Optimizer],
-                  world: int, *, split_rows: bool) -> GiftConfig | None:
+def _resolve_auto(config: GiftConfig | None, model: nn.Module, optimizers: list[torch.optim.Optimizer], *,
+                  split_rows: bool) -> GiftConfig | None:
     """The arm's `geometry="auto"` / `select_metric="auto"` chosen as `apply` chooses them
     (`gift_compile.api.resolve_auto`) from the optimizers that step the plain model's managed
     weights: here rather than in `apply`, because on the reduce-scatter path GIFT is applied to
     the twin, whose parameters no optimizer steps."""
     if config is None:
         return None
-    provisional = dataclasses.replace(config, geometry="none")  # eligibility ignores the geometry
-    weights = [m.weight for _, m in eligible_linears(model, provisional, world, split_rows=split_rows)]
-    return resolve_auto(config, optimizers, weights)
+    return resolve_auto(config, optimizers, managed_weights(model, config, dist.group.WORLD, split_rows=split_rows))
 
 
 def _train(opt_name: str, arm: str, seed: int, s: ConvergenceSettings, paths: corpus.CorpusPaths,
@@ -303,7 +299,7 @@ def _train(opt_name: str, arm: str, seed: int, s: ConvergenceSettings, paths: co
     two_sided = TwoSided(model, config, optimizers[0], world) if "two" in arm.split("-")[2:] else None
     sharded = ShardedTwin(model, rank, world) if s.path == "reduce-scatter" else None
     gift_model = sharded.module if sharded is not None else model
-    config = _resolve_auto(config, model, optimizers, world, split_rows=sharded is not None)
+    config = _resolve_auto(config, model, optimizers, split_rows=sharded is not None)
     if config is not None and two_sided is None:  # the first optimizer drives GIFT's state (health check, refresh)
         # fuse=False: the FSDP2 hook's codec runs eagerly, as the eager all-reduce path's does (no per-run compile)
         gift_compile.apply(gift_model, config, group=dist.group.WORLD, optimizer=optimizers[0], fuse=False)
@@ -540,7 +536,7 @@ def default_geometry(opt: str, s: ConvergenceSettings) -> str:
     product's per-optimizer default in the study."""
     model = TinyLlama(s.model, seed=0)
     optimizers, _ = make_optimizers(model, opt, s.lr, s.muon_lr)
-    config = _resolve_auto(arm_config("gift-nvfp4-geo", s, 0), model, optimizers, s.world, split_rows=False)
+    config = _resolve_auto(arm_config("gift-nvfp4-geo", s, 0), model, optimizers, split_rows=False)
     assert config is not None
     return config.geometry
 

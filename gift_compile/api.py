@@ -37,6 +37,7 @@ from gift_compile.exchange import collectives
 from gift_compile.exchange.agreement import first_difference
 from gift_compile.exchange.plan import dtype_name
 from gift_compile.frameworks import ddp
+from gift_compile.frameworks.parts import Parts
 from gift_compile.frameworks.plain_sync import PlainSync
 from gift_compile.frameworks.routing import _unmanage_module, eligible_linears, manage  # noqa: F401 (public here too)
 from gift_compile.geometry.optimizer_maps import leaf_optimizers
@@ -80,7 +81,9 @@ def apply(model: nn.Module, config: GiftConfig | None = None, *, group: dist.Pro
     """
     config = config or GiftConfig()
     group = _default_group(group)
-    config = resolve_auto(config, optimizer, _managed_weights(model, config, group) if optimizer is not None else [])
+    split_rows = bool(_fsdp2_modules(model)) or _has_dtensor_params(model)
+    weights = managed_weights(model, config, group, split_rows=split_rows) if optimizer is not None else []
+    config = resolve_auto(config, optimizer, weights)
     if geometry_class(config.geometry).needs_optimizer and optimizer is None:
         raise ValueError(f"gift_compile.apply: geometry={config.geometry!r} builds each layer's map from the "
                          "optimizer's state; pass optimizer=")
@@ -144,8 +147,10 @@ def resolve_auto(config: GiftConfig, optimizer: Any | None, weights: list[torch.
     preconditioner such as Muon, or for a map in the optimizer's own coordinates): the
     selection then judges each layer by the error the optimizer's update sees, which is what
     the convergence study found GIFT lowers. Without an optimizer the geometry falls back to
-    K-FAC's `lowrank` and the metric to "euclidean" (both logged as warnings). The bench calls
-    this too, with the weights of the model the optimizer steps.
+    K-FAC's `lowrank` and the metric to "euclidean" (both logged as warnings). The one
+    resolution of "auto": the torchtitan hook and the bench call it too, with the weights of the
+    model the optimizer steps (`managed_weights`); what it chose is logged as
+    ``GIFT: geometry='auto' -> '<name>', select_metric='auto' -> '<name>'`` (the demo reads it).
     """
     geometry_auto, metric_auto = config.geometry == AUTO_GEOMETRY, config.select_metric == AUTO_METRIC
     if not (geometry_auto or metric_auto):
@@ -170,8 +175,7 @@ def resolve_auto(config: GiftConfig, optimizer: Any | None, weights: list[torch.
         chosen = dataclasses.replace(chosen, select_metric=select_metric_for(optimizer, weights, chosen.geometry))
     made = [f"{f}='auto' -> {getattr(chosen, f)!r}" for f, auto in (("geometry", geometry_auto),
                                                                      ("select_metric", metric_auto)) if auto]
-    logger.info("gift_compile.apply: %s (optimizer %s)", ", ".join(made),
-                ", ".join(type(o).__name__ for o in leaf_optimizers(optimizer)))
+    logger.info("GIFT: %s (optimizer %s)", ", ".join(made), ", ".join(type(o).__name__ for o in leaf_optimizers(optimizer)))
     return chosen
 
 
@@ -188,12 +192,14 @@ def _refuse_unsupported_dtypes(model: nn.Module) -> None:
                                 "(model.float()) before apply") from None
 
 
-def _managed_weights(model: nn.Module, config: GiftConfig, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
-    """The weights `apply` would manage (eligibility does not depend on the geometry)."""
+def managed_weights(model: Parts, config: GiftConfig, group: dist.ProcessGroup | None, *,
+                    split_rows: bool) -> list[torch.Tensor]:
+    """The weights `manage` will take from `model` on the data-parallel `group` (`split_rows`:
+    a reduce-scatter path), what `resolve_auto` inspects the optimizer for. Eligibility reads
+    neither the geometry nor the metric, so it is computed before "auto" is resolved."""
     world = collectives.group_info(group)[1]
-    split_rows = bool(_fsdp2_modules(model)) or _has_dtensor_params(model)
-    provisional = dataclasses.replace(config, geometry=Geometry.name)
-    return [m._parameters["weight"] for _, m in eligible_linears(model, provisional, world, split_rows=split_rows)]
+    return [m._parameters["weight"] for _, m in eligible_linears(model, config, world, split_rows=split_rows,
+                                                                 group=group)]
 
 
 def attach_optimizer(state: GiftState, optimizer: torch.optim.Optimizer) -> None:
