@@ -23,6 +23,7 @@ from gift_compile.config import GiftConfig
 from gift_compile.frameworks import fsdp2
 from gift_compile.frameworks import hsdp as gift_hsdp
 from gift_compile.frameworks.parts import Parts
+from gift_compile.frameworks.simple_fsdp import SIMPLE_FSDP
 from gift_compile.frameworks.tensor_parallel import describe_blocks
 
 from . import cpu_compat, hsdp, pipeline_parallel
@@ -120,7 +121,7 @@ def gift_post_optimizer_build(optimizers: Any, model_parts: list[nn.Module], par
             gift_hsdp.install(model, state, replicas, compiled=section.fuse)
             logger.info(hsdp.describe_hops(model, state, parallel_dims.dp_shard))
     else:
-        state = manage(model, config, group, mode="tag", split_rows=True)
+        state = SIMPLE_FSDP.install(model, config, group, fuse=section.fuse)
         replicas = hsdp.replica_group(parallel_dims)
         if replicas is not None:  # the marks carry the replica hop, which the pass puts after the shard hop
             gift_hsdp.install_graph(state, replicas)

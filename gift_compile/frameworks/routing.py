@@ -80,7 +80,7 @@ def _routed_weight(module: nn.Module, w: torch.Tensor) -> torch.Tensor:
     layer: LayerState = module._gift_layer
     gstate: GiftState = module._gift_state
     plan = layer.plan_str
-    tensors = layer.mark_tensors(gstate.shared, gstate.replica_shared)
+    tensors = layer.mark_tensors(gstate.shared)
     if module._gift_group_name is None:
         return on_local_block(w, lambda block: _GiftTag.apply(block, plan, *tensors))
     pending = layer.pending if layer.mode != SYNC else None
