@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from gift_compile.config import GiftConfig
 from gift_compile.frameworks.adapter import attach
+from gift_compile.frameworks.parts import Parts
 from gift_compile.frameworks.routing import manage
 from gift_compile.runtime.state import GiftState
 
@@ -34,10 +35,11 @@ class _SimpleFSDPAdapter:
 
         return any(isinstance(p, DTensor) for p in model.parameters())
 
-    def install(self, model: nn.Module, config: GiftConfig, group: dist.ProcessGroup | None, *,
+    def install(self, model: Parts, config: GiftConfig, group: dist.ProcessGroup | None, *,
                 fuse: bool) -> GiftState:
         """Manage the linears in "tag" mode (the marks the pass rewrites); `fuse` concerns eager
-        collectives, and these run in the compiled graph."""
+        collectives, and these run in the compiled graph. `model` may be the parts one rank
+        holds (torchtitan hands its model parts)."""
         state = manage(model, config, group, mode="tag", split_rows=True)
         attach(state, self.name, None)
         return state
