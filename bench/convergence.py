@@ -17,6 +17,10 @@ gives, per arm, the mean paired difference of the final held-out bits/byte with 
 CI and the minimum detectable effect (`bench.stats`); per bit width and EF setting, the gap
 Euclidean leaves and the share of it GIFT closes. Runs write one JSON line each as they finish
 (`jsonl` next to the results), so a long profile can be inspected, or rendered, while it runs.
+
+This module runs the study (training, the two gradient paths, the workers); the arms and run
+keys are `bench.convergence_arms`, the statistics over finished runs `bench.convergence_summary`,
+and the pages render them (`bench.report`, `bench.readme`).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import tempfile
 import time
 from collections import deque
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -40,121 +44,24 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import gift_compile
+from bench.convergence_arms import (PATHS, RunKey, arm_config, check_settings, rescaled, resolve_arm_auto, run_key,
+                                    settings_key)
+from bench.convergence_summary import summarise
 from bench.fidelity import two_sided_round_trip
 from bench.reference import make_optimizers, train_step
 from bench.settings import ConvergenceSettings
-from bench.stats import holm, paired, ratio_ci
 from bench.tiny_llama import TinyLlama
-from gift_compile.exchange.collectives import all_reduce
-from gift_compile.api import eligible_linears, resolve_auto
+from gift_compile.api import eligible_linears
 from gift_compile.config import GiftConfig
-from gift_compile.codec import FormatSpec
-from gift_compile.geometry.table import geometry_class
-from gift_compile.sync import exit_without_finalization
+from gift_compile.exchange.collectives import all_reduce
 from gift_compile.geometry import Transform, gradient_factor
+from gift_compile.geometry.table import geometry_class
 from gift_compile.passes import last_reports, reports_seen
 from gift_compile.runtime.state import GiftState
-from gift_compile.sync import all_reduce_
+from gift_compile.sync import all_reduce_, exit_without_finalization
 from gift_compile.torchtitan_ext import corpus
 
 Log = Callable[[str], None]
-
-# short format name -> GiftConfig keyword arguments (and the order of the bit-width axis)
-FORMATS: dict[str, dict[str, object]] = {
-    "fp8": {"format": "fp8_e4m3", "scaling": "row"},
-    "int6": {"format": "int6", "block_size": 32},
-    "nvfp4": {"format": "nvfp4"},
-    "int4": {"format": "int4", "block_size": 32},
-    "int3": {"format": "int3", "block_size": 32},
-    "int2": {"format": "int2", "block_size": 32},
-    "ternary": {"format": "ternary", "block_size": 32},
-}
-
-
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GiftConfig)}
-
-# arm suffixes beyond `-ef` (the tuning runs): what each changes in the GIFT config
-MODIFIERS: dict[str, dict[str, object]] = {
-    "sr": {"stochastic_rounding": True},
-    "dense": {"geometry": "dense"},
-    "exact": {"statistics": "dense"},
-    "r64": {"rank": 64},
-    "rf5": {"refresh_every": 5},
-    "grad": {"geometry": "gradient"},
-    # the low-rank map built from the optimizer's momentum (what Muon orthogonalizes)
-    "mom": {"geometry": "momentum"},
-    # damping 1e-2 instead of 1e-3 (the fidelity sweep's best momentum candidate, `mom-r32-d1e-2`)
-    "d2": {"damping": 1e-2},
-    # the product's measured selection (`select="auto"`, default metric) instead of every layer whitened
-    "auto": {"select": "auto"},
-    # input columns scaled by AdamW's second moment (`geometry="second_moment"`, the sweep's vcol-p1)
-    "vsq": {"geometry": "second_moment"},
-    # the geometry the product picks for the optimizer (`geometry="auto"`: `geometry_for`)
-    "geo": {"geometry": "auto"},
-    # EXPERIMENT, not in the product: two-sided dense whitening from the momentum (`TwoSided`)
-    "two": {"geometry": "none", "damping": 1e-2},
-    # owner-side error feedback on the all-reduce's second hop (all-reduce path only); with
-    # `-ef` both hops are compensated
-    "ef2": {"second_hop_error_feedback": True},
-    # a leaky residual, beta 0.9, on whichever hops have error feedback
-    "b9": {"error_feedback_decay": 0.9},
-    # what a user gets from `GiftConfig(format=..., geometry="auto")` with `optimizer=`: the
-    # product's defaults for selection (measured, metric chosen from the optimizer), refresh
-    # cadence and rank, instead of the study's every-layer, refresh-20 arms
-    "dflt": {"geometry": "auto", **{f: _DEFAULTS[f] for f in ("select", "select_metric", "refresh_every",
-                                                              "refresh_warmup", "rank")}},
-    # the selection metric before it was chosen from the optimizer (plain L2 for every optimizer)
-    "euc": {"select_metric": "euclidean"},
-    # no refresh warm-up: refreshes only at multiples of refresh_every (the schedule before the
-    # warm-up existed; every study arm without `-dflt` runs so, to keep its meaning)
-    "nowarm": {"refresh_warmup": 0},
-}
-
-
-# the modifiers that change only GIFT's map (the rest, `sr`, `ef2`, `b9`, change the codec both
-# geometries share): a GIFT arm with them is compared with the Euclidean arm without them
-MAP_MODIFIERS = frozenset({"dense", "exact", "r64", "rf5", "grad", "mom", "d2", "auto", "vsq", "geo", "two", "dflt",
-                           "euc", "nowarm"})
-assert MAP_MODIFIERS <= MODIFIERS.keys()
-
-
-def parse_arm(arm: str) -> tuple[str, str | None, bool]:
-    """`(side, format short name, error feedback)` of an arm name (`fp32`: no format); the
-    side is `euclid`, `gift` or `fp32`, the arm's coordinates (not a geometry name).
-
-    Names are `fp32` or `(euclid|gift)-<format>[-ef][-<modifier>...]`, modifiers from
-    `MODIFIERS` (stochastic rounding, dense whitening, exact statistics, rank 64, refresh
-    every 5 steps, gradient-side geometry, momentum-side geometry, damping 1e-2, measured
-    selection, the two-sided experiment, AdamW's second-moment column scaling, the geometry
-    chosen from the optimizer, second-hop error feedback, a decaying residual, the product's
-    defaults, the plain-L2 selection metric, no refresh warm-up).
-    """
-    if arm == "fp32":
-        return "fp32", None, False
-    parts = arm.split("-")
-    if (len(parts) < 2 or parts[0] not in ("euclid", "gift") or parts[1] not in FORMATS
-            or any(p not in MODIFIERS and p != "ef" for p in parts[2:])):
-        raise ValueError(f"unknown convergence arm {arm!r}: expected fp32 or (euclid|gift)-<format>[-ef][-mod...], "
-                         f"format one of {sorted(FORMATS)}, modifiers {sorted(MODIFIERS)}")
-    return parts[0], parts[1], "ef" in parts[2:]
-
-
-def arm_config(arm: str, s: ConvergenceSettings, seed: int) -> GiftConfig | None:
-    side, fmt, ef = parse_arm(arm)
-    if fmt is None:
-        return None
-    gift = {"geometry": "lowrank", "select": "all", "rank": s.rank} if side == "gift" else {"geometry": "none"}
-    extra = {"refresh_every": s.refresh_every, "refresh_warmup": 0}  # the study's fixed cadence
-    for mod in arm.split("-")[2:]:
-        extra.update(MODIFIERS.get(mod, {}))
-    return GiftConfig(**{**FORMATS[fmt], **gift, "error_feedback": ef, "seed": seed, **extra})
-
-
-def bits_per_element(fmt: str, cols: int = 512) -> float:
-    """Exact wire bits per managed element of a format (payload + scales) at width `cols`."""
-    kw = FORMATS[fmt]
-    return FormatSpec(str(kw["format"]), str(kw.get("scaling", "row")), int(kw.get("block_size", 32))).bits_per_element(cols, 64)
-
 
 class TwoSided:
     """The `-two` arms: an experiment that asks whether whitening BOTH sides of the gradient
@@ -169,8 +76,6 @@ class TwoSided:
     """
 
     def __init__(self, model: nn.Module, config: GiftConfig, optimizer: torch.optim.Optimizer, world: int):
-        from gift_compile.api import eligible_linears, resolve_auto
-
         self.config, self.optimizer, self.world = config, optimizer, world
         self.weights = {name: m.weight for name, m in eligible_linears(model, config, world, split_rows=False)}
         self.maps = {name: (Transform("dense", w.shape[0]), Transform("dense", w.shape[1]))
@@ -281,19 +186,6 @@ class ShardedTwin:
             local.copy_(piece)
 
 
-def _resolve_auto(config: GiftConfig | None, model: nn.Module, optimizers: list[torch.optim.Optimizer],
-                  world: int, *, split_rows: bool) -> GiftConfig | None:
-    """The arm's `geometry="auto"` / `select_metric="auto"` chosen as `apply` chooses them
-    (`gift_compile.api.resolve_auto`) from the optimizers that step the plain model's managed
-    weights: here rather than in `apply`, because on the reduce-scatter path GIFT is applied to
-    the twin, whose parameters no optimizer steps."""
-    if config is None:
-        return None
-    provisional = dataclasses.replace(config, geometry="none")  # eligibility ignores the geometry
-    weights = [m.weight for _, m in eligible_linears(model, provisional, world, split_rows=split_rows)]
-    return resolve_auto(config, optimizers, weights)
-
-
 def _train(opt_name: str, arm: str, seed: int, s: ConvergenceSettings, paths: corpus.CorpusPaths,
            rank: int, world: int) -> dict[str, object]:
     model = TinyLlama(s.model, seed=seed)
@@ -303,7 +195,7 @@ def _train(opt_name: str, arm: str, seed: int, s: ConvergenceSettings, paths: co
     two_sided = TwoSided(model, config, optimizers[0], world) if "two" in arm.split("-")[2:] else None
     sharded = ShardedTwin(model, rank, world) if s.path == "reduce-scatter" else None
     gift_model = sharded.module if sharded is not None else model
-    config = _resolve_auto(config, model, optimizers, world, split_rows=sharded is not None)
+    config = resolve_arm_auto(config, model, optimizers, split_rows=sharded is not None)
     if config is not None and two_sided is None:  # the first optimizer drives GIFT's state (health check, refresh)
         # fuse=False: the FSDP2 hook's codec runs eagerly, as the eager all-reduce path's does (no per-run compile)
         gift_compile.apply(gift_model, config, group=dist.group.WORLD, optimizer=optimizers[0], fuse=False)
@@ -389,67 +281,6 @@ def _worker(rank: int, world: int, store_path: str, s: ConvergenceSettings, path
     exit_without_finalization(0)
 
 
-PATHS = ("all-reduce", "reduce-scatter")
-
-
-RunKey = tuple[str, int, int, str, int, str]
-
-
-def run_key(record: dict) -> RunKey:
-    """`(path, world, steps, optimizer, seed, arm)` of a run record. Records written before a
-    field existed: the path is all-reduce, the world 2 ranks (every earlier run), the steps the
-    length of the loss curve."""
-    return (record.get("path", "all-reduce"), record.get("world", 2), record.get("steps", len(record["losses"])),
-            record["optimizer"], record["seed"], record["arm"])
-
-
-def settings_key(s: ConvergenceSettings, opt: str, seed: int, arm: str) -> RunKey:
-    """The `run_key` the run of `(opt, seed, arm)` under settings `s` will have."""
-    return s.path, s.world, s.steps, opt, seed, arm
-
-
-def study(record: dict, s: ConvergenceSettings) -> str:
-    """The study a run belongs to: its path, qualified by the ranks and steps where they differ
-    from the settings' (the 4-rank subset, the longer confirmation), so runs of different
-    designs are never paired with each other."""
-    path, world, steps = run_key(record)[:3]
-    return path + (f", {world} ranks" if world != s.world else "") + (f", {steps} steps" if steps != s.steps else "")
-
-
-def rescaled(s: ConvergenceSettings, *, world: int, steps: int) -> ConvergenceSettings:
-    """`s` on `world` ranks for `steps` steps, the same experiment otherwise: the global batch
-    is kept (each rank takes its share of the same sequences, `corpus.batches`), warmup and
-    the evaluation interval keep their share of the run. Raises where the batch cannot split."""
-    global_batch = s.local_batch * s.world
-    if world < 1 or global_batch % world:
-        raise ValueError(f"cannot split the global batch of {global_batch} sequences over {world} ranks")
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
-    return dataclasses.replace(s, world=world, local_batch=global_batch // world, steps=steps,
-                               warmup=max(1, round(s.warmup * steps / s.steps)),
-                               eval_every=max(1, round(s.eval_every * steps / s.steps)))
-
-
-def check_settings(s: ConvergenceSettings) -> None:
-    """Raise, naming the problem, for settings a run could not honour (before any run starts)."""
-    if s.path not in PATHS:
-        raise ValueError(f"unknown convergence path {s.path!r}; allowed: {', '.join(PATHS)}")
-    for _, arms in s.arms:
-        for arm in arms:
-            parse_arm(arm)
-            mods = arm.split("-")[2:]
-            if s.path == "reduce-scatter" and ("two" in mods or "mom" in mods):
-                raise ValueError(f"arm {arm!r} cannot run on the reduce-scatter path: the optimizer steps the plain "
-                                 "model (`ShardedTwin`), so a map built from the optimizer's momentum or the two-sided "
-                                 "experiment has no state on the FSDP2 twin")
-            if s.path == "reduce-scatter" and "ef2" in mods:
-                raise ValueError(f"arm {arm!r} cannot run on the reduce-scatter path: a reduce-scatter has no second "
-                                 "hop for second-hop error feedback to correct")
-            arm_config(arm, s, 0)  # invalid combinations (a decay without any error feedback) fail here
-    if s.path == "reduce-scatter" and s.compile:
-        raise ValueError("the reduce-scatter path runs eager (FSDP2's reduce-scatter runs from eager hooks)")
-
-
 def run(s: ConvergenceSettings, paths: corpus.CorpusPaths, log: Log, jsonl: Path | None = None) -> dict[str, object]:
     """Train every (seed, optimizer, arm) on `s.world` gloo ranks and summarise (see module doc).
 
@@ -468,226 +299,6 @@ def run(s: ConvergenceSettings, paths: corpus.CorpusPaths, log: Log, jsonl: Path
         with open(path) as f:
             runs = [json.loads(line) for line in f if line.strip()]
     return summarise(runs, s)
-
-
-def summarise(runs: list[dict], s: ConvergenceSettings) -> dict[str, object]:
-    """Per study (`all-reduce` / `reduce-scatter`, or one of them at other ranks or steps:
-    `study`), per optimizer: per-arm paired statistics and per-(bit width, EF) gaps from
-    finished runs. `paths` is keyed by study (each entry names its collective path); `world`
-    and `steps` are the settings' own.
-
-    Every run is either summarised or listed under `excluded` with the reason. Arms come from
-    `s.arms` (in that order) plus any other arm found in the runs (at whatever n it has), so a
-    run outside the profile's arm list is shown rather than silently dropped. `optimizers` is
-    the all-reduce path's summary (the study's first path) or, without all-reduce runs, the
-    only path's.
-    """
-    used: dict[tuple[str, str, int, str], dict] = {}
-    excluded: list[dict[str, object]] = []
-
-    def key_of(r: dict) -> tuple[str, str, int, str]:
-        return study(r, s), r["optimizer"], r["seed"], r["arm"]
-
-    keys = {key_of(r) for r in runs}
-    for r in runs:
-        r.setdefault("path", "all-reduce")  # records written before the path existed
-        tail = r["losses"][-max(1, len(r["losses"]) // 10):]
-        r["final_train_loss"] = statistics.fmean(tail)
-        r["final_bpb"] = r["evals"][-1][1]
-        if "geometry" not in r and r["arm"] != "fp32":  # recorded before the field: the arm's configured map
-            r["geometry"] = arm_config(r["arm"], s, r["seed"]).geometry
-        key = key_of(r)
-        if key in used:
-            excluded.append({"key": list(key), "reason": "duplicate of an earlier run with the same study, optimizer, "
-                                                          "seed and arm (the first is used)"})
-        elif (key[0], key[1], key[2], "fp32") not in keys:
-            excluded.append({"key": list(key), "reason": "no fp32 run of the same seed, optimizer and study to pair with"})
-        else:
-            used[key] = r
-    arm_order = {opt: list(arms) for opt, arms in s.arms}
-    for _, opt, _, arm in used:
-        arm_order.setdefault(opt, ["fp32"])
-        if arm not in arm_order[opt]:
-            arm_order[opt].append(arm)
-    paths = {}
-    found = {k[0] for k in used}
-    for label in [*(p for p in PATHS if p in found), *sorted(found - set(PATHS))]:
-        mine = {k: r for k, r in used.items() if k[0] == label}
-        paths[label] = {"path": next(iter(mine.values()))["path"], "seeds": sorted({k[2] for k in mine}),
-                        "runs": len(mine), "optimizers": _per_optimizer(mine, arm_order)}
-    primary = "all-reduce" if "all-reduce" in paths else next(iter(paths), None)
-    between: dict[str, dict[str, dict]] = {}  # reduce-scatter minus all-reduce, same seed (same init and data)
-    for (path, opt, seed, arm), r in used.items():
-        other = used.get(("all-reduce", opt, seed, arm))
-        if path == "reduce-scatter" and other is not None:
-            between.setdefault(opt, {}).setdefault(arm, []).append(r["final_bpb"] - other["final_bpb"])
-    return {
-        "mode": "compiled" if s.compile else "eager", "world": s.world, "steps": s.steps,
-        "tokens_per_step": s.world * s.local_batch * s.seq_len, "seeds": sorted({k[2] for k in used}),
-        "arms": arm_order, "runs": runs, "excluded": excluded, "paths": paths, "primary_path": primary,
-        "optimizers": paths[primary]["optimizers"] if primary else {},
-        "rs_minus_ar": {opt: {arm: paired(d).as_dict() for arm, d in arms.items()} for opt, arms in between.items()},
-        "optimizer_classes": _optimizer_classes(runs, list(arm_order), s),
-        "default_geometry": {opt: default_geometry(opt, s) for opt in arm_order},
-        "gift_config": {"rank": s.rank, "refresh_every": s.refresh_every, "select": "all", "geometry": "lowrank"},
-        "all_replicas_identical": all(r["replicas_identical"] for r in runs),
-    }
-
-
-def default_geometry(opt: str, s: ConvergenceSettings) -> str:
-    """The geometry the product picks for optimizer `opt` (`geometry="auto"`), resolved as a
-    `-geo` run resolves it: the GIFT arm that records this geometry and no codec modifier is the
-    product's per-optimizer default in the study."""
-    model = TinyLlama(s.model, seed=0)
-    optimizers, _ = make_optimizers(model, opt, s.lr, s.muon_lr)
-    config = _resolve_auto(arm_config("gift-nvfp4-geo", s, 0), model, optimizers, s.world, split_rows=False)
-    assert config is not None
-    return config.geometry
-
-
-def _optimizer_classes(runs: list[dict], opts: list[str], s: ConvergenceSettings) -> dict[str, dict[str, object]]:
-    """The optimizer classes each optimizer name ran as: recorded per run, or (runs recorded
-    before the field existed, all on CPU) what `make_optimizers` builds for a CPU model."""
-    out = {}
-    for opt in opts:
-        recorded = {tuple(r["optimizer_classes"]) for r in runs if r["optimizer"] == opt and "optimizer_classes" in r}
-        if recorded:
-            out[opt] = {"classes": sorted({c for t in recorded for c in t}), "source": "recorded in the runs"}
-        else:
-            built, _ = make_optimizers(TinyLlama(s.model, seed=0), opt, s.lr, s.muon_lr)
-            out[opt] = {"classes": [type(o).__name__ for o in built],
-                        "source": "not recorded; what make_optimizers builds on CPU, where every run of this study ran"}
-    return out
-
-
-def _per_optimizer(by: dict[tuple[str, str, int, str], dict], arm_order: dict[str, list[str]]) -> dict[str, dict]:
-    """Per optimizer: paired statistics per arm, the gaps, the verdict (runs of one path)."""
-    seeds = sorted({k[2] for k in by})
-    path = next(iter(by))[0]
-    per_opt: dict[str, dict[str, object]] = {}
-    for opt_name, arms in arm_order.items():
-        summary, gaps = {}, {}
-
-        def bpb(seed: int, arm: str) -> float:
-            return by[(path, opt_name, seed, arm)]["final_bpb"]
-
-        def have(seed: int, arm: str) -> bool:
-            return (path, opt_name, seed, arm) in by
-
-        for arm in arms:
-            done = [seed for seed in seeds if have(seed, arm) and have(seed, "fp32")]
-            if not done:
-                continue
-            diff = [bpb(seed, arm) - bpb(seed, "fp32") for seed in done]
-            _, fmt, _ = parse_arm(arm)
-            summary[arm] = {
-                "bits": 32.0 if fmt is None else bits_per_element(fmt),
-                "final_bpb": statistics.fmean(bpb(seed, arm) for seed in done), "n": len(done), "seeds": done,
-                "paired_diff_bpb": paired(diff).as_dict(),
-                "seconds": statistics.fmean(by[(path, opt_name, seed, arm)]["seconds"] for seed in done),
-                # the geometry the runs resolved (`-geo`: chosen from the optimizer); None for fp32
-                "geometry": by[(path, opt_name, done[0], arm)].get("geometry"),
-                # the selection metric the runs resolved and the layers their selection kept at the
-                # end (mean over seeds); absent for runs recorded before the fields existed
-                **_selection(by[(path, opt_name, seed, arm)] for seed in done),
-            }
-        for arm in arms:
-            side, fmt, ef = parse_arm(arm)
-            twin = "-".join(["euclid", *arm.split("-")[1:]]) if side == "gift" else ""
-            if twin not in summary:  # GIFT-only modifiers (dense, rank, ...): the twin keeps only the codec's
-                twin = "-".join(["euclid", *(p for p in arm.split("-")[1:] if p not in MAP_MODIFIERS)])
-            if side != "gift" or twin not in summary or arm not in summary:
-                continue
-            done = [seed for seed in seeds if have(seed, arm) and have(seed, twin)]
-            g_minus_e = [bpb(seed, arm) - bpb(seed, twin) for seed in done]
-            gap_e, gap_g = summary[twin]["paired_diff_bpb"]["mean"], summary[arm]["paired_diff_bpb"]["mean"]
-            with_ref = [seed for seed in done if have(seed, "fp32")]
-            closed = ratio_ci([bpb(seed, twin) - bpb(seed, arm) for seed in with_ref],
-                              [bpb(seed, twin) - bpb(seed, "fp32") for seed in with_ref])
-            gaps[arm.removeprefix("gift-")] = {
-                "format": fmt, "error_feedback": ef, "bits": summary[arm]["bits"],
-                "euclid_minus_fp32": summary[twin]["paired_diff_bpb"], "gift_minus_fp32": summary[arm]["paired_diff_bpb"],
-                "gift_minus_euclid": paired(g_minus_e).as_dict(),
-                # a share of a gap only where that gap is resolved (its CI excludes zero): at n=1 or an
-                # unresolved Euclidean cost the ratio is noise over noise
-                "share_closed": 1.0 - gap_g / gap_e if gap_e > 0 and summary[twin]["paired_diff_bpb"]["resolved"]
-                else float("nan"),
-                # Fieller 95% CI of (Euclidean - GIFT) / (Euclidean - fp32); None: unbounded
-                "share_closed_ci95": None if closed is None else list(closed),
-            }
-        if summary:
-            per_opt[opt_name] = {"arms": summary, "gaps": gaps, "verdict": _verdict(summary, gaps),
-                                 "defaults": _defaults_vs_study(summary, bpb, have, seeds)}
-    return per_opt
-
-
-def _defaults_vs_study(summary: dict, bpb: Callable[[int, str], float], have: Callable[[int, str], bool],
-                       seeds: list[int]) -> dict[str, dict[str, object]]:
-    """Per `-dflt` arm (the product's defaults): its paired difference in held-out bits/byte to
-    the study's arm of the same map on every layer (`gift-<fmt>[-ef]`, or `-geo` where the
-    default resolved the optimizer's geometry) and, where run, to the same default judged by
-    the plain-L2 metric (`-euc`). The comparisons of one optimizer and study form one family:
-    `holm_rejects` is Holm's 5% family-wise decision on each paired t test's p-value."""
-    rows: dict[str, dict[str, object]] = {}
-    for arm, v in summary.items():
-        parts = arm.split("-")
-        if parts[0] != "gift" or "dflt" not in parts or "euc" in parts:
-            continue
-        base = [p for p in parts if p not in ("dflt", "nowarm")]  # the study's arms have no warm-up
-        study = next((a for a in ("-".join(base), "-".join([*base, "geo"]))
-                      if a in summary and summary[a].get("geometry") == v.get("geometry")), None)
-        plain = next((a for a in summary if set(a.split("-")) == {*parts, "euc"}), None)  # any modifier order
-        for other, label in ((study, "study"), (plain, "plain_metric")):
-            if other is None or other not in summary:
-                continue
-            done = [seed for seed in seeds if have(seed, arm) and have(seed, other)]
-            rows.setdefault(arm, {})[label] = {"arm": other, **paired([bpb(x, arm) - bpb(x, other) for x in done]).as_dict()}
-    tests = [(arm, label) for arm, cmp in rows.items() for label in cmp if cmp[label]["n"] > 1]
-    for (arm, label), rejects in zip(tests, holm([rows[arm][label]["p"] for arm, label in tests])):
-        rows[arm][label]["holm_rejects"] = rejects
-    return rows
-
-
-def _selection(records: Iterable[dict]) -> dict[str, object]:
-    """`select_metric`, mean `selected_layers` and `managed_layers` of an arm's runs, where recorded."""
-    rs = [r for r in records if "selected_layers" in r]
-    if not rs:
-        return {}
-    return {"select_metric": rs[0].get("select_metric"), "managed_layers": rs[0]["managed_layers"],
-            "selected_layers": statistics.fmean(r["selected_layers"] for r in rs)}
-
-
-def _verdict(summary: dict, gaps: dict) -> dict[str, object]:
-    """Per EF setting, the widest bit width at which Euclidean costs loss, GIFT's share of that
-    gap (with its Fieller CI); and the arms that are resolved positive controls.
-
-    "Costs loss" is a claim picked from a family (every study bit width of that EF setting),
-    so it is made only where Holm's procedure over the family's paired t tests (Euclidean minus
-    fp32) rejects at 5% family-wise; `family` lists the tests and their decisions. The no-EF
-    answer sits at the top level (`first_costly`, `bits`, `share_closed`, ...), the
-    error-feedback answer under `with_ef` in the same shape."""
-
-    def first(ef: bool) -> dict[str, object]:
-        keys = [k for k, g in gaps.items() if g["error_feedback"] == ef and _plain(k)
-                and g["euclid_minus_fp32"]["n"] >= 2]  # a single seed is no test: outside the family
-        pvalues = [gaps[k]["euclid_minus_fp32"]["p"] for k in keys]
-        rejected = holm(pvalues)
-        family = [{"key": k, "bits": gaps[k]["bits"], "p": p, "holm_rejected": rej,
-                   "mean": gaps[k]["euclid_minus_fp32"]["mean"]} for k, p, rej in zip(keys, pvalues, rejected)]
-        costly = [(f["bits"], f["key"]) for f in family if f["holm_rejected"] and f["mean"] > 0]
-        if not costly:
-            return {"first_costly": None, "family": family}
-        bits, key = max(costly)
-        return {"first_costly": key, "bits": bits, "share_closed": gaps[key]["share_closed"], "family": family,
-                "share_closed_ci95": gaps[key]["share_closed_ci95"], "gift_minus_euclid": gaps[key]["gift_minus_euclid"]}
-
-    controls = [a for a, v in summary.items() if v["paired_diff_bpb"]["resolved"] and v["paired_diff_bpb"]["mean"] > 0]
-    return {**first(False), "with_ef": first(True), "positive_controls": controls}
-
-
-def _plain(gap_key: str) -> bool:
-    """Whether a gap key (`<format>[-ef]`) is a study arm rather than a tuning variant."""
-    return all(p == "ef" for p in gap_key.split("-")[1:])
 
 
 def main(argv: list[str] | None = None) -> None:

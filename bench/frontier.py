@@ -34,7 +34,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from bench.convergence import FORMATS, run_key
+from bench.convergence_arms import FORMATS, run_key
 from bench.stats import paired, t_quantile
 
 ROOT = Path(__file__).resolve().parent.parent

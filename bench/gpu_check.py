@@ -55,7 +55,7 @@ from torch._inductor.utils import run_and_get_code
 
 from bench.codec_minimum import minimum_bytes
 from bench.overhead import PATHS, codec_body, generated_traffic, traffic_summary
-from bench.report import table
+from bench.formatting import table
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 # Datasheet HBM bandwidth (bytes/s) by device-name fragment, first match wins (GH200 before H200).

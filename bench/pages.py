@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from bench.convergence import FORMATS as RUN_FORMATS
+from bench.convergence_arms import FORMATS as RUN_FORMATS
+from bench.formatting import signed_pct
 from gift_compile.codec import FormatSpec, dequantize, quantize
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,9 +32,6 @@ GIB = 2 ** 30
 # `bench.fault_table` on this checkout and on the last one before the end-of-backward checks
 FAULTS, FAULTS_BEFORE = (RESULTS / f for f in ("fault_table.json", "fault_table_before.json"))
 
-
-def _pct(x: float) -> str:
-    return f"{100 * x:+.1f}%"
 
 # ---- formats -------------------------------------------------------------------------------
 
@@ -237,7 +235,7 @@ def hsdp_model(_: dict) -> str:
     per_model = []
     for model, arms in d["models"].items():
         best = min((a for a in arms if a.startswith("HSDP")), key=lambda a: arms[a]["step_s"])
-        cells = ", ".join(f"{a} {_pct(v['vs_fsdp_fp32'])}" for a, v in arms.items() if a != "FSDP fp32")
+        cells = ", ".join(f"{a} {signed_pct(v['vs_fsdp_fp32'])}" for a, v in arms.items() if a != "FSDP fp32")
         per_model.append(f"{model}: {cells} (best HSDP arm: **{best}**, {arms[best]['network_bytes'] / 1e9:.2f} GB "
                          f"of network traffic per GPU)")
     return ("* **HSDP, a precision per hop** (`python -m bench.hsdp_model` -> "

@@ -22,7 +22,8 @@ from typing import Callable
 
 from bench.fidelity_sweep import ORACLES
 from bench import pages, report
-from bench.report import CODEC_PAIR
+from bench.formatting import paired_ci, share_closed, signed_pct
+from bench.report_cost import CODEC_PAIR
 from gift_compile.geometry.table import IDENTITY_KIND
 from gift_compile.config import GiftConfig
 
@@ -31,22 +32,9 @@ RESULTS = ROOT / "bench" / "results" / "results.json"
 REPORT = ROOT / "bench" / "results" / "REPORT.md"
 
 
-def _pct(x: float) -> str:
-    return f"{100 * x:+.1f}%"
-
-
-def _ci(p: dict) -> str:
-    if p["n"] < 2:
-        return f"{p['mean']:+.4f} (n=1)"
-    return f"{p['mean']:+.4f} ± {p['ci95']:.4f} (n={p['n']})"
-
-
 def _share(g: dict) -> str:
-    share = g["share_closed"]
-    if share != share:
-        return "no resolved Euclidean gap to close"
-    ci = g["share_closed_ci95"]
-    return f"{100 * share:.0f}% closed ({'CI unbounded' if ci is None else f'{100 * ci[0]:.0f}% to {100 * ci[1]:.0f}%'})"
+    """The pages' wording of a gap's share closed (`NN% closed (lo% to hi%)`)."""
+    return share_closed(g, unresolved="no resolved Euclidean gap to close", closed=" closed")
 
 
 def step_model(r: dict) -> str:
@@ -57,12 +45,12 @@ def step_model(r: dict) -> str:
     t = {k: v["vs_fp32"] for k, v in tf32["arms"].items()}
     return (f"* **Step-time projection** ({cal['model']}, {cal['inputs']['gpus']} GPUs; codec bytes from the generated "
             "kernels, statistics FLOPs counted, hardware figures assumed, the exposed-communication fraction "
-            f"calibrated so Euclidean FP8 reproduces the paper's {_pct(sm['paper']['euclid-fp8'])}): GIFT fp8 on 13 fc2 "
-            f"layers {_pct(a['gift-fp8 (13 fc2)'])} (paper {_pct(sm['paper']['gift-fp8 (13 fc2)'])}; as the code runs "
+            f"calibrated so Euclidean FP8 reproduces the paper's {signed_pct(sm['paper']['euclid-fp8'])}): GIFT fp8 on 13 fc2 "
+            f"layers {signed_pct(a['gift-fp8 (13 fc2)'])} (paper {signed_pct(sm['paper']['gift-fp8 (13 fc2)'])}; as the code runs "
             "it, the deselected layers take the Euclidean codec without statistics), GIFT fp8 on all layers "
-            f"{_pct(a['gift-fp8 (all layers)'])}, GIFT NVFP4 on all layers {_pct(a['gift-nvfp4 (all layers)'])}, "
-            f"Euclidean NVFP4 {_pct(a['euclid-nvfp4'])}; with TF32 matmuls for the codec "
-            f"{_pct(t['gift-fp8 (13 fc2)'])} / {_pct(t['gift-fp8 (all layers)'])} (13 fc2 / all layers). "
+            f"{signed_pct(a['gift-fp8 (all layers)'])}, GIFT NVFP4 on all layers {signed_pct(a['gift-nvfp4 (all layers)'])}, "
+            f"Euclidean NVFP4 {signed_pct(a['euclid-nvfp4'])}; with TF32 matmuls for the codec "
+            f"{signed_pct(t['gift-fp8 (13 fc2)'])} / {signed_pct(t['gift-fp8 (all layers)'])} (13 fc2 / all layers). "
             f"Step model run: `{r['meta']['sections']['step_model']['command']}`.")
 
 
@@ -79,8 +67,8 @@ def convergence(r: dict) -> str:
         for opt, o in pv["optimizers"].items():
             parts = []
             for key, g in o["gaps"].items():
-                parts.append(f"{key} ({g['bits']:.2f} bits): Euclidean {_ci(g['euclid_minus_fp32'])}, GIFT "
-                             f"{_ci(g['gift_minus_fp32'])}, {_share(g)}")
+                parts.append(f"{key} ({g['bits']:.2f} bits): Euclidean {paired_ci(g['euclid_minus_fp32'])}, GIFT "
+                             f"{paired_ci(g['gift_minus_fp32'])}, {_share(g)}")
             better = [k for k, g in o["gaps"].items() if g["gift_minus_euclid"]["resolved"] and g["gift_minus_euclid"]["mean"] < 0]
             worse = [k for k, g in o["gaps"].items() if g["gift_minus_euclid"]["resolved"] and g["gift_minus_euclid"]["mean"] > 0]
             v = o["verdict"]
@@ -214,9 +202,9 @@ def defaults(r: dict) -> str:
                 g = o["gaps"][key]
                 kept = (f", {a['selected_layers']:.1f} of {a['managed_layers']} layers kept" if "selected_layers" in a
                         else "")
-                cells = [f"Euclidean {_ci(g['euclid_minus_fp32'])}",
+                cells = [f"Euclidean {paired_ci(g['euclid_minus_fp32'])}",
                          f"default `{arm}` (`{a['geometry']}`, `{a.get('select_metric')}` metric{kept}): "
-                         f"{_ci(g['gift_minus_fp32'])}, {_share(g)}"]
+                         f"{paired_ci(g['gift_minus_fp32'])}, {_share(g)}"]
                 if "study" in cmp:
                     cells.append(f"study's arm `{cmp['study']['arm']}`: {_share(o['gaps'][cmp['study']['arm'].removeprefix('gift-')])}")
                 if "plain_metric" in cmp:
@@ -250,7 +238,7 @@ def closing(r: dict) -> str:
                     cells.append(f"{fmt} (`gift-{key}`): n={g['gift_minus_fp32']['n']}, no test yet")
                     continue
                 within = not g["gift_minus_fp32"]["resolved"]
-                cell = (f"{fmt} (`gift-{key}`): Euclidean {_ci(g['euclid_minus_fp32'])}, GIFT {_ci(g['gift_minus_fp32'])}"
+                cell = (f"{fmt} (`gift-{key}`): Euclidean {paired_ci(g['euclid_minus_fp32'])}, GIFT {paired_ci(g['gift_minus_fp32'])}"
                         + (" (its 95% CI includes fp32)" if within else "") + f", {_share(g)} -> ")
                 if not g["euclid_minus_fp32"]["resolved"]:
                     # the design cannot tell a cost from none: "within fp32's CI" would be noise
@@ -358,8 +346,8 @@ def headline(r: dict) -> str:
                 g, d = o["gaps"][key], o["gaps"][key]["gift_minus_euclid"]
                 verdict = ("**better**" if d["mean"] < 0 else "worse") if d["resolved"] else "not resolved"
                 arm = "the defaults" if "dflt" in key.split("-") else "every layer"
-                lines.append(f"| {study} | {opt} | `{geometry}` | {fmt} | {arm} | {_ci(g['euclid_minus_fp32'])} | "
-                             f"{_ci(g['gift_minus_fp32'])} | {_share(g)} | {verdict} |")
+                lines.append(f"| {study} | {opt} | `{geometry}` | {fmt} | {arm} | {paired_ci(g['euclid_minus_fp32'])} | "
+                             f"{paired_ci(g['gift_minus_fp32'])} | {_share(g)} | {verdict} |")
     rows = r["wire"]["rows"]
     world, model = max(x["world"] for x in rows), r["wire"]["models"][-1]["name"]
     by = {x["format"]: x for x in rows if (x["model"], x["world"], x["op"]) == (model, world, "all_reduce")}

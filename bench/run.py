@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from bench import codec_minimum, convergence, fidelity, memory, overhead, plots, reference, report, step_model, wire
+from bench import (codec_minimum, convergence, convergence_arms, convergence_summary, fidelity, memory, overhead, plots,
+                   reference, report, step_model, wire)
 from bench.settings import BenchSettings, profile
 from gift_compile.torchtitan_ext import corpus
 
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> dict:
             if args.conv_arms else conv.arms
         for _, names in arms:
             for name in names:
-                convergence.parse_arm(name)  # raises naming an unknown arm before any run starts
+                convergence_arms.parse_arm(name)  # raises naming an unknown arm before any run starts
         settings = dataclasses.replace(settings, convergence=dataclasses.replace(conv, seeds=seeds, arms=arms))
     only = set(args.only.split(","))
     torch.set_num_threads(args.threads or settings.threads)
@@ -173,7 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
             for f in args.convergence_runs:  # the report's directory keeps a copy of every runs file it summarises
                 if f.resolve().parent != out.resolve():
                     shutil.copyfile(f, out / f.name)
-            results["convergence"] = convergence.summarise(runs, settings.convergence)
+            results["convergence"] = convergence_summary.summarise(runs, settings.convergence)
         else:
             results["convergence"] = convergence.run(settings.convergence, paths, log, jsonl=runs_path)
         _write_json(json_path, results)

@@ -138,7 +138,7 @@ class StepSettings:
 class ConvergenceSettings:
     """2-rank gloo pretraining runs: one per (seed, optimizer, arm); within a seed every arm has
     the same init and data order. `arms` pairs each optimizer ("muon", "adamw") with its arms
-    (`bench.convergence.parse_arm`), each list starting with "fp32", the paired reference."""
+    (`bench.convergence_arms.parse_arm`), each list starting with "fp32", the paired reference."""
 
     model: TinyLlamaConfig
     steps: int

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from bench import convergence
+from bench import convergence, convergence_arms
 from bench.settings import profile
 from gift_compile.torchtitan_ext import corpus
 
@@ -41,7 +41,7 @@ def _suffix(arm: str) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--format", default="nvfp4", choices=sorted(convergence.FORMATS))
+    p.add_argument("--format", default="nvfp4", choices=sorted(convergence_arms.FORMATS))
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--variants", default=",".join(_suffix(v) for v in VARIANTS),

@@ -1,6 +1,7 @@
 """`apply` / `remove` / `step` / `no_sync`: put a model's weight gradients on the GIFT path.
 
-One entry point for every way a model is data-parallel:
+One entry point for every way a model is data-parallel, each an adapter of the table
+`gift_compile.frameworks.table` (the first whose `detect` accepts the model installs GIFT):
 
 * a plain module (one replica per rank): GIFT does the gradient sync itself. Each managed
   linear's forward routes its weight through an identity autograd function whose backward
@@ -14,7 +15,7 @@ One entry point for every way a model is data-parallel:
   (`gift_compile.frameworks.ddp`).
 * SimpleFSDP-style models whose parameters are DTensors with a traced reduce-scatter
   (torchtitan's graph_trainer): only the mark is added; the pass rewrites the framework's
-  (possibly bucketed) reduce-scatters.
+  (possibly bucketed) reduce-scatters (`gift_compile.frameworks.simple_fsdp`).
 
 The state advances once per optimizer step (`apply(..., optimizer=opt)` installs the hooks,
 or call `gift_compile.step(model)`), not per backward pass.
@@ -25,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -36,14 +37,13 @@ from gift_compile.config import AUTO_GEOMETRY, AUTO_METRIC, FALLBACK_GEOMETRY, G
 from gift_compile.exchange import collectives
 from gift_compile.exchange.agreement import first_difference
 from gift_compile.exchange.plan import dtype_name
-from gift_compile.frameworks import ddp
-from gift_compile.frameworks.plain_sync import PlainSync
+from gift_compile.frameworks import table
+from gift_compile.frameworks.parts import Parts
 from gift_compile.frameworks.routing import _unmanage_module, eligible_linears, manage  # noqa: F401 (public here too)
 from gift_compile.geometry.optimizer_maps import leaf_optimizers
 from gift_compile.geometry.optimizers import geometry_for, select_metric_for
 from gift_compile.geometry.table import Geometry, geometry_class
 from gift_compile.passes.inductor import hold_inductor_pass, release_inductor_pass
-from gift_compile.runtime.health import queue_backward_check
 from gift_compile.runtime.state import GiftState
 
 logger = logging.getLogger("gift_compile")
@@ -54,33 +54,24 @@ def _default_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
 
-def _fsdp2_modules(model: nn.Module) -> list[nn.Module]:
-    from torch.distributed.fsdp import FSDPModule
-
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
-
-
-def _has_dtensor_params(model: nn.Module) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in model.parameters())
-
-
 def apply(model: nn.Module, config: GiftConfig | None = None, *, group: dist.ProcessGroup | None = None,
           optimizer: torch.optim.Optimizer | None = None, fuse: bool = True) -> nn.Module:
     """Manage `model`'s eligible linear weights with GIFT; call before `torch.compile(model)`.
 
     `model` may be a plain module (GIFT synchronises its gradients over `group`, default the
     world), a `fully_shard`ed (FSDP2) model, a `DistributedDataParallel` model, or a model
-    whose parameters are DTensors with a traced reduce-scatter (SimpleFSDP). `optimizer`
-    installs the step driver (health check before its step, `GiftState.step()` after);
-    without it call `gift_compile.step(model)` after each optimizer step. `fuse` runs the
-    FSDP2/DDP hooks' collective through `torch.compile` (fused kernels). Applying twice
-    with the same config is a no-op; with another config it is an error.
+    whose parameters are DTensors with a traced reduce-scatter (SimpleFSDP): the first adapter
+    of `gift_compile.frameworks.table` that detects it installs GIFT. `optimizer` installs the
+    step driver (health check before its step, `GiftState.step()` after); without it call
+    `gift_compile.step(model)` after each optimizer step. `fuse` runs the FSDP2/DDP hooks'
+    collective through `torch.compile` (fused kernels). Applying twice with the same config is
+    a no-op; with another config it is an error.
     """
     config = config or GiftConfig()
     group = _default_group(group)
-    config = resolve_auto(config, optimizer, _managed_weights(model, config, group) if optimizer is not None else [])
+    adapter = table.adapter_for(model)
+    weights = managed_weights(model, config, group, split_rows=adapter.split_rows) if optimizer is not None else []
+    config = resolve_auto(config, optimizer, weights)
     if geometry_class(config.geometry).needs_optimizer and optimizer is None:
         raise ValueError(f"gift_compile.apply: geometry={config.geometry!r} builds each layer's map from the "
                          "optimizer's state; pass optimizer=")
@@ -92,47 +83,18 @@ def apply(model: nn.Module, config: GiftConfig | None = None, *, group: dist.Pro
         raise ValueError(f"gift_compile.apply: model already has GIFT with a different config ({diff}: applied vs "
                          "requested); call gift_compile.remove first")
     _refuse_unsupported_dtypes(model)
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        state = ddp.install(model, config, group, fuse=fuse)
-        kind = "DDP comm hook"
-    elif _fsdp2_modules(model):
-        # Imported here, not at the top: it imports FSDP2's private internals, which only a
-        # `fully_shard` model needs (`frameworks.fsdp_internals` checks the torch version).
-        from gift_compile.frameworks import fsdp2
-
-        shards = fsdp2.shard_group(model, group)
-        if shards.size() == 1:
-            raise ValueError(
-                "gift_compile.apply: the FSDP2 model reduce-scatters over a one-rank group; FSDP2 then copies each "
-                "gradient without calling the custom reduce-scatter, so GIFT would quantize and send nothing (with "
-                "replicas, install gift_compile.frameworks.fsdp2 and gift_compile.frameworks.hsdp: the replica hop "
-                "then carries every gradient)")
-        state = manage(model, config, shards, mode="stats", split_rows=True)
-        fsdp2.install(model, state, compiled=fuse)
-        kind = "FSDP2 custom reduce-scatter"
-    elif _has_dtensor_params(model):
-        state = manage(model, config, group, mode="tag", split_rows=True)
-        kind = "rewrite of the traced reduce-scatters"
-    else:
-        world = collectives.group_info(group)[1]
-        if world == 1:
-            logger.warning("gift_compile.apply: single process, no gradient communication to compress; nothing managed")
-        state = manage(model, config, group, mode="sync") if world > 1 else GiftState(config, None)
-        model._gift_state = state
-        if world > 1:
-            state.handles.extend(PlainSync(model, state, group).install())
-            # the end-of-backward checks, armed by each managed weight's gradient reaching
-            # `.grad` (eagerly after a compiled backward too; also for a weight read directly)
-            state.handles.extend(state.weight(n).register_post_accumulate_grad_hook(lambda _: queue_backward_check(state))
-                                 for n in state.layers)
-        kind = "GIFT all-reduce in the backward graph"
+    state = adapter.install(model, config, group, fuse=fuse)
+    if adapter.name not in state.adapters or getattr(model, "_gift_state", None) is not state:
+        raise RuntimeError(f"gift_compile.apply: the {adapter.name!r} adapter's install did not attach itself to the "
+                           "state it returned and set it as model._gift_state (gift_compile.frameworks.adapter)")
     if optimizer is not None:
         attach_optimizer(state, optimizer)
     else:
         logger.warning("gift_compile.apply: no optimizer given; call gift_compile.step(model) after every optimizer "
                        "step, or GIFT's geometry never refreshes (the fault checks run at the end of each backward)")
     hold_inductor_pass(model)  # installed while a model with GIFT applied is alive (see passes.inductor)
-    logger.info("gift_compile.apply: %d weights managed via %s (%s)", len(state.layers), kind, ", ".join(state.layers))
+    logger.info("gift_compile.apply: %d weights managed via %s (%s)", len(state.layers), adapter.kind,
+                ", ".join(state.layers))
     return model
 
 
@@ -144,8 +106,10 @@ def resolve_auto(config: GiftConfig, optimizer: Any | None, weights: list[torch.
     preconditioner such as Muon, or for a map in the optimizer's own coordinates): the
     selection then judges each layer by the error the optimizer's update sees, which is what
     the convergence study found GIFT lowers. Without an optimizer the geometry falls back to
-    K-FAC's `lowrank` and the metric to "euclidean" (both logged as warnings). The bench calls
-    this too, with the weights of the model the optimizer steps.
+    K-FAC's `lowrank` and the metric to "euclidean" (both logged as warnings). The one
+    resolution of "auto": the torchtitan hook and the bench call it too, with the weights of the
+    model the optimizer steps (`managed_weights`); what it chose is logged as
+    ``GIFT: geometry='auto' -> '<name>', select_metric='auto' -> '<name>'`` (the demo reads it).
     """
     geometry_auto, metric_auto = config.geometry == AUTO_GEOMETRY, config.select_metric == AUTO_METRIC
     if not (geometry_auto or metric_auto):
@@ -170,8 +134,7 @@ def resolve_auto(config: GiftConfig, optimizer: Any | None, weights: list[torch.
         chosen = dataclasses.replace(chosen, select_metric=select_metric_for(optimizer, weights, chosen.geometry))
     made = [f"{f}='auto' -> {getattr(chosen, f)!r}" for f, auto in (("geometry", geometry_auto),
                                                                      ("select_metric", metric_auto)) if auto]
-    logger.info("gift_compile.apply: %s (optimizer %s)", ", ".join(made),
-                ", ".join(type(o).__name__ for o in leaf_optimizers(optimizer)))
+    logger.info("GIFT: %s (optimizer %s)", ", ".join(made), ", ".join(type(o).__name__ for o in leaf_optimizers(optimizer)))
     return chosen
 
 
@@ -188,12 +151,14 @@ def _refuse_unsupported_dtypes(model: nn.Module) -> None:
                                 "(model.float()) before apply") from None
 
 
-def _managed_weights(model: nn.Module, config: GiftConfig, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
-    """The weights `apply` would manage (eligibility does not depend on the geometry)."""
+def managed_weights(model: Parts, config: GiftConfig, group: dist.ProcessGroup | None, *,
+                    split_rows: bool) -> list[torch.Tensor]:
+    """The weights `manage` will take from `model` on the data-parallel `group` (`split_rows`:
+    a reduce-scatter path), what `resolve_auto` inspects the optimizer for. Eligibility reads
+    neither the geometry nor the metric, so it is computed before "auto" is resolved."""
     world = collectives.group_info(group)[1]
-    split_rows = bool(_fsdp2_modules(model)) or _has_dtensor_params(model)
-    provisional = dataclasses.replace(config, geometry=Geometry.name)
-    return [m._parameters["weight"] for _, m in eligible_linears(model, provisional, world, split_rows=split_rows)]
+    return [m._parameters["weight"] for _, m in eligible_linears(model, config, world, split_rows=split_rows,
+                                                                 group=group)]
 
 
 def attach_optimizer(state: GiftState, optimizer: torch.optim.Optimizer) -> None:
@@ -226,37 +191,23 @@ def no_sync(model: nn.Module) -> Iterator[None]:
     """Backward passes inside accumulate gradients locally without communicating; the next
     backward outside sends the accumulated gradient once (like DDP's `no_sync`).
 
-    For DDP and FSDP2 models this defers to the framework's own switch (`model.no_sync()`,
-    `set_requires_gradient_sync(False)`). For GIFT's own sync, managed weights accumulate into
-    a GIFT buffer (their `.grad` stays unset until the synchronising backward) and the other
-    parameters into `.grad`. Each distinct mode is one compiled graph variant.
+    Each installed adapter's own switch (`gift_compile.frameworks.table`): DDP's
+    `model.no_sync()`, FSDP2's `set_requires_gradient_sync(False)`; for GIFT's own sync,
+    managed weights accumulate into a GIFT buffer (their `.grad` stays unset until the
+    synchronising backward) and the other parameters into `.grad`. Each distinct mode is one
+    compiled graph variant.
     """
     st = state(model)
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        with model.no_sync():
-            yield
-        return
-    fsdp = _fsdp2_modules(model)
-    if fsdp:
-        for m in fsdp:
-            m.set_requires_gradient_sync(False, recurse=False)
-        try:
-            yield
-        finally:
-            for m in fsdp:
-                m.set_requires_gradient_sync(True, recurse=False)
-        return
-    st.enter_accumulate()
-    try:
+    with ExitStack() as stack:
+        for adapter in table.installed(st):
+            stack.enter_context(adapter.no_sync(model, st))
         yield
-    finally:
-        st.exit_accumulate()
 
 
 def remove(model: nn.Module) -> nn.Module:
-    """Undo `apply`: original module classes, no hooks, no GIFT state. FSDP2 gets its default
-    reduce-scatter back; a DDP comm hook cannot be unregistered, so it switches to DDP's
-    plain fp32 all-reduce (logged)."""
+    """Undo `apply`: original module classes, no hooks, no GIFT state, and each installed
+    adapter's `remove` (FSDP2 gets its default reduce-scatter back; a DDP comm hook cannot be
+    unregistered, so it switches to DDP's plain fp32 all-reduce, logged)."""
     st: GiftState | None = getattr(model, "_gift_state", None)
     if st is None:
         return model
@@ -268,12 +219,8 @@ def remove(model: nn.Module) -> nn.Module:
     st.active = False
     for mod in model.modules():
         mod.__dict__.pop("_gift_state", None)
-    if _fsdp2_modules(model):
-        from gift_compile.frameworks import fsdp2
-
-        fsdp2.uninstall(model)
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        logger.warning("gift_compile.remove: DDP keeps its comm hook; it now runs DDP's plain fp32 all-reduce")
+    for adapter in table.installed(st):
+        adapter.remove(model, st)
     release_inductor_pass(model)
     return model
 

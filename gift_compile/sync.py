@@ -29,12 +29,19 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather_object_", "all_reduce_", "broadcast_", "exit_without_finalization", "group_rank", "reduce_",
-           "world_size"]
+__all__ = ["all_gather_object_", "all_reduce_", "broadcast_", "exit_without_finalization", "group_rank",
+           "process_group", "reduce_", "world_size"]
 
 # The most recent communicated tensors (see the module docstring). Bounded so at most a few
 # refresh buffers outlive their use.
 _RECENT: deque[torch.Tensor] = deque(maxlen=4)
+
+
+def process_group(group: dist.ProcessGroup | str) -> dist.ProcessGroup:
+    """`group`, or the process group registered under that name: traced collectives name their
+    group (functional collectives take names), eager code holds the object, and plans carry the
+    name; this is the one place that turns a name back into the group."""
+    return dist.distributed_c10d._resolve_process_group(group) if isinstance(group, str) else group
 
 
 def world_size(group: dist.ProcessGroup | None) -> int:

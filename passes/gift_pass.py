@@ -50,8 +50,8 @@ import torch.fx as fx
 from gift_compile.exchange.collectives import (
     ItemTensors, Shared, bucket_core, bucket_wire_bytes, finish, gather_finish, gather_launch, launch,
 )
-from gift_compile.exchange.mark import unpack_mark_tensors, unpack_replica_shared
-from gift_compile.exchange.plan import BucketPlan, ItemPlan
+from gift_compile.exchange.mark import split_mark_tensors, unpack_item_tensors, unpack_replica_shared
+from gift_compile.exchange.plan import BucketPlan, ItemPlan, replica_hop_plan
 
 logger = logging.getLogger("gift_compile")
 
@@ -171,13 +171,12 @@ def rewrite_bucket(graph: fx.Graph, match: BucketMatch) -> RewriteRecord:
             continue
         plan = ItemPlan.from_str(m.args[2]).with_dtype(val.dtype)
         items.append(plan)
-        tensors = list(m.args[1])
-        if plan.replica_format:
-            tensors = tensors[:-2]  # the replica hop's rank and counters (`_splice_replica_hop`)
-        layouts.append((len(state_nodes), len(tensors) - 3))
-        state_nodes.extend(tensors[:-3])
+        # the replica hop's rank and counters are read by `_splice_replica_hop`
+        own, shared, _ = split_mark_tensors(plan, list(m.args[1]))
+        layouts.append((len(state_nodes), len(own)))
+        state_nodes.extend(own)
         if shared_nodes is None:
-            shared_nodes = tensors[-3:]  # seed, rank, counters: one set per GiftState
+            shared_nodes = shared  # seed, rank, counters: one set per GiftState
     assert shared_nodes is not None
     plan = BucketPlan(tuple(items), match.group_size, match.group_name, match.reduce_op == "avg", match.op)
     n_x = len(match.inputs)
@@ -191,8 +190,7 @@ def rewrite_bucket(graph: fx.Graph, match: BucketMatch) -> RewriteRecord:
             if not item.managed:
                 per_item.append(None)
                 continue
-            it, _ = unpack_mark_tensors(item, [*state[start:start + count], *shared])
-            per_item.append(it)
+            per_item.append(unpack_item_tensors(item, list(state[start:start + count])))
         return xs, per_item, shared
 
     def launch_fn(*args: torch.Tensor) -> torch.Tensor:
@@ -240,20 +238,17 @@ def rewrite_bucket(graph: fx.Graph, match: BucketMatch) -> RewriteRecord:
 
 
 def _replica_plan(match: BucketMatch, items: list[ItemPlan]) -> BucketPlan:
-    """The replica hop's bucket: each entry's row shard (what the shard hop left on this rank),
-    managed ones at the plan's `replica_format` without error feedback (an "fp32" replica
-    format sends them raw), the others at full precision."""
+    """The replica hop's bucket (`replica_hop_plan`) over each entry's row shard, what the
+    shard hop left on this rank, at the managed items' `replica_format`."""
     shard = match.group_size
-    out = []
-    for item in items:
-        if not item.managed or item.replica_format == "fp32":
-            out.append(ItemPlan.passthrough(item.name, item.numel // shard, item.torch_dtype))
-        else:
-            out.append(dataclasses.replace(item, rows=item.rows // shard, format=item.replica_format,
-                                           error_feedback=False, second_hop_error_feedback=False,
-                                           error_feedback_decay=1.0, residual_format="fp32"))
-    size = _group_size(match.replica_group)
-    return BucketPlan(tuple(out), size, match.replica_group, match.replica_op == "avg", "all_reduce")
+    formats = {item.replica_format for item in items if item.managed}
+    if len(formats) != 1:
+        raise GiftRewriteError(f"GIFT pass: the managed gradients of one bucket carry replica formats {sorted(formats)}; "
+                               "one replica hop runs one format")
+    shards = [dataclasses.replace(item, rows=item.rows // shard) if item.managed
+              else ItemPlan.passthrough(item.name, item.numel // shard, item.torch_dtype) for item in items]
+    return replica_hop_plan(shards, formats.pop(), _group_size(match.replica_group), match.replica_group,
+                            match.replica_op == "avg")
 
 
 def _splice_replica_hop(graph: fx.Graph, match: BucketMatch, plan: BucketPlan, items: list[ItemPlan],
@@ -279,7 +274,7 @@ def _splice_replica_hop(graph: fx.Graph, match: BucketMatch, plan: BucketPlan, i
                 xs.append(piece)
                 per_item.append(None)
                 continue
-            it, _ = unpack_mark_tensors(item, [*state[start:start + count], *[None] * 5])
+            it = unpack_item_tensors(item, list(state[start:start + count]))
             xs.append(piece.reshape(hop_item.rows, hop_item.cols) if hop_item.managed else piece)
             per_item.append(ItemTensors(it.transform, None, None, it.seed_offset) if hop_item.managed else None)
         outs, _ = bucket_core(xs, per_item, shared, plan)

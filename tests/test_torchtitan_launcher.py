@@ -76,7 +76,7 @@ dataset = "gift_shakespeare"
     config = _parse(plan.args)
     assert type(config).__name__ == "GiftTrainerConfig" and config.gift.enable is True  # --config beats [job]
     assert config.gift.exclude == ["*embed*", "*lm_head*"]
-    assert config.gift.to_gift_config(select_metric="whitened", geometry="lowrank").boundary_hits_k == 3
+    assert config.gift.to_gift_config().boundary_hits_k == 3
     assert config.validator.dataloader.dataset == "gift_shakespeare"
 
 
@@ -141,7 +141,7 @@ def test_gift_section_covers_gift_config() -> None:
     # its gradient paths are reduce-scatters, which have no second hop to compensate.
     assert config - section == {"reduce_op", "second_hop_error_feedback"}
     assert section - config == {"enable", "fuse"}
-    assert GiftSection().to_gift_config(select_metric="euclidean", geometry="lowrank").reduce_op == "sum"
+    assert GiftSection().to_gift_config().reduce_op == "sum"
 
 
 _JOB = '[job]\nmodule = "gift_compile.torchtitan_ext"\nconfig = "llama3_debug_gift_fsdp2"\n'
@@ -209,7 +209,7 @@ def test_merged_values_are_checked_cli_first(tmp_path: Path) -> None:
     config = _parse(plan.args)
     assert config.training.steps == 3 and config.gift.rank == 4
     # ... and `--gift.exclude ""` (tyro's [""]) means "exclude nothing".
-    assert config.gift.to_gift_config(select_metric="euclidean", geometry="lowrank").exclude == ()
+    assert config.gift.to_gift_config().exclude == ()
     # The error names where the offending value came from: here the command line.
     with pytest.raises(ValueError, match=r"^command line: key 'gift.ema' = 1\.5: GiftConfig\.ema=1\.5"):
         build_plan(toml, ["--training.steps", "3", "--gift.rank=4", "--gift.ema", "1.5"], None)

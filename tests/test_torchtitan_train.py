@@ -46,7 +46,7 @@ from gift_compile.torchtitan_ext.telemetry import read_jsonl  # noqa: E402
 STEPS = 6
 COMMON = ["--validator.no-enable", f"--training.steps={STEPS}", "--gift.refresh-every=3"]
 # K-FAC's map, named: these runs check that the transformed path is selected, tracks GIFT-off and
-# resumes; the default under the configs' AdamW (`auto_by_optimizer` -> second_moment, measured
+# resumes; the default under the configs' AdamW (`auto` -> second_moment, measured
 # selection) has its own test below and may keep no layer in six steps.
 LOWRANK = "--gift.geometry=lowrank"
 GIFT_TOLERANCE = 5e-3
@@ -152,14 +152,16 @@ def _second_moment_map(exp_avg_sq: torch.Tensor) -> torch.Tensor:
 
 
 def test_auto_by_optimizer_builds_second_moment_from_adamw_state(run: Callable[..., RunResult]) -> None:
-    """``--gift.geometry auto_by_optimizer`` under the configs' AdamW: the geometry resolved is
+    """``--gift.geometry auto_by_optimizer`` (the alias of ``auto``, as existing TOMLs spell it)
+    under the configs' AdamW: the geometry resolved is
     `second_moment`, and each refresh rebuilds every rank's map from the optimizer's sharded
     `exp_avg_sq` (the DCP checkpoints after the refreshes at steps 3 and 6 hold both, per rank).
     NVFP4, where the study measured the map's gain; at FP8 the selection keeps it off."""
     args = ["--gift.format=nvfp4", "--gift.geometry=auto_by_optimizer", "--gift.no-fuse",
             "--checkpoint.enable", "--checkpoint.interval=3"]
     gift = run("llama3_debug_gift_fsdp2", *args)
-    assert gift.output.count("GIFT: geometry auto_by_optimizer -> second_moment") == 2  # logged by each rank
+    # resolved by `gift_compile.api.resolve_auto`, as `apply` resolves it; logged by each rank
+    assert gift.output.count("GIFT: geometry='auto' -> 'second_moment'") == 2
     # what `make demo` prints from the same log
     assert resolved_choices(gift.output) == {"geometry": "second_moment", "select_metric": "whitened"}
     _assert_gift_ran(gift)  # quantized at the collective (fewer bytes than fp32), error > 0, selected

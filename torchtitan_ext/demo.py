@@ -4,7 +4,7 @@ One command that shows what GIFT does to training, without a GPU or a download: 
 the small Llama on the embedded Shakespeare corpus on 2 ranks (gloo on CPU; torchtitan
 picks NCCL on CUDA) three times with the same seed, init and data order: GIFT as recommended
 (NVFP4 gradient reduce-scatters, geometry chosen from the optimizer with
-``--gift.geometry auto_by_optimizer`` as the shipped TOMLs set it, per-layer selection
+``--gift.geometry auto`` as the shipped TOMLs set it, per-layer selection
 ``auto``), plain low-bit (the same codec and bytes, ``--gift.geometry none``: no map) and fp32
 (GIFT off). It prints the losses of the three, the bytes each sent at the collectives,
 which layers GIFT's map helps and by how much, and which low-bit arm ended closer to fp32.
@@ -43,10 +43,11 @@ VALIDATE_EVERY = 20
 GIFT_CONFIGS = ("llama3_debug_gift_graph", "llama3_debug_gift_fsdp2")
 # As in configs/llama3_debug_gift*.toml: the geometry follows the optimizer (second_moment under
 # the configs' AdamW, where the convergence study measured it ahead of plain low-bit and of K-FAC).
-GEOMETRY = "auto_by_optimizer"
+GEOMETRY = "auto"
 # Arm label -> the name the summary prints.
 ARM_NAMES = {"GIFT": "GIFT ({fmt})", "plain": "plain low-bit ({fmt})", "fp32": "fp32 (GIFT off)"}
-_RESOLVED = re.compile(r"GIFT: (geometry|select_metric) auto_by_optimizer -> (\w+)")
+# What `gift_compile.api.resolve_auto` logs for each automatic choice it made.
+_RESOLVED = re.compile(r"\b(geometry|select_metric)='auto' -> '(\w+)'")
 
 
 def _stream_run(label: str, config: str, overrides: list[str], nproc: int, timeout_s: float) -> RunResult:
@@ -115,7 +116,7 @@ def _table(title: str, columns: dict[str, dict[int, float]]) -> None:
 
 
 def resolved_choices(output: str) -> dict[str, str]:
-    """What ``auto_by_optimizer`` resolved to in a run's log (`geometry`, `select_metric`);
+    """What ``auto`` resolved to in a run's log (`geometry`, `select_metric`);
     raises unless every rank logged the same choice for both."""
     found: dict[str, set[str]] = {"geometry": set(), "select_metric": set()}
     for key, value in _RESOLVED.findall(output):

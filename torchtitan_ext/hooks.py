@@ -18,18 +18,18 @@ import torch.distributed as dist
 import torch.nn as nn
 from torchtitan.tools.logging import logger
 
-from gift_compile.api import attach_optimizer, eligible_linears, manage
+from gift_compile.api import attach_optimizer, manage, managed_weights, resolve_auto
+from gift_compile.config import GiftConfig
 from gift_compile.frameworks import fsdp2
 from gift_compile.frameworks import hsdp as gift_hsdp
 from gift_compile.frameworks.parts import Parts
+from gift_compile.frameworks.simple_fsdp import SIMPLE_FSDP
 from gift_compile.frameworks.tensor_parallel import describe_blocks
-from gift_compile.geometry.optimizers import geometry_for, select_metric_for
 
 from . import cpu_compat, hsdp, pipeline_parallel
-from .section import AUTO_METRIC, GiftSection
+from .section import GiftSection
 
-__all__ = ["REFUSAL", "bind_gift_hook", "data_parallel_group", "gift_post_optimizer_build", "resolve_geometry",
-           "resolve_select_metric"]
+__all__ = ["REFUSAL", "bind_gift_hook", "data_parallel_group", "gift_config", "gift_post_optimizer_build"]
 
 
 # How every refusal of a layout starts (tests look for it in a run's log to show there was none)
@@ -112,9 +112,7 @@ def gift_post_optimizer_build(optimizers: Any, model_parts: list[nn.Module], par
     if parallel_dims.pp > 1:
         pipeline_parallel.guard_shape_inference()
     world = dist.get_world_size(group)
-    geometry = resolve_geometry(section, optimizers, model, world, group=group)
-    metric = resolve_select_metric(section, optimizers, model, world, geometry or section.geometry, group=group)
-    config = section.to_gift_config(select_metric=metric, geometry=geometry)
+    config = gift_config(section, optimizers, model, group)
     if trainer == "fsdp2":
         state = manage(model, config, group, mode="stats", split_rows=True)
         fsdp2.install(model, state, compiled=section.fuse)
@@ -123,7 +121,7 @@ def gift_post_optimizer_build(optimizers: Any, model_parts: list[nn.Module], par
             gift_hsdp.install(model, state, replicas, compiled=section.fuse)
             logger.info(hsdp.describe_hops(model, state, parallel_dims.dp_shard))
     else:
-        state = manage(model, config, group, mode="tag", split_rows=True)
+        state = SIMPLE_FSDP.install(model, config, group, fuse=section.fuse)
         replicas = hsdp.replica_group(parallel_dims)
         if replicas is not None:  # the marks carry the replica hop, which the pass puts after the shard hop
             gift_hsdp.install_graph(state, replicas)
@@ -138,43 +136,13 @@ def gift_post_optimizer_build(optimizers: Any, model_parts: list[nn.Module], par
     logger.info(f"GIFT: {len(state.layers)} weights managed{where} ({', '.join(state.layers) or 'none'})")
 
 
-def _managed_weights(section: GiftSection, model: Parts, world: int,
-                     group: dist.ProcessGroup | None) -> list[nn.Parameter]:
-    """The weights GIFT will manage on `world` ranks of the data-parallel `group` (eligibility
-    ignores the automatic choices; `group` sizes a tensor-parallel rank's block)."""
-    provisional = section.to_gift_config(**section.provisional())
-    return [m._parameters["weight"] for _, m in eligible_linears(model, provisional, world, split_rows=True,
-                                                                 group=group)]
-
-
-def resolve_select_metric(section: GiftSection, optimizers: Any, model: Parts, world: int,
-                          geometry: str | None = None, *, group: dist.ProcessGroup | None = None) -> str | None:
-    """The metric for ``select_metric = "auto_by_optimizer"``: `select_metric_for` over the
-    optimizer classes that step the weights GIFT will manage on `world` ranks of `group` and the
-    (resolved) `geometry` (None for an explicit metric)."""
-    if section.select_metric != AUTO_METRIC:
-        return None
-    weights = _managed_weights(section, model, world, group)
-    if not weights:
-        return "euclidean"  # nothing is managed, so nothing is selected: the metric is never used
-    metric = select_metric_for(optimizers, weights, geometry)
-    logger.info(f"GIFT: select_metric auto_by_optimizer -> {metric}")
-    return metric
-
-
-def resolve_geometry(section: GiftSection, optimizers: Any, model: Parts, world: int, *,
-                     group: dist.ProcessGroup | None = None) -> str | None:
-    """The geometry for ``geometry = "auto_by_optimizer"``: `geometry_for` over the optimizer
-    classes that step the weights GIFT will manage on `world` ranks of `group` (None for an
-    explicit one)."""
-    if section.geometry != AUTO_METRIC:
-        return None
-    weights = _managed_weights(section, model, world, group)
-    if not weights:
-        return "none"  # nothing is managed, so no map is ever built
-    geometry = geometry_for(optimizers, weights)
-    logger.info(f"GIFT: geometry auto_by_optimizer -> {geometry}")
-    return geometry
+def gift_config(section: GiftSection, optimizers: Any, model: Parts, group: dist.ProcessGroup | None) -> GiftConfig:
+    """The section's `GiftConfig` with ``auto`` (geometry, select_metric) resolved by the
+    function `gift_compile.apply` resolves it with (`gift_compile.api.resolve_auto`), from the
+    optimizers that step the weights GIFT will manage on `group` (every layout here is a
+    reduce-scatter: rows split over the group; `group` also sizes a tensor-parallel block)."""
+    config = section.to_gift_config()
+    return resolve_auto(config, optimizers, managed_weights(model, config, group, split_rows=True))
 
 
 def bind_gift_hook(config: Any, trainer: str) -> None:

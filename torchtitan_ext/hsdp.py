@@ -77,7 +77,7 @@ def replica_metrics(state: Any, model: Any, last: dict[str, Any], steps: int, lo
     bytes handed over (counted at run time) and their fp32 baseline, its calls, its time, its
     error probed against an fp32 all-reduce (on every `log_freq`-th step), and both hops'
     shape-based bytes per backward for comparison. Empty without a replica hop."""
-    hop = state.replica_hop
+    hop = gift_hsdp.replica_hop(state)
     if hop is None:
         return {}
     hop.measure_every = log_freq
@@ -115,7 +115,7 @@ def graph_accounted_bytes() -> dict[str, int]:
 def describe_hops(model: Any, state: Any, shard_world: int) -> str:
     """One log line: each hop's group size and format, and how many FSDP parameter groups
     (one bucket per hop each) carry how many managed weights."""
-    hop = state.replica_hop
+    hop = gift_hsdp.replica_hop(state)
     groups = len(gift_hsdp._hooks(model))
     config = state.config
     if shard_world == 1:
@@ -134,5 +134,5 @@ def describe_graph_hops(state: Any, shard_world: int) -> str:
     config = state.config
     return (f"GIFT HSDP (graph_trainer): {len(state.layers)} managed weights; shard hop (each bucketed "
             f"reduce-scatter over {shard_world} ranks) at {config.format}, then replica hop (all-reduce of the "
-            f"reduced shard over {state.replica_hop.world} replicas) at {config.replica_hop_format}; the pass "
+            f"reduced shard over {gift_hsdp.replica_hop(state).world} replicas) at {config.replica_hop_format}; the pass "
             f"runs SimpleFSDP's replica all-reduce after the reduce-scatter instead of before it")

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from gift_compile.frameworks.hsdp import check_replicas_identical
+from gift_compile.frameworks.hsdp import check_replicas_identical, replica_hop
 from gift_compile.passes import rewrite_gradient_collectives
 
 from . import cpu_compat
@@ -128,9 +128,10 @@ def gift_retrace_on_new_plan(trainer: Any) -> None:
     _check_replicas_after_refresh(trainer, state)
     traced = getattr(trainer, "_gift_plan_version", None)
     if traced is not None and traced != state.plan_version and trainer._traced_step is not None:
-        logger.info(f"GIFT: plan changed (version {traced} -> {state.plan_version}); retracing the step")
+        trainer._gift_retraces = getattr(trainer, "_gift_retraces", 0) + 1
+        logger.info(f"GIFT: plan changed (version {traced} -> {state.plan_version}); retracing the step "
+                    f"(retrace {trainer._gift_retraces} of this run)")
         trainer._traced_step = None
-        state.retraces += 1
     trainer._gift_plan_version = state.plan_version
 
 
@@ -139,7 +140,7 @@ def _check_replicas_after_refresh(trainer: Any, state: Any) -> None:
     holds bit-identical parameter shards, which GIFT's replica hop promises (every rank decodes
     the same all-gathered bytes); raises naming the replica ranks that differ. One digest
     exchange per refresh, not per step."""
-    hop = state.replica_hop
+    hop = replica_hop(state)
     if hop is None or not state.history or getattr(trainer, "_gift_replicas_checked", None) == state.steps:
         return
     if state.history[-1].step != state.steps:

@@ -12,27 +12,28 @@ converts with ``reduce_op="sum"``. Nor is ``second_hop_error_feedback``: torchti
 paths are reduce-scatters (FSDP, and HSDP's shard hop), which have no re-encoded second hop
 (`GiftState` refuses it there).
 
-``select_metric`` may also be ``auto_by_optimizer`` (the default here; ``auto``, the core's
-spelling, means the same): the metric is then
-chosen once the optimizers exist (`gift_compile.torchtitan_ext.hooks`), "whitened" when the
-managed weights are stepped by a matrix preconditioner (Muon/DistMuon, Shampoo, SOAP, ...),
-"euclidean" for elementwise optimizers (Adam, AdamW), see
-`gift_compile.geometry.optimizers.select_metric_for`. ``geometry`` is ``auto_by_optimizer`` too by
-default (the core's default ``auto``): the geometry is then chosen the same way
-(`gift_compile.geometry.optimizers.geometry_for`: lowrank under a
-matrix preconditioner, second_moment under Adam/AdamW, none otherwise).
+``geometry`` and ``select_metric`` default to ``auto``, as in ``GiftConfig``: the section
+carries ``auto`` into the config, and the hook (`gift_compile.torchtitan_ext.hooks`) resolves it
+once the optimizers exist with the same function as `gift_compile.apply`
+(`gift_compile.api.resolve_auto`: lowrank / whitened under a matrix preconditioner such as
+Muon or Shampoo, second_moment / whitened under Adam/AdamW, none / euclidean otherwise).
+``auto_by_optimizer``, the spelling the shipped TOMLs and docs used before the two resolutions
+became one, stays accepted as an alias of ``auto`` (`AUTO_ALIAS`), so TOMLs and command lines
+written with it keep working; the section stores it as ``auto``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from gift_compile.config import FALLBACK_GEOMETRY, GiftConfig, GiftConfigError
+from gift_compile.config import AUTO_GEOMETRY, AUTO_METRIC, GiftConfig, GiftConfigError
 
-__all__ = ["AUTO_METRIC", "GiftSection"]
+__all__ = ["AUTO_ALIAS", "GiftSection"]
 
 _DEFAULTS = GiftConfig()
-AUTO_METRIC = "auto_by_optimizer"
+# The former torchtitan spelling of "auto" (geometry and select_metric), kept for existing TOMLs.
+AUTO_ALIAS = "auto_by_optimizer"
+_AUTO = {"geometry": AUTO_GEOMETRY, "select_metric": AUTO_METRIC}
 # Fields that steer the torchtitan integration rather than GIFT's numerics.
 _INTEGRATION_FIELDS = ("enable", "fuse")
 
@@ -65,8 +66,8 @@ class GiftSection:
     geometry: str = _DEFAULTS.geometry
     """Quantization coordinates: none, hadamard, dense, lowrank, gradient, momentum (the map from the
     optimizer's momentum, what Muon orthogonalizes), second_moment (input columns scaled by AdamW's
-    exp_avg_sq), auto_by_optimizer (lowrank under Muon/Shampoo-style optimizers, second_moment under
-    Adam/AdamW, else none)."""
+    exp_avg_sq), auto (lowrank under Muon/Shampoo-style optimizers, second_moment under
+    Adam/AdamW, else none; auto_by_optimizer is an alias)."""
 
     rank: int = _DEFAULTS.rank
     """Rank of the low-rank part of the whitening."""
@@ -110,9 +111,9 @@ class GiftSection:
     seed: int = _DEFAULTS.seed
     """Seed of stochastic rounding and Hadamard signs."""
 
-    select_metric: str = AUTO_METRIC
+    select_metric: str = _DEFAULTS.select_metric
     """select=auto compares the paths by: euclidean | whitened (the error preconditioners see) |
-    auto_by_optimizer (whitened under Muon/Shampoo-style optimizers, else euclidean)."""
+    auto (whitened under Muon/Shampoo-style optimizers, else euclidean; auto_by_optimizer is an alias)."""
 
     auto_min_gain: float = _DEFAULTS.auto_min_gain
     """select=auto: minimum error reduction for a layer to take the transformed path."""
@@ -146,43 +147,21 @@ class GiftSection:
         for name in _INTEGRATION_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GiftSection.{name}={getattr(self, name)!r} is invalid; allowed: true or false")
-        # the core's spelling of the automatic choice ("auto", resolved by `apply`) means the
-        # same here, where the hooks resolve it once the optimizers exist
-        for name in ("select_metric", "geometry"):
-            if getattr(self, name) == "auto":
-                setattr(self, name, AUTO_METRIC)
-        # automatic choices are resolved later, once the optimizers exist: validate the rest now
-        self.to_gift_config(**self.provisional())
+        for name, auto in _AUTO.items():  # the alias is stored as the one spelling
+            if getattr(self, name) == AUTO_ALIAS:
+                setattr(self, name, auto)
+        self.to_gift_config()  # validates every value while the command line is parsed
 
-    def provisional(self) -> dict[str, str | None]:
-        """Stand-ins for the automatic choices (what `to_gift_config` needs to validate the rest,
-        and what weight eligibility, which ignores both, is computed with)."""
-        return {"select_metric": "euclidean" if self.select_metric == AUTO_METRIC else None,
-                "geometry": FALLBACK_GEOMETRY if self.geometry == AUTO_METRIC else None}
-
-    def to_gift_config(self, select_metric: str | None = None, geometry: str | None = None) -> GiftConfig:
-        """The validated GiftConfig (raises ValueError naming the bad field).
-
-        `select_metric` / `geometry` are the resolved choices when the section says
-        ``auto_by_optimizer`` (`hooks` passes `select_metric_for(...)` / `geometry_for(...)`); an
-        automatic choice left unresolved is an error, never a silent default.
-        """
+    def to_gift_config(self) -> GiftConfig:
+        """The validated GiftConfig (raises ValueError naming the bad field); an automatic
+        geometry or metric stays ``auto`` for `gift_compile.api.resolve_auto` to resolve."""
         values = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _INTEGRATION_FIELDS}
-        for name, resolved in (("select_metric", select_metric), ("geometry", geometry)):
-            if values[name] == AUTO_METRIC:
-                if resolved is None:
-                    raise ValueError(f"GiftSection.{name}={AUTO_METRIC!r} needs the optimizer to be resolved; "
-                                     f"pass to_gift_config({name}=...)")
-                values[name] = resolved
-            elif resolved is not None and resolved != values[name]:
-                raise ValueError(f"GiftSection.{name}={values[name]!r} is explicit; it cannot be "
-                                 f"resolved to {resolved!r}")
         # tyro parses list[str] from one "a,b,c" token, so `--gift.exclude ""` ([""]) is how the
         # command line says "exclude nothing"; any other empty glob is an error in GiftConfig.
         values["exclude"] = () if values["exclude"] == [""] else values["exclude"]
         try:
             return GiftConfig(reduce_op="sum", **values)
         except GiftConfigError as err:
-            if err.field in ("select_metric", "geometry"):  # the section also allows the automatic choice
-                raise GiftConfigError(err.field, err.value, f"{err.allowed}, {AUTO_METRIC}") from None
+            if err.field in _AUTO:  # the section also accepts the alias
+                raise GiftConfigError(err.field, err.value, f"{err.allowed}, {AUTO_ALIAS}") from None
             raise

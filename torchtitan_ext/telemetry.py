@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torchtitan.components.metrics import MetricsProcessor, _get_metrics_rank
 from torchtitan.tools.logging import logger
 
-from gift_compile.frameworks import fsdp2
+from gift_compile.frameworks import fsdp2, table
 from gift_compile.runtime.state import GiftState
 
 from .hsdp import replica_metrics
@@ -55,9 +55,8 @@ def gift_metrics(state: GiftState, last: dict[str, Any]) -> dict[str, float]:
         "gift/plan_version": float(state.plan_version),
         "gift/selection_changes": float(state.selection_changes),
     }
-    timer = state.comm_timer
-    if timer is not None:
-        out["gift/comm_s_per_step"] = timer.take() / steps
+    for adapter in table.installed(state):  # what each framework adapter measured itself (FSDP2: comm_s)
+        out.update({f"gift/{key}_per_step": value / steps for key, value in adapter.telemetry(state).items()})
     last.update(totals=totals, steps=state.steps)
     if len(state.history) > last.get("refreshes", 0):
         last["refreshes"] = len(state.history)

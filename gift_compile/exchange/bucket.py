@@ -65,6 +65,7 @@ from gift_compile.exchange.item_codec import (
     gather_decode_item, gather_decode_stage, item_plan, item_width, reduce_reencode_stage, reencode_item,
 )
 from gift_compile.exchange.plan import BucketPlan, ItemPlan
+from gift_compile.sync import process_group
 
 _c10d = torch.ops._c10d_functional
 
@@ -93,7 +94,7 @@ def group_info(group: dist.ProcessGroup | str | None) -> tuple[str | None, int, 
     """`(group_name, world_size, rank)`; `None` or a one-rank group means no communication."""
     if group is None or not dist.is_available() or not dist.is_initialized():
         return None, 1, 0
-    pg = dist.distributed_c10d._resolve_process_group(group) if isinstance(group, str) else group
+    pg = process_group(group)
     world = dist.get_world_size(pg)
     if world == 1:
         return None, 1, 0

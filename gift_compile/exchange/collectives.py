@@ -30,6 +30,7 @@ from gift_compile.exchange.bucket import (
 )
 from gift_compile.exchange.plan import BucketPlan, ItemPlan, dtype_name
 from gift_compile.geometry.table import IDENTITY_KIND, Geometry
+from gift_compile.sync import process_group
 
 __all__ = [
     "C_BASELINE", "C_CALLS", "C_MISMATCH", "C_MISMATCH_RANKS", "C_NONFINITE", "C_NONFINITE_RANKS", "C_PLAIN_CALLS",
@@ -101,7 +102,7 @@ def sync_buffer(buffer: torch.Tensor, segments: Sequence[Segment], shared: Share
         offset += n
     plan = bucket_plan(segments, buffer.dtype, world=world, group_name=group_name, average=average, op=op)
     if plan_check is not None:
-        pg = dist.distributed_c10d._resolve_process_group(group) if isinstance(group, str) else group
+        pg = process_group(group)
         check_plan_agreement(plan, pg if group_name else None, always=plan_check == "always")
     with timing if timing is not None else contextlib.nullcontext():
         outs, headers = run_bucket(xs, [s.tensors for s in segments], shared, plan, compiled=compiled)

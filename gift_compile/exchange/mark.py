@@ -3,7 +3,8 @@
 A managed linear's forward routes its weight through `_GiftTag` (a framework collective
 follows: the FX pass rewrites it) or `_GiftSync` (GIFT synchronises the gradient itself). In a
 traced backward both emit `gift::mark(grad, [state tensors], plan)`: the gradient, the layer's
-runtime tensors (`unpack_mark_tensors` reads them back) and its static `ItemPlan` as text. The
+runtime tensors (in the order `MarkLayout` defines: `pack_mark_tensors` writes them,
+`unpack_mark_tensors` reads them back) and its static `ItemPlan` as text. The
 FX pass (`gift_compile.passes`) imports this module alone to find the op; nothing here depends
 on `GiftState`.
 """
@@ -11,7 +12,7 @@ on `GiftState`.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -21,7 +22,8 @@ from gift_compile.exchange import collectives
 from gift_compile.exchange.collectives import ItemTensors, Shared
 from gift_compile.exchange.plan import ItemPlan
 
-__all__ = ["ACCUMULATE", "SYNC", "SYNC_PENDING", "mark", "tracing", "unpack_mark_tensors", "unpack_replica_shared"]
+__all__ = ["ACCUMULATE", "SYNC", "SYNC_PENDING", "MarkLayout", "mark", "pack_mark_tensors", "split_mark_tensors",
+           "tracing", "unpack_item_tensors", "unpack_mark_tensors", "unpack_replica_shared"]
 
 logger = logging.getLogger("gift_compile")
 _c10d = torch.ops._c10d_functional
@@ -116,18 +118,66 @@ class _GiftSync(torch.autograd.Function):
         return (outs[0].to(grad.dtype).reshape(grad.shape), *nones)
 
 
-def unpack_mark_tensors(plan: ItemPlan, tensors: list[Any]) -> tuple[ItemTensors, Shared]:
-    """Inverse of `LayerState.mark_tensors` (works on tensors and on FX nodes alike). Read from
-    the front, so a replica hop's tail (`unpack_replica_shared`) is ignored here."""
+class MarkLayout(NamedTuple):
+    """How many of a mark's tensors each part holds, in order: the item's own (transform,
+    residual buffers, second-hop residual buffers, probe, seed offset), the state's shared
+    ones (seed, rank, counters), then with a replica hop (`plan.replica_format`) that hop's
+    rank and counters. The one definition of the order: `pack_mark_tensors` writes it and
+    every reader (`unpack_*`, `split_mark_tensors`, the FX pass) goes through this."""
+
+    own: int
+    shared: int
+    replica: int
+
+    @classmethod
+    def of(cls, plan: ItemPlan) -> "MarkLayout":
+        k = residual_store.buffer_count(plan.residual_format)
+        own = plan.n_tensors + k * (int(plan.error_feedback) + int(plan.second_hop_error_feedback)) + 2
+        return cls(own, 3, 2 if plan.replica_format else 0)
+
+
+def pack_mark_tensors(plan: ItemPlan, item: ItemTensors, shared: Shared, replica: Shared | None) -> list[torch.Tensor]:
+    """The `gift::mark` op's tensors for `plan` (order: `MarkLayout`); `replica` is the replica
+    hop's `Shared` (its rank and counters travel), required exactly when the plan has one.
+    Runs in traced forwards, so it only lists (the readers check the count against the plan)."""
+    if bool(plan.replica_format) != (replica is not None):
+        raise RuntimeError(f"GIFT: {plan.name}: the plan {'has' if plan.replica_format else 'has no'} replica hop "
+                           f"but replica tensors were {'not ' if replica is None else ''}given")
+    out = [*item.transform, *(item.residual if plan.error_feedback else ()),
+           *(item.second_hop_residual if plan.second_hop_error_feedback else ()), item.probe, item.seed_offset,
+           shared.seed, shared.rank, shared.counters]
+    if replica is not None:
+        out += [replica.rank, replica.counters]
+    return out
+
+
+def split_mark_tensors(plan: ItemPlan, tensors: list[Any]) -> tuple[list[Any], list[Any], list[Any]]:
+    """A mark's tensors (or FX nodes) as (the item's own, the shared seed/rank/counters, the
+    replica hop's rank/counters: empty without one)."""
+    own, shared, replica = MarkLayout.of(plan)
+    if len(tensors) != own + shared + replica:
+        raise ValueError(f"GIFT: the mark of {plan.name} carries {len(tensors)} tensors; its plan lays out "
+                         f"{own} + {shared} + {replica}")
+    return list(tensors[:own]), list(tensors[own:own + shared]), list(tensors[own + shared:])
+
+
+def unpack_item_tensors(plan: ItemPlan, own: list[Any]) -> ItemTensors:
+    """The item's own part of a mark's tensors (`split_mark_tensors`) as `ItemTensors`."""
     n = plan.n_tensors
     k = residual_store.buffer_count(plan.residual_format)
-    transform = tuple(tensors[:n])
-    residual = tuple(tensors[n:n + k]) if plan.error_feedback else None
+    transform = tuple(own[:n])
+    residual = tuple(own[n:n + k]) if plan.error_feedback else None
     n += k if plan.error_feedback else 0
-    second = tuple(tensors[n:n + k]) if plan.second_hop_error_feedback else None
+    second = tuple(own[n:n + k]) if plan.second_hop_error_feedback else None
     n += k if plan.second_hop_error_feedback else 0
-    probe, seed_offset, seed, rank, counters = tensors[n:n + 5]
-    return ItemTensors(transform, residual, probe, seed_offset, second), Shared(seed, rank, counters)
+    probe, seed_offset = own[n:n + 2]
+    return ItemTensors(transform, residual, probe, seed_offset, second)
+
+
+def unpack_mark_tensors(plan: ItemPlan, tensors: list[Any]) -> tuple[ItemTensors, Shared]:
+    """Inverse of `pack_mark_tensors` without the replica hop (tensors and FX nodes alike)."""
+    own, shared, _ = split_mark_tensors(plan, tensors)
+    return unpack_item_tensors(plan, own), Shared(*shared)
 
 
 def unpack_replica_shared(plan: ItemPlan, tensors: list[Any]) -> Shared:
@@ -135,6 +185,5 @@ def unpack_replica_shared(plan: ItemPlan, tensors: list[Any]) -> Shared:
     hop's own counters) from a mark's tensors; only for a plan with a `replica_format`."""
     if not plan.replica_format:
         raise ValueError(f"GIFT: the mark of {plan.name} carries no replica hop (its plan has no replica_format)")
-    bufs = residual_store.buffer_count(plan.residual_format)
-    k = plan.n_tensors + bufs * (int(plan.error_feedback) + int(plan.second_hop_error_feedback))
-    return Shared(tensors[k + 2], tensors[k + 5], tensors[k + 6])
+    _, (seed, _, _), (rank, counters) = split_mark_tensors(plan, tensors)
+    return Shared(seed, rank, counters)

@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import json
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +26,7 @@ from gift_compile.codec import FormatSpec
 from gift_compile.config import GiftConfig
 from gift_compile.geometry.table import IDENTITY_KIND
 
-__all__ = ["BucketPlan", "ItemPlan", "dtype_name"]
+__all__ = ["BucketPlan", "ItemPlan", "dtype_name", "replica_hop_plan"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -192,3 +193,18 @@ class BucketPlan:
     def describe(self) -> str:
         head = f"{self.op} over {self.world} ranks ({'avg' if self.average else 'sum'})"
         return head + ": " + "; ".join(i.describe() for i in self.items)
+
+
+def replica_hop_plan(shards: Sequence[ItemPlan], fmt: str, world: int, group_name: str | None,
+                     average: bool) -> BucketPlan:
+    """HSDP's replica hop: the all-reduce over the replica group of the row shards the shard hop
+    left on this rank, whose items (`shards`: managed ones with their layer's plan, rows those
+    of the shard) it sends in one bucket. A managed shard goes at `fmt` without error feedback
+    (the residual belongs to the shard hop); an "fp32" `fmt` sends it raw, like every other item.
+    The one rule for both places that run the hop: FSDP2's all-reduce hook
+    (`gift_compile.frameworks.hsdp`) and the FX pass's rewrite of a traced HSDP step."""
+    items = tuple(ItemPlan.passthrough(i.name, i.numel, i.torch_dtype) if not i.managed or fmt == "fp32"
+                  else dataclasses.replace(i, format=fmt, error_feedback=False, second_hop_error_feedback=False,
+                                           error_feedback_decay=1.0, residual_format="fp32")
+                  for i in shards)
+    return BucketPlan(items, world, group_name, average, "all_reduce")

@@ -13,6 +13,7 @@ collective has run (DDP overlaps buckets with the rest of the backward either wa
 # No `from __future__ import annotations`: DDP checks the comm hook's annotations at runtime.
 
 import logging
+from contextlib import AbstractContextManager
 
 import torch
 import torch.distributed as dist
@@ -20,13 +21,14 @@ import torch.nn as nn
 
 from gift_compile.config import GiftConfig
 from gift_compile.exchange.collectives import Segment, group_info, sync_buffer
+from gift_compile.frameworks.adapter import attach
 from gift_compile.frameworks.routing import manage
 from gift_compile.runtime.health import queue_backward_check
 from gift_compile.runtime.state import GiftState
 
 logger = logging.getLogger("gift_compile")
 
-__all__ = ["install"]
+__all__ = ["DDP", "install"]
 
 
 class _HookState:
@@ -72,4 +74,36 @@ def install(model: nn.parallel.DistributedDataParallel, config: GiftConfig, grou
     state = manage(model.module, config, model.process_group, mode="stats", collective="all_reduce")
     model.register_comm_hook(_HookState(state, model.module, model.process_group, fuse), _gift_hook)
     model._gift_state = state
+    attach(state, DDP.name, None)
     return state
+
+
+class _DDPAdapter:
+    """`DistributedDataParallel` models: GIFT's all-reduce as DDP's comm hook."""
+
+    name = "ddp"
+    kind = "DDP comm hook"
+    split_rows = False
+
+    def detect(self, model: nn.Module) -> bool:
+        return isinstance(model, nn.parallel.DistributedDataParallel)
+
+    def install(self, model: nn.Module, config: GiftConfig, group: dist.ProcessGroup | None, *,
+                fuse: bool) -> GiftState:
+        return install(model, config, group, fuse=fuse)
+
+    def no_sync(self, model: nn.Module, state: GiftState) -> AbstractContextManager[None]:
+        """DDP's own `no_sync` (it calls no comm hook inside; the next backward sends the sum)."""
+        return model.no_sync()
+
+    def remove(self, model: nn.Module, state: GiftState) -> None:
+        """A comm hook cannot be unregistered: the hook sees the state inactive and runs DDP's
+        plain fp32 all-reduce from now on (logged)."""
+        logger.warning("gift_compile.remove: DDP keeps its comm hook; it now runs DDP's plain fp32 all-reduce")
+
+    def telemetry(self, state: GiftState) -> dict[str, float]:
+        """Nothing beyond the state's counters: the hook's collectives count into them."""
+        return {}
+
+
+DDP = _DDPAdapter()

@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
 from gift_compile.exchange.collectives import Segment, bucket_plan, bucket_wire_bytes, sync_buffer
@@ -36,13 +38,16 @@ from gift_compile.frameworks.fsdp_internals import (
     DefaultReduceScatter, ReduceScatter, check_torch, custom_reduce_scatter, fsdp_modules, packed_params,
     shard_process_group,
 )
+from gift_compile.config import GiftConfig
+from gift_compile.frameworks.adapter import attach, attached
 from gift_compile.frameworks.parts import Parts
+from gift_compile.frameworks.routing import manage
 from gift_compile.runtime.health import queue_backward_check
 from gift_compile.runtime.state import GiftState
 from gift_compile.runtime.telemetry import CommTimer
 
-__all__ = ["GiftReduceScatter", "accounted_bytes", "discarded_gradients", "discarding", "install", "shard_group",
-           "uninstall"]
+__all__ = ["FSDP2", "GiftReduceScatter", "accounted_bytes", "discarded_gradients", "discarding", "install",
+           "shard_group", "uninstall"]
 
 
 # How many `discarded_gradients` contexts are open.
@@ -149,7 +154,8 @@ def install(model: Parts, state: GiftState, *, compiled: bool = True) -> CommTim
     which share `state` and one comm timer) on `GiftReduceScatter`; returns the comm timer.
 
     Forces FSDP2's SUM reduction (FSDP2 then applies its gradient divide factor itself) and
-    the reduce-scatter of unused parameters, so every buffer maps onto the parameters.
+    the reduce-scatter of unused parameters, so every buffer maps onto the parameters. The
+    timer is kept in the state's per-adapter slot (the FSDP2 adapter's telemetry reads it).
     """
     check_torch()
     timer = CommTimer()
@@ -157,7 +163,7 @@ def install(model: Parts, state: GiftState, *, compiled: bool = True) -> CommTim
         module.set_force_sum_reduction_for_comms(True)
         module.set_reduce_scatter_unused_params(True)
         module.set_custom_reduce_scatter(GiftReduceScatter(module, state, timer, compiled))
-    state.comm_timer = timer
+    attach(state, FSDP2.name, timer)
     return timer
 
 
@@ -176,3 +182,54 @@ def accounted_bytes(model: Parts) -> int | None:
     if not comms:
         return None
     return sum(bucket_wire_bytes(c.plan(*c.last_call)) for c in comms.values())
+
+
+class _FSDP2Adapter:
+    """`fully_shard` (FSDP2) models: GIFT's bucketed reduce-scatter as FSDP2's custom one."""
+
+    name = "fsdp2"
+    kind = "FSDP2 custom reduce-scatter"
+    split_rows = True
+
+    def detect(self, model: nn.Module) -> bool:
+        return any(isinstance(m, FSDPModule) for m in model.modules())
+
+    def install(self, model: nn.Module, config: GiftConfig, group: dist.ProcessGroup | None, *,
+                fuse: bool) -> GiftState:
+        """The state over the group FSDP2 reduce-scatters over (`shard_group`), statistics hooks
+        on the managed linears, and `install`'s reduce-scatter on every FSDP module."""
+        shards = shard_group(model, group)
+        if shards.size() == 1:
+            raise ValueError(
+                "gift_compile.apply: the FSDP2 model reduce-scatters over a one-rank group; FSDP2 then copies each "
+                "gradient without calling the custom reduce-scatter, so GIFT would quantize and send nothing (with "
+                "replicas, install gift_compile.frameworks.fsdp2 and gift_compile.frameworks.hsdp: the replica hop "
+                "then carries every gradient)")
+        state = manage(model, config, shards, mode="stats", split_rows=True)
+        install(model, state, compiled=fuse)
+        return state
+
+    def no_sync(self, model: nn.Module, state: GiftState) -> AbstractContextManager[None]:
+        """FSDP2's own switch (`set_requires_gradient_sync(False)`) on every FSDP module."""
+        return _without_gradient_sync([m for m in model.modules() if isinstance(m, FSDPModule)])
+
+    def remove(self, model: nn.Module, state: GiftState) -> None:
+        uninstall(model)
+
+    def telemetry(self, state: GiftState) -> dict[str, float]:
+        """Seconds spent in GIFT's reduce-scatters since the last call (`comm_s`)."""
+        return {"comm_s": attached(state, self.name).take()}
+
+
+@contextlib.contextmanager
+def _without_gradient_sync(modules: list[FSDPModule]) -> Iterator[None]:
+    for m in modules:
+        m.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.set_requires_gradient_sync(True, recurse=False)
+
+
+FSDP2 = _FSDP2Adapter()

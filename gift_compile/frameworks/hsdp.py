@@ -54,7 +54,8 @@ import torch.distributed as dist
 
 from gift_compile.exchange.collectives import (C_WIRE, C_BASELINE, C_CALLS, N_COUNTERS, ItemTensors, Shared,
                                       bucket_plan, bucket_wire_bytes, check_plan_agreement, run_bucket)
-from gift_compile.exchange.plan import BucketPlan, ItemPlan
+from gift_compile.exchange.plan import BucketPlan, ItemPlan, replica_hop_plan
+from gift_compile.frameworks.adapter import attach, attached
 from gift_compile.frameworks.fsdp2 import GiftReduceScatter, discarding
 from gift_compile.frameworks.fsdp_internals import (all_reduce_hook, check_torch, custom_reduce_scatter, fsdp_modules,
                                          gradient_divide_factor, is_native_hsdp, param_group_id,
@@ -63,8 +64,10 @@ from gift_compile.frameworks.parts import Parts, model_parts
 from gift_compile.runtime.state import GiftState
 from gift_compile.runtime.telemetry import CommTimer
 
-__all__ = ["ReplicaAllReduce", "ReplicaHop", "accounted_bytes", "check_replicas_identical", "hop_totals", "install",
-           "install_graph"]
+__all__ = ["NAME", "ReplicaAllReduce", "ReplicaHop", "accounted_bytes", "check_replicas_identical", "hop_totals",
+           "install", "install_graph", "replica_hop"]
+
+NAME = "hsdp"  # the replica hop's key in `GiftState.adapters`
 
 
 class ReplicaHop:
@@ -128,16 +131,10 @@ class ReplicaAllReduce:
         if self.sole:
             return bucket_plan(segments, dtype, world=self.hop.world, group_name=self.hop.group.group_name,
                                average=self.average, op="all_reduce")
-        fmt = self.state.config.replica_hop_format
-        items = []
-        for seg in segments:
-            if seg.plan is None or fmt == "fp32":
-                items.append(ItemPlan.passthrough(seg.name, seg.rows * seg.cols, dtype))
-            else:
-                items.append(dataclasses.replace(seg.plan.with_dtype(dtype), rows=seg.rows, format=fmt,
-                                                 error_feedback=False, second_hop_error_feedback=False,
-                                                 error_feedback_decay=1.0, residual_format="fp32"))
-        return BucketPlan(tuple(items), self.hop.world, self.hop.group.group_name, False, "all_reduce")
+        shards = [ItemPlan.passthrough(seg.name, seg.rows * seg.cols, dtype) if seg.plan is None
+                  else dataclasses.replace(seg.plan.with_dtype(dtype), rows=seg.rows) for seg in segments]
+        return replica_hop_plan(shards, self.state.config.replica_hop_format, self.hop.world,
+                                self.hop.group.group_name, False)
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
         if discarding():  # gradients the framework drops (`gift_compile.frameworks.fsdp2.discarded_gradients`)
@@ -193,7 +190,7 @@ def install(model: Parts, state: GiftState, replica_group: dist.ProcessGroup, *,
     default gradient division divides by shards x replicas, what native HSDP divides by; an
     explicit factor (torchtitan's 1.0) is kept. With one shard the hop is the only collective
     (see the module docstring: `format` only, factor 1 or FSDP2's default, which GIFT's
-    all-reduce then averages). Sets `state.replica_hop`.
+    all-reduce then averages). Keeps the hop in the state's per-adapter slot (`replica_hop`).
     """
     device = state.counters.device
     hop = ReplicaHop(replica_group, device)
@@ -220,7 +217,7 @@ def install(model: Parts, state: GiftState, replica_group: dist.ProcessGroup, *,
         n += 1
     if n == 0:
         raise ValueError("gift_compile.frameworks.hsdp.install: the model has no FSDP module")
-    state.replica_hop = hop
+    _attach(state, hop)
     check_replicas_identical(model, replica_group)
     return hop
 
@@ -253,16 +250,29 @@ def install_graph(state: GiftState, replica_group: dist.ProcessGroup) -> Replica
     `replica_format = config.replica_hop_format` and its `gift::mark` then carries this hop's
     rank and counters, so the pass can put GIFT's all-reduce of the reduced shard over
     `replica_group` into the graph (`gift_compile.passes.gift_pass`, "HSDP"). Call it after
-    `manage(..., mode="tag")` and before the step is traced. Sets `state.replica_hop`.
+    `manage(..., mode="tag")` and before the step is traced. Keeps the hop in the state's
+    per-adapter slot (`replica_hop`).
 
     The hop has no error probe in a graph (the probe's extra fp32 all-reduce is a per-step
     host decision a traced step cannot take); `ReplicaHop.take_error` returns None there.
     """
     hop = ReplicaHop(replica_group, state.counters.device)
-    state.replica_hop = hop
+    _attach(state, hop)
+    replica = Shared(state.seed, hop.rank, hop.counters)
     for layer in state.layers.values():
-        layer.set_replica_format(state.config.replica_hop_format)
+        layer.set_replica_hop(state.config.replica_hop_format, replica)
     return hop
+
+
+def _attach(state: GiftState, hop: ReplicaHop) -> None:
+    """Keep `hop` on `state` (the per-adapter slot, `NAME`); its counters enter the health check."""
+    attach(state, NAME, hop)
+    state.hop_counters.append(hop.counters)
+
+
+def replica_hop(state: GiftState) -> ReplicaHop | None:
+    """The replica hop `install` / `install_graph` put on `state`, or None without one."""
+    return attached(state, NAME) if NAME in state.adapters else None
 
 
 def _hooks(model: Parts) -> list[ReplicaAllReduce]:
@@ -295,7 +305,7 @@ def hop_totals(state: GiftState) -> dict[str, dict[str, int]]:
     """Bytes counted when they were handed to each hop's collectives (cumulative): `wire`,
     `baseline` (what the replaced fp32 collective would have been handed) and `calls`."""
     out = {"shard": state.counters.tolist()}
-    hop = state.replica_hop
+    hop = replica_hop(state)
     if hop is not None:
         out["replica"] = hop.counters.tolist()
     return {k: {"wire": c[C_WIRE], "baseline": c[C_BASELINE], "calls": c[C_CALLS]} for k, c in out.items()}

@@ -29,21 +29,29 @@ next synchronising backward sends its whole accumulated `.grad` once.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from gift_compile.config import GiftConfig
 from gift_compile.exchange import collectives
 from gift_compile.exchange.collectives import (C_BASELINE, C_NONFINITE, C_NONFINITE_RANKS, C_PLAIN_CALLS, C_WIRE,
                                                RANK_BITS)
 from gift_compile.exchange.mark import SYNC
 from gift_compile.exchange.plan import BucketPlan, ItemPlan
+from gift_compile.frameworks.adapter import attach
+from gift_compile.frameworks.routing import manage
 from gift_compile.runtime.health import queue_backward_check
 from gift_compile.runtime.state import GiftState
 
-__all__ = ["PlainSync", "ARRIVED_ITEM"]
+__all__ = ["ARRIVED_ITEM", "PLAIN", "PlainSync"]
+
+logger = logging.getLogger("gift_compile")
 
 ARRIVED_ITEM = "<plain-sync arrivals>"  # the bucket's last item: which parameters got a gradient
 
@@ -146,3 +154,61 @@ class PlainSync:
             for r in bad:
                 mask |= 1 << min(r, RANK_BITS)
             c[C_NONFINITE_RANKS : C_NONFINITE_RANKS + 1].bitwise_or_(mask)
+
+
+class _PlainAdapter:
+    """A plain module, one replica per rank: GIFT synchronises every gradient itself (managed
+    weights in their backward, the rest in `PlainSync`'s bucket). Accepts every model, so the
+    table asks it last."""
+
+    name = "plain"
+    kind = "GIFT all-reduce in the backward graph"
+    split_rows = False
+
+    def detect(self, model: nn.Module) -> bool:
+        return True
+
+    def install(self, model: nn.Module, config: GiftConfig, group: dist.ProcessGroup | None, *,
+                fuse: bool) -> GiftState:
+        """Manage the linears in "sync" mode, put the other parameters on `PlainSync`, and arm
+        the end-of-backward checks on each managed weight's gradient reaching `.grad` (eagerly
+        after a compiled backward too; also for a weight read directly). One process has no
+        gradient to communicate: nothing is managed (logged). `fuse` concerns the framework
+        hooks' eager collectives; here the collective is in the compiled backward itself."""
+        world = collectives.group_info(group)[1]
+        if world == 1:
+            logger.warning("gift_compile.apply: single process, no gradient communication to compress; nothing managed")
+            state = GiftState(config, None)
+            model._gift_state = state
+        else:
+            state = manage(model, config, group, mode="sync")
+            state.handles.extend(PlainSync(model, state, group).install())
+            state.handles.extend(state.weight(n).register_post_accumulate_grad_hook(lambda _: queue_backward_check(state))
+                                 for n in state.layers)
+        attach(state, self.name, None)
+        return state
+
+    def no_sync(self, model: nn.Module, state: GiftState) -> AbstractContextManager[None]:
+        """Managed weights accumulate into their pending buffers, the other parameters into
+        `.grad` (marked dirty); the next backward outside sends the sum once."""
+        return _accumulating(state)
+
+    def remove(self, model: nn.Module, state: GiftState) -> None:
+        """Nothing of the framework's to restore: every hook `install` registered is one of the
+        state's handles, which `api.remove` takes out for every adapter."""
+
+    def telemetry(self, state: GiftState) -> dict[str, float]:
+        """Nothing beyond the state's counters (`plain_calls` counts `PlainSync`'s all-reduces)."""
+        return {}
+
+
+@contextmanager
+def _accumulating(state: GiftState) -> Iterator[None]:
+    state.enter_accumulate()
+    try:
+        yield
+    finally:
+        state.exit_accumulate()
+
+
+PLAIN = _PlainAdapter()

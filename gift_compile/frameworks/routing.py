@@ -84,7 +84,7 @@ def _routed_weight(module: nn.Module, w: torch.Tensor) -> torch.Tensor:
     # active path's own plan (a deselected layer runs no map).
     traced = tracing(w)
     plan = layer.traced_plan_str if traced else layer.plan_str
-    tensors = layer.mark_tensors(gstate.shared, gstate.replica_shared, traced=traced)
+    tensors = layer.mark_tensors(gstate.shared, traced=traced)
     if module._gift_group_name is None:
         return on_local_block(w, lambda block: _GiftTag.apply(block, plan, *tensors))
     pending = layer.pending if layer.mode != SYNC else None

@@ -15,6 +15,7 @@ import torch
 from gift_compile.codec import residual as residual_store
 from gift_compile.config import GiftConfig
 from gift_compile.exchange.collectives import ItemTensors, Shared
+from gift_compile.exchange.mark import pack_mark_tensors
 from gift_compile.exchange.plan import ItemPlan
 from gift_compile.geometry.table import IDENTITY_KIND, Geometry
 from gift_compile.runtime.selection import LayerMeasurement
@@ -72,6 +73,8 @@ class LayerState:
         # `selected` as a tensor (bool, 0-d), what traced graphs read: they carry `traced_plan`,
         # the layer's map gated by it, so a selection change is data, not a recompile.
         self.path_gate = torch.zeros((), dtype=torch.bool, device=device)
+        # HSDP's replica hop in a traced graph (`set_replica_hop`): its tensors ride on the mark
+        self.replica: Shared | None = None
         self.transform.activate()  # a fixed rotation is always on; adaptive maps start as the identity
         self._replan()
 
@@ -129,22 +132,19 @@ class LayerState:
         return {k: v for k, v in (("residual", self.residual), ("second_hop_residual", self.second_hop_residual))
                 if v is not None}
 
-    def mark_tensors(self, shared: Shared, replica: Shared | None = None, *, traced: bool = False) -> list[torch.Tensor]:
-        """Inputs of the `gift::mark` op, in the order `unpack_mark_tensors` reads them, for
-        `plan` (eager) or, `traced`, for `traced_plan` (the whole map and `path_gate`); with a
-        graph replica hop (`plan.replica_format`) also its rank and counters (`replica`)."""
-        extra = [t for bufs in self.residual_buffers().values() for t in bufs]
-        transform = (*self.transform.tensors, self.path_gate) if traced and self.traced_plan.gated \
-            else self.active_tensors()
-        out = [*transform, *extra, self.probe, self.seed_offset, shared.seed, shared.rank, shared.counters]
-        if self.plan.replica_format:
-            if replica is None:
-                raise RuntimeError(f"GIFT: {self.fqn} has a replica hop in its plan but no replica tensors were given")
-            out += [replica.rank, replica.counters]
-        return out
+    def mark_tensors(self, shared: Shared, *, traced: bool = False) -> list[torch.Tensor]:
+        """Inputs of the `gift::mark` op (`gift_compile.exchange.mark.pack_mark_tensors`: the
+        one definition of their order), for `plan` (eager) or, `traced`, for `traced_plan` (the
+        whole map and `path_gate`), with the graph replica hop's when the plan has one."""
+        if traced and self.traced_plan.gated:
+            item = self.tensors()._replace(transform=(*self.transform.tensors, self.path_gate))
+            return pack_mark_tensors(self.traced_plan, item, shared, self.replica)
+        return pack_mark_tensors(self.plan, self.tensors(), shared, self.replica)
 
-    def set_replica_format(self, fmt: str) -> None:
-        """Put HSDP's replica hop into the plan the mark carries (before any graph is traced)."""
+    def set_replica_hop(self, fmt: str, replica: Shared) -> None:
+        """Put HSDP's replica hop into the plan the mark carries, at `fmt`, with the hop's
+        `Shared` (seed, rank in the replica group, its counters), before any graph is traced."""
+        self.replica = replica
         self._full_plan = replace(self._full_plan, replica_format=fmt)
         self._replan()
 

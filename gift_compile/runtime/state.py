@@ -35,7 +35,7 @@ from gift_compile.runtime.checkpoint import Checkpointing
 from gift_compile.runtime.layer import LayerState
 from gift_compile.runtime.refresh import RefreshEngine, RefreshRecord
 from gift_compile.runtime.selection import LayerMeasurement, decide
-from gift_compile.runtime.telemetry import CommTimer, Telemetry
+from gift_compile.runtime.telemetry import Telemetry
 from gift_compile.sync import all_gather_object_, group_rank, world_size
 
 
@@ -73,8 +73,8 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
 
     __slots__ = ("config", "group", "collective", "layers", "seed", "rank", "counters", "steps", "history",
                  "grad_source", "_health_seen", "modules", "handles", "active", "sync_mode", "dirty_params",
-                 "plan_version", "selection_changes", "_sharing_checked", "comm_timer", "retraces", "replica_hop",
-                 "backward_watch", "geometry")
+                 "plan_version", "selection_changes", "_sharing_checked", "adapters", "hop_counters", "backward_watch",
+                 "geometry")
 
     def __init__(self, config: GiftConfig, group: dist.ProcessGroup | None, collective: str = "all_reduce"):
         if config.second_hop_error_feedback and collective != "all_reduce":
@@ -110,13 +110,13 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         self.plan_version = 0
         self.selection_changes = 0
         self._sharing_checked = False  # identical statistics are detected at the first refresh
-        # Telemetry filled by adapters: the FSDP2 hook's comm timer, and how often a framework
-        # dropped its traced step for a plan change (torchtitan's graph_trainer hook).
-        self.comm_timer: CommTimer | None = None
-        self.retraces = 0
-        # HSDP's replica hop (`gift_compile.frameworks.hsdp.ReplicaHop`: group, counters, error probe), set
-        # by `gift_compile.frameworks.hsdp.install`; None without a replica hop.
-        self.replica_hop: Any = None
+        # The framework adapters installed on this state, by name, each with what it keeps
+        # (FSDP2's comm timer, HSDP's replica hop; None for nothing): one generic slot, so no
+        # field here belongs to one framework (`gift_compile.frameworks.adapter.attach`).
+        self.adapters: dict[str, Any] = {}
+        # The counters of further hops an adapter runs over other groups (HSDP's replica hop
+        # counts its bytes and health flags there): the health check reads them with `counters`.
+        self.hop_counters: list[torch.Tensor] = []
         # The end-of-backward checks (`gift_compile.runtime.health.queue_backward_check`).
         self.backward_watch = BackwardWatch()
 
@@ -124,19 +124,12 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
     def shared(self) -> Shared:
         return Shared(self.seed, self.rank, self.counters)
 
-    @property
-    def replica_shared(self) -> Shared | None:
-        """The replica hop's `Shared` (seed, rank in the replica group, its own counters), or None."""
-        hop = self.replica_hop
-        return None if hop is None else Shared(self.seed, hop.rank, hop.counters)
-
     def _health_counts(self) -> torch.Tensor:
         """The counters of every hop, summed (each hop's collectives write its health flags
         into its own counters); the rank masks are OR-ed across hops and cleared."""
         now = self.counters.detach().to("cpu", copy=True)
         self.counters[C_NONFINITE_RANKS:C_MISMATCH_RANKS + 1].zero_()  # rank masks: read once, then cleared
-        if self.replica_hop is not None:
-            hop = self.replica_hop.counters
+        for hop in self.hop_counters:
             other = hop.detach().to("cpu", copy=True)
             hop[C_NONFINITE_RANKS:C_MISMATCH_RANKS + 1].zero_()
             masks = now[C_NONFINITE_RANKS:C_MISMATCH_RANKS + 1] | other[C_NONFINITE_RANKS:C_MISMATCH_RANKS + 1]
