@@ -35,7 +35,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from bench.convergence_arms import FORMATS, run_key
-from bench.stats import paired, t_quantile
+from bench.stats import holm, paired, t_quantile
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -54,6 +54,11 @@ METHODS: dict[str, str] = {
     "GIFT + leaky EF (defaults)": "gift-{fmt}-ef-b9-dflt",
 }
 COMMAND = "bash bench/frontier_runs.sh && python -m bench.frontier && python -m bench.readme"
+# 2 vs 4 ranks on the same global batch, at 2 bits: the 4-rank runs (and their fp32) against the
+# study's 2-rank ones, seed by seed (`bash bench/frontier_ranks_runs.sh`)
+RANKS_FILES = (*RUN_FILES, RESULTS / "convergence_runs_rs4.jsonl", RESULTS / "convergence_runs_frontier4.jsonl")
+RANKS_ARMS = ("euclid-int2", "gift-int2", "gift-int2-dflt")
+RANKS_COMMAND = "bash bench/frontier_ranks_runs.sh && python -m bench.frontier"
 
 
 def load(files: tuple[Path, ...] = RUN_FILES) -> list[dict]:
@@ -136,6 +141,39 @@ def summarise(runs: list[dict]) -> dict[str, object]:
     return out
 
 
+def ranks(files: tuple[Path, ...] = RANKS_FILES, optimizer: str = "muon") -> dict[str, object]:
+    """Whether the 2-bit gap shrinks with more data-parallel ranks (independent rounding
+    averages down in the sum): each arm's gap to fp32 (same ranks, same seed) at 2 and at 4
+    ranks, and the change `gap(4) - gap(2)` paired by seed (same global batch and data), Holm
+    over the arms compared (family-wise 5%). Arms without runs at both rank counts are left out."""
+    by: dict[tuple[int, str], dict[int, float]] = defaultdict(dict)
+    selected: dict[tuple[int, str], list[float]] = defaultdict(list)
+    for f in files:
+        if not f.exists():
+            continue
+        for line in f.read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                path, world, steps = run_key(r)[:3]
+                if (path, steps) == (STUDY[0], STUDY[2]) and world in (2, 4) and r["optimizer"] == optimizer:
+                    by[(world, r["arm"])][r["seed"]] = _final(r)
+                    if "selected_layers" in r:
+                        selected[(world, r["arm"])].append(r["selected_layers"])
+    rows = []
+    for arm in RANKS_ARMS:
+        seeds = sorted(set.intersection(*(set(by[(w, a)]) for w in (2, 4) for a in (arm, "fp32"))))
+        if len(seeds) < 2:
+            continue
+        gaps = {w: [by[(w, arm)][s] - by[(w, "fp32")][s] for s in seeds] for w in (2, 4)}
+        rows.append({"arm": arm, "seeds": seeds, "gap2": paired(gaps[2]).as_dict(), "gap4": paired(gaps[4]).as_dict(),
+                     "change": paired([b - a for a, b in zip(gaps[2], gaps[4])]).as_dict(),
+                     "selected2": statistics.fmean(selected[(2, arm)]) if selected[(2, arm)] else None,
+                     "selected4": statistics.fmean(selected[(4, arm)]) if selected[(4, arm)] else None})
+    for row, rejected in zip(rows, holm([r["change"]["p"] for r in rows])):
+        row["change_resolved_holm"] = rejected
+    return {"optimizer": optimizer, "arms": rows, "command": RANKS_COMMAND}
+
+
 def _shifts(arms: list[dict], fewest: dict[str, str | None]) -> dict[str, float | None]:
     """How many bits left of its Euclidean counterpart GIFT's fewest-within point sits (positive:
     GIFT needs fewer bits), per pair; None where either side has no point within the band."""
@@ -191,6 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-plot", action="store_true")
     a = p.parse_args(argv)
     summary = summarise(load())
+    summary["ranks"] = ranks()
     a.out.write_text(json.dumps(summary, indent=1) + "\n")
     if not a.no_plot:
         plot(summary, a.out.parent)

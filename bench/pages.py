@@ -397,7 +397,28 @@ def frontier(_: dict) -> str:
         lines.append(f"* **{opt}** (fp32 {o['fp32']['mean']:.4f} ± {o['fp32']['band95']:.4f}, n={o['fp32']['n']}; "
                      f"{o['family_size']} arms judged). Fewest bits within fp32's CI: {fewest}. GIFT's point left of "
                      f"Euclidean's: {shifts}. At 2.25 bits (int2, block 32): {at2 or 'not run'}.")
-    return "\n".join(lines)
+    return "\n".join(lines + _frontier_ranks(f.get("ranks")))
+
+
+def _frontier_ranks(r: dict | None) -> list[str]:
+    """2 vs 4 ranks at int2 (`bench.frontier.ranks`): the gap at each rank count and its change."""
+    if not r or not r["arms"]:
+        return []
+
+    def cell(g: dict) -> str:
+        return f"{g['mean']:+.4f} ± {g['ci95']:.4f}"
+
+    def kept(v: float | None) -> str:
+        return "" if v is None else f" ({v:.0f} layers transformed)"
+
+    lines = ["", f"More ranks, same global batch ({r['optimizer']}, int2; gap to fp32 at the same rank count, mean ± "
+             "t 95% CI over the seeds; change = 4 ranks minus 2, paired by seed, Holm over the arms; "
+             f"`{r['command']}`):", "",
+             "| arm | 2 ranks | 4 ranks | change | resolved (Holm 5%) |", "|---|---|---|---|---|"]
+    for a in r["arms"]:
+        lines.append(f"| {a['arm']} | {cell(a['gap2'])}{kept(a['selected2'])} | {cell(a['gap4'])}{kept(a['selected4'])} "
+                     f"| {cell(a['change'])} | {'yes' if a['change_resolved_holm'] else 'no'} (n={a['change']['n']}) |")
+    return lines
 
 
 def frontier_headline(_: dict) -> str:

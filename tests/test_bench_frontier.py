@@ -1,6 +1,7 @@
 """bench.frontier: the judgement "within fp32's CI" and the bits axis, on synthetic run records
 whose answers are known (the committed tables themselves are checked by test_bench_readme)."""
 
+import json
 import math
 
 import pytest
@@ -65,3 +66,23 @@ def test_runs_of_another_design_are_not_paired():
     other = [dict(r, world=4) for r in _runs({"gift-int3-dflt": ([0.0] * 5, 3.25)}) if r["arm"] != "fp32"]
     s = frontier.summarise(runs + other)
     assert [a["arm"] for a in s["optimizers"]["muon"]["arms"]] == ["euclid-int3"]
+
+
+def test_ranks_pairs_each_rank_count_with_its_own_fp32_and_the_change_by_seed(tmp_path):
+    """2 vs 4 ranks: each gap is taken against fp32 at the same rank count (a 4-rank fp32 that
+    differs from the 2-rank one must not leak into the 2-rank gap), the change is paired by seed,
+    and an arm with runs at only one rank count is left out."""
+    lines = []
+    for seed in range(5):
+        for world, fp32 in ((2, 2.70), (4, 2.60)):
+            lines.append({**_run("muon", "fp32", seed, fp32 + 0.001 * seed), "world": world})
+            lines.append({**_run("muon", "euclid-int2", seed, fp32 + 0.001 * seed + (0.02 if world == 2 else 0.01)
+                                 + 0.0001 * seed), "world": world, "selected_layers": 0})
+        lines.append({**_run("muon", "gift-int2", seed, 2.71), "world": 2})  # no 4-rank run
+    f = tmp_path / "runs.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+    out = frontier.ranks((f,))
+    assert [a["arm"] for a in out["arms"]] == ["euclid-int2"]
+    a = out["arms"][0]
+    assert a["gap2"]["mean"] == pytest.approx(0.0202) and a["gap4"]["mean"] == pytest.approx(0.0102)
+    assert a["change"]["mean"] == pytest.approx(-0.01) and a["change_resolved_holm"] and a["selected4"] == 0
