@@ -192,7 +192,7 @@ def _take(recv: torch.Tensor, offset: int, n: int) -> tuple[torch.Tensor, int]:
     """Columns `[offset, offset + n)` of every sender's block, as a dense `[world, n]` copy
     (a clone, not `contiguous()`: with one sender the slice already counts as contiguous
     but keeps the parent's row stride, which a dtype view cannot reinterpret)."""
-    return recv[:, offset:offset + n].clone(memory_format=torch.contiguous_format), offset + n
+    return recv.narrow(1, offset, n).clone(memory_format=torch.contiguous_format), offset + n
 
 
 def _parse_scales(recv: torch.Tensor, offset: int, spec: FormatSpec, cols: int,

@@ -59,7 +59,7 @@ def _e4m3_value(code):
     normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
     v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
     v = tl.where((code & 127) == 127, float("nan"), v)
-    return tl.where(code >= 128, -v, v)
+    return tl.where(code >= 128, v * -1.0, v)  # not `-v`: Triton negates as 0 - v, which loses -0.0
 
 
 @triton.jit
@@ -187,7 +187,7 @@ def _grid_value(code, KIND: tl.constexpr, BITS: tl.constexpr):
         m = code & 7
         normal = ((2 + (m & 1)) << (m >> 1)).to(tl.float32) * 0.25
         mag = tl.where(m < 2, m.to(tl.float32) * 0.5, normal)
-        v = tl.where(code >= 8, -mag, mag)
+        v = tl.where(code >= 8, mag * -1.0, mag)  # -0.0 for the negative zero code, as the reference
     elif KIND == KIND_INT2:
         v = ((1 + 2 * (code & 1)) * (1 - 2 * (code >> 1))).to(tl.float32)
     elif KIND == KIND_TERNARY:
