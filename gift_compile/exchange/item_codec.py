@@ -315,7 +315,7 @@ def gather_decode_item(gathered: torch.Tensor, offset: int, state: ItemTensors |
     payload, offset = _take(gathered, offset, r * spec.payload_cols(item.cols))
     scales, tscale, offset = _parse_scales(gathered, offset, spec, item.cols, r)
     full = decode(payload.reshape(w, r, -1), spec, scales, tscale, item.cols).reshape(w * r, item.cols)
-    return apply_inverse(item.kind, full, state.transform)[: item.rows], offset
+    return apply_inverse(item.kind, full, state.transform).narrow(0, 0, item.rows), offset
 
 
 # ---- compiled stages: a single-item plan `p` (`item_plan`) as the last argument -----------------
