@@ -6,10 +6,11 @@ kernels cannot drift from its reference: the code width and word layout come fro
 mean-|x| multiplier from `_MEAN_ABS_STEP`, the integer range from `_INT_MAX`.
 
 Kernels exist for the two-level formats (E4M3 block scale x power-of-two tensor scale): nvfp4,
-int6, int4, int3, int2 and ternary, round to nearest. The fp8 formats (one fp32 scale per
-tensor, row or block; the payload is a float8 cast, which Inductor already writes in one
-pass at its floor), the E8M0 formats (mxfp8, mxint4) and stochastic rounding have none: they
-keep the Inductor-generated codec (`gift_compile.kernels.dispatch` says so, per format).
+int6, int4, int3, int2 and ternary, round to nearest: the formats whose Inductor-generated
+codec moved furthest from its floor on the H200 (issue 26). The fp8 formats (one fp32 scale
+per tensor, row or block, a float8 cast per element), the E8M0 formats (mxfp8, mxint4) and
+stochastic rounding have none yet: they keep the Inductor-generated codec
+(`gift_compile.kernels.dispatch` says so, per format).
 """
 
 from __future__ import annotations

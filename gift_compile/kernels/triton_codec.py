@@ -4,9 +4,10 @@ Each kernel restates, operation by operation, what the reference codec (`gift_co
 computes for one element or one block, so that its bytes are the reference's bytes: the same
 fp32 multiplies in the same order, comparisons with exact multiples of the block unit instead
 of a division, the E4M3 scale codes built from the exponent and mantissa bits instead of a
-float8 conversion (whose rounding and NaN handling differ between Triton's interpreter, its
-CUDA lowering and ATen), and NaN/Inf kept by explicit `where`s rather than by the NaN
-semantics of `max`/`min`, which Triton does not promise. The launch wrappers and the
+float8 conversion (whose rounding and NaN handling Triton's interpreter, its CUDA lowering
+and ATen need not share), NaN/Inf kept by explicit `where`s rather than by the NaN semantics
+of `max`/`min`, which Triton does not promise, and negation as a multiply by -1 (Triton's
+unary minus is 0 - v, which turns -0.0 into +0.0). The launch wrappers and the
 registered ops are in `gift_compile.kernels.ops`; the format parameters (the constexprs
 below) in `gift_compile.kernels.formats`.
 
