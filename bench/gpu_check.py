@@ -9,6 +9,9 @@ the others; the exit status is 1 when any section failed:
 - kernel_traffic: the bytes per element the explicit codec kernels (`gift_compile.kernels`)
   move in the 8-rank reduce-scatter and all-reduce bodies, from their arguments, against the
   floor (`bench.kernel_traffic`; traced on fake CUDA tensors, so the dry run computes it too);
+- map: the low-rank map's forward alone at the fc2 shapes, Inductor's compile of
+  `LowRank.apply_forward` against the projection matmul plus the explicit tl.dot expansion
+  kernel (fp32 and TF32 operands): time, time over the copy floor, error against fp64;
 - codec: for Llama-600M and Llama-3-8B layer shapes, the Euclidean and GIFT codecs (fp8 E4M3
   per-row and NVFP4; `bench.overhead.codec_body`, a one-rank all-reduce: transform, encode,
   decode + sum, re-encode, decode, inverse), each compiled two ways where its format has
@@ -63,9 +66,12 @@ from torch._inductor.utils import run_and_get_code
 
 from bench import kernel_traffic
 from bench.codec_minimum import minimum_bytes
-from bench.overhead import PATHS, codec_body, generated_traffic, traffic_summary
+from bench.overhead import PATHS, _synthetic_factor, codec_body, generated_traffic, traffic_summary
 from bench.report import table
 from gift_compile import kernels
+from gift_compile.geometry import Transform
+from gift_compile.geometry.maps import LowRank
+from gift_compile.kernels import ops as kernel_ops
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 # Datasheet HBM bandwidth (bytes/s) by device-name fragment, first match wins (GH200 before H200).
@@ -79,7 +85,11 @@ CODEC_PATHS = ("euclid-fp8", "gift-fp8", "euclid-nvfp4", "gift-nvfp4")
 IMPLS = ("kernels", "inductor")
 # the collective bodies whose kernel traffic is counted (8 ranks, Euclidean map)
 TRAFFIC_FORMATS = ("nvfp4", "int4")
-SECTIONS = ("device", "kernel_traffic", "codec", "parity", "torchtitan")
+SECTIONS = ("device", "kernel_traffic", "map", "codec", "parity", "torchtitan")
+# The low-rank map's forward, three ways: Inductor's compile of `LowRank.apply_forward` (a
+# skinny matmul and a pointwise expansion), and the projection matmul followed by the explicit
+# expansion kernel (`gift_compile.kernels.ops.lowrank_expand`, tl.dot) with fp32 or TF32 operands.
+MAP_IMPLS = ("inductor", "kernel-fp32", "kernel-tf32")
 TORCHTITAN_TORCH = "2.13"  # the oldest torch torchtitan 0.3.0 imports with
 
 
@@ -226,6 +236,59 @@ def kernel_traffic_section(shapes: tuple[tuple[str, int, int], ...]) -> list[dic
     return rows
 
 
+def _map_forward(impl: str, tensors: tuple[torch.Tensor, ...]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The low-rank map's forward as `impl` computes it (`MAP_IMPLS`)."""
+    if impl == "inductor":
+        return torch.compile(lambda g: LowRank.apply_forward(g, tensors), fullgraph=True, dynamic=False)
+    dinv, v, cf, _, dsq = tensors
+    ut = (v * dinv.unsqueeze(1)).t().contiguous()
+    tf32 = impl == "kernel-tf32"
+
+    def forward(g: torch.Tensor) -> torch.Tensor:
+        previous = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = tf32  # the projection's operands too
+        try:
+            p = torch.mm(g, ut.t())
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = previous
+        return kernel_ops.lowrank_expand(g, p, dinv, cf, ut, dsq, tf32)
+
+    return forward
+
+
+def map_section(device: torch.device, shapes: tuple[tuple[str, int, int], ...], rank: int,
+                copy_bw: float) -> list[dict[str, object]]:
+    """The low-rank map's forward alone at the fc2 (w2) shapes: median time of each impl, its
+    time over the copy floor (the map must read G and write its image: 8 bytes per element at
+    the measured copy bandwidth), and its relative L2 error against the map computed in fp64
+    (the explicit kernel's rounding differs from the reference's fixed-order sum; TF32 rounds
+    the operands of both matmuls). The kernel impls need CUDA: in the dry run they are recorded
+    as not run."""
+    rows = []
+    for label, r, c in shapes:
+        if "w2" not in label:
+            continue
+        t = Transform("lowrank", c, rank, seed=0)
+        t.refresh_from(_synthetic_factor(c), 1e-3)
+        tensors = tuple(x.to(device) for x in t.tensors)
+        g = torch.randn(r, c, device=device, generator=torch.Generator(device).manual_seed(3)) * 1e-3
+        exact = LowRank.apply_forward(g.double(), tuple(x.double() for x in tensors))
+        floor_us = 8 * r * c / copy_bw * 1e6
+        for impl in MAP_IMPLS:
+            row: dict[str, object] = {"shape": label, "rows": r, "cols": c, "rank": rank, "impl": impl}
+            rows.append(row)
+            if impl != "inductor" and device.type != "cuda":
+                row["status"] = "not run: the explicit kernels need CUDA"
+                continue
+            fn = _map_forward(impl, tensors)
+            with torch.no_grad():
+                out = fn(g)
+                seconds = _median_time(lambda: fn(g), device)
+            row.update(status="ok", time_us=seconds * 1e6, floor_us=floor_us, vs_floor=seconds * 1e6 / floor_us,
+                       rel_error=float((out.double() - exact).norm() / exact.norm()))
+    return rows
+
+
 def codec_section(device: torch.device, shapes: tuple[tuple[str, int, int], ...], rank: int, copy_bw: float,
                   peak: float | None, budget: Budget, min_left_s: float) -> list[dict[str, object]]:
     """Compile, count and time every codec path at every shape (skipping what the budget forbids)."""
@@ -339,6 +402,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     copy_bw = float(info.get("copy_bytes_per_s", math.nan))
     peak = info.get("datasheet_bytes_per_s")
     attempt("kernel_traffic", lambda: kernel_traffic_section(shapes), 10)
+    attempt("map", lambda: map_section(device, shapes, rank, copy_bw), 20)
     rows = attempt("codec", lambda: codec_section(device, shapes, rank, copy_bw, peak, budget,
                                                   5 if args.dry_run else 45), 30)
     if isinstance(rows, list) and any(r.get("status") == "failed" for r in rows):
@@ -385,6 +449,16 @@ def render(results: dict[str, object]) -> str:
                   "send/receive buffer glue, which Inductor generates.", "",
                   table(["gradient", "format", "op", "ranks", "kernels B/el", "floor B/el", "kernels / floor"], rows, 3),
                   ""]
+    lowrank = sec.get("map", {}).get("result")
+    if lowrank:
+        rows = [[r["shape"], r["impl"], r["status"], r.get("time_us", ""), r.get("floor_us", ""),
+                 r.get("vs_floor", ""), r.get("rel_error", "")] for r in lowrank]
+        lines += ["## The low-rank map alone", "",
+                  "`LowRank.apply_forward` compiled by Inductor, against the projection matmul plus the explicit "
+                  "expansion kernel (`gift_compile.kernels.ops.lowrank_expand`, tl.dot with fp32 accumulation; fp32 or "
+                  "TF32 operands). Floor: read G and write its image once (8 B/el) at the measured copy bandwidth. "
+                  "Error: relative L2 against the map in fp64.", "",
+                  table(["gradient", "impl", "status", "µs", "floor µs", "time / floor", "rel. error"], rows, 3), ""]
     if codec:
         rows = []
         for r in codec:

@@ -23,7 +23,7 @@ def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict, str]:
     with pytest.MonkeyPatch.context() as mp:  # two codecs at one shape keep it to four compiles
         mp.setattr(gpu_check, "DRY_SHAPES", (("dry w2", 64, 192),))
         mp.setattr(gpu_check, "CODEC_PATHS", ("euclid-fp8", "gift-fp8"))
-        code = gpu_check.main(["--dry-run", "--sections", "device,kernel_traffic,codec,parity", "--out", str(out)])
+        code = gpu_check.main(["--dry-run", "--sections", "device,kernel_traffic,map,codec,parity", "--out", str(out)])
     return code, json.loads((out / "gpu_check.json").read_text()), (out / "GPU.md").read_text()
 
 
@@ -31,9 +31,10 @@ def test_dry_run_succeeds_and_reports_every_section(dry_run: tuple[int, dict, st
     code, results, md = dry_run
     assert code == 0 and results["dry_run"]
     assert {k: v["status"] for k, v in results["sections"].items()} == {
-        "device": "ok", "kernel_traffic": "ok", "codec": "ok", "parity": "ok"}
+        "device": "ok", "kernel_traffic": "ok", "map": "ok", "codec": "ok", "parity": "ok"}
     assert md.startswith("# GPU check (DRY RUN on the CPU")
-    for heading in ("## Device", "## Kernel traffic", "## Codec kernels", "## Parity with the CPU"):
+    for heading in ("## Device", "## Kernel traffic", "## The low-rank map alone", "## Codec kernels",
+                    "## Parity with the CPU"):
         assert heading in md
 
 
@@ -104,6 +105,31 @@ def test_kernel_traffic_counts_each_kernels_arguments_against_the_floor(dry_run:
     assert rs["kernel_bytes_per_element"] == pytest.approx(sum(sum(v) for v in want.values()))
     for r in rows:
         assert 1.0 < r["kernel_over_floor"] < 1.2
+
+
+def test_map_section_times_the_compiled_map_and_records_the_kernels_as_cuda_only(
+        dry_run: tuple[int, dict, str]) -> None:
+    _, results, _ = dry_run
+    rows = {r["impl"]: r for r in results["sections"]["map"]["result"]}
+    assert list(rows) == list(gpu_check.MAP_IMPLS)
+    inductor = rows["inductor"]
+    assert inductor["status"] == "ok" and inductor["time_us"] > 0 and inductor["rel_error"] < 1e-5
+    assert inductor["vs_floor"] == pytest.approx(inductor["time_us"] / inductor["floor_us"])
+    assert rows["kernel-fp32"]["status"] == rows["kernel-tf32"]["status"] == "not run: the explicit kernels need CUDA"
+
+
+def test_the_map_kernel_impl_computes_the_map() -> None:
+    """The expansion kernel's impl of the map section, run here in Triton's interpreter (the
+    suite's CPU setting): the map's image, within fp32 rounding of `LowRank.apply_forward`."""
+    from gift_compile.geometry import Transform
+    from gift_compile.geometry.maps import LowRank
+
+    t = Transform("lowrank", 96, 8, seed=0)
+    t.refresh_from(gpu_check._synthetic_factor(96), 1e-3)
+    g = torch.randn(40, 96, generator=torch.Generator().manual_seed(0))
+    ref = LowRank.apply_forward(g, t.tensors)
+    out = gpu_check._map_forward("kernel-fp32", t.tensors)(g)
+    assert float((out - ref).norm() / ref.norm()) < 1e-6 and not torch.equal(out, g)
 
 
 def test_the_kernel_impl_is_timed_on_cuda_only_for_formats_with_kernels() -> None:

@@ -162,6 +162,30 @@ def test_scale_codes_round_like_the_float8_conversion() -> None:
     assert torch.equal(got, _e4m3_code(stat * 16.0 * (1.0 / 6.0)))
 
 
+@pytest.mark.parametrize(("rows", "cols", "rank"), [(70, 200, 8), (1, 129, 32)])
+def test_the_expansion_kernel_computes_the_low_rank_map(rows: int, cols: int, rank: int) -> None:
+    """`lowrank_expand` after the projection matmul is `LowRank.apply_forward`: not bitwise
+    (tl.dot sums the rank-r product in its own order), within fp32 rounding of the map computed
+    in fp64, as close as the reference's own fp32 result; shapes that fill no whole tile."""
+    from gift_compile.geometry.maps import LowRank
+
+    gen = torch.Generator().manual_seed(rows + rank)
+    dinv = torch.rand(cols, generator=gen) + 0.5
+    v = torch.linalg.qr(torch.randn(cols, rank, generator=gen))[0]
+    coef = -0.9 * torch.rand(rank, generator=gen)
+    tensors = (dinv, v, coef, torch.zeros(rank), 1 / dinv)
+    g = torch.randn(rows, cols, generator=gen)
+    exact = LowRank.apply_forward(g.double(), tuple(t.double() for t in tensors))
+    ut = (v * dinv.unsqueeze(1)).t().contiguous()
+    p = g @ ut.t()
+    out = ops.lowrank_expand(g.to(DEVICE), p.to(DEVICE), dinv.to(DEVICE), coef.to(DEVICE), ut.to(DEVICE),
+                             (1 / dinv).to(DEVICE), False).cpu()
+    ref_error = float((LowRank.apply_forward(g, tensors).double() - exact).norm() / exact.norm())
+    error = float((out.double() - exact).norm() / exact.norm())
+    assert error < max(4 * ref_error, 1e-7)
+    assert float((out - g * dinv).norm() / out.norm()) > 0.05  # the low-rank term is really there
+
+
 def test_a_zero_tensor_and_an_empty_one() -> None:
     spec = FormatSpec("int4", block_size=16)
     for x in (torch.zeros(3, 20), torch.zeros(0, 20)):

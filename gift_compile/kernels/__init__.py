@@ -5,7 +5,8 @@ arithmetic the kernels restate, and below `gift_compile.exchange`, whose per-ite
 them through `gift_compile.kernels.dispatch`. It imports only torch, Triton and the codec.
 
 - `triton_codec`: the device code (block statistics, E4M3 scale codes, encode with packing,
-  decode with the fp32 sum over senders);
+  decode with the fp32 sum over senders; the low-rank map's expansion as a `tl.dot` epilogue,
+  which `bench.gpu_check` measures before the exchange uses it);
 - `ops`: each kernel as a `torch.library.triton_op` with its launch and its shape function;
 - `formats`: which formats have kernels and their compile-time parameters;
 - `dispatch`: the codec functions the exchange calls, kernels on CUDA and the reference codec

@@ -28,7 +28,7 @@ from gift_compile.codec.spec import FormatSpec
 from gift_compile.kernels import triton_codec as k
 from gift_compile.kernels.formats import KernelFormat, _next_pow2, kernel_format
 
-__all__ = ["block_stat", "decode", "encode", "scale_codes"]
+__all__ = ["block_stat", "decode", "encode", "lowrank_expand", "scale_codes"]
 
 # Elements one program covers (a power of two): large enough that a program's loads are long
 # contiguous runs, small enough that a 600M-sized gradient still gives thousands of programs.
@@ -183,3 +183,39 @@ def _decode_fake(payload: torch.Tensor, scales: torch.Tensor, tensor_scale: torc
                  cols: int, reduce: bool, average: bool) -> torch.Tensor:
     senders, rows, _ = payload.shape
     return payload.new_empty((rows, cols) if reduce else (senders, rows, cols), dtype=torch.float32)
+
+
+# the expansion's tile: 64 rows x 128 columns, the rank (<= 128 in practice) whole in each tile
+_EXPAND_TILE = (64, 128)
+
+
+@triton_op("gift_kernels::lowrank_expand", mutates_args=())
+def lowrank_expand(g: torch.Tensor, p: torch.Tensor, dinv: torch.Tensor, coef: torch.Tensor, basis: torch.Tensor,
+                   dsq: torch.Tensor, tf32: bool) -> torch.Tensor:
+    """`g * dinv + ((p * coef) @ basis) * dsq` (fp32 `[rows, cols]`), the expansion of the
+    low-rank map's forward (`LowRank.apply_forward`: `p = g @ basis.T` its projection, `coef`
+    the `C` of `(I+S^2)^{-1/2} - I`, `basis` `U^T`), with the rank-r product as a tensor-core
+    matmul accumulating in fp32 (TF32 operands with `tf32`). Not bitwise the reference's
+    fixed-order chain of multiply-adds: a preconditioner's rounding, measured by
+    `bench.gpu_check`'s map section."""
+    for name, t, dim in (("g", g, 2), ("p", p, 2), ("dinv", dinv, 1), ("coef", coef, 1), ("basis", basis, 2),
+                         ("dsq", dsq, 1)):
+        _check("lowrank_expand", name, t, torch.float32, dim)
+    rows, cols = g.shape
+    rank = basis.shape[0]
+    for name, t, want in (("p", p, (rows, rank)), ("dinv", dinv, (cols,)), ("coef", coef, (rank,)),
+                          ("basis", basis, (rank, cols)), ("dsq", dsq, (cols,))):
+        _check_shape("lowrank_expand", name, t, want)
+    out = torch.empty_like(g, memory_format=torch.contiguous_format)
+    if out.numel():
+        bm, bn = _EXPAND_TILE
+        wrap_triton(k.lowrank_expand_kernel)[(triton.cdiv(rows, bm), triton.cdiv(cols, bn))](
+            g.contiguous(), p.contiguous(), dinv, coef, basis.contiguous(), dsq, out, rows, cols, rank, BM=bm, BN=bn,
+            BR=max(16, _next_pow2(rank)), PRECISION="tf32" if tf32 else "ieee")
+    return out
+
+
+@lowrank_expand.register_fake
+def _lowrank_expand_fake(g: torch.Tensor, p: torch.Tensor, dinv: torch.Tensor, coef: torch.Tensor,
+                         basis: torch.Tensor, dsq: torch.Tensor, tf32: bool) -> torch.Tensor:
+    return torch.empty_like(g, memory_format=torch.contiguous_format)

@@ -241,3 +241,27 @@ def decode_kernel(payload_ptr, code_ptr, tscale_ptr, out_ptr, rows, cols, nblock
         if AVERAGE:
             acc = tl.math.div_rn(acc, tl.full([TILE, PER_P2], SENDERS, tl.float32))
         tl.store(out_ptr + row * cols + j, acc, mask=valid)
+
+
+@triton.jit
+def lowrank_expand_kernel(g_ptr, p_ptr, dinv_ptr, coef_ptr, basis_ptr, dsq_ptr, out_ptr, rows, cols, rank,
+                          BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, PRECISION: tl.constexpr):
+    """The low-rank map's expansion as a matmul epilogue (`geometry.maps.LowRank.apply_forward`):
+    out = g * dinv + ((p * coef) @ basis) * dsq for a `[BM, BN]` tile, the rank-r product on
+    the tensor cores (`tl.dot`, fp32 accumulation; PRECISION "ieee" keeps fp32 operands, "tf32"
+    rounds them to TF32). `g` and `out` are `[rows, cols]`, `p` `[rows, rank]`, `basis`
+    `[rank, cols]`, all contiguous; the rank is padded to BR (>= 16, tl.dot's least) with zeros."""
+    m = tl.program_id(0) * BM + tl.arange(0, BM)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    k = tl.arange(0, BR)
+    rmask, cmask, kmask = m < rows, n < cols, k < rank
+    q = tl.load(p_ptr + m[:, None].to(tl.int64) * rank + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+    q = q * tl.load(coef_ptr + k, mask=kmask, other=0.0)[None, :]
+    basis = tl.load(basis_ptr + k[:, None] * cols + n[None, :], mask=kmask[:, None] & cmask[None, :], other=0.0)
+    low = tl.dot(q, basis, input_precision=PRECISION)
+    at = m[:, None].to(tl.int64) * cols + n[None, :]
+    both = rmask[:, None] & cmask[None, :]
+    g = tl.load(g_ptr + at, mask=both, other=0.0)
+    dinv = tl.load(dinv_ptr + n, mask=cmask, other=0.0)[None, :]
+    dsq = tl.load(dsq_ptr + n, mask=cmask, other=0.0)[None, :]
+    tl.store(out_ptr + at, g * dinv + low * dsq, mask=both)
