@@ -302,32 +302,35 @@ def codec_section(device: torch.device, shapes: tuple[tuple[str, int, int], ...]
                 row["status"] = "not run: time budget"
                 continue
             try:
-                fmt, kind = PATHS[path]
-                body = codec_body(fmt, "row", kind, r, c, rank, device=device)
-                t0 = time.perf_counter()
-                with torch._inductor.config.patch({"benchmark_kernel": True, "cpp.enable_kernel_profile": True}), \
-                        kernels.use_kernels(impl == "kernels"):
-                    (traffic, compiled), codes = run_and_get_code(generated_traffic, body, g)
-                row["compile_s"] = time.perf_counter() - t0
-                with torch.no_grad():
-                    seconds = _median_time(lambda: compiled(g), device)
-                summary = traffic_summary(traffic, r * c)
-                moved = float(summary["bytes_per_element"]) * r * c
-                minimum = minimum_bytes("all_reduce", fmt, "row", kind, r, c, rank, 1)["total"]
-                kbytes = triton_kernel_bytes(codes)
-                if impl == "kernels":  # the explicit kernels' bytes: their arguments (gift_compile.kernels.traffic)
-                    kbytes.update(_kernel_bytes(fmt, r, c))
-                    row["kernel_model_bytes_per_element"] = sum(_kernel_bytes(fmt, r, c).values()) / (r * c)
-                row.update(summary, status="ok", time_us=seconds * 1e6, achieved_bytes_per_s=moved / seconds,
-                           of_copy=moved / seconds / copy_bw, of_datasheet=(moved / seconds / peak) if peak else None,
-                           minimum_bytes_per_element=minimum, minimum_us=minimum * r * c / copy_bw * 1e6,
-                           fp8_types=_fp8_types(codes),
-                           triton_kernels=sum(len(re.findall(r"def (triton_\w+)\(", code)) for code in codes))
-                row["vs_minimum_time"] = row["time_us"] / row["minimum_us"]
-                row["per_kernel"] = [
-                    {"kernel": name, "us": t * 1e6, "bytes": kbytes.get(name),
-                     "achieved_bytes_per_s": kbytes[name] / t if name in kbytes else None}
-                    for name, t in sorted(kernel_times(lambda: compiled(g), device).items(), key=lambda kv: -kv[1])]
+                # the whole row under the impl's switch: a compiled body guards on it, so a call
+                # outside would retrace the body the other way
+                with kernels.use_kernels(impl == "kernels"):
+                    fmt, kind = PATHS[path]
+                    body = codec_body(fmt, "row", kind, r, c, rank, device=device)
+                    t0 = time.perf_counter()
+                    with torch._inductor.config.patch({"benchmark_kernel": True, "cpp.enable_kernel_profile": True}):
+                        (traffic, compiled), codes = run_and_get_code(generated_traffic, body, g)
+                    row["compile_s"] = time.perf_counter() - t0
+                    with torch.no_grad():
+                        seconds = _median_time(lambda: compiled(g), device)
+                    summary = traffic_summary(traffic, r * c)
+                    moved = float(summary["bytes_per_element"]) * r * c
+                    minimum = minimum_bytes("all_reduce", fmt, "row", kind, r, c, rank, 1)["total"]
+                    kbytes = triton_kernel_bytes(codes)
+                    if impl == "kernels":  # the explicit kernels' bytes: their arguments (gift_compile.kernels.traffic)
+                        kbytes.update(_kernel_bytes(fmt, r, c))
+                        row["kernel_model_bytes_per_element"] = sum(_kernel_bytes(fmt, r, c).values()) / (r * c)
+                    row.update(summary, status="ok", time_us=seconds * 1e6, achieved_bytes_per_s=moved / seconds,
+                               of_copy=moved / seconds / copy_bw,
+                               of_datasheet=(moved / seconds / peak) if peak else None,
+                               minimum_bytes_per_element=minimum, minimum_us=minimum * r * c / copy_bw * 1e6,
+                               fp8_types=_fp8_types(codes),
+                               triton_kernels=sum(len(re.findall(r"def (triton_\w+)\(", code)) for code in codes))
+                    row["vs_minimum_time"] = row["time_us"] / row["minimum_us"]
+                    row["per_kernel"] = [
+                        {"kernel": name, "us": t * 1e6, "bytes": kbytes.get(name),
+                         "achieved_bytes_per_s": kbytes[name] / t if name in kbytes else None}
+                        for name, t in sorted(kernel_times(lambda: compiled(g), device).items(), key=lambda kv: -kv[1])]
             except Exception as exc:  # recorded, and the next path still runs
                 row.update(status="failed", error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc()[-3000:])
     return rows
@@ -447,8 +450,8 @@ def render(results: dict[str, object]) -> str:
                   "its own arguments, so they do not depend on the torch release), against the body's floor "
                   "(`bench.codec_minimum.minimum_bytes`). Not counted: the block statistics' maximum and the "
                   "send/receive buffer glue, which Inductor generates.", "",
-                  table(["gradient", "format", "op", "ranks", "kernels B/el", "floor B/el", "kernels / floor"], rows, 3),
-                  ""]
+                  table(["gradient", "format", "op", "ranks", "kernels B/el", "floor B/el", "kernels / floor"], rows,
+                        3), ""]
     lowrank = sec.get("map", {}).get("result")
     if lowrank:
         rows = [[r["shape"], r["impl"], r["status"], r.get("time_us", ""), r.get("floor_us", ""),

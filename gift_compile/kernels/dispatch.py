@@ -76,7 +76,9 @@ def kernels_enabled() -> bool:
 def use_kernels(enabled: bool) -> Iterator[None]:
     """Within the block, trace CUDA codecs with (True) or without (False) the explicit kernels;
     `bench.gpu_check` compiles the Inductor-generated bodies beside the kernel ones this way.
-    Bodies compiled in the block keep their choice after it."""
+    A graph the FX pass traced keeps its choice; a `torch.compile`d body guards on the switch,
+    so calling it under the other setting retraces it (run a body under the setting it was
+    compiled with)."""
     previous = _Switch.enabled
     _Switch.enabled = bool(enabled)
     try:

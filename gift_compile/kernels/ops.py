@@ -173,8 +173,8 @@ def decode(payload: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tens
         tile = _word_tile(f, nwords)
         wrap_triton(k.decode_kernel)[(rows, triton.cdiv(nwords, tile))](
             payload.contiguous(), scales.contiguous(), tensor_scale.contiguous(), out, rows, cols, nb, nwords,
-            pcols, SENDERS=senders, KIND=f.kind, BITS=f.bits, PER=f.per, PER_P2=f.per_p2, NBYTES=f.nbytes, BLOCK=f.block,
-            TILE=tile, SUM=reduce, AVERAGE=average)
+            pcols, SENDERS=senders, KIND=f.kind, BITS=f.bits, PER=f.per, PER_P2=f.per_p2, NBYTES=f.nbytes,
+            BLOCK=f.block, TILE=tile, SUM=reduce, AVERAGE=average)
     return out
 
 

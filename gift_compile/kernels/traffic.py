@@ -3,13 +3,14 @@
 A kernel of `gift_compile.kernels.triton_codec` reads each of its input tensors once and writes
 its output once: the loads of a program are its own rows and words, the padding past `cols` is
 masked (never read), and the values read many times (a block's scale code by each of its
-elements, the tensor scale by every element; the expansion's `[rank, cols]` basis and
-`[rows, rank]` projection by every tile that shares them, both a few MB at most) come from the
-cache after their first load, not from memory. So a kernel's bytes are the sizes of its tensor
+elements, the tensor scale by every element; the expansion's `[rank, cols]` basis and `[rows,
+rank]` projection by every tile that shares them, both a few MB at most) come from the cache
+after their first load, not from memory. So a kernel's bytes are the sizes of its tensor
 arguments plus its output, fixed by the shapes and dtypes the exchange hands it, whichever
-torch or Inductor compiles the code around it. `op_traffic` applies that rule to an operator call (a traced graph's node, or the
-tensors themselves); `bench.kernel_traffic` sums it over the operators a codec body emits and
-sets it beside the body's floor (`bench.codec_minimum.minimum_bytes`).
+torch or Inductor compiles the code around it. `op_traffic` applies that rule to an operator
+call (a traced graph's node, or the tensors themselves); `bench.kernel_traffic` sums it over
+the operators a codec body emits and sets it beside the body's floor
+(`bench.codec_minimum.minimum_bytes`).
 """
 
 from __future__ import annotations

@@ -200,14 +200,15 @@ def _grid_value(code, KIND: tl.constexpr, BITS: tl.constexpr):
 
 @triton.jit
 def decode_kernel(payload_ptr, code_ptr, tscale_ptr, out_ptr, rows, cols, nblocks, nwords, pcols,
-                  SENDERS: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr, PER_P2: tl.constexpr,
-                  NBYTES: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr,
+                  SENDERS: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr,
+                  PER_P2: tl.constexpr, NBYTES: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr,
                   SUM: tl.constexpr, AVERAGE: tl.constexpr):
-    """Decode every sender's `[rows, pcols]` payload (SENDERS of them, a plan constant) with its own block codes and tensor scale
-    (`codec.decode`: code value times block scale times tensor scale, NaN for a non-finite
-    scale, saturated at fp32's largest value). SUM: one fp32 sum over the senders in rank order,
-    starting from 0 (then divided by their count with AVERAGE, a correctly rounded division),
-    stored `[rows, cols]`; otherwise each sender's values, stored `[senders, rows, cols]`."""
+    """Decode every sender's `[rows, pcols]` payload (SENDERS of them, a plan constant) with its
+    own block codes and tensor scale (`codec.decode`: code value times block scale times tensor
+    scale, NaN for a non-finite scale, saturated at fp32's largest value). SUM: one fp32 sum over
+    the senders in rank order, starting from 0 (then divided by their count with AVERAGE, a
+    correctly rounded division), stored `[rows, cols]`; otherwise each sender's values, stored
+    `[senders, rows, cols]`."""
     row = tl.program_id(0).to(tl.int64)
     w = tl.program_id(1) * TILE + tl.arange(0, TILE)
     i = tl.arange(0, PER_P2)
