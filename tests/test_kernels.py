@@ -138,6 +138,22 @@ def test_scales_and_encode_write_the_reference_bytes(fmt: str, block: int, rows:
 
 
 @pytest.mark.parametrize(("fmt", "block"), CASES, ids=IDS)
+def test_encode_on_scales_of_another_tensor_matches_the_reference(fmt: str, block: int) -> None:
+    """`encode` takes any agreed scales (another rank's maximum): values far past the grid
+    (saturation), zero units under nonzero values, and NaN/Inf values under finite units, where
+    the reference's comparisons decide every code."""
+    spec = FormatSpec(fmt, block_size=block)
+    scales, tscale = codec.choose_scales(_gradient(7, 83, seed=21, huge=False, nonfinite=False), spec)
+    x = _gradient(7, 83, seed=22, huge=False, nonfinite=False) * 40.0
+    x[0, :5] = torch.tensor([float("nan"), float("inf"), float("-inf"), 0.0, -0.0])
+    x[1, :5] = x[0, :5]
+    scales[1, 0] = 0  # a zero block scale under the values of row 1 (and under NaN, +-inf, +-0)
+    ref = codec.encode(x, spec, scales, tscale)
+    got = ops.encode(x.to(DEVICE), scales.to(DEVICE), tscale.to(DEVICE), fmt, block).cpu()
+    assert torch.equal(got, ref), f"{fmt}: {(got != ref).sum()} of {ref.numel()} payload bytes differ"
+
+
+@pytest.mark.parametrize(("fmt", "block"), CASES, ids=IDS)
 def test_decode_and_sum_over_senders_match_the_reference(fmt: str, block: int) -> None:
     """Three senders, each with its own payload, block codes and tensor scale (one of them
     holding a NaN/Inf block: its whole contribution decodes to NaN)."""

@@ -112,11 +112,33 @@ def scale_code_kernel(stat_ptr, tscale_ptr, code_ptr, n, INV_LEVEL: tl.constexpr
 
 
 @triton.jit
+def _passes(a, unit, k, IMAX: tl.constexpr):
+    """Whether `a` reaches the integer grid's threshold k (between magnitudes k and k + 1):
+    `a > (k + 0.5) unit` for even k, `>=` for odd k (ties to even), False outside [0, IMAX)."""
+    t = (k.to(tl.float32) + 0.5) * unit
+    hit = tl.where((k & 1) == 1, a >= t, a > t)
+    return hit & (k >= 0) & (k < IMAX)
+
+
+@triton.jit
 def _magnitude(a, unit, KIND: tl.constexpr, IMAX: tl.constexpr):
     """Index of the grid magnitude nearest to a / unit, ties to even, saturating, by comparing
-    `a` with exact multiples of `unit` (`codec.codes._nearest_magnitude`); NaN gives 0."""
+    `a` with exact multiples of `unit` (`codec.codes._nearest_magnitude`); NaN gives 0.
+
+    The integer grids (up to 31 thresholds for int6) take the estimate round(a / unit), which
+    an approximate reciprocal puts within one step, and correct it with the two thresholds
+    around it, so two comparisons decide instead of one per level. A zero unit (a block that
+    underflowed) puts every threshold at 0: `a > 0` passes them all, `a == 0` the inclusive ones
+    (odd k), as the reference's comparisons give; a NaN unit or a NaN value passes none."""
     mag = tl.zeros(a.shape, tl.int32)
-    if KIND == KIND_NVFP4:
+    if KIND == KIND_INT:
+        q = tl.minimum(tl.where(unit > 0, a * (1.0 / unit), 0.0), IMAX * 1.0)
+        est = (q + 0.5).to(tl.int32)
+        est = tl.where(_passes(a, unit, est, IMAX), est + 1, est)
+        est = tl.where((est > 0) & ~_passes(a, unit, est - 1, IMAX), est - 1, est)
+        zero_unit = tl.where(a > 0, IMAX, tl.where(a == 0, IMAX // 2, 0))
+        mag = tl.where(unit == 0, zero_unit, tl.where((unit > 0) & (a == a), est, 0))
+    elif KIND == KIND_NVFP4:
         mag += (a > unit * 0.25).to(tl.int32)
         mag += (a >= unit * 0.75).to(tl.int32)
         mag += (a > unit * 1.25).to(tl.int32)
@@ -124,12 +146,6 @@ def _magnitude(a, unit, KIND: tl.constexpr, IMAX: tl.constexpr):
         mag += (a > unit * 2.5).to(tl.int32)
         mag += (a >= unit * 3.5).to(tl.int32)
         mag += (a > unit * 5.0).to(tl.int32)
-    elif KIND == KIND_INT:
-        for k in tl.static_range(IMAX):
-            if k % 2 == 1:
-                mag += (a >= unit * (k + 0.5)).to(tl.int32)
-            else:
-                mag += (a > unit * (k + 0.5)).to(tl.int32)
     elif KIND == KIND_INT2:
         mag += (a > unit * 2.0).to(tl.int32)
     else:
