@@ -33,7 +33,7 @@ bench: $(STAMP)
 bench-quick: $(STAMP)
 	$(BIN)/python -m bench.run --quick
 
-# `make gpu-check`: the prepared single-GPU check (bench/gpu_check.py, under 10 minutes,
+# `make gpu-check`: the prepared single-GPU check (bench/gpu_check.py, under 8 minutes,
 # unattended) on a machine with one CUDA GPU and its own PyTorch + Triton. It installs this
 # package there without dependencies (never the CPU torch wheel), then writes
 # bench/results/GPU.md and gpu_check.json. GPU_PY picks that machine's interpreter.

@@ -1,4 +1,4 @@
-"""`make gpu-check`: one unattended check of the GIFT codec on a single CUDA GPU (under 10 min).
+"""`make gpu-check`: one unattended check of the GIFT codec on a single CUDA GPU (under 8 min).
 
 Writes `GPU.md` and `gpu_check.json` into `--out` (default `bench/results`). Sections, each
 recorded as ok / failed (with the error) / not run (time budget), so one failure never hides
@@ -6,19 +6,30 @@ the others; the exit status is 1 when any section failed:
 
 - device: name, compute capability, torch / Triton / CUDA versions, the device-to-device copy
   bandwidth measured here (bytes read + written over time) and the datasheet peak;
+- kernel_traffic: the bytes per element the explicit codec kernels (`gift_compile.kernels`)
+  move in the 8-rank reduce-scatter and all-reduce bodies, from their arguments, against the
+  floor (`bench.kernel_traffic`; traced on fake CUDA tensors, so the dry run computes it too);
+- map: the low-rank map's forward alone at the fc2 shapes, Inductor's compile of
+  `LowRank.apply_forward` against the projection matmul plus the explicit tl.dot expansion
+  kernel (fp32 and TF32 operands): time, time over the copy floor, error against fp64;
 - codec: for Llama-600M and Llama-3-8B layer shapes, the Euclidean and GIFT codecs (fp8 E4M3
   per-row and NVFP4; `bench.overhead.codec_body`, a one-rank all-reduce: transform, encode,
-  decode + sum, re-encode, decode, inverse) compiled by Inductor (Triton kernels on CUDA): bytes
+  decode + sum, re-encode, decode, inverse), each compiled two ways where its format has
+  explicit kernels on this device (`impl`: "kernels", the registered Triton operators inside
+  the Inductor-compiled body, and "inductor", every step generated, `kernels.use_kernels(False)`;
+  fp8 and the CPU dry run have the second only): bytes
   per element from the generated kernels (`bench.overhead.generated_traffic`), median time of
   the compiled codec (CUDA events), achieved bandwidth against the measured copy bandwidth and
   the datasheet peak, and the float8 types the generated source uses (`tl.float8e4nv` is
   Hopper's native E4M3 conversion); the minimum bytes the body needs
   (`bench.codec_minimum.minimum_bytes`) and the time they take at the measured copy bandwidth,
   against the codec's time; and per kernel (the profiler's device time of each generated
-  kernel, its bytes from Inductor's own estimate in the Triton source) the achieved bandwidth;
-- parity: the compiled codec on the device against the eager codec on the CPU for the same
-  input and transform: how many output elements differ (the Euclidean codec should match
-  exactly; GIFT's Triton kernels contract multiply-adds, which can move a code at a rounding tie);
+  kernel, its bytes from Inductor's own estimate in the Triton source, or for an explicit
+  kernel from its arguments, `gift_compile.kernels.traffic`) the achieved bandwidth;
+- parity: the compiled codec on the device (each impl) against the eager codec on the CPU for
+  the same input and transform: how many output elements differ (the Euclidean codec should
+  match exactly, the explicit kernels by construction; GIFT's generated Triton kernels contract
+  multiply-adds in the map, which can move a code at a rounding tie);
 - torchtitan: a 1-rank graph_trainer run (`gift_compile.torchtitan_ext.runs.run_config` of
   `llama3_debug_gift_graph`, the GPU pass list) for a few steps. One rank has no gradient
   collective, so there is nothing for GIFT to rewrite: the run sets `--gift.unrewritten warn`
@@ -53,9 +64,14 @@ from pathlib import Path
 import torch
 from torch._inductor.utils import run_and_get_code
 
+from bench import kernel_traffic
 from bench.codec_minimum import minimum_bytes
-from bench.overhead import PATHS, codec_body, generated_traffic, traffic_summary
 from bench.formatting import table
+from bench.overhead import PATHS, _synthetic_factor, codec_body, generated_traffic, traffic_summary
+from gift_compile import kernels
+from gift_compile.geometry import Transform
+from gift_compile.geometry.maps import LowRank
+from gift_compile.kernels import ops as kernel_ops
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 # Datasheet HBM bandwidth (bytes/s) by device-name fragment, first match wins (GH200 before H200).
@@ -64,7 +80,16 @@ GPU_SHAPES = (("600M w2 (fc2)", 1280, 3456), ("8B w2 (fc2)", 4096, 14336),
               ("600M w1 (fc1)", 3456, 1280), ("8B w1 (fc1)", 14336, 4096))
 DRY_SHAPES = (("dry w2", 64, 192), ("dry w1", 192, 64))
 CODEC_PATHS = ("euclid-fp8", "gift-fp8", "euclid-nvfp4", "gift-nvfp4")
-SECTIONS = ("device", "codec", "parity", "torchtitan")
+# How a body's codec is compiled: Inductor-generated code for every step, or the explicit
+# Triton kernels (gift_compile.kernels) where the format has them (CUDA only).
+IMPLS = ("kernels", "inductor")
+# the collective bodies whose kernel traffic is counted (8 ranks, Euclidean map)
+TRAFFIC_FORMATS = ("nvfp4", "int4")
+SECTIONS = ("device", "kernel_traffic", "map", "codec", "parity", "torchtitan")
+# The low-rank map's forward, three ways: Inductor's compile of `LowRank.apply_forward` (a
+# skinny matmul and a pointwise expansion), and the projection matmul followed by the explicit
+# expansion kernel (`gift_compile.kernels.ops.lowrank_expand`, tl.dot) with fp32 or TF32 operands.
+MAP_IMPLS = ("inductor", "kernel-fp32", "kernel-tf32")
 TORCHTITAN_TORCH = "2.13"  # the oldest torch torchtitan 0.3.0 imports with
 
 
@@ -180,41 +205,132 @@ def kernel_times(fn: Callable[[], object], device: torch.device, calls: int = 10
     return times
 
 
+def impls(path: str, device: torch.device) -> tuple[str, ...]:
+    """The ways `path`'s body is compiled here: with the explicit kernels where its format has
+    them on this device (CUDA), and as Inductor-generated code (always)."""
+    fmt, _ = PATHS[path]
+    return IMPLS if device.type == "cuda" and fmt in kernels.KERNEL_FORMATS else ("inductor",)
+
+
+def _kernel_bytes(fmt: str, rows: int, cols: int) -> dict[str, float]:
+    """Bytes per call of each kernel (by its Triton function name, as the profiler lists it) in
+    the one-rank all-reduce body the codec section times, from the kernels' arguments."""
+    names = {"block_stat": "block_stat_kernel", "scale_codes": "scale_code_kernel", "encode": "encode_kernel",
+             "decode": "decode_kernel"}
+    out: dict[str, float] = {}
+    for k in kernel_traffic.measure(fmt, "all_reduce", rows, cols, world=1)["kernels"]:
+        name = names[k["kernel"]]
+        out[name] = out.get(name, 0.0) + (k["reads_per_element"] + k["writes_per_element"]) * rows * cols
+    return out
+
+
+def kernel_traffic_section(shapes: tuple[tuple[str, int, int], ...]) -> list[dict[str, object]]:
+    """Kernel bytes per element of the 8-rank reduce-scatter and all-reduce bodies against their
+    floor (`bench.kernel_traffic`: traced on fake CUDA tensors, so it runs on any machine and
+    its figures do not depend on the torch release)."""
+    rows = []
+    for label, r, c in shapes:
+        for fmt in TRAFFIC_FORMATS:
+            for op in kernel_traffic.OPS:
+                rows.append({"shape": label, **kernel_traffic.measure(fmt, op, r, c)})
+    return rows
+
+
+def _map_forward(impl: str, tensors: tuple[torch.Tensor, ...]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The low-rank map's forward as `impl` computes it (`MAP_IMPLS`)."""
+    if impl == "inductor":
+        return torch.compile(lambda g: LowRank.apply_forward(g, tensors), fullgraph=True, dynamic=False)
+    dinv, v, cf, _, dsq = tensors
+    ut = (v * dinv.unsqueeze(1)).t().contiguous()
+    tf32 = impl == "kernel-tf32"
+
+    def forward(g: torch.Tensor) -> torch.Tensor:
+        previous = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = tf32  # the projection's operands too
+        try:
+            p = torch.mm(g, ut.t())
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = previous
+        return kernel_ops.lowrank_expand(g, p, dinv, cf, ut, dsq, tf32)
+
+    return forward
+
+
+def map_section(device: torch.device, shapes: tuple[tuple[str, int, int], ...], rank: int,
+                copy_bw: float) -> list[dict[str, object]]:
+    """The low-rank map's forward alone at the fc2 (w2) shapes: median time of each impl, its
+    time over the copy floor (the map must read G and write its image: 8 bytes per element at
+    the measured copy bandwidth), and its relative L2 error against the map computed in fp64
+    (the explicit kernel's rounding differs from the reference's fixed-order sum; TF32 rounds
+    the operands of both matmuls). The kernel impls need CUDA: in the dry run they are recorded
+    as not run."""
+    rows = []
+    for label, r, c in shapes:
+        if "w2" not in label:
+            continue
+        t = Transform("lowrank", c, rank, seed=0)
+        t.refresh_from(_synthetic_factor(c), 1e-3)
+        tensors = tuple(x.to(device) for x in t.tensors)
+        g = torch.randn(r, c, device=device, generator=torch.Generator(device).manual_seed(3)) * 1e-3
+        exact = LowRank.apply_forward(g.double(), tuple(x.double() for x in tensors))
+        floor_us = 8 * r * c / copy_bw * 1e6
+        for impl in MAP_IMPLS:
+            row: dict[str, object] = {"shape": label, "rows": r, "cols": c, "rank": rank, "impl": impl}
+            rows.append(row)
+            if impl != "inductor" and device.type != "cuda":
+                row["status"] = "not run: the explicit kernels need CUDA"
+                continue
+            fn = _map_forward(impl, tensors)
+            with torch.no_grad():
+                out = fn(g)
+                seconds = _median_time(lambda: fn(g), device)
+            row.update(status="ok", time_us=seconds * 1e6, floor_us=floor_us, vs_floor=seconds * 1e6 / floor_us,
+                       rel_error=float((out.double() - exact).norm() / exact.norm()))
+    return rows
+
+
 def codec_section(device: torch.device, shapes: tuple[tuple[str, int, int], ...], rank: int, copy_bw: float,
                   peak: float | None, budget: Budget, min_left_s: float) -> list[dict[str, object]]:
     """Compile, count and time every codec path at every shape (skipping what the budget forbids)."""
     rows = []
     for label, r, c in shapes:
         g = torch.randn(r, c, device=device, generator=torch.Generator(device).manual_seed(1)) * 1e-3
-        for path in CODEC_PATHS:
-            row: dict[str, object] = {"shape": label, "rows": r, "cols": c, "path": path}
+        for path, impl in ((p, i) for p in CODEC_PATHS for i in impls(p, device)):
+            row: dict[str, object] = {"shape": label, "rows": r, "cols": c, "path": path, "impl": impl}
             rows.append(row)
             if budget.left() < min_left_s:
                 row["status"] = "not run: time budget"
                 continue
             try:
-                fmt, kind = PATHS[path]
-                body = codec_body(fmt, "row", kind, r, c, rank, device=device)
-                t0 = time.perf_counter()
-                with torch._inductor.config.patch({"benchmark_kernel": True, "cpp.enable_kernel_profile": True}):
-                    (kernels, compiled), codes = run_and_get_code(generated_traffic, body, g)
-                row["compile_s"] = time.perf_counter() - t0
-                with torch.no_grad():
-                    seconds = _median_time(lambda: compiled(g), device)
-                summary = traffic_summary(kernels, r * c)
-                moved = float(summary["bytes_per_element"]) * r * c
-                minimum = minimum_bytes("all_reduce", fmt, "row", kind, r, c, rank, 1)["total"]
-                kbytes = triton_kernel_bytes(codes)
-                row.update(summary, status="ok", time_us=seconds * 1e6, achieved_bytes_per_s=moved / seconds,
-                           of_copy=moved / seconds / copy_bw, of_datasheet=(moved / seconds / peak) if peak else None,
-                           minimum_bytes_per_element=minimum, minimum_us=minimum * r * c / copy_bw * 1e6,
-                           fp8_types=_fp8_types(codes),
-                           triton_kernels=sum(len(re.findall(r"def (triton_\w+)\(", code)) for code in codes))
-                row["vs_minimum_time"] = row["time_us"] / row["minimum_us"]
-                row["per_kernel"] = [
-                    {"kernel": name, "us": t * 1e6, "bytes": kbytes.get(name),
-                     "achieved_bytes_per_s": kbytes[name] / t if name in kbytes else None}
-                    for name, t in sorted(kernel_times(lambda: compiled(g), device).items(), key=lambda kv: -kv[1])]
+                # the whole row under the impl's switch: a compiled body guards on it, so a call
+                # outside would retrace the body the other way
+                with kernels.use_kernels(impl == "kernels"):
+                    fmt, kind = PATHS[path]
+                    body = codec_body(fmt, "row", kind, r, c, rank, device=device)
+                    t0 = time.perf_counter()
+                    with torch._inductor.config.patch({"benchmark_kernel": True, "cpp.enable_kernel_profile": True}):
+                        (traffic, compiled), codes = run_and_get_code(generated_traffic, body, g)
+                    row["compile_s"] = time.perf_counter() - t0
+                    with torch.no_grad():
+                        seconds = _median_time(lambda: compiled(g), device)
+                    summary = traffic_summary(traffic, r * c)
+                    moved = float(summary["bytes_per_element"]) * r * c
+                    minimum = minimum_bytes("all_reduce", fmt, "row", kind, r, c, rank, 1)["total"]
+                    kbytes = triton_kernel_bytes(codes)
+                    if impl == "kernels":  # the explicit kernels' bytes: their arguments (gift_compile.kernels.traffic)
+                        kbytes.update(_kernel_bytes(fmt, r, c))
+                        row["kernel_model_bytes_per_element"] = sum(_kernel_bytes(fmt, r, c).values()) / (r * c)
+                    row.update(summary, status="ok", time_us=seconds * 1e6, achieved_bytes_per_s=moved / seconds,
+                               of_copy=moved / seconds / copy_bw,
+                               of_datasheet=(moved / seconds / peak) if peak else None,
+                               minimum_bytes_per_element=minimum, minimum_us=minimum * r * c / copy_bw * 1e6,
+                               fp8_types=_fp8_types(codes),
+                               triton_kernels=sum(len(re.findall(r"def (triton_\w+)\(", code)) for code in codes))
+                    row["vs_minimum_time"] = row["time_us"] / row["minimum_us"]
+                    row["per_kernel"] = [
+                        {"kernel": name, "us": t * 1e6, "bytes": kbytes.get(name),
+                         "achieved_bytes_per_s": kbytes[name] / t if name in kbytes else None}
+                        for name, t in sorted(kernel_times(lambda: compiled(g), device).items(), key=lambda kv: -kv[1])]
             except Exception as exc:  # recorded, and the next path still runs
                 row.update(status="failed", error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc()[-3000:])
     return rows
@@ -225,14 +341,14 @@ def parity_section(device: torch.device, shape: tuple[str, int, int], rank: int)
     label, r, c = shape
     g = torch.randn(r, c, generator=torch.Generator().manual_seed(2)) * 1e-3
     rows = []
-    for path in CODEC_PATHS:
+    for path, impl in ((p, i) for p in CODEC_PATHS for i in impls(p, device)):
         fmt, kind = PATHS[path]
-        with torch.no_grad():
+        with torch.no_grad(), kernels.use_kernels(impl == "kernels"):
             ref = codec_body(fmt, "row", kind, r, c, rank)(g)
             _, compiled = generated_traffic(codec_body(fmt, "row", kind, r, c, rank, device=device), g.to(device))
             out = compiled(g.to(device)).cpu()
         differ = int((out != ref).sum())
-        rows.append({"shape": label, "path": path, "elements": out.numel(), "differ": differ,
+        rows.append({"shape": label, "path": path, "impl": impl, "elements": out.numel(), "differ": differ,
                      "max_rel_diff": float(((out - ref).norm() / ref.norm())) if differ else 0.0})
     return rows
 
@@ -288,11 +404,13 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     info = attempt("device", lambda: device_section(device, args.dry_run), 5) or {}
     copy_bw = float(info.get("copy_bytes_per_s", math.nan))
     peak = info.get("datasheet_bytes_per_s")
+    attempt("kernel_traffic", lambda: kernel_traffic_section(shapes), 10)
+    attempt("map", lambda: map_section(device, shapes, rank, copy_bw), 20)
     rows = attempt("codec", lambda: codec_section(device, shapes, rank, copy_bw, peak, budget,
                                                   5 if args.dry_run else 45), 30)
     if isinstance(rows, list) and any(r.get("status") == "failed" for r in rows):
         sections["codec"]["status"] = "failed"
-        sections["codec"]["error"] = "; ".join(f"{r['shape']} {r['path']}: {r['error']}" for r in rows
+        sections["codec"]["error"] = "; ".join(f"{r['shape']} {r['path']} {r['impl']}: {r['error']}" for r in rows
                                                if r.get("status") == "failed")
     attempt("parity", lambda: parity_section(device, shapes[0], rank), 60)
     if "torchtitan" in args.sections and torch_below(TORCHTITAN_TORCH):
@@ -322,51 +440,86 @@ def render(results: dict[str, object]) -> str:
                   "second of a large device-to-device copy: the practical ceiling of a memory-bound kernel).", ""]
     codec = sec.get("codec", {}).get("result")
     copy_bw = dev["copy_bytes_per_s"] if dev else math.nan  # the per-kernel table's "of copy BW"
+    traffic = sec.get("kernel_traffic", {}).get("result")
+    if traffic:
+        rows = [[r["shape"], r["format"], r["op"], r["world"], r["kernel_bytes_per_element"],
+                 r["floor_bytes_per_element"], r["kernel_over_floor"]] for r in traffic]
+        lines += ["## Kernel traffic", "",
+                  "Bytes per gradient element the explicit codec kernels move in the Euclidean collective bodies "
+                  "(`bench.kernel_traffic`: the per-item stages traced on fake CUDA tensors, each kernel's bytes from "
+                  "its own arguments, so they do not depend on the torch release), against the body's floor "
+                  "(`bench.codec_minimum.minimum_bytes`). Not counted: the block statistics' maximum and the "
+                  "send/receive buffer glue, which Inductor generates.", "",
+                  table(["gradient", "format", "op", "ranks", "kernels B/el", "floor B/el", "kernels / floor"], rows,
+                        3), ""]
+    lowrank = sec.get("map", {}).get("result")
+    if lowrank:
+        rows = [[r["shape"], r["impl"], r["status"], r.get("time_us", ""), r.get("floor_us", ""),
+                 r.get("vs_floor", ""), r.get("rel_error", "")] for r in lowrank]
+        lines += ["## The low-rank map alone", "",
+                  "`LowRank.apply_forward` compiled by Inductor, against the projection matmul plus the explicit "
+                  "expansion kernel (`gift_compile.kernels.ops.lowrank_expand`, tl.dot with fp32 accumulation; fp32 or "
+                  "TF32 operands). Floor: read G and write its image once (8 B/el) at the measured copy bandwidth. "
+                  "Error: relative L2 against the map in fp64.", "",
+                  table(["gradient", "impl", "status", "µs", "floor µs", "time / floor", "rel. error"], rows, 3), ""]
     if codec:
         rows = []
         for r in codec:
             if r.get("status") != "ok":
-                rows.append([r["shape"], r["path"], r.get("status"), "", "", "", "", "", ""])
+                rows.append([r["shape"], r["path"], r["impl"], r.get("status"), "", "", "", "", "", ""])
                 continue
-            rows.append([r["shape"], r["path"], "ok", r["bytes_per_element"], r["time_us"],
+            rows.append([r["shape"], r["path"], r["impl"], "ok", r["bytes_per_element"], r["time_us"],
                          r["achieved_bytes_per_s"] / 1e9, r["of_copy"],
                          "" if r["of_datasheet"] is None else r["of_datasheet"], ", ".join(r["fp8_types"])])
         lines += ["## Codec kernels", "",
-                  "Compiled one-rank all-reduce body (`bench.overhead.codec_body`), bytes from the generated kernels "
-                  "(`bench.overhead.generated_traffic`), median time per call (whole codec, launch gaps included), "
-                  "achieved = bytes / time.", "",
-                  table(["gradient", "path", "status", "bytes/el", "µs", "GB/s", "of copy BW", "of datasheet",
+                  "Compiled one-rank all-reduce body (`bench.overhead.codec_body`), with the explicit kernels "
+                  "(`gift_compile.kernels`, CUDA and their formats only) or as Inductor-generated code; bytes from "
+                  "the compiled graph (`bench.overhead.generated_traffic`), median time per call (whole codec, launch "
+                  "gaps included), achieved = bytes / time.", "",
+                  table(["gradient", "path", "impl", "status", "bytes/el", "µs", "GB/s", "of copy BW", "of datasheet",
                          "float8 types in source"], rows, 3), ""]
-        rows = [[r["shape"], r["path"], r["minimum_bytes_per_element"], r["bytes_per_element"],
+        rows = [[r["shape"], r["path"], r["impl"], r["minimum_bytes_per_element"], r["bytes_per_element"],
                  r["bytes_per_element"] / r["minimum_bytes_per_element"], r["minimum_us"], r["time_us"],
                  r["vs_minimum_time"]] for r in codec if r.get("status") == "ok"]
         lines += ["Against the minimum (`bench.codec_minimum.minimum_bytes`, one-rank all-reduce): the bytes the body "
                   "needs, and the time they take at the measured copy bandwidth.", "",
-                  table(["gradient", "path", "minimum B/el", "generated B/el", "generated / min", "minimum µs",
+                  table(["gradient", "path", "impl", "minimum B/el", "generated B/el", "generated / min", "minimum µs",
                          "codec µs", "time / minimum"], rows, 3), ""]
-        rows = [[r["shape"], r["path"], k["kernel"], k["us"], "" if k["bytes"] is None else k["bytes"] / 1e6,
+        rows = [[r["shape"], r["path"], r["impl"], k["kernel"], k["us"], "" if k["bytes"] is None else k["bytes"] / 1e6,
                  "" if k["achieved_bytes_per_s"] is None else k["achieved_bytes_per_s"] / 1e9,
                  "" if k["achieved_bytes_per_s"] is None else k["achieved_bytes_per_s"] / copy_bw]
                 for r in codec if r.get("status") == "ok" for k in r["per_kernel"]]
         lines += ["Per kernel (profiler time per call; bytes from Inductor's `kernel_num_gb` in the Triton source, "
-                  "absent for C++ and extern kernels):", "",
-                  table(["gradient", "path", "kernel", "µs", "MB", "GB/s", "of copy BW"], rows, 3), ""]
+                  "and for the explicit kernels from their arguments (`gift_compile.kernels.traffic`); absent for C++ "
+                  "and extern kernels):", "",
+                  table(["gradient", "path", "impl", "kernel", "µs", "MB", "GB/s", "of copy BW"], rows, 3), ""]
         ratios = []
         for r in codec:
             base = {"gift-fp8": "euclid-fp8", "gift-nvfp4": "euclid-nvfp4"}.get(r["path"])
-            b = next((x for x in codec if x["shape"] == r["shape"] and x["path"] == base), None)
+            b = next((x for x in codec if x["shape"] == r["shape"] and x["path"] == base and x["impl"] == r["impl"]),
+                     None)
             if base and b and r.get("status") == b.get("status") == "ok":
-                ratios.append([r["shape"], r["path"], r["bytes_per_element"] / b["bytes_per_element"],
+                ratios.append([r["shape"], r["path"], r["impl"], r["bytes_per_element"] / b["bytes_per_element"],
                                r["time_us"] / b["time_us"]])
         if ratios:
-            lines += ["GIFT over Euclidean (same format):", "",
-                      table(["gradient", "path", "bytes ratio", "time ratio"], ratios, 3), ""]
+            lines += ["GIFT over Euclidean (same format, same impl):", "",
+                      table(["gradient", "path", "impl", "bytes ratio", "time ratio"], ratios, 3), ""]
+        ratios = []
+        for r in codec:
+            b = next((x for x in codec if x["shape"] == r["shape"] and x["path"] == r["path"]
+                      and x["impl"] == "inductor"), None)
+            if r["impl"] == "kernels" and b and r.get("status") == b.get("status") == "ok":
+                ratios.append([r["shape"], r["path"], r["time_us"], b["time_us"], r["time_us"] / b["time_us"]])
+        if ratios:
+            lines += ["Explicit kernels over Inductor-generated code (same body):", "",
+                      table(["gradient", "path", "kernels µs", "inductor µs", "time ratio"], ratios, 3), ""]
     parity = sec.get("parity", {}).get("result")
     if parity:
-        rows = [[r["shape"], r["path"], r["elements"], r["differ"], r["max_rel_diff"]] for r in parity]
+        rows = [[r["shape"], r["path"], r["impl"], r["elements"], r["differ"], r["max_rel_diff"]] for r in parity]
         lines += ["## Parity with the CPU", "", "Compiled codec on this device vs the eager codec on the CPU "
                   "(same input and transform tensors): output elements that differ.", "",
-                  table(["gradient", "path", "elements", "differ", "relative L2 of the difference"], rows, 3), ""]
+                  table(["gradient", "path", "impl", "elements", "differ", "relative L2 of the difference"], rows, 3),
+                  ""]
     tt = sec.get("torchtitan", {}).get("result")
     if tt:
         lines += ["## torchtitan", "", f"`{tt['command']}`: return code {tt['returncode']}, {tt['wall_s']:.0f} s; "
@@ -388,7 +541,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="directory for GPU.md and gpu_check.json (default bench/results; bench/results/dry_run "
                         "with --dry-run)")
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
-    p.add_argument("--budget-s", type=float, default=540.0, help="wall-clock budget of the whole check")
+    p.add_argument("--budget-s", type=float, default=450.0,
+                   help="wall-clock budget of the whole check (sections and rows past it are recorded as not run)")
     p.add_argument("--steps", type=int, default=3, help="torchtitan training steps")
     args = p.parse_args(argv)
     args.sections = set(args.sections.split(","))

@@ -16,6 +16,15 @@ import os
 from types import ModuleType
 
 import pytest
+import torch
+
+# The codec's Triton kernels (gift_compile.kernels) run on CPU tensors only in Triton's
+# interpreter, which `triton.jit` picks when it decorates a kernel, i.e. when the package is
+# first imported: so it is switched on here, before any test module imports gift_compile.
+# Nothing else of the suite runs Triton on the CPU (Inductor's CPU backend is C++), and a
+# machine with CUDA keeps compiled kernels (tests/test_kernels.py then runs them on the GPU).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def in_ci() -> bool:

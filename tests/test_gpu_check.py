@@ -1,7 +1,8 @@
 """`make gpu-check`'s script in its CPU dry run: the code paths a GPU run takes, at toy sizes.
 
 No GPU is needed: `--dry-run` compiles the same codec bodies with Inductor's CPU backend, counts
-their kernels' bytes, times them and compares them with the eager CPU codec. The torchtitan
+their kernels' bytes, times them and compares them with the eager CPU codec; the explicit
+kernels' traffic is traced for CUDA on fake tensors, as on the GPU. The torchtitan
 section is left out here (tests/test_torchtitan_train.py runs that launcher).
 """
 
@@ -11,6 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench import gpu_check
 
@@ -21,16 +23,18 @@ def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict, str]:
     with pytest.MonkeyPatch.context() as mp:  # two codecs at one shape keep it to four compiles
         mp.setattr(gpu_check, "DRY_SHAPES", (("dry w2", 64, 192),))
         mp.setattr(gpu_check, "CODEC_PATHS", ("euclid-fp8", "gift-fp8"))
-        code = gpu_check.main(["--dry-run", "--sections", "device,codec,parity", "--out", str(out)])
+        code = gpu_check.main(["--dry-run", "--sections", "device,kernel_traffic,map,codec,parity", "--out", str(out)])
     return code, json.loads((out / "gpu_check.json").read_text()), (out / "GPU.md").read_text()
 
 
 def test_dry_run_succeeds_and_reports_every_section(dry_run: tuple[int, dict, str]) -> None:
     code, results, md = dry_run
     assert code == 0 and results["dry_run"]
-    assert {k: v["status"] for k, v in results["sections"].items()} == {"device": "ok", "codec": "ok", "parity": "ok"}
+    assert {k: v["status"] for k, v in results["sections"].items()} == {
+        "device": "ok", "kernel_traffic": "ok", "map": "ok", "codec": "ok", "parity": "ok"}
     assert md.startswith("# GPU check (DRY RUN on the CPU")
-    for heading in ("## Device", "## Codec kernels", "## Parity with the CPU"):
+    for heading in ("## Device", "## Kernel traffic", "## The low-rank map alone", "## Codec kernels",
+                    "## Parity with the CPU"):
         assert heading in md
 
 
@@ -41,6 +45,7 @@ def test_codec_rows_hold_measured_bytes_and_times(dry_run: tuple[int, dict, str]
     rows = {r["path"]: r for r in results["sections"]["codec"]["result"]}
     for r in rows.values():
         assert r["status"] == "ok" and r["time_us"] > 0 and r["kernels"] >= 3
+        assert r["impl"] == "inductor"  # the CPU compiles every step; the explicit kernels are CUDA's
         assert r["achieved_bytes_per_s"] == pytest.approx(r["bytes_per_element"] * 64 * 192 / (r["time_us"] / 1e6))
         assert r["fp8_types"] == ["at::Float8_e4m3fn"]  # the codes are E4M3, converted in the C++ kernels
         # the minimum is a lower bound of the generated traffic, priced at the measured copy bandwidth
@@ -79,6 +84,62 @@ def test_a_failing_section_is_reported_and_fails_the_check(tmp_path: Path, monke
     assert "simulated device fault" in (tmp_path / "GPU.md").read_text()
 
 
+def test_kernel_traffic_counts_each_kernels_arguments_against_the_floor(dry_run: tuple[int, dict, str]) -> None:
+    """The dry run's kernel traffic (traced for CUDA on fake tensors): nvfp4's reduce-scatter on
+    8 ranks, kernel by kernel, is what its arguments' sizes give, and lies just above the floor
+    (the block statistics are written and read back once; the floor fuses them away)."""
+    _, results, _ = dry_run
+    rows = results["sections"]["kernel_traffic"]["result"]
+    assert {(r["format"], r["op"]) for r in rows} == {(f, o) for f in gpu_check.TRAFFIC_FORMATS
+                                                       for o in ("reduce_scatter", "all_reduce")}
+    rs = next(r for r in rows if r["format"] == "nvfp4" and r["op"] == "reduce_scatter")
+    n, world, block = 64 * 192, 8, 16
+    stat, codes, payload = 4 / block, 1 / block, 0.5  # fp32 statistic, E4M3 code, 4-bit codes per element
+    want = {("encode", "block_stat"): (4, stat), ("encode", "scale_codes"): (stat + 4 / n, codes),
+            ("encode", "encode"): (4 + codes + 4 / n, payload),
+            ("decode", "decode"): (payload + codes + 4 * world / n, 4 / world)}
+    got = {(k["stage"], k["kernel"]): (k["reads_per_element"], k["writes_per_element"]) for k in rs["kernels"]}
+    assert got.keys() == want.keys()
+    for key, (reads, writes) in want.items():
+        assert got[key] == (pytest.approx(reads), pytest.approx(writes)), key
+    assert rs["kernel_bytes_per_element"] == pytest.approx(sum(sum(v) for v in want.values()))
+    for r in rows:
+        assert 1.0 < r["kernel_over_floor"] < 1.2
+
+
+def test_map_section_times_the_compiled_map_and_records_the_kernels_as_cuda_only(
+        dry_run: tuple[int, dict, str]) -> None:
+    _, results, _ = dry_run
+    rows = {r["impl"]: r for r in results["sections"]["map"]["result"]}
+    assert list(rows) == list(gpu_check.MAP_IMPLS)
+    inductor = rows["inductor"]
+    assert inductor["status"] == "ok" and inductor["time_us"] > 0 and inductor["rel_error"] < 1e-5
+    assert inductor["vs_floor"] == pytest.approx(inductor["time_us"] / inductor["floor_us"])
+    assert rows["kernel-fp32"]["status"] == rows["kernel-tf32"]["status"] == "not run: the explicit kernels need CUDA"
+
+
+def test_the_map_kernel_impl_computes_the_map() -> None:
+    """The expansion kernel's impl of the map section, run here in Triton's interpreter (the
+    suite's CPU setting): the map's image, within fp32 rounding of `LowRank.apply_forward`."""
+    from gift_compile.geometry import Transform
+    from gift_compile.geometry.maps import LowRank
+
+    t = Transform("lowrank", 96, 8, seed=0)
+    t.refresh_from(gpu_check._synthetic_factor(96), 1e-3)
+    g = torch.randn(40, 96, generator=torch.Generator().manual_seed(0))
+    ref = LowRank.apply_forward(g, t.tensors)
+    out = gpu_check._map_forward("kernel-fp32", t.tensors)(g)
+    assert float((out - ref).norm() / ref.norm()) < 1e-6 and not torch.equal(out, g)
+
+
+def test_the_kernel_impl_is_timed_on_cuda_only_for_formats_with_kernels() -> None:
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert gpu_check.impls("euclid-nvfp4", cuda) == ("kernels", "inductor")
+    assert gpu_check.impls("gift-nvfp4", cuda) == ("kernels", "inductor")
+    assert gpu_check.impls("euclid-fp8", cuda) == ("inductor",)
+    assert gpu_check.impls("euclid-nvfp4", cpu) == ("inductor",)
+
+
 def test_render_prices_triton_kernels_against_the_measured_copy_bandwidth(dry_run: tuple[int, dict, str]) -> None:
     """The per-kernel table as a GPU run fills it (Triton kernels with bytes): the H200 run
     crashed here (`NameError: copy_bw`) after writing its JSON; the CPU dry run has no such rows."""
@@ -87,9 +148,13 @@ def test_render_prices_triton_kernels_against_the_measured_copy_bandwidth(dry_ru
     row = next(r for r in results["sections"]["codec"]["result"] if r.get("status") == "ok")
     bw = results["sections"]["device"]["result"]["copy_bytes_per_s"]
     row["per_kernel"] = [{"kernel": "triton_poi_fused_0", "us": 10.0, "bytes": 1e6, "achieved_bytes_per_s": bw / 4}]
+    # the same body with the explicit kernels, twice as fast: the kernels-over-Inductor table
+    results["sections"]["codec"]["result"].append({**row, "impl": "kernels", "time_us": row["time_us"] / 2})
     md = gpu_check.render(results)
     line = md.split("| triton_poi_fused_0 |")[1].splitlines()[0]
     assert line.rstrip(" |").endswith("| 0.250")  # a quarter of the copy bandwidth
+    ratio = md.split("Explicit kernels over Inductor-generated code")[1].split(f"| {row['path']} |")[1].splitlines()[0]
+    assert ratio.rstrip(" |").endswith("| 0.500")
 
 
 def test_torchtitan_section_is_skipped_with_its_reason_below_torch_2_13(tmp_path: Path,

@@ -27,6 +27,7 @@ PACKAGES = {"gift_compile": ROOT / "gift_compile", "gift_compile.passes": ROOT /
 # The layers, lowest first; a module belongs to the layer of its longest listed prefix.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("codec", ("gift_compile.codec",)),
+    ("kernels", ("gift_compile.kernels",)),
     ("base", ("gift_compile.config", "gift_compile.sync")),
     ("geometry", ("gift_compile.geometry",)),
     ("exchange", ("gift_compile.exchange",)),

@@ -126,6 +126,18 @@ def _e8m0_decode(code: torch.Tensor) -> torch.Tensor:
     return torch.where(c == _E8M0_NAN, math.nan, s)
 
 
+def _tensor_scale(gmax: torch.Tensor, level: float) -> torch.Tensor:
+    """A two-level format's fp32 tensor scale from the largest block statistic `gmax` (`[1]`):
+    the power of two that maps it onto E4M3's range times the grid `level`, +inf kept.
+
+    Capped at 2**119 so that no E4M3 code times the tensor scale overflows (448 * 2**119 <
+    2**128); only statistics near fp32's maximum are affected, and their codes saturate.
+    Shared with the explicit kernels' scale choice (`gift_compile.kernels`), which computes
+    the statistics in a kernel and this one-element step here.
+    """
+    return torch.where(torch.isinf(gmax), gmax, _pow2_scale(gmax, E4M3_MAX * level).clamp(max=2.0**119))
+
+
 def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
@@ -168,10 +180,7 @@ def choose_scales(
         stat = _finite_amax(xb, -1, keepdim=False)
     else:
         stat = _mean_abs(xb, _MEAN_ABS_STEP[spec.name])
-    gmax = agree(_global_max(stat))
-    # Capped at 2**119 so that no E4M3 code times the tensor scale overflows (448 * 2**119 <
-    # 2**128); only statistics near fp32's maximum are affected, and their codes saturate.
-    gscale = torch.where(torch.isinf(gmax), gmax, _pow2_scale(gmax, E4M3_MAX * level).clamp(max=2.0**119))
+    gscale = _tensor_scale(agree(_global_max(stat)), level)
     unit = stat * _pow2_inverse(gscale)
     if level != 1.0:
         unit = unit * (1.0 / level)  # a multiply, spelled out: compiled code would use one anyway

@@ -58,6 +58,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from gift_compile import kernels
 from gift_compile.exchange import compiled_bodies
 from gift_compile.exchange.accounting import HEADER_BYTES
 from gift_compile.exchange.item_codec import (
@@ -175,6 +176,8 @@ def launch(xs: Sequence[torch.Tensor], items: Sequence[ItemTensors | None], shar
     for x, state, item in zip(xs, items, plan.items):
         baseline += x.numel() * x.element_size()
         if compiled:  # contiguous: a bucket's strides would be guards, i.e. one body per bucket layout
+            if item.managed:  # the body's codec path (kernels or generated code), logged here: eager
+                kernels.note_path(item.spec, x.device, item.stochastic_rounding)
             body = compiled_bodies.body("encode", encode_stage, _key(item, state, plan))
             item_blocks, bad = body(x.contiguous(), state, body_shared)
         else:

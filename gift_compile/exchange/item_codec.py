@@ -19,6 +19,11 @@ bucket (the FX pass, `torch.compile` of `bucket_core`) fuses exactly what it fus
 the eager compiled path (`gift_compile.exchange.compiled_bodies`) compiles them one item plan at a time:
 one implementation of the codec, two ways to run it.
 
+The codec steps (scales, encode, decode, the decoded sum) go through `gift_compile.kernels`: on
+CUDA, for the two-level formats, explicit Triton kernels registered as operators, which a trace
+keeps as operators (their traffic is theirs, not the installed Inductor's); elsewhere the
+reference codec, compiled by Inductor as before. Both write the same bytes.
+
 Every function takes its item's `ItemPlan` and a `BucketPlan` of which it reads the world
 size, op and average only, so its code depends on nothing else the bucket holds; the compiled
 stages (`encode_stage`, ...) take a single-item plan (`item_plan`), their key.
@@ -32,8 +37,9 @@ from typing import NamedTuple
 
 import torch
 
-from gift_compile.codec import FormatSpec, choose_scales, decode, encode, scales_nonfinite
+from gift_compile.codec import FormatSpec, scales_nonfinite
 from gift_compile.codec import residual as residual_store
+from gift_compile.kernels import choose_scales, decode, decode_sum, encode
 from gift_compile.exchange.accounting import _item_bytes_per_dest, _itemsize, _scale_layout
 from gift_compile.exchange.plan import BucketPlan, ItemPlan
 from gift_compile.geometry import apply_forward, apply_inverse, gated_tensors
@@ -192,7 +198,7 @@ def _take(recv: torch.Tensor, offset: int, n: int) -> tuple[torch.Tensor, int]:
     """Columns `[offset, offset + n)` of every sender's block, as a dense `[world, n]` copy
     (a clone, not `contiguous()`: with one sender the slice already counts as contiguous
     but keeps the parent's row stride, which a dtype view cannot reinterpret)."""
-    return recv[:, offset:offset + n].clone(memory_format=torch.contiguous_format), offset + n
+    return recv.narrow(1, offset, n).clone(memory_format=torch.contiguous_format), offset + n
 
 
 def _parse_scales(recv: torch.Tensor, offset: int, spec: FormatSpec, cols: int,
@@ -271,9 +277,7 @@ def decode_item(recv: torch.Tensor, offset: int, state: ItemTensors | None, item
     spec, r = item.spec, p.rows_sent(item) // w
     payload, offset = _take(recv, offset, r * spec.payload_cols(item.cols))
     scales, tscale, offset = _parse_scales(recv, offset, spec, item.cols, r)
-    total = decode(payload.reshape(w, r, -1), spec, scales, tscale, item.cols).sum(dim=0)
-    if p.average:
-        total = total / w
+    total = decode_sum(payload.reshape(w, r, -1), spec, scales, tscale, item.cols, p.average)
     return (total if transformed else apply_inverse(item.kind, total, _map_tensors(item, state))), offset
 
 
@@ -317,7 +321,7 @@ def gather_decode_item(gathered: torch.Tensor, offset: int, state: ItemTensors |
     payload, offset = _take(gathered, offset, r * spec.payload_cols(item.cols))
     scales, tscale, offset = _parse_scales(gathered, offset, spec, item.cols, r)
     full = decode(payload.reshape(w, r, -1), spec, scales, tscale, item.cols).reshape(w * r, item.cols)
-    return apply_inverse(item.kind, full, _map_tensors(item, state))[: item.rows], offset
+    return apply_inverse(item.kind, full, _map_tensors(item, state)).narrow(0, 0, item.rows), offset
 
 
 # ---- compiled stages: a single-item plan `p` (`item_plan`) as the last argument -----------------

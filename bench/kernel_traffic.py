@@ -1,0 +1,112 @@
+"""Bytes per gradient element the codec kernels move in a collective body, against the floor.
+
+The exchange's per-item stages (`gift_compile.exchange.item_codec`: encode, then decode for a
+reduce-scatter, or the decode-and-re-encode and the gather decode for an all-reduce) are traced
+the way the FX pass traces them (`make_fx`) on fake CUDA tensors, so no GPU is needed: on CUDA
+they emit the registered kernel operators (`torch.ops.gift_kernels.*`), and each operator's
+bytes follow from its own arguments (`gift_compile.kernels.traffic`: every tensor argument read
+once, the output written once). Those bytes do not depend on the torch or Inductor release that
+compiles the body: that was the point of writing the kernels (issue 26).
+
+What the kernels do not cover is listed beside them, not hidden: the maximum of the block
+statistics (a reduction over one fp32 value per block, Inductor-generated), and the glue that
+joins the item's codes, scales and header into the send buffer and slices the received one
+(`bench.codec_per_item` counts that glue for the per-item bodies). The floor is the body's
+minimum (`bench.codec_minimum.minimum_bytes`, Euclidean map, row scaling), which counts the
+send and receive buffers once each.
+
+`python -m bench.kernel_traffic` prints one table (formats x ops at Llama shapes, 8 ranks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from bench.codec_minimum import minimum_bytes
+from bench.formatting import table
+from gift_compile.exchange.item_codec import (ItemTensors, Shared, decode_stage, encode_stage, gather_decode_stage,
+                                              item_width, reduce_reencode_stage)
+from gift_compile.exchange.plan import BucketPlan, ItemPlan
+from gift_compile.geometry.table import IDENTITY_KIND
+from gift_compile.kernels import KERNEL_FORMATS, codec_path
+from gift_compile.kernels.traffic import node_traffic
+
+SHAPES = (("600M w2", 1280, 3456), ("8B w2", 4096, 14336))
+FORMATS = ("nvfp4", "int4", "int2")
+OPS = ("reduce_scatter", "all_reduce")
+WORLD = 8
+
+
+def _fake_cuda(mode: FakeTensorMode, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A fake tensor on `cuda`: metadata only, so CUDA's choices are traced on any machine."""
+    return FakeTensor(mode, torch.empty(shape, dtype=dtype, device="meta"), torch.device("cuda"))
+
+
+def stages(fmt: str, op: str, rows: int, cols: int, world: int
+           ) -> list[tuple[str, Callable[[torch.Tensor], object], tuple[int, ...], torch.dtype]]:
+    """The per-item stages of one Euclidean `[rows, cols]` item on a `world`-rank `op` plan, each
+    with the shape and dtype of its input (the gradient, or the received `[world, width]` bytes)."""
+    item = ItemPlan(name="g", rows=rows, cols=cols, format=fmt, scaling="row", block_size=32)
+    plan = BucketPlan((item,), world, None, False, op)
+    state, shared = ItemTensors(()), Shared()
+    width = (world, item_width(item, plan))
+    out = [("encode", lambda g: encode_stage(g, state, shared, plan), (rows, cols), torch.float32)]
+    if op == "reduce_scatter":
+        out.append(("decode", lambda c: decode_stage(c, state, plan), width, torch.uint8))
+    else:
+        out.append(("reduce + re-encode", lambda c: reduce_reencode_stage(c, state, shared, plan), width, torch.uint8))
+        out.append(("gather decode", lambda c: gather_decode_stage(c, state, plan), width, torch.uint8))
+    return out
+
+
+def measure(fmt: str, op: str, rows: int, cols: int, world: int = WORLD) -> dict[str, object]:
+    """Kernel bytes per gradient element of one body, kernel by kernel, and the floor."""
+    if not codec_path(ItemPlan(name="g", rows=rows, cols=cols, format=fmt, block_size=32).spec,
+                      torch.device("cuda")).kernels:
+        raise ValueError(f"kernel_traffic: format {fmt!r} has no kernels on CUDA (they exist for "
+                         f"{', '.join(KERNEL_FORMATS)}), or they are switched off")
+    n = rows * cols
+    kernels = []
+    for stage, fn, shape, dtype in stages(fmt, op, rows, cols, world):
+        mode = FakeTensorMode()
+        with mode:
+            gm = make_fx(fn)(_fake_cuda(mode, shape, dtype))
+        for node in gm.graph.nodes:
+            t = node_traffic(node)
+            if t is not None:
+                kernels.append({"stage": stage, "kernel": t.op, "reads_per_element": t.reads / n,
+                                "writes_per_element": t.writes / n})
+    total = sum(k["reads_per_element"] + k["writes_per_element"] for k in kernels)
+    floor = minimum_bytes(op, fmt, "row", IDENTITY_KIND, rows, cols, 0, world)["total"]
+    return {"format": fmt, "op": op, "rows": rows, "cols": cols, "world": world, "kernels": kernels,
+            "kernel_bytes_per_element": total, "floor_bytes_per_element": floor, "kernel_over_floor": total / floor}
+
+
+def render(results: list[dict[str, object]]) -> str:
+    """The per-body table and the per-kernel one, as Markdown."""
+    body = [[f"{r['rows']}x{r['cols']}", r["format"], r["op"], r["kernel_bytes_per_element"],
+             r["floor_bytes_per_element"], r["kernel_over_floor"]] for r in results]
+    per_kernel = [[f"{r['rows']}x{r['cols']}", r["format"], r["op"], k["stage"], k["kernel"], k["reads_per_element"],
+                   k["writes_per_element"]] for r in results for k in r["kernels"]]
+    return "\n".join([
+        table(["gradient", "format", "op", "kernels B/el", "floor B/el", "kernels / floor"], body, 3), "",
+        table(["gradient", "format", "op", "stage", "kernel", "reads B/el", "writes B/el"], per_kernel, 4)])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.kernel_traffic", description=__doc__.splitlines()[0])
+    p.add_argument("--world", type=int, default=WORLD)
+    a = p.parse_args(argv)
+    results = [measure(fmt, op, r, c, a.world) for _, r, c in SHAPES for fmt in FORMATS for op in OPS]
+    print(render(results), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""The codec kernels as registered operators: `torch.ops.gift_kernels.*`.
+
+Each operator is a `torch.library.triton_op` whose body allocates its outputs and launches one
+kernel of `gift_compile.kernels.triton_codec` through `wrap_triton`. That registration is what
+keeps a kernel a kernel under compilation: Dynamo records the operator as one node, AOTAutograd
+decomposes it into Triton's kernel-call higher-order op (so Inductor schedules the user kernel
+as written, with no fusion decision of its own that a release could undo), and `make_fx` (the
+FX pass's splice, `passes.gift_pass._splice`) records the operator node itself, which Inductor
+then calls. The bytes a kernel moves are therefore those of its loads and stores
+(`gift_compile.kernels.traffic` counts them from the same shapes).
+
+Each operator also has an explicit fake (shape) implementation: its outputs' shapes and dtypes
+without launching anything. Under Triton's interpreter (`TRITON_INTERPRET=1`, the CPU tests),
+`wrap_triton` hands back the plain interpreted function, which cannot run on fake tensors; the
+explicit fake is what lets Dynamo trace the operators there too.
+
+Inputs are checked (dtype, rank, shape, unit column stride) with errors naming the operator and
+the argument; the kernels themselves assume them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from torch.library import triton_op, wrap_triton
+
+from gift_compile.codec.spec import FormatSpec
+from gift_compile.kernels import triton_codec as k
+from gift_compile.kernels.formats import KernelFormat, _next_pow2, kernel_format
+
+__all__ = ["block_stat", "decode", "encode", "lowrank_expand", "scale_codes"]
+
+# Elements one program covers (a power of two): large enough that a program's loads are long
+# contiguous runs, small enough that a 600M-sized gradient still gives thousands of programs.
+ELEMENTS_PER_PROGRAM = 1024
+
+
+def _format(fmt: str, block_size: int) -> KernelFormat:
+    return kernel_format(FormatSpec(fmt, block_size=block_size))
+
+
+def _check(op: str, name: str, t: torch.Tensor, dtype: torch.dtype, dim: int) -> None:
+    if t.dtype != dtype or t.dim() != dim:
+        raise ValueError(f"gift_kernels.{op}: {name} must be {dtype} with {dim} dims, got {t.dtype} {tuple(t.shape)}")
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"gift_kernels.{op}: {name} needs unit stride along its last dim, got strides {t.stride()}")
+
+
+def _check_shape(op: str, name: str, t: torch.Tensor, want: tuple[int, ...]) -> None:
+    if tuple(t.shape) != want:
+        raise ValueError(f"gift_kernels.{op}: {name} has shape {tuple(t.shape)}, expected {want}")
+
+
+def _word_tile(f: KernelFormat, nwords: int) -> int:
+    """Packed words per program: about `ELEMENTS_PER_PROGRAM` digits, at most the row's words."""
+    return min(_next_pow2(max(nwords, 1)), max(1, ELEMENTS_PER_PROGRAM // f.per_p2))
+
+
+def _nblocks(f: KernelFormat, cols: int) -> int:
+    return -(-cols // f.block)
+
+
+def _nwords(f: KernelFormat, cols: int) -> int:
+    """Packed words of a row of `cols` columns (padded to whole blocks, then to whole words)."""
+    return -(-(_nblocks(f, cols) * f.block) // f.per)
+
+
+@triton_op("gift_kernels::block_stat", mutates_args=())
+def block_stat(x: torch.Tensor, fmt: str, block_size: int) -> torch.Tensor:
+    """Block statistics of `x` (`[rows, cols]` fp32): fp32 `[rows, nblocks]`, the values
+    `codec.choose_scales` reduces (amax or the mean-|x| step; +inf for a non-finite block)."""
+    f = _format(fmt, block_size)
+    _check("block_stat", "x", x, torch.float32, 2)
+    rows, cols = x.shape
+    nb = _nblocks(f, cols)
+    stat = torch.empty((rows, nb), dtype=torch.float32, device=x.device)
+    if stat.numel():
+        tile = min(_next_pow2(nb), max(1, ELEMENTS_PER_PROGRAM // f.block))
+        wrap_triton(k.block_stat_kernel)[(rows, triton.cdiv(nb, tile))](
+            x, stat, cols, nb, x.stride(0), FACTOR=f.mean_abs_factor or 0.0,
+            MEAN_ABS=f.mean_abs_factor is not None, BLOCK=f.block, TILE=tile)
+    return stat
+
+
+@block_stat.register_fake
+def _block_stat_fake(x: torch.Tensor, fmt: str, block_size: int) -> torch.Tensor:
+    f = _format(fmt, block_size)
+    return x.new_empty((x.shape[0], _nblocks(f, x.shape[1])), dtype=torch.float32)
+
+
+@triton_op("gift_kernels::scale_codes", mutates_args=())
+def scale_codes(stat: torch.Tensor, tensor_scale: torch.Tensor, fmt: str, block_size: int) -> torch.Tensor:
+    """E4M3 block-scale codes (uint8, `stat`'s shape) of the block statistics `stat` under the
+    fp32 tensor scale `tensor_scale` (`[1]`, `codec.scales._tensor_scale` of their maximum)."""
+    f = _format(fmt, block_size)
+    _check("scale_codes", "stat", stat, torch.float32, 2)
+    _check("scale_codes", "tensor_scale", tensor_scale, torch.float32, 1)
+    _check_shape("scale_codes", "tensor_scale", tensor_scale, (1,))
+    codes = torch.empty(stat.shape, dtype=torch.uint8, device=stat.device)
+    n = stat.numel()
+    if n:
+        tile = min(_next_pow2(n), ELEMENTS_PER_PROGRAM)
+        wrap_triton(k.scale_code_kernel)[(triton.cdiv(n, tile),)](
+            stat.contiguous(), tensor_scale, codes, n, INV_LEVEL=f.inv_level, TILE=tile)
+    return codes
+
+
+@scale_codes.register_fake
+def _scale_codes_fake(stat: torch.Tensor, tensor_scale: torch.Tensor, fmt: str, block_size: int) -> torch.Tensor:
+    return stat.new_empty(stat.shape, dtype=torch.uint8)
+
+
+@triton_op("gift_kernels::encode", mutates_args=())
+def encode(x: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor, fmt: str,
+           block_size: int) -> torch.Tensor:
+    """Packed codes (uint8 `[rows, payload_cols]`) of `x` (`[rows, cols]` fp32) on the grid of
+    the E4M3 block codes `scales` (`[rows, nblocks]`) and the fp32 tensor scale (`[1]`): the
+    bytes `codec.encode` writes, round to nearest."""
+    f = _format(fmt, block_size)
+    spec = FormatSpec(fmt, block_size=block_size)
+    _check("encode", "x", x, torch.float32, 2)
+    _check("encode", "scales", scales, torch.uint8, 2)
+    _check("encode", "tensor_scale", tensor_scale, torch.float32, 1)
+    rows, cols = x.shape
+    nb = _nblocks(f, cols)
+    _check_shape("encode", "scales", scales, (rows, nb))
+    _check_shape("encode", "tensor_scale", tensor_scale, (1,))
+    pcols = spec.payload_cols(cols)
+    out = torch.empty((rows, pcols), dtype=torch.uint8, device=x.device)
+    nwords = _nwords(f, cols)
+    if out.numel():
+        tile = _word_tile(f, nwords)
+        wrap_triton(k.encode_kernel)[(rows, triton.cdiv(nwords, tile))](
+            x, scales.contiguous(), tensor_scale, out, cols, nb * f.block, nb, nwords, pcols, x.stride(0),
+            KIND=f.kind, BITS=f.bits, PER=f.per, PER_P2=f.per_p2, NBYTES=f.nbytes, IMAX=f.imax, BLOCK=f.block,
+            TILE=tile)
+    return out
+
+
+@encode.register_fake
+def _encode_fake(x: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor, fmt: str,
+                 block_size: int) -> torch.Tensor:
+    spec = FormatSpec(fmt, block_size=block_size)
+    return x.new_empty((x.shape[0], spec.payload_cols(x.shape[1])), dtype=torch.uint8)
+
+
+@triton_op("gift_kernels::decode", mutates_args=())
+def decode(payload: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor, fmt: str, block_size: int,
+           cols: int, reduce: bool, average: bool) -> torch.Tensor:
+    """fp32 values of every sender's payload (`[senders, rows, payload_cols]` uint8) with its
+    block codes (`[senders, rows, nblocks]`) and tensor scale (`[senders]`): their sum in rank
+    order `[rows, cols]` with `reduce` (divided by the number of senders with `average`), else
+    `[senders, rows, cols]`; `codec.decode` (and its `.sum(0)`) bit for bit."""
+    f = _format(fmt, block_size)
+    spec = FormatSpec(fmt, block_size=block_size)
+    _check("decode", "payload", payload, torch.uint8, 3)
+    _check("decode", "scales", scales, torch.uint8, 3)
+    _check("decode", "tensor_scale", tensor_scale, torch.float32, 1)
+    senders, rows, pcols = payload.shape
+    nb = _nblocks(f, cols)
+    if pcols != spec.payload_cols(cols):
+        raise ValueError(f"gift_kernels.decode: payload has {pcols} bytes per row, but cols={cols} needs "
+                         f"{spec.payload_cols(cols)} in format {fmt!r}")
+    _check_shape("decode", "scales", scales, (senders, rows, nb))
+    _check_shape("decode", "tensor_scale", tensor_scale, (senders,))
+    if senders < 1:
+        raise ValueError("gift_kernels.decode: payload has no sender (dim 0 is 0)")
+    if average and not reduce:
+        raise ValueError("gift_kernels.decode: average=True needs reduce=True (it divides the sum)")
+    out = torch.empty((rows, cols) if reduce else (senders, rows, cols), dtype=torch.float32, device=payload.device)
+    nwords = _nwords(f, cols)
+    if out.numel():
+        tile = _word_tile(f, nwords)
+        wrap_triton(k.decode_kernel)[(rows, triton.cdiv(nwords, tile))](
+            payload.contiguous(), scales.contiguous(), tensor_scale.contiguous(), out, rows, cols, nb, nwords,
+            pcols, SENDERS=senders, KIND=f.kind, BITS=f.bits, PER=f.per, PER_P2=f.per_p2, NBYTES=f.nbytes,
+            BLOCK=f.block, TILE=tile, SUM=reduce, AVERAGE=average)
+    return out
+
+
+@decode.register_fake
+def _decode_fake(payload: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor, fmt: str, block_size: int,
+                 cols: int, reduce: bool, average: bool) -> torch.Tensor:
+    senders, rows, _ = payload.shape
+    return payload.new_empty((rows, cols) if reduce else (senders, rows, cols), dtype=torch.float32)
+
+
+# the expansion's tile: 64 rows x 128 columns, the rank (<= 128 in practice) whole in each tile
+_EXPAND_TILE = (64, 128)
+
+
+@triton_op("gift_kernels::lowrank_expand", mutates_args=())
+def lowrank_expand(g: torch.Tensor, p: torch.Tensor, dinv: torch.Tensor, coef: torch.Tensor, basis: torch.Tensor,
+                   dsq: torch.Tensor, tf32: bool) -> torch.Tensor:
+    """`g * dinv + ((p * coef) @ basis) * dsq` (fp32 `[rows, cols]`), the expansion of the
+    low-rank map's forward (`LowRank.apply_forward`: `p = g @ basis.T` its projection, `coef`
+    the `C` of `(I+S^2)^{-1/2} - I`, `basis` `U^T`), with the rank-r product as a tensor-core
+    matmul accumulating in fp32 (TF32 operands with `tf32`). Not bitwise the reference's
+    fixed-order chain of multiply-adds: a preconditioner's rounding, measured by
+    `bench.gpu_check`'s map section."""
+    for name, t, dim in (("g", g, 2), ("p", p, 2), ("dinv", dinv, 1), ("coef", coef, 1), ("basis", basis, 2),
+                         ("dsq", dsq, 1)):
+        _check("lowrank_expand", name, t, torch.float32, dim)
+    rows, cols = g.shape
+    rank = basis.shape[0]
+    for name, t, want in (("p", p, (rows, rank)), ("dinv", dinv, (cols,)), ("coef", coef, (rank,)),
+                          ("basis", basis, (rank, cols)), ("dsq", dsq, (cols,))):
+        _check_shape("lowrank_expand", name, t, want)
+    out = torch.empty_like(g, memory_format=torch.contiguous_format)
+    if out.numel():
+        bm, bn = _EXPAND_TILE
+        wrap_triton(k.lowrank_expand_kernel)[(triton.cdiv(rows, bm), triton.cdiv(cols, bn))](
+            g.contiguous(), p.contiguous(), dinv, coef, basis.contiguous(), dsq, out, rows, cols, rank, BM=bm, BN=bn,
+            BR=max(16, _next_pow2(rank)), PRECISION="tf32" if tf32 else "ieee")
+    return out
+
+
+@lowrank_expand.register_fake
+def _lowrank_expand_fake(g: torch.Tensor, p: torch.Tensor, dinv: torch.Tensor, coef: torch.Tensor,
+                         basis: torch.Tensor, dsq: torch.Tensor, tf32: bool) -> torch.Tensor:
+    return torch.empty_like(g, memory_format=torch.contiguous_format)

@@ -1,0 +1,284 @@
+"""The device code of the codec kernels: Triton functions, one per step of the two-level formats.
+
+Each kernel restates, operation by operation, what the reference codec (`gift_compile.codec`)
+computes for one element or one block, so that its bytes are the reference's bytes: the same
+fp32 multiplies in the same order, comparisons with exact multiples of the block unit instead
+of a division, the E4M3 scale codes built from the exponent and mantissa bits instead of a
+float8 conversion (whose rounding and NaN handling Triton's interpreter, its CUDA lowering
+and ATen need not share), NaN/Inf kept by explicit `where`s rather than by the NaN semantics
+of `max`/`min`, which Triton does not promise, and negation as a multiply by -1 (Triton's
+unary minus is 0 - v, which turns -0.0 into +0.0). The launch wrappers and the
+registered ops are in `gift_compile.kernels.ops`; the format parameters (the constexprs
+below) in `gift_compile.kernels.formats`.
+
+Layout shared by the kernels: a gradient is the `[rows, cols]` fp32 row view of the codec
+(`codec.as_rows`), read in place (row stride given, unit column stride); the columns past
+`cols` up to the padded width `cp` (a whole number of blocks) read as zeros, which is what the
+reference's zero padding gives. One program handles one row and `TILE` packed words of it,
+a word being the `PER` codes that share one byte (or one 3-byte group for 3- and 6-bit
+codes); the `PER` digits of a word are a `[TILE, PER_P2]` tile (`PER_P2` the next power of two,
+the extra digits masked), so the loads of a program are contiguous.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Format kinds (`KIND` constexpr): E2M1 with a sign bit, two's complement integers, int2's
+# sign-and-magnitude levels {+-1, +-3}, ternary digits.
+KIND_NVFP4 = tl.constexpr(0)
+KIND_INT = tl.constexpr(1)
+KIND_INT2 = tl.constexpr(2)
+KIND_TERNARY = tl.constexpr(3)
+FP32_MAX = tl.constexpr(3.4028234663852886e38)
+
+
+@triton.jit
+def _is_finite(v):
+    """Finite test that also holds in the interpreter: NaN and +-inf fail `|v| < inf`."""
+    return tl.abs(v) < float("inf")
+
+
+@triton.jit
+def _pow2_inverse(s):
+    """Exact 1 / s for a power of two in [2**-127, 2**127] (0 for +inf), on the exponent bits:
+    `codec.scales._pow2_inverse`."""
+    e = (s.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    bits = tl.where(e == 0, 254 << 23, (254 - e) << 23)
+    bits = tl.where(e == 254, 1 << 22, bits)
+    bits = tl.where(e == 255, 0, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_value(code):
+    """fp32 value of E4M3 (fn) bytes given as int32 in [0, 255]: sign, 4 exponent bits (bias 7),
+    3 mantissa bits; exponent 0 is subnormal (m * 2**-9); 0x7F / 0xFF are NaN."""
+    e = (code >> 3) & 15
+    m = code & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+    v = tl.where((code & 127) == 127, float("nan"), v)
+    return tl.where(code >= 128, v * -1.0, v)  # not `-v`: Triton negates as 0 - v, which loses -0.0
+
+
+@triton.jit
+def _e4m3_code(v):
+    """E4M3 byte (int32) of a non-negative fp32 value: round to nearest even, saturating at 448;
+    a non-finite value gives the NaN code 127 (`codec.scales._e4m3_code`). Normal results round
+    the fp32 bits (the carry of a round-up moves into the exponent as it should); subnormal ones
+    (below 2**-6) round v * 2**9, exact, to an integer, ties to even."""
+    fin = _is_finite(v)
+    w = tl.where(fin, tl.minimum(v, 448.0), 0.0)
+    bits = w.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - 960  # 960 = (127 - 7) << 3
+    t = w * 512.0
+    whole = t.to(tl.int32)
+    frac = t - whole.to(tl.float32)
+    sub = whole + ((frac > 0.5) | ((frac == 0.5) & ((whole & 1) == 1))).to(tl.int32)
+    code = tl.where(w >= 0.015625, normal, sub)
+    return tl.where(fin, code, 127)
+
+
+@triton.jit
+def block_stat_kernel(x_ptr, stat_ptr, cols, nblocks, row_stride,
+                      FACTOR: tl.constexpr, MEAN_ABS: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr):
+    """Per-block statistic `stat[row, b]` (fp32): amax of |x|, or FACTOR * sum |x| summed in
+    fp64 (`codec.scales._mean_abs`); +inf for a block holding NaN/Inf."""
+    row = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1) * TILE + tl.arange(0, TILE)
+    j = b[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    a = tl.abs(tl.load(x_ptr + row * row_stride + j, mask=(j < cols) & (b < nblocks)[:, None], other=0.0))
+    bad = tl.max((~_is_finite(a)).to(tl.int32), axis=1) > 0
+    if MEAN_ABS:
+        m = tl.sum(tl.where(bad[:, None], 0.0, a).to(tl.float64), axis=1) * FACTOR
+        s = tl.minimum(m, FP32_MAX).to(tl.float32)
+    else:
+        s = tl.max(tl.where(bad[:, None], 0.0, a), axis=1)
+    s = tl.where(bad, float("inf"), s)
+    tl.store(stat_ptr + row * nblocks + b, s, mask=b < nblocks)
+
+
+@triton.jit
+def scale_code_kernel(stat_ptr, tscale_ptr, code_ptr, n, INV_LEVEL: tl.constexpr, TILE: tl.constexpr):
+    """E4M3 block-scale codes from the block statistics and the fp32 tensor scale:
+    code(stat * (1 / tscale) [* INV_LEVEL]), the two multiplies of `codec.choose_scales`."""
+    i = tl.program_id(0) * TILE + tl.arange(0, TILE)
+    unit = tl.load(stat_ptr + i, mask=i < n, other=0.0) * _pow2_inverse(tl.load(tscale_ptr))
+    if INV_LEVEL != 1.0:
+        unit = unit * INV_LEVEL
+    tl.store(code_ptr + i, _e4m3_code(unit).to(tl.uint8), mask=i < n)
+
+
+@triton.jit
+def _passes(a, unit, k, IMAX: tl.constexpr):
+    """Whether `a` reaches the integer grid's threshold k (between magnitudes k and k + 1):
+    `a > (k + 0.5) unit` for even k, `>=` for odd k (ties to even), False outside [0, IMAX)."""
+    t = (k.to(tl.float32) + 0.5) * unit
+    hit = tl.where((k & 1) == 1, a >= t, a > t)
+    return hit & (k >= 0) & (k < IMAX)
+
+
+@triton.jit
+def _magnitude(a, unit, KIND: tl.constexpr, IMAX: tl.constexpr):
+    """Index of the grid magnitude nearest to a / unit, ties to even, saturating, by comparing
+    `a` with exact multiples of `unit` (`codec.codes._nearest_magnitude`); NaN gives 0.
+
+    The integer grids (up to 31 thresholds for int6) take the estimate round(a / unit), which
+    an approximate reciprocal puts within one step, and correct it with the two thresholds
+    around it, so two comparisons decide instead of one per level. A zero unit (a block that
+    underflowed) puts every threshold at 0: `a > 0` passes them all, `a == 0` the inclusive ones
+    (odd k), as the reference's comparisons give; a NaN unit or a NaN value passes none."""
+    mag = tl.zeros(a.shape, tl.int32)
+    if KIND == KIND_INT:
+        q = tl.minimum(tl.where(unit > 0, a * (1.0 / unit), 0.0), IMAX * 1.0)
+        est = (q + 0.5).to(tl.int32)
+        est = tl.where(_passes(a, unit, est, IMAX), est + 1, est)
+        est = tl.where((est > 0) & ~_passes(a, unit, est - 1, IMAX), est - 1, est)
+        zero_unit = tl.where(a > 0, IMAX, tl.where(a == 0, IMAX // 2, 0))
+        mag = tl.where(unit == 0, zero_unit, tl.where((unit > 0) & (a == a), est, 0))
+    elif KIND == KIND_NVFP4:
+        mag += (a > unit * 0.25).to(tl.int32)
+        mag += (a >= unit * 0.75).to(tl.int32)
+        mag += (a > unit * 1.25).to(tl.int32)
+        mag += (a >= unit * 1.75).to(tl.int32)
+        mag += (a > unit * 2.5).to(tl.int32)
+        mag += (a >= unit * 3.5).to(tl.int32)
+        mag += (a > unit * 5.0).to(tl.int32)
+    elif KIND == KIND_INT2:
+        mag += (a > unit * 2.0).to(tl.int32)
+    else:
+        mag += (a > unit * 0.5).to(tl.int32)
+    return mag
+
+
+@triton.jit
+def encode_kernel(x_ptr, code_ptr, tscale_ptr, out_ptr, cols, cp, nblocks, nwords, out_cols, row_stride,
+                  KIND: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr, PER_P2: tl.constexpr,
+                  NBYTES: tl.constexpr, IMAX: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr):
+    """Packed codes of x on the grid of the given E4M3 block codes and tensor scale
+    (`codec.encode`, round to nearest): every digit's code, then each word's digits joined
+    low digit first, stored as one byte or as a 3-byte group, low byte first."""
+    row = tl.program_id(0).to(tl.int64)
+    w = tl.program_id(1) * TILE + tl.arange(0, TILE)
+    i = tl.arange(0, PER_P2)
+    j = w[:, None] * PER + i[None, :]  # padded column of each digit
+    digit = (i < PER)[None, :] & (w < nwords)[:, None]
+    inside = digit & (j < cp)
+    x = tl.load(x_ptr + row * row_stride + j, mask=inside & (j < cols), other=0.0)
+    sc = tl.load(code_ptr + row * nblocks + j // BLOCK, mask=inside, other=0).to(tl.int32)
+    unit = _e4m3_value(sc) * tl.load(tscale_ptr)
+    unit = tl.where(_is_finite(unit), unit, float("nan"))
+    mag = _magnitude(tl.abs(x), unit, KIND, IMAX)
+    neg = x < 0
+    if KIND == KIND_INT2:
+        # no zero level: an exact 0 goes to -1 or +1 by column parity (`codec.codes._grid_codes`)
+        neg = neg | ((x == 0) & ((j & 1) == 1))
+    sign = neg.to(tl.int32)
+    if KIND == KIND_NVFP4:
+        code = mag + sign * 8
+    elif KIND == KIND_INT2:
+        code = mag + sign * 2
+    elif KIND == KIND_TERNARY:
+        code = 1 + mag * (1 - 2 * sign)
+    else:
+        code = (mag * (1 - 2 * sign)) & ((1 << BITS) - 1)
+    if KIND == KIND_TERNARY:
+        code = tl.where(inside, code, 1)  # digits past the padded row: the value 0
+        weight = tl.full([PER_P2], 1, tl.int32)
+        for k in tl.static_range(1, PER_P2):
+            weight = tl.where(i >= k, weight * 3, weight)
+    else:
+        weight = 1 << (i * BITS)
+    word = tl.sum(tl.where(digit, code * weight[None, :], 0), axis=1)
+    out = out_ptr + row * out_cols + w * NBYTES
+    for k in tl.static_range(NBYTES):
+        tl.store(out + k, ((word >> (8 * k)) & 0xFF).to(tl.uint8), mask=w < nwords)
+
+
+@triton.jit
+def _grid_value(code, KIND: tl.constexpr, BITS: tl.constexpr):
+    """fp32 grid value (in units of the block scale) of int32 codes: `codec.codes._grid_values`."""
+    if KIND == KIND_NVFP4:
+        m = code & 7
+        normal = ((2 + (m & 1)) << (m >> 1)).to(tl.float32) * 0.25
+        mag = tl.where(m < 2, m.to(tl.float32) * 0.5, normal)
+        v = tl.where(code >= 8, mag * -1.0, mag)  # -0.0 for the negative zero code, as the reference
+    elif KIND == KIND_INT2:
+        v = ((1 + 2 * (code & 1)) * (1 - 2 * (code >> 1))).to(tl.float32)
+    elif KIND == KIND_TERNARY:
+        v = (code - 1).to(tl.float32)
+    else:
+        v = ((code ^ (1 << (BITS - 1))) - (1 << (BITS - 1))).to(tl.float32)  # sign-extend
+    return v
+
+
+@triton.jit
+def decode_kernel(payload_ptr, code_ptr, tscale_ptr, out_ptr, rows, cols, nblocks, nwords, pcols,
+                  SENDERS: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr,
+                  PER_P2: tl.constexpr, NBYTES: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr,
+                  SUM: tl.constexpr, AVERAGE: tl.constexpr):
+    """Decode every sender's `[rows, pcols]` payload (SENDERS of them, a plan constant) with its
+    own block codes and tensor scale (`codec.decode`: code value times block scale times tensor
+    scale, NaN for a non-finite scale, saturated at fp32's largest value). SUM: one fp32 sum over
+    the senders in rank order, starting from 0 (then divided by their count with AVERAGE, a
+    correctly rounded division), stored `[rows, cols]`; otherwise each sender's values, stored
+    `[senders, rows, cols]`."""
+    row = tl.program_id(0).to(tl.int64)
+    w = tl.program_id(1) * TILE + tl.arange(0, TILE)
+    i = tl.arange(0, PER_P2)
+    j = w[:, None] * PER + i[None, :]
+    valid = (i < PER)[None, :] & (w < nwords)[:, None] & (j < cols)
+    if KIND == KIND_TERNARY:
+        div = tl.full([PER_P2], 1, tl.int32)
+        for k in tl.static_range(1, PER_P2):
+            div = tl.where(i >= k, div * 3, div)
+    acc = tl.zeros([TILE, PER_P2], tl.float32)
+    for s in range(SENDERS):
+        at = s * rows + row
+        src = payload_ptr + at * pcols + w * NBYTES
+        word = tl.load(src, mask=w < nwords, other=0).to(tl.int32)
+        for k in tl.static_range(1, NBYTES):
+            word = word | (tl.load(src + k, mask=w < nwords, other=0).to(tl.int32) << (8 * k))
+        if KIND == KIND_TERNARY:
+            code = (word[:, None] // div[None, :]) % 3
+        else:
+            code = (word[:, None] >> (i * BITS)[None, :]) & ((1 << BITS) - 1)
+        sc = tl.load(code_ptr + at * nblocks + j // BLOCK, mask=valid, other=0).to(tl.int32)
+        scale = _e4m3_value(sc) * tl.load(tscale_ptr + s)
+        scale = tl.where(_is_finite(scale), scale, float("nan"))
+        v = _grid_value(code, KIND, BITS) * scale
+        v = tl.where(v > FP32_MAX, FP32_MAX, tl.where(v < -FP32_MAX, -FP32_MAX, v))
+        if SUM:
+            acc += v
+        else:
+            tl.store(out_ptr + at * cols + j, v, mask=valid)
+    if SUM:
+        if AVERAGE:
+            acc = tl.math.div_rn(acc, tl.full([TILE, PER_P2], SENDERS, tl.float32))
+        tl.store(out_ptr + row * cols + j, acc, mask=valid)
+
+
+@triton.jit
+def lowrank_expand_kernel(g_ptr, p_ptr, dinv_ptr, coef_ptr, basis_ptr, dsq_ptr, out_ptr, rows, cols, rank,
+                          BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, PRECISION: tl.constexpr):
+    """The low-rank map's expansion as a matmul epilogue (`geometry.maps.LowRank.apply_forward`):
+    out = g * dinv + ((p * coef) @ basis) * dsq for a `[BM, BN]` tile, the rank-r product on
+    the tensor cores (`tl.dot`, fp32 accumulation; PRECISION "ieee" keeps fp32 operands, "tf32"
+    rounds them to TF32). `g` and `out` are `[rows, cols]`, `p` `[rows, rank]`, `basis`
+    `[rank, cols]`, all contiguous; the rank is padded to BR (>= 16, tl.dot's least) with zeros."""
+    m = tl.program_id(0) * BM + tl.arange(0, BM)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    k = tl.arange(0, BR)
+    rmask, cmask, kmask = m < rows, n < cols, k < rank
+    q = tl.load(p_ptr + m[:, None].to(tl.int64) * rank + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+    q = q * tl.load(coef_ptr + k, mask=kmask, other=0.0)[None, :]
+    basis = tl.load(basis_ptr + k[:, None] * cols + n[None, :], mask=kmask[:, None] & cmask[None, :], other=0.0)
+    low = tl.dot(q, basis, input_precision=PRECISION)
+    at = m[:, None].to(tl.int64) * cols + n[None, :]
+    both = rmask[:, None] & cmask[None, :]
+    g = tl.load(g_ptr + at, mask=both, other=0.0)
+    dinv = tl.load(dinv_ptr + n, mask=cmask, other=0.0)[None, :]
+    dsq = tl.load(dsq_ptr + n, mask=cmask, other=0.0)[None, :]
+    tl.store(out_ptr + at, g * dinv + low * dsq, mask=both)

@@ -1,0 +1,126 @@
+"""Compile every codec kernel for a Hopper GPU (sm_90) with Triton's own compiler, on any machine,
+and read what Inductor's analysis of each registered operator finds it writes.
+
+Run as a script by tests/test_kernels.py, in a process without `TRITON_INTERPRET` (in the test
+process the kernels are the interpreter's functions, which accept code the compiler rejects).
+Triton's wheel carries `ptxas`, so the whole pipeline (TTIR, TTGIR, LLVM IR, PTX, cubin) runs
+without a GPU or a driver: what the interpreter tests cannot tell, that the kernels compile, and
+with which constexprs, is checked here for every kernel format (each decode mode) and both
+precisions of the expansion. Prints one line per compiled kernel: its name, format and the
+cubin's size; exits non-zero on the first failure.
+
+Then each operator is functionalized on fake CUDA tensors as AOTAutograd does under
+`torch.compile`: the operator becomes Triton's kernel-call higher-order op, whose
+`tensors_to_clone` are the arguments torch's TTIR analysis finds the kernel stores to (Inductor
+copies each of those before the call, extra traffic, unless it is a fresh output buffer). The
+analysis asks the active Triton driver for its target; with no GPU here a stand-in driver
+answers sm_90. Prints `mutates <op>: <argument names>`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+assert os.environ.get("TRITON_INTERPRET", "0") != "1", "compile in a process without the interpreter"
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from gift_compile.codec import FormatSpec  # noqa: E402
+from gift_compile.kernels import triton_codec as k  # noqa: E402
+from gift_compile.kernels.formats import KERNEL_FORMATS, kernel_format  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+ROW = {"cols": "i32", "nblocks": "i32", "row_stride": "i32"}
+
+
+def compile_kernel(fn: object, signature: dict[str, str], constexprs: dict[str, object]) -> int:
+    """Bytes of the cubin `fn` compiles to with these argument types and constexprs."""
+    src = ASTSource(fn, {**signature, **{name: "constexpr" for name in constexprs}}, constexprs=constexprs)
+    return len(triton.compile(src, target=TARGET).asm["cubin"])
+
+
+class _Sm90:
+    """Stands in for the CUDA driver where torch's analysis only asks which target to compile for."""
+
+    def get_current_target(self) -> GPUTarget:
+        return TARGET
+
+
+def mutated_arguments() -> dict[str, list[str]]:
+    """Per operator, the kernel arguments the functionalized call clones (the ones it stores to)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch._subclasses.functional_tensor import dispatch_functionalize
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from gift_compile.kernels import ops
+
+    triton.runtime.driver.set_active(_Sm90())
+    mode = FakeTensorMode()
+
+    def fake(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return FakeTensor(mode, torch.empty(shape, dtype=dtype, device="meta"), torch.device("cuda"))
+
+    f32, u8 = torch.float32, torch.uint8
+    calls = {
+        "block_stat": (lambda x: ops.block_stat(x, "ternary", 32), [((8, 40), f32)]),
+        "scale_codes": (lambda s, t: ops.scale_codes(s, t, "nvfp4", 16), [((8, 3), f32), ((1,), f32)]),
+        "encode": (lambda x, s, t: ops.encode(x, s, t, "int3", 32), [((8, 40), f32), ((8, 2), u8), ((1,), f32)]),
+        "decode": (lambda p, s, t: ops.decode(p, s, t, "nvfp4", 16, 40, True, True),
+                   [((4, 8, 24), u8), ((4, 8, 3), u8), ((4,), f32)]),
+        "lowrank_expand": (lambda g, p, d, c, b, q: ops.lowrank_expand(g, p, d, c, b, q, True),
+                           [((8, 40), f32), ((8, 4), f32), ((40,), f32), ((4,), f32), ((4, 40), f32), ((40,), f32)]),
+    }
+    out = {}
+    for name, (fn, shapes) in calls.items():
+        with mode:
+            gm = make_fx(dispatch_functionalize(fn))(*[fake(shape, dtype) for shape, dtype in shapes])
+        (node,) = [n for n in gm.graph.nodes if "triton_kernel_wrapper_functional" in str(n.target)]
+        out[name] = list(node.kwargs["tensors_to_clone"])
+    return out
+
+
+def main() -> int:
+    for fmt in KERNEL_FORMATS:
+        for block in ((16,) if fmt == "nvfp4" else (16, 32)):
+            f = kernel_format(FormatSpec(fmt, block_size=block))
+            digits = dict(KIND=f.kind, BITS=f.bits, PER=f.per, PER_P2=f.per_p2, NBYTES=f.nbytes, BLOCK=f.block,
+                          TILE=1024 // f.per_p2)
+            sizes = {
+                "block_stat": compile_kernel(
+                    k.block_stat_kernel, {"x_ptr": "*fp32", "stat_ptr": "*fp32", **ROW},
+                    {"FACTOR": f.mean_abs_factor or 0.0, "MEAN_ABS": f.mean_abs_factor is not None, "BLOCK": f.block,
+                     "TILE": 1024 // f.block}),
+                "scale_codes": compile_kernel(
+                    k.scale_code_kernel, {"stat_ptr": "*fp32", "tscale_ptr": "*fp32", "code_ptr": "*u8", "n": "i32"},
+                    {"INV_LEVEL": f.inv_level, "TILE": 1024}),
+                "encode": compile_kernel(
+                    k.encode_kernel, {"x_ptr": "*fp32", "code_ptr": "*u8", "tscale_ptr": "*fp32", "out_ptr": "*u8",
+                                      "cols": "i32", "cp": "i32", "nblocks": "i32", "nwords": "i32",
+                                      "out_cols": "i32", "row_stride": "i32"}, {**digits, "IMAX": f.imax}),
+            }
+            for reduce, average in ((True, True), (True, False), (False, False)):
+                sizes[f"decode sum={reduce} average={average}"] = compile_kernel(
+                    k.decode_kernel, {"payload_ptr": "*u8", "code_ptr": "*u8", "tscale_ptr": "*fp32",
+                                      "out_ptr": "*fp32", "rows": "i32", "cols": "i32", "nblocks": "i32",
+                                      "nwords": "i32", "pcols": "i32"},
+                    {"SENDERS": 8, **digits, "SUM": reduce, "AVERAGE": average})
+            for name, size in sizes.items():
+                print(f"{fmt} b{block} {name}: cubin {size} bytes", flush=True)
+    for precision in ("ieee", "tf32"):
+        size = compile_kernel(
+            k.lowrank_expand_kernel, {name: "*fp32" for name in ("g_ptr", "p_ptr", "dinv_ptr", "coef_ptr", "basis_ptr",
+                                                                 "dsq_ptr", "out_ptr")}
+            | {"rows": "i32", "cols": "i32", "rank": "i32"},
+            {"BM": 64, "BN": 128, "BR": 32, "PRECISION": precision})
+        print(f"lowrank_expand {precision}: cubin {size} bytes", flush=True)
+    for name, args in mutated_arguments().items():
+        print(f"mutates {name}: {' '.join(args)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

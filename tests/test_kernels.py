@@ -1,0 +1,396 @@
+"""The codec's Triton kernels (gift_compile.kernels) against the reference codec, bit for bit.
+
+On a machine without CUDA the kernels run on CPU tensors in Triton's interpreter
+(`TRITON_INTERPRET=1`, switched on by tests/conftest.py before the package is imported); with
+CUDA they run compiled on the GPU. Either way every result is compared with what the reference
+codec (`gift_compile.codec`, eager on the CPU) computes for the same input: scale codes and
+tensor scale, packed payload bytes, decoded values and their sum over senders, compared as
+bits (NaN where the reference has NaN), never with the kernels themselves. Shapes are small
+(the interpreter runs a kernel program by program in numpy) and cover columns that are not a
+multiple of the block, a single row, all-zero blocks, tiny and huge blocks, and blocks
+holding NaN or Inf, which must decode to NaN as the reference's do.
+
+Also here: what `torch.compile` makes of a registered kernel (one operator node in the
+traced graph), the exchange's per-item codec emitting the operators for CUDA tensors (traced
+on fake CUDA tensors, no GPU needed) and not for CPU ones, the logged path choice, and the
+operators' input checks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from conftest import require
+
+require("triton", "the codec kernels need Triton (the `test` extra installs it)")
+
+from gift_compile import codec, kernels  # noqa: E402  (after the Triton check)
+from gift_compile.codec import FormatSpec  # noqa: E402
+from gift_compile.codec.scales import _e4m3_code, _global_max, _tensor_scale  # noqa: E402
+from gift_compile.codec.spec import _TWO_LEVEL  # noqa: E402
+from gift_compile.exchange.item_codec import ItemTensors, Shared, decode_item, encode_item, item_width  # noqa: E402
+from gift_compile.exchange.plan import BucketPlan, ItemPlan  # noqa: E402
+from gift_compile.kernels import ops  # noqa: E402
+
+# numpy's warnings from the interpreter running the NaN/Inf cases (inf * 0 and the like), intended
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# every kernel format at each block length it takes (nvfp4's block is fixed at 16)
+CASES = [("nvfp4", 16), ("int6", 16), ("int6", 32), ("int4", 16), ("int4", 32), ("int3", 16), ("int3", 32),
+         ("int2", 16), ("int2", 32), ("ternary", 16), ("ternary", 32)]
+IDS = [f"{f}-b{b}" for f, b in CASES]
+
+
+def test_the_cpu_runs_the_kernels_in_the_interpreter() -> None:
+    if DEVICE.type == "cpu":
+        assert os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def test_every_kernel_compiles_for_hopper(tmp_path: Path) -> None:
+    """The interpreter runs code the compiler may reject: tests/kernel_compile.py compiles each
+    kernel, for every format, block and mode, to an sm_90 cubin (Triton's own compiler and its
+    bundled ptxas; no GPU needed), in a process without the interpreter, and reads which
+    arguments torch's analysis of the kernels finds written."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
+    script = Path(__file__).with_name("kernel_compile.py")
+    res = subprocess.run([sys.executable, str(script)], env=env, cwd=script.parent.parent, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    lines = [line for line in res.stdout.splitlines() if not line.startswith("mutates ")]
+    assert len(lines) == len(CASES) * 6 + 2 and all(int(line.split()[-2]) > 1000 for line in lines), lines
+    # Inductor's analysis of each kernel's TTIR finds it stores to its output only, so under
+    # torch.compile no input is copied before a kernel runs (its traffic stays its arguments')
+    mutates = dict(line.removeprefix("mutates ").split(": ") for line in res.stdout.splitlines()
+                   if line.startswith("mutates "))
+    assert mutates == {"block_stat": "stat_ptr", "scale_codes": "code_ptr", "encode": "out_ptr", "decode": "out_ptr",
+                       "lowrank_expand": "out_ptr"}
+
+
+def _gradient(rows: int, cols: int, seed: int, huge: bool = True, nonfinite: bool = True) -> torch.Tensor:
+    """Gaussian rows of different magnitudes, with the edge blocks the codec must handle: an
+    all-zero block, a block near fp32's smallest normal, (`huge`) one near its largest finite
+    value, a row of exact zeros among values (int2's parity rule), (`nonfinite`) a NaN and an
+    Inf block. A huge block sets the tensor scale, so the others underflow to zero codes, and
+    a non-finite one makes every code's unit NaN: each is one case, not the only one."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g) * torch.logspace(-3, 2, rows).unsqueeze(1)
+    if rows >= 6:
+        x[1, :16] = 0.0
+        x[2, :16] = torch.randn(16, generator=g) * 1e-37
+        if huge:
+            x[3, 16:32] = torch.randn(16, generator=g) * 1e36
+        x[4, ::3] = 0.0
+        x[4, 1] = -0.0
+        if nonfinite:
+            x[5, 3] = float("nan")
+            x[5, 40] = float("-inf")
+    return x
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal as stored bits, NaN matching NaN whatever its payload."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.dtype.is_floating_point:
+        nan = torch.isnan(a)
+        if not torch.equal(nan, torch.isnan(b)):
+            return False
+        a, b = torch.where(nan, 0.0, a), torch.where(nan, 0.0, b)
+        return torch.equal(a.view(torch.int32), b.view(torch.int32))
+    return torch.equal(a, b)
+
+
+def _kernel_scales(x: torch.Tensor, fmt: str, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale codes and tensor scale the way the kernel path chooses them (kernels.choose_scales
+    on CUDA): block statistics kernel, their maximum, the tensor scale, the code kernel."""
+    stat = ops.block_stat(x.to(DEVICE), fmt, block)
+    tscale = _tensor_scale(_global_max(stat), _TWO_LEVEL[fmt][1])
+    return ops.scale_codes(stat, tscale, fmt, block).cpu(), tscale.cpu()
+
+
+@pytest.mark.parametrize(("fmt", "block"), CASES, ids=IDS)
+@pytest.mark.parametrize(("rows", "cols"), [(7, 83), (1, 7)], ids=["7x83", "1x7"])
+def test_scales_and_encode_write_the_reference_bytes(fmt: str, block: int, rows: int, cols: int) -> None:
+    spec = FormatSpec(fmt, block_size=block)
+    x = _gradient(rows, cols, seed=rows * cols + block)
+    ref_scales, ref_tscale = codec.choose_scales(x, spec)
+    scales, tscale = _kernel_scales(x, fmt, block)
+    assert _same_bits(tscale, ref_tscale)
+    assert torch.equal(scales, ref_scales)
+    for t in (x, _gradient(rows, cols, seed=rows + block, nonfinite=False),
+              _gradient(rows, cols, seed=cols + block, huge=False, nonfinite=False)):
+        s, ts = codec.choose_scales(t, spec)
+        ref = codec.encode(t, spec, s, ts)
+        got = ops.encode(t.to(DEVICE), s.to(DEVICE), ts.to(DEVICE), fmt, block).cpu()
+        assert torch.equal(got, ref), f"{fmt}: {(got != ref).sum()} of {ref.numel()} payload bytes differ"
+    if rows > 1:  # the comparison has codes to compare: many distinct bytes, not a constant payload
+        assert torch.unique(ref).numel() > 8
+
+
+@pytest.mark.parametrize(("fmt", "block"), CASES, ids=IDS)
+def test_encode_on_scales_of_another_tensor_matches_the_reference(fmt: str, block: int) -> None:
+    """`encode` takes any agreed scales (another rank's maximum): values far past the grid
+    (saturation), zero units under nonzero values, and NaN/Inf values under finite units, where
+    the reference's comparisons decide every code."""
+    spec = FormatSpec(fmt, block_size=block)
+    scales, tscale = codec.choose_scales(_gradient(7, 83, seed=21, huge=False, nonfinite=False), spec)
+    x = _gradient(7, 83, seed=22, huge=False, nonfinite=False) * 40.0
+    x[0, :5] = torch.tensor([float("nan"), float("inf"), float("-inf"), 0.0, -0.0])
+    x[1, :5] = x[0, :5]
+    scales[1, 0] = 0  # a zero block scale under the values of row 1 (and under NaN, +-inf, +-0)
+    ref = codec.encode(x, spec, scales, tscale)
+    got = ops.encode(x.to(DEVICE), scales.to(DEVICE), tscale.to(DEVICE), fmt, block).cpu()
+    assert torch.equal(got, ref), f"{fmt}: {(got != ref).sum()} of {ref.numel()} payload bytes differ"
+
+
+@pytest.mark.parametrize(("fmt", "block"), CASES, ids=IDS)
+def test_decode_and_sum_over_senders_match_the_reference(fmt: str, block: int) -> None:
+    """Three senders, each with its own payload, block codes and tensor scale (one of them
+    holding a NaN/Inf block: its whole contribution decodes to NaN)."""
+    spec = FormatSpec(fmt, block_size=block)
+    rows, cols = 7, 83
+    payloads, scales, tscales = [], [], []
+    for seed in range(3):
+        x = _gradient(rows, cols, seed=100 + seed, huge=False, nonfinite=seed == 1)
+        s, ts = codec.choose_scales(x, spec)
+        payloads.append(codec.encode(x, spec, s, ts))
+        scales.append(s)
+        tscales.append(ts)
+    p, s, ts = torch.stack(payloads), torch.stack(scales), torch.cat(tscales)
+    ref = codec.decode(p, spec, s, ts.reshape(3, 1, 1), cols)
+    args = (p.to(DEVICE), s.to(DEVICE), ts.to(DEVICE), fmt, block, cols)
+    each = ops.decode(*args, False, False).cpu()
+    assert _same_bits(each, ref)
+    assert torch.isnan(each[1]).all() and not torch.isnan(each[0]).any()
+    assert _same_bits(ops.decode(*args, True, False).cpu(), ref.sum(dim=0))
+    assert _same_bits(ops.decode(*args, True, True).cpu(), ref.sum(dim=0) / 3)
+    finite = ops.decode(p[[0, 2]].to(DEVICE), s[[0, 2]].to(DEVICE), ts[[0, 2]].to(DEVICE), fmt, block, cols,
+                        True, True).cpu()
+    assert _same_bits(finite, ref[[0, 2]].sum(dim=0) / 2) and torch.isfinite(finite).all()
+    assert (finite != 0).float().mean() > 0.3  # real values were compared, not a zero sum
+
+
+def test_scale_codes_round_like_the_float8_conversion() -> None:
+    """The E4M3 code the scale kernel builds from the bits, against torch's float8 conversion
+    (`codec.scales._e4m3_code`): every E4M3 value, the midpoints between neighbours (ties to
+    even), one float either side of each, log-uniform values across and below the subnormal
+    range, values past 448 (saturation), +inf and NaN."""
+    values = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    mids = (values[1:] + values[:-1]) / 2
+    around = torch.cat([torch.nextafter(mids, torch.tensor(0.0)), torch.nextafter(mids, torch.tensor(1e9))])
+    logu = torch.exp2(torch.empty(4000).uniform_(-14, 10, generator=torch.Generator().manual_seed(3)))
+    stat = torch.cat([values, mids, around, logu, torch.tensor([448.0, 460.0, 464.0, 1e6, 3e38, 1e-45,
+                                                                  float("inf"), float("nan")])])
+    stat = stat.reshape(1, -1)
+    one = torch.ones(1)
+    got = ops.scale_codes(stat.to(DEVICE), one.to(DEVICE), "int2", 16).cpu()  # int2: grid level 1
+    assert torch.equal(got, _e4m3_code(stat))
+    # a level-6 format multiplies by fp32(1/6) first; a tensor scale of 2**-4 by its exact inverse
+    t = torch.tensor([2.0**-4])
+    got = ops.scale_codes(stat.to(DEVICE), t.to(DEVICE), "nvfp4", 16).cpu()
+    assert torch.equal(got, _e4m3_code(stat * 16.0 * (1.0 / 6.0)))
+
+
+@pytest.mark.parametrize(("rows", "cols", "rank"), [(70, 200, 8), (1, 129, 32)])
+def test_the_expansion_kernel_computes_the_low_rank_map(rows: int, cols: int, rank: int) -> None:
+    """`lowrank_expand` after the projection matmul is `LowRank.apply_forward`: not bitwise
+    (tl.dot sums the rank-r product in its own order), within fp32 rounding of the map computed
+    in fp64, as close as the reference's own fp32 result; shapes that fill no whole tile."""
+    from gift_compile.geometry.maps import LowRank
+
+    gen = torch.Generator().manual_seed(rows + rank)
+    dinv = torch.rand(cols, generator=gen) + 0.5
+    v = torch.linalg.qr(torch.randn(cols, rank, generator=gen))[0]
+    coef = -0.9 * torch.rand(rank, generator=gen)
+    tensors = (dinv, v, coef, torch.zeros(rank), 1 / dinv)
+    g = torch.randn(rows, cols, generator=gen)
+    exact = LowRank.apply_forward(g.double(), tuple(t.double() for t in tensors))
+    ut = (v * dinv.unsqueeze(1)).t().contiguous()
+    p = g @ ut.t()
+    out = ops.lowrank_expand(g.to(DEVICE), p.to(DEVICE), dinv.to(DEVICE), coef.to(DEVICE), ut.to(DEVICE),
+                             (1 / dinv).to(DEVICE), False).cpu()
+    ref_error = float((LowRank.apply_forward(g, tensors).double() - exact).norm() / exact.norm())
+    error = float((out.double() - exact).norm() / exact.norm())
+    assert error < max(4 * ref_error, 1e-7)
+    assert float((out - g * dinv).norm() / out.norm()) > 0.05  # the low-rank term is really there
+
+
+def test_a_zero_tensor_and_an_empty_one() -> None:
+    spec = FormatSpec("int4", block_size=16)
+    for x in (torch.zeros(3, 20), torch.zeros(0, 20)):
+        s, ts = codec.choose_scales(x, spec)
+        k_s, k_ts = _kernel_scales(x, "int4", 16)
+        assert torch.equal(k_s, s) and _same_bits(k_ts, ts)
+        ref = codec.encode(x, spec, s, ts)
+        assert torch.equal(ops.encode(x.to(DEVICE), s.to(DEVICE), ts.to(DEVICE), "int4", 16).cpu(), ref)
+        dec = ops.decode(ref.unsqueeze(0).to(DEVICE), s.unsqueeze(0).to(DEVICE), ts.to(DEVICE), "int4", 16, 20,
+                         True, False).cpu()
+        assert _same_bits(dec, codec.decode(ref, spec, s, ts, 20))
+
+
+def test_the_dispatch_on_the_cpu_is_the_reference_codec() -> None:
+    """On CPU tensors `gift_compile.kernels` runs the reference codec (Inductor compiles it):
+    the functions give its results, and a traced encode holds no kernel operator."""
+    spec = FormatSpec("nvfp4")
+    x = _gradient(7, 83, seed=5)
+    assert not kernels.codec_path(spec, x.device).kernels
+    s, ts = kernels.choose_scales(x, spec)
+    ref_s, ref_ts = codec.choose_scales(x, spec)
+    assert torch.equal(s, ref_s) and _same_bits(ts, ref_ts)
+    item = ItemPlan(name="w", rows=8, cols=40, format="nvfp4")
+    plan = BucketPlan((item,), 2, None, True, "reduce_scatter")
+    gm = make_fx(lambda g: encode_item(g, ItemTensors(()), Shared(), item, plan))(torch.randn(8, 40))
+    assert not [n for n in gm.graph.nodes if "gift_kernels" in str(n.target)]
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "int3"])
+def test_the_exchange_on_the_kernel_path_sends_and_sums_the_reference_bytes(fmt: str,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The exchange's stages on the kernel path, run in the interpreter: the dispatch is told that
+    CPU tensors take the CUDA choice, so `kernels.choose_scales` / `encode` / `decode` /
+    `decode_sum` compose the operators exactly as on a GPU (statistics, their maximum, codes;
+    2-D and per-sender decodes; the averaged sum). The send blocks, the error-feedback residual,
+    the reduce-scatter's averaged shard, the all-reduce's re-encoded shard and the gathered
+    result must equal, bit for bit, those of the reference codec (the same stages unpatched)."""
+    from gift_compile.codec import residual as residual_store
+    from gift_compile.exchange.item_codec import gather_decode_item, reencode_item
+    from gift_compile.kernels import dispatch
+
+    world, rows, cols = 2, 6, 40
+    item = ItemPlan(name="w", rows=rows, cols=cols, format=fmt, block_size=16, error_feedback=True)
+    rs = BucketPlan((item,), world, None, True, "reduce_scatter")
+    ar = BucketPlan((item,), world, None, True, "all_reduce")
+    g = _gradient(rows, cols, seed=11, huge=False, nonfinite=False)
+
+    def run() -> list[torch.Tensor]:
+        state = ItemTensors((), residual_store.allocate(item.residual_format, rows, cols, "cpu"))
+        residual_store.write(item.residual_format, state.residual, 0.01 * _gradient(rows, cols, seed=12, huge=False,
+                                                                                     nonfinite=False))
+        blocks, bad = encode_item(g, state, Shared(), item, rs)
+        sent = torch.cat(blocks, dim=1)
+        recv = sent  # stands in for a received buffer: two senders' blocks, each its own codes and scales
+        shard, _ = decode_item(recv, 0, state, item, rs)
+        moved, _ = decode_item(recv, 0, state, item, ar, transformed=True)
+        gathered_bytes = torch.cat(reencode_item(moved, state, Shared(), item, ar))
+        full, _ = gather_decode_item(torch.stack([gathered_bytes, gathered_bytes]), 0, state, item, ar)
+        return [sent, bad, residual_store.read(item.residual_format, state.residual, cols), shard, moved,
+                gathered_bytes, full]
+
+    reference = run()
+    original = dispatch.codec_path
+    monkeypatch.setattr(dispatch, "codec_path", lambda spec, device, stochastic_rounding=False: original(
+        spec, torch.device("cuda") if device.type == "cpu" else device, stochastic_rounding))
+    calls: list[str] = []
+    for name in ("block_stat", "scale_codes", "encode", "decode"):
+        op = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, _op=op, _name=name: calls.append(_name) or _op(*a))
+    on_kernels = run()
+    assert sorted(set(calls)) == ["block_stat", "decode", "encode", "scale_codes"]  # the kernel path did run
+    for got, want in zip(on_kernels, reference):
+        assert _same_bits(got, want)
+    assert reference[3].abs().sum() > 0 and reference[2].abs().sum() > 0
+
+
+def _fake_cuda(mode: FakeTensorMode, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A fake tensor on `cuda` (metadata only): traces what CUDA would run, with no GPU."""
+    return FakeTensor(mode, torch.empty(shape, dtype=dtype, device="meta"), torch.device("cuda"))
+
+
+def _kernel_ops(gm: torch.fx.GraphModule) -> list[str]:
+    return [str(n.target) for n in gm.graph.nodes if n.op == "call_function" and "gift_kernels" in str(n.target)]
+
+
+def test_the_exchange_emits_the_kernel_operators_for_cuda_tensors() -> None:
+    """The per-item codec traced as the FX pass traces it (`make_fx` on fake tensors) over
+    CUDA tensors: the sender's scales and encode and the receiver's decode-and-sum are the
+    registered operators."""
+    item = ItemPlan(name="w", rows=8, cols=40, format="nvfp4")
+    plan = BucketPlan((item,), 2, None, True, "reduce_scatter")
+
+    def trace(plan_item: ItemPlan, p: BucketPlan) -> tuple[list[str], list[str]]:
+        mode = FakeTensorMode()
+        with mode:
+            enc = make_fx(lambda g: encode_item(g, ItemTensors(()), Shared(), plan_item, p))(
+                _fake_cuda(mode, (8, 40), torch.float32))
+            dec = make_fx(lambda r: decode_item(r, 0, ItemTensors(()), plan_item, p)[0])(
+                _fake_cuda(mode, (2, item_width(plan_item, p)), torch.uint8))
+        return _kernel_ops(enc), _kernel_ops(dec)
+
+    enc, dec = trace(item, plan)
+    assert enc == ["gift_kernels.block_stat.default", "gift_kernels.scale_codes.default",
+                   "gift_kernels.encode.default"]
+    assert dec == ["gift_kernels.decode.default"]
+    # the reference codec's spelling does not trace on fake CUDA tensors in a CPU-only torch
+    # (it indexes on the device), so the other choices are read off the same decision
+    cuda = torch.device("cuda")
+    assert kernels.codec_path(item.spec, cuda).kernels
+    with kernels.use_kernels(False):
+        assert not kernels.codec_path(item.spec, cuda).kernels
+    assert kernels.codec_path(item.spec, cuda).kernels
+    assert not kernels.codec_path(FormatSpec("fp8_e4m3", "row"), cuda).kernels
+    assert not kernels.codec_path(item.spec, cuda, stochastic_rounding=True).kernels
+
+
+def test_the_cuda_path_is_logged_once_with_its_reason(caplog: pytest.LogCaptureFixture) -> None:
+    cuda = torch.device("cuda")
+    with caplog.at_level(logging.INFO, logger="gift_compile"):
+        assert kernels.note_path(FormatSpec("int3", block_size=32), cuda).kernels
+        path = kernels.note_path(FormatSpec("fp8_e5m2", "row"), cuda)
+        kernels.note_path(FormatSpec("fp8_e5m2", "row"), cuda)
+        sr = kernels.note_path(FormatSpec("int3", block_size=32), cuda, stochastic_rounding=True)
+    assert not path.kernels and "has no explicit kernels" in path.reason
+    assert not sr.kernels and "stochastic rounding" in sr.reason
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert sum("fp8_e5m2" in m for m in warnings) == 1  # once per process, not per call
+    assert any("int3: explicit Triton kernels" in r.getMessage() for r in caplog.records
+               if r.levelno == logging.INFO)
+
+
+def test_compile_keeps_a_kernel_as_one_operator() -> None:
+    """`torch.compile(fullgraph=True)` of a function calling the encoder: Dynamo's graph holds
+    the registered operator as a single node (not the kernel's Triton code, not a graph
+    break), and the compiled function writes the reference bytes."""
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    spec = FormatSpec("int4", block_size=32)
+    x = _gradient(7, 83, seed=9, huge=False, nonfinite=False)
+    s, ts = codec.choose_scales(x, spec)
+
+    def fn(x: torch.Tensor, s: torch.Tensor, ts: torch.Tensor) -> torch.Tensor:
+        return ops.encode(x * 1.0, s, ts, "int4", 32)
+
+    out = torch.compile(fn, backend=backend, fullgraph=True)(x.to(DEVICE), s.to(DEVICE), ts.to(DEVICE))
+    assert torch.equal(out.cpu(), codec.encode(x, spec, s, ts))
+    (gm,) = graphs
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert [n.target for n in calls if "gift_kernels" in str(n.target)] == [torch.ops.gift_kernels.encode.default]
+    assert len(calls) == 2  # the multiply and the operator
+
+
+def test_the_operators_refuse_bad_inputs_by_name() -> None:
+    x = torch.zeros(4, 32)
+    s, ts = torch.zeros(4, 2, dtype=torch.uint8), torch.ones(1)
+    with pytest.raises(ValueError, match="x must be torch.float32"):
+        ops.encode(x.double(), s, ts, "int4", 16)
+    with pytest.raises(ValueError, match=r"scales has shape \(4, 3\), expected \(4, 2\)"):
+        ops.encode(x, torch.zeros(4, 3, dtype=torch.uint8), ts, "int4", 16)
+    with pytest.raises(ValueError, match="unit stride"):
+        ops.block_stat(torch.zeros(32, 4).t(), "int4", 16)
+    with pytest.raises(ValueError, match="'fp8_e4m3' has no explicit codec kernels"):
+        ops.block_stat(x, "fp8_e4m3", 16)
+    with pytest.raises(ValueError, match="payload has 9 bytes per row, but cols=32 needs 16"):
+        ops.decode(torch.zeros(1, 4, 9, dtype=torch.uint8), s.unsqueeze(0), ts, "int4", 16, 32, True, False)
