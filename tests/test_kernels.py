@@ -154,6 +154,26 @@ def test_encode_on_scales_of_another_tensor_matches_the_reference(fmt: str, bloc
 
 
 @pytest.mark.parametrize(("fmt", "block"), CASES, ids=IDS)
+def test_subnormal_units_code_like_the_reference(fmt: str, block: int) -> None:
+    """A gradient near fp32's smallest values: its tensor scale sits at its floor (2**-126), so
+    block units are subnormal and the thresholds (k + 0.5) unit round; the codes still count
+    them as the reference does (and decode to the same values)."""
+    spec = FormatSpec(fmt, block_size=block)
+    g = torch.Generator().manual_seed(31)
+    x = torch.randn(4, 64, generator=g) * torch.tensor([1e-38, 3e-40, 2e-42, 1e-44]).unsqueeze(1)
+    scales, tscale = codec.choose_scales(x, spec)
+    k_scales, k_tscale = _kernel_scales(x, fmt, block)
+    assert torch.equal(k_scales, scales) and _same_bits(k_tscale, tscale)
+    ref = codec.encode(x, spec, scales, tscale)
+    got = ops.encode(x.to(DEVICE), scales.to(DEVICE), tscale.to(DEVICE), fmt, block).cpu()
+    assert torch.equal(got, ref), f"{fmt}: {(got != ref).sum()} of {ref.numel()} payload bytes differ"
+    dec = ops.decode(got.unsqueeze(0).to(DEVICE), scales.unsqueeze(0).to(DEVICE), tscale.to(DEVICE), fmt, block, 64,
+                     False, False).cpu()
+    assert _same_bits(dec[0], codec.decode(ref, spec, scales, tscale, 64))
+    assert (dec != 0).any()
+
+
+@pytest.mark.parametrize(("fmt", "block"), CASES, ids=IDS)
 def test_decode_and_sum_over_senders_match_the_reference(fmt: str, block: int) -> None:
     """Three senders, each with its own payload, block codes and tensor scale (one of them
     holding a NaN/Inf block: its whole contribution decodes to NaN)."""

@@ -127,17 +127,27 @@ def _magnitude(a, unit, KIND: tl.constexpr, IMAX: tl.constexpr):
 
     The integer grids (up to 31 thresholds for int6) take the estimate round(a / unit), which
     an approximate reciprocal puts within one step, and correct it with the two thresholds
-    around it, so two comparisons decide instead of one per level. A zero unit (a block that
-    underflowed) puts every threshold at 0: `a > 0` passes them all, `a == 0` the inclusive ones
-    (odd k), as the reference's comparisons give; a NaN unit or a NaN value passes none."""
+    around it: two comparisons instead of one per level. That is exact where the thresholds
+    (k + 0.5) unit are exact, i.e. for normal units (a few-bit scale times a few-bit
+    threshold); a tile holding a subnormal unit, whose thresholds round (two may coincide,
+    and the reference counts each), compares every threshold as the reference does. A zero
+    unit (a block that underflowed) puts every threshold at 0: `a > 0` passes them all,
+    `a == 0` the inclusive ones (odd k); a NaN unit or a NaN value passes none."""
     mag = tl.zeros(a.shape, tl.int32)
     if KIND == KIND_INT:
-        q = tl.minimum(tl.where(unit > 0, a * (1.0 / unit), 0.0), IMAX * 1.0)
-        est = (q + 0.5).to(tl.int32)
-        est = tl.where(_passes(a, unit, est, IMAX), est + 1, est)
-        est = tl.where((est > 0) & ~_passes(a, unit, est - 1, IMAX), est - 1, est)
-        zero_unit = tl.where(a > 0, IMAX, tl.where(a == 0, IMAX // 2, 0))
-        mag = tl.where(unit == 0, zero_unit, tl.where((unit > 0) & (a == a), est, 0))
+        if tl.max(((unit > 0) & (unit < 1.1754943508222875e-38)).to(tl.int32)) > 0:
+            for k in tl.static_range(IMAX):
+                if k % 2 == 1:
+                    mag += (a >= unit * (k + 0.5)).to(tl.int32)
+                else:
+                    mag += (a > unit * (k + 0.5)).to(tl.int32)
+        else:
+            q = tl.minimum(tl.where(unit > 0, a * (1.0 / unit), 0.0), IMAX * 1.0)
+            est = (q + 0.5).to(tl.int32)
+            est = tl.where(_passes(a, unit, est, IMAX), est + 1, est)
+            est = tl.where((est > 0) & ~_passes(a, unit, est - 1, IMAX), est - 1, est)
+            zero_unit = tl.where(a > 0, IMAX, tl.where(a == 0, IMAX // 2, 0))
+            mag = tl.where(unit == 0, zero_unit, tl.where((unit > 0) & (a == a), est, 0))
     elif KIND == KIND_NVFP4:
         mag += (a > unit * 0.25).to(tl.int32)
         mag += (a >= unit * 0.75).to(tl.int32)
