@@ -14,13 +14,15 @@ Two ways to run one bucket's codec compiled, both measured from Inductor's gener
   codec's kernels (except the CPU's uint8 `cat`, which it copies too: `bench.codec_minimum`).
 
 `python -m bench.codec_per_item` prints one line per (bucket, op); the buckets are a single
-managed item and a mixed one (a low-rank item, two identity items, a passthrough item).
+managed item and a mixed one (a low-rank item, two identity items, a passthrough item). Then
+`gated`: what carrying the selection as data in traced graphs costs one item's bucket graph.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -83,6 +85,32 @@ def measure(layout: str, fmt: str, op: str, world: int) -> dict[str, float]:
             "per_item_glue": glue / n}
 
 
+def gated(fmt: str, op: str, world: int, rank: int = 8) -> dict[str, float]:
+    """What the selection as data costs a traced graph (issue 31), bytes per element of one
+    `[256, 512]` item's bucket graph (`bucket_core`, as the FX pass splices it): a deselected
+    layer's graph before (`identity`: no map) and now (`gated_off`: the low-rank map gated off,
+    which runs as the identity), a selected one's before (`lowrank`) and now (`gated_on`)."""
+    t = Transform("lowrank", 512, rank, seed=0)
+    base = ItemPlan(name="low", rows=256, cols=512, format=fmt)
+    variants = {
+        "identity": (base, ()),
+        "gated_off": (replace(base, kind="lowrank", n_tensors=len(t.tensors) + 1, gated=True),
+                      (*t.tensors, torch.zeros((), dtype=torch.bool))),
+        "lowrank": (replace(base, kind="lowrank", n_tensors=len(t.tensors)), t.tensors),
+        "gated_on": (replace(base, kind="lowrank", n_tensors=len(t.tensors) + 1, gated=True),
+                     (*t.tensors, torch.ones((), dtype=torch.bool))),
+    }
+    out = {}
+    with fake_group(world) as group:
+        for name, (item, tensors) in variants.items():
+            plan = BucketPlan((item,), world, group, True, op)
+            state = [ItemTensors(tensors, seed_offset=torch.tensor(1))]
+            x = torch.zeros(item.rows, item.cols)
+            kernels = generated_traffic(lambda g: bucket_core([g], state, Shared(), plan)[0], x)[0]
+            out[name] = traffic_summary(kernels, x.numel())["bytes_per_element"]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.codec_per_item", description=__doc__.splitlines()[0])
     p.add_argument("--format", default="nvfp4")
@@ -94,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{layout:6s} {op:14s} {a.format}: bucket graph {r['bucket']:.2f} B/el, per item "
                   f"{r['per_item']:.2f} B/el (bodies {r['per_item_bodies']:.2f} + glue {r['per_item_glue']:.2f})",
                   flush=True)
+    for op in ("reduce_scatter", "all_reduce"):
+        g = gated(a.format, op, a.world)
+        print(f"gated  {op:14s} {a.format}: deselected layer's graph {g['identity']:.2f} -> {g['gated_off']:.2f} B/el, "
+              f"selected {g['lowrank']:.2f} -> {g['gated_on']:.2f} B/el (selection as data)", flush=True)
     return 0
 
 

@@ -136,8 +136,9 @@ class LayerState:
         """Inputs of the `gift::mark` op (`gift_compile.exchange.mark.pack_mark_tensors`: the
         one definition of their order), for `plan` (eager) or, `traced`, for `traced_plan` (the
         whole map and `path_gate`), with the graph replica hop's when the plan has one."""
-        if traced and self.traced_plan.gated:
-            item = self.tensors()._replace(transform=(*self.transform.tensors, self.path_gate))
+        if traced and self.traced_plan.gated:  # `selected` is not read here: it would be a guard
+            item = ItemTensors((*self.transform.tensors, self.path_gate), self.residual, self.probe, self.seed_offset,
+                               self.second_hop_residual)
             return pack_mark_tensors(self.traced_plan, item, shared, self.replica)
         return pack_mark_tensors(self.plan, self.tensors(), shared, self.replica)
 
