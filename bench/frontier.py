@@ -61,8 +61,9 @@ RANKS_ARMS = ("euclid-int2", "gift-int2", "gift-int2-dflt")
 RANKS_COMMAND = "bash bench/frontier_ranks_runs.sh && python -m bench.frontier"
 
 
-def load(files: tuple[Path, ...] = RUN_FILES) -> list[dict]:
-    """The runs of the frontier's design (`STUDY`) from `files`, the last record of a key winning."""
+def load(files: tuple[Path, ...] = RUN_FILES, designs: tuple[tuple[str, int, int], ...] = (STUDY,)) -> list[dict]:
+    """The runs of the given (path, ranks, steps) designs (the frontier's, `STUDY`) from `files`,
+    the last record of a key winning."""
     runs: dict[tuple, dict] = {}
     for f in files:
         if not f.exists():
@@ -71,7 +72,7 @@ def load(files: tuple[Path, ...] = RUN_FILES) -> list[dict]:
             if line.strip():
                 r = json.loads(line)
                 key = run_key(r)
-                if key[:3] == STUDY:
+                if key[:3] in designs:
                     runs[key] = r
     return list(runs.values())
 
@@ -148,17 +149,12 @@ def ranks(files: tuple[Path, ...] = RANKS_FILES, optimizer: str = "muon") -> dic
     over the arms compared (family-wise 5%). Arms without runs at both rank counts are left out."""
     by: dict[tuple[int, str], dict[int, float]] = defaultdict(dict)
     selected: dict[tuple[int, str], list[float]] = defaultdict(list)
-    for f in files:
-        if not f.exists():
-            continue
-        for line in f.read_text().splitlines():
-            if line.strip():
-                r = json.loads(line)
-                path, world, steps = run_key(r)[:3]
-                if (path, steps) == (STUDY[0], STUDY[2]) and world in (2, 4) and r["optimizer"] == optimizer:
-                    by[(world, r["arm"])][r["seed"]] = _final(r)
-                    if "selected_layers" in r:
-                        selected[(world, r["arm"])].append(r["selected_layers"])
+    for r in load(files, tuple((STUDY[0], world, STUDY[2]) for world in (2, 4))):
+        if r["optimizer"] == optimizer:
+            world = run_key(r)[1]
+            by[(world, r["arm"])][r["seed"]] = _final(r)
+            if "selected_layers" in r:
+                selected[(world, r["arm"])].append(r["selected_layers"])
     rows = []
     for arm in RANKS_ARMS:
         seeds = sorted(set.intersection(*(set(by[(w, a)]) for w in (2, 4) for a in (arm, "fp32"))))
