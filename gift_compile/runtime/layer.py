@@ -121,10 +121,12 @@ class LayerState:
     def active_tensors(self) -> tuple[torch.Tensor, ...]:
         return self.transform.tensors if self.selected else ()
 
-    def tensors(self) -> ItemTensors:
-        """Runtime tensors for `gift_compile.exchange.collectives`."""
-        return ItemTensors(self.active_tensors(), self.residual, self.probe, self.seed_offset,
-                           self.second_hop_residual)
+    def tensors(self, transform: tuple[torch.Tensor, ...] | None = None) -> ItemTensors:
+        """Runtime tensors for `gift_compile.exchange.collectives`, with the active path's map
+        tensors unless `transform` is given (a traced mark's gated map: then `selected` is not
+        read, which in a trace would be a guard)."""
+        return ItemTensors(self.active_tensors() if transform is None else transform, self.residual, self.probe,
+                           self.seed_offset, self.second_hop_residual)
 
     def residual_buffers(self) -> dict[str, tuple[torch.Tensor, ...]]:
         """The error-feedback residuals this layer keeps, by state-dict prefix (first hop:
@@ -136,9 +138,8 @@ class LayerState:
         """Inputs of the `gift::mark` op (`gift_compile.exchange.mark.pack_mark_tensors`: the
         one definition of their order), for `plan` (eager) or, `traced`, for `traced_plan` (the
         whole map and `path_gate`), with the graph replica hop's when the plan has one."""
-        if traced and self.traced_plan.gated:  # `selected` is not read here: it would be a guard
-            item = ItemTensors((*self.transform.tensors, self.path_gate), self.residual, self.probe, self.seed_offset,
-                               self.second_hop_residual)
+        if traced and self.traced_plan.gated:
+            item = self.tensors((*self.transform.tensors, self.path_gate))
             return pack_mark_tensors(self.traced_plan, item, shared, self.replica)
         return pack_mark_tensors(self.plan, self.tensors(), shared, self.replica)
 
