@@ -53,7 +53,6 @@ import datetime
 import json
 import math
 import re
-import statistics
 import sys
 import tempfile
 import time
@@ -66,7 +65,8 @@ from torch._inductor.utils import run_and_get_code
 
 from bench import kernel_traffic
 from bench.codec_minimum import minimum_bytes
-from bench.formatting import table
+from bench.gpu_report import render
+from bench.gpu_timing import Budget, fp8_types, kernel_times, median_time, triton_kernel_bytes
 from bench.overhead import PATHS, _synthetic_factor, codec_body, generated_traffic, traffic_summary
 from gift_compile import kernels
 from gift_compile.geometry import Transform
@@ -99,44 +99,6 @@ def torch_below(version: str) -> bool:
     return have < tuple(int(x) for x in version.split("."))
 
 
-class Budget:
-    """Wall-clock budget of the whole check: sections skip work that would overrun it."""
-
-    def __init__(self, seconds: float) -> None:
-        self.end = time.perf_counter() + seconds
-
-    def left(self) -> float:
-        return self.end - time.perf_counter()
-
-
-def _timer(device: torch.device) -> Callable[[Callable[[], object], int], float]:
-    """Seconds per call of `fn` over `n` calls: CUDA events on a GPU, the host clock on a CPU."""
-    def cuda(fn: Callable[[], object], n: int) -> float:
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(n):
-            fn()
-        stop.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(stop) / 1e3 / n
-
-    def host(fn: Callable[[], object], n: int) -> float:
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        return (time.perf_counter() - t0) / n
-
-    return cuda if device.type == "cuda" else host
-
-
-def _median_time(fn: Callable[[], object], device: torch.device, repeats: int = 7, target_s: float = 0.05) -> float:
-    """Median seconds per call over `repeats` samples of ~`target_s` each, after a warm-up."""
-    timer = _timer(device)
-    one = max(timer(fn, 3), 1e-7)
-    n = max(1, min(2000, int(target_s / one)))
-    return statistics.median(timer(fn, n) for _ in range(repeats))
-
-
 def device_section(device: torch.device, dry_run: bool) -> dict[str, object]:
     """Device facts and the measured copy bandwidth (the practical ceiling of a memory-bound kernel)."""
     info: dict[str, object] = {"torch": torch.__version__, "device": str(device)}
@@ -156,53 +118,9 @@ def device_section(device: torch.device, dry_run: bool) -> dict[str, object]:
     n = (1 << 28) if device.type == "cuda" else (1 << 22)  # 1 GiB of fp32 on a GPU (>> L2), 16 MiB on a CPU
     src = torch.randn(n, device=device)
     dst = torch.empty_like(src)
-    t = _median_time(lambda: dst.copy_(src), device)
+    t = median_time(lambda: dst.copy_(src), device)
     info["copy_bytes_per_s"] = 2 * n * 4 / t
     return info
-
-
-def _fp8_types(codes: list[str]) -> list[str]:
-    """float8 types named in generated source: Triton's `tl.float8*`, C++'s `at::Float8_*`."""
-    return sorted({m for c in codes for m in re.findall(r"tl\.float8\w+|at::Float8_\w+", c)})
-
-
-def triton_kernel_bytes(codes: list[str]) -> dict[str, float]:
-    """Bytes each generated Triton kernel moves, by kernel name, from the `kernel_num_gb`
-    Inductor writes into a kernel's metadata when compiled with `benchmark_kernel` (its own
-    count of the buffers the kernel reads and writes). C++ kernels carry no such figure."""
-    out = {}
-    for code in codes:
-        for m in re.finditer(r"'kernel_name': '(triton_\w+)'[^\n]*?'kernel_num_gb': ([0-9.e+-]+)", code):
-            out[m.group(1)] = float(m.group(2)) * 1e9
-    return out
-
-
-def kernel_times(fn: Callable[[], object], device: torch.device, calls: int = 10) -> dict[str, float]:
-    """Seconds per call of each generated kernel (Triton kernels on a GPU, Inductor's C++
-    kernels on a CPU, which it labels for the profiler under `cpp.enable_kernel_profile`) and
-    of extern kernels, from the profiler's device (GPU) or host (CPU) times over `calls` calls."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
-    with torch.no_grad():
-        fn()
-        with profile(activities=activities) as prof:
-            for _ in range(calls):
-                fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-    times: dict[str, float] = {}
-    for ev in prof.key_averages():
-        name = ev.key
-        if device.type == "cuda":
-            total = ev.device_time_total
-        elif "cpp_fused" in name or name.startswith("aten::mm"):  # C++ kernels: `graph_<n>_cpp_fused_...`
-            total = ev.cpu_time_total
-        else:
-            continue
-        if total > 0:
-            times[name] = total / 1e6 / calls
-    return times
 
 
 def impls(path: str, device: torch.device) -> tuple[str, ...]:
@@ -283,7 +201,7 @@ def map_section(device: torch.device, shapes: tuple[tuple[str, int, int], ...], 
             fn = _map_forward(impl, tensors)
             with torch.no_grad():
                 out = fn(g)
-                seconds = _median_time(lambda: fn(g), device)
+                seconds = median_time(lambda: fn(g), device)
             row.update(status="ok", time_us=seconds * 1e6, floor_us=floor_us, vs_floor=seconds * 1e6 / floor_us,
                        rel_error=float((out.double() - exact).norm() / exact.norm()))
     return rows
@@ -312,7 +230,7 @@ def codec_section(device: torch.device, shapes: tuple[tuple[str, int, int], ...]
                         (traffic, compiled), codes = run_and_get_code(generated_traffic, body, g)
                     row["compile_s"] = time.perf_counter() - t0
                     with torch.no_grad():
-                        seconds = _median_time(lambda: compiled(g), device)
+                        seconds = median_time(lambda: compiled(g), device)
                     summary = traffic_summary(traffic, r * c)
                     moved = float(summary["bytes_per_element"]) * r * c
                     minimum = minimum_bytes("all_reduce", fmt, "row", kind, r, c, rank, 1)["total"]
@@ -324,7 +242,7 @@ def codec_section(device: torch.device, shapes: tuple[tuple[str, int, int], ...]
                                of_copy=moved / seconds / copy_bw,
                                of_datasheet=(moved / seconds / peak) if peak else None,
                                minimum_bytes_per_element=minimum, minimum_us=minimum * r * c / copy_bw * 1e6,
-                               fp8_types=_fp8_types(codes),
+                               fp8_types=fp8_types(codes),
                                triton_kernels=sum(len(re.findall(r"def (triton_\w+)\(", code)) for code in codes))
                     row["vs_minimum_time"] = row["time_us"] / row["minimum_us"]
                     row["per_kernel"] = [
@@ -422,116 +340,6 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         attempt("torchtitan", lambda: torchtitan_section(args.steps, max(60.0, budget.left() - 10)), 90)
     results["seconds"] = args.budget_s - budget.left()
     return results
-
-
-def render(results: dict[str, object]) -> str:
-    """GPU.md from the results."""
-    sec = results["sections"]
-    dry = results["dry_run"]
-    lines = ["# GPU check" + (" (DRY RUN on the CPU: small shapes, CPU kernels; not a GPU measurement)" if dry else ""),
-             "", f"`{results['command']}`, started {results['started']}, {results['seconds']:.0f} s. "
-             f"Low-rank rank {results['rank']}. Sections: "
-             + ", ".join(f"{k} **{v['status']}**" for k, v in sec.items()) + ".", ""]
-    dev = sec.get("device", {}).get("result")
-    if dev:
-        rows = [[k, v] for k, v in dev.items()]
-        lines += ["## Device", "", table(["what", "value"], rows, 3), "",
-                  f"Measured copy bandwidth {dev['copy_bytes_per_s'] / 1e12:.3f} TB/s (bytes read + written per "
-                  "second of a large device-to-device copy: the practical ceiling of a memory-bound kernel).", ""]
-    codec = sec.get("codec", {}).get("result")
-    copy_bw = dev["copy_bytes_per_s"] if dev else math.nan  # the per-kernel table's "of copy BW"
-    traffic = sec.get("kernel_traffic", {}).get("result")
-    if traffic:
-        rows = [[r["shape"], r["format"], r["op"], r["world"], r["kernel_bytes_per_element"],
-                 r["floor_bytes_per_element"], r["kernel_over_floor"]] for r in traffic]
-        lines += ["## Kernel traffic", "",
-                  "Bytes per gradient element the explicit codec kernels move in the Euclidean collective bodies "
-                  "(`bench.kernel_traffic`: the per-item stages traced on fake CUDA tensors, each kernel's bytes from "
-                  "its own arguments, so they do not depend on the torch release), against the body's floor "
-                  "(`bench.codec_minimum.minimum_bytes`). Not counted: the block statistics' maximum and the "
-                  "send/receive buffer glue, which Inductor generates.", "",
-                  table(["gradient", "format", "op", "ranks", "kernels B/el", "floor B/el", "kernels / floor"], rows,
-                        3), ""]
-    lowrank = sec.get("map", {}).get("result")
-    if lowrank:
-        rows = [[r["shape"], r["impl"], r["status"], r.get("time_us", ""), r.get("floor_us", ""),
-                 r.get("vs_floor", ""), r.get("rel_error", "")] for r in lowrank]
-        lines += ["## The low-rank map alone", "",
-                  "`LowRank.apply_forward` compiled by Inductor, against the projection matmul plus the explicit "
-                  "expansion kernel (`gift_compile.kernels.ops.lowrank_expand`, tl.dot with fp32 accumulation; fp32 or "
-                  "TF32 operands). Floor: read G and write its image once (8 B/el) at the measured copy bandwidth. "
-                  "Error: relative L2 against the map in fp64.", "",
-                  table(["gradient", "impl", "status", "µs", "floor µs", "time / floor", "rel. error"], rows, 3), ""]
-    if codec:
-        rows = []
-        for r in codec:
-            if r.get("status") != "ok":
-                rows.append([r["shape"], r["path"], r["impl"], r.get("status"), "", "", "", "", "", ""])
-                continue
-            rows.append([r["shape"], r["path"], r["impl"], "ok", r["bytes_per_element"], r["time_us"],
-                         r["achieved_bytes_per_s"] / 1e9, r["of_copy"],
-                         "" if r["of_datasheet"] is None else r["of_datasheet"], ", ".join(r["fp8_types"])])
-        lines += ["## Codec kernels", "",
-                  "Compiled one-rank all-reduce body (`bench.overhead.codec_body`), with the explicit kernels "
-                  "(`gift_compile.kernels`, CUDA and their formats only) or as Inductor-generated code; bytes from "
-                  "the compiled graph (`bench.overhead.generated_traffic`), median time per call (whole codec, launch "
-                  "gaps included), achieved = bytes / time.", "",
-                  table(["gradient", "path", "impl", "status", "bytes/el", "µs", "GB/s", "of copy BW", "of datasheet",
-                         "float8 types in source"], rows, 3), ""]
-        rows = [[r["shape"], r["path"], r["impl"], r["minimum_bytes_per_element"], r["bytes_per_element"],
-                 r["bytes_per_element"] / r["minimum_bytes_per_element"], r["minimum_us"], r["time_us"],
-                 r["vs_minimum_time"]] for r in codec if r.get("status") == "ok"]
-        lines += ["Against the minimum (`bench.codec_minimum.minimum_bytes`, one-rank all-reduce): the bytes the body "
-                  "needs, and the time they take at the measured copy bandwidth.", "",
-                  table(["gradient", "path", "impl", "minimum B/el", "generated B/el", "generated / min", "minimum µs",
-                         "codec µs", "time / minimum"], rows, 3), ""]
-        rows = [[r["shape"], r["path"], r["impl"], k["kernel"], k["us"], "" if k["bytes"] is None else k["bytes"] / 1e6,
-                 "" if k["achieved_bytes_per_s"] is None else k["achieved_bytes_per_s"] / 1e9,
-                 "" if k["achieved_bytes_per_s"] is None else k["achieved_bytes_per_s"] / copy_bw]
-                for r in codec if r.get("status") == "ok" for k in r["per_kernel"]]
-        lines += ["Per kernel (profiler time per call; bytes from Inductor's `kernel_num_gb` in the Triton source, "
-                  "and for the explicit kernels from their arguments (`gift_compile.kernels.traffic`); absent for C++ "
-                  "and extern kernels):", "",
-                  table(["gradient", "path", "impl", "kernel", "µs", "MB", "GB/s", "of copy BW"], rows, 3), ""]
-        ratios = []
-        for r in codec:
-            base = {"gift-fp8": "euclid-fp8", "gift-nvfp4": "euclid-nvfp4"}.get(r["path"])
-            b = next((x for x in codec if x["shape"] == r["shape"] and x["path"] == base and x["impl"] == r["impl"]),
-                     None)
-            if base and b and r.get("status") == b.get("status") == "ok":
-                ratios.append([r["shape"], r["path"], r["impl"], r["bytes_per_element"] / b["bytes_per_element"],
-                               r["time_us"] / b["time_us"]])
-        if ratios:
-            lines += ["GIFT over Euclidean (same format, same impl):", "",
-                      table(["gradient", "path", "impl", "bytes ratio", "time ratio"], ratios, 3), ""]
-        ratios = []
-        for r in codec:
-            b = next((x for x in codec if x["shape"] == r["shape"] and x["path"] == r["path"]
-                      and x["impl"] == "inductor"), None)
-            if r["impl"] == "kernels" and b and r.get("status") == b.get("status") == "ok":
-                ratios.append([r["shape"], r["path"], r["time_us"], b["time_us"], r["time_us"] / b["time_us"]])
-        if ratios:
-            lines += ["Explicit kernels over Inductor-generated code (same body):", "",
-                      table(["gradient", "path", "kernels µs", "inductor µs", "time ratio"], ratios, 3), ""]
-    parity = sec.get("parity", {}).get("result")
-    if parity:
-        rows = [[r["shape"], r["path"], r["impl"], r["elements"], r["differ"], r["max_rel_diff"]] for r in parity]
-        lines += ["## Parity with the CPU", "", "Compiled codec on this device vs the eager codec on the CPU "
-                  "(same input and transform tensors): output elements that differ.", "",
-                  table(["gradient", "path", "impl", "elements", "differ", "relative L2 of the difference"], rows, 3),
-                  ""]
-    tt = sec.get("torchtitan", {}).get("result")
-    if tt:
-        lines += ["## torchtitan", "", f"`{tt['command']}`: return code {tt['returncode']}, {tt['wall_s']:.0f} s; "
-                  f"losses {tt['losses']}; GIFT metrics {tt['gift_metrics']}. One rank: no gradient collective, so "
-                  "the managed gradients passed GIFT's marks at full precision (`unrewritten=warn`).", ""]
-    failed = {k: v for k, v in sec.items() if v["status"] != "ok"}
-    if failed:
-        lines += ["## Not ok", ""]
-        for k, v in failed.items():
-            lines += [f"- {k}: {v['status']}" + (f": {v['error']}" if "error" in v else "")]
-        lines += [""]
-    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,12 +35,10 @@ A marked gradient that cannot be rewritten raises (or, where its plan says
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import logging
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +54,7 @@ from gift_compile.exchange.plan import BucketPlan, ItemPlan, replica_hop_plan
 logger = logging.getLogger("gift_compile")
 
 _c10d = torch.ops._c10d_functional
+from gift_compile.passes.inductor_internals import splice
 from gift_compile.passes.matching import (
     _META_KEYS, BucketMatch, GiftRewriteError, _group_size, _is_mark, _why_not, count_ops, find_gradient_collectives,
     launches_by_group,
@@ -126,37 +125,6 @@ class RewriteReport:
         return sum(n for k, n in ops.items() if "_c10d_functional" in k and "wait_tensor" not in k)
 
 
-def _fake_mode(vals: list[Any]) -> contextlib.AbstractContextManager:
-    from torch._guards import detect_fake_mode
-    from torch._inductor.virtualized import V
-
-    mode = detect_fake_mode(vals)
-    if mode is None and not isinstance(V.fake_mode, torch._inductor.virtualized.NullHandler):
-        mode = V.fake_mode
-    return mode if mode is not None else contextlib.nullcontext()
-
-
-def _splice(graph: fx.Graph, fn: Callable, args: list[fx.Node], before: fx.Node, meta: dict[str, Any]) -> fx.Node:
-    """Trace `fn(*args' values)` and copy its nodes into `graph` before `before`; returns the
-    node of its (single tensor) output."""
-    from torch._inductor.pattern_matcher import fwd_only
-
-    vals = [a.meta["val"] for a in args]
-    with _fake_mode(vals):
-        sub = fwd_only(fn, vals, run_functional_passes=False)
-    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
-    env = dict(zip(placeholders, args))
-    with graph.inserting_before(before):
-        for node in sub.graph.nodes:
-            if node.op in ("placeholder", "output"):
-                continue
-            new = graph.node_copy(node, lambda a: env[a])
-            new.meta.update(copy.deepcopy(meta))
-            env[node] = new
-    (out,) = torch.utils._pytree.tree_leaves(sub.graph.output_node().args[0])
-    return env[out]
-
-
 def rewrite_bucket(graph: fx.Graph, match: BucketMatch) -> RewriteRecord:
     """Replace one matched collective (+ its wait, and its bucket op) by GIFT's collective."""
     items: list[ItemPlan] = []
@@ -213,12 +181,12 @@ def rewrite_bucket(graph: fx.Graph, match: BucketMatch) -> RewriteRecord:
         ar_wait.replace_all_uses_with(ar.args[0])
         graph.erase_node(ar_wait)
         graph.erase_node(ar)
-    launched = _splice(graph, launch_fn, [*match.inputs, *state_nodes, *shared_nodes], match.collective, meta)
+    launched = splice(graph, launch_fn, [*match.inputs, *state_nodes, *shared_nodes], match.collective, meta)
     with graph.inserting_before(match.wait):
         recv = graph.call_function(_c10d.wait_tensor.default, (launched,))
         recv.meta.update(copy.deepcopy(meta))
         recv.meta["val"] = launched.meta["val"]
-    result = _splice(graph, finish_fn, [recv, *state_nodes, *shared_nodes], match.wait, meta)
+    result = splice(graph, finish_fn, [recv, *state_nodes, *shared_nodes], match.wait, meta)
     replica_plan = None
     if match.replica_reductions:
         replica_plan = _replica_plan(match, items)
@@ -280,7 +248,7 @@ def _splice_replica_hop(graph: fx.Graph, match: BucketMatch, plan: BucketPlan, i
         outs, _ = bucket_core(xs, per_item, shared, plan)
         return torch.cat([o.reshape(-1) for o in outs]).to(out_val.dtype).reshape(out_val.shape)
 
-    return _splice(graph, hop_fn, [shard, *state_nodes, *replica_nodes], match.wait, meta)
+    return splice(graph, hop_fn, [shard, *state_nodes, *replica_nodes], match.wait, meta)
 
 
 def _fallback(report: RewriteReport, plans: list[ItemPlan], reason: str) -> None:

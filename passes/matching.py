@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from gift_compile.exchange.plan import ItemPlan, dtype_name
+from gift_compile.passes.inductor_internals import pre_bucket_reduce_scatter_op
 from gift_compile.sync import process_group
 
 _c10d = torch.ops._c10d_functional
@@ -33,13 +34,6 @@ _PASSTHROUGH = {
     torch.ops.prims.convert_element_type.default,
 }
 _META_KEYS = ("autograd_backward", "stack_trace", "nn_module_stack", "seq_nr", "fwd_nn_module_stack", "custom")
-
-
-def _pre_bucket_op() -> Any:
-    """`bucketing::_pre_bucket_reduce_scatter` (registered when Inductor's bucketing loads)."""
-    import torch._inductor.fx_passes.bucketing  # noqa: F401  (registers the op)
-
-    return torch.ops.bucketing._pre_bucket_reduce_scatter.default
 
 
 class GiftRewriteError(RuntimeError):
@@ -161,7 +155,7 @@ def find_gradient_collectives(graph: fx.Graph) -> list[BucketMatch]:
     """Every all_reduce / reduce_scatter_tensor that carries at least one marked gradient; a
     reduce-scatter whose entries are replica all-reduces of marked gradients is one HSDP match
     (the all-reduces are part of it, not matches of their own)."""
-    pre_bucket = _pre_bucket_op()
+    pre_bucket = pre_bucket_reduce_scatter_op()
     matches = []
     paired: set[fx.Node] = set()
     for n in graph.nodes:

@@ -124,6 +124,24 @@ def test_fsdp2_internals_are_read_only_on_a_tested_torch():
         check_torch("2.15.0")
 
 
+
+# Inductor/dynamo modules that are not an extension point: only the fence may read them.
+_PRIVATE_INDUCTOR = ("torch._inductor.pattern_matcher", "torch._inductor.virtualized", "torch._inductor.fx_passes",
+                     "torch._guards")
+
+
+def test_inductor_internals_are_read_only_behind_the_fence():
+    """The splice's private Inductor helpers are imported in `passes/inductor_internals.py` and
+    nowhere else in the package, and are used only on a tested torch."""
+    from gift_compile.passes.inductor_internals import check_torch
+
+    readers = sorted(str(p.relative_to(ROOT)) for folder in ("gift_compile", "passes") for p in (ROOT / folder).rglob("*.py")
+                     if any(name in p.read_text() for name in _PRIVATE_INDUCTOR))
+    assert readers == ["passes/inductor_internals.py"], readers
+    check_torch()
+    with pytest.raises(RuntimeError, match="graph pass splices .* tested on torch 2.13, 2.14; this is torch 2.11.0"):
+        check_torch("2.11.0")
+
 @pytest.mark.parametrize("error_feedback,second_hop,residual_format,replica",
                          [(False, False, "fp32", False), (True, False, "fp8_e4m3", False), (True, True, "int4", True)])
 def test_the_marks_tensor_order_has_one_definition(error_feedback, second_hop, residual_format, replica):

@@ -5,7 +5,7 @@ kernel of `gift_compile.kernels.triton_codec` through `wrap_triton`. That regist
 keeps a kernel a kernel under compilation: Dynamo records the operator as one node, AOTAutograd
 decomposes it into Triton's kernel-call higher-order op (so Inductor schedules the user kernel
 as written, with no fusion decision of its own that a release could undo), and `make_fx` (the
-FX pass's splice, `passes.gift_pass._splice`) records the operator node itself, which Inductor
+FX pass's splice, `passes.inductor_internals.splice`) records the operator node itself, which Inductor
 then calls. The bytes a kernel moves are therefore those of its loads and stores
 (`gift_compile.kernels.traffic` counts them from the same shapes).
 
