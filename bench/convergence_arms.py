@@ -25,6 +25,8 @@ FORMATS: dict[str, dict[str, object]] = {
     "nvfp4": {"format": "nvfp4"},
     "int4": {"format": "int4", "block_size": 32},
     "int3": {"format": "int3", "block_size": 32},
+    # 2-bit codes with a scale per 16 elements (2.5 bits): finer scales instead of a wider code
+    "int2b16": {"format": "int2", "block_size": 16},
     "int2": {"format": "int2", "block_size": 32},
     "ternary": {"format": "ternary", "block_size": 32},
 }

@@ -7,7 +7,8 @@
 # optimizer=); Euclidean arms are geometry="none". Pairs are run in order of importance (the
 # 2-bit region first: int2 with GIFT's defaults is the goal's point), each pair to n=5 before the
 # next starts; GIFT + EF with a leaky residual (beta 0.9, `-b9`) right after it, the technique most
-# likely to move the 2-bit point. Then:
+# likely to move the 2-bit point. Last, 2-bit codes with a scale per 16 elements (`int2b16`, 2.5
+# bits: the goal's bit budget spent on finer scales rather than a wider code). Then:
 #   python -m bench.frontier && python -m bench.readme
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +24,8 @@ for arms in \
   "euclid-ternary-ef,gift-ternary-ef-dflt" \
   "euclid-int6,gift-int6-dflt" \
   "gift-nvfp4-ef-dflt,gift-int4-dflt" \
-  "euclid-int4,euclid-fp8" ; do
+  "euclid-int4,euclid-fp8" \
+  "gift-int2b16-ef-b9-dflt,euclid-int2b16-ef" \
+  "gift-int2b16-dflt,euclid-int2b16" ; do
   $PY -m bench.convergence --profile full --path reduce-scatter --seeds 0,1,2,3,4 --arms "muon=$arms" --jsonl "$OUT"
 done

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from bench.fidelity_sweep import ORACLES
-from bench import pages, report
+from bench import pages, pages_selection, report
 from bench.formatting import paired_ci, share_closed, signed_pct
 from bench.report_cost import CODEC_PAIR
 from gift_compile.geometry.table import IDENTITY_KIND
@@ -369,7 +369,7 @@ BLOCKS: dict[str, Callable[[dict], str]] = {
     "hsdp_model": pages.hsdp_model, "soak": pages.soak, "headline": headline, "formats": pages.formats,
     "plan_check": pages.plan_check, "demo": pages.demo, "demo_summary": pages.demo_summary, "skips": pages.skips,
     "defaults": defaults, "faults": pages.faults, "frontier": pages.frontier,
-    "frontier_headline": pages.frontier_headline,
+    "frontier_headline": pages.frontier_headline, "selection_churn": pages_selection.selection_churn,
     **{name: pages.torchtitan_run(name) for name in pages.torchtitan_runs()},
 }
 # Which page holds each block (relative to the repository root); every block is on exactly one
@@ -377,7 +377,7 @@ BLOCKS: dict[str, Callable[[dict], str]] = {
 PAGES: dict[str, tuple[str, ...]] = {
     "README.md": ("headline", "frontier_headline", "demo_summary"),
     "docs/benchmarks.md": ("fidelity", "wire", "codec", "step_model", "hsdp_model", "memory", "second_hop",
-                           "convergence", "defaults", "adamw_sweep", "closing", "frontier"),
+                           "convergence", "defaults", "adamw_sweep", "closing", "frontier", "selection_churn"),
     "docs/reliability.md": ("faults", "plan_check", "soak", "skips"),
     "docs/design.md": ("formats",),
     "docs/torchtitan.md": ("demo", *pages.torchtitan_runs()),

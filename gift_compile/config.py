@@ -192,9 +192,10 @@ class GiftConfig:
             at the first refresh and then kept; with N > 0 it is decided again every N-th
             refresh. Between decisions `select="auto"` still measures its selected layers at
             every refresh and deselects one whose gain has fallen below 1 (the transform
-            hurts by the selection's own metric). Selection is part of the compiled graph (a deselected layer runs exactly
-            the Euclidean codec and collects no statistics), so each change costs one
-            recompilation, and re-deciding keeps the statistics of deselected layers running.
+            hurts by the selection's own metric). A change costs no compilation: the hooks'
+            codec is compiled per item plan, traced graphs read the selection from a gate
+            tensor (`LayerState.path_gate`); re-deciding keeps the statistics of deselected
+            layers running.
         residual_format: how error-feedback residuals are stored (any wire format, per-row
             scales; "fp32" is exact). The residual is a full-size tensor per managed weight and
             rank that cannot be sharded, so a low-bit store is what bounds GIFT's memory.

@@ -116,11 +116,12 @@ def gift_pass_pipeline(traced_result: Any, config: Any, *, parallel_dims: Any = 
 def gift_retrace_on_new_plan(trainer: Any) -> None:
     """graph_trainer hook before every step: retrace when GIFT's plan changed.
 
-    Selection is part of the graph (a deselected layer runs the plain Euclidean codec and
-    feeds no statistics), so when a refresh decides it (the first refresh for
-    ``select="auto"``, then every ``reselect_every`` refreshes) the traced step is dropped
-    and graph_trainer traces, rewrites and compiles it again at this step: one retrace per
-    selection change, never one per step.
+    The traced step carries each managed weight's map gated by a tensor, so selection
+    changes reach it as data. What it carries as structure moves once per run: the first
+    refresh lets layers that read one input share a statistic (``plan_version``). Then the
+    traced step is dropped and graph_trainer traces, rewrites and compiles it again at this
+    step (`bench.selection_churn graph_trainer` counts the retraces of a run whose selection
+    changes at every refresh).
     """
     state = getattr(trainer.model_parts[0], "_gift_state", None)
     if state is None:

@@ -137,7 +137,7 @@ class GiftSection:
     """Sketch columns k (0: twice the rank)."""
 
     reselect_every: int = _DEFAULTS.reselect_every
-    """Re-decide a measured selection every N refreshes (0: decide once; each change recompiles)."""
+    """Re-decide a measured selection every N refreshes (0: decide once; a change moves tensors the graphs read: no recompile)."""
 
     replica_format: str = _DEFAULTS.replica_format
     """HSDP's cross-replica hop (all-reduce of the reduced shard, across nodes): a wire format, or
