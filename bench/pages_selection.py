@@ -19,7 +19,9 @@ def _fsdp2(d: dict) -> list[str]:
              r["fp32_bytes"] / r["wire_bytes"]] for r in d["runs"]]
     return [f"FSDP2 through `gift_compile.apply` (`{d['command']}`, {d['date']}; 2 gloo ranks, TinyLlama dim 64, "
             "every block `fully_shard`-ed and compiled with Inductor as torchtitan does, nvfp4 low-rank maps refreshed "
-            "at every step, each block's four attention linears set to another selected subset before every step):",
+            "at every step, each block's four attention linears set to another selected subset before every step; the "
+            "feed-forward, embedding and output weights travel at fp32, hence the small byte ratio; jobs run in the "
+            "order listed, so a later one starts with the Inductor cache an earlier one filled):",
             "", table(["blocks", "steps", "selection changes", "block patterns", "model patterns", "exchange bodies",
                        "body recompiles", "block graphs", "dynamo graphs", "first step s", "later step s (median)",
                        "fp32 / wire bytes"], rows, 3), ""]
