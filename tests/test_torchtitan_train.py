@@ -136,6 +136,10 @@ def test_gift_fsdp2_tracks_gift_off_and_matches_graph_path(run: Callable[..., Ru
     # that sent fp32, or another format, would count other bytes)
     assert gift.last("gift/wire_bytes_per_step") == gift.last("gift/accounted_bytes_per_backward")
     assert gift.last("gift/comm_s_per_step") > 0
+    # the hooks' codec compiled once per item plan and stage, never again: the debug Llama's
+    # managed shapes on the transformed and the Euclidean path, full-precision items by size
+    assert 0 < gift.last("gift/codec_compilations") == gift.last("gift/codec_bodies") <= 2 * 16
+    assert gift.last("gift/codec_recompiles") == 0 and gift.last("gift/codec_bodies_evicted") == 0
     losses = _assert_trains(gift)
     _assert_close(losses, run("llama3_debug_nogift_fsdp2").losses(), GIFT_TOLERANCE)
     # Same quantized collective, same transforms: eager FSDP2 and the traced graph agree.

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torchtitan.components.metrics import MetricsProcessor, _get_metrics_rank
 from torchtitan.tools.logging import logger
 
+from gift_compile.exchange import compiled_bodies
 from gift_compile.frameworks import fsdp2, table
 from gift_compile.runtime.state import GiftState
 
@@ -55,6 +56,11 @@ def gift_metrics(state: GiftState, last: dict[str, Any]) -> dict[str, float]:
         "gift/plan_version": float(state.plan_version),
         "gift/selection_changes": float(state.selection_changes),
     }
+    # the hooks' codec compilations in this process (one body per item plan and stage: bounded
+    # by the model's distinct layer shapes, not its depth or selection history)
+    bodies = compiled_bodies.stats()
+    out.update({"gift/codec_bodies": float(bodies["bodies"]), "gift/codec_compilations": float(bodies["graphs"]),
+                "gift/codec_recompiles": float(bodies["recompiles"]), "gift/codec_bodies_evicted": float(bodies["evicted"])})
     for adapter in table.installed(state):  # what each framework adapter measured itself (FSDP2: comm_s)
         out.update({f"gift/{key}_per_step": value / steps for key, value in adapter.telemetry(state).items()})
     last.update(totals=totals, steps=state.steps)
