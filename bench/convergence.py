@@ -59,7 +59,7 @@ from gift_compile.geometry.table import geometry_class
 from gift_compile.passes import last_reports, reports_seen
 from gift_compile.runtime.state import GiftState
 from gift_compile.sync import all_reduce_, exit_without_finalization
-from gift_compile.torchtitan_ext import corpus
+from gift_compile.torchtitan_ext import corpus, language_modeling
 
 Log = Callable[[str], None]
 
@@ -206,7 +206,7 @@ def _train(opt_name: str, arm: str, seed: int, s: ConvergenceSettings, paths: co
     losses: list[float] = []
     evals: list[tuple[int, float]] = []
     start = time.perf_counter()
-    data = corpus.batches(tokens, s.local_batch * world, s.seq_len, seed=seed, rank=rank, world_size=world,
+    data = language_modeling.batches(tokens, s.local_batch * world, s.seq_len, seed=seed, rank=rank, world_size=world,
                           steps=s.steps)
     params = list(model.parameters())
     sync: Callable[[], None] | None = None  # None: GIFT's backward hooks all-reduce the gradients
@@ -225,7 +225,7 @@ def _train(opt_name: str, arm: str, seed: int, s: ConvergenceSettings, paths: co
         losses.append(float(value))
         if (step + 1) % s.eval_every == 0 or step + 1 == s.steps:
             if rank == 0:
-                evals.append((step + 1, corpus.bits_per_byte(model, "val", paths, seq_len=s.seq_len,
+                evals.append((step + 1, language_modeling.bits_per_byte(model, "val", paths, seq_len=s.seq_len,
                                                              max_tokens=s.eval_tokens)))
             dist.barrier()
     result: dict[str, object] = {

@@ -157,7 +157,7 @@ def study(record: dict, s: ConvergenceSettings) -> str:
 
 def rescaled(s: ConvergenceSettings, *, world: int, steps: int) -> ConvergenceSettings:
     """`s` on `world` ranks for `steps` steps, the same experiment otherwise: the global batch
-    is kept (each rank takes its share of the same sequences, `corpus.batches`), warmup and
+    is kept (each rank takes its share of the same sequences, `language_modeling.batches`), warmup and
     the evaluation interval keep their share of the run. Raises where the batch cannot split."""
     global_batch = s.local_batch * s.world
     if world < 1 or global_batch % world:

@@ -30,7 +30,7 @@ from torch import nn
 from torch.optim import _muon
 
 from bench.settings import FidelitySettings, ReferenceSettings
-from gift_compile.torchtitan_ext import corpus
+from gift_compile.torchtitan_ext import corpus, language_modeling
 from gift_compile.config import GiftConfig
 from gift_compile.geometry import gradient_factor
 from bench.tiny_llama import TinyLlama, loss
@@ -215,13 +215,13 @@ def _train(model: TinyLlama, s: ReferenceSettings, paths: corpus.CorpusPaths,
     losses: list[float] = []
     start = time.perf_counter()
     params = list(model.parameters())
-    for step, (x, y) in enumerate(corpus.batches(tokens, s.batch_size, s.seq_len, seed=s.seed, steps=s.steps)):
+    for step, (x, y) in enumerate(language_modeling.batches(tokens, s.batch_size, s.seq_len, seed=s.seed, steps=s.steps)):
         value = train_step(model, params, optimizers, peaks, step, s.steps, s.warmup, x, y)
         losses.append(float(value))
         if (step + 1) % max(1, s.steps // 8) == 0 or step + 1 == s.steps:
             log(f"  reference step {step + 1}/{s.steps} loss {value.item():.3f} "
                 f"({time.perf_counter() - start:.0f} s)")
-    bpb = corpus.bits_per_byte(model, "val", paths, seq_len=s.seq_len, max_tokens=16384)
+    bpb = language_modeling.bits_per_byte(model, "val", paths, seq_len=s.seq_len, max_tokens=16384)
     log(f"  reference model: held-out bits/byte {bpb:.4f}")
     state = {}
     for name, mod in managed_linears(model).items():
@@ -262,7 +262,7 @@ def collect_samples(model: TinyLlama, s: FidelitySettings, paths: corpus.CorpusP
     prev_a: dict[str, torch.Tensor] = {}
     prev_g: dict[str, torch.Tensor] = {}
     try:
-        batches = corpus.batches(val, s.micro_batches, s.seq_len, seed=_HELDOUT_SEED, steps=s.heldout_batches + 1)
+        batches = language_modeling.batches(val, s.micro_batches, s.seq_len, seed=_HELDOUT_SEED, steps=s.heldout_batches + 1)
         for b, (x, y) in enumerate(batches):
             sums.clear()
             counts.clear()

@@ -6,7 +6,6 @@ the sections together).
 
 from __future__ import annotations
 
-import statistics
 
 from bench.formatting import paired_ci, share_closed, table
 

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import math
-import statistics
 
 from bench.codec_minimum import UNFUSED, realisation_limits, unfused
 from bench.formatting import table

@@ -7,7 +7,6 @@ it.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from gift_compile.torchtitan_ext import corpus
+from gift_compile.torchtitan_ext import corpus, language_modeling
 from bench.tiny_llama import TinyLlama, TinyLlamaConfig, loss
 from conftest import require, require_data_package
 
@@ -80,7 +79,7 @@ def test_tokenizer_vocab_and_round_trip(paths: corpus.CorpusPaths) -> None:
     tok = corpus.load_tokenizer(paths)
     assert tok.get_vocab_size() == corpus.VOCAB_SIZE == 4096
     assert tok.token_to_id(corpus.BOS_TOKEN) == 0 and tok.token_to_id(corpus.EOS_TOKEN) == 1
-    byte_len = corpus.token_byte_lengths(tok)
+    byte_len = language_modeling.token_byte_lengths(tok)
     samples = [r["text"] for r in _records(paths.val_jsonl)[:20]]
     samples.append("Naïve café — “quoted” 日本語 \U0001f600\ttabs  and  spaces\n")
     for text in samples:
@@ -127,17 +126,17 @@ def test_prepare_is_safe_for_concurrent_callers(tmp_path: Path) -> None:
 def test_batches_deterministic_and_rank_slices_disjoint() -> None:
     tokens = torch.arange(10_000)  # each window is identified by its first token
     kwargs = dict(batch_size=8, seq_len=16, steps=150)  # > 1 epoch (58 batches per epoch)
-    full = list(corpus.batches(tokens, seed=3, **kwargs))
+    full = list(language_modeling.batches(tokens, seed=3, **kwargs))
     assert len(full) == 150
-    again = list(corpus.batches(tokens, seed=3, **kwargs))
+    again = list(language_modeling.batches(tokens, seed=3, **kwargs))
     for (x0, y0), (x1, y1) in zip(full, again, strict=True):
         assert torch.equal(x0, x1) and torch.equal(y0, y1)
-    other = next(corpus.batches(tokens, seed=4, **kwargs))
+    other = next(language_modeling.batches(tokens, seed=4, **kwargs))
     assert not torch.equal(other[0], full[0][0])
     x, y = full[0]
     assert x.shape == y.shape == (8, 16) and x.dtype == torch.long
     assert torch.equal(x[:, 1:], y[:, :-1])
-    ranks = [list(corpus.batches(tokens, seed=3, rank=r, world_size=4, **kwargs)) for r in range(4)]
+    ranks = [list(language_modeling.batches(tokens, seed=3, rank=r, world_size=4, **kwargs)) for r in range(4)]
     for step, (x, y) in enumerate(full):
         slices = [ranks[r][step] for r in range(4)]
         assert all(s[0].shape == (2, 16) for s in slices)
@@ -146,7 +145,7 @@ def test_batches_deterministic_and_rank_slices_disjoint() -> None:
     starts = torch.cat([b[0][:, 0] for b in full[:58]])  # first epoch: no window twice
     assert starts.unique().numel() == starts.numel()
     with pytest.raises(ValueError, match="divisible"):
-        next(corpus.batches(tokens, 6, 16, seed=0, world_size=4))
+        next(language_modeling.batches(tokens, 6, 16, seed=0, world_size=4))
 
 
 class _Uniform(nn.Module):
@@ -163,22 +162,22 @@ class _Uniform(nn.Module):
 def test_bits_per_byte_untrained_then_trained(paths: corpus.CorpusPaths) -> None:
     torch.set_num_threads(2)
     eval_kw = dict(seq_len=128, max_tokens=4096)
-    uniform = corpus.bits_per_byte(_Uniform(), "val", paths, **eval_kw)
+    uniform = language_modeling.bits_per_byte(_Uniform(), "val", paths, **eval_kw)
     # 12 bits per token over ~3 bytes per token (measured 2.97 on val for this tokenizer).
     assert 12 / 3.3 < uniform < 12 / 2.7
     model = TinyLlama(TinyLlamaConfig.tiny(), seed=0)
-    untrained = corpus.bits_per_byte(model, "val", paths, **eval_kw)
+    untrained = language_modeling.bits_per_byte(model, "val", paths, **eval_kw)
     # Init gives ~unit-variance random logits: E[NLL] ~ ln V + 1/2 nats, i.e. ~0.72 bits/token
     # (6%) above uniform. Measured 1.05x uniform (4.22-4.35 bits/byte over seeds and subsets).
     assert uniform < untrained < 1.12 * uniform
-    assert corpus.bits_per_byte(model, "val", paths, **eval_kw) == untrained  # fixed subset
+    assert language_modeling.bits_per_byte(model, "val", paths, **eval_kw) == untrained  # fixed subset
     train = corpus.token_stream("train", paths)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for x, y in corpus.batches(train, 4, 128, seed=0, steps=24):
+    for x, y in language_modeling.batches(train, 4, 128, seed=0, steps=24):
         opt.zero_grad()
         loss(model(x), y).backward()
         opt.step()
-    trained = corpus.bits_per_byte(model, "val", paths, **eval_kw)
+    trained = language_modeling.bits_per_byte(model, "val", paths, **eval_kw)
     # Two dozen steps learn unigram/bigram statistics: measured 4.35 -> 3.2 bits/byte.
     assert trained < untrained - 0.5
     assert model.training  # mode restored after evaluation

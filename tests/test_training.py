@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 import gift_compile
 from gift_compile.codec import FormatSpec, choose_scales, decode, encode
-from gift_compile.torchtitan_ext import corpus
+from gift_compile.torchtitan_ext import corpus, language_modeling
 from bench.tiny_llama import TinyLlama, TinyLlamaConfig, loss
 from conftest import require, require_data_package
 from multirank import run_ranks
@@ -31,7 +31,7 @@ def _train(rank: int, world: int, use_gift: bool) -> dict:
         step_model = model
     losses, grad_err, codec_err = [], {}, {}
     for step, (inputs, labels) in enumerate(
-            corpus.batches(tokens, 8, 64, seed=0, rank=rank, world_size=world, steps=STEPS)):
+            language_modeling.batches(tokens, 8, 64, seed=0, rank=rank, world_size=world, steps=STEPS)):
         value = loss(step_model(inputs), labels)
         value.backward()
         if not use_gift:
