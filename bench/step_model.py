@@ -8,8 +8,8 @@ plain fp32 all-reduce), and what each arm costs is read off the code, not re-der
 
 - which weights GIFT manages, and with which plan (format, transform kind): `GiftState`
   instantiated on the meta device for the model, with the arm's config and the code's own
-  eligibility rule (`gift_compile.api.eligible_linears`). Selection is structure in the code:
-  a layer that `select` leaves out runs the Euclidean codec (its plan's kind is identity),
+  eligibility rule (`gift_compile.api.eligible_linears`). On the hook paths priced here a
+  layer that `select` leaves out runs the Euclidean codec (its plan's kind is identity),
   feeds no statistics and is never refreshed, so an arm prices each layer by its own plan and
   `LayerState.collect_stats` / `selected` flags, exactly as `GiftState` sets them;
 - codec time: bytes per gradient element *measured from the generated kernels* of each
@@ -19,9 +19,9 @@ plain fp32 all-reduce), and what each arm costs is read off the code, not re-der
   in fp32);
 - statistics: FLOPs of the layer's statistics update (`stats.observe` on `tokens_per_gpu`
   tokens, counted by `torch.utils.flop_counter.FlopCounterMode`) at the fp32 rate;
-- refresh: `gift_compile.geometry.lowrank_refresh_flops` per adaptive layer every
-  `refresh_every` steps at an effective fp64 rate, divided over the ranks (each layer has one
-  owner rank, `GiftState.owners`);
+- refresh: the geometry's own `refresh_flops` (from the layer's statistics: Nystrom on the
+  sketch by default) per adaptive layer every `refresh_every` steps at an effective fp64
+  rate, divided over the ranks (each layer has one owner rank, `GiftState.owners`);
 - comm: bytes each rank transmits per step (`gift_compile.exchange.collectives.bucket_wire_bytes` of the
   layer's plan: the all_to_all sends (P-1)/P of its input, the all_gather P-1 copies of this
   rank's shard; unmanaged parameters and the fp32 arm take a ring all-reduce, 2 (P-1)/P of
@@ -48,7 +48,6 @@ from gift_compile.api import eligible_linears
 from gift_compile.config import GiftConfig
 from gift_compile.exchange.collectives import bucket_wire_bytes
 from gift_compile.exchange.plan import BucketPlan, ItemPlan
-from gift_compile.geometry import lowrank_refresh_flops
 from gift_compile.runtime.selection import transform_flops
 from gift_compile.runtime.state import GiftState
 from bench.tiny_llama import TinyLlamaConfig
@@ -167,7 +166,8 @@ def arm_layers(config: GiftConfig, model_config: TinyLlamaConfig, inputs: StepMo
         plan = layer.plan  # identity for a layer `select` leaves out: the Euclidean codec
         rows, cols = layer.shape
         refreshed = state.needs_geometry(layer)
-        refresh = lowrank_refresh_flops(cols, layer.transform.rank) / config.refresh_every if refreshed else 0.0
+        refresh = (type(layer.transform).refresh_flops(rows, cols, layer.transform.rank, layer.stats)
+                   / config.refresh_every if refreshed else 0.0)
         if refreshed and inputs.refresh_sharded:
             refresh /= inputs.gpus
         stats = _stats_flops(state, fqn, inputs.tokens_per_gpu) if layer.collect_stats else 0.0

@@ -192,3 +192,24 @@ def test_the_name_checker_finds_comparisons():
            'if x == "hadamard": pass\nif row["kind"] == "dense": pass\nif "identity" in pair: pass\n'
            'if name.split(".")[-2] == layer: pass\nif o.get("geometry") == geometry: pass\n')
     assert _name_comparisons(src) == [1, 2, 4, 7, 8, 9]
+
+
+def test_refresh_cost_is_the_geometrys_own():
+    """Cost models read a refresh's FLOPs off the geometry class with the layer's statistics:
+    fixed maps rebuild nothing, the low-rank map from a sketch costs its Nystrom step (far less
+    than subspace iteration on a dense factor at LLM widths), a gradient-side map also forms
+    its factor, the column scales are linear in the weight."""
+    from gift_compile.geometry.whitening import lowrank_refresh_flops
+
+    rows, d_in, rank = 3456, 1280, 32
+    cfg = GiftConfig(geometry="lowrank", rank=rank)
+    sketch = geometry_class("lowrank").make_statistics(cfg, d_in, "meta")
+    assert isinstance(sketch, SketchStatistics)
+    flops = {name: cls.refresh_flops(rows, d_in, rank, sketch if name == "lowrank" else None)
+             for name, cls in GEOMETRIES.items()}
+    assert flops["none"] == flops["hadamard"] == 0.0
+    assert flops["lowrank"] == sketch.whitening_flops(rank) < lowrank_refresh_flops(d_in, rank) / 10
+    assert GEOMETRIES["lowrank"].refresh_flops(rows, d_in, rank, None) == lowrank_refresh_flops(d_in, rank)
+    assert flops["gradient"] == flops["momentum"] == 2.0 * rows * d_in ** 2 + lowrank_refresh_flops(d_in, rank)
+    assert flops["dense"] == pytest.approx(2 / 3 * d_in ** 3)
+    assert 0 < flops["second_moment"] < 2 * rows * d_in

@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from gift_compile.geometry.statistics import KFACStatistics, SketchStatistics
-from gift_compile.geometry.whitening import dense_whitening, gradient_factor, lowrank_whitening
+from gift_compile.geometry.whitening import dense_whitening, gradient_factor, lowrank_refresh_flops, lowrank_whitening
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -213,6 +213,13 @@ class Geometry:
         """FLOPs of forward plus inverse map of a `[rows, d_in]` gradient."""
         return 0.0
 
+    @classmethod
+    def refresh_flops(cls, rows: int, d_in: int, rank: int, stats: Statistics | None) -> float:
+        """FLOPs of one refresh of a `[rows, d_in]` weight's map from `stats` (the layer's
+        statistics object, None where the geometry has none), for cost models: fixed maps
+        rebuild nothing."""
+        return 0.0
+
     @staticmethod
     def rank_of(tensors: tuple[torch.Tensor, ...]) -> int:
         """The rank a map's tensors were allocated with (0 for full-rank and fixed maps)."""
@@ -318,6 +325,11 @@ class Dense(Geometry):
     def transform_flops(cls, rows: int, d_in: int, rank: int) -> float:
         return 2 * 2.0 * rows * d_in * d_in
 
+    @classmethod
+    def refresh_flops(cls, rows: int, d_in: int, rank: int, stats: Statistics | None) -> float:
+        """Cholesky of the damped factor plus its triangular inverse: n^3/3 each."""
+        return 2.0 / 3.0 * d_in ** 3
+
 
 class LowRank(Geometry):
     """Rank-r K-FAC whitening from the input factor (input hooks; sketched by default)."""
@@ -389,6 +401,14 @@ class LowRank(Geometry):
     def transform_flops(cls, rows: int, d_in: int, rank: int) -> float:
         return 2 * (4.0 * rows * d_in * rank + 2.0 * rows * d_in)
 
+    @classmethod
+    def refresh_flops(cls, rows: int, d_in: int, rank: int, stats: Statistics | None) -> float:
+        """Nystrom from the sketch (`SketchStatistics.whitening_flops`), or subspace iteration
+        on the dense factor (`lowrank_refresh_flops`)."""
+        if isinstance(stats, SketchStatistics):
+            return stats.whitening_flops(rank)
+        return lowrank_refresh_flops(d_in, rank)
+
     @staticmethod
     def rank_of(tensors: tuple[torch.Tensor, ...]) -> int:
         return tensors[1].shape[1]
@@ -400,6 +420,11 @@ class Gradient(LowRank):
 
     name = "gradient"
     uses_gradient_factor = True
+
+    @classmethod
+    def refresh_flops(cls, rows: int, d_in: int, rank: int, stats: Statistics | None) -> float:
+        """The factor `G^T G` of the gradient-side tensor, then subspace iteration on it."""
+        return 2.0 * rows * d_in ** 2 + lowrank_refresh_flops(d_in, rank)
 
     @classmethod
     def make_statistics(cls, config: GiftConfig, d_in: int, device: torch.device | str) -> Statistics | None:

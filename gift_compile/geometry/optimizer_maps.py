@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from gift_compile.geometry.maps import FactorSource, Geometry, Gradient
+from gift_compile.geometry.maps import FactorSource, Geometry, Gradient, Statistics
 from gift_compile.sync import all_reduce_
 
 if TYPE_CHECKING:
@@ -172,3 +172,8 @@ class SecondMoment(_OptimizerStateFactor, Geometry):
     @classmethod
     def transform_flops(cls, rows: int, d_in: int, rank: int) -> float:
         return 2.0 * rows * d_in
+
+    @classmethod
+    def refresh_flops(cls, rows: int, d_in: int, rank: int, stats: Statistics | None) -> float:
+        """Column sums of `exp_avg_sq` and one scale per column."""
+        return float(rows * d_in + 3 * d_in)
