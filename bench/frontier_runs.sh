@@ -29,3 +29,10 @@ for arms in \
   "gift-int2b16-dflt,euclid-int2b16" ; do
   $PY -m bench.convergence --profile full --path reduce-scatter --seeds 0,1,2,3,4 --arms "muon=$arms" --jsonl "$OUT"
 done
+# AdamW (fp32, Euclidean nvfp4 / int2 (+EF) and GIFT nvfp4 come from the study's files): Muon's
+# 2.5-bit point and the int3 pair that places each method's frontier between 4.5 and 2.5 bits.
+for arms in \
+  "gift-int2b16-ef-b9-dflt,euclid-int2b16-ef" \
+  "gift-int3-dflt,euclid-int3" ; do
+  $PY -m bench.convergence --profile full --path reduce-scatter --seeds 0,1,2,3,4 --arms "adamw=$arms" --jsonl "$OUT"
+done
