@@ -39,10 +39,13 @@ Numerics shared by every format:
   formats, within 2**13 of the tensor maximum; other groups lose precision gradually and
   decode within their own magnitude, or to zero, never to a spurious block maximum.
 
-The codec is split by concern: `gift_compile.codec.spec` (`FormatSpec`, the format tables, byte
-sizes), `gift_compile.codec.scales` (scale statistics and codes, `choose_scales`) and
-`gift_compile.codec.codes` (element grids, codes, packing). This package module combines them
-(`encode`, `decode`, `quantize`, `dequantize`, `wire_bytes`) and is the public entry point:
+The codec is split by concern: `gift_compile.codec.formats` (the format table: one class per
+family, each owning its scales, codes, bytes and residual storage), `gift_compile.codec.spec`
+(`FormatSpec`, which resolves a name to its family once; the name lists; byte sizes),
+`gift_compile.codec.scales` (scale statistics and codes), `gift_compile.codec.codes` (element
+grids, codes, packing) and `gift_compile.codec.layout` (the row view, `Scaling`). This package
+module does the checks and broadcasting every format shares and calls the family's methods
+(`choose_scales`, `encode`, `decode`, `quantize`, `dequantize`, `wire_bytes`); it is the public entry point:
 every public name of the codec is importable from here. `gift_compile.codec.residual` stores
 error-feedback residuals in a format. The codec is the lowest layer (docs/architecture.md): it
 imports nothing else of GIFT.

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from gift_compile.codec import FormatSpec, choose_scales
-from gift_compile.exchange.plan import BucketPlan, ItemPlan
+from gift_compile.exchange.plan import BucketPlan, Collective, ItemPlan
 
 # Bytes of the header at the start of every destination's block: the plan fingerprint and the
 # non-finite flag, two int64.
@@ -79,7 +79,7 @@ def bucket_wire_bytes(plan: BucketPlan) -> int:
             n = plan.flat_sent(item)
             total += n * _itemsize(item.torch_dtype)
             gather += (n // w) * _itemsize(item.torch_dtype)
-    if plan.op == "all_reduce" and w > 1:
+    if plan.op is Collective.ALL_REDUCE and w > 1:
         total += gather
     return total
 
