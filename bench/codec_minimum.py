@@ -51,7 +51,7 @@ def scale_sweeps(spec: FormatSpec) -> int:
     """
     if spec.passthrough:
         raise ValueError(f"minimum_bytes: format {spec.name!r} is sent raw, it has no codec to measure")
-    return 2 if spec.has_tensor_scale or (spec.block is None and spec.scaling == "tensor") else 1
+    return 2 if spec.has_tensor_scale or spec.single_scale else 1
 
 
 @dataclass(frozen=True)

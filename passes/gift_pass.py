@@ -49,7 +49,7 @@ from gift_compile.exchange.collectives import (
     ItemTensors, Shared, bucket_core, bucket_wire_bytes, finish, gather_finish, gather_launch, launch,
 )
 from gift_compile.exchange.mark import split_mark_tensors, unpack_item_tensors, unpack_replica_shared
-from gift_compile.exchange.plan import BucketPlan, ItemPlan, replica_hop_plan
+from gift_compile.exchange.plan import BucketPlan, Collective, ItemPlan, replica_hop_plan
 
 logger = logging.getLogger("gift_compile")
 
@@ -167,7 +167,7 @@ def rewrite_bucket(graph: fx.Graph, match: BucketMatch) -> RewriteRecord:
 
     def finish_fn(recv: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
         _, per_item, shared = unpack((*[None] * n_x, *args))
-        if match.op == "reduce_scatter":
+        if match.op is Collective.REDUCE_SCATTER:
             outs = finish(recv, per_item, shared, plan)
             flat = torch.cat([o.reshape(-1) for o in outs])
             return flat.to(out_val.dtype).reshape(out_val.shape)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from gift_compile.exchange.plan import ItemPlan, dtype_name
+from gift_compile.exchange.plan import Collective, ItemPlan, dtype_name
 from gift_compile.passes.inductor_internals import pre_bucket_reduce_scatter_op
 from gift_compile.sync import process_group
 
@@ -25,7 +25,8 @@ _c10d = torch.ops._c10d_functional
 _aten = torch.ops.aten
 
 
-_COLLECTIVES = {_c10d.all_reduce.default: "all_reduce", _c10d.reduce_scatter_tensor.default: "reduce_scatter"}
+_COLLECTIVES = {_c10d.all_reduce.default: Collective.ALL_REDUCE,
+                _c10d.reduce_scatter_tensor.default: Collective.REDUCE_SCATTER}
 # Ops a gradient may pass through between the mark and the collective without changing
 # which element sits in which row.
 _PASSTHROUGH = {
@@ -49,7 +50,7 @@ class BucketMatch:
     inputs: list[fx.Node]  # what the framework handed to the collective, per bucket entry
     marks: list[fx.Node | None]  # the mark each entry traces back to (None: unmanaged)
     pre_bucket: fx.Node | None
-    op: str
+    op: Collective
     reduce_op: str
     group_size: int
     group_name: str
@@ -172,8 +173,9 @@ def find_gradient_collectives(graph: fx.Graph) -> list[BucketMatch]:
         done = [r for r in reductions if r is not None]
         groups = {r[0].args[2] for r in done}
         ops = {r[0].args[1] for r in done}
-        match = BucketMatch(n, wait, originals, marks, bucket, "reduce_scatter", n.args[1], n.args[2], n.args[3],
-                            done, groups.pop() if len(groups) == 1 else None, ops.pop() if len(ops) == 1 else "mixed",
+        match = BucketMatch(n, wait, originals, marks, bucket, Collective.REDUCE_SCATTER, n.args[1], n.args[2],
+                            n.args[3], done, groups.pop() if len(groups) == 1 else None,
+                            ops.pop() if len(ops) == 1 else "mixed",
                             mixed_replica=len(done) != len(inputs))
         paired.update(r[0] for r in done)
         matches.append(match)
@@ -187,7 +189,7 @@ def find_gradient_collectives(graph: fx.Graph) -> list[BucketMatch]:
         if wait is None or not any(marks):
             continue
         op = _COLLECTIVES[n.target]
-        if op == "all_reduce":
+        if op is Collective.ALL_REDUCE:
             reduce_op, group_name = n.args[1], n.args[2]
             group_size = _group_size(group_name)
         else:
@@ -210,7 +212,7 @@ def _why_not(match: BucketMatch) -> str | None:
         if not all(replica):
             return ("the gradient crosses a replica all-reduce (HSDP) but its mark carries no replica hop "
                     "(gift_compile.frameworks.hsdp.install_graph was not called before tracing)")
-    elif match.op == "all_reduce" and any(replica):
+    elif match.op is Collective.ALL_REDUCE and any(replica):
         return ("an all-reduce of a gradient whose plan has a replica hop (HSDP) that does not feed a shard "
                 "reduce-scatter bucket; the pass only rewrites the replica hop after the reduce-scatter")
     for x, m in zip(match.inputs, match.marks):
@@ -222,12 +224,12 @@ def _why_not(match: BucketMatch) -> str | None:
         except TypeError as e:
             return str(e)
         if m is None:
-            if match.op == "reduce_scatter" and val.numel() % match.group_size:
+            if match.op is Collective.REDUCE_SCATTER and val.numel() % match.group_size:
                 return f"{x.name} ({val.numel()} elements) does not split over {match.group_size} ranks"
             continue
         plan = ItemPlan.from_str(m.args[2])
         if val.numel() != plan.numel:
             return f"{plan.name}: gradient has {val.numel()} elements, the weight {plan.numel}"
-        if match.op == "reduce_scatter" and plan.rows % match.group_size:
+        if match.op is Collective.REDUCE_SCATTER and plan.rows % match.group_size:
             return f"{plan.name}: {plan.rows} rows do not split evenly over {match.group_size} ranks"
     return None

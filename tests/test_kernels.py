@@ -36,7 +36,6 @@ require("triton", "the codec kernels need Triton (the `test` extra installs it)"
 from gift_compile import codec, kernels  # noqa: E402  (after the Triton check)
 from gift_compile.codec import FormatSpec  # noqa: E402
 from gift_compile.codec.scales import _e4m3_code, _global_max, _tensor_scale  # noqa: E402
-from gift_compile.codec.spec import _TWO_LEVEL  # noqa: E402
 from gift_compile.exchange.item_codec import ItemTensors, Shared, decode_item, encode_item, item_width  # noqa: E402
 from gift_compile.exchange.plan import BucketPlan, ItemPlan  # noqa: E402
 from gift_compile.kernels import ops  # noqa: E402
@@ -114,7 +113,7 @@ def _kernel_scales(x: torch.Tensor, fmt: str, block: int) -> tuple[torch.Tensor,
     """Scale codes and tensor scale the way the kernel path chooses them (kernels.choose_scales
     on CUDA): block statistics kernel, their maximum, the tensor scale, the code kernel."""
     stat = ops.block_stat(x.to(DEVICE), fmt, block)
-    tscale = _tensor_scale(_global_max(stat), _TWO_LEVEL[fmt][1])
+    tscale = _tensor_scale(_global_max(stat), FormatSpec(fmt).family.level)
     return ops.scale_codes(stat, tscale, fmt, block).cpu(), tscale.cpu()
 
 

@@ -39,10 +39,13 @@ Numerics shared by every format:
   formats, within 2**13 of the tensor maximum; other groups lose precision gradually and
   decode within their own magnitude, or to zero, never to a spurious block maximum.
 
-The codec is split by concern: `gift_compile.codec.spec` (`FormatSpec`, the format tables, byte
-sizes), `gift_compile.codec.scales` (scale statistics and codes, `choose_scales`) and
-`gift_compile.codec.codes` (element grids, codes, packing). This package module combines them
-(`encode`, `decode`, `quantize`, `dequantize`, `wire_bytes`) and is the public entry point:
+The codec is split by concern: `gift_compile.codec.formats` (the format table: one class per
+family, each owning its scales, codes, bytes and residual storage), `gift_compile.codec.spec`
+(`FormatSpec`, which resolves a name to its family once; the name lists; byte sizes),
+`gift_compile.codec.scales` (scale statistics and codes), `gift_compile.codec.codes` (element
+grids, codes, packing) and `gift_compile.codec.layout` (the row view, `Scaling`). This package
+module does the checks and broadcasting every format shares and calls the family's methods
+(`choose_scales`, `encode`, `decode`, `quantize`, `dequantize`, `wire_bytes`); it is the public entry point:
 every public name of the codec is importable from here. `gift_compile.codec.residual` stores
 error-feedback residuals in a format. The codec is the lowest layer (docs/architecture.md): it
 imports nothing else of GIFT.
@@ -55,22 +58,19 @@ from dataclasses import dataclass
 
 import torch
 
-from gift_compile.codec.codes import _grid_codes, _grid_values, _hash_uniform, _pack, _stochastic_grid, _unpack
-from gift_compile.codec.scales import (
-    E4M3_MAX, Agree, _e4m3_decode, _e8m0_decode, _identity, _pow2_inverse, choose_scales, scales_nonfinite,
-)
+from gift_compile.codec.codes import _hash_uniform
+from gift_compile.codec.formats import BF16_MAX
+from gift_compile.codec.layout import Scaling, _blocks
+from gift_compile.codec.scales import E4M3_MAX, Agree, _identity
 from gift_compile.codec.spec import (
-    E2M1_MAX, FP32_MAX, INT4_MAX, MX_BLOCK, NVFP4_BLOCK, _FP8, _TWO_LEVEL, FormatSpec, _blocks, _count, _pad_cols,
-    as_rows, wire_bytes_for,
+    E2M1_MAX, FP32_MAX, INT4_MAX, MX_BLOCK, NVFP4_BLOCK, FormatSpec, _count, _pad_cols, as_rows, wire_bytes_for,
 )
 
 __all__ = [
     "BF16_MAX", "E2M1_MAX", "E4M3_MAX", "FP32_MAX", "INT4_MAX", "MX_BLOCK", "NVFP4_BLOCK", "Agree", "FormatSpec",
-    "QuantizedTensor", "as_rows", "choose_scales", "decode", "dequantize", "encode", "quantize", "scales_nonfinite",
-    "wire_bytes", "wire_bytes_for",
+    "QuantizedTensor", "Scaling", "as_rows", "choose_scales", "decode", "dequantize", "encode", "quantize",
+    "scales_nonfinite", "wire_bytes", "wire_bytes_for",
 ]
-
-BF16_MAX = torch.finfo(torch.bfloat16).max
 
 
 @dataclass
@@ -99,7 +99,7 @@ def _expected_scales_shape(spec: FormatSpec, rows: int, cols: int) -> tuple[int,
         return (0,)
     if spec.block is not None:
         return (rows, spec.padded_cols(cols) // spec.block)
-    return (1,) if spec.scaling == "tensor" else (rows,)
+    return (1,) if spec.single_scale else (rows,)
 
 
 def _check_broadcast(name: str, t: torch.Tensor, want: tuple[int, ...], spec: FormatSpec) -> None:
@@ -113,7 +113,7 @@ def _check_broadcast(name: str, t: torch.Tensor, want: tuple[int, ...], spec: Fo
 
 
 def _check_tensor_scale(spec: FormatSpec, tensor_scale: torch.Tensor | None, where: str) -> None:
-    if spec.name in _TWO_LEVEL and tensor_scale is None:
+    if spec.has_tensor_scale and tensor_scale is None:
         raise ValueError(f"{where}: tensor_scale is required for format {spec.name!r} (from choose_scales)")
 
 
@@ -129,51 +129,14 @@ def encode(
     """Codes of `x` on the grid given by `scales` (from `choose_scales`): uint8 `[rows, payload_cols]`."""
     xr = as_rows(x).float()
     x2 = _pad_cols(xr, spec)
-    rows, cols = x2.shape
-    if spec.name == "fp32":
-        return x2.contiguous().view(torch.uint8)
-    if spec.name == "bf16":
-        # Saturate finite values that would round past bf16's largest value; +-inf stays.
-        sat = torch.where(torch.isinf(x2), x2, x2.clamp(-BF16_MAX, BF16_MAX))
-        return sat.to(torch.bfloat16).contiguous().view(torch.uint8)
-    expected = _expected_scales_shape(spec, rows, xr.shape[-1])
+    if spec.passthrough:
+        return spec.family.encode(x2, spec, scales, None, None)
+    expected = _expected_scales_shape(spec, x2.shape[0], xr.shape[-1])
     if tuple(scales.shape) != expected:
         raise ValueError(f"encode({spec.name}): scales has shape {tuple(scales.shape)}, expected {expected}")
     _check_tensor_scale(spec, tensor_scale, f"encode({spec.name})")
     u = _hash_uniform(x2.shape, seed, x2.device) if stochastic_rounding else None
-    if spec.name in _FP8 or spec.name == "mxfp8":
-        if spec.name == "mxfp8":
-            dtype, fmax, mbits, emin = _FP8["fp8_e4m3"]
-            v = _blocks(x2, MX_BLOCK) * _pow2_inverse(_e8m0_decode(scales)).unsqueeze(-1)
-        else:
-            dtype, fmax, mbits, emin = _FP8[spec.name]
-            inv = _pow2_inverse(scales)
-            if spec.scaling == "block":
-                v = _blocks(x2, spec.block_size) * inv.unsqueeze(-1)
-            elif spec.scaling == "row":
-                v = x2 * inv.unsqueeze(-1)
-            else:
-                v = x2 * inv
-        v = v.reshape(rows, cols)
-        if u is not None:
-            v = _stochastic_grid(v, mbits, emin, u)
-        return v.clamp(-fmax, fmax).to(dtype).view(torch.uint8)
-    if spec.name == "mxint4":
-        unit = _e8m0_decode(scales)
-        inv_unit = torch.where(torch.isnan(unit), 0.0, _pow2_inverse(unit))
-    else:
-        # unit = E4M3 block scale * tensor scale; its reciprocal is taken factor by factor
-        # (the tensor scale's exactly), so it stays finite however small the block is.
-        bscale = _e4m3_decode(scales)
-        unit = bscale * tensor_scale
-        unit = torch.where(torch.isfinite(unit), unit, math.nan)
-        inv_b = torch.where(bscale > 0, 1.0 / bscale, 0.0)  # NaN code: NaN > 0 is False
-        inv_unit = inv_b * _pow2_inverse(tensor_scale)
-        inv_unit = torch.where(torch.isnan(unit), 0.0, inv_unit)
-    b = spec.block
-    unit = unit.unsqueeze(-1).expand(rows, cols // b, b).reshape(rows, cols)
-    inv_unit = inv_unit.unsqueeze(-1).expand(rows, cols // b, b).reshape(rows, cols)
-    return _pack(_grid_codes(x2, unit, inv_unit, spec, u), spec)
+    return spec.family.encode(x2, spec, scales, tensor_scale, u)
 
 
 def decode(
@@ -198,40 +161,26 @@ def decode(
         raise ValueError(f"decode({spec.name}): payload has {payload.shape[-1]} bytes per row, but cols={cols} "
                          f"needs {spec.payload_cols(cols)}")
     lead = payload.shape[:-1]
-    if spec.name == "fp32":
-        return payload.contiguous().view(torch.float32)[..., :cols]
-    if spec.name == "bf16":
-        return payload.contiguous().view(torch.bfloat16).to(torch.float32)[..., :cols]
-    _check_tensor_scale(spec, tensor_scale, f"decode({spec.name})")
     cp, b = spec.padded_cols(cols), spec.block
+    if spec.passthrough:
+        return spec.family.values(payload, cp)[..., :cols]
+    _check_tensor_scale(spec, tensor_scale, f"decode({spec.name})")
     per_tensor = (*lead[:-1], 1, 1)
     if b is not None:
         want = (*lead, cp // b)
     else:
-        want = per_tensor if spec.scaling == "tensor" else lead
+        want = per_tensor if spec.single_scale else lead
     _check_broadcast("scales", scales, want, spec)
     if tensor_scale is not None:
         _check_broadcast("tensor_scale", tensor_scale, per_tensor, spec)
-    if spec.name in _FP8 or spec.name == "mxfp8":
-        dtype = torch.float8_e4m3fn if spec.name == "mxfp8" else _FP8[spec.name][0]
-        vals = payload.contiguous().view(dtype).to(torch.float32)
-        if spec.name == "mxfp8":
-            s = _e8m0_decode(scales)
-        else:
-            s = torch.where(torch.isinf(scales), math.nan, scales)
-    else:
-        vals = _grid_values(_unpack(payload, spec, cp), spec)
-        if spec.name == "mxint4":
-            s = _e8m0_decode(scales)
-        else:
-            s = _e4m3_decode(scales) * tensor_scale
-            s = torch.where(torch.isfinite(s), s, math.nan)
+    vals = spec.family.values(payload, cp)
+    s = spec.family.decode_scales(scales, tensor_scale)
     if b is not None:
         out = (_blocks(vals, b) * s.unsqueeze(-1)).reshape(vals.shape)
-    elif spec.scaling == "row":
-        out = vals * s.unsqueeze(-1)
-    else:
+    elif spec.single_scale:
         out = vals * s
+    else:
+        out = vals * s.unsqueeze(-1)
     return out[..., :cols].clamp(-FP32_MAX, FP32_MAX)
 
 
@@ -245,6 +194,34 @@ def _check_finite(x: torch.Tensor, what: str) -> None:
             f"{what}: input has {n} non-finite value(s) (NaN/Inf) of {x.numel()}; refusing to "
             "quantize. Fix the gradient, or pass nonfinite='propagate' to get NaN rows instead."
         )
+
+
+def choose_scales(
+    x: torch.Tensor, spec: FormatSpec, agree: Agree = _identity
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scales for `x` (any shape; its 2-D row view is used), agreed through `agree`.
+
+    `agree` receives each scale statistic and must return its element-wise maximum over the
+    participants (identity for a single tensor). Returns `(scales, tensor_scale)`: scales
+    `[1]` (tensor), `[rows]` (row) or `[rows, nblocks]`; see `QuantizedTensor` for dtypes.
+    """
+    return spec.family.choose_scales(_pad_cols(as_rows(x).float(), spec), spec, agree)
+
+
+def scales_nonfinite(spec: FormatSpec, scales: torch.Tensor, tensor_scale: torch.Tensor | None) -> torch.Tensor:
+    """Whether the tensor `choose_scales` chose `(scales, tensor_scale)` for held a NaN or Inf
+    (a 0-d bool), read off the scales instead of another pass over the tensor.
+
+    Every statistic maps a non-finite group to +inf and a finite one to a finite value
+    (`scales._finite_amax`, `scales._mean_abs`), and each scale keeps that marker: fp8 scales
+    are +inf, E8M0 codes are the NaN code, and a two-level format's tensor scale is +inf (its
+    maximum over the blocks). So the flag is exactly `~isfinite(x).all()`, without the
+    full-size read that an `all` reduction of another shape than the scales' costs in
+    generated code.
+    """
+    if spec.passthrough:
+        raise ValueError(f"scales_nonfinite: format {spec.name!r} has no scales to read the flag from")
+    return spec.family.nonfinite(scales, tensor_scale)
 
 
 def quantize(

@@ -10,7 +10,7 @@ exact). The residual is itself a small, noise-like quantity; an 8-bit copy keeps
 error feedback needs (the benchmark measures how much).
 
 A residual is a tuple of buffers (codes, then scales, then a tensor scale, as the format needs;
-or one fp32/bf16 tensor), allocated once and rewritten in place, so compiled graphs read and
+or, for a family with a `residual_dtype` (fp32, bf16), one tensor of that dtype), allocated once and rewritten in place, so compiled graphs read and
 write it like any other state tensor.
 """
 
@@ -18,22 +18,20 @@ from __future__ import annotations
 
 import torch
 
-from gift_compile.codec import FormatSpec, choose_scales, decode, encode
+from gift_compile.codec import FormatSpec, Scaling, choose_scales, decode, encode
 
 __all__ = ["allocate", "buffer_count", "read", "write"]
 
 
 def _spec(fmt: str) -> FormatSpec:
-    return FormatSpec(fmt, "row")
+    return FormatSpec(fmt, Scaling.ROW)
 
 
 def allocate(fmt: str, rows: int, cols: int, device: torch.device | str) -> tuple[torch.Tensor, ...]:
     """Zero residual buffers for a `[rows, cols]` residual in `fmt` (zero decodes to zero)."""
     spec = _spec(fmt)
-    if fmt == "fp32":
-        return (torch.zeros(rows, cols, device=device),)
-    if fmt == "bf16":
-        return (torch.zeros(rows, cols, dtype=torch.bfloat16, device=device),)
+    if spec.family.residual_dtype is not None:
+        return (torch.zeros(rows, cols, dtype=spec.family.residual_dtype, device=device),)
     meta = torch.empty(rows, cols, device="meta")
     scales, tscale = choose_scales(meta, spec)
     codes = encode(meta, spec, scales, tscale)
@@ -47,26 +45,27 @@ def allocate(fmt: str, rows: int, cols: int, device: torch.device | str) -> tupl
 
 def buffer_count(fmt: str) -> int:
     """How many tensors a residual in `fmt` is stored as."""
-    spec = _spec(fmt)
-    if spec.passthrough:
+    family = _spec(fmt).family
+    if family.residual_dtype is not None:
         return 1
-    return 3 if spec.has_tensor_scale else 2
+    return 3 if family.has_tensor_scale else 2
 
 
 def read(fmt: str, bufs: tuple[torch.Tensor, ...], cols: int) -> torch.Tensor:
     """The residual as fp32 `[rows, cols]`."""
-    if fmt in ("fp32", "bf16"):
+    spec = _spec(fmt)
+    if spec.family.residual_dtype is not None:
         return bufs[0].float()
     tscale = bufs[2] if len(bufs) > 2 else None
-    return decode(bufs[0], _spec(fmt), bufs[1], tscale, cols)
+    return decode(bufs[0], spec, bufs[1], tscale, cols)
 
 
 def write(fmt: str, bufs: tuple[torch.Tensor, ...], value: torch.Tensor) -> None:
     """Store `value` (fp32 `[rows, cols]`) into the buffers, in place."""
-    if fmt in ("fp32", "bf16"):
+    spec = _spec(fmt)
+    if spec.family.residual_dtype is not None:
         bufs[0].copy_(value)
         return
-    spec = _spec(fmt)
     scales, tscale = choose_scales(value, spec)
     bufs[0].copy_(encode(value, spec, scales, tscale))
     bufs[1].copy_(scales)

@@ -1,10 +1,10 @@
 """Scale machinery of the low-bit formats: scale statistics, power-of-two scales, the E4M3 and
-E8M0 scale codes, and `choose_scales`.
+E8M0 scale codes.
 
-Split out of `gift_compile.codec` (whose docstring states the numerics) because choosing
-scales is a step of its own: a caller may agree on the statistics across ranks before any
-element is encoded, and `encode` / `decode` read the scale codes back through the helpers
-here. the package (`gift_compile.codec`) re-exports the public names.
+Split out of the format families (`gift_compile.codec.formats`, which combine these pieces
+into each family's `choose_scales`) because the statistics and scale codes are shared by
+several families and are restated by the explicit kernels (`gift_compile.kernels`); the
+package's docstring (`gift_compile.codec`) states the numerics.
 """
 
 from __future__ import annotations
@@ -14,15 +14,11 @@ from typing import Callable
 
 import torch
 
-from gift_compile.codec.spec import FP32_MAX, _E8M0_EMAX, _FP8, _TWO_LEVEL, FormatSpec, _blocks, _pad_cols, as_rows
+from gift_compile.codec.layout import FP32_MAX
 
 Agree = Callable[[torch.Tensor], torch.Tensor]
 
 E4M3_MAX = 448.0
-# Mean-|x| multipliers giving the unit step of int2/ternary. For a Gaussian block the
-# MSE-optimal uniform 4-level quantizer has its outer levels at 1.49 sigma = 1.87 E|x|
-# (here 3 * 0.625 = 1.875), and the optimal ternary level is 1.22 sigma = 1.53 E|x| (1.5).
-_MEAN_ABS_STEP = {"int2": 0.625, "ternary": 1.5}
 _E8M0_NAN = 255
 _E4M3_NAN = 127
 
@@ -140,69 +136,3 @@ def _tensor_scale(gmax: torch.Tensor, level: float) -> torch.Tensor:
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
-
-
-def choose_scales(
-    x: torch.Tensor, spec: FormatSpec, agree: Agree = _identity
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Scales for `x` (any shape; its 2-D row view is used), agreed through `agree`.
-
-    `agree` receives each scale statistic and must return its element-wise maximum over the
-    participants (identity for a single tensor). Returns `(scales, tensor_scale)`: scales
-    `[1]` (tensor), `[rows]` (row) or `[rows, nblocks]`; see `QuantizedTensor` for dtypes.
-    """
-    x2 = _pad_cols(as_rows(x).float(), spec)
-    if spec.passthrough:
-        return x2.new_zeros(0), None
-    if spec.name in _FP8:
-        _, fmax, _, _ = _FP8[spec.name]
-        if spec.scaling == "tensor":
-            # The rows' maxima first, then theirs (the same value): a row reduction shares
-            # the loops of a `[rows, cols]` producer such as the low-rank map's expansion, so
-            # the kernel that writes the expansion takes the row maxima on the way instead of
-            # a full-tensor reduction reading it back.
-            amax = _global_max(_finite_amax(x2, 1, keepdim=False))
-        elif spec.scaling == "row":
-            amax = _finite_amax(x2, 1, keepdim=False)
-        else:
-            amax = _finite_amax(_blocks(x2, spec.block_size), -1, keepdim=False)
-        amax = agree(amax)
-        scale = _pow2_scale(amax, fmax)
-        return torch.where(torch.isinf(amax), amax, scale), None
-    xb = _blocks(x2, spec.block)
-    if spec.name in _E8M0_EMAX:
-        amax = _finite_amax(xb, -1, keepdim=False)
-        return agree(_e8m0_code(amax, _E8M0_EMAX[spec.name])), None
-    # Two-level: a power-of-two fp32 tensor scale maps the largest block statistic onto
-    # E4M3's range, then each block's statistic, over the tensor scale, becomes an E4M3 code.
-    stat_kind, level = _TWO_LEVEL[spec.name]
-    if stat_kind == "amax":
-        stat = _finite_amax(xb, -1, keepdim=False)
-    else:
-        stat = _mean_abs(xb, _MEAN_ABS_STEP[spec.name])
-    gscale = _tensor_scale(agree(_global_max(stat)), level)
-    unit = stat * _pow2_inverse(gscale)
-    if level != 1.0:
-        unit = unit * (1.0 / level)  # a multiply, spelled out: compiled code would use one anyway
-    return agree(_e4m3_code(unit)), gscale
-
-
-def scales_nonfinite(spec: FormatSpec, scales: torch.Tensor, tensor_scale: torch.Tensor | None) -> torch.Tensor:
-    """Whether the tensor `choose_scales` chose `(scales, tensor_scale)` for held a NaN or Inf
-    (a 0-d bool), read off the scales instead of another pass over the tensor.
-
-    Every statistic maps a non-finite group to +inf and a finite one to a finite value
-    (`_finite_amax`, `_mean_abs`), and each scale keeps that marker: fp8 scales are +inf, E8M0
-    codes are the NaN code, and a two-level format's tensor scale is +inf (its maximum over
-    the blocks). So the flag is exactly `~isfinite(x).all()`, without the full-size read that
-    an `all` reduction of another shape than the scales' costs in generated code.
-    """
-    if spec.passthrough:
-        raise ValueError(f"scales_nonfinite: format {spec.name!r} has no scales to read the flag from")
-    if spec.name in _FP8:
-        return torch.isinf(scales).any()
-    if spec.name in _E8M0_EMAX:
-        return (scales == _E8M0_NAN).any()
-    assert tensor_scale is not None, f"{spec.name}: two-level formats have a tensor scale"
-    return torch.isinf(tensor_scale).any()
-

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from gift_compile.codec import FormatSpec, choose_scales
-from gift_compile.exchange.plan import BucketPlan, ItemPlan
+from gift_compile.exchange.plan import BucketPlan, Collective, ItemPlan
 
 # Bytes of the header at the start of every destination's block: the plan fingerprint and the
 # non-finite flag, two int64.
@@ -39,7 +39,7 @@ def _read_scale_layout(spec: FormatSpec, cols: int) -> tuple[bool, torch.dtype |
     if spec.passthrough:
         return False, None, 0, False
     scales, tscale = choose_scales(torch.empty(2, cols, device="meta"), spec)
-    per_row = scales.dim() >= 1 and scales.shape[0] == 2 and not (spec.block is None and spec.scaling == "tensor")
+    per_row = scales.dim() >= 1 and scales.shape[0] == 2 and not spec.single_scale
     count = scales.numel() // 2 if per_row else scales.numel()
     return per_row, scales.dtype, count, tscale is not None
 
@@ -79,7 +79,7 @@ def bucket_wire_bytes(plan: BucketPlan) -> int:
             n = plan.flat_sent(item)
             total += n * _itemsize(item.torch_dtype)
             gather += (n // w) * _itemsize(item.torch_dtype)
-    if plan.op == "all_reduce" and w > 1:
+    if plan.op is Collective.ALL_REDUCE and w > 1:
         total += gather
     return total
 
@@ -87,10 +87,10 @@ def bucket_wire_bytes(plan: BucketPlan) -> int:
 def wire_bytes_per_rank(op: str, shape: Sequence[int], spec: FormatSpec, world: int) -> int:
     """`bucket_wire_bytes` of a single managed `[rows, cols]` float32 gradient (for cost tables).
 
-    A `fp32`/`bf16` spec means the plain collective at that precision: `numel * 4` / `* 2`.
+    A passthrough spec (fp32, bf16) means the plain collective at that precision: its payload bytes.
     """
     rows, cols = (1, int(shape[0])) if len(shape) == 1 else (int(torch.Size(shape[:-1]).numel()), int(shape[-1]))
     if spec.passthrough:
-        return rows * cols * (4 if spec.name == "fp32" else 2)
+        return rows * spec.payload_cols(cols)
     item = ItemPlan(name="w", rows=rows, cols=cols, format=spec.name, scaling=spec.scaling, block_size=spec.block_size)
     return bucket_wire_bytes(BucketPlan((item,), world, None, False, op))

@@ -65,7 +65,7 @@ from gift_compile.exchange.item_codec import (
     ItemTensors, Shared, _as_bytes, _from_bytes, _take, decode_item, decode_stage, encode_item, encode_stage,
     gather_decode_item, gather_decode_stage, item_plan, item_width, reduce_reencode_stage, reencode_item,
 )
-from gift_compile.exchange.plan import BucketPlan, ItemPlan
+from gift_compile.exchange.plan import BucketPlan, Collective, ItemPlan
 from gift_compile.sync import process_group
 
 _c10d = torch.ops._c10d_functional
@@ -299,7 +299,7 @@ def bucket_core(xs: Sequence[torch.Tensor], items: Sequence[ItemTensors | None],
     """
     recv = _wait(launch(xs, items, shared, plan), plan)
     headers = _headers(recv, plan)
-    if plan.op == "reduce_scatter":
+    if plan.op is Collective.REDUCE_SCATTER:
         return finish(recv, items, shared, plan), headers
     shards = finish(recv, items, shared, plan, transformed=True)
     gathered = _wait(gather_launch(shards, items, shared, plan), plan)
@@ -312,7 +312,7 @@ def _compiled_bucket(xs: Sequence[torch.Tensor], items: Sequence[ItemTensors | N
     collectives, counters) run eagerly: bit-identical to `bucket_core` (the tests check)."""
     recv = _wait(launch(xs, items, shared, plan, compiled=True), plan)
     headers = _headers(recv, plan)
-    if plan.op == "reduce_scatter":
+    if plan.op is Collective.REDUCE_SCATTER:
         return finish(recv, items, shared, plan, compiled=True), headers
     gathered = _wait(_regather_launch(recv, items, shared, plan), plan)
     return gather_finish(gathered, items, plan, compiled=True), headers

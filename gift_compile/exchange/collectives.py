@@ -28,7 +28,7 @@ from gift_compile.exchange.bucket import (
     N_COUNTERS, RANK_BITS, ItemTensors, Shared, bucket_core, finish, flagged_ranks, gather_finish, gather_launch,
     group_info, launch, run_bucket,
 )
-from gift_compile.exchange.plan import BucketPlan, ItemPlan, dtype_name
+from gift_compile.exchange.plan import BucketPlan, Collective, ItemPlan, dtype_name
 from gift_compile.geometry.table import IDENTITY_KIND, Geometry
 from gift_compile.sync import process_group
 
@@ -61,15 +61,16 @@ class Segment(NamedTuple):
 
 
 def bucket_plan(segments: Sequence[Segment], dtype: torch.dtype, *, world: int, group_name: str | None,
-                average: bool, op: str) -> BucketPlan:
+                average: bool, op: Collective | str) -> BucketPlan:
     """The plan of a buffer cut into `segments` (see `Segment` for the two layouts)."""
-    per_item = world if op == "reduce_scatter" else 1
+    op = Collective.parse(op)
+    per_item = world if op is Collective.REDUCE_SCATTER else 1
     items = tuple(ItemPlan.passthrough(s.name, per_item * s.rows * s.cols, dtype) if s.plan is None
                   else s.plan.with_dtype(dtype) for s in segments)
     return BucketPlan(items, world, group_name, average, op)
 
 
-def sync_buffer(buffer: torch.Tensor, segments: Sequence[Segment], shared: Shared, *, op: str,
+def sync_buffer(buffer: torch.Tensor, segments: Sequence[Segment], shared: Shared, *, op: Collective | str,
                 group: dist.ProcessGroup | str | None, average: bool, out: torch.Tensor | None = None,
                 plan_check: str | None = None, nonfinite: str | None = None, compiled: bool = False,
                 timing: contextlib.AbstractContextManager | None = None) -> list[torch.Tensor]:
@@ -86,14 +87,15 @@ def sync_buffer(buffer: torch.Tensor, segments: Sequence[Segment], shared: Share
     this rank's shards concatenated. `timing` is entered around the collective. Returns the
     fp32 outputs (all-reduce: full gradients; reduce-scatter: this rank's shards).
     """
+    op = Collective.parse(op)
     group_name, world, _ = group_info(group)
     xs: list[torch.Tensor] = []
-    if op == "reduce_scatter":
+    if op is Collective.REDUCE_SCATTER:
         chunks = buffer.view(world, sum(s.rows * s.cols for s in segments))
     offset = 0
     for seg in segments:
         n = seg.rows * seg.cols
-        if op == "reduce_scatter":
+        if op is Collective.REDUCE_SCATTER:
             piece = chunks[:, offset:offset + n]
             xs.append(piece if seg.plan is None else piece.reshape(world * seg.rows, seg.cols))
         else:
@@ -108,7 +110,7 @@ def sync_buffer(buffer: torch.Tensor, segments: Sequence[Segment], shared: Share
         outs, headers = run_bucket(xs, [s.tensors for s in segments], shared, plan, compiled=compiled)
     if nonfinite is not None:
         raise_on_bad_headers(headers, plan, nonfinite)
-    if out is not None and op == "reduce_scatter":
+    if out is not None and op is Collective.REDUCE_SCATTER:
         out.copy_(torch.cat([o.reshape(-1) for o in outs]))
     elif out is not None:
         offset = 0
@@ -121,7 +123,7 @@ def sync_buffer(buffer: torch.Tensor, segments: Sequence[Segment], shared: Share
 # ---- one-tensor public API -----------------------------------------------------------------------
 @torch.compiler.disable
 def _single(x: torch.Tensor, group: dist.ProcessGroup | str | None, config: GiftConfig, transform: Geometry | None,
-            residual: torch.Tensor | None, seed: torch.Tensor | int, op: str, compiled: bool,
+            residual: torch.Tensor | None, seed: torch.Tensor | int, op: Collective, compiled: bool,
             second_hop_residual: torch.Tensor | None = None) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"GIFT {op}: x must be a tensor, got {type(x).__name__}")
@@ -129,7 +131,7 @@ def _single(x: torch.Tensor, group: dist.ProcessGroup | str | None, config: Gift
     if x.dim() < 1 or x.numel() == 0:
         raise ValueError(f"GIFT {op}: x must have at least one dimension and one element, got shape {tuple(x.shape)}")
     rows, cols = (1, x.shape[0]) if x.dim() == 1 else (x.numel() // x.shape[-1], x.shape[-1])
-    if op == "reduce_scatter":
+    if op is Collective.REDUCE_SCATTER:
         rows, cols = x.shape[0], x.numel() // x.shape[0]
     kind = IDENTITY_KIND if transform is None else transform.kind
     tensors = () if transform is None else transform.tensors
@@ -141,7 +143,7 @@ def _single(x: torch.Tensor, group: dist.ProcessGroup | str | None, config: Gift
     if second_hop_residual is not None and second_hop_residual.shape != (-(-rows // world), cols):
         raise ValueError(f"GIFT {op}: second_hop_residual shape {tuple(second_hop_residual.shape)} != this rank's "
                          f"shard {(-(-rows // world), cols)} (rows {rows} padded to a multiple of {world}, / {world})")
-    if op == "reduce_scatter" and rows % world:
+    if op is Collective.REDUCE_SCATTER and rows % world:
         raise ValueError(f"GIFT reduce_scatter: dim 0 of x ({rows}) is not divisible by the world size {world}")
     item = ItemPlan(name="x", rows=rows, cols=cols, dtype=dtype_name(x.dtype), managed=True, format=config.format,
                     scaling=config.scaling, block_size=config.block_size, kind=kind, n_tensors=len(tensors),
@@ -150,7 +152,7 @@ def _single(x: torch.Tensor, group: dist.ProcessGroup | str | None, config: Gift
                     error_feedback_decay=config.error_feedback_decay)
     res2 = None if residual is None else (residual.reshape(rows, cols),)
     hop2 = None if second_hop_residual is None else (second_hop_residual,)
-    seg_rows = rows // world if op == "reduce_scatter" else rows
+    seg_rows = rows // world if op is Collective.REDUCE_SCATTER else rows
     segment = Segment("x", seg_rows, cols, item, ItemTensors(tensors, res2, None, second_hop_residual=hop2))
     outs = sync_buffer(x.reshape(-1), [segment], Shared(seed, rank, None), op=op, group=group,
                        average=config.reduce_op == "avg", plan_check=config.plan_check, nonfinite=config.nonfinite,
@@ -178,7 +180,7 @@ def reduce_scatter(
     This is an eager API (its checks talk to the host); inside your own compiled code call
     `bucket_core` with a `BucketPlan`, which traces with `fullgraph=True`.
     """
-    out = _single(x, group, config, transform, residual, seed, "reduce_scatter", compiled)
+    out = _single(x, group, config, transform, residual, seed, Collective.REDUCE_SCATTER, compiled)
     return out.to(x.dtype).reshape(-1, *x.shape[1:])
 
 
@@ -200,5 +202,5 @@ def all_reduce(
     is the owner-side error feedback of this rank's reduced shard, updated in place. Both
     residuals are decayed by `config.error_feedback_decay`.
     """
-    return _single(x, group, config, transform, residual, seed, "all_reduce", compiled,
+    return _single(x, group, config, transform, residual, seed, Collective.ALL_REDUCE, compiled,
                    second_hop_residual).to(x.dtype).reshape(x.shape)

@@ -20,7 +20,7 @@ from torch._subclasses.fake_tensor import is_fake
 from gift_compile.codec import residual as residual_store
 from gift_compile.exchange import collectives
 from gift_compile.exchange.collectives import ItemTensors, Shared
-from gift_compile.exchange.plan import ItemPlan
+from gift_compile.exchange.plan import Collective, ItemPlan
 
 __all__ = ["ACCUMULATE", "SYNC", "SYNC_PENDING", "MarkLayout", "mark", "pack_mark_tensors", "split_mark_tensors",
            "tracing", "unpack_item_tensors", "unpack_mark_tensors", "unpack_replica_shared"]
@@ -113,8 +113,8 @@ class _GiftSync(torch.autograd.Function):
         item = ItemPlan.from_str(ctx.plan)
         tensors, shared = unpack_mark_tensors(item, saved)
         segment = collectives.Segment(item.name, item.rows, item.cols, item, tensors)
-        outs = collectives.sync_buffer(grad.reshape(-1), [segment], shared, op="all_reduce", group=ctx.group_name,
-                                       average=ctx.op == "avg", plan_check="first")
+        outs = collectives.sync_buffer(grad.reshape(-1), [segment], shared, op=Collective.ALL_REDUCE,
+                                       group=ctx.group_name, average=ctx.op == "avg", plan_check="first")
         return (outs[0].to(grad.dtype).reshape(grad.shape), *nones)
 
 

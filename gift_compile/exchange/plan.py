@@ -14,6 +14,7 @@ and every process, whatever layers were created before.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 import json
 import zlib
@@ -137,41 +138,64 @@ class ItemPlan:
                 f" sr={int(self.stochastic_rounding)}")
 
 
+class Collective(enum.StrEnum):
+    """The collective a bucket runs. A `StrEnum`: a member equals, prints and serialises as its
+    spelling, so plan descriptions, fingerprints and `as_dict` keep the strings they had."""
+
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_REDUCE = "all_reduce"
+
+    @classmethod
+    def parse(cls, value: object) -> Collective:
+        """The member spelled `value` (a member passes through); ValueError naming `value` otherwise.
+        A dict lookup, which Dynamo folds, rather than `Collective(value)`."""
+        member = _COLLECTIVES.get(value) if isinstance(value, str) else None
+        if member is None:
+            raise ValueError(f"unknown collective op {value!r}; allowed: {', '.join(_COLLECTIVES)}")
+        return member
+
+
+_COLLECTIVES: dict[str, Collective] = {c.value: c for c in Collective}
+
+
 @dataclass(frozen=True)
 class BucketPlan:
     """One quantized collective over `items` on a group of `world` ranks.
 
-    `op` is "reduce_scatter" (each rank receives the sum of its 1/world row block of every
-    item) or "all_reduce" (every rank receives every full sum). `average` divides by `world`.
+    `op` is `Collective.REDUCE_SCATTER` (each rank receives the sum of its 1/world row block of
+    every item) or `ALL_REDUCE` (every rank receives every full sum); its spelling is accepted
+    and stored as the member. `average` divides by `world`.
     """
 
     items: tuple[ItemPlan, ...]
     world: int
     group_name: str | None
     average: bool
-    op: str = "reduce_scatter"
+    op: Collective = Collective.REDUCE_SCATTER
 
     def __post_init__(self) -> None:
-        if self.op not in ("reduce_scatter", "all_reduce"):
-            raise ValueError(f"BucketPlan.op={self.op!r}; allowed: reduce_scatter, all_reduce")
+        try:
+            object.__setattr__(self, "op", Collective.parse(self.op))
+        except ValueError:
+            raise ValueError(f"BucketPlan.op={self.op!r}; allowed: {', '.join(_COLLECTIVES)}") from None
         if not self.items:
             raise ValueError("BucketPlan: a bucket needs at least one item")
         # Item names and order are in: two equally shaped layers taken in another order on
         # another rank must not pair (their seeds and transforms differ).
-        text = repr((tuple(i.to_str() for i in self.items), self.world, self.average, self.op))
+        text = repr((tuple(i.to_str() for i in self.items), self.world, self.average, self.op.value))
         digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
         object.__setattr__(self, "_fingerprint", int.from_bytes(digest, "little", signed=True))
 
     def rows_sent(self, item: ItemPlan) -> int:
         """Rows of a managed item as communicated: an all-reduce pads them to a multiple of
         the world size; a reduce-scatter needs them divisible."""
-        if self.op == "all_reduce":
+        if self.op is Collective.ALL_REDUCE:
             return -(-item.rows // self.world) * self.world
         return item.rows
 
     def flat_sent(self, item: ItemPlan) -> int:
         """Elements of a passthrough item as communicated (padded for an all-reduce)."""
-        if self.op == "all_reduce":
+        if self.op is Collective.ALL_REDUCE:
             return -(-item.numel // self.world) * self.world
         return item.numel
 
@@ -183,7 +207,7 @@ class BucketPlan:
 
     def as_dict(self) -> dict:
         """Plain-data form (what ranks exchange to name the first difference of two plans)."""
-        return {"op": self.op, "world": self.world, "average": self.average,
+        return {"op": self.op.value, "world": self.world, "average": self.average,
                 "items": [dataclasses.asdict(i) for i in self.items]}
 
     @classmethod
@@ -200,11 +224,11 @@ def replica_hop_plan(shards: Sequence[ItemPlan], fmt: str, world: int, group_nam
     """HSDP's replica hop: the all-reduce over the replica group of the row shards the shard hop
     left on this rank, whose items (`shards`: managed ones with their layer's plan, rows those
     of the shard) it sends in one bucket. A managed shard goes at `fmt` without error feedback
-    (the residual belongs to the shard hop); an "fp32" `fmt` sends it raw, like every other item.
+    (the residual belongs to the shard hop); a lossless `fmt` (fp32) sends it raw, like every other item.
     The one rule for both places that run the hop: FSDP2's all-reduce hook
     (`gift_compile.frameworks.hsdp`) and the FX pass's rewrite of a traced HSDP step."""
-    items = tuple(ItemPlan.passthrough(i.name, i.numel, i.torch_dtype) if not i.managed or fmt == "fp32"
+    items = tuple(ItemPlan.passthrough(i.name, i.numel, i.torch_dtype) if not i.managed or FormatSpec(fmt).family.lossless
                   else dataclasses.replace(i, format=fmt, error_feedback=False, second_hop_error_feedback=False,
                                            error_feedback_decay=1.0, residual_format="fp32")
                   for i in shards)
-    return BucketPlan(items, world, group_name, average, "all_reduce")
+    return BucketPlan(items, world, group_name, average, Collective.ALL_REDUCE)

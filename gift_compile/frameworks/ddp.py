@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from gift_compile.config import GiftConfig
 from gift_compile.exchange.collectives import Segment, group_info, sync_buffer
+from gift_compile.exchange.plan import Collective
 from gift_compile.frameworks.adapter import attach
 from gift_compile.frameworks.routing import manage
 from gift_compile.runtime.health import queue_backward_check
@@ -58,8 +59,8 @@ def _gift_hook(hs: "_HookState", bucket: dist.GradBucket) -> torch.futures.Futur
         else:
             segments.append(Segment(layer.fqn, *layer.shape, layer.plan, layer.tensors()))
     config = hs.state.config
-    sync_buffer(buf, segments, hs.state.shared, op="all_reduce", group=hs.group, average=config.reduce_op == "avg",
-                out=buf, plan_check=config.plan_check, compiled=hs.fuse)
+    sync_buffer(buf, segments, hs.state.shared, op=Collective.ALL_REDUCE, group=hs.group,
+                average=config.reduce_op == "avg", out=buf, plan_check=config.plan_check, compiled=hs.fuse)
     queue_backward_check(hs.state)
     fut.set_result(buf)
     return fut
@@ -71,7 +72,7 @@ def install(model: nn.parallel.DistributedDataParallel, config: GiftConfig, grou
     pg = model.process_group if group is None or group is dist.group.WORLD else group
     if pg is not model.process_group and dist.get_world_size(pg) != dist.get_world_size(model.process_group):
         raise ValueError("gift_compile.apply: group= differs from the DistributedDataParallel process group")
-    state = manage(model.module, config, model.process_group, mode="stats", collective="all_reduce")
+    state = manage(model.module, config, model.process_group, mode="stats", collective=Collective.ALL_REDUCE)
     model.register_comm_hook(_HookState(state, model.module, model.process_group, fuse), _gift_hook)
     model._gift_state = state
     attach(state, DDP.name, None)

@@ -33,7 +33,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
 from gift_compile.exchange.collectives import Segment, bucket_plan, bucket_wire_bytes, sync_buffer
-from gift_compile.exchange.plan import BucketPlan
+from gift_compile.exchange.plan import BucketPlan, Collective
 from gift_compile.frameworks.fsdp_internals import (
     DefaultReduceScatter, ReduceScatter, check_torch, custom_reduce_scatter, fsdp_modules, packed_params,
     shard_process_group,
@@ -108,7 +108,7 @@ class GiftReduceScatter(ReduceScatter):
         """The bucket this module's reduce-scatter runs: one item per parameter (managed
         weights quantized, the others at full precision), FSDP2's order."""
         return bucket_plan(self._segments(), dtype, world=world, group_name=group_name, average=False,
-                           op="reduce_scatter")
+                           op=Collective.REDUCE_SCATTER)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: Any, async_op: bool = False) -> dist.Work | None:
@@ -129,7 +129,7 @@ class GiftReduceScatter(ReduceScatter):
             )
         config = self.state.config
         self.last_call = (world, input_tensor.dtype, group.group_name)
-        sync_buffer(input_tensor, segments, self.state.shared, op="reduce_scatter", group=group, average=False,
+        sync_buffer(input_tensor, segments, self.state.shared, op=Collective.REDUCE_SCATTER, group=group, average=False,
                     out=output_tensor, plan_check=config.plan_check, compiled=self.compiled,
                     timing=self.timer.timing(input_tensor.device))
         queue_backward_check(self.state)

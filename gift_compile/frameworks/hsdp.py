@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 from gift_compile.exchange.collectives import (C_WIRE, C_BASELINE, C_CALLS, N_COUNTERS, ItemTensors, Shared,
                                       bucket_plan, bucket_wire_bytes, check_plan_agreement, run_bucket)
-from gift_compile.exchange.plan import BucketPlan, ItemPlan, replica_hop_plan
+from gift_compile.exchange.plan import BucketPlan, Collective, ItemPlan, replica_hop_plan
 from gift_compile.frameworks.adapter import attach, attached
 from gift_compile.frameworks.fsdp2 import GiftReduceScatter, discarding
 from gift_compile.frameworks.fsdp_internals import (all_reduce_hook, check_torch, custom_reduce_scatter, fsdp_modules,
@@ -130,7 +130,7 @@ class ReplicaAllReduce:
         segments = self.comm._segments()
         if self.sole:
             return bucket_plan(segments, dtype, world=self.hop.world, group_name=self.hop.group.group_name,
-                               average=self.average, op="all_reduce")
+                               average=self.average, op=Collective.ALL_REDUCE)
         shards = [ItemPlan.passthrough(seg.name, seg.rows * seg.cols, dtype) if seg.plan is None
                   else dataclasses.replace(seg.plan.with_dtype(dtype), rows=seg.rows) for seg in segments]
         return replica_hop_plan(shards, self.state.config.replica_hop_format, self.hop.world,

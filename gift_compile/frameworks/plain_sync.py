@@ -43,7 +43,7 @@ from gift_compile.exchange import collectives
 from gift_compile.exchange.collectives import (C_BASELINE, C_NONFINITE, C_NONFINITE_RANKS, C_PLAIN_CALLS, C_WIRE,
                                                RANK_BITS)
 from gift_compile.exchange.mark import SYNC
-from gift_compile.exchange.plan import BucketPlan, ItemPlan
+from gift_compile.exchange.plan import BucketPlan, Collective, ItemPlan
 from gift_compile.frameworks.adapter import attach
 from gift_compile.frameworks.routing import manage
 from gift_compile.runtime.health import queue_backward_check
@@ -67,7 +67,7 @@ class PlainSync:
         name, world, self.me = collectives.group_info(group)
         items = [ItemPlan.passthrough(n, p.numel(), p.dtype) for n, p in self.params]
         items.append(ItemPlan.passthrough(ARRIVED_ITEM, len(self.params), torch.float32))
-        self.plan = BucketPlan(tuple(items), world, name, state.config.reduce_op == "avg", "all_reduce")
+        self.plan = BucketPlan(tuple(items), world, name, state.config.reduce_op == "avg", Collective.ALL_REDUCE)
         self.average = state.config.reduce_op == "avg"
         # One fp32 buffer: every parameter's slot in parameter order, one arrival flag per
         # parameter, one non-finite flag per rank (each rank sets its own; the sum names them).

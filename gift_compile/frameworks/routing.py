@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from gift_compile.config import AUTO_GEOMETRY, GiftConfig
 from gift_compile.exchange.mark import SYNC, _GiftSync, _GiftTag, tracing
+from gift_compile.exchange.plan import Collective
 from gift_compile.frameworks.parts import Parts, model_parts
 from gift_compile.frameworks.tensor_parallel import local_input, local_matrix_shape, on_local_block
 from gift_compile.runtime.layer import LayerState
@@ -187,7 +188,7 @@ def manage(model: Parts, config: GiftConfig, group: dist.ProcessGroup | None, *,
         raise ValueError("gift_compile.manage: geometry='auto' is resolved from the optimizer before managing "
                          "(gift_compile.apply(..., optimizer=) does it, or pass geometry_for(optimizer, weights))")
     if collective is None:  # a framework hook that all-reduces (DDP) says so
-        collective = "all_reduce" if mode == "sync" else "reduce_scatter"
+        collective = Collective.ALL_REDUCE if mode == "sync" else Collective.REDUCE_SCATTER
     state = GiftState(config, group, collective=collective)
     world = state.world()
     group_name = group.group_name if mode == "sync" and world > 1 else None

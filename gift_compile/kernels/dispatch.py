@@ -33,7 +33,6 @@ import torch
 from gift_compile import codec
 from gift_compile.codec import FormatSpec, as_rows
 from gift_compile.codec.scales import _global_max, _tensor_scale
-from gift_compile.codec.spec import _TWO_LEVEL
 from gift_compile.kernels.formats import KERNEL_FORMATS
 
 try:
@@ -139,7 +138,7 @@ def choose_scales(x: torch.Tensor, spec: FormatSpec) -> tuple[torch.Tensor, torc
         return codec.choose_scales(x, spec)
     x2 = as_rows(x).float().contiguous()
     stat = ops.block_stat(x2, spec.name, spec.block_size)
-    tscale = _tensor_scale(_global_max(stat), _TWO_LEVEL[spec.name][1])
+    tscale = _tensor_scale(_global_max(stat), spec.family.level)
     return ops.scale_codes(stat, tscale, spec.name, spec.block_size), tscale
 
 

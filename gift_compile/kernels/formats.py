@@ -1,9 +1,9 @@
 """Which formats have explicit kernels, and the compile-time parameters a kernel takes for each.
 
-Read off the codec's own tables (`gift_compile.codec.spec`, `.scales`, `.codes`), so a format's
-kernels cannot drift from its reference: the code width and word layout come from the packer
-(`codec.codes._word_layout`), the block statistic and grid level from `_TWO_LEVEL`, the
-mean-|x| multiplier from `_MEAN_ABS_STEP`, the integer range from `_INT_MAX`.
+Read off the codec's format table (`gift_compile.codec.formats`), so a format's kernels cannot
+drift from its reference: the code width and word layout come from the family's element grid
+(`codec.codes.Grid.word_layout`), the block statistic, mean-|x| multiplier and grid level from
+the `TwoLevel` family, the integer range from the grid's `imax`.
 
 Kernels exist for the two-level formats (E4M3 block scale x power-of-two tensor scale): nvfp4,
 int6, int4, int3, int2 and ternary, round to nearest: the formats whose Inductor-generated
@@ -18,14 +18,17 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from gift_compile.codec.codes import _word_layout
-from gift_compile.codec.scales import _MEAN_ABS_STEP
-from gift_compile.codec.spec import _CODE_BITS, _INT_MAX, _TWO_LEVEL, FormatSpec
+from gift_compile.codec.codes import E2M1, Int2, IntGrid, Ternary
+from gift_compile.codec.formats import FORMAT_TABLE, TwoLevel
+from gift_compile.codec.spec import FormatSpec
 
 __all__ = ["KERNEL_FORMATS", "KernelFormat", "kernel_format"]
 
-KERNEL_FORMATS = ("nvfp4", "int6", "int4", "int3", "int2", "ternary")
-_KIND = {"nvfp4": 0, "int6": 1, "int4": 1, "int3": 1, "int2": 2, "ternary": 3}
+# The kernels' `KIND` constexpr (`triton_codec.KIND_*`) of each element grid they implement.
+_KIND = {E2M1: 0, IntGrid: 1, Int2: 2, Ternary: 3}
+# Every two-level format on one of those grids has kernels.
+KERNEL_FORMATS = tuple(name for name, fam in FORMAT_TABLE.items()
+                       if isinstance(fam, TwoLevel) and type(fam.grid) in _KIND)
 
 
 def _next_pow2(n: int) -> int:
@@ -58,21 +61,21 @@ class KernelFormat:
 
 def kernel_format(spec: FormatSpec) -> KernelFormat:
     """The kernel parameters of `spec`; ValueError naming the format when it has no kernels."""
-    if spec.name not in KERNEL_FORMATS:
+    fam = spec.family
+    if spec.name not in KERNEL_FORMATS or not isinstance(fam, TwoLevel):
         raise ValueError(f"format {spec.name!r} has no explicit codec kernels; kernels exist for "
                          f"{', '.join(KERNEL_FORMATS)} (the others run as Inductor-generated code)")
-    per, nbytes = _word_layout(spec)
+    per, nbytes = fam.grid.word_layout()
     block = spec.block
     assert block is not None
-    stat, level = _TWO_LEVEL[spec.name]
     factor = None
-    if stat == "mean_abs":
-        factor = _MEAN_ABS_STEP[spec.name] / block
+    if fam.mean_abs_step is not None:
+        factor = fam.mean_abs_step / block
         # the kernel multiplies an fp64 sum by this constant, which Triton carries as fp32:
         # exact for the block lengths (powers of two) and multipliers the codec has
         assert _as_fp32(factor) == factor, factor
-    return KernelFormat(spec.name, _KIND[spec.name], _CODE_BITS.get(spec.name, 0), per, _next_pow2(per), nbytes,
-                        _INT_MAX.get(spec.name, 0), block, factor, 1.0 / level)
+    return KernelFormat(spec.name, _KIND[type(fam.grid)], fam.grid.bits, per, _next_pow2(per), nbytes,
+                        fam.grid.imax, block, factor, 1.0 / fam.level)
 
 
 def _as_fp32(x: float) -> float:

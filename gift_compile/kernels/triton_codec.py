@@ -183,7 +183,7 @@ def encode_kernel(x_ptr, code_ptr, tscale_ptr, out_ptr, cols, cp, nblocks, nword
     mag = _magnitude(tl.abs(x), unit, KIND, IMAX)
     neg = x < 0
     if KIND == KIND_INT2:
-        # no zero level: an exact 0 goes to -1 or +1 by column parity (`codec.codes._grid_codes`)
+        # no zero level: an exact 0 goes to -1 or +1 by column parity (`codec.codes.Int2.nearest_sign`)
         neg = neg | ((x == 0) & ((j & 1) == 1))
     sign = neg.to(tl.int32)
     if KIND == KIND_NVFP4:
@@ -209,7 +209,7 @@ def encode_kernel(x_ptr, code_ptr, tscale_ptr, out_ptr, cols, cp, nblocks, nword
 
 @triton.jit
 def _grid_value(code, KIND: tl.constexpr, BITS: tl.constexpr):
-    """fp32 grid value (in units of the block scale) of int32 codes: `codec.codes._grid_values`."""
+    """fp32 grid value (in units of the block scale) of int32 codes: the `values` of `codec.codes`'s grids."""
     if KIND == KIND_NVFP4:
         m = code & 7
         normal = ((2 + (m & 1)) << (m >> 1)).to(tl.float32) * 0.25

@@ -29,7 +29,7 @@ import torch
 from gift_compile.codec import FormatSpec, as_rows, choose_scales, encode
 from gift_compile.config import GiftConfig
 from gift_compile.exchange.collectives import ItemTensors, Shared, bucket_core
-from gift_compile.exchange.plan import BucketPlan, ItemPlan
+from gift_compile.exchange.plan import BucketPlan, Collective, ItemPlan
 from gift_compile.geometry.table import IDENTITY_KIND, Geometry, map_class
 
 _E5M2_MAX_CODE = 0x7B  # 0 11110 11: 57344, the largest finite E5M2 magnitude
@@ -61,7 +61,7 @@ def round_trip(g: torch.Tensor, spec: FormatSpec, kind: str, tensors: tuple[torc
     rows, cols = g.shape
     item = ItemPlan(name="probe", rows=rows, cols=cols, format=spec.name, scaling=spec.scaling,
                     block_size=spec.block_size, kind=kind, n_tensors=len(tensors))
-    plan = BucketPlan((item,), 1, None, False, "all_reduce")
+    plan = BucketPlan((item,), 1, None, False, Collective.ALL_REDUCE)
     return bucket_core([g.float()], [ItemTensors(tuple(tensors))], Shared(), plan)[0][0]
 
 

@@ -29,7 +29,7 @@ from gift_compile.config import GiftConfig
 from gift_compile.exchange.agreement import first_difference
 from gift_compile.exchange.collectives import (C_MISMATCH, C_MISMATCH_RANKS, C_NONFINITE, C_NONFINITE_RANKS, N_COUNTERS,
                                                Shared, flagged_ranks)
-from gift_compile.exchange.plan import BucketPlan
+from gift_compile.exchange.plan import BucketPlan, Collective
 from gift_compile.geometry.table import geometry_class
 from gift_compile.runtime.checkpoint import Checkpointing
 from gift_compile.runtime.layer import LayerState
@@ -76,8 +76,9 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
                  "plan_version", "selection_changes", "_sharing_checked", "adapters", "hop_counters", "backward_watch",
                  "geometry")
 
-    def __init__(self, config: GiftConfig, group: dist.ProcessGroup | None, collective: str = "all_reduce"):
-        if config.second_hop_error_feedback and collective != "all_reduce":
+    def __init__(self, config: GiftConfig, group: dist.ProcessGroup | None,
+                 collective: Collective | str = Collective.ALL_REDUCE):
+        if config.second_hop_error_feedback and Collective.parse(collective) is not Collective.ALL_REDUCE:
             raise ValueError(f"GIFT: second_hop_error_feedback=True needs GIFT's all-reduce; this state runs a "
                              f"{collective}, which has no second hop (only error_feedback applies)")
         self.config = config
