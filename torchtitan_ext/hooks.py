@@ -40,8 +40,12 @@ _UNSUPPORTED_WHY = {
     "tensor with data-replicate (HSDP x TP)": "each TP rank's block would need GIFT's replica hop over the "
               "TP-local shards (and on graph_trainer the pass would see TP's all-reduce of a norm gradient before "
               "SimpleFSDP's replica all-reduce); that layout takes 8 ranks and has not been run",
-    "context": "the FSDP mesh then spans dp_shard x cp, and the statistics would see a CP rank's slice "
-               "of each sequence as separate tokens",
+    "context": "torchtitan's CP has never run with GIFT: on CPU its ring attention stops at torch's "
+               "'Operator aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding "
+               "strategy registered' (CP shards SDPA's CUDA flash, efficient and cuDNN kernels only), and no "
+               "multi-GPU run has been made. GIFT's own side is checked below torchtitan: CP ranks' statistics "
+               "of their slices, summed over the fsdp (dp_shard x cp) group at a refresh, give the whole "
+               "sequences' factor and the same transforms on every CP rank (tests/test_context_parallel.py)",
     "pipeline on graph_trainer": "graph_trainer traces the whole training step only without pipeline "
               "parallelism; with it, torch's eager pipeline schedule runs the step, so there is no traced "
               "reduce-scatter for the gift pass to rewrite; use the FSDP2 trainer (GIFT per stage)",
