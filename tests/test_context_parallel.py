@@ -27,8 +27,10 @@ from multirank import run_ranks
 WIDTH, BATCH, SEQ, CP = 64, 4, 32, 2
 STEPS = 2
 GEOMETRIES = ("dense", "lowrank")  # the exact K-FAC factor, and its sketch (reduced onto each layer's owner)
-# sequences short enough that no layer subsamples its tokens (stats_tokens >= BATCH * SEQ):
-# a strided subsample of a slice is not the subsample of the whole sequences
+# Sequences short enough that no layer subsamples its tokens (stats_tokens >= BATCH * SEQ): a
+# strided subsample of a slice is not the subsample of the whole sequences. fp32 on the wire keeps
+# both arms' weights equal up to summation order, so fc2's inputs (after fc1) stay comparable at
+# the second refresh. rank 8: a 16-column sketch, smaller than either layer's factor.
 CFG = dict(format="fp32", select="all", min_numel=1024, refresh_every=1, refresh_warmup=0, rank=8, exclude=())
 
 
@@ -95,6 +97,16 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 def arms() -> tuple[list[dict], dict]:
     """The 2 CP ranks' results, and one rank's of the same tokens without CP (2 ranks, whole sequences)."""
     return run_ranks(_train, CP, True), run_ranks(_train, CP, False)[0]
+
+
+def test_head_tail_positions_are_torchs_load_balancer() -> None:
+    """The slices this test hands each CP rank are those torchtitan's CP sharding gives it
+    (`torchtitan.distributed.context_parallel.cp_shard` with its default "headtail" balancer)."""
+    from torch.distributed.tensor.experimental._attention import _HeadTailLoadBalancer
+
+    order = _HeadTailLoadBalancer(SEQ, CP, "cpu")._generate_indices().reshape(-1)
+    for rank, chunk in enumerate(order.chunk(CP)):
+        assert torch.equal(head_tail_positions(rank, CP, SEQ), chunk), rank
 
 
 @pytest.mark.parametrize("geometry,stats_kind", [("dense", "KFACStatistics"), ("lowrank", "SketchStatistics")])
