@@ -1,0 +1,142 @@
+"""Context parallelism x FSDP with GIFT on torchtitan's FSDP2 trainer, 4 gloo ranks (CP 2 x
+dp_shard 2), and the CPU ring attention that lets torchtitan's CP run on CPU at all.
+
+torchtitan folds dp_shard and cp into its ``fsdp`` mesh; FSDP2 reduce-scatters every gradient
+over it and GIFT's state group is that mesh, so each CP rank's K-FAC statistics of its slice of
+every sequence are summed with the other slices' at a refresh (that sum is checked against whole
+sequences, with bit-identical transforms across CP ranks, in tests/test_context_parallel.py).
+Three runs, same seed, init and data (~25-40 s each on a 2-core box): GIFT at nvfp4 with the
+low-rank K-FAC geometry (the one that reads the input statistics; a refresh after step 2, so step
+3 runs the measured selection), GIFT at fp32 and GIFT off. nvfp4 must quantize, count at the
+collective exactly the bytes its plans account for, and stay within the 2-rank tests' loss
+tolerance of GIFT off; fp32 must reproduce GIFT off's losses exactly.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import require
+from multirank import run_ranks
+
+require("torchtitan", "torchtitan extra not installed")
+
+from gift_compile.torchtitan_ext.hooks import REFUSAL, data_parallel_group  # noqa: E402
+from gift_compile.torchtitan_ext.runs import RunResult, shared_runs  # noqa: E402
+
+STEPS = 3
+CP = ["--parallelism.context-parallel-degree=2", "--parallelism.data-parallel-shard-degree=2",
+      "--validator.no-enable", f"--training.steps={STEPS}", "--metrics.log-freq=1"]
+GIFT = ["--gift.refresh-every=2", "--gift.no-fuse", "--gift.geometry=lowrank"]
+TOLERANCE = 5e-3  # the 2-rank tests' per-step loss tolerance (tests/test_torchtitan_train.py)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], RunResult]:
+    return shared_runs({
+        "nvfp4": ("llama3_debug_gift_fsdp2", [*CP, *GIFT, "--gift.format=nvfp4"]),
+        "fp32": ("llama3_debug_gift_fsdp2", [*CP, *GIFT, "--gift.format=fp32"]),
+        "off": ("llama3_debug_nogift_fsdp2", CP),
+    }, lambda name: str(tmp_path_factory.mktemp(name)), nproc=4)
+
+
+def _steps(run: RunResult) -> list[dict]:
+    steps = [r for r in run.records if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    return steps
+
+
+def _assert_gift_ran_under_cp(run: RunResult) -> None:
+    assert REFUSAL not in run.output
+    assert "Applied Context Parallel" in run.output  # torchtitan's CP wrapping of the attention
+    assert not [line for line in run.output.splitlines()
+                if "GIFT" in line and ("WARNING" in line or "full precision" in line)]
+    # all 4 ranks manage the 20 linear weights, each with its share of the 4-rank fsdp group
+    assert len(re.findall(r"GIFT: 20 weights managed", run.output)) == 4
+
+
+def test_fsdp2_cp_quantizes_at_nvfp4_and_tracks_gift_off(runs: Callable[[str], RunResult]) -> None:
+    gift, off = runs("nvfp4"), runs("off")
+    _assert_gift_ran_under_cp(gift)
+    # the refresh read the sketches and made the same selection on every rank
+    decisions = re.findall(r"GIFT refresh at step 2: (\d+)/20 layers on the transformed path", gift.output)
+    assert len(decisions) == 4 and len(set(decisions)) == 1, decisions
+    # the whole model's fp32 gradient: embedding and head [4096, 128], per block wqkv/w1/w3 [384, 128],
+    # w2 [128, 384] and wo [128, 128], 9 norms of 128
+    full = 2 * 4096 * 128 + 4 * (4 * 384 * 128 + 128 * 128) + 9 * 128
+    for r in _steps(gift):
+        assert r["gift/baseline_bytes_per_step"] == 4 * full, r
+        # bytes handed to GIFT's reduce-scatters (counted at run time) == the plans' accounting
+        assert r["gift/wire_bytes_per_step"] == r["gift/accounted_bytes_per_backward"], r
+        assert r["gift/collectives_per_step"] == 6, r
+        assert r["gift/compression"] > 1.5, r
+    assert gift.last("gift/refresh_step") == 2
+    assert 0.03 < gift.last("gift/err_euclidean_mean") < 0.3
+    g, o = gift.losses(), off.losses()
+    assert g[1] == o[1]  # same init, data and forward: only the gradient path differs
+    assert any(g[s] != o[s] for s in g if s > 1)  # and that path did quantize
+    for step in g:
+        assert abs(g[step] - o[step]) < TOLERANCE, (step, g, o)
+
+
+def test_fsdp2_cp_at_fp32_is_exact_and_matches_gift_off(runs: Callable[[str], RunResult]) -> None:
+    exact, off = runs("fp32"), runs("off")
+    _assert_gift_ran_under_cp(exact)
+    for r in _steps(exact):
+        assert r["gift/wire_bytes_per_step"] == r["gift/accounted_bytes_per_backward"], r
+    assert exact.last("gift/err_euclidean_mean") == 0.0
+    assert exact.losses() == off.losses()
+
+
+@pytest.mark.parametrize("dp_shard", [2, 1])
+def test_fsdp2_cp_state_group_is_the_fsdp_mesh(dp_shard: int) -> None:
+    """GIFT's group under CP is torchtitan's ``fsdp`` mesh (dp_shard x cp), the one FSDP2
+    reduce-scatters over; CP alone (dp_shard 1) still has 2 ranks there, so it is not refused
+    as a one-rank FSDP2 layout. The refusals of the other CP layouts: tests/test_torchtitan_hsdp.py."""
+    parallel_dims = SimpleNamespace(tp=1, cp=2, pp=1, ep=1, dp_replicate=1, dp_shard=dp_shard,
+                                    get_mesh=lambda name: SimpleNamespace(get_group=lambda: name))
+    assert data_parallel_group(parallel_dims, "fsdp2") == "fsdp"
+
+
+def _ring_attention(rank: int, world: int) -> dict[str, float]:
+    """Causal SDPA on q/k/v sharded on the sequence (head-tail slices, as torchtitan's CP hands
+    them over) against the same SDPA on whole sequences: outputs and the three gradients."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.experimental._attention import (
+        _enable_context_parallel_dispatcher,
+        _HeadTailLoadBalancer,
+    )
+
+    from gift_compile.torchtitan_ext import cpu_compat
+
+    cpu_compat.activate()
+    _enable_context_parallel_dispatcher()  # what torchtitan's apply_cp_to_forward calls
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 16, 8, generator=gen) for _ in range(3))  # [batch, heads, sequence, head_dim]
+    mine = _HeadTailLoadBalancer(16, world, "cpu")._generate_indices().reshape(-1).chunk(world)[rank]
+    local = [t[:, :, mine].clone().requires_grad_(True) for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(
+        *(DTensor.from_local(t, mesh, [Shard(2)], run_check=False) for t in local), is_causal=True).to_local()
+    out.pow(2).sum().backward()
+    whole = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*whole, is_causal=True)
+    ref.pow(2).sum().backward()
+    errors = {"out": (out - ref[:, :, mine]).abs().max()}
+    errors |= {f"d{name}": (a.grad - b.grad[:, :, mine]).abs().max() for name, a, b in zip("qkv", local, whole)}
+    return {name: float(e) for name, e in errors.items()}
+
+
+def test_cpu_ring_attention_equals_whole_sequence_attention() -> None:
+    """Without `cpu_compat`'s ring attention this raises torch's "Operator
+    aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy
+    registered"; with it, each CP rank's outputs and gradients are the whole sequences' rows."""
+    for errors in run_ranks(_ring_attention, 2):
+        assert max(errors.values()) < 1e-5, errors
