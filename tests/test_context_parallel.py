@@ -12,8 +12,9 @@ each refresh equal those of one rank that sees the whole sequences, and are the 
 both CP ranks. The positions carry different input scales, so a rank's slice alone has a very
 different factor (checked too): statistics kept per rank would fail the comparison.
 
-torchtitan's own CP cannot run on CPU (torch 2.13's ring attention has no sharding strategy for
-the CPU SDPA kernel), which is why this is checked below torchtitan; see docs/torchtitan.md.
+A torchtitan run cannot show this equality directly: its CP and non-CP layouts shard the
+parameters over differently sized meshes, and on CPU the sharded init then differs; the
+torchtitan runs are tests/test_torchtitan_cp.py.
 """
 
 from __future__ import annotations

@@ -5,9 +5,10 @@ torchtitan folds dp_shard and cp into its ``fsdp`` mesh; FSDP2 reduce-scatters e
 over it and GIFT's state group is that mesh, so each CP rank's K-FAC statistics of its slice of
 every sequence are summed with the other slices' at a refresh (that sum is checked against whole
 sequences, with bit-identical transforms across CP ranks, in tests/test_context_parallel.py).
-Three runs, same seed, init and data (~25-40 s each on a 2-core box): GIFT at nvfp4 with the
+From one seed checkpoint, same data (~15-40 s each on a 2-core box): GIFT at nvfp4 with the
 low-rank K-FAC geometry (the one that reads the input statistics; refreshes after steps 2 and 4,
-every layer on the transformed path from step 3), GIFT at fp32 (measured selection) and GIFT off. nvfp4 must quantize, count at the
+every layer on the transformed path from step 3), GIFT at fp32 (measured selection), GIFT off,
+and GIFT off without CP on 2 ranks holding the same sequences whole (CP on CPU must train alike). nvfp4 must quantize, count at the
 collective exactly the bytes its plans account for, and stay within the 2-rank tests' loss
 tolerance of GIFT off; fp32 must reproduce GIFT off's losses exactly.
 """
@@ -27,7 +28,7 @@ from multirank import run_ranks
 require("torchtitan", "torchtitan extra not installed")
 
 from gift_compile.torchtitan_ext.hooks import REFUSAL, data_parallel_group  # noqa: E402
-from gift_compile.torchtitan_ext.runs import RunResult, shared_runs  # noqa: E402
+from gift_compile.torchtitan_ext.runs import RunResult, run_config, shared_runs  # noqa: E402
 
 STEPS = 4
 CP = ["--parallelism.context-parallel-degree=2", "--parallelism.data-parallel-shard-degree=2",
@@ -38,13 +39,25 @@ TOLERANCE = 5e-3  # the 2-rank tests' per-step loss tolerance (tests/test_torcht
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], RunResult]:
-    return shared_runs({
+    # Every run starts from one seed checkpoint: on CPU torchtitan's initial weights depend on
+    # how many ranks FSDP shards them over (4 with CP 2 x dp_shard 2, 2 without CP), so only a
+    # common checkpoint makes the CP and non-CP runs comparable.
+    seed = tmp_path_factory.mktemp("seed")
+    run_config("llama3_debug_nogift_fsdp2", ["--checkpoint.enable", "--checkpoint.create-seed-checkpoint",
+                                             "--training.steps=1", "--validator.no-enable"],
+               dump_folder=str(seed), nproc=1).check()
+    start = ["--checkpoint.enable", f"--checkpoint.initial-load-path={seed / 'checkpoint' / 'step-0'}"]
+    get = shared_runs({
         # select=all: after the refresh every layer's gradient goes through the map built from
         # the CP-summed sketches (step 3's gradient, seen in step 4's loss)
-        "nvfp4": ("llama3_debug_gift_fsdp2", [*CP, *GIFT, "--gift.format=nvfp4", "--gift.select=all"]),
-        "fp32": ("llama3_debug_gift_fsdp2", [*CP, *GIFT, "--gift.format=fp32"]),
-        "off": ("llama3_debug_nogift_fsdp2", CP),
+        "nvfp4": ("llama3_debug_gift_fsdp2", [*CP, *start, *GIFT, "--gift.format=nvfp4", "--gift.select=all"]),
+        "fp32": ("llama3_debug_gift_fsdp2", [*CP, *start, *GIFT, "--gift.format=fp32"]),
+        "off": ("llama3_debug_nogift_fsdp2", [*CP, *start]),
     }, lambda name: str(tmp_path_factory.mktemp(name)), nproc=4)
+    # the same sequences without CP: the same 2-rank batch mesh, each rank holding whole sequences
+    no_cp = shared_runs({"no_cp_off": ("llama3_debug_nogift_fsdp2", [*CP[1:], *start])},
+                        lambda name: str(tmp_path_factory.mktemp(name)), nproc=2)
+    return lambda name: no_cp(name) if name == "no_cp_off" else get(name)
 
 
 def _steps(run: RunResult) -> list[dict]:
@@ -85,6 +98,18 @@ def test_fsdp2_cp_quantizes_at_nvfp4_and_tracks_gift_off(runs: Callable[[str], R
     assert any(g[s] != o[s] for s in g if s > 1)  # and that path did quantize
     for step in g:
         assert abs(g[step] - o[step]) < TOLERANCE, (step, g, o)
+
+
+def test_cp_on_cpu_trains_like_the_same_sequences_without_cp(runs: Callable[[str], RunResult]) -> None:
+    """CP changes the layout only: from one checkpoint, the CP run's losses are those of 2 ranks
+    holding the whole sequences, up to fp32 summation order (the ring attention's merged softmax,
+    4-rank instead of 2-rank gradient reductions)."""
+    cp, whole = runs("off").losses(), runs("no_cp_off").losses()
+    assert "Applied Context Parallel" in runs("off").output and "Applied Context Parallel" not in runs("no_cp_off").output
+    assert cp.keys() == whole.keys() == set(range(1, STEPS + 1))
+    for step in cp:
+        assert abs(cp[step] - whole[step]) < 2e-5, (step, cp, whole)
+    assert abs(runs("nvfp4").losses()[STEPS] - whole[STEPS]) < TOLERANCE
 
 
 def test_fsdp2_cp_at_fp32_is_exact_and_matches_gift_off(runs: Callable[[str], RunResult]) -> None:
