@@ -12,9 +12,8 @@ each refresh equal those of one rank that sees the whole sequences, and are the 
 both CP ranks. The positions carry different input scales, so a rank's slice alone has a very
 different factor (checked too): statistics kept per rank would fail the comparison.
 
-A torchtitan run cannot show this equality directly: its CP and non-CP layouts shard the
-parameters over differently sized meshes, and on CPU the sharded init then differs; the
-torchtitan runs are tests/test_torchtitan_cp.py.
+A torchtitan run does not expose its statistics or transforms; its CP runs (losses against the
+same sequences without CP, GIFT at nvfp4 and fp32) are tests/test_torchtitan_cp.py.
 """
 
 from __future__ import annotations

@@ -39,9 +39,10 @@ TOLERANCE = 5e-3  # the 2-rank tests' per-step loss tolerance (tests/test_torcht
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], RunResult]:
-    # Every run starts from one seed checkpoint: on CPU torchtitan's initial weights depend on
-    # how many ranks FSDP shards them over (4 with CP 2 x dp_shard 2, 2 without CP), so only a
-    # common checkpoint makes the CP and non-CP runs comparable.
+    # Every run starts from one seed checkpoint: on CPU torchtitan's initial weights depend on the
+    # parallel layout (unseeded, 2 CP ranks start at loss 8.7554 where 1 rank on the same 4
+    # sequences starts at 8.7805; from this checkpoint both start at 8.7805), so only a common
+    # checkpoint makes the CP and non-CP runs comparable.
     seed = tmp_path_factory.mktemp("seed")
     run_config("llama3_debug_nogift_fsdp2", ["--checkpoint.enable", "--checkpoint.create-seed-checkpoint",
                                              "--training.steps=1", "--validator.no-enable"],
