@@ -1,14 +1,16 @@
-"""Context parallelism x FSDP with GIFT on torchtitan's FSDP2 trainer, 4 gloo ranks (CP 2 x
+"""Context parallelism x FSDP with GIFT on torchtitan's two trainers, 4 gloo ranks (CP 2 x
 dp_shard 2), and the CPU ring attention that lets torchtitan's CP run on CPU at all.
 
-torchtitan folds dp_shard and cp into its ``fsdp`` mesh; FSDP2 reduce-scatters every gradient
-over it and GIFT's state group is that mesh, so each CP rank's K-FAC statistics of its slice of
-every sequence are summed with the other slices' at a refresh (that sum is checked against whole
+torchtitan folds dp_shard and cp into its ``fsdp`` mesh; FSDP2 (SimpleFSDP) reduce-scatters
+every gradient over it and GIFT's state group is that mesh, so each CP rank's K-FAC statistics of
+its slice of every sequence are summed with the other slices' at a refresh (that sum is checked against whole
 sequences, with bit-identical transforms across CP ranks, in tests/test_context_parallel.py).
 From one seed checkpoint, same data (~15-40 s each on a 2-core box): GIFT at nvfp4 with the
 low-rank K-FAC geometry (the one that reads the input statistics; refreshes after steps 2 and 4,
 every layer on the transformed path from step 3), GIFT at fp32 (measured selection), GIFT off,
-and GIFT off without CP on 2 ranks holding the same sequences whole (CP on CPU must train alike). nvfp4 must quantize, count at the
+GIFT off without CP on 2 ranks holding the same sequences whole (CP on CPU must train alike), and
+on graph_trainer GIFT at nvfp4 as on the FSDP2 trainer (~2 min: the whole-step trace and its
+retrace after the first refresh). nvfp4 must quantize, count at the
 collective exactly the bytes its plans account for, and stay within the 2-rank tests' loss
 tolerance of GIFT off; fp32 must reproduce GIFT off's losses exactly.
 """
@@ -54,6 +56,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], RunResult]
         "nvfp4": ("llama3_debug_gift_fsdp2", [*CP, *start, *GIFT, "--gift.format=nvfp4", "--gift.select=all"]),
         "fp32": ("llama3_debug_gift_fsdp2", [*CP, *start, *GIFT, "--gift.format=fp32"]),
         "off": ("llama3_debug_nogift_fsdp2", [*CP, *start]),
+        "graph": ("llama3_debug_gift_graph", [*CP, *start, *GIFT, "--gift.format=nvfp4", "--gift.select=all"]),
     }, lambda name: str(tmp_path_factory.mktemp(name)), nproc=4)
     # the same sequences without CP: the same 2-rank batch mesh, each rank holding whole sequences
     no_cp = shared_runs({"no_cp_off": ("llama3_debug_nogift_fsdp2", [*CP[1:], *start])},
@@ -122,14 +125,36 @@ def test_fsdp2_cp_at_fp32_is_exact_and_matches_gift_off(runs: Callable[[str], Ru
     assert exact.losses() == off.losses()
 
 
-@pytest.mark.parametrize("dp_shard", [2, 1])
-def test_fsdp2_cp_state_group_is_the_fsdp_mesh(dp_shard: int) -> None:
-    """GIFT's group under CP is torchtitan's ``fsdp`` mesh (dp_shard x cp), the one FSDP2
-    reduce-scatters over; CP alone (dp_shard 1) still has 2 ranks there, so it is not refused
-    as a one-rank FSDP2 layout. The refusals of the other CP layouts: tests/test_torchtitan_hsdp.py."""
+def test_graph_cp_rewrites_the_fsdp_reduce_scatters_and_tracks_gift_off(runs: Callable[[str], RunResult]) -> None:
+    """graph_trainer under CP: SimpleFSDP's traced reduce-scatters over the dp_shard x cp mesh
+    are the ones the pass rewrites; CP's ring attention collectives stay in the traced step."""
+    gift, off = runs("graph"), runs("off")
+    _assert_gift_ran_under_cp(gift)
+    found = re.findall(r"GIFT rewrite: 4 reduce-scatters \(4 buckets\) carrying 20 managed weights, 0 fallbacks; "
+                       r"collective launches per step (\d+) -> (\d+); bytes per step of the rewritten collectives "
+                       r"(\d+) -> (\d+)", gift.output)
+    assert found, gift.output[-3000:]
+    blocks = 4 * (4 * 384 * 128 + 128 * 128) + 8 * 128  # the four block buckets' fp32 gradients, norms included
+    for before, after, base, wire in (map(int, f) for f in found):
+        assert before == after and base == 4 * blocks and wire < base / 5
+    for r in _steps(gift):
+        assert (r["gift/wire_bytes_per_step"], r["gift/baseline_bytes_per_step"]) == (wire, base), r
+        assert r["gift/collectives_per_step"] == 4, r
+    assert len(re.findall(r"GIFT refresh at step [24]: 20/20 layers on the transformed path", gift.output)) == 8
+    g, o = gift.losses(), off.losses()
+    assert g[1] == o[1] and any(g[s] != o[s] for s in g if s > 1)
+    for step in g:
+        assert abs(g[step] - o[step]) < TOLERANCE, (step, g, o)
+
+
+@pytest.mark.parametrize("trainer,dp_shard", [("fsdp2", 2), ("fsdp2", 1), ("graph", 2)])
+def test_cp_state_group_is_the_fsdp_mesh(trainer: str, dp_shard: int) -> None:
+    """GIFT's group under CP is torchtitan's ``fsdp`` mesh (dp_shard x cp), the one FSDP2 and
+    SimpleFSDP reduce-scatter over; CP alone (dp_shard 1) still has 2 ranks there, so it is not
+    refused as a one-rank FSDP2 layout. The other CP layouts' refusals: tests/test_torchtitan_hsdp.py."""
     parallel_dims = SimpleNamespace(tp=1, cp=2, pp=1, ep=1, dp_replicate=1, dp_shard=dp_shard,
                                     get_mesh=lambda name: SimpleNamespace(get_group=lambda: name))
-    assert data_parallel_group(parallel_dims, "fsdp2") == "fsdp"
+    assert data_parallel_group(parallel_dims, trainer) == "fsdp"
 
 
 def _ring_attention(rank: int, world: int) -> dict[str, float]:
