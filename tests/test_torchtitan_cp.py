@@ -109,7 +109,8 @@ def test_cp_on_cpu_trains_like_the_same_sequences_without_cp(runs: Callable[[str
     holding the whole sequences, up to fp32 summation order (the ring attention's merged softmax,
     4-rank instead of 2-rank gradient reductions)."""
     cp, whole = runs("off").losses(), runs("no_cp_off").losses()
-    assert "Applied Context Parallel" in runs("off").output and "Applied Context Parallel" not in runs("no_cp_off").output
+    applied = "Applied Context Parallel"
+    assert applied in runs("off").output and applied not in runs("no_cp_off").output
     assert cp.keys() == whole.keys() == set(range(1, STEPS + 1))
     for step in cp:
         assert abs(cp[step] - whole[step]) < 2e-5, (step, cp, whole)
