@@ -35,6 +35,15 @@ Two kinds of adjustments, preferring the first:
     FSDP bucketing/reordering pass estimates node runtimes from GPU DRAM bandwidth, which
     Inductor asks ``triton.testing`` for.
 
+  - ring attention for CPU SDPA (:func:`_install_cpu_ring_attention`): torchtitan's context
+    parallelism wraps SDPA's q/k/v as DTensors sharded on the sequence, and torch's CP
+    dispatcher turns SDPA's CUDA kernels (flash, efficient, cuDNN) into ring attention; the CPU
+    kernel ``aten._scaled_dot_product_flash_attention_for_cpu`` (and its backward) has no entry,
+    so a CPU CP run stopped in its first forward with "Operator
+    aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy
+    registered". The shim adds that kernel to the same dispatcher, through the same ring loops
+    (``_templated_ring_attention`` and its backward) the CUDA kernels use.
+
   - device type: ``torchtitan.tools.utils`` computes ``device_type =
     _get_available_device_type() or "cuda"`` at import time and several modules copy it
     (and ``device_module``) with ``from ... import``. We rebind those module globals to
@@ -351,6 +360,51 @@ def _install_cpu_roofline() -> None:
 _SDPA_CPU_OPS = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_attention_math")
 
 
+_CPU_SDPA_SEQ_DIM = 2  # q/k/v/out are [batch, heads, sequence, head_dim], the logsumexp [batch, heads, sequence]
+
+
+def _install_cpu_ring_attention() -> None:
+    """Give torch's CP dispatcher the CPU SDPA kernel (module docstring). The handlers go into
+    the table ``_enable_cp_dtensor_dispatcher`` copies into DTensor's dispatcher when CP is on
+    (torchtitan's ``apply_cp_to_forward``), so outside CP nothing changes."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp_attention
+
+    aten = torch.ops.aten
+    for op in (aten._scaled_dot_product_flash_attention_for_cpu.default,
+               aten._scaled_dot_product_flash_attention_for_cpu_backward.default):
+        cp_attention.custom_ops.setdefault(op, _cpu_ring_attention)
+
+
+def _cpu_ring_attention(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """The CPU SDPA kernel (forward or backward) on q/k/v sharded on the sequence over a 1-D CP
+    mesh, as ring attention: each rank keeps its queries and the keys/values travel round the
+    CP group (torch's loops, with their head-tail load balancing). Returns DTensors sharded
+    like the inputs. An attention mask, or another placement, raises naming it."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp_attention
+
+    schema = op_call._schema
+    named = {a.name: v for a, v in zip(schema.arguments, args)} | dict(kwargs)
+    placed = [v for v in named.values() if isinstance(v, DTensor)]
+    mesh = placed[0].device_mesh
+    sharded = (Shard(_CPU_SDPA_SEQ_DIM),)
+    bad = [f"{name}: {v.placements}" for name, v in named.items() if isinstance(v, DTensor) and v.placements != sharded]
+    if mesh.ndim != 1 or bad:
+        raise NotImplementedError(f"CPU ring attention ({op_call}): q/k/v must be sharded on the sequence "
+                                  f"(Shard({_CPU_SDPA_SEQ_DIM})) over a 1-D CP mesh, got mesh {mesh} and {bad}")
+    if named.get("attn_mask") is not None:
+        raise NotImplementedError(f"CPU ring attention ({op_call}): an attn_mask is not supported (causal only)")
+    local = {name: v.to_local() if isinstance(v, DTensor) else v for name, v in named.items() if name != "attn_mask"}
+    group = mesh.get_group()
+    if op_call is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default:
+        q, k, v = local.pop("query"), local.pop("key"), local.pop("value")
+        results = cp_attention._templated_ring_attention(group, _CPU_SDPA_SEQ_DIM, op_call, q, k, v, **local)
+    else:
+        results = cp_attention._templated_ring_attention_backward(
+            group, _CPU_SDPA_SEQ_DIM, op_call, grad_out_name="grad_out", **local)[:3]
+    return tuple(DTensor.from_local(t, mesh, sharded, run_check=False) for t in results)
+
+
 def save_deterministic_sdpa_pass(gm: torch.fx.GraphModule, example_inputs: Any = None) -> torch.fx.GraphModule:
     """graph_trainer pass (CPU): keep CPU attention out of recompute regions.
 
@@ -393,6 +447,7 @@ def activate() -> bool:
         return False
     if not _active:
         _install_cpu_roofline()
+        _install_cpu_ring_attention()
         import_torchtitan()
         _rebind_device_globals()
         _active = True

@@ -40,8 +40,11 @@ _UNSUPPORTED_WHY = {
     "tensor with data-replicate (HSDP x TP)": "each TP rank's block would need GIFT's replica hop over the "
               "TP-local shards (and on graph_trainer the pass would see TP's all-reduce of a norm gradient before "
               "SimpleFSDP's replica all-reduce); that layout takes 8 ranks and has not been run",
-    "context": "the FSDP mesh then spans dp_shard x cp, and the statistics would see a CP rank's slice "
-               "of each sequence as separate tokens",
+    "context (other than FSDP x CP)": "GIFT runs with context parallelism under FSDP over "
+              "dp_shard x cp only, on both trainers (its state group is that fsdp mesh, so each CP rank's statistics "
+              "of its slice of every sequence are summed with the other slices'); with HSDP the state group would "
+              "have to span dp_replicate x dp_shard x cp (torchtitan's loss mesh, not the batch mesh GIFT's HSDP "
+              "uses), and with TP or PP the layout has not been run",
     "pipeline on graph_trainer": "graph_trainer traces the whole training step only without pipeline "
               "parallelism; with it, torch's eager pipeline schedule runs the step, so there is no traced "
               "reduce-scatter for the gift pass to rewrite; use the FSDP2 trainer (GIFT per stage)",
@@ -56,11 +59,15 @@ def data_parallel_group(parallel_dims: Any, trainer: str = "graph") -> dist.Proc
     """The data-parallel group GIFT's state spans (statistics, transforms, selection): the FSDP
     group, or with HSDP (both trainers) shards x replicas. With tensor parallelism (FSDP x TP,
     both trainers) it is still the FSDP group, never the TP ranks: each TP rank's weight block
-    is its own GIFT matrix (`gift_compile.frameworks.tensor_parallel`). Other layouts are refused by name."""
+    is its own GIFT matrix (`gift_compile.frameworks.tensor_parallel`). With context parallelism
+    (both trainers) torchtitan's FSDP group is dp_shard x cp, the ranks FSDP2 or SimpleFSDP
+    reduce-scatters over: the K-FAC statistics, sums over tokens, then add each CP rank's slice of every
+    sequence to the others'. Other layouts are refused by name."""
     ddp_on_graph = trainer != "fsdp2" and parallel_dims.dp_replicate > 1 and parallel_dims.dp_shard <= 1
     others = {
         "tensor with data-replicate (HSDP x TP)": parallel_dims.tp if parallel_dims.dp_replicate > 1 else 1,
-        "context": parallel_dims.cp,
+        "context (other than FSDP x CP)": parallel_dims.cp if (
+            parallel_dims.dp_replicate > 1 or parallel_dims.tp > 1 or parallel_dims.pp > 1) else 1,
         "pipeline on graph_trainer": parallel_dims.pp if trainer != "fsdp2" else 1,
         "expert": parallel_dims.ep,
         "data-replicate without sharding (DDP) on graph_trainer": 2 if ddp_on_graph else 1,
@@ -69,7 +76,7 @@ def data_parallel_group(parallel_dims: Any, trainer: str = "graph") -> dist.Proc
     if unsupported:
         why = "; ".join(f"{name}: {_UNSUPPORTED_WHY[name]}" for name in unsupported)
         raise ValueError(f"{REFUSAL}; {', '.join(unsupported)} parallelism is on ({why})")
-    if trainer == "fsdp2" and parallel_dims.dp_shard * parallel_dims.dp_replicate <= 1:
+    if trainer == "fsdp2" and parallel_dims.dp_shard * parallel_dims.cp * parallel_dims.dp_replicate <= 1:
         # one data-parallel rank (per pipeline stage): no gradient crosses ranks, nothing to compress
         if parallel_dims.pp > 1:
             raise ValueError(
