@@ -264,7 +264,7 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         kept in `pending_faults` instead: ranks outside the state's group saw nothing, and
         raising here would leave them waiting for this rank's next pipeline send.
         """
-        faults = self.new_faults()
+        faults = self._new_faults()
         if self.health_group is not None:
             self.pending_faults.add(faults)
             return
@@ -281,7 +281,7 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
                 "gradients) or set nonfinite='propagate'."
             )
 
-    def new_faults(self) -> Faults:
+    def _new_faults(self) -> Faults:
         """The faults the counters recorded since the last call (consumed: read once); a
         non-finite gradient counts only under `nonfinite="error"`."""
         now = self._health_counts()
