@@ -44,6 +44,7 @@ from gift_compile.geometry.optimizer_maps import leaf_optimizers
 from gift_compile.geometry.optimizers import geometry_for, select_metric_for
 from gift_compile.geometry.table import Geometry, geometry_class
 from gift_compile.passes.inductor import hold_inductor_pass, release_inductor_pass
+from gift_compile.runtime.health import check_health_group
 from gift_compile.runtime.state import GiftState
 
 logger = logging.getLogger("gift_compile")
@@ -161,13 +162,22 @@ def managed_weights(model: Parts, config: GiftConfig, group: dist.ProcessGroup |
                                                                  group=group)]
 
 
-def attach_optimizer(state: GiftState, optimizer: torch.optim.Optimizer) -> None:
+def attach_optimizer(state: GiftState, optimizer: torch.optim.Optimizer, *,
+                     health_group: dist.ProcessGroup | None = None) -> None:
     """Drive `state` from `optimizer`: before each step, refuse gradients accumulated under
     `no_sync` that were never synchronised; after each step, `state.step()` (seed, refresh).
     The fault checks need no optimizer: they run at the end of each backward
-    (`gift_compile.runtime.health.end_of_backward`)."""
+    (`gift_compile.runtime.health.end_of_backward`).
+
+    `health_group`: a group wider than the state's whose every rank must raise a fault any of
+    them saw (the job's world when other ranks run other GIFT states: pipeline stages,
+    tensor-parallel blocks), each rank's `optimizer` stepped once per step. The checks then
+    record, and this pre-hook raises on all of them in the same step, before any weight changes
+    (`gift_compile.runtime.health.check_health_group`)."""
+    state.health_group = health_group
 
     def before(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        check_health_group(state)  # first: a collective every rank of the group takes part in
         state.check_pending()
 
     def after(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

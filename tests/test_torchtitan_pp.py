@@ -8,14 +8,21 @@ A refresh after step 2 puts step 3 on the measured selection. Tolerance against 
 the 2-rank tests' 5e-3 per step. Each pipeline rank writes its own telemetry
 (``gift_metrics.pp<k>.jsonl``): each stage's GIFT state manages its own layers.
 
+A fourth run (`tests/torchtitan_nan_config.py`) puts a NaN into one stage-1 gradient on one
+rank in step 2: every rank of both stages raises the same error at step 2's optimizer step,
+before any optimizer starts.
+
 Also, without torchrun: `manage` over several parts, the statistics pause of the stages'
 shape inference, and graph_trainer's refusal of pipeline parallelism.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -29,7 +36,7 @@ require("torchtitan", "torchtitan extra not installed")
 from gift_compile.config import GiftConfig  # noqa: E402
 from gift_compile.frameworks.routing import manage, statistics_paused  # noqa: E402
 from gift_compile.torchtitan_ext.hooks import REFUSAL, data_parallel_group  # noqa: E402
-from gift_compile.torchtitan_ext.runs import RunResult, shared_runs  # noqa: E402
+from gift_compile.torchtitan_ext.runs import RunResult, config_command, run_env, shared_runs  # noqa: E402
 
 STEPS = 3
 PP = ["--parallelism.pipeline-parallel-degree=2", "--parallelism.data-parallel-shard-degree=2",
@@ -99,6 +106,34 @@ def test_pp_interleaved_one_state_over_two_parts_per_rank(runs: Callable[[str], 
     g, o = inter.losses(), off.losses()
     for step in g:  # another schedule sums the microbatches in another order: not bitwise, within tolerance
         assert abs(g[step] - o[step]) < TOLERANCE, (step, g, o)
+
+
+def test_pp_nan_on_one_stage_raises_on_every_rank_before_any_optimizer_step(tmp_path: Path) -> None:
+    """A NaN in one stage-1 weight's gradient on rank 2, in step 2 only: stage 1's GIFT state
+    (ranks 2 and 3) sees it, stage 0's (ranks 0 and 1) does not. Every rank raises the same
+    FloatingPointError, naming rank 2 and the states of ranks 2 and 3, and no optimizer of any
+    rank starts step 2 (so no weight changed). Without the job-wide check, ranks 2 and 3 raised
+    in their backward and ranks 0 and 1 died on a closed gloo connection or were killed."""
+    import torchtitan_nan_config as nan
+
+    command = config_command("llama3_debug_gift_fsdp2_nan", [*PP, "--gift.no-fuse", "--module", nan.__name__],
+                             dump_folder=str(tmp_path), nproc=4)
+    env = run_env()
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).parent), env.get("PYTHONPATH")) if p)
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-3000:]
+    raised = {int(rank): line for rank, line in re.findall(r"^\[rank(\d+)\]: (\w+: GIFT: .*)$", output, re.M)}
+    assert sorted(raised) == [0, 1, 2, 3], output[-6000:]
+    assert len(set(raised.values())) == 1, raised  # the same error, word for word
+    error = raised[0]
+    assert error.startswith("FloatingPointError: GIFT: gradient collectives in this step carried NaN/Inf from "
+                            f"rank(s) [{nan.FAULT_RANK}] (seen by the GIFT states of rank(s) [2, 3]"), error
+    assert "raised on all 4 ranks before the optimizer step" in error
+    # every rank's optimizers started step 1 and none started the faulty step
+    starts = {(int(step), int(rank)) for step, rank in re.findall(nan.STARTS.format(step=r"(\d+)", rank=r"(\d+)"),
+                                                                   output)}
+    assert starts == {(step, rank) for step in range(1, nan.FAULT_STEP) for rank in range(4)}, starts
 
 
 def _part(block: int) -> nn.Module:

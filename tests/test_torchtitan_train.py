@@ -3,7 +3,9 @@
 Each run is a real ``torchrun`` job of one of our config functions on the ``gift_debug``
 Llama (seq 128, 4 sequences per rank, 6 steps, GIFT refresh every 3 steps so steps 4-6
 use the refreshed geometry). On a 2-core box a run takes 25-40 s; runs are shared between
-the tests of this module, so no test pays for more than two runs (< 3 minutes).
+the tests of this module, so no test pays for more than two runs (< 3 minutes), except the
+resume tests: four runs on 2 ranks, and three 4-rank runs per layout for PP 2 x FSDP 2 and
+TP 2 x FSDP 2 (~2 minutes per layout).
 
 Tolerance of GIFT against GIFT-off: FP8 E4M3 per-row quantization of the managed
 gradients perturbs each step's update by ~2% relative (docs/design.md, formats table); over 6
@@ -237,13 +239,48 @@ def test_resume_restores_gift_state(config: str, tmp_path: Path) -> None:
     # optimizer and GIFT state, bit for bit. (torchrun's in-place restart, --max-restarts=1,
     # cannot be used on gloo here: the restarted workers read the killed attempt's gloo
     # addresses from the agent's store and fail in connectFullMesh; see docs/torchtitan.md.)
-    killed, killed_at = _run_killing_rank(config, args, tmp_path / "killed", after_step=4)
+    _kill_relaunch_and_compare(config, args, tmp_path / "killed", full, tmp_path / "full")
+
+
+# The 4-rank layouts whose kill-and-resume is checked like the 2-rank FSDP one above.
+LAYOUTS = {
+    "pp": ["--parallelism.pipeline-parallel-degree=2", "--parallelism.data-parallel-shard-degree=2"],
+    "tp": ["--parallelism.tensor-parallel-degree=2", "--parallelism.data-parallel-shard-degree=2"],
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_kill_and_resume_under_pp_and_tp(layout: str, tmp_path: Path) -> None:
+    """PP 2 x FSDP 2 (each stage's GIFT state saved by each of its ranks) and TP 2 x FSDP 2 (each
+    TP rank's blocks): a rank killed after step 4 of 6, the job relaunched on the same folder
+    resumes from the step-3 checkpoint (just after a refresh, error feedback on) and logs the
+    uninterrupted run's losses for steps 4-6 and ends with its parameters, optimizer and GIFT
+    state, bit for bit: same ranks, same data, same reduction order, so nothing may differ."""
+    config = "llama3_debug_gift_fsdp2"
+    args = [*COMMON, *LAYOUTS[layout], LOWRANK, "--gift.error-feedback", "--gift.no-fuse", "--checkpoint.enable",
+            "--checkpoint.interval=3"]
+    full = run_config(config, args, dump_folder=str(tmp_path / "full"), nproc=4).check()
+    assert any(r.get("gift/selected_layers", 0) >= 1 for r in full.records if r.get("step", 0) > 3)
+    _kill_relaunch_and_compare(config, args, tmp_path / "killed", full, tmp_path / "full", nproc=4)
+
+
+def _kill_relaunch_and_compare(config: str, args: list[str], folder: Path, full: RunResult, full_folder: Path, *,
+                               nproc: int = 2) -> None:
+    """Kill rank 1 after step 4, relaunch on `folder`, and require the uninterrupted run's
+    losses after the resume (within 1e-6: the logged loss is a float32 reduction printed
+    and parsed, and the runs are bitwise identical) and its final checkpoint, bit for bit."""
+    killed, killed_at = _run_killing_rank(config, args, folder, after_step=4, nproc=nproc)
     assert killed.returncode != 0 and killed_at >= 4, killed.output[-3000:]
-    assert not (tmp_path / "killed" / "checkpoint" / f"step-{STEPS}").exists()
-    relaunched = run_config(config, args, dump_folder=str(tmp_path / "killed")).check()
+    assert not (folder / "checkpoint" / f"step-{STEPS}").exists()
+    relaunched = run_config(config, args, dump_folder=str(folder), nproc=nproc).check()
     assert "Loading the checkpoint from" in relaunched.output
-    final_full = _checkpoint_tensors(tmp_path / "full" / "checkpoint" / f"step-{STEPS}")
-    final_killed = _checkpoint_tensors(tmp_path / "killed" / "checkpoint" / f"step-{STEPS}")
+    resumed = [r for r in relaunched.output.splitlines() if re.search(r"step:\s+\d+\s+loss", r)]
+    assert resumed and not any(re.search(r"step:\s+[1-3]\s+loss", r) for r in resumed), resumed
+    a, b = full.losses(), relaunched.losses()
+    for step in range(4, STEPS + 1):
+        assert b[step] == pytest.approx(a[step], abs=1e-6), (step, a, b)
+    final_full = _checkpoint_tensors(full_folder / "checkpoint" / f"step-{STEPS}")
+    final_killed = _checkpoint_tensors(folder / "checkpoint" / f"step-{STEPS}")
     trained = [k for k in final_full if not k.startswith(("dataloader", "train_state", "lr_scheduler"))]
     assert any(k.startswith("optimizer") for k in trained) and any(k.startswith("gift") for k in trained)
     assert set(final_full) == set(final_killed)
@@ -268,12 +305,12 @@ def _worker_pids(torchrun_pid: int) -> dict[int, int]:
     return out
 
 
-def _run_killing_rank(config: str, args: list[str], folder: Path, *, after_step: int,
-                      rank: int = 1) -> tuple[RunResult, int]:
+def _run_killing_rank(config: str, args: list[str], folder: Path, *, after_step: int, rank: int = 1,
+                      nproc: int = 2) -> tuple[RunResult, int]:
     """Run under ``torchrun``; once the run logged ``after_step``, SIGKILL the worker of
     ``rank``. Returns the (failed) run and the last step logged before the kill."""
     folder.mkdir(parents=True)
-    command = config_command(config, args, dump_folder=str(folder))
+    command = config_command(config, args, dump_folder=str(folder), nproc=nproc)
     jsonl = folder / "gift_metrics.jsonl"
     start = time.perf_counter()
     with subprocess.Popen(command, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:

@@ -105,7 +105,9 @@ def gift_post_optimizer_build(optimizers: Any, model_parts: list[nn.Module], par
     puts after each rewritten reduce-scatter. Both: `attach_optimizer` on torchtitan's optimizer
     container (health check before its step, `GiftState.step()` after). With pipeline
     parallelism (FSDP2 only) one state spans every model part (stage) of the rank, over its
-    data-parallel group (`.pipeline_parallel`).
+    data-parallel group (`.pipeline_parallel`). When that group is smaller than the job (pipeline
+    or tensor parallelism) the job's world is the state's health group: a fault any stage or
+    block saw raises on every rank at the optimizer step (`gift_compile.api.attach_optimizer`).
     """
     if inner is not None:
         inner(optimizers, model_parts, parallel_dims)
@@ -136,7 +138,10 @@ def gift_post_optimizer_build(optimizers: Any, model_parts: list[nn.Module], par
             logger.info(hsdp.describe_graph_hops(state, parallel_dims.dp_shard))
     if parallel_dims.tp > 1:
         logger.info(describe_blocks(state))
-    attach_optimizer(state, optimizers)
+    # Pipeline stages and tensor-parallel blocks run other GIFT states on other ranks, which never
+    # see this state's faults: the optimizer step raises a fault on every rank of the job.
+    health = dist.group.WORLD if world < dist.get_world_size() else None
+    attach_optimizer(state, optimizers, health_group=health)
     stage = pipeline_parallel.stage_of(parallel_dims)
     where = ("" if stage is None else
              f" on pipeline rank {stage} ({len(model_parts)} model parts, data-parallel group of {world})")

@@ -10,6 +10,17 @@ rank, in the same backward) and runs the replica check below. So `apply` without
 needed for a fault to raise before the optimizer changes anything. A state that never
 advances (no `optimizer=`, no `gift_compile.step`) is warned about once.
 
+A fault seen by one GIFT state among several of a job (pipeline stages, tensor-parallel
+blocks: each state spans only the ranks holding the same weights): `check_health_group`.
+The end-of-backward check cannot raise there, since the other states saw nothing and their
+ranks would wait at their next pipeline send or tensor-parallel collective for a rank that
+left; nor can it run a collective over the job, since a stage's backward is interleaved with
+its pipeline sends and receives, which other stages wait on in another order. So with a
+health group (`GiftState.health_group`, set by `gift_compile.api.attach_optimizer`) each
+check records the faults, and the optimizer's step pre-hook, which every rank reaches once per
+step, sums every rank's record over the group and raises the same error on all of them before
+any optimizer changes a weight.
+
 Replica check of GIFT's own sync: a managed weight whose gradient bypassed the collective.
 
 On a plain module GIFT synchronises a managed weight in the backward of the identity its
@@ -34,12 +45,14 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.distributed as dist
 
 from gift_compile.exchange.mark import SYNC
-from gift_compile.runtime.state import GiftState
-from gift_compile.sync import all_reduce_, group_rank
+from gift_compile.runtime.state import Faults, GiftHealthError, GiftState
+from gift_compile.sync import all_reduce_, group_rank, world_size
 
-__all__ = ["GiftReplicaError", "check_replicas", "end_of_backward", "grad_checksum", "queue_backward_check"]
+__all__ = ["GiftReplicaError", "check_health_group", "check_replicas", "end_of_backward", "grad_checksum",
+           "queue_backward_check"]
 
 logger = logging.getLogger("gift_compile")
 
@@ -130,3 +143,52 @@ def end_of_backward(state: GiftState) -> None:
     state.check_health()
     if syncing:
         check_replicas(state)
+
+
+# Rows of `check_health_group`'s table, one column per rank of the health group.
+_NONFINITE_SEEN, _NONFINITE_FROM, _MISMATCH_SEEN, _MISMATCH_FROM = range(4)
+
+
+@torch.no_grad()
+def check_health_group(state: GiftState) -> None:
+    """Raise the same error on every rank of `state.health_group` if any rank's GIFT state
+    recorded a fault since the last call (one small all-reduce; call it where every rank of
+    the group arrives once per step, before the optimizer: `attach_optimizer`'s pre-hook).
+
+    Each rank contributes how many faulty collectives its state saw and which ranks its headers
+    flagged, translated from its state's group to the health group; the error names them as
+    global ranks: the ranks whose gradient was non-finite (or whose plan differed) and the
+    ranks whose states saw it, so a pipeline stage's fault is named on every stage.
+    """
+    group = state.health_group
+    if group is None:
+        return
+    state.check_health()  # collectives since the last backward's check: into pending_faults
+    faults, state.pending_faults = state.pending_faults, Faults()
+    table = torch.zeros(4, world_size(group), dtype=torch.int64, device=state.counters.device)
+    me = group_rank(group)
+    table[_NONFINITE_SEEN, me], table[_MISMATCH_SEEN, me] = faults.nonfinite, faults.mismatch
+    for row, ranks in ((_NONFINITE_FROM, faults.nonfinite_ranks), (_MISMATCH_FROM, faults.mismatch_ranks)):
+        for r in ranks:
+            table[row, dist.get_group_rank(group, dist.get_global_rank(state.group, r))] = 1
+    table = all_reduce_(table, group).cpu()
+
+    def ranks(row: int) -> list[int]:
+        return [dist.get_global_rank(group, r) for r in range(table.shape[1]) if int(table[row, r])]
+
+    everyone = f"raised on all {table.shape[1]} ranks before the optimizer step"
+    if table[_MISMATCH_SEEN].any():
+        raise GiftHealthError(
+            f"GIFT: collectives in this step ran with a plan that differs between ranks: rank(s) "
+            f"{ranks(_MISMATCH_FROM)} differ from their data-parallel peers (seen by the GIFT states of rank(s) "
+            f"{ranks(_MISMATCH_SEEN)}, in up to {int(table[_MISMATCH_SEEN].max())} collective(s); different format, "
+            f"shapes, layers or layer order); {everyone}; the gradients of this step are garbage"
+        )
+    if table[_NONFINITE_SEEN].any():
+        raise FloatingPointError(
+            f"GIFT: gradient collectives in this step carried NaN/Inf from rank(s) {ranks(_NONFINITE_FROM)} (seen "
+            f"by the GIFT states of rank(s) {ranks(_NONFINITE_SEEN)}, in up to {int(table[_NONFINITE_SEEN].max())} "
+            f"collective(s)); {everyone} (nonfinite='error'). Skip the step (zero the gradients) or set "
+            "nonfinite='propagate'."
+        )
+

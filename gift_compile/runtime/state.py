@@ -61,6 +61,26 @@ class GiftHealthError(RuntimeError):
     """Raised on every rank when the collectives' headers reported a plan mismatch."""
 
 
+@dataclass
+class Faults:
+    """What the health counters reported on this rank's state and no check has raised yet: how
+    many collectives saw a plan mismatch or (under `nonfinite="error"`) a non-finite gradient,
+    and the state's group ranks flagged in them (`RANK_BITS` stands for "that rank or a higher
+    one"). Kept while a health group defers the raise to the optimizer step
+    (`gift_compile.runtime.health.check_health_group`)."""
+
+    mismatch: int = 0
+    nonfinite: int = 0
+    mismatch_ranks: set[int] = field(default_factory=set)
+    nonfinite_ranks: set[int] = field(default_factory=set)
+
+    def add(self, other: "Faults") -> None:
+        self.mismatch += other.mismatch
+        self.nonfinite += other.nonfinite
+        self.mismatch_ranks |= other.mismatch_ranks
+        self.nonfinite_ranks |= other.nonfinite_ranks
+
+
 class GiftState(RefreshEngine, Checkpointing, Telemetry):
     """All layers managed by one `apply` (or one framework adapter), plus the step driver.
 
@@ -74,7 +94,7 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
     __slots__ = ("config", "group", "collective", "layers", "seed", "rank", "counters", "steps", "history",
                  "grad_source", "_health_seen", "modules", "handles", "active", "sync_mode", "dirty_params",
                  "plan_version", "selection_changes", "_sharing_checked", "adapters", "hop_counters", "backward_watch",
-                 "geometry")
+                 "geometry", "health_group", "pending_faults")
 
     def __init__(self, config: GiftConfig, group: dist.ProcessGroup | None,
                  collective: Collective | str = Collective.ALL_REDUCE):
@@ -120,6 +140,12 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         self.hop_counters: list[torch.Tensor] = []
         # The end-of-backward checks (`gift_compile.runtime.health.queue_backward_check`).
         self.backward_watch = BackwardWatch()
+        # A group wider than `group` whose ranks must all raise a fault any of them saw (the job's
+        # world under pipeline or tensor parallelism, where other ranks run other GIFT states):
+        # set by `gift_compile.api.attach_optimizer`, it defers the raise from each check to the
+        # optimizer step, where every rank takes part (`gift_compile.runtime.health.check_health_group`).
+        self.health_group: dist.ProcessGroup | None = None
+        self.pending_faults = Faults()
 
     @property
     def shared(self) -> Shared:
@@ -235,26 +261,39 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
 
         Every rank decoded the same headers, so every rank raises in the same step; the
         counters are consumed first, so a caller that catches the error, drops the step's
-        gradients and goes on is not raised at again.
+        gradients and goes on is not raised at again. With a `health_group` the faults are
+        kept in `pending_faults` instead: ranks outside the state's group saw nothing, and
+        raising here would leave them waiting for this rank's next pipeline send.
         """
+        faults = self._new_faults()
+        if self.health_group is not None:
+            self.pending_faults.add(faults)
+            return
+        if faults.mismatch:
+            raise GiftHealthError(
+                f"GIFT: {faults.mismatch} collective(s) since the last step ran with a plan that differs "
+                f"between ranks: rank(s) {sorted(faults.mismatch_ranks)} differ from rank {group_rank(self.group)} "
+                "(different format, shapes, layers or layer order); the gradients of this step are garbage"
+            )
+        if faults.nonfinite:
+            raise FloatingPointError(
+                f"GIFT: {faults.nonfinite} gradient collective(s) in this step carried NaN/Inf from rank(s) "
+                f"{sorted(faults.nonfinite_ranks)}; raised on every rank (nonfinite='error'). Skip the step (zero the "
+                "gradients) or set nonfinite='propagate'."
+            )
+
+    def _new_faults(self) -> Faults:
+        """The faults the counters recorded since the last call (consumed: read once); a
+        non-finite gradient counts only under `nonfinite="error"`."""
         now = self._health_counts()
         masks = C_NONFINITE_RANKS, C_MISMATCH_RANKS  # OR-ed rank masks: read, then cleared
         nonfinite_ranks, mismatch_ranks = flagged_ranks(int(now[masks[0]])), flagged_ranks(int(now[masks[1]]))
         now[masks[0]:masks[1] + 1] = 0
         new = now - self._health_seen
         self._health_seen = now
-        if int(new[C_MISMATCH]):
-            raise GiftHealthError(
-                f"GIFT: {int(new[C_MISMATCH])} collective(s) since the last step ran with a plan that differs "
-                f"between ranks: rank(s) {mismatch_ranks} differ from rank {group_rank(self.group)} (different "
-                "format, shapes, layers or layer order); the gradients of this step are garbage"
-            )
-        if int(new[C_NONFINITE]) and self.config.nonfinite == "error":
-            raise FloatingPointError(
-                f"GIFT: {int(new[C_NONFINITE])} gradient collective(s) in this step carried NaN/Inf from rank(s) "
-                f"{nonfinite_ranks}; raised on every rank (nonfinite='error'). Skip the step (zero the gradients) or "
-                "set nonfinite='propagate'."
-            )
+        nonfinite = int(new[C_NONFINITE]) if self.config.nonfinite == "error" else 0
+        return Faults(int(new[C_MISMATCH]), nonfinite, set(mismatch_ranks) if int(new[C_MISMATCH]) else set(),
+                      set(nonfinite_ranks) if nonfinite else set())
 
     def step(self) -> None:
         """Once per optimizer step, after it: seed, and the refresh when `config.refresh_due`
