@@ -53,7 +53,6 @@ imports nothing else of GIFT.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch

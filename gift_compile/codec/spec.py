@@ -16,7 +16,7 @@ import torch
 
 from gift_compile.codec.codes import E2M1_MAX
 from gift_compile.codec.formats import FORMAT_TABLE, MX_BLOCK, NVFP4_BLOCK, Format
-from gift_compile.codec.layout import FP32_MAX, Scaling, _blocks, _count, as_rows
+from gift_compile.codec.layout import FP32_MAX, Scaling, _count, as_rows
 
 __all__ = ["BLOCK_SIZE_CHOICES", "BLOCK_SIZE_FORMATS", "E2M1_MAX", "FORMATS", "FP32_MAX", "INT4_MAX", "MX_BLOCK",
            "NVFP4_BLOCK", "SCALINGS", "FormatSpec", "Scaling", "as_rows", "wire_bytes_for"]
