@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
@@ -33,8 +33,9 @@ from gift_compile.codec.scales import (
     _mean_abs, _pow2_inverse, _pow2_scale, _tensor_scale,
 )
 
-if TYPE_CHECKING:
-    from gift_compile.codec.spec import FormatSpec
+# `codec.spec.FormatSpec` holds a family and imports this module; the families read only its
+# fields, so they name it by this alias instead of importing it back (no cycle, even for typing).
+FormatSpec = Any
 
 __all__ = ["FORMAT_TABLE", "Float8", "Format", "MxFloat8", "MxInt", "Passthrough", "TwoLevel"]
 
