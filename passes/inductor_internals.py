@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from gift_compile.torch_release import require_tested_torch
+
 __all__ = ["TESTED_TORCH", "check_torch", "pre_bucket_reduce_scatter_op", "splice"]
 
 # (major, minor) releases whose Inductor internals match what this module calls.
@@ -32,11 +34,8 @@ TESTED_TORCH = ((2, 13), (2, 14))
 
 def check_torch(version: str = torch.__version__) -> None:
     """Raise unless `version` is a torch release the splice was tested with."""
-    major, minor = (int(x) for x in version.split(".")[:2])
-    if (major, minor) not in TESTED_TORCH:
-        tested = ", ".join(f"{a}.{b}" for a, b in TESTED_TORCH)
-        raise RuntimeError(f"GIFT's graph pass splices its codec through Inductor internals tested on torch {tested}; "
-                           f"this is torch {version}. Use a tested torch, or the FSDP2/DDP hooks (no graph pass)")
+    require_tested_torch(TESTED_TORCH, "GIFT's graph pass splices its codec through Inductor internals",
+                         "Use a tested torch, or the FSDP2/DDP hooks (no graph pass)", version)
 
 
 def _fake_mode(vals: list[Any]) -> contextlib.AbstractContextManager:

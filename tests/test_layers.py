@@ -28,7 +28,7 @@ PACKAGES = {"gift_compile": ROOT / "gift_compile", "gift_compile.passes": ROOT /
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("codec", ("gift_compile.codec",)),
     ("kernels", ("gift_compile.kernels",)),
-    ("base", ("gift_compile.config", "gift_compile.sync")),
+    ("base", ("gift_compile.config", "gift_compile.sync", "gift_compile.torch_release")),
     ("geometry", ("gift_compile.geometry",)),
     ("exchange", ("gift_compile.exchange",)),
     ("runtime", ("gift_compile.runtime",)),

@@ -23,6 +23,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
 from gift_compile.frameworks.parts import Parts, model_parts
+from gift_compile.torch_release import require_tested_torch
 
 __all__ = ["DefaultReduceScatter", "PackedParam", "ReduceScatter", "TESTED_TORCH", "all_reduce_hook", "check_torch",
            "custom_reduce_scatter", "fsdp_modules", "gradient_divide_factor", "is_native_hsdp", "packed_params",
@@ -34,11 +35,8 @@ TESTED_TORCH = ((2, 13), (2, 14))
 
 def check_torch(version: str = torch.__version__) -> None:
     """Raise unless `version` is a torch release this module was tested with."""
-    major, minor = (int(x) for x in version.split(".")[:2])
-    if (major, minor) not in TESTED_TORCH:
-        tested = ", ".join(f"{a}.{b}" for a, b in TESTED_TORCH)
-        raise RuntimeError(f"GIFT's FSDP2 hook reads FSDP2 internals tested on torch {tested}; this is torch "
-                           f"{version}. Use a tested torch, or the graph path / DDP")
+    require_tested_torch(TESTED_TORCH, "GIFT's FSDP2 hook reads FSDP2 internals",
+                         "Use a tested torch, or the graph path / DDP", version)
 
 
 class PackedParam(NamedTuple):
