@@ -30,7 +30,7 @@ def _fsdp2(d: dict) -> list[str]:
 def _graph_trainer(d: dict) -> list[str]:
     steps = {int(k): v for k, v in d["step_s"].items()}
     slowest = max(steps, key=steps.get)
-    after_first = [f for f in d["layer_flips_between_refreshes"]]
+    after_first = d["layer_flips_between_refreshes"]
     return [f"graph_trainer (`{d['command']}`, {d['date']}: `{d['config']}` on {d['nproc']} gloo ranks, "
             f"{' '.join(d['overrides'])}): {d['steps']} steps in {d['wall_s']:.0f} s; {d['refreshes_measured']} "
             f"refreshes decided the selection, {sum(after_first)} layer flips after the first decision "
