@@ -69,6 +69,9 @@ MODIFIERS: dict[str, dict[str, object]] = {
     # no refresh warm-up: refreshes only at multiples of refresh_every (the schedule before the
     # warm-up existed; every study arm without `-dflt` runs so, to keep its meaning)
     "nowarm": {"refresh_warmup": 0},
+    # codes chosen on each scale block rotated by a signed Walsh-Hadamard (`block_rotation`),
+    # a codec change both geometries can take
+    "rot": {"block_rotation": True},
 }
 
 
@@ -88,7 +91,7 @@ def parse_arm(arm: str) -> tuple[str, str | None, bool]:
     every 5 steps, gradient-side geometry, momentum-side geometry, damping 1e-2, measured
     selection, the two-sided experiment, AdamW's second-moment column scaling, the geometry
     chosen from the optimizer, second-hop error feedback, a decaying residual, the product's
-    defaults, the plain-L2 selection metric, no refresh warm-up).
+    defaults, the plain-L2 selection metric, no refresh warm-up, the block rotation).
     """
     if arm == "fp32":
         return "fp32", None, False

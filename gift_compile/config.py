@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 # The format names belong to the codec, the layer below this one (docs/architecture.md).
-from gift_compile.codec.spec import BLOCK_SIZE_CHOICES, BLOCK_SIZE_FORMATS, FORMATS, SCALINGS
+from gift_compile.codec.spec import BLOCK_SIZE_CHOICES, BLOCK_SIZE_FORMATS, FORMATS, SCALINGS, FormatSpec
 
 # `replica_format` value meaning "the cross-replica hop uses `format` too".
 SAME_FORMAT = "same"
@@ -160,6 +160,13 @@ class GiftConfig:
             values below 1 bound how long a stale error keeps being re-sent. Needs one of the
             error feedbacks on.
         stochastic_rounding: round fp codes stochastically (seeded, reproducible).
+        block_rotation: before the codes are chosen, rotate each scale block (after the
+            geometry's map) by a fixed signed Walsh-Hadamard transform, undone after the
+            decoded sum (`gift_compile.codec.rotation`): it spreads a block's outliers over its
+            elements so the block's few levels cover them with a finer step. Block-scaled
+            formats only (the rotation stays inside one scale); the same on every rank and
+            step, so error-feedback residuals stay valid. Off by default: the frontier study
+            decides where it pays (docs/benchmarks.md, "Techniques at 2 bits").
         min_numel: 2-D weights smaller than this stay at full precision.
         stats_tokens: at most this many tokens per step and layer enter the K-FAC statistics
             (a strided subsample), which bounds the hook's cost at O(stats_tokens * d_in^2).
@@ -232,6 +239,7 @@ class GiftConfig:
     second_hop_error_feedback: bool = False
     error_feedback_decay: float = 1.0
     stochastic_rounding: bool = False
+    block_rotation: bool = False
     min_numel: int = 4096
     stats_tokens: int = 1024
     nonfinite: str = "error"
@@ -294,12 +302,17 @@ class GiftConfig:
         }
         for name, value in floats.items():  # ema=0 is stored as 0.0: the annotated type
             object.__setattr__(self, name, value)
-        for name in ("error_feedback", "second_hop_error_feedback", "stochastic_rounding"):
+        for name in ("error_feedback", "second_hop_error_feedback", "stochastic_rounding", "block_rotation"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, getattr(self, name), "true or false")
         if self.error_feedback_decay != 1.0 and not (self.error_feedback or self.second_hop_error_feedback):
             _fail("error_feedback_decay", self.error_feedback_decay,
                   "1.0 unless error_feedback or second_hop_error_feedback is on (it decays their residuals)")
+        if self.block_rotation and FormatSpec(self.format, self.scaling, self.block_size).block is None:
+            _fail("block_rotation", self.block_rotation,
+                  f"false for format={self.format!r} with scaling={self.scaling!r}: the rotation runs inside "
+                  "a scale block, and this format has no blocks (a block-scaled format, or fp8 with "
+                  "scaling='block')")
         self._validate_select()
         object.__setattr__(self, "exclude", _globs("exclude", self.exclude,
                                                    "a list (or comma-separated string) of non-empty FQN globs"))

@@ -20,6 +20,7 @@ NAN, INF = float("nan"), float("inf")
     ({"reselect_every": -1}, "reselect_every"), ({"statistics": "exact"}, "statistics"),
     ({"sketch_cols": -2}, "sketch_cols"), ({"residual_format": "fp16"}, "residual_format"),
     ({"replica_format": "fp16"}, "replica_format"),
+    ({"format": "fp8_e4m3", "scaling": "row", "block_rotation": True}, "block_rotation"),
     ({"format": "fp8_e4m3", "replica_format": "int4", "block_size": 64}, "block_size"),
 ])
 def test_invalid_values_name_the_field(kwargs, field):
@@ -45,7 +46,7 @@ BAD_TYPES = [
     ("error_feedback", 1), ("error_feedback", "false"), ("second_hop_error_feedback", 1),
     ("second_hop_error_feedback", None), ("error_feedback_decay", "0.9"), ("error_feedback_decay", NAN),
     ("error_feedback_decay", True), ("error_feedback_decay", -0.1), ("error_feedback_decay", 0.5),
-    ("stochastic_rounding", 0), ("stochastic_rounding", "true"),
+    ("stochastic_rounding", 0), ("stochastic_rounding", "true"), ("block_rotation", 1),
     ("select", ","), ("select", "a.*,,b.*"), ("select", ()), ("select", []), ("select", ("a.*", "")),
     ("select", ("a.*", 3)), ("select", 5), ("select", None),
     ("exclude", 5), ("exclude", None), ("exclude", ("*embed*", 3)), ("exclude", ("",)), ("exclude", ""),

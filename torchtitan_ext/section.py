@@ -99,6 +99,9 @@ class GiftSection:
     stochastic_rounding: bool = _DEFAULTS.stochastic_rounding
     """Stochastic rounding of the codes (seeded)."""
 
+    block_rotation: bool = _DEFAULTS.block_rotation
+    """Rotate each scale block (signed Walsh-Hadamard) before choosing its codes (block formats)."""
+
     min_numel: int = _DEFAULTS.min_numel
     """2-D weights with fewer elements stay at full precision."""
 

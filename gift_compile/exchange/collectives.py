@@ -148,6 +148,7 @@ def _single(x: torch.Tensor, group: dist.ProcessGroup | str | None, config: Gift
     item = ItemPlan(name="x", rows=rows, cols=cols, dtype=dtype_name(x.dtype), managed=True, format=config.format,
                     scaling=config.scaling, block_size=config.block_size, kind=kind, n_tensors=len(tensors),
                     error_feedback=residual is not None, stochastic_rounding=config.stochastic_rounding,
+                    block_rotation=config.block_rotation,
                     second_hop_error_feedback=second_hop_residual is not None,
                     error_feedback_decay=config.error_feedback_decay)
     res2 = None if residual is None else (residual.reshape(rows, cols),)

@@ -3,10 +3,12 @@
 `gift_compile.exchange.bucket` packs a bucket (header, one all_to_all, counters); everything that
 depends on one gradient's plan lives here, item by item:
 
-    encode_item         transform (+ beta * EF residual) -> local scales -> encode -> the item's
-                        blocks of the send buffer (one row per destination) and its non-finite flag
+    encode_item         transform, block rotation (+ beta * EF residual) -> local scales -> encode
+                        -> the item's blocks of the send buffer (one row per destination) and
+                        its non-finite flag
     decode_item         decode every sender's block with that sender's scales, fp32 sum in rank
-                        order, (average), inverse transform (or not: the all-reduce's first stage)
+                        order, (average), un-rotation and inverse transform (or not: the
+                        all-reduce's first stage)
     reencode_item       the all-reduce's second hop: re-encode this rank's reduced shard (+ the
                         owner's second-hop residual) into its all_gather bytes
     gather_decode_item  decode every rank's re-encoded shard, inverse transform, crop the padding
@@ -39,6 +41,7 @@ import torch
 
 from gift_compile.codec import FormatSpec, scales_nonfinite
 from gift_compile.codec import residual as residual_store
+from gift_compile.codec.rotation import rotate, unrotate
 from gift_compile.kernels import choose_scales, decode, decode_sum, encode
 from gift_compile.exchange.accounting import _item_bytes_per_dest, _itemsize, _scale_layout
 from gift_compile.exchange.plan import BucketPlan, ItemPlan
@@ -194,6 +197,21 @@ def _decayed(item: ItemPlan, e: torch.Tensor) -> torch.Tensor:
     return e if item.error_feedback_decay == 1.0 else e * item.error_feedback_decay
 
 
+def _to_code_axes(item: ItemPlan, g: torch.Tensor) -> torch.Tensor:
+    """The mapped gradient on the axes its codes are written on: rotated inside each scale
+    block with `block_rotation` (`gift_compile.codec.rotation`), as it is otherwise. The
+    residual, the scales and the all-reduce's second hop all live on these axes."""
+    return rotate(g, item.spec.block) if item.block_rotation else g
+
+
+def _to_original(item: ItemPlan, total: torch.Tensor, state: ItemTensors | None) -> torch.Tensor:
+    """A decoded sum on the code axes back in the gradient's coordinates: un-rotated, then the
+    map's inverse."""
+    if item.block_rotation:
+        total = unrotate(total, item.spec.block)
+    return apply_inverse(item.kind, total, _map_tensors(item, state))
+
+
 def _take(recv: torch.Tensor, offset: int, n: int) -> tuple[torch.Tensor, int]:
     """Columns `[offset, offset + n)` of every sender's block, as a dense `[world, n]` copy
     (a clone, not `contiguous()`: with one sender the slice already counts as contiguous
@@ -247,7 +265,7 @@ def encode_item(x: torch.Tensor, state: ItemTensors | None, shared: Shared, item
     g = x.reshape(item.rows, item.cols)
     if state.probe is not None:
         state.probe.copy_(g[: state.probe.shape[0]])
-    g = apply_forward(item.kind, _pad_rows(g.float(), rows), _map_tensors(item, state))
+    g = _to_code_axes(item, apply_forward(item.kind, _pad_rows(g.float(), rows), _map_tensors(item, state)))
     if state.residual is not None:
         g = g + _pad_rows(_decayed(item, residual_store.read(item.residual_format, state.residual, item.cols)), rows)
     scales, tscale = choose_scales(g, spec)
@@ -278,7 +296,7 @@ def decode_item(recv: torch.Tensor, offset: int, state: ItemTensors | None, item
     payload, offset = _take(recv, offset, r * spec.payload_cols(item.cols))
     scales, tscale, offset = _parse_scales(recv, offset, spec, item.cols, r)
     total = decode_sum(payload.reshape(w, r, -1), spec, scales, tscale, item.cols, p.average)
-    return (total if transformed else apply_inverse(item.kind, total, _map_tensors(item, state))), offset
+    return (total if transformed else _to_original(item, total, state)), offset
 
 
 def reencode_item(shard: torch.Tensor, state: ItemTensors | None, shared: Shared, item: ItemPlan,
@@ -321,7 +339,7 @@ def gather_decode_item(gathered: torch.Tensor, offset: int, state: ItemTensors |
     payload, offset = _take(gathered, offset, r * spec.payload_cols(item.cols))
     scales, tscale, offset = _parse_scales(gathered, offset, spec, item.cols, r)
     full = decode(payload.reshape(w, r, -1), spec, scales, tscale, item.cols).reshape(w * r, item.cols)
-    return apply_inverse(item.kind, full, _map_tensors(item, state)).narrow(0, 0, item.rows), offset
+    return _to_original(item, full, state).narrow(0, 0, item.rows), offset
 
 
 # ---- compiled stages: a single-item plan `p` (`item_plan`) as the last argument -----------------

@@ -63,6 +63,8 @@ class ItemPlan:
     n_tensors: int = 0
     error_feedback: bool = False
     stochastic_rounding: bool = False
+    # `gift_compile.codec.rotation`: codes are chosen on each scale block rotated after the map
+    block_rotation: bool = False
     unrewritten: str = "error"
     residual_format: str = "fp32"
     # HSDP in a traced graph: the wire format of the replica hop (the all-reduce of the reduced
@@ -91,7 +93,7 @@ class ItemPlan:
                    format=config.format, scaling=config.scaling, block_size=config.block_size,
                    kind=kind, n_tensors=n_tensors,
                    error_feedback=config.error_feedback, stochastic_rounding=config.stochastic_rounding,
-                   unrewritten=config.unrewritten, residual_format=config.residual_format,
+                   block_rotation=config.block_rotation, unrewritten=config.unrewritten, residual_format=config.residual_format,
                    second_hop_error_feedback=config.second_hop_error_feedback,
                    error_feedback_decay=config.error_feedback_decay)
 
@@ -135,7 +137,7 @@ class ItemPlan:
         return (f"{self.name}: [{self.rows}, {self.cols}] {self.dtype} -> {self.format}/{self.scaling}"
                 f"/b{self.block_size} {self.kind}{' gated' if self.gated else ''} ef={int(self.error_feedback)}{int(self.second_hop_error_feedback)}"
                 f"{'' if self.error_feedback_decay == 1.0 else f' beta={self.error_feedback_decay}'}"
-                f" sr={int(self.stochastic_rounding)}")
+                f" sr={int(self.stochastic_rounding)}{' rot' if self.block_rotation else ''}")
 
 
 class Collective(enum.StrEnum):

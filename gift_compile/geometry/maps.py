@@ -9,7 +9,6 @@ from the optimizer (`gift_compile.geometry.optimizer_maps`) can derive from thes
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -17,6 +16,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
+from gift_compile.codec.rotation import fwht
 from gift_compile.geometry.statistics import KFACStatistics, SketchStatistics
 from gift_compile.geometry.whitening import dense_whitening, gradient_factor, lowrank_refresh_flops, lowrank_whitening
 
@@ -37,19 +37,6 @@ _MAX_HADAMARD_BLOCK = 1024
 def hadamard_block(d_in: int) -> int:
     """Largest power of two dividing `d_in` (capped): the butterfly's block length."""
     return min(d_in & -d_in, _MAX_HADAMARD_BLOCK)
-
-
-def _fwht(x: torch.Tensor, block: int) -> torch.Tensor:
-    """Orthonormal Walsh-Hadamard transform over consecutive blocks of the last dim."""
-    shape = x.shape
-    y = x.reshape(-1, shape[-1] // block, block)
-    h = 1
-    while h < block:
-        y = y.reshape(y.shape[0], y.shape[1], block // (2 * h), 2, h)
-        a, b = y[..., 0, :], y[..., 1, :]
-        y = torch.stack((a + b, a - b), dim=-2)
-        h *= 2
-    return (y.reshape(shape) * (1.0 / math.sqrt(block)))
 
 
 # Eager (untraced) CPU calls expand the low-rank term over row blocks of about this many
@@ -253,12 +240,12 @@ class Hadamard(Geometry):
     @staticmethod
     def apply_forward(g: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
         signs, gate = tensors
-        return torch.where(gate > 0, _fwht(g * signs, hadamard_block(g.shape[-1])), g)
+        return torch.where(gate > 0, fwht(g * signs, hadamard_block(g.shape[-1])), g)
 
     @staticmethod
     def apply_inverse(gt: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
         signs, gate = tensors
-        return torch.where(gate > 0, _fwht(gt, hadamard_block(gt.shape[-1])) * signs, gt)
+        return torch.where(gate > 0, fwht(gt, hadamard_block(gt.shape[-1])) * signs, gt)
 
     @staticmethod
     def gated(tensors: tuple[torch.Tensor, ...], on: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -56,11 +56,14 @@ class LayerMeasurement:
         return math.isfinite(self.err_euclidean) and math.isfinite(self.err_transformed)
 
 
-def round_trip(g: torch.Tensor, spec: FormatSpec, kind: str, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """Transform, quantize, dequantize, inverse on one rank: the collective with no peers."""
+def round_trip(g: torch.Tensor, spec: FormatSpec, kind: str, tensors: tuple[torch.Tensor, ...],
+               block_rotation: bool = False) -> torch.Tensor:
+    """Transform, quantize, dequantize, inverse on one rank: the collective with no peers
+    (with the block rotation where the config sends with it, so both paths are measured as
+    they would be sent)."""
     rows, cols = g.shape
     item = ItemPlan(name="probe", rows=rows, cols=cols, format=spec.name, scaling=spec.scaling,
-                    block_size=spec.block_size, kind=kind, n_tensors=len(tensors))
+                    block_size=spec.block_size, kind=kind, n_tensors=len(tensors), block_rotation=block_rotation)
     plan = BucketPlan((item,), 1, None, False, Collective.ALL_REDUCE)
     return bucket_core([g.float()], [ItemTensors(tuple(tensors))], Shared(), plan)[0][0]
 
@@ -96,7 +99,8 @@ def measure(
     if not bool(torch.isfinite(g).all()) or float(g.norm()) == 0.0:
         return LayerMeasurement(float("nan"), float("nan"), 0.0, 0.0)
     geometry = map_class(kind)
-    euclidean, transformed = round_trip(g, spec, IDENTITY_KIND, ()), round_trip(g, spec, kind, tensors)
+    rot = config.block_rotation
+    euclidean, transformed = round_trip(g, spec, IDENTITY_KIND, (), rot), round_trip(g, spec, kind, tensors, rot)
     if config.select_metric == "whitened":  # both errors seen in the candidate's geometry
         g, euclidean, transformed = (geometry.apply_forward(t, tensors) for t in (g, euclidean, transformed))
     e_euc, e_t = relative_error(euclidean, g), relative_error(transformed, g)
