@@ -8,6 +8,8 @@ pages that read the results (`bench.frontier`, `bench.pages`); it measures nothi
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -72,7 +74,26 @@ MODIFIERS: dict[str, dict[str, object]] = {
     # codes chosen on each scale block rotated by a signed Walsh-Hadamard (`block_rotation`),
     # a codec change both geometries can take
     "rot": {"block_rotation": True},
+    # bits per layer at the arm format's total bytes: `layer_formats` from the measured
+    # allocation (`bench.bit_allocation`, read by `arm_config`)
+    "alloc": {},
 }
+
+# the measured per-layer bit allocations, by budget format (`bench.bit_allocation` writes it)
+ALLOCATION = Path(__file__).resolve().parent / "results" / "bit_allocation.json"
+ALLOCATION_COMMAND = "python -m bench.bit_allocation"
+
+
+def allocated_formats(fmt: str, path: Path = ALLOCATION) -> tuple[str, ...]:
+    """The measured allocation's `layer_formats` at the bytes of `fmt` on every layer (the
+    `-alloc` arms). Raises, naming the command, where none was measured for it."""
+    if not path.exists():
+        raise FileNotFoundError(f"no bit allocation measured ({path}); run `{ALLOCATION_COMMAND}`")
+    results = json.loads(path.read_text())
+    if fmt not in results:
+        raise ValueError(f"no bit allocation measured for {fmt!r} in {path} (have {sorted(results)}); run "
+                         f"`{ALLOCATION_COMMAND} --format {fmt}`")
+    return tuple(results[fmt]["layer_formats"])
 
 
 # the modifiers that change only GIFT's map (the rest, `sr`, `ef2`, `b9`, change the codec both
@@ -91,7 +112,8 @@ def parse_arm(arm: str) -> tuple[str, str | None, bool]:
     every 5 steps, gradient-side geometry, momentum-side geometry, damping 1e-2, measured
     selection, the two-sided experiment, AdamW's second-moment column scaling, the geometry
     chosen from the optimizer, second-hop error feedback, a decaying residual, the product's
-    defaults, the plain-L2 selection metric, no refresh warm-up, the block rotation).
+    defaults, the plain-L2 selection metric, no refresh warm-up, the block rotation, the measured
+    per-layer bit allocation).
     """
     if arm == "fp32":
         return "fp32", None, False
@@ -111,6 +133,8 @@ def arm_config(arm: str, s: ConvergenceSettings, seed: int) -> GiftConfig | None
     extra = {"refresh_every": s.refresh_every, "refresh_warmup": 0}  # the study's fixed cadence
     for mod in arm.split("-")[2:]:
         extra.update(MODIFIERS.get(mod, {}))
+    if "alloc" in arm.split("-")[2:]:
+        extra["layer_formats"] = allocated_formats(fmt)
     return GiftConfig(**{**FORMATS[fmt], **gift, "error_feedback": ef, "seed": seed, **extra})
 
 

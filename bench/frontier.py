@@ -21,7 +21,7 @@ holds fp32 and the study's arms, `convergence_runs_frontier.jsonl` the frontier'
 Methods: Euclidean (`geometry="none"`), Euclidean + error feedback, GIFT as a user gets it
 (`-dflt`: `GiftConfig(format=F)` with `optimizer=`), GIFT + error feedback (the same defaults),
 and GIFT + a leaky residual (`error_feedback_decay=0.9`) where it was run. Writes
-`bench/results/frontier.json` and `frontier.png`; `bench.pages.frontier` renders the tables from
+`bench/results/frontier.json` and `frontier.png`; `bench.pages_frontier` renders the tables from
 the JSON.
 """
 
@@ -59,6 +59,20 @@ COMMAND = "bash bench/frontier_runs.sh && python -m bench.frontier && python -m 
 RANKS_FILES = (*RUN_FILES, RESULTS / "convergence_runs_rs4.jsonl", RESULTS / "convergence_runs_frontier4.jsonl")
 RANKS_ARMS = ("euclid-int2", "gift-int2", "gift-int2-dflt")
 RANKS_COMMAND = "bash bench/frontier_ranks_runs.sh && python -m bench.frontier"
+# Techniques that could move the 2-bit point, each an arm of the frontier's design that adds one
+# technique to a frontier arm (`bash bench/frontier_techniques_runs.sh`): technique arm ->
+# (technique, the arm it modifies). Kept only if it beats that arm, paired by seed.
+TECHNIQUE_FILES = (*RUN_FILES, RESULTS / "convergence_runs_techniques.jsonl")
+TECHNIQUES: dict[str, tuple[str, str]] = {
+    "gift-int2-ef-b9-dflt-rot": ("block rotation", "gift-int2-ef-b9-dflt"),
+    "gift-int2-dflt-rot": ("block rotation", "gift-int2-dflt"),
+    "euclid-int2-rot": ("block rotation", "euclid-int2"),
+    "euclid-int2-ef-rot": ("block rotation", "euclid-int2-ef"),
+    "gift-int2-ef-b9-dflt-alloc": ("per-layer bits", "gift-int2-ef-b9-dflt"),
+    "euclid-int2-alloc": ("per-layer bits", "euclid-int2"),
+}
+TECHNIQUES_COMMAND = ("python -m bench.bit_allocation && bash bench/frontier_techniques_runs.sh && "
+                      "python -m bench.frontier")
 
 
 def load(files: tuple[Path, ...] = RUN_FILES, designs: tuple[tuple[str, int, int], ...] = (STUDY,)) -> list[dict]:
@@ -170,6 +184,42 @@ def ranks(files: tuple[Path, ...] = RANKS_FILES, optimizer: str = "muon") -> dic
     return {"optimizer": optimizer, "arms": rows, "command": RANKS_COMMAND}
 
 
+def techniques(summary: dict, files: tuple[Path, ...] = TECHNIQUE_FILES, optimizer: str = "muon") -> dict[str, object]:
+    """Each technique arm against the arm it modifies, paired by seed (the change in final
+    held-out bits/byte; negative: the technique helps), Holm over the technique arms (family-wise
+    5%): kept where the change is resolved and negative. Also each technique arm's own gap to
+    fp32, judged as the frontier judges (Bonferroni over the frontier's judged arms plus these)
+    against fp32's band from `summary`. Arms with fewer than two paired seeds are left out."""
+    o = summary["optimizers"].get(optimizer)
+    if o is None:
+        return {"optimizer": optimizer, "arms": [], "command": TECHNIQUES_COMMAND}
+    runs = [r for r in load(files) if r["optimizer"] == optimizer]
+    m_el = summary["managed_elements"]
+    by: dict[str, dict[int, dict]] = defaultdict(dict)
+    for r in runs:
+        by[r["arm"]][r["seed"]] = r
+    rows = []
+    for arm, (technique, base) in TECHNIQUES.items():
+        seeds = sorted(set(by[arm]) & set(by[base]) & set(by["fp32"]))
+        if len(seeds) < 2:
+            continue
+        rows.append({"arm": arm, "technique": technique, "base": base, "seeds": seeds,
+                     "bits_managed": statistics.fmean(_bits(by[arm][s], m_el)[0] for s in seeds),
+                     "base_bits_managed": statistics.fmean(_bits(by[base][s], m_el)[0] for s in seeds),
+                     "change": paired([_final(by[arm][s]) - _final(by[base][s]) for s in seeds]).as_dict(),
+                     "gap": paired([_final(by[arm][s]) - _final(by["fp32"][s]) for s in seeds]).as_dict()})
+    family = o["family_size"] + len(rows)
+    for row, rejected in zip(rows, holm([r["change"]["p"] for r in rows])):
+        row["change_resolved_holm"] = rejected
+        row["kept"] = rejected and row["change"]["mean"] < 0
+        g = row["gap"]
+        t_adj = t_quantile(1.0 - ALPHA / (2 * family), g["n"] - 1)
+        row["upper_adjusted"] = g["mean"] + t_adj * g["std"] / math.sqrt(g["n"])
+        row["within"] = g["n"] >= MIN_SEEDS and row["upper_adjusted"] <= o["fp32"]["band95"]
+    return {"optimizer": optimizer, "family_size": family, "band95": o["fp32"]["band95"], "arms": rows,
+            "command": TECHNIQUES_COMMAND}
+
+
 def _shifts(arms: list[dict], fewest: dict[str, str | None]) -> dict[str, float | None]:
     """How many bits left of its Euclidean counterpart GIFT's fewest-within point sits (positive:
     GIFT needs fewer bits), per pair; None where either side has no point within the band."""
@@ -226,6 +276,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     summary = summarise(load())
     summary["ranks"] = ranks()
+    summary["techniques"] = techniques(summary)
     a.out.write_text(json.dumps(summary, indent=1) + "\n")
     if not a.no_plot:
         plot(summary, a.out.parent)

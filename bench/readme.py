@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from bench.fidelity_sweep import ORACLES
-from bench import pages, pages_selection, report
+from bench import pages, pages_frontier, pages_selection, report
 from bench.formatting import paired_ci, share_closed, signed_pct
 from bench.report_cost import CODEC_PAIR
 from gift_compile.geometry.table import IDENTITY_KIND
@@ -368,8 +368,8 @@ BLOCKS: dict[str, Callable[[dict], str]] = {
     "second_hop": pages.second_hop, "convergence": convergence, "closing": closing, "adamw_sweep": adamw_sweep,
     "hsdp_model": pages.hsdp_model, "soak": pages.soak, "headline": headline, "formats": pages.formats,
     "plan_check": pages.plan_check, "demo": pages.demo, "demo_summary": pages.demo_summary, "skips": pages.skips,
-    "defaults": defaults, "faults": pages.faults, "frontier": pages.frontier,
-    "frontier_headline": pages.frontier_headline, "selection_churn": pages_selection.selection_churn,
+    "defaults": defaults, "faults": pages.faults, "frontier": pages_frontier.frontier,
+    "frontier_headline": pages_frontier.frontier_headline, "selection_churn": pages_selection.selection_churn,
     **{name: pages.torchtitan_run(name) for name in pages.torchtitan_runs()},
 }
 # Which page holds each block (relative to the repository root); every block is on exactly one

@@ -160,6 +160,12 @@ class GiftConfig:
             values below 1 bound how long a stale error keeps being re-sent. Needs one of the
             error feedbacks on.
         stochastic_rounding: round fp codes stochastically (seeded, reproducible).
+        layer_formats: bits allocated per layer: `"glob=format"` entries (a comma-separated
+            string is split) matched against the weight's FQN as `exclude` is; the first
+            match wins and layers no entry matches use `format`. Every entry's format shares
+            `scaling` and `block_size`. `bench.bit_allocation` measures an allocation at equal
+            total bytes (more bits where a layer's relative error falls most per byte). Not
+            with an HSDP replica hop, which sends every layer at one `replica_format`.
         block_rotation: before the codes are chosen, rotate each scale block (after the
             geometry's map) by a fixed signed Walsh-Hadamard transform, undone after the
             decoded sum (`gift_compile.codec.rotation`): it spreads a block's outliers over its
@@ -240,6 +246,7 @@ class GiftConfig:
     error_feedback_decay: float = 1.0
     stochastic_rounding: bool = False
     block_rotation: bool = False
+    layer_formats: tuple[str, ...] = ()
     min_numel: int = 4096
     stats_tokens: int = 1024
     nonfinite: str = "error"
@@ -308,7 +315,9 @@ class GiftConfig:
         if self.error_feedback_decay != 1.0 and not (self.error_feedback or self.second_hop_error_feedback):
             _fail("error_feedback_decay", self.error_feedback_decay,
                   "1.0 unless error_feedback or second_hop_error_feedback is on (it decays their residuals)")
-        if self.block_rotation and FormatSpec(self.format, self.scaling, self.block_size).block is None:
+        self._validate_layer_formats()
+        if self.block_rotation and any(FormatSpec(f, self.scaling, self.block_size).block is None
+                                       for f in (self.format, *self._layer_format_table().values())):
             _fail("block_rotation", self.block_rotation,
                   f"false for format={self.format!r} with scaling={self.scaling!r}: the rotation runs inside "
                   "a scale block, and this format has no blocks (a block-scaled format, or fp8 with "
@@ -342,6 +351,31 @@ class GiftConfig:
             object.__setattr__(self, "select", select)
         else:
             _fail("select", select, allowed)
+
+    def _layer_format_table(self) -> dict[str, str]:
+        """`layer_formats` as glob -> format, in the order given (first match wins)."""
+        return dict(entry.split("=", 1) for entry in self.layer_formats)
+
+    def _validate_layer_formats(self) -> None:
+        allowed = ('"glob=format" entries (a list or a comma-separated string), each glob non-empty and each format '
+                   f"one of {', '.join(FORMATS)} valid with block_size={self.block_size}")
+        entries = _globs("layer_formats", self.layer_formats, allowed) if self.layer_formats else ()
+        for entry in entries:
+            glob, sep, fmt = (part.strip() for part in entry.partition("="))
+            if not sep or not glob or fmt not in FORMATS:
+                _fail("layer_formats", self.layer_formats, allowed)
+            if fmt in BLOCK_SIZE_FORMATS and self.block_size not in BLOCK_SIZE_CHOICES:
+                _fail("layer_formats", self.layer_formats, allowed)
+        object.__setattr__(self, "layer_formats",
+                           tuple("=".join(p.strip() for p in e.partition("=")[::2]) for e in entries))
+
+    def format_for(self, fqn: str) -> str:
+        """The wire format of the weight `fqn`: the first `layer_formats` entry whose glob
+        matches it, else `format`."""
+        for glob, fmt in self._layer_format_table().items():
+            if fnmatch.fnmatch(fqn, glob):
+                return fmt
+        return self.format
 
     @property
     def replica_hop_format(self) -> str:

@@ -46,7 +46,7 @@ BAD_TYPES = [
     ("error_feedback", 1), ("error_feedback", "false"), ("second_hop_error_feedback", 1),
     ("second_hop_error_feedback", None), ("error_feedback_decay", "0.9"), ("error_feedback_decay", NAN),
     ("error_feedback_decay", True), ("error_feedback_decay", -0.1), ("error_feedback_decay", 0.5),
-    ("stochastic_rounding", 0), ("stochastic_rounding", "true"), ("block_rotation", 1),
+    ("stochastic_rounding", 0), ("stochastic_rounding", "true"), ("block_rotation", 1), ("layer_formats", 3),
     ("select", ","), ("select", "a.*,,b.*"), ("select", ()), ("select", []), ("select", ("a.*", "")),
     ("select", ("a.*", 3)), ("select", 5), ("select", None),
     ("exclude", 5), ("exclude", None), ("exclude", ("*embed*", 3)), ("exclude", ("",)), ("exclude", ""),

@@ -102,6 +102,9 @@ class GiftSection:
     block_rotation: bool = _DEFAULTS.block_rotation
     """Rotate each scale block (signed Walsh-Hadamard) before choosing its codes (block formats)."""
 
+    layer_formats: list[str] = field(default_factory=list)
+    """Per-layer wire formats, comma-separated "glob=format" entries (first match wins; others use format)."""
+
     min_numel: int = _DEFAULTS.min_numel
     """2-D weights with fewer elements stay at full precision."""
 

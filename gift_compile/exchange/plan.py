@@ -90,7 +90,7 @@ class ItemPlan:
         """The plan of a managed weight `[out, in]` under `config`, whose map is `kind` (the
         layer's geometry's, resolved once by its `GiftState`)."""
         return cls(name=name, rows=int(shape[0]), cols=int(shape[1]), dtype="float32", managed=True,
-                   format=config.format, scaling=config.scaling, block_size=config.block_size,
+                   format=config.format_for(name), scaling=config.scaling, block_size=config.block_size,
                    kind=kind, n_tensors=n_tensors,
                    error_feedback=config.error_feedback, stochastic_rounding=config.stochastic_rounding,
                    block_rotation=config.block_rotation, unrewritten=config.unrewritten, residual_format=config.residual_format,

@@ -265,7 +265,14 @@ def install_graph(state: GiftState, replica_group: dist.ProcessGroup) -> Replica
 
 
 def _attach(state: GiftState, hop: ReplicaHop) -> None:
-    """Keep `hop` on `state` (the per-adapter slot, `NAME`); its counters enter the health check."""
+    """Keep `hop` on `state` (the per-adapter slot, `NAME`); its counters enter the health check.
+    Refuses per-layer formats: the replica hop sends every layer at the one `replica_format`
+    (its plans, error probes and byte accounting have one format), so a layer given more bits
+    on the shard hop would lose them on the replica hop."""
+    if state.config.layer_formats:
+        raise ValueError(f"gift_compile.frameworks.hsdp: layer_formats={state.config.layer_formats!r} with an HSDP "
+                         f"replica hop: the hop sends every layer at replica_format={state.config.replica_hop_format!r}; "
+                         "drop layer_formats, or train without the replica hop (FSDP over every rank)")
     attach(state, NAME, hop)
     state.hop_counters.append(hop.counters)
 

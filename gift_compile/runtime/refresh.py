@@ -148,7 +148,8 @@ class RefreshEngine:
             if layer.transform.is_identity or not (layer.selected or not layer.decided or deciding):
                 continue
             tokens = float(layer.stats.tokens) / max(self.steps, 1) if layer.stats is not None else 8192.0
-            measured[name] = measure(layer.probe, cfg, layer.kind, layer.transform.tensors, layer.shape, tokens)
+            measured[name] = measure(layer.probe, cfg, layer.kind, layer.transform.tensors, layer.shape, tokens,
+                                     name)
         stacked = torch.tensor(
             [[m.err_euclidean, m.err_transformed, m.boundary_hits] for m in measured.values()], dtype=torch.float64
         ).reshape(-1, 3)

@@ -92,9 +92,12 @@ def backward_flops(rows: int, d_in: int, tokens: float) -> float:
 
 
 def measure(
-    sample: torch.Tensor, config: GiftConfig, kind: str, tensors: tuple[torch.Tensor, ...], shape: tuple[int, int], tokens: float
+    sample: torch.Tensor, config: GiftConfig, kind: str, tensors: tuple[torch.Tensor, ...], shape: tuple[int, int],
+    tokens: float, fqn: str
 ) -> LayerMeasurement:
-    spec = FormatSpec(config.format, config.scaling, config.block_size)
+    """Both paths' relative errors of the layer `fqn` at the format it is sent in
+    (`config.format_for`), the transform's FLOP share and the boundary-hit ratio."""
+    spec = FormatSpec(config.format_for(fqn), config.scaling, config.block_size)
     g = as_rows(sample).float()
     if not bool(torch.isfinite(g).all()) or float(g.norm()) == 0.0:
         return LayerMeasurement(float("nan"), float("nan"), 0.0, 0.0)

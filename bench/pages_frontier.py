@@ -1,0 +1,137 @@
+"""The frontier's pages (`bench.frontier` writes the JSON): the method x format table, the
+fewest bits within fp32's CI, more ranks, the techniques tried at 2 bits, and the README's
+recommendation."""
+
+from __future__ import annotations
+
+import json
+
+from bench.convergence_arms import FORMATS as RUN_FORMATS
+from bench.frontier import OUT as FRONTIER
+
+
+def _frontier() -> dict:
+    return json.loads(FRONTIER.read_text())
+
+
+def _gap_cell(a: dict | None) -> str:
+    if a is None:
+        return "not run"
+    g = a["gap"]
+    spread = "" if g["n"] < 2 else f" ± {g['ci95']:.4f}"
+    if not a["judged"]:
+        return f"{g['mean']:+.4f}{spread} (n={g['n']})"
+    verdict = "**within**" if a["within"] else "outside"
+    return f"{g['mean']:+.4f}{spread} (n={g['n']}; bound {a['upper_adjusted']:+.4f}) {verdict}"
+
+
+def _spelled(arm: dict) -> str:
+    """The `GiftConfig` a user writes for a frontier arm (with `optimizer=` for GIFT's defaults)."""
+    kw = {**RUN_FORMATS[arm["format"]]}
+    if arm["method"].startswith("Euclidean"):
+        kw["geometry"] = "none"
+    if "EF" in arm["method"]:
+        kw["error_feedback"] = True
+    if "leaky" in arm["method"]:
+        kw["error_feedback_decay"] = 0.9
+    return "GiftConfig(" + ", ".join(f"{k}={v!r}".replace("'", '"') for k, v in kw.items()) + ")"
+
+
+def frontier(_: dict) -> str:
+    """The frontier table (method x format: gap to fp32 with its CI, bits counted at the
+    collective), the fewest bits within fp32's CI per method and the gap at 2.25 bits, from
+    `bench/results/frontier.json` (`python -m bench.frontier`)."""
+    f = _frontier()
+    s = f["study"]
+    lines = [f"Reduce-scatter path (FSDP2), {s['world']} ranks, {s['steps']} steps; held-out bits/byte minus fp32's "
+             "(same seed), mean ± t 95% CI over n paired seeds; bits per managed element counted at the collectives; "
+             f"**within** = inside fp32's 95% CI: the gap's upper bound, Bonferroni-adjusted over the arms with n >= "
+             f"{f['min_seeds']} (family-wise {100 * f['alpha']:.0f}%; `bound` in each cell), below the half-width of "
+             f"fp32's own CI over its seeds. GIFT arms run the product's defaults (`-dflt`). Command: "
+             f"`{f['command']}`.", ""]
+    methods = list(next(iter(f["optimizers"].values()))["fewest_within"])
+    lines += ["| optimizer | format | bits / managed element (whole gradient) | " + " | ".join(methods) + " |",
+              "|---|---|---|" + "---|" * len(methods)]
+    for opt, o in f["optimizers"].items():
+        by = {(a["format"], a["method"]): a for a in o["arms"]}
+        for fmt in dict.fromkeys(a["format"] for a in o["arms"]):
+            bits = next(a for a in o["arms"] if a["format"] == fmt)
+            lines.append(f"| {opt} | {fmt} | {bits['bits_managed']:.2f} ({bits['bits_whole']:.1f}) | "
+                         + " | ".join(_gap_cell(by.get((fmt, m))) for m in methods) + " |")
+    lines.append("")
+    for opt, o in f["optimizers"].items():
+        arms = {a["arm"]: a for a in o["arms"]}
+        fewest = "; ".join(f"{m}: " + (f"{arms[a]['format']} at {arms[a]['bits_managed']:.2f} bits" if a else
+                                        "no format") for m, a in o["fewest_within"].items())
+        shifts = "; ".join(f"{k}: " + ("no comparison (a side has no point within)" if v is None else
+                                       f"{v:+.2f} bits") for k, v in o["shift_bits"].items())
+        at2 = "; ".join(f"{a['method']} {_gap_cell(a)}" for a in o["arms"] if a["format"] == "int2")
+        lines.append(f"* **{opt}** (fp32 {o['fp32']['mean']:.4f} ± {o['fp32']['band95']:.4f}, n={o['fp32']['n']}; "
+                     f"{o['family_size']} arms judged). Fewest bits within fp32's CI: {fewest}. GIFT's point left of "
+                     f"Euclidean's: {shifts}. At 2.25 bits (int2, block 32): {at2 or 'not run'}.")
+    return "\n".join(lines + _frontier_ranks(f.get("ranks")) + _frontier_techniques(f.get("techniques")))
+
+
+def _frontier_ranks(r: dict | None) -> list[str]:
+    """2 vs 4 ranks at int2 (`bench.frontier.ranks`): the gap at each rank count and its change."""
+    if not r or not r["arms"]:
+        return []
+
+    def cell(g: dict) -> str:
+        return f"{g['mean']:+.4f} ± {g['ci95']:.4f}"
+
+    def kept(v: float | None) -> str:
+        return "" if v is None else f" ({v:.0f} layers transformed)"
+
+    lines = ["", f"More ranks, same global batch ({r['optimizer']}, int2; gap to fp32 at the same rank count, mean ± "
+             "t 95% CI over the seeds; change = 4 ranks minus 2, paired by seed, Holm over the arms; "
+             f"`{r['command']}`):", "",
+             "| arm | 2 ranks | 4 ranks | change | resolved (Holm 5%) |", "|---|---|---|---|---|"]
+    for a in r["arms"]:
+        lines.append(f"| {a['arm']} | {cell(a['gap2'])}{kept(a['selected2'])} | {cell(a['gap4'])}{kept(a['selected4'])} "
+                     f"| {cell(a['change'])} | {'yes' if a['change_resolved_holm'] else 'no'} (n={a['change']['n']}) |")
+    return lines
+
+
+def _frontier_techniques(t: dict | None) -> list[str]:
+    """Techniques at 2 bits (`bench.frontier.techniques`): each against the arm it modifies."""
+    if not t or not t["arms"]:
+        return []
+
+    def cell(g: dict) -> str:
+        return f"{g['mean']:+.4f} ± {g['ci95']:.4f}"
+
+    lines = ["", f"Techniques at 2 bits ({t['optimizer']}; change = the arm with the technique minus the arm without, "
+             "paired by seed, mean ± t 95% CI, Holm over the techniques' arms; kept where resolved and negative; gap "
+             f"to fp32 judged as above over {t['family_size']} arms against fp32's ±{t['band95']:.4f}; "
+             f"`{t['command']}`):", "",
+             "| technique | arm | bits (without) | change | resolved (Holm 5%) | gap to fp32 (bound) |",
+             "|---|---|---|---|---|---|"]
+    for a in t["arms"]:
+        verdict = "**within**" if a["within"] else "outside"
+        lines.append(f"| {a['technique']} | {a['arm']} | {a['bits_managed']:.3f} ({a['base_bits_managed']:.3f}) | "
+                     f"{cell(a['change'])} | {'yes, kept' if a['kept'] else 'yes, worse' if a['change_resolved_holm'] else 'no'}"
+                     f" (n={a['change']['n']}) | {cell(a['gap'])} ({a['upper_adjusted']:+.4f}) {verdict} |")
+    return lines
+
+
+def frontier_headline(_: dict) -> str:
+    """The README's recommendation: per optimizer, the fewest bits within fp32's CI and the
+    configuration that sends them, from `bench/results/frontier.json`."""
+    f = _frontier()
+    lines = []
+    for opt, o in f["optimizers"].items():
+        inside = [a for a in o["arms"] if a.get("within")]
+        if not inside:
+            lines.append(f"* **{opt}**: no measured configuration within fp32's 95% CI.")
+            continue
+        # fewest bits; among formats of the same width, the method with the smallest gap
+        best = min(inside, key=lambda a: (round(a["bits_managed"], 2), a["gap"]["mean"]))
+        lines.append(f"* **{opt}**: `{_spelled(best)}`{' with `optimizer=`' if 'GIFT' in best['method'] else ''} "
+                     f"({best['method']}): {best['bits_managed']:.3f} bits per managed element as counted at the "
+                     f"collective, {best['gap']['mean']:+.4f} ± {best['gap']['ci95']:.4f} bits/byte against fp32 "
+                     f"(n={best['gap']['n']}; family-wise upper bound {best['upper_adjusted']:+.4f} against fp32's own "
+                     f"95% CI ±{o['fp32']['band95']:.4f}).")
+    return "\n".join(lines + [f"(Reduce-scatter path, {f['study']['world']} ranks, {f['study']['steps']} steps; "
+                              "the fewest bits whose gap to fp32 stays inside fp32's 95% CI, family-wise 5%; "
+                              "[the frontier](docs/benchmarks.md#the-frontier); `" + f["command"] + "`.)"])
