@@ -65,9 +65,7 @@ RANKS_COMMAND = "bash bench/frontier_ranks_runs.sh && python -m bench.frontier"
 TECHNIQUE_FILES = (*RUN_FILES, RESULTS / "convergence_runs_techniques.jsonl")
 TECHNIQUES: dict[str, tuple[str, str]] = {
     "gift-int2-ef-b9-dflt-rot": ("block rotation", "gift-int2-ef-b9-dflt"),
-    "gift-int2-dflt-rot": ("block rotation", "gift-int2-dflt"),
     "euclid-int2-rot": ("block rotation", "euclid-int2"),
-    "euclid-int2-ef-rot": ("block rotation", "euclid-int2-ef"),
     "gift-int2-ef-b9-dflt-alloc": ("per-layer bits", "gift-int2-ef-b9-dflt"),
     "euclid-int2-alloc": ("per-layer bits", "euclid-int2"),
 }

@@ -15,7 +15,6 @@ export OMP_NUM_THREADS=1
 # with leaky EF (the frontier's best 2-bit method) and on Euclidean
 for arms in \
   "gift-int2-ef-b9-dflt-rot,euclid-int2-rot" \
-  "gift-int2-dflt-rot,euclid-int2-ef-rot" \
   "gift-int2-ef-b9-dflt-alloc,euclid-int2-alloc" ; do
   $PY -m bench.convergence --profile full --path reduce-scatter --seeds 0,1,2,3,4 --arms "muon=$arms" --jsonl "$OUT"
 done
