@@ -97,7 +97,8 @@ def _headlines(r: dict) -> list[str]:
                 + [f"{100 * sm['paper'][a]:+.1f}%" if a in sm["paper"] else ""] for a in arms]
         first = sm["scenarios"][names[0]]
         out += [f"Projected {first['model']} step time on {first['inputs']['gpus']} GPUs vs fp32 communication "
-                "(section 6; codec bytes measured from the generated kernels, hardware assumed):", "",
+                "(section 6; a projection from codec bytes counted in the CPU kernels, priced at copy bandwidth; hardware "
+                "assumed):", "",
                 table(["arm", *names, "paper"], rows), ""]
     mem = r.get("memory")
     if mem:
@@ -347,7 +348,8 @@ def render(r: dict) -> str:
         lines += report_cost.memory(r["memory"])
     lines += ["## 8. Hardware", "",
               "No GPU was lent to this task. Overhead times are CPU times (section 3); GPU-scale step times are "
-              "projections (section 6). `make gpu-check` (`bench/gpu_check.py`) is the prepared single-GPU check "
+              "projections (section 6). The codec ran once on one H200 (`bench/results/gpu_h200/`, the codec only); "
+              "`python -m bench.gpu_step_model` prices the step from those times (docs/benchmarks.md). `make gpu-check` (`bench/gpu_check.py`) is the prepared single-GPU check "
               "(Triton compile of the codecs, kernel times and achieved bandwidth, a 1-rank torchtitan step); it "
               "writes `bench/results/GPU.md`.", ""]
     return "\n".join(lines) + "\n"

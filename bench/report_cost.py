@@ -230,7 +230,7 @@ _STEP_INPUTS = {
 def step_model(sm: dict, plots: dict) -> list[str]:
     first = next(iter(sm["scenarios"].values()))
     x = first["inputs"]
-    out = ["## 6. Step-time model (projection, not a measurement)", "",
+    out = ["## 6. Step-time model (projection from CPU-counted codec bytes at copy bandwidth, not a measurement)", "",
            f"{first['model']} ({first['model_description']}, {first['params']:,} parameters), pure data "
            f"parallelism on {x['gpus']} GPUs: step = compute + exposed comm + codec + statistics + refresh "
            "(`bench.step_model`). Every arm is a `GiftConfig` the code runs; which weights are managed, their plans, "
