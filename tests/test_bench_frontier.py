@@ -86,3 +86,29 @@ def test_ranks_pairs_each_rank_count_with_its_own_fp32_and_the_change_by_seed(tm
     a = out["arms"][0]
     assert a["gap2"]["mean"] == pytest.approx(0.0202) and a["gap4"]["mean"] == pytest.approx(0.0102)
     assert a["change"]["mean"] == pytest.approx(-0.01) and a["change_resolved_holm"] and a["selected4"] == 0
+
+
+def test_techniques_pair_each_arm_with_the_arm_it_modifies(tmp_path):
+    """A technique is kept only where its change against the arm it modifies (same seeds) is
+    resolved after Holm and negative; one that is resolved but worse is not; an arm with one
+    seed is left out; each technique arm's own gap is judged against fp32's band."""
+    gaps = {"gift-int2-ef-b9-dflt": ([0.010, 0.011, 0.012, 0.010, 0.011], 2.25),
+            "euclid-int2": ([0.020, 0.021, 0.019, 0.020, 0.022], 2.25)}
+    runs = _runs(gaps)
+    # rotation helps GIFT clearly (-0.008 each seed), hurts Euclidean clearly (+0.005)
+    runs += [_run("muon", "gift-int2-ef-b9-dflt-rot", s, FP32[s] + d - 0.008 - 0.0001 * s, 2.25)
+             for s, d in enumerate(gaps["gift-int2-ef-b9-dflt"][0])]
+    runs += [_run("muon", "euclid-int2-rot", s, FP32[s] + d + 0.005 + 0.0001 * s, 2.25)
+             for s, d in enumerate(gaps["euclid-int2"][0])]
+    runs.append(_run("muon", "gift-int2-ef-b9-dflt-alloc", 0, FP32[0] + 0.01, 2.2))  # one seed: left out
+    f = tmp_path / "runs.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in runs) + "\n")
+    summary = frontier.summarise(runs)
+    out = frontier.techniques(summary, (f,))
+    rows = {a["arm"]: a for a in out["arms"]}
+    assert set(rows) == {"gift-int2-ef-b9-dflt-rot", "euclid-int2-rot"}
+    gift, euclid = rows["gift-int2-ef-b9-dflt-rot"], rows["euclid-int2-rot"]
+    assert gift["change"]["mean"] == pytest.approx(-0.0082) and gift["kept"]
+    assert euclid["change_resolved_holm"] and not euclid["kept"]
+    assert out["family_size"] == summary["optimizers"]["muon"]["family_size"] + 2
+    assert gift["within"] == (gift["upper_adjusted"] <= summary["optimizers"]["muon"]["fp32"]["band95"])
