@@ -44,6 +44,9 @@ LAYOUTS: dict[str, tuple[str, list[str]]] = {
                    ["--parallelism.pipeline-parallel-degree=2", "--parallelism.data-parallel-shard-degree=2",
                     "--parallelism.tensor-parallel-degree=2"]),
 }
+# torchtitan's graph_trainer (GraphPP) itself refuses the default 1F1B schedule ("requires a
+# runtime PP schedule such as Interleaved1F1B"); with Interleaved1F1B the run reaches GIFT's setup
+EXTRA = {("pp_tp_fsdp", "graph"): ["--parallelism.pipeline-parallel-schedule=Interleaved1F1B"]}
 CONFIGS = {"fsdp2": ("llama3_debug_gift_fsdp2", "llama3_debug_nogift_fsdp2"),
            "graph": ("llama3_debug_gift_graph", "llama3_debug_nogift_graph")}
 LOW_BIT = "nvfp4"
@@ -114,9 +117,11 @@ def refusal(run: RunResult) -> str | None:
 def row(layout: str, trainer: str, steps: int, folder: str) -> dict[str, Any]:
     """One layout x trainer: the three runs, or the refusal its first (low-bit) run raised."""
     title, dims = LAYOUTS[layout]
-    base = [*dims, "--validator.no-enable", f"--training.steps={steps}", "--metrics.log-freq=1"]
+    base = [*dims, *EXTRA.get((layout, trainer), []), "--validator.no-enable", f"--training.steps={steps}",
+            "--metrics.log-freq=1"]
     gift_config, off_config = CONFIGS[trainer]
-    out: dict[str, Any] = {"layout": title, "trainer": trainer, "nproc": NPROC, "steps": steps}
+    out: dict[str, Any] = {"layout": title, "trainer": trainer, "nproc": NPROC, "steps": steps,
+                           "date": time.strftime("%Y-%m-%d"), "commit": _commit(), "machine": machine()}
     runs = {}
     for arm, config, overrides in (("low_bit", gift_config, [*base, *GIFT, *ARMS["low_bit"]]),
                                    ("fp32", gift_config, [*base, *GIFT, *ARMS["fp32"]]),
@@ -152,6 +157,12 @@ def _all_hops(described: dict[str, Any]) -> list[dict[str, Any]]:
     return list(described.get("hops", {}).values())
 
 
+def _commit() -> str:
+    """The commit the rows run at."""
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parent).stdout.strip()
+
+
 def machine() -> str:
     """The box the rows ran on (cores and load when the bench started)."""
     load = os.getloadavg()
@@ -165,9 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     keys = a.only or [f"{layout}/{trainer}" for layout in LAYOUTS for trainer in CONFIGS]
     data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"rows": {}}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).resolve().parent).stdout.strip()
-    data.update(command="python -m bench.layouts8", machine=machine(), date=time.strftime("%Y-%m-%d"), commit=commit)
+    data["command"] = "python -m bench.layouts8"
     with tempfile.TemporaryDirectory() as folder:
         for key in keys:
             layout, trainer = key.split("/")
