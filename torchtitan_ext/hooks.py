@@ -42,9 +42,11 @@ _UNSUPPORTED_WHY = {
               "of its slice of every sequence are summed with the other slices'); with HSDP the state group would "
               "have to span dp_replicate x dp_shard x cp (torchtitan's loss mesh, not the batch mesh GIFT's HSDP "
               "uses), and with TP or PP the layout has not been run",
-    "pipeline on graph_trainer": "graph_trainer traces the whole training step only without pipeline "
-              "parallelism; with it, torch's eager pipeline schedule runs the step, so there is no traced "
-              "reduce-scatter for the gift pass to rewrite; use the FSDP2 trainer (GIFT per stage)",
+    "pipeline on graph_trainer": "graph_trainer runs the registered pass pipeline (where the gift pass is) "
+              "only on its whole-step trace, which it makes only without pipeline parallelism; with it, "
+              "its GraphPP schedule runs stage-local graphs (FSDP's reduce-scatters split into a reduce-grad "
+              "graph) built with graph_trainer's default compile-time passes, so GIFT's marks would be inert and "
+              "every gradient would travel at fp32; use the FSDP2 trainer (GIFT per stage)",
     "expert": "FSDP2 refuses custom reduce-scatters and all-reduce hooks for modules with several parameter groups",
     "data-replicate without sharding (DDP) on graph_trainer": "SimpleFSDP then traces only a replica "
               "all-reduce of each full gradient, which the pass rewrites only as HSDP's second hop after a "
