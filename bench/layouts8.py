@@ -1,8 +1,8 @@
 """The 8-rank torchtitan layouts with GIFT: HSDP x TP and PP x TP x FSDP, on both trainers.
 
 Each layout takes 8 gloo ranks (2 x 2 x 2), which on a 2-core box costs about a minute per
-FSDP2 run and about four per graph_trainer run (it traces and compiles the step): too slow for
-the test suite to hold every arm, so this bench runs them all and records what the tests check
+FSDP2 run and up to four per graph_trainer run (it traces and compiles the step): too slow for
+the test suite to hold every arm (tests/test_torchtitan_layouts8.py runs the FSDP2 rows), so this bench runs them all and records what the tests check
 on the 4-rank layouts (tests/test_torchtitan_tp.py, test_torchtitan_hsdp.py,
 test_torchtitan_pp.py): per layout and trainer, three runs of torchtitan's debug Llama with the
 same seed, init and data (GIFT low-bit, GIFT fp32, GIFT off), or the refusal the first run

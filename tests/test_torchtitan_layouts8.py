@@ -2,7 +2,7 @@
 (dp_replicate 2 x dp_shard 2 x tp 2) and PP x TP x FSDP (pp 2 x tp 2 x dp_shard 2).
 
 Six runs of the debug Llama, same seed, init and data, 3 steps with a refresh after step 2
-(step 3 runs the measured selection), ~50-65 s each on a 2-core box: per layout GIFT at nvfp4,
+(step 3 runs the measured selection), ~50-70 s each on a 2-core box (313 s for the module): per layout GIFT at nvfp4,
 GIFT at fp32 and GIFT off. What the 4-rank tests (test_torchtitan_tp.py, test_torchtitan_hsdp.py,
 test_torchtitan_pp.py) check, at 8 ranks: each TP rank's block is its own GIFT matrix, under
 HSDP its reduced shard crosses the replica hop (half the TP-local shard hop's fp32 bytes), under
