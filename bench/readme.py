@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from bench.fidelity_sweep import ORACLES
-from bench import gpu_step_model, pages, pages_frontier, pages_selection, report
+from bench import gpu_step_model, pages, pages_frontier, pages_layouts, pages_selection, report
 from bench.formatting import paired_ci, share_closed, signed_pct
 from bench.report_cost import CODEC_PAIR
 from gift_compile.geometry.table import IDENTITY_KIND
@@ -376,6 +376,7 @@ BLOCKS: dict[str, Callable[[dict], str]] = {
     "defaults": defaults, "faults": pages.faults, "frontier": pages_frontier.frontier,
     "gpu_step_model": gpu_step_model.block,
     "frontier_headline": pages_frontier.frontier_headline, "selection_churn": pages_selection.selection_churn,
+    "layouts8": pages_layouts.layouts8,
     **{name: pages.torchtitan_run(name) for name in pages.torchtitan_runs()},
 }
 # Which page holds each block (relative to the repository root); every block is on exactly one
@@ -386,7 +387,7 @@ PAGES: dict[str, tuple[str, ...]] = {
                            "convergence", "defaults", "adamw_sweep", "closing", "frontier", "selection_churn"),
     "docs/reliability.md": ("faults", "plan_check", "soak", "skips"),
     "docs/design.md": ("formats",),
-    "docs/torchtitan.md": ("demo", *pages.torchtitan_runs()),
+    "docs/torchtitan.md": ("demo", "layouts8", *pages.torchtitan_runs()),
 }
 _MARKER = re.compile(r"<!-- bench:([\w:]+) -->")
 

@@ -42,7 +42,7 @@ def _worker(rank: int, world: int) -> dict:
     dist.all_reduce(full)
     exact = full[dist.get_rank(shard)]
 
-    def build(config: GiftConfig, with_hop: bool) -> tuple:
+    def build(config: GiftConfig, with_hop: bool, tp_norm: bool = False) -> tuple:
         model = nn.Sequential(nn.Linear(64, 128))
         state = manage(model, config, dist.group.WORLD, mode="tag", split_rows=True)
         if with_hop:
@@ -53,6 +53,8 @@ def _worker(rank: int, world: int) -> dict:
         def backward(g: torch.Tensor, norm: torch.Tensor, *st: torch.Tensor) -> torch.Tensor:
             marked = torch.ops.gift.mark(g, list(st), layer.plan_str)
             a = c10d.wait_tensor(c10d.all_reduce(marked, "sum", replica.group_name))
+            if tp_norm:  # HSDP x TP: the norm's TP all-reduce first (the shard group stands in for TP's)
+                norm = c10d.wait_tensor(c10d.all_reduce(norm, "sum", shard.group_name))
             b = c10d.wait_tensor(c10d.all_reduce(norm, "sum", replica.group_name))
             flat = torch.ops.bucketing._pre_bucket_reduce_scatter([a, b], 2)
             return c10d.wait_tensor(c10d.reduce_scatter_tensor(flat, "sum", 2, shard.group_name)) * 1.0
@@ -83,6 +85,21 @@ def _worker(rank: int, world: int) -> dict:
             "accounted_baseline": (report.baseline_bytes, report.replica_baseline_bytes),
             "calls": (shard_delta[C_CALLS], replica_delta[C_CALLS]),
         })
+    # HSDP x TP on graph_trainer: a norm gradient crosses TP's all-reduce, then the replica one;
+    # the pass takes the marked gradients' group as the replica hop and leaves TP's all-reduce
+    config = GiftConfig(format="fp32", replica_format="fp32", geometry="hadamard", select="all", min_numel=1024,
+                        exclude=(), reduce_op="sum")
+    state, tensors, gm = build(config, with_hop=True, tp_norm=True)
+    before = count_ops(gm.graph)
+    report = rewrite_gradient_collectives(gm)
+    tp_summed = norm.clone()
+    dist.all_reduce(tp_summed, group=shard)
+    full = torch.cat([g.reshape(2, -1), tp_summed.reshape(2, -1)], dim=1)
+    dist.all_reduce(full)
+    want = full[dist.get_rank(shard)]
+    got = gm(g, norm, *tensors)
+    out["tp_norm"] = {"before": before, "after": report.ops_after, "fallbacks": report.fallbacks,
+                      "hops": report.replica_hops, "err": float((got - want).norm() / want.norm())}
     # a mark without the replica hop crossing a replica all-reduce is refused, not quantized at the wrong hop
     _, _, gm = build(GiftConfig(format="fp8_e4m3", geometry="lowrank", select="all", min_numel=1024, exclude=()),
                      with_hop=False)
@@ -147,3 +164,16 @@ def test_replicas_decode_identical_bits(ranks: list[dict]) -> None:
 
 def test_mark_without_replica_hop_is_refused(ranks: list[dict]) -> None:
     assert ranks[0]["refused"] is not None and "carries no replica hop" in ranks[0]["refused"]
+
+
+def test_tp_all_reduce_of_a_norm_gradient_before_the_replica_one_stays(ranks: list[dict]) -> None:
+    """HSDP x TP: SimpleFSDP all-reduces a norm weight's gradient over TP, then over the replicas,
+    before the bucket's reduce-scatter. Only the replica all-reduces move behind GIFT's shard hop;
+    TP's stays where it was, and at fp32 the result is the exact sum."""
+    for rank in ranks:
+        case = rank["tp_norm"]
+        assert case["before"]["_c10d_functional.all_reduce.default"] == 3
+        assert case["after"]["_c10d_functional.all_reduce.default"] == 1, case["after"]  # TP's
+        assert "_c10d_functional.reduce_scatter_tensor.default" not in case["after"]
+        assert case["fallbacks"] == [] and case["hops"] == 1
+        assert case["err"] < 1e-6, case["err"]

@@ -117,7 +117,6 @@ def test_graph_hsdp_rewrites_both_hops_at_their_formats_and_tracks_fp32(runs: Ca
 
 @pytest.mark.parametrize("trainer,dims,names", [
     ("graph", {"dp_replicate": 2, "dp_shard": 1}, "data-replicate without sharding .* is on .*HSDP's second hop"),
-    ("fsdp2", {"tp": 2, "dp_replicate": 2}, r"tensor with data-replicate \(HSDP x TP\) parallelism is on .*8 ranks"),
     ("fsdp2", {"pp": 2, "cp": 2}, r"; context \(other than FSDP x CP\) parallelism is on .*TP or PP"),
     ("graph", {"cp": 2, "dp_replicate": 2}, r"context \(other .* parallelism is on .*dp_replicate x dp_shard x cp"),
     ("fsdp2", {"cp": 2, "tp": 2}, r"context \(other than FSDP x CP\) parallelism is on .*TP or PP"),

@@ -244,14 +244,16 @@ def test_resume_restores_gift_state(config: str, tmp_path: Path) -> None:
 
 # The 4-rank layouts whose kill-and-resume is checked like the 2-rank FSDP one above.
 LAYOUTS = {
+    "hsdp": ["--parallelism.data-parallel-replicate-degree=2", "--parallelism.data-parallel-shard-degree=2"],
     "pp": ["--parallelism.pipeline-parallel-degree=2", "--parallelism.data-parallel-shard-degree=2"],
     "tp": ["--parallelism.tensor-parallel-degree=2", "--parallelism.data-parallel-shard-degree=2"],
 }
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_kill_and_resume_under_pp_and_tp(layout: str, tmp_path: Path) -> None:
-    """PP 2 x FSDP 2 (each stage's GIFT state saved by each of its ranks) and TP 2 x FSDP 2 (each
+def test_kill_and_resume_under_hsdp_pp_and_tp(layout: str, tmp_path: Path) -> None:
+    """HSDP 2 replicas x 2 shards (both hops' GIFT state on every rank, the shard-only mesh),
+    PP 2 x FSDP 2 (each stage's GIFT state saved by each of its ranks) and TP 2 x FSDP 2 (each
     TP rank's blocks): a rank killed after step 4 of 6, the job relaunched on the same folder
     resumes from the step-3 checkpoint (just after a refresh, error feedback on) and logs the
     uninterrupted run's losses for steps 4-6 and ends with its parameters, optimizer and GIFT
@@ -261,6 +263,8 @@ def test_kill_and_resume_under_pp_and_tp(layout: str, tmp_path: Path) -> None:
             "--checkpoint.interval=3"]
     full = run_config(config, args, dump_folder=str(tmp_path / "full"), nproc=4).check()
     assert any(r.get("gift/selected_layers", 0) >= 1 for r in full.records if r.get("step", 0) > 3)
+    if layout == "hsdp":  # GIFT's replica hop ran (not FSDP2's native HSDP all-reduce)
+        assert all(r["gift/replica_wire_bytes_per_step"] > 0 for r in full.records if "loss" in r)
     _kill_relaunch_and_compare(config, args, tmp_path / "killed", full, tmp_path / "full", nproc=4)
 
 

@@ -37,17 +37,16 @@ REFUSAL = "gift.enable does not run on this layout"
 
 # Why each layout is refused (docs/torchtitan.md, "Limits").
 _UNSUPPORTED_WHY = {
-    "tensor with data-replicate (HSDP x TP)": "each TP rank's block would need GIFT's replica hop over the "
-              "TP-local shards (and on graph_trainer the pass would see TP's all-reduce of a norm gradient before "
-              "SimpleFSDP's replica all-reduce); that layout takes 8 ranks and has not been run",
     "context (other than FSDP x CP)": "GIFT runs with context parallelism under FSDP over "
               "dp_shard x cp only, on both trainers (its state group is that fsdp mesh, so each CP rank's statistics "
               "of its slice of every sequence are summed with the other slices'); with HSDP the state group would "
               "have to span dp_replicate x dp_shard x cp (torchtitan's loss mesh, not the batch mesh GIFT's HSDP "
               "uses), and with TP or PP the layout has not been run",
-    "pipeline on graph_trainer": "graph_trainer traces the whole training step only without pipeline "
-              "parallelism; with it, torch's eager pipeline schedule runs the step, so there is no traced "
-              "reduce-scatter for the gift pass to rewrite; use the FSDP2 trainer (GIFT per stage)",
+    "pipeline on graph_trainer": "graph_trainer runs the registered pass pipeline (where the gift pass is) "
+              "only on its whole-step trace, which it makes only without pipeline parallelism; with it, "
+              "its GraphPP schedule runs stage-local graphs (FSDP's reduce-scatters split into a reduce-grad "
+              "graph) built with graph_trainer's default compile-time passes, so GIFT's marks would be inert and "
+              "every gradient would travel at fp32; use the FSDP2 trainer (GIFT per stage)",
     "expert": "FSDP2 refuses custom reduce-scatters and all-reduce hooks for modules with several parameter groups",
     "data-replicate without sharding (DDP) on graph_trainer": "SimpleFSDP then traces only a replica "
               "all-reduce of each full gradient, which the pass rewrites only as HSDP's second hop after a "
@@ -57,15 +56,17 @@ _UNSUPPORTED_WHY = {
 
 def data_parallel_group(parallel_dims: Any, trainer: str = "graph") -> dist.ProcessGroup:
     """The data-parallel group GIFT's state spans (statistics, transforms, selection): the FSDP
-    group, or with HSDP (both trainers) shards x replicas. With tensor parallelism (FSDP x TP,
-    both trainers) it is still the FSDP group, never the TP ranks: each TP rank's weight block
-    is its own GIFT matrix (`gift_compile.frameworks.tensor_parallel`). With context parallelism
+    group, or with HSDP (both trainers) shards x replicas. With tensor parallelism (FSDP x TP and
+    HSDP x TP on both trainers, PP x TP x FSDP on the FSDP2 trainer) it is still that group,
+    never the TP ranks: each TP rank's weight block is its own GIFT matrix
+    (`gift_compile.frameworks.tensor_parallel`), and under HSDP the replica hop all-reduces the
+    reduced shard of that block over the replicas holding the same TP coordinate (torchtitan's
+    ``dp_replicate`` group; 8-rank runs in `bench.layouts8`). With context parallelism
     (both trainers) torchtitan's FSDP group is dp_shard x cp, the ranks FSDP2 or SimpleFSDP
     reduce-scatters over: the K-FAC statistics, sums over tokens, then add each CP rank's slice of every
     sequence to the others'. Other layouts are refused by name."""
     ddp_on_graph = trainer != "fsdp2" and parallel_dims.dp_replicate > 1 and parallel_dims.dp_shard <= 1
     others = {
-        "tensor with data-replicate (HSDP x TP)": parallel_dims.tp if parallel_dims.dp_replicate > 1 else 1,
         "context (other than FSDP x CP)": parallel_dims.cp if (
             parallel_dims.dp_replicate > 1 or parallel_dims.tp > 1 or parallel_dims.pp > 1) else 1,
         "pipeline on graph_trainer": parallel_dims.pp if trainer != "fsdp2" else 1,

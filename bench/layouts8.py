@@ -1,0 +1,190 @@
+"""The 8-rank torchtitan layouts with GIFT: HSDP x TP and PP x TP x FSDP, on both trainers.
+
+Each layout takes 8 gloo ranks (2 x 2 x 2), which on a 2-core box costs about a minute per
+FSDP2 run and up to four per graph_trainer run (it traces and compiles the step): too slow for
+the test suite to hold every arm (tests/test_torchtitan_layouts8.py runs the FSDP2 rows), so this bench runs them all and records what the tests check
+on the 4-rank layouts (tests/test_torchtitan_tp.py, test_torchtitan_hsdp.py,
+test_torchtitan_pp.py): per layout and trainer, three runs of torchtitan's debug Llama with the
+same seed, init and data (GIFT low-bit, GIFT fp32, GIFT off), or the refusal the first run
+raised. Per run: the bytes each hop handed to its collectives (counted at run time) against
+the bytes its plans account for, at every step and on every rank that writes telemetry (rank 0;
+under PP the first rank of each pipeline rank), against fp32's; the losses; whether a refusal
+or a GIFT warning is in the log. Per row: whether fp32 reproduces GIFT-off's losses exactly,
+and the low-bit run's largest per-step loss distance from GIFT-off.
+
+    python -m bench.layouts8 [--only hsdp_tp/graph ...] [--steps 3]
+
+writes (merges its rows into) bench/results/layouts8.json; `bench.pages.layouts8` renders the
+table on docs/torchtitan.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from gift_compile.torchtitan_ext.hooks import REFUSAL
+from gift_compile.torchtitan_ext.runs import RunResult, run_config
+
+RESULTS = Path(__file__).resolve().parent / "results" / "layouts8.json"
+NPROC = 8
+LAYOUTS: dict[str, tuple[str, list[str]]] = {
+    "hsdp_tp": ("HSDP x TP (dp_replicate 2 x dp_shard 2 x tp 2)",
+                ["--parallelism.data-parallel-replicate-degree=2", "--parallelism.data-parallel-shard-degree=2",
+                 "--parallelism.tensor-parallel-degree=2"]),
+    "pp_tp_fsdp": ("PP x TP x FSDP (pp 2 x tp 2 x dp_shard 2)",
+                   ["--parallelism.pipeline-parallel-degree=2", "--parallelism.data-parallel-shard-degree=2",
+                    "--parallelism.tensor-parallel-degree=2"]),
+}
+# torchtitan's graph_trainer (GraphPP) itself refuses the default 1F1B schedule ("requires a
+# runtime PP schedule such as Interleaved1F1B"); with Interleaved1F1B the run reaches GIFT's setup
+EXTRA = {("pp_tp_fsdp", "graph"): ["--parallelism.pipeline-parallel-schedule=Interleaved1F1B"]}
+CONFIGS = {"fsdp2": ("llama3_debug_gift_fsdp2", "llama3_debug_nogift_fsdp2"),
+           "graph": ("llama3_debug_gift_graph", "llama3_debug_nogift_graph")}
+LOW_BIT = "nvfp4"
+# GIFT's arms: a refresh after step 2 puts step 3 on the measured selection; the replica hop
+# (HSDP) at the shard hop's format
+ARMS = {"low_bit": [f"--gift.format={LOW_BIT}", f"--gift.replica-format={LOW_BIT}"],
+        "fp32": ["--gift.format=fp32", "--gift.replica-format=fp32"]}
+GIFT = ["--gift.refresh-every=2", "--gift.no-fuse"]
+# (hop, counted-at-run-time key, accounted key, fp32 key); the shard hop's accounting is
+# `gift/accounted_bytes_per_backward` without HSDP and the per-hop key with it
+HOPS = (("shard", "gift/wire_bytes_per_step", ("gift/shard_accounted_bytes_per_backward",
+                                                "gift/accounted_bytes_per_backward"), "gift/baseline_bytes_per_step"),
+        ("replica", "gift/replica_wire_bytes_per_step", ("gift/replica_accounted_bytes_per_backward",),
+         "gift/replica_baseline_bytes_per_step"))
+
+
+def user_command(run: RunResult) -> str:
+    """The torchrun command of `run` as a user types it (no interpreter path, no dump folder)."""
+    args = run.command[3:]  # after `python -m torch.distributed.run`
+    i = args.index("--dump-folder")
+    return " ".join(["torchrun", *args[:i], *args[i + 2:]])
+
+
+def hop_bytes(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per hop, over the logged steps of one rank's records: the bytes counted at the collective,
+    the accounted bytes and fp32's (each a list by step), and whether counted == accounted at
+    every step."""
+    steps = [r for r in records if "loss" in r or "gift/wire_bytes_per_step" in r]
+    out = {}
+    for hop, counted, accounted_keys, fp32 in HOPS:
+        if not any(counted in r for r in steps):
+            continue
+        accounted = next(k for k in accounted_keys if any(k in r for r in steps))
+        row = {"counted": [r[counted] for r in steps], "accounted": [r[accounted] for r in steps],
+               "fp32": [r[fp32] for r in steps]}
+        row["counted_equals_accounted"] = row["counted"] == row["accounted"]
+        out[hop] = row
+    return out
+
+
+def describe(run: RunResult) -> dict[str, Any]:
+    """What one run recorded (see the module docstring)."""
+    lines = run.output.splitlines()
+    rewrite = [line.split(" - INFO - ", 1)[1] for line in lines if "GIFT rewrite:" in line]
+    out: dict[str, Any] = {
+        "command": user_command(run), "wall_s": round(run.wall_s, 1), "returncode": run.returncode,
+        "losses": run.losses(), "refusal_in_log": REFUSAL in run.output,
+        "gift_warnings": len([line for line in lines if "GIFT" in line and ("WARNING" in line or "full precision" in line)]),
+        "replicas_bit_identical_logged": "replicas bit-identical" in run.output,
+        "rewrite": rewrite[-1] if rewrite else None,
+    }
+    if run.stages:
+        out["hops_by_pipeline_rank"] = {str(k): hop_bytes(v) for k, v in sorted(run.stages.items())}
+    elif run.records and any("gift/wire_bytes_per_step" in r for r in run.records):
+        out["hops"] = hop_bytes(run.records)
+    errs = [r["gift/err_euclidean_mean"] for r in run.records if "gift/err_euclidean_mean" in r]
+    if errs:
+        out["err_euclidean_mean_at_refresh"] = errs[-1]
+    return out
+
+
+def refusal(run: RunResult) -> str | None:
+    """The refusal a failed run raised (its message), or None when it failed otherwise."""
+    found = re.search(rf"ValueError: ({re.escape(REFUSAL)}.*)", run.output)
+    return found.group(1) if found else None
+
+
+def row(layout: str, trainer: str, steps: int, folder: str) -> dict[str, Any]:
+    """One layout x trainer: the three runs, or the refusal its first (low-bit) run raised."""
+    title, dims = LAYOUTS[layout]
+    base = [*dims, *EXTRA.get((layout, trainer), []), "--validator.no-enable", f"--training.steps={steps}",
+            "--metrics.log-freq=1"]
+    gift_config, off_config = CONFIGS[trainer]
+    out: dict[str, Any] = {"layout": title, "trainer": trainer, "nproc": NPROC, "steps": steps,
+                           "date": time.strftime("%Y-%m-%d"), "commit": _commit(), "machine": machine()}
+    runs = {}
+    for arm, config, overrides in (("low_bit", gift_config, [*base, *GIFT, *ARMS["low_bit"]]),
+                                   ("fp32", gift_config, [*base, *GIFT, *ARMS["fp32"]]),
+                                   ("off", off_config, base)):
+        run = run_config(config, overrides, dump_folder=os.path.join(folder, f"{layout}.{trainer}.{arm}"),
+                         nproc=NPROC, timeout_s=1800)
+        print(f"{layout} {trainer} {arm}: rc {run.returncode}, {run.wall_s:.0f} s", flush=True)
+        if run.returncode != 0:
+            why = refusal(run)
+            if arm == "low_bit" and why is not None:
+                return {**out, "status": "refused", "reason": why, "command": user_command(run),
+                        "wall_s": round(run.wall_s, 1)}
+            run.check()  # any other failure is the bench's to report, not a row
+        runs[arm] = run
+    low, exact, off = (runs[a].losses() for a in ("low_bit", "fp32", "off"))
+    arms = {arm: describe(run) for arm, run in runs.items()}
+    hops = [h for arm in ("low_bit", "fp32") for h in _all_hops(arms[arm])]
+    return {
+        **out, "status": "runs", "low_bit_format": LOW_BIT, "arms": arms,
+        "fp32_losses_equal_off": exact == off,
+        "fp32_max_abs_loss_diff": max(abs(exact[s] - off[s]) for s in off),
+        "low_bit_max_abs_loss_diff": max(abs(low[s] - off[s]) for s in off),
+        "low_bit_losses_finite": all(math.isfinite(v) for v in low.values()),
+        "low_bit_moved_a_loss": any(low[s] != off[s] for s in off),
+        "counted_equals_accounted_every_hop": all(h["counted_equals_accounted"] for h in hops),
+    }
+
+
+def _all_hops(described: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every hop record of one described run (each pipeline rank's under PP)."""
+    if "hops_by_pipeline_rank" in described:
+        return [h for by in described["hops_by_pipeline_rank"].values() for h in by.values()]
+    return list(described.get("hops", {}).values())
+
+
+def _commit() -> str:
+    """The commit the rows run at."""
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parent).stdout.strip()
+
+
+def machine() -> str:
+    """The box the rows ran on (cores and load when the bench started)."""
+    load = os.getloadavg()
+    return f"{os.cpu_count()} CPU cores shared with other jobs (load {load[0]:.1f} at start), gloo, OMP_NUM_THREADS=1"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.layouts8", description=__doc__.splitlines()[0])
+    p.add_argument("--only", nargs="*", default=None, help="rows as layout/trainer (default: all)")
+    p.add_argument("--steps", type=int, default=3)
+    a = p.parse_args(argv)
+    keys = a.only or [f"{layout}/{trainer}" for layout in LAYOUTS for trainer in CONFIGS]
+    data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"rows": {}}
+    data["command"] = "python -m bench.layouts8"
+    with tempfile.TemporaryDirectory() as folder:
+        for key in keys:
+            layout, trainer = key.split("/")
+            start = time.perf_counter()
+            data["rows"][key] = {**row(layout, trainer, a.steps, folder), "row_wall_s": round(time.perf_counter() - start)}
+            RESULTS.write_text(json.dumps(data, indent=1) + "\n")  # each row as soon as it is measured
+            print(json.dumps({k: v for k, v in data["rows"][key].items() if k != "arms"}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

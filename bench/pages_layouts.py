@@ -1,0 +1,69 @@
+"""The "8-rank layouts" block of docs/torchtitan.md, from `bench/results/layouts8.json`
+(`bench.layouts8`): per layout and trainer, whether GIFT runs or is refused (with the reason),
+each hop's bytes counted at the collective against the accounted and the fp32 bytes, and the
+losses against GIFT off."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench.formatting import table
+
+LAYOUTS8 = Path(__file__).resolve().parent / "results" / "layouts8.json"
+
+
+def _hops(arm: dict) -> str:
+    """Each hop's bytes per step at the last step, `counted of fp32`, per pipeline rank under PP."""
+    def one(hops: dict) -> str:
+        return "; ".join(f"{hop} {h['counted'][-1]:.0f} of {h['fp32'][-1]:.0f}" for hop, h in hops.items())
+    if "hops_by_pipeline_rank" in arm:
+        return "; ".join(f"pp{k}: {one(h)}" for k, h in arm["hops_by_pipeline_rank"].items())
+    return one(arm["hops"])
+
+
+def layouts8(_: dict) -> str:
+    """The block: the table, then each row's commands (or its refusal)."""
+    d = json.loads(LAYOUTS8.read_text())
+    rows, notes = [], []
+    for key, r in d["rows"].items():
+        if r["status"] == "refused":
+            rows.append([r["layout"], r["trainer"], "refused (below)", "", "", "", "", f"{r['wall_s']:.0f}"])
+            notes.append(f"* {r['layout']}, {r['trainer']}: refused, `{r['command']}`: {r['reason']}")
+            continue
+        arms = r["arms"]
+        low = arms["low_bit"]
+        clean = not any(a["refusal_in_log"] or a["gift_warnings"] for a in arms.values())
+        state = "runs" if clean else "runs, refusal or GIFT warning in a log"
+        if low["replicas_bit_identical_logged"]:
+            state += "; replicas bit-identical after the refresh"
+        rows.append([r["layout"], r["trainer"], state,
+                     _hops(low), "yes" if r["counted_equals_accounted_every_hop"] else "no",
+                     f"{r['low_bit_max_abs_loss_diff']:.2e}",
+                     f"{'yes' if r['fp32_losses_equal_off'] else 'no'} (max diff {r['fp32_max_abs_loss_diff']:.1e})",
+                     " / ".join(f"{arms[a]['wall_s']:.0f}" for a in ("low_bit", "fp32", "off"))])
+        losses = "; ".join(f"{arm} " + ", ".join(f"{v:.5f}" for v in arms[arm]["losses"].values())
+                           for arm in ("low_bit", "off"))
+        notes.append(f"* {r['layout']}, {r['trainer']}: losses by step: {losses}; nvfp4 `{low['command']}`; GIFT off "
+                     f"`{arms['off']['command']}`"
+                     + (f"; {low['rewrite']}" if low["rewrite"] else ""))
+    first = next(iter(d["rows"].values()))
+    commits = ", ".join(dict.fromkeys(r["commit"] for r in d["rows"].values()))
+    dates = ", ".join(dict.fromkeys(r["date"] for r in d["rows"].values()))
+    head = (f"`{d['command']}` ({dates}, rows at commits {commits}, each row's in the results file; {first['machine'].split(' (load')[0]}, the load at each row's start in the "
+            f"results file); {first['steps']} steps of the debug Llama, a refresh after step 2; three runs per row with the same seed, init and data: "
+            "GIFT at nvfp4 (both hops under HSDP), GIFT at fp32, GIFT off. Bytes per step at the last step: handed to "
+            "GIFT's collectives as counted at run time, of what fp32 hands over (the replica hop: of the buffer an fp32 "
+            "all-reduce is given; rank 0; under PP the first rank of "
+            "each pipeline rank); counted = accounted: equal to the plans' accounting at every step, on every hop, "
+            "at nvfp4 and fp32:")
+    both = [layout for layout in dict.fromkeys(r["layout"] for r in d["rows"].values())
+            if [r["status"] for r in d["rows"].values() if r["layout"] == layout] == ["runs", "runs"]]
+    for layout in both:
+        fsdp2, graph = (r["arms"] for r in d["rows"].values() if r["layout"] == layout)
+        same = all(fsdp2[arm]["losses"] == graph[arm]["losses"] for arm in fsdp2)
+        notes.append(f"* {layout}: the two trainers' losses are "
+                     + ("equal in every arm (nvfp4, fp32, off)" if same else "not equal in every arm"))
+    return "\n".join([head, "", table(["layout", "trainer", "GIFT", "bytes per step (nvfp4)", "counted = accounted",
+                                       "nvfp4 max abs loss diff vs off", "fp32 losses == off",
+                                       "wall s (nvfp4 / fp32 / off)"], rows), "", *notes])
