@@ -67,6 +67,7 @@ TECHNIQUES: dict[str, tuple[str, str]] = {
     "gift-int2-ef-b9-dflt-rot": ("block rotation", "gift-int2-ef-b9-dflt"),
     "euclid-int2-rot": ("block rotation", "euclid-int2"),
     "gift-int2-ef-b9-dflt-alloc": ("per-layer bits", "gift-int2-ef-b9-dflt"),
+    "euclid-int2-alloc": ("per-layer bits", "euclid-int2"),
 }
 TECHNIQUES_COMMAND = ("python -m bench.bit_allocation && bash bench/frontier_techniques_runs.sh && "
                       "python -m bench.frontier")

@@ -12,9 +12,9 @@ PY=${PY:-.venv/bin/python}
 OUT=${OUT:-bench/results/convergence_runs_techniques.jsonl}
 export OMP_NUM_THREADS=1
 # block rotation (`block_rotation=True`) on GIFT with leaky EF (the frontier's best 2-bit method) and
-# on Euclidean; per-layer bits at int2's bytes (`layer_formats`) on GIFT with leaky EF
+# on Euclidean; per-layer bits at int2's bytes (`layer_formats`) on the same two
 for arms in \
   "gift-int2-ef-b9-dflt-rot,euclid-int2-rot" \
-  "gift-int2-ef-b9-dflt-alloc" ; do
+  "gift-int2-ef-b9-dflt-alloc,euclid-int2-alloc" ; do
   $PY -m bench.convergence --profile full --path reduce-scatter --seeds 0,1,2,3,4 --arms "muon=$arms" --jsonl "$OUT"
 done
