@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from gift_compile.codec import FormatSpec
-from gift_compile.config import GiftConfig
+from gift_compile.config import GiftConfig, Unrewritten
 from gift_compile.geometry.table import IDENTITY_KIND
 
 __all__ = ["BucketPlan", "ItemPlan", "dtype_name", "replica_hop_plan"]
@@ -63,7 +63,7 @@ class ItemPlan:
     n_tensors: int = 0
     error_feedback: bool = False
     stochastic_rounding: bool = False
-    unrewritten: str = "error"
+    unrewritten: Unrewritten = Unrewritten.ERROR
     residual_format: str = "fp32"
     # HSDP in a traced graph: the wire format of the replica hop (the all-reduce of the reduced
     # shard over the replica group), "" without one. When set, the `gift::mark` carries the
@@ -80,6 +80,7 @@ class ItemPlan:
     def __post_init__(self) -> None:
         # Derived values are computed once here (not fields: they stay out of eq/hash/to_str),
         # so traced code only reads constants.
+        object.__setattr__(self, "unrewritten", Unrewritten.parse(self.unrewritten, "ItemPlan.unrewritten"))
         object.__setattr__(self, "_seed_offset", (zlib.crc32(self.name.encode()) % 1_000_003) * 7919)
 
     @classmethod

@@ -15,7 +15,7 @@ import torch
 from gift_compile.codec import residual as residual_store
 from gift_compile.config import GiftConfig
 from gift_compile.exchange.collectives import ItemTensors, Shared
-from gift_compile.exchange.mark import pack_mark_tensors
+from gift_compile.exchange.mark import SyncMode, pack_mark_tensors
 from gift_compile.exchange.plan import ItemPlan
 from gift_compile.geometry.table import IDENTITY_KIND, Geometry
 from gift_compile.runtime.selection import LayerMeasurement
@@ -55,9 +55,8 @@ class LayerState:
         self.probe = torch.zeros(min(out, PROBE_ROWS), d_in, device=device)
         self._full_plan = ItemPlan.managed_layer(fqn, self.shape, config, geometry.kind, len(self.transform.tensors))
         self.seed_offset = torch.tensor(self._full_plan.seed_offset, dtype=torch.int64, device=device)
-        # GIFT's own sync: "sync", "accumulate" (inside `gift_compile.no_sync`) or
-        # "sync_pending" (the next backward sends gradient + `pending`, allocated on first use).
-        self.mode = "sync"
+        # GIFT's own sync (`SyncMode`); `pending` is allocated when `gift_compile.no_sync` is first entered.
+        self.mode = SyncMode.SYNC
         self.pending: torch.Tensor | None = None
         # Selection is structure: a layer takes the transformed path (`selected`) or runs the
         # Euclidean codec with no transform at all; `decided` ends the statistics of a

@@ -25,10 +25,12 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from gift_compile.config import GiftConfig
+from gift_compile.codec import Nonfinite
+from gift_compile.config import GiftConfig, ReduceOp, SelectRule
 from gift_compile.exchange.agreement import first_difference
 from gift_compile.exchange.collectives import (C_MISMATCH, C_MISMATCH_RANKS, C_NONFINITE, C_NONFINITE_RANKS, N_COUNTERS,
                                                Shared, flagged_ranks)
+from gift_compile.exchange.mark import SyncMode
 from gift_compile.exchange.plan import BucketPlan, Collective
 from gift_compile.geometry.table import geometry_class
 from gift_compile.runtime.checkpoint import Checkpointing
@@ -119,9 +121,9 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         self.modules: dict[str, torch.nn.Module] = {}
         self.handles: list[Any] = []
         self.active = True
-        # GIFT's own sync: "sync" or "accumulate" (inside `gift_compile.no_sync`), and the
+        # GIFT's own sync: `SyncMode.SYNC` or `ACCUMULATE` (inside `gift_compile.no_sync`), and the
         # unmanaged parameters whose `.grad` holds unsynchronised local contributions.
-        self.sync_mode = "sync"
+        self.sync_mode = SyncMode.SYNC
         self.dirty_params: set[int] = set()
         # Bumped whenever what traced graphs carry changes (which layers feed their own
         # statistics, at the first refresh): graphs with the old structure must be retraced
@@ -193,7 +195,7 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
     def _static_selection(self) -> bool:
         """Whether the selection rule needs no measurement (all, none, globs, no geometry)."""
         cfg = self.config
-        return self.geometry.is_identity or cfg.select in ("all", "none") or isinstance(cfg.select, tuple)
+        return self.geometry.is_identity or cfg.select in (SelectRule.ALL, SelectRule.NONE) or isinstance(cfg.select, tuple)
 
     def world(self) -> int:
         return world_size(self.group)
@@ -205,29 +207,29 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
     def layer_plan(self, fqn: str) -> BucketPlan:
         """The one-layer collective this state's own sync runs for `fqn` (for accounting)."""
         group_name = self.group.group_name if self.world() > 1 else None
-        return BucketPlan((self.layers[fqn].plan,), self.world(), group_name, self.config.reduce_op == "avg",
+        return BucketPlan((self.layers[fqn].plan,), self.world(), group_name, self.config.reduce_op is ReduceOp.AVG,
                           self.collective)
 
     # ---- gradient accumulation (GIFT's own sync) -----------------------------------------
     def enter_accumulate(self) -> None:
         """`no_sync` entered: managed weights accumulate into their pending buffers."""
-        self.sync_mode = "accumulate"
+        self.sync_mode = SyncMode.ACCUMULATE
         for layer in self.layers.values():
             if layer.pending is None:
                 layer.pending = torch.zeros(layer.shape, device=layer.probe.device)
-            layer.mode = "accumulate"
+            layer.mode = SyncMode.ACCUMULATE
 
     def exit_accumulate(self) -> None:
         """`no_sync` left: the next backward sends gradient + pending once."""
-        self.sync_mode = "sync"
+        self.sync_mode = SyncMode.SYNC
         for layer in self.layers.values():
-            layer.mode = "sync_pending"
+            layer.mode = SyncMode.SYNC_PENDING
 
     def check_pending(self) -> None:
         """Refuse an optimizer step that would drop gradients accumulated under `no_sync`
         (inside it, or after it without a synchronising backward)."""
-        waiting = [n for n, l in self.layers.items() if l.mode == "accumulate"
-                   or (l.mode == "sync_pending" and bool(l.pending.any()))]
+        waiting = [n for n, l in self.layers.items() if l.mode is SyncMode.ACCUMULATE
+                   or (l.mode is SyncMode.SYNC_PENDING and bool(l.pending.any()))]
         if waiting or self.dirty_params:
             raise RuntimeError(
                 f"GIFT: gradients accumulated under gift_compile.no_sync were never synchronised "
@@ -291,7 +293,7 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         now[masks[0]:masks[1] + 1] = 0
         new = now - self._health_seen
         self._health_seen = now
-        nonfinite = int(new[C_NONFINITE]) if self.config.nonfinite == "error" else 0
+        nonfinite = int(new[C_NONFINITE]) if self.config.nonfinite is Nonfinite.ERROR else 0
         return Faults(int(new[C_MISMATCH]), nonfinite, set(mismatch_ranks) if int(new[C_MISMATCH]) else set(),
                       set(nonfinite_ranks) if nonfinite else set())
 
@@ -304,8 +306,8 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         self.check_health()
         self.backward_watch.since_step, self.backward_watch.versions = 0, None
         for layer in self.layers.values():
-            if layer.mode == "sync_pending":
-                layer.mode = "sync"
+            if layer.mode is SyncMode.SYNC_PENDING:
+                layer.mode = SyncMode.SYNC
         self.steps += 1
         self.seed.add_(1)
         if self.config.refresh_due(self.steps):
