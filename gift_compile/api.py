@@ -158,8 +158,9 @@ def managed_weights(model: Parts, config: GiftConfig, group: dist.ProcessGroup |
     a reduce-scatter path), what `resolve_auto` inspects the optimizer for. Eligibility reads
     neither the geometry nor the metric, so it is computed before "auto" is resolved."""
     world = collectives.group_info(group)[1]
-    return [m._parameters["weight"] for _, m in eligible_linears(model, config, world, split_rows=split_rows,
-                                                                 group=group)]
+    return [m._parameters["weight"] for _, m in eligible_linears(model, world, min_numel=config.min_numel,
+                                                                 excluded=config.is_excluded,
+                                                                 split_rows=split_rows, group=group)]
 
 
 def attach_optimizer(state: GiftState, optimizer: torch.optim.Optimizer, *,

@@ -14,7 +14,7 @@ state then manages the linears of all of them.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -145,12 +145,13 @@ def _unmanage_module(module: nn.Module) -> None:
         module.__dict__.pop(attr, None)
 
 
-def eligible_linears(model: Parts, config: GiftConfig, world: int, *, split_rows: bool,
+def eligible_linears(model: Parts, world: int, *, min_numel: int, excluded: Callable[[str], bool], split_rows: bool,
                      group: dist.ProcessGroup | None = None) -> Iterator[tuple[str, nn.Module]]:
     """`(fqn of the weight, module)` of every linear GIFT manages in `model` (each of its parts).
 
     Eligible: weights of `nn.Linear` (sub)class modules, 2-D, floating point, at least
-    `config.min_numel` elements, FQN not matched by `config.exclude`, and (`split_rows`, for
+    `min_numel` elements, FQN not `excluded` (`GiftConfig.min_numel`, `GiftConfig.is_excluded`:
+    the rule's two settings, so callers that resolve "auto" read the config once), and (`split_rows`, for
     reduce-scatter paths) a row count divisible by the world size. Sizes are those of the
     matrix one rank of the data-parallel `group` holds (`local_matrix_shape`: a tensor-parallel
     rank's block). Ineligible weights that are big enough are logged with the reason: they
@@ -161,10 +162,10 @@ def eligible_linears(model: Parts, config: GiftConfig, world: int, *, split_rows
             continue
         w = module._parameters.get("weight")
         name = f"{fqn}.weight" if fqn else "weight"
-        if w is None or w.dim() != 2 or config.is_excluded(name):
+        if w is None or w.dim() != 2 or excluded(name):
             continue
         rows, cols = local_matrix_shape(w, group)
-        if rows * cols < config.min_numel:
+        if rows * cols < min_numel:
             continue
         if not w.is_floating_point():
             logger.warning("GIFT: %s stays at full precision: dtype %s is not floating point", name, w.dtype)
@@ -203,7 +204,8 @@ def manage(model: Parts, config: GiftConfig, group: dist.ProcessGroup | None, *,
     world = state.world()
     group_name = group.group_name if mode is ManageMode.SYNC and world > 1 else None
     handles: list[Any] = []
-    for name, module in eligible_linears(parts, config, world, split_rows=split_rows, group=group):
+    for name, module in eligible_linears(parts, world, min_numel=config.min_numel, excluded=config.is_excluded,
+                                         split_rows=split_rows, group=group):
         if name in state.layers:
             raise ValueError(f"gift_compile.manage: {name} is in two model parts; the parts (pipeline stages) of "
                              "one rank must hold disjoint layers under the whole model's names")

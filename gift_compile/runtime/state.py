@@ -31,10 +31,11 @@ from gift_compile.exchange.agreement import first_difference
 from gift_compile.exchange.collectives import (C_MISMATCH, C_MISMATCH_RANKS, C_NONFINITE, C_NONFINITE_RANKS, N_COUNTERS,
                                                Shared, flagged_ranks)
 from gift_compile.exchange.mark import SyncMode
-from gift_compile.exchange.plan import BucketPlan, Collective
-from gift_compile.geometry.table import geometry_class
+from gift_compile.exchange.plan import BucketPlan, Collective, ItemPlan
+from gift_compile.geometry.statistics import StatisticsSettings
+from gift_compile.geometry.table import Geometry, geometry_class
 from gift_compile.runtime.checkpoint import Checkpointing
-from gift_compile.runtime.layer import LayerState
+from gift_compile.runtime.layer import LayerSpec, LayerState
 from gift_compile.runtime.refresh import RefreshEngine, RefreshRecord
 from gift_compile.runtime.selection import LayerMeasurement, decide
 from gift_compile.runtime.telemetry import Telemetry
@@ -57,6 +58,24 @@ class BackwardWatch:
     # collectives that run at the end of the backward themselves (`gift_compile.frameworks.plain_sync`'s
     # flush), run by the same callback before the checks read the counters they fill
     flushes: list[Callable[[], None]] = field(default_factory=list)
+
+
+def layer_spec(config: GiftConfig, geometry: type[Geometry]) -> LayerSpec:
+    """What the layers of a state under `config` are built from, their geometry's class
+    `geometry` included: the one place that reads the config for them, so a layer, its map,
+    statistics and plan get plain values (`LayerSpec`)."""
+    statistics = StatisticsSettings(kind=config.statistics, rank=config.rank,
+                                    sketch_cols=config.sketch_cols or 2 * config.rank, ema=config.ema,
+                                    max_tokens=config.stats_tokens, seed=config.seed)
+    # name, shape, kind and tensor count are each layer's (`LayerState`)
+    plan = ItemPlan(name="", rows=0, cols=0, dtype="float32", managed=True, format=config.format,
+                    scaling=config.scaling, block_size=config.block_size, error_feedback=config.error_feedback,
+                    stochastic_rounding=config.stochastic_rounding, unrewritten=config.unrewritten,
+                    residual_format=config.residual_format,
+                    second_hop_error_feedback=config.second_hop_error_feedback,
+                    error_feedback_decay=config.error_feedback_decay)
+    return LayerSpec(geometry=geometry, rank=config.rank, seed=config.seed, statistics=statistics, plan=plan,
+                     reselect=config.reselect_every > 0)
 
 
 class GiftHealthError(RuntimeError):
@@ -96,7 +115,7 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
     __slots__ = ("config", "group", "collective", "layers", "seed", "rank", "counters", "steps", "history",
                  "grad_source", "_health_seen", "modules", "handles", "active", "sync_mode", "dirty_params",
                  "plan_version", "selection_changes", "_sharing_checked", "adapters", "hop_counters", "backward_watch",
-                 "geometry", "health_group", "pending_faults")
+                 "geometry", "layer_spec", "health_group", "pending_faults")
 
     def __init__(self, config: GiftConfig, group: dist.ProcessGroup | None,
                  collective: Collective | str = Collective.ALL_REDUCE):
@@ -107,6 +126,7 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         # The geometry's class, looked up once from `config.geometry`: layers, refresh,
         # selection and the framework hooks use this object, never the name.
         self.geometry = geometry_class(config.geometry)
+        self.layer_spec = layer_spec(config, self.geometry)  # what `add_layer` builds each layer from
         self.group = group
         self.collective = collective
         self.layers: dict[str, LayerState] = {}
@@ -184,7 +204,7 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         if not self.layers and self.seed.device != torch.device(device):
             # graphs read these where the weights live
             self.seed, self.rank, self.counters = (t.to(device) for t in (self.seed, self.rank, self.counters))
-        layer = LayerState(fqn, shape, self.config, self.geometry, device, world)
+        layer = LayerState(fqn, shape, self.layer_spec, device, world)
         self.layers[fqn] = layer
         if self._static_selection():  # decided before any graph exists: not a plan change
             chosen = fqn in decide(self.config, self.geometry, {fqn: LayerMeasurement(1.0, 1.0, 0.0, 0.0)}, {})
