@@ -5,6 +5,13 @@ before any process group is created, with a message that names the field and lis
 allowed values, instead of surfacing as a shape error deep inside a compiled graph. Types
 are checked strictly: ints reject bools and floats, floats accept ints but must be finite,
 strings must be `str`; every failure is a `GiftConfigError` (a ValueError) naming the field.
+
+The modes (`reduce_op`, `nonfinite`, `select_metric`, `unrewritten`, `plan_check`,
+`statistics`, the keywords of `select`) are given by their spelling and held as members of
+their `Choice` (a `StrEnum`, defined here, or in the codec for `Nonfinite`): the package
+compares members, and a member equals, prints, reprs and serialises as its spelling, so TOML,
+JSON, checkpoints and messages are unchanged. `scaling` stays its spelling: `FormatSpec`
+turns it into the codec's `Scaling`.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 # The format names belong to the codec, the layer below this one (docs/architecture.md).
-from gift_compile.codec.spec import BLOCK_SIZE_CHOICES, BLOCK_SIZE_FORMATS, FORMATS, SCALINGS, Choice, Nonfinite, Scaling
+from gift_compile.codec.spec import BLOCK_SIZE_CHOICES, BLOCK_SIZE_FORMATS, FORMATS, SCALINGS, Choice, Nonfinite
 
 # `replica_format` value meaning "the cross-replica hop uses `format` too".
 SAME_FORMAT = "same"
@@ -257,7 +264,7 @@ class GiftConfig:
     """
 
     format: str = "fp8_e4m3"
-    scaling: Scaling = Scaling.ROW
+    scaling: str = "row"
     block_size: int = 32
     geometry: str = AUTO_GEOMETRY
     rank: int = 32
@@ -296,7 +303,6 @@ class GiftConfig:
             if not isinstance(value, str) or value not in names:
                 _fail(name, value, ", ".join(names))
         # The modes: each spelling becomes its member here, once; the package compares members.
-        object.__setattr__(self, "scaling", Scaling.parse(self.scaling))
         for name, mode in (("nonfinite", Nonfinite), ("select_metric", SelectMetric), ("reduce_op", ReduceOp),
                            ("unrewritten", Unrewritten), ("plan_check", PlanCheck), ("statistics", StatisticsKind)):
             member = mode.lookup(getattr(self, name))

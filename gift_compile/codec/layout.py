@@ -50,7 +50,11 @@ class Choice(enum.StrEnum):
     exchange's and the frameworks' above): a `StrEnum`, so a member equals, prints and
     serialises as its spelling and configs, JSON and checkpoints keep the strings they had.
     A spelling is turned into its member once, where it enters (`lookup` / `parse`); code
-    compares members (`is`), never spellings."""
+    compares members (`is`), never spellings. `repr` is the spelling's too, so a config's repr
+    and the messages that quote a mode with `!r` read as they did with strings."""
+
+    def __repr__(self) -> str:
+        return repr(self.value)
 
     @classmethod
     def lookup(cls, value: object) -> Self | None:
