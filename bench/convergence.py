@@ -77,7 +77,9 @@ class TwoSided:
 
     def __init__(self, model: nn.Module, config: GiftConfig, optimizer: torch.optim.Optimizer, world: int):
         self.config, self.optimizer, self.world = config, optimizer, world
-        self.weights = {name: m.weight for name, m in eligible_linears(model, config, world, split_rows=False)}
+        linears = eligible_linears(model, world, min_numel=config.min_numel, excluded=config.is_excluded,
+                                   split_rows=False)
+        self.weights = {name: m.weight for name, m in linears}
         self.maps = {name: (Transform("dense", w.shape[0]), Transform("dense", w.shape[1]))
                      for name, w in self.weights.items()}
         self.rest = [p for p in model.parameters() if all(p is not w for w in self.weights.values())]

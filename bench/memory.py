@@ -70,7 +70,8 @@ def gift_state_bytes(model: torch.nn.Module, config: GiftConfig, world: int) -> 
     FSDP group (rows must split over the ranks), and how many layers that is. The second-hop
     residual, when configured, is sized for an all-reduce over `world` ranks."""
     state = GiftState(config, None)
-    for fqn, module in eligible_linears(model, config, world, split_rows=True):
+    for fqn, module in eligible_linears(model, world, min_numel=config.min_numel, excluded=config.is_excluded,
+                                        split_rows=True):
         state.add_layer(fqn, tuple(module.weight.shape), "meta", world=world)
     return state.memory_bytes(), len(state.layers)
 

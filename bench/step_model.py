@@ -159,7 +159,8 @@ def arm_layers(config: GiftConfig, model_config: TinyLlamaConfig, inputs: StepMo
     upper bound for attention and gate/up inputs."""
     model = meta_model(model_config)
     state = GiftState(config, None)
-    for fqn, module in eligible_linears(model, config, inputs.gpus, split_rows=False):
+    for fqn, module in eligible_linears(model, inputs.gpus, min_numel=config.min_numel, excluded=config.is_excluded,
+                                        split_rows=False):
         state.add_layer(fqn, tuple(module.weight.shape), "meta")
     out = []
     for fqn, layer in state.layers.items():

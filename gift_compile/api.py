@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from gift_compile.config import AUTO_GEOMETRY, AUTO_METRIC, FALLBACK_GEOMETRY, GiftConfig
+from gift_compile.config import AUTO_GEOMETRY, FALLBACK_GEOMETRY, GiftConfig, SelectMetric
 from gift_compile.exchange import collectives
 from gift_compile.exchange.agreement import first_difference
 from gift_compile.exchange.plan import dtype_name
@@ -112,7 +112,7 @@ def resolve_auto(config: GiftConfig, optimizer: Any | None, weights: list[torch.
     model the optimizer steps (`managed_weights`); what it chose is logged as
     ``GIFT: geometry='auto' -> '<name>', select_metric='auto' -> '<name>'`` (the demo reads it).
     """
-    geometry_auto, metric_auto = config.geometry == AUTO_GEOMETRY, config.select_metric == AUTO_METRIC
+    geometry_auto, metric_auto = config.geometry == AUTO_GEOMETRY, config.select_metric is SelectMetric.AUTO
     if not (geometry_auto or metric_auto):
         return config
     if optimizer is None:
@@ -125,11 +125,11 @@ def resolve_auto(config: GiftConfig, optimizer: Any | None, weights: list[torch.
             logger.warning("gift_compile.apply: select_metric='auto' without optimizer=: layers are selected by the "
                            "plain (euclidean) error; under Muon/Shampoo pass optimizer= or set "
                            "select_metric='whitened'")
-            config = dataclasses.replace(config, select_metric="euclidean")
+            config = dataclasses.replace(config, select_metric=SelectMetric.EUCLIDEAN)
         return config
     if not weights:  # nothing managed: nothing mapped or selected
         return dataclasses.replace(config, geometry=Geometry.name if geometry_auto else config.geometry,
-                                   select_metric="euclidean")
+                                   select_metric=SelectMetric.EUCLIDEAN)
     chosen = dataclasses.replace(config, geometry=geometry_for(optimizer, weights)) if geometry_auto else config
     if metric_auto:
         chosen = dataclasses.replace(chosen, select_metric=select_metric_for(optimizer, weights, chosen.geometry))
@@ -158,8 +158,9 @@ def managed_weights(model: Parts, config: GiftConfig, group: dist.ProcessGroup |
     a reduce-scatter path), what `resolve_auto` inspects the optimizer for. Eligibility reads
     neither the geometry nor the metric, so it is computed before "auto" is resolved."""
     world = collectives.group_info(group)[1]
-    return [m._parameters["weight"] for _, m in eligible_linears(model, config, world, split_rows=split_rows,
-                                                                 group=group)]
+    return [m._parameters["weight"] for _, m in eligible_linears(model, world, min_numel=config.min_numel,
+                                                                 excluded=config.is_excluded,
+                                                                 split_rows=split_rows, group=group)]
 
 
 def attach_optimizer(state: GiftState, optimizer: torch.optim.Optimizer, *,

@@ -5,6 +5,13 @@ before any process group is created, with a message that names the field and lis
 allowed values, instead of surfacing as a shape error deep inside a compiled graph. Types
 are checked strictly: ints reject bools and floats, floats accept ints but must be finite,
 strings must be `str`; every failure is a `GiftConfigError` (a ValueError) naming the field.
+
+The modes (`reduce_op`, `nonfinite`, `select_metric`, `unrewritten`, `plan_check`,
+`statistics`, the keywords of `select`) are given by their spelling and held as members of
+their `Choice` (a `StrEnum`, defined here, or in the codec for `Nonfinite`): the package
+compares members, and a member equals, prints, reprs and serialises as its spelling, so TOML,
+JSON, checkpoints and messages are unchanged. `scaling` stays its spelling: `FormatSpec`
+turns it into the codec's `Scaling`.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 # The format names belong to the codec, the layer below this one (docs/architecture.md).
-from gift_compile.codec.spec import BLOCK_SIZE_CHOICES, BLOCK_SIZE_FORMATS, FORMATS, SCALINGS, FormatSpec
+from gift_compile.codec.spec import BLOCK_SIZE_CHOICES, BLOCK_SIZE_FORMATS, FORMATS, SCALINGS, Choice, FormatSpec, Nonfinite
 
 # `replica_format` value meaning "the cross-replica hop uses `format` too".
 SAME_FORMAT = "same"
@@ -33,16 +40,55 @@ AUTO_GEOMETRY = "auto"
 # What `geometry="auto"` (the default) becomes when `apply` is given no optimizer: K-FAC's
 # input-side map, GIFT's own geometry (logged as a warning: under AdamW it is the wrong map).
 FALLBACK_GEOMETRY = "lowrank"
-NONFINITE = ("error", "propagate")
-REDUCE_OPS = ("avg", "sum")
-SELECT_METRICS = ("euclidean", "whitened")
-# `select_metric` value resolved by `apply(..., optimizer=)` from the optimizer
-# (`gift_compile.geometry.optimizers.select_metric_for`); measured as "euclidean" where no optimizer is known.
-AUTO_METRIC = "auto"
-UNREWRITTEN = ("error", "warn")
-PLAN_CHECKS = ("first", "always")
-STATISTICS = ("sketch", "dense")
-_SELECT_KEYWORDS = ("auto", "all", "none")
+
+
+class ReduceOp(Choice):
+    """`GiftConfig.reduce_op`: the data-parallel mean or the sum of the ranks' gradients."""
+
+    AVG = "avg"
+    SUM = "sum"
+
+
+class SelectMetric(Choice):
+    """`GiftConfig.select_metric`: the error `select="auto"` compares the two paths by.
+    `AUTO` is resolved by `apply(..., optimizer=)` from the optimizer
+    (`gift_compile.geometry.optimizers.select_metric_for`), measured as `EUCLIDEAN` where no
+    optimizer is known."""
+
+    EUCLIDEAN = "euclidean"
+    WHITENED = "whitened"
+    AUTO = "auto"
+
+
+class SelectRule(Choice):
+    """The keywords of `GiftConfig.select` (the other values are `"boundary_hits:K"` and globs)."""
+
+    AUTO = "auto"
+    ALL = "all"
+    NONE = "none"
+
+
+class Unrewritten(Choice):
+    """`GiftConfig.unrewritten`: a managed gradient the pass did not rewrite raises, or warns once."""
+
+    ERROR = "error"
+    WARN = "warn"
+
+
+class PlanCheck(Choice):
+    """`GiftConfig.plan_check`: the full plan description is compared on the first call of each plan, or always."""
+
+    FIRST = "first"
+    ALWAYS = "always"
+
+
+class StatisticsKind(Choice):
+    """`GiftConfig.statistics`: the K-FAC input factor of a low-rank layer as a sketch or dense."""
+
+    SKETCH = "sketch"
+    DENSE = "dense"
+
+
 _BOUNDARY_RE = re.compile(r"^boundary_hits:(\d+)$")
 # `seed` lives in an int64 tensor (the stochastic-rounding seed of every rank), so it must fit.
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -97,6 +143,16 @@ def _globs(name: str, value: Any, allowed: str) -> tuple[str, ...]:
     if not isinstance(globs, tuple) or not all(isinstance(s, str) and s.strip() for s in globs):
         _fail(name, value, allowed)
     return globs
+
+
+def layer_format(layer_formats: tuple[str, ...], fqn: str, default: str) -> str:
+    """The wire format of the weight `fqn` under validated `GiftConfig.layer_formats` entries
+    (`"glob=format"`): the first whose glob matches, else `default`."""
+    for entry in layer_formats:
+        glob, _, fmt = entry.partition("=")
+        if fnmatch.fnmatch(fqn, glob):
+            return fmt
+    return default
 
 
 @dataclass(frozen=True)
@@ -239,7 +295,7 @@ class GiftConfig:
     refresh_warmup: int = 10
     ema: float = 0.95
     damping: float = 1e-3
-    select: str | tuple[str, ...] = "auto"
+    select: SelectRule | str | tuple[str, ...] = SelectRule.AUTO
     exclude: tuple[str, ...] = ("*embed*", "*output*", "*lm_head*")
     error_feedback: bool = False
     second_hop_error_feedback: bool = False
@@ -249,31 +305,35 @@ class GiftConfig:
     layer_formats: tuple[str, ...] = ()
     min_numel: int = 4096
     stats_tokens: int = 1024
-    nonfinite: str = "error"
-    reduce_op: str = "avg"
+    nonfinite: Nonfinite = Nonfinite.ERROR
+    reduce_op: ReduceOp = ReduceOp.AVG
     seed: int = 0
-    select_metric: str = AUTO_METRIC
+    select_metric: SelectMetric = SelectMetric.AUTO
     auto_min_gain: float = 1.05
     auto_max_overhead: float = 0.25
-    unrewritten: str = "error"
-    plan_check: str = "first"
+    unrewritten: Unrewritten = Unrewritten.ERROR
+    plan_check: PlanCheck = PlanCheck.FIRST
     reselect_every: int = 0
     residual_format: str = "fp32"
-    statistics: str = "sketch"
+    statistics: StatisticsKind = StatisticsKind.SKETCH
     sketch_cols: int = 0
     replica_format: str = "same"
 
     def __post_init__(self) -> None:
         # Types first (a str where a float belongs must not surface as a TypeError from a
         # comparison), then ranges; every failure is a GiftConfigError naming the field.
-        for name, choices in (("format", FORMATS), ("scaling", SCALINGS), ("geometry", (*GEOMETRIES, AUTO_GEOMETRY)),
-                              ("nonfinite", NONFINITE), ("select_metric", (*SELECT_METRICS, AUTO_METRIC)),
-                              ("reduce_op", REDUCE_OPS), ("unrewritten", UNREWRITTEN),
-                              ("plan_check", PLAN_CHECKS), ("residual_format", FORMATS),
-                              ("statistics", STATISTICS)):
+        for name, names in (("format", FORMATS), ("scaling", SCALINGS), ("geometry", (*GEOMETRIES, AUTO_GEOMETRY)),
+                            ("residual_format", FORMATS)):
             value = getattr(self, name)
-            if not isinstance(value, str) or value not in choices:
-                _fail(name, value, ", ".join(choices))
+            if not isinstance(value, str) or value not in names:
+                _fail(name, value, ", ".join(names))
+        # The modes: each spelling becomes its member here, once; the package compares members.
+        for name, mode in (("nonfinite", Nonfinite), ("select_metric", SelectMetric), ("reduce_op", ReduceOp),
+                           ("unrewritten", Unrewritten), ("plan_check", PlanCheck), ("statistics", StatisticsKind)):
+            member = mode.lookup(getattr(self, name))
+            if member is None:
+                _fail(name, getattr(self, name), ", ".join(mode))
+            object.__setattr__(self, name, member)
         for name in ("block_size", "rank", "refresh_every", "stats_tokens"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
@@ -317,7 +377,7 @@ class GiftConfig:
                   "1.0 unless error_feedback or second_hop_error_feedback is on (it decays their residuals)")
         self._validate_layer_formats()
         if self.block_rotation and any(FormatSpec(f, self.scaling, self.block_size).block is None
-                                       for f in (self.format, *self._layer_format_table().values())):
+                                       for f in (self.format, *(e.partition("=")[2] for e in self.layer_formats))):
             _fail("block_rotation", self.block_rotation,
                   f"false for format={self.format!r} with scaling={self.scaling!r}: the rotation runs inside "
                   "a scale block, and this format has no blocks (a block-scaled format, or fp8 with "
@@ -333,7 +393,9 @@ class GiftConfig:
             if "," in select:  # "a.*,b.*" from a CLI flag: a glob list
                 object.__setattr__(self, "select", _globs("select", select, allowed))
                 return
-            if select in _SELECT_KEYWORDS:
+            keyword = SelectRule.lookup(select)
+            if keyword is not None:
+                object.__setattr__(self, "select", keyword)
                 return
             m = _BOUNDARY_RE.match(select)
             if m and int(m.group(1)) >= 1:
@@ -352,10 +414,6 @@ class GiftConfig:
         else:
             _fail("select", select, allowed)
 
-    def _layer_format_table(self) -> dict[str, str]:
-        """`layer_formats` as glob -> format, in the order given (first match wins)."""
-        return dict(entry.split("=", 1) for entry in self.layer_formats)
-
     def _validate_layer_formats(self) -> None:
         allowed = ('"glob=format" entries (a list or a comma-separated string), each glob non-empty and each format '
                    f"one of {', '.join(FORMATS)} valid with block_size={self.block_size}")
@@ -370,12 +428,8 @@ class GiftConfig:
                            tuple("=".join(p.strip() for p in e.partition("=")[::2]) for e in entries))
 
     def format_for(self, fqn: str) -> str:
-        """The wire format of the weight `fqn`: the first `layer_formats` entry whose glob
-        matches it, else `format`."""
-        for glob, fmt in self._layer_format_table().items():
-            if fnmatch.fnmatch(fqn, glob):
-                return fmt
-        return self.format
+        """The wire format of the weight `fqn` (`layer_format`)."""
+        return layer_format(self.layer_formats, fqn, self.format)
 
     @property
     def replica_hop_format(self) -> str:

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from gift_compile.config import ReduceOp, Unrewritten
 from gift_compile.exchange.collectives import (
     ItemTensors, Shared, bucket_core, bucket_wire_bytes, finish, gather_finish, gather_launch, launch,
 )
@@ -146,7 +147,7 @@ def rewrite_bucket(graph: fx.Graph, match: BucketMatch) -> RewriteRecord:
         if shared_nodes is None:
             shared_nodes = shared  # seed, rank, counters: one set per GiftState
     assert shared_nodes is not None
-    plan = BucketPlan(tuple(items), match.group_size, match.group_name, match.reduce_op == "avg", match.op)
+    plan = BucketPlan(tuple(items), match.group_size, match.group_name, match.reduce_op is ReduceOp.AVG, match.op)
     n_x = len(match.inputs)
     out_val = match.wait.meta["val"]
 
@@ -216,7 +217,7 @@ def _replica_plan(match: BucketMatch, items: list[ItemPlan]) -> BucketPlan:
     shards = [dataclasses.replace(item, rows=item.rows // shard) if item.managed
               else ItemPlan.passthrough(item.name, item.numel // shard, item.torch_dtype) for item in items]
     return replica_hop_plan(shards, formats.pop(), _group_size(match.replica_group), match.replica_group,
-                            match.replica_op == "avg")
+                            match.replica_op is ReduceOp.AVG)
 
 
 def _splice_replica_hop(graph: fx.Graph, match: BucketMatch, plan: BucketPlan, items: list[ItemPlan],
@@ -255,7 +256,7 @@ def _fallback(report: RewriteReport, plans: list[ItemPlan], reason: str) -> None
     """A marked gradient that stays at full precision: raise, or log where its plan allows."""
     for plan in plans:
         report.fallbacks.append((plan.name, reason))
-    strict = [p.name for p in plans if p.unrewritten == "error"]
+    strict = [p.name for p in plans if p.unrewritten is Unrewritten.ERROR]
     if strict:
         raise GiftRewriteError(
             f"GIFT pass cannot rewrite the gradient collective of {strict}: {reason}. It would travel at full "

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from gift_compile.config import ReduceOp
 from gift_compile.exchange.plan import Collective, ItemPlan, dtype_name
 from gift_compile.passes.inductor_internals import pre_bucket_reduce_scatter_op
 from gift_compile.sync import process_group
@@ -51,14 +52,14 @@ class BucketMatch:
     marks: list[fx.Node | None]  # the mark each entry traces back to (None: unmanaged)
     pre_bucket: fx.Node | None
     op: Collective
-    reduce_op: str
+    reduce_op: ReduceOp | None  # the graph's reduce op; None: neither a sum nor an average (not rewritten)
     group_size: int
     group_name: str
     # HSDP: the replica all-reduce (+ wait) each entry went through before the reduce-scatter
     # (`inputs` are then what entered those all-reduces), their group and op; empty otherwise.
     replica_reductions: list[tuple[fx.Node, fx.Node]] = field(default_factory=list)
     replica_group: str | None = None
-    replica_op: str = "sum"
+    replica_op: ReduceOp | None = ReduceOp.SUM  # None: the replica all-reduces differ or do not sum
     mixed_replica: bool = False  # some entries went through a replica all-reduce, others not
 
     def plans(self) -> list[ItemPlan | None]:
@@ -173,9 +174,9 @@ def find_gradient_collectives(graph: fx.Graph) -> list[BucketMatch]:
         done = [r for r in reductions if r is not None]
         groups = {r[0].args[2] for r in done}
         ops = {r[0].args[1] for r in done}
-        match = BucketMatch(n, wait, originals, marks, bucket, Collective.REDUCE_SCATTER, n.args[1], n.args[2],
-                            n.args[3], done, groups.pop() if len(groups) == 1 else None,
-                            ops.pop() if len(ops) == 1 else "mixed",
+        match = BucketMatch(n, wait, originals, marks, bucket, Collective.REDUCE_SCATTER, ReduceOp.lookup(n.args[1]),
+                            n.args[2], n.args[3], done, groups.pop() if len(groups) == 1 else None,
+                            ReduceOp.lookup(ops.pop()) if len(ops) == 1 else None,
                             mixed_replica=len(done) != len(inputs))
         paired.update(r[0] for r in done)
         matches.append(match)
@@ -194,20 +195,21 @@ def find_gradient_collectives(graph: fx.Graph) -> list[BucketMatch]:
             group_size = _group_size(group_name)
         else:
             reduce_op, group_size, group_name = n.args[1], n.args[2], n.args[3]
-        matches.append(BucketMatch(n, wait, inputs, marks, bucket, op, reduce_op, group_size, group_name))
+        matches.append(BucketMatch(n, wait, inputs, marks, bucket, op, ReduceOp.lookup(reduce_op), group_size,
+                                   group_name))
     position = {n: i for i, n in enumerate(graph.nodes)}
     matches.sort(key=lambda m: position[m.collective])
     return matches
 
 
 def _why_not(match: BucketMatch) -> str | None:
-    if match.reduce_op not in ("sum", "avg"):
-        return f"reduce op {match.reduce_op!r} is not a sum"
+    if match.reduce_op is None:
+        return f"reduce op {match.collective.args[1]!r} is not a sum"
     replica = [ItemPlan.from_str(m.args[2]).replica_format for m in match.marks if m is not None]
     if match.replica_reductions:
         if match.mixed_replica:
             return "some entries of the bucket went through a replica all-reduce and others did not"
-        if match.replica_group is None or match.replica_op not in ("sum", "avg"):
+        if match.replica_group is None or match.replica_op is None:
             return "the entries' replica all-reduces differ in group or reduce op, or do not sum"
         if not all(replica):
             return ("the gradient crosses a replica all-reduce (HSDP) but its mark carries no replica hop "

@@ -183,7 +183,9 @@ def _managed_shapes() -> list[tuple[int, int]]:
     from gift_compile.config import GiftConfig
 
     model = meta_model(MODEL_CONFIGS["Llama-600M"])
-    return [tuple(m.weight.shape) for _, m in eligible_linears(model, GiftConfig(), 8, split_rows=True)]
+    config = GiftConfig()
+    linears = eligible_linears(model, 8, min_numel=config.min_numel, excluded=config.is_excluded, split_rows=True)
+    return [tuple(m.weight.shape) for _, m in linears]
 
 
 def test_tuning_and_sweep_instruments(smoke: tuple[Path, dict]) -> None:

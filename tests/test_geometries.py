@@ -12,6 +12,7 @@ from gift_compile.config import GEOMETRIES as CONFIG_GEOMETRIES
 from gift_compile.config import GiftConfig
 from gift_compile.geometry.statistics import KFACStatistics, SketchStatistics
 from gift_compile.geometry.table import GEOMETRIES, KINDS, Geometry, Momentum, SecondMoment, geometry_class, map_class
+from gift_compile.runtime.state import layer_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 NAMES = set(GEOMETRIES) | set(KINDS)
@@ -56,13 +57,13 @@ def test_config_names_are_the_table_and_unknown_names_raise():
 
 
 def test_statistics_source_is_the_classes_own():
-    cfg = GiftConfig(rank=8)
-    kinds = {name: type(geometry_class(name).make_statistics(cfg, 256, "cpu")).__name__ for name in GEOMETRIES}
+    settings = layer_spec(GiftConfig(rank=8), geometry_class("none")).statistics
+    kinds = {name: type(geometry_class(name).make_statistics(settings, 256, "cpu")).__name__ for name in GEOMETRIES}
     assert kinds == {"none": "NoneType", "hadamard": "NoneType", "dense": "KFACStatistics",
                      "lowrank": "SketchStatistics", "gradient": "NoneType", "momentum": "NoneType",
                      "second_moment": "NoneType"}
-    assert isinstance(geometry_class("lowrank").make_statistics(GiftConfig(rank=8, statistics="dense"), 256, "cpu"),
-                      KFACStatistics)
+    dense = layer_spec(GiftConfig(rank=8, statistics="dense"), geometry_class("lowrank")).statistics
+    assert isinstance(geometry_class("lowrank").make_statistics(dense, 256, "cpu"), KFACStatistics)
     assert [n for n in GEOMETRIES if geometry_class(n).allocate_factor(4, "cpu") is not None] == ["gradient", "momentum",
                                                                                                   "second_moment"]
     with pytest.raises(ValueError, match="exact factor"):
@@ -202,8 +203,8 @@ def test_refresh_cost_is_the_geometrys_own():
     from gift_compile.geometry.whitening import lowrank_refresh_flops
 
     rows, d_in, rank = 3456, 1280, 32
-    cfg = GiftConfig(geometry="lowrank", rank=rank)
-    sketch = geometry_class("lowrank").make_statistics(cfg, d_in, "meta")
+    settings = layer_spec(GiftConfig(geometry="lowrank", rank=rank), geometry_class("lowrank")).statistics
+    sketch = geometry_class("lowrank").make_statistics(settings, d_in, "meta")
     assert isinstance(sketch, SketchStatistics)
     flops = {name: cls.refresh_flops(rows, d_in, rank, sketch if name == "lowrank" else None)
              for name, cls in GEOMETRIES.items()}

@@ -23,6 +23,7 @@ from gift_compile.config import GiftConfig
 from gift_compile.frameworks import fsdp2
 from gift_compile.frameworks import hsdp as gift_hsdp
 from gift_compile.frameworks.parts import Parts
+from gift_compile.frameworks.routing import ManageMode
 from gift_compile.frameworks.simple_fsdp import SIMPLE_FSDP
 from gift_compile.frameworks.tensor_parallel import describe_blocks
 
@@ -124,7 +125,7 @@ def gift_post_optimizer_build(optimizers: Any, model_parts: list[nn.Module], par
     world = dist.get_world_size(group)
     config = gift_config(section, optimizers, model, group)
     if trainer == "fsdp2":
-        state = manage(model, config, group, mode="stats", split_rows=True)
+        state = manage(model, config, group, mode=ManageMode.STATS, split_rows=True)
         fsdp2.install(model, state, compiled=section.fuse)
         replicas = hsdp.replica_group(parallel_dims)
         if replicas is not None:

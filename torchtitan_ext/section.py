@@ -26,14 +26,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from gift_compile.config import AUTO_GEOMETRY, AUTO_METRIC, GiftConfig, GiftConfigError
+from gift_compile.config import AUTO_GEOMETRY, GiftConfig, GiftConfigError, SelectMetric
 
 __all__ = ["AUTO_ALIAS", "GiftSection"]
 
 _DEFAULTS = GiftConfig()
 # The former torchtitan spelling of "auto" (geometry and select_metric), kept for existing TOMLs.
 AUTO_ALIAS = "auto_by_optimizer"
-_AUTO = {"geometry": AUTO_GEOMETRY, "select_metric": AUTO_METRIC}
+_AUTO = {"geometry": AUTO_GEOMETRY, "select_metric": SelectMetric.AUTO}
 # Fields that steer the torchtitan integration rather than GIFT's numerics.
 _INTEGRATION_FIELDS = ("enable", "fuse")
 

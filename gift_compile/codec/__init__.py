@@ -59,7 +59,7 @@ import torch
 
 from gift_compile.codec.codes import _hash_uniform
 from gift_compile.codec.formats import BF16_MAX
-from gift_compile.codec.layout import Scaling, _blocks
+from gift_compile.codec.layout import Nonfinite, Scaling, _blocks
 from gift_compile.codec.scales import E4M3_MAX, Agree, _identity
 from gift_compile.codec.spec import (
     E2M1_MAX, FP32_MAX, INT4_MAX, MX_BLOCK, NVFP4_BLOCK, FormatSpec, _count, _pad_cols, as_rows, wire_bytes_for,
@@ -67,7 +67,7 @@ from gift_compile.codec.spec import (
 
 __all__ = [
     "BF16_MAX", "E2M1_MAX", "E4M3_MAX", "FP32_MAX", "INT4_MAX", "MX_BLOCK", "NVFP4_BLOCK", "Agree", "FormatSpec",
-    "QuantizedTensor", "Scaling", "as_rows", "choose_scales", "decode", "dequantize", "encode", "quantize",
+    "Nonfinite", "QuantizedTensor", "Scaling", "as_rows", "choose_scales", "decode", "dequantize", "encode", "quantize",
     "scales_nonfinite", "wire_bytes", "wire_bytes_for",
 ]
 
@@ -231,7 +231,7 @@ def quantize(
     block_size: int = 32,
     stochastic_rounding: bool = False,
     seed: torch.Tensor | int = 0,
-    nonfinite: str = "error",
+    nonfinite: Nonfinite | str = Nonfinite.ERROR,
     agree: Agree = _identity,
 ) -> QuantizedTensor:
     """Quantize `x` (fp32/bf16/fp16, any shape, empty included) to `format`.
@@ -245,10 +245,9 @@ def quantize(
         raise ValueError(f"quantize: x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"quantize: unsupported dtype {x.dtype}; expected float32, bfloat16 or float16")
-    if nonfinite not in ("error", "propagate"):
-        raise ValueError(f"nonfinite={nonfinite!r}; allowed: error, propagate")
+    policy = Nonfinite.parse(nonfinite, "nonfinite")
     spec = FormatSpec(format, scaling, block_size)
-    if nonfinite == "error":
+    if policy is Nonfinite.ERROR:
         _check_finite(x, f"quantize({format})")
     scales, tscale = choose_scales(x, spec, agree)
     payload = encode(x, spec, scales, tscale, stochastic_rounding=stochastic_rounding, seed=seed)

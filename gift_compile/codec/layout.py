@@ -1,4 +1,5 @@
-"""The codec's lowest layer: the 2-D row view every format works on, and `Scaling`.
+"""The codec's lowest layer: the 2-D row view every format works on, `Scaling`, and `Choice`
+(the base of GIFT's mode enums, `Nonfinite` the codec's own).
 
 Split out so that the scale machinery (`scales.py`), the element grids (`codes.py`) and the
 format families built on both (`formats.py`) can share the row view and the scaling
@@ -10,6 +11,7 @@ from __future__ import annotations
 import enum
 import math
 import operator
+from typing import Self
 
 import torch
 
@@ -41,6 +43,41 @@ class Scaling(enum.StrEnum):
 
 
 _SCALINGS: dict[str, Scaling] = {s.value: s for s in Scaling}
+
+
+class Choice(enum.StrEnum):
+    """Base of GIFT's modes (`Nonfinite` here, the config's in `gift_compile.config`, the
+    exchange's and the frameworks' above): a `StrEnum`, so a member equals, prints and
+    serialises as its spelling and configs, JSON and checkpoints keep the strings they had.
+    A spelling is turned into its member once, where it enters (`lookup` / `parse`); code
+    compares members (`is`), never spellings. `repr` is the spelling's too, so a config's repr
+    and the messages that quote a mode with `!r` read as they did with strings."""
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    @classmethod
+    def lookup(cls, value: object) -> Self | None:
+        """The member spelled `value` (a member is its own spelling), None for anything else."""
+        return cls._value2member_map_.get(value) if isinstance(value, str) else None
+
+    @classmethod
+    def parse(cls, value: object, what: str) -> Self:
+        """The member spelled `value`; a ValueError naming `what`, the value and the choices otherwise."""
+        member = cls.lookup(value)
+        if member is None:
+            raise ValueError(f"{what}={value!r}; allowed: {', '.join(cls)}")
+        return member
+
+
+class Nonfinite(Choice):
+    """What a NaN/Inf in a gradient does (`GiftConfig.nonfinite`, `quantize(nonfinite=)`):
+    `ERROR` raises (eagerly, or on every rank at the step), `PROPAGATE` decodes the rows or
+    blocks sharing its scale as NaN. Defined in the codec because `quantize` reads it; a
+    `StrEnum`, so configs and JSON keep the spellings."""
+
+    ERROR = "error"
+    PROPAGATE = "propagate"
 
 
 def _count(name: str, value: object) -> int:

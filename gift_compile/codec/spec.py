@@ -16,10 +16,10 @@ import torch
 
 from gift_compile.codec.codes import E2M1_MAX
 from gift_compile.codec.formats import FORMAT_TABLE, MX_BLOCK, NVFP4_BLOCK, Format
-from gift_compile.codec.layout import FP32_MAX, Scaling, _count, as_rows
+from gift_compile.codec.layout import FP32_MAX, Choice, Nonfinite, Scaling, _count, as_rows
 
 __all__ = ["BLOCK_SIZE_CHOICES", "BLOCK_SIZE_FORMATS", "E2M1_MAX", "FORMATS", "FP32_MAX", "INT4_MAX", "MX_BLOCK",
-           "NVFP4_BLOCK", "SCALINGS", "FormatSpec", "Scaling", "as_rows", "wire_bytes_for"]
+           "NVFP4_BLOCK", "SCALINGS", "Choice", "FormatSpec", "Nonfinite", "Scaling", "as_rows", "wire_bytes_for"]
 
 FORMATS = tuple(FORMAT_TABLE)
 # Formats whose block length is `block_size`; their block statistics are reduced by a

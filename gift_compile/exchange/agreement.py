@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gift_compile.codec import Nonfinite
 from gift_compile.exchange.plan import BucketPlan
 
 __all__ = ["check_plan_agreement", "first_difference", "raise_on_bad_headers"]
@@ -93,7 +94,7 @@ def _remember_checked(key: tuple[str | None, int]) -> None:
         _CHECKED_PLANS.popitem(last=False)
 
 
-def raise_on_bad_headers(headers: torch.Tensor, plan: BucketPlan, nonfinite_policy: str) -> None:
+def raise_on_bad_headers(headers: torch.Tensor, plan: BucketPlan, nonfinite_policy: Nonfinite) -> None:
     """Eager callers: raise on every rank (all read the same headers) for a plan mismatch, or
     for a non-finite gradient under `nonfinite="error"`, naming the offending ranks."""
     fps, flags = headers[:, 0].tolist(), headers[:, 1].tolist()
@@ -101,7 +102,7 @@ def raise_on_bad_headers(headers: torch.Tensor, plan: BucketPlan, nonfinite_poli
     if differ:
         raise RuntimeError(f"GIFT: rank(s) {differ} ran a different collective plan than {plan.describe()}")
     bad = [r for r, f in enumerate(flags) if f]
-    if bad and nonfinite_policy == "error":
+    if bad and nonfinite_policy is Nonfinite.ERROR:
         names = ", ".join(i.name for i in plan.items)
         raise FloatingPointError(
             f"GIFT: non-finite (NaN/Inf) gradient on rank(s) {bad} in {names}; raised on every rank "

@@ -20,7 +20,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from gift_compile.config import GiftConfig
+from gift_compile.codec import Nonfinite
+from gift_compile.config import GiftConfig, PlanCheck, ReduceOp
 from gift_compile.exchange.accounting import HEADER_BYTES, bucket_wire_bytes, wire_bytes_per_rank
 from gift_compile.exchange.agreement import check_plan_agreement, raise_on_bad_headers
 from gift_compile.exchange.bucket import (
@@ -72,14 +73,14 @@ def bucket_plan(segments: Sequence[Segment], dtype: torch.dtype, *, world: int, 
 
 def sync_buffer(buffer: torch.Tensor, segments: Sequence[Segment], shared: Shared, *, op: Collective | str,
                 group: dist.ProcessGroup | str | None, average: bool, out: torch.Tensor | None = None,
-                plan_check: str | None = None, nonfinite: str | None = None, compiled: bool = False,
+                plan_check: PlanCheck | None = None, nonfinite: Nonfinite | None = None, compiled: bool = False,
                 timing: contextlib.AbstractContextManager | None = None) -> list[torch.Tensor]:
     """One bucket collective over a flat buffer, the steps every eager caller shares (the
     public one-tensor API, GIFT's own sync in a weight's backward, the DDP and FSDP2 hooks):
     cut `buffer` into `segments`, build the `BucketPlan`, check it across ranks, `run_bucket`,
     copy the results into `out`.
 
-    `plan_check` ("first" or "always", `GiftConfig.plan_check`) runs `check_plan_agreement`
+    `plan_check` (`GiftConfig.plan_check`) runs `check_plan_agreement`
     before data moves (None: the caller checked the plan when it was set up). `nonfinite`
     (`GiftConfig.nonfinite`) raises on every rank for bad headers now (None: left to the
     counters, checked once per optimizer step). `out` receives the results: for an
@@ -105,7 +106,7 @@ def sync_buffer(buffer: torch.Tensor, segments: Sequence[Segment], shared: Share
     plan = bucket_plan(segments, buffer.dtype, world=world, group_name=group_name, average=average, op=op)
     if plan_check is not None:
         pg = process_group(group)
-        check_plan_agreement(plan, pg if group_name else None, always=plan_check == "always")
+        check_plan_agreement(plan, pg if group_name else None, always=plan_check is PlanCheck.ALWAYS)
     with timing if timing is not None else contextlib.nullcontext():
         outs, headers = run_bucket(xs, [s.tensors for s in segments], shared, plan, compiled=compiled)
     if nonfinite is not None:
@@ -156,7 +157,7 @@ def _single(x: torch.Tensor, group: dist.ProcessGroup | str | None, config: Gift
     seg_rows = rows // world if op is Collective.REDUCE_SCATTER else rows
     segment = Segment("x", seg_rows, cols, item, ItemTensors(tensors, res2, None, second_hop_residual=hop2))
     outs = sync_buffer(x.reshape(-1), [segment], Shared(seed, rank, None), op=op, group=group,
-                       average=config.reduce_op == "avg", plan_check=config.plan_check, nonfinite=config.nonfinite,
+                       average=config.reduce_op is ReduceOp.AVG, plan_check=config.plan_check, nonfinite=config.nonfinite,
                        compiled=compiled)
     return outs[0]
 
@@ -175,7 +176,7 @@ def reduce_scatter(
 
     `x.shape[0]` must be divisible by the world size. `residual` (fp32, shape of `x`) is error
     feedback in transformed coordinates, updated in place. A non-finite `x` on any rank raises
-    on every rank under `config.nonfinite == "error"`; ranks calling with different plans raise
+    on every rank under `nonfinite="error"`; ranks calling with different plans raise
     before any data moves. `compiled` runs the core through `torch.compile`.
 
     This is an eager API (its checks talk to the host); inside your own compiled code call

@@ -18,20 +18,29 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from gift_compile.codec import residual as residual_store
+from gift_compile.codec.layout import Choice
+from gift_compile.config import PlanCheck, ReduceOp, Unrewritten
 from gift_compile.exchange import collectives
 from gift_compile.exchange.collectives import ItemTensors, Shared
 from gift_compile.exchange.plan import Collective, ItemPlan
 
-__all__ = ["ACCUMULATE", "SYNC", "SYNC_PENDING", "MarkLayout", "mark", "pack_mark_tensors", "split_mark_tensors",
+__all__ = ["MarkLayout", "SyncMode", "mark", "pack_mark_tensors", "split_mark_tensors",
            "tracing", "unpack_item_tensors", "unpack_mark_tensors", "unpack_replica_shared"]
 
 logger = logging.getLogger("gift_compile")
 _c10d = torch.ops._c10d_functional
 _warned_unrewritten: set[str] = set()
 
-# How a managed weight's backward behaves (a forward argument, so a change is a dynamo guard:
-# at most three graph variants, never a recompile from step to step).
-SYNC, ACCUMULATE, SYNC_PENDING = "sync", "accumulate", "sync_pending"
+
+class SyncMode(Choice):
+    """How a managed weight's backward behaves under GIFT's own sync (`_GiftSync`): a forward
+    argument, so a change is a dynamo guard (at most three graph variants, never a recompile
+    from step to step). `GiftState.sync_mode` holds `SYNC` or `ACCUMULATE` (inside
+    `gift_compile.no_sync`), each `LayerState.mode` one of the three."""
+
+    SYNC = "sync"
+    ACCUMULATE = "accumulate"
+    SYNC_PENDING = "sync_pending"  # the next backward sends gradient + pending once
 
 
 @torch.library.custom_op("gift::mark", mutates_args=())
@@ -46,7 +55,7 @@ def mark(grad: torch.Tensor, state: list[torch.Tensor], plan: str) -> torch.Tens
     message = (f"GIFT: the gradient of {item.name} reached gift::mark without the GIFT pass rewriting its "
                "collective (compiled without Inductor's post-grad passes, or run eagerly on a framework whose "
                "collective GIFT only rewrites in graphs); it would travel at full precision")
-    if item.unrewritten == "error":
+    if item.unrewritten is Unrewritten.ERROR:
         raise RuntimeError(message + ". Set GiftConfig(unrewritten='warn') to allow that.")
     if item.name not in _warned_unrewritten:
         _warned_unrewritten.add(item.name)
@@ -88,10 +97,11 @@ class _GiftSync(torch.autograd.Function):
     `mode` SYNC communicates this backward's gradient; ACCUMULATE adds it to `pending` and
     returns no gradient (gradient accumulation without communication); SYNC_PENDING
     communicates gradient + `pending` and clears it, so an accumulated step is sent once.
+    `op` (`GiftConfig.reduce_op`) averages or sums over the group.
     """
 
     @staticmethod
-    def forward(ctx: Any, weight: torch.Tensor, plan: str, group_name: str, op: str, mode: str,
+    def forward(ctx: Any, weight: torch.Tensor, plan: str, group_name: str, op: ReduceOp, mode: SyncMode,
                 pending: torch.Tensor | None, *state: torch.Tensor) -> torch.Tensor:
         ctx.plan, ctx.group_name, ctx.op, ctx.mode = plan, group_name, op, mode
         ctx.pending, ctx.state = pending, state  # attributes, not saved tensors: see _GiftTag
@@ -101,20 +111,20 @@ class _GiftSync(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         saved, pending = list(ctx.state), ctx.pending
         nones = [None] * (5 + len(saved))
-        if ctx.mode == ACCUMULATE:
+        if ctx.mode is SyncMode.ACCUMULATE:
             pending.add_(grad)
             return (None, *nones)
-        if ctx.mode == SYNC_PENDING:
+        if ctx.mode is SyncMode.SYNC_PENDING:
             grad = grad + pending
             pending.zero_()
         if tracing(grad):
             marked = torch.ops.gift.mark(grad, saved, ctx.plan)
-            return (_c10d.wait_tensor(_c10d.all_reduce(marked, ctx.op, ctx.group_name)), *nones)
+            return (_c10d.wait_tensor(_c10d.all_reduce(marked, ctx.op.value, ctx.group_name)), *nones)
         item = ItemPlan.from_str(ctx.plan)
         tensors, shared = unpack_mark_tensors(item, saved)
         segment = collectives.Segment(item.name, item.rows, item.cols, item, tensors)
         outs = collectives.sync_buffer(grad.reshape(-1), [segment], shared, op=Collective.ALL_REDUCE,
-                                       group=ctx.group_name, average=ctx.op == "avg", plan_check="first")
+                                       group=ctx.group_name, average=ctx.op is ReduceOp.AVG, plan_check=PlanCheck.FIRST)
         return (outs[0].to(grad.dtype).reshape(grad.shape), *nones)
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from gift_compile.codec import FormatSpec
-from gift_compile.config import GiftConfig
+from gift_compile.config import Unrewritten
 from gift_compile.geometry.table import IDENTITY_KIND
 
 __all__ = ["BucketPlan", "ItemPlan", "dtype_name", "replica_hop_plan"]
@@ -65,7 +65,7 @@ class ItemPlan:
     stochastic_rounding: bool = False
     # `gift_compile.codec.rotation`: codes are chosen on each scale block rotated after the map
     block_rotation: bool = False
-    unrewritten: str = "error"
+    unrewritten: Unrewritten = Unrewritten.ERROR
     residual_format: str = "fp32"
     # HSDP in a traced graph: the wire format of the replica hop (the all-reduce of the reduced
     # shard over the replica group), "" without one. When set, the `gift::mark` carries the
@@ -82,20 +82,8 @@ class ItemPlan:
     def __post_init__(self) -> None:
         # Derived values are computed once here (not fields: they stay out of eq/hash/to_str),
         # so traced code only reads constants.
+        object.__setattr__(self, "unrewritten", Unrewritten.parse(self.unrewritten, "ItemPlan.unrewritten"))
         object.__setattr__(self, "_seed_offset", (zlib.crc32(self.name.encode()) % 1_000_003) * 7919)
-
-    @classmethod
-    def managed_layer(cls, name: str, shape: tuple[int, int], config: GiftConfig, kind: str,
-                      n_tensors: int) -> "ItemPlan":
-        """The plan of a managed weight `[out, in]` under `config`, whose map is `kind` (the
-        layer's geometry's, resolved once by its `GiftState`)."""
-        return cls(name=name, rows=int(shape[0]), cols=int(shape[1]), dtype="float32", managed=True,
-                   format=config.format_for(name), scaling=config.scaling, block_size=config.block_size,
-                   kind=kind, n_tensors=n_tensors,
-                   error_feedback=config.error_feedback, stochastic_rounding=config.stochastic_rounding,
-                   block_rotation=config.block_rotation, unrewritten=config.unrewritten, residual_format=config.residual_format,
-                   second_hop_error_feedback=config.second_hop_error_feedback,
-                   error_feedback_decay=config.error_feedback_decay)
 
     @classmethod
     def passthrough(cls, name: str, numel: int, dtype: torch.dtype) -> "ItemPlan":

@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from gift_compile.config import GiftConfig
+from gift_compile.config import GiftConfig, ReduceOp
 from gift_compile.exchange.collectives import Segment, group_info, sync_buffer
 from gift_compile.exchange.plan import Collective
 from gift_compile.frameworks.adapter import attach
-from gift_compile.frameworks.routing import manage
+from gift_compile.frameworks.routing import ManageMode, manage
 from gift_compile.runtime.health import queue_backward_check
 from gift_compile.runtime.state import GiftState
 
@@ -60,7 +60,7 @@ def _gift_hook(hs: "_HookState", bucket: dist.GradBucket) -> torch.futures.Futur
             segments.append(Segment(layer.fqn, *layer.shape, layer.plan, layer.tensors()))
     config = hs.state.config
     sync_buffer(buf, segments, hs.state.shared, op=Collective.ALL_REDUCE, group=hs.group,
-                average=config.reduce_op == "avg", out=buf, plan_check=config.plan_check, compiled=hs.fuse)
+                average=config.reduce_op is ReduceOp.AVG, out=buf, plan_check=config.plan_check, compiled=hs.fuse)
     queue_backward_check(hs.state)
     fut.set_result(buf)
     return fut
@@ -72,7 +72,7 @@ def install(model: nn.parallel.DistributedDataParallel, config: GiftConfig, grou
     pg = model.process_group if group is None or group is dist.group.WORLD else group
     if pg is not model.process_group and dist.get_world_size(pg) != dist.get_world_size(model.process_group):
         raise ValueError("gift_compile.apply: group= differs from the DistributedDataParallel process group")
-    state = manage(model.module, config, model.process_group, mode="stats", collective=Collective.ALL_REDUCE)
+    state = manage(model.module, config, model.process_group, mode=ManageMode.STATS, collective=Collective.ALL_REDUCE)
     model.register_comm_hook(_HookState(state, model.module, model.process_group, fuse), _gift_hook)
     model._gift_state = state
     attach(state, DDP.name, None)

@@ -41,7 +41,7 @@ from gift_compile.frameworks.fsdp_internals import (
 from gift_compile.config import GiftConfig
 from gift_compile.frameworks.adapter import attach, attached
 from gift_compile.frameworks.parts import Parts
-from gift_compile.frameworks.routing import manage
+from gift_compile.frameworks.routing import ManageMode, manage
 from gift_compile.runtime.health import queue_backward_check
 from gift_compile.runtime.state import GiftState
 from gift_compile.runtime.telemetry import CommTimer
@@ -205,7 +205,7 @@ class _FSDP2Adapter:
                 "gradient without calling the custom reduce-scatter, so GIFT would quantize and send nothing (with "
                 "replicas, install gift_compile.frameworks.fsdp2 and gift_compile.frameworks.hsdp: the replica hop "
                 "then carries every gradient)")
-        state = manage(model, config, shards, mode="stats", split_rows=True)
+        state = manage(model, config, shards, mode=ManageMode.STATS, split_rows=True)
         install(model, state, compiled=fuse)
         return state
 

@@ -52,6 +52,7 @@ import hashlib
 import torch
 import torch.distributed as dist
 
+from gift_compile.config import PlanCheck
 from gift_compile.exchange.collectives import (C_WIRE, C_BASELINE, C_CALLS, N_COUNTERS, ItemTensors, Shared,
                                       bucket_plan, bucket_wire_bytes, check_plan_agreement, run_bucket)
 from gift_compile.exchange.plan import BucketPlan, Collective, ItemPlan, replica_hop_plan
@@ -162,7 +163,7 @@ class ReplicaAllReduce:
             # hop), unless this hop is the only one
             tensors.append(None if not item.managed else seg.tensors if self.sole
                            else ItemTensors(seg.tensors.transform, None, None, seg.tensors.seed_offset))
-        check_plan_agreement(plan, self.hop.group, always=self.state.config.plan_check == "always")
+        check_plan_agreement(plan, self.hop.group, always=self.state.config.plan_check is PlanCheck.ALWAYS)
         managed = [i for i, seg in enumerate(segments) if seg.plan is not None]
         exact = None
         if managed and self.hop.measuring(self.state.steps):

@@ -38,14 +38,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from gift_compile.config import GiftConfig
+from gift_compile.config import GiftConfig, ReduceOp
 from gift_compile.exchange import collectives
 from gift_compile.exchange.collectives import (C_BASELINE, C_NONFINITE, C_NONFINITE_RANKS, C_PLAIN_CALLS, C_WIRE,
                                                RANK_BITS)
-from gift_compile.exchange.mark import SYNC
+from gift_compile.exchange.mark import SyncMode
 from gift_compile.exchange.plan import BucketPlan, Collective, ItemPlan
 from gift_compile.frameworks.adapter import attach
-from gift_compile.frameworks.routing import manage
+from gift_compile.frameworks.routing import ManageMode, manage
 from gift_compile.runtime.health import queue_backward_check
 from gift_compile.runtime.state import GiftState
 
@@ -67,8 +67,8 @@ class PlainSync:
         name, world, self.me = collectives.group_info(group)
         items = [ItemPlan.passthrough(n, p.numel(), p.dtype) for n, p in self.params]
         items.append(ItemPlan.passthrough(ARRIVED_ITEM, len(self.params), torch.float32))
-        self.plan = BucketPlan(tuple(items), world, name, state.config.reduce_op == "avg", Collective.ALL_REDUCE)
-        self.average = state.config.reduce_op == "avg"
+        self.average = state.config.reduce_op is ReduceOp.AVG
+        self.plan = BucketPlan(tuple(items), world, name, self.average, Collective.ALL_REDUCE)
         # One fp32 buffer: every parameter's slot in parameter order, one arrival flag per
         # parameter, one non-finite flag per rank (each rank sets its own; the sum names them).
         self.n_values = sum(p.numel() for _, p in self.params)
@@ -95,7 +95,7 @@ class PlainSync:
         st = self.state
 
         def hook(g: torch.Tensor) -> torch.Tensor | None:
-            if st.sync_mode != SYNC:
+            if st.sync_mode is not SyncMode.SYNC:
                 st.dirty_params.add(key)
                 return None
             self._queue_flush()
@@ -181,7 +181,7 @@ class _PlainAdapter:
             state = GiftState(config, None)
             model._gift_state = state
         else:
-            state = manage(model, config, group, mode="sync")
+            state = manage(model, config, group, mode=ManageMode.SYNC)
             state.handles.extend(PlainSync(model, state, group).install())
             state.handles.extend(state.weight(n).register_post_accumulate_grad_hook(lambda _: queue_backward_check(state))
                                  for n in state.layers)

@@ -14,7 +14,7 @@ state then manages the linears of all of them.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -23,17 +23,30 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from gift_compile.codec.layout import Choice
 from gift_compile.config import AUTO_GEOMETRY, GiftConfig
-from gift_compile.exchange.mark import SYNC, _GiftSync, _GiftTag, tracing
+from gift_compile.exchange.mark import SyncMode, _GiftSync, _GiftTag, tracing
 from gift_compile.exchange.plan import Collective
 from gift_compile.frameworks.parts import Parts, model_parts
 from gift_compile.frameworks.tensor_parallel import local_input, local_matrix_shape, on_local_block
 from gift_compile.runtime.layer import LayerState
 from gift_compile.runtime.state import GiftState
 
-__all__ = ["eligible_linears", "manage", "observe_inputs", "statistics_paused"]
+__all__ = ["ManageMode", "eligible_linears", "manage", "observe_inputs", "statistics_paused"]
 
 logger = logging.getLogger("gift_compile")
+
+
+class ManageMode(Choice):
+    """How `manage` hooks a managed linear: `SYNC` (GIFT all-reduces the gradient itself, in the
+    weight's backward), `TAG` (only the `gift::mark`: a traced framework collective is rewritten
+    by the pass) or `STATS` (only the K-FAC statistics hook: a framework hook calls GIFT's
+    collective)."""
+
+    SYNC = "sync"
+    TAG = "tag"
+    STATS = "stats"
+
 
 # How many `statistics_paused` contexts are open (a Python global: a compiled forward guards on it).
 _paused = 0
@@ -88,7 +101,7 @@ def _routed_weight(module: nn.Module, w: torch.Tensor) -> torch.Tensor:
     tensors = layer.mark_tensors(gstate.shared, traced=traced)
     if module._gift_group_name is None:
         return on_local_block(w, lambda block: _GiftTag.apply(block, plan, *tensors))
-    pending = layer.pending if layer.mode != SYNC else None
+    pending = layer.pending if layer.mode is not SyncMode.SYNC else None
     return _GiftSync.apply(w, plan, module._gift_group_name, gstate.config.reduce_op, layer.mode, pending, *tensors)
 
 
@@ -132,12 +145,13 @@ def _unmanage_module(module: nn.Module) -> None:
         module.__dict__.pop(attr, None)
 
 
-def eligible_linears(model: Parts, config: GiftConfig, world: int, *, split_rows: bool,
+def eligible_linears(model: Parts, world: int, *, min_numel: int, excluded: Callable[[str], bool], split_rows: bool,
                      group: dist.ProcessGroup | None = None) -> Iterator[tuple[str, nn.Module]]:
     """`(fqn of the weight, module)` of every linear GIFT manages in `model` (each of its parts).
 
     Eligible: weights of `nn.Linear` (sub)class modules, 2-D, floating point, at least
-    `config.min_numel` elements, FQN not matched by `config.exclude`, and (`split_rows`, for
+    `min_numel` elements, FQN not `excluded` (`GiftConfig.min_numel`, `GiftConfig.is_excluded`:
+    the rule's two settings, so callers that resolve "auto" read the config once), and (`split_rows`, for
     reduce-scatter paths) a row count divisible by the world size. Sizes are those of the
     matrix one rank of the data-parallel `group` holds (`local_matrix_shape`: a tensor-parallel
     rank's block). Ineligible weights that are big enough are logged with the reason: they
@@ -148,10 +162,10 @@ def eligible_linears(model: Parts, config: GiftConfig, world: int, *, split_rows
             continue
         w = module._parameters.get("weight")
         name = f"{fqn}.weight" if fqn else "weight"
-        if w is None or w.dim() != 2 or config.is_excluded(name):
+        if w is None or w.dim() != 2 or excluded(name):
             continue
         rows, cols = local_matrix_shape(w, group)
-        if rows * cols < config.min_numel:
+        if rows * cols < min_numel:
             continue
         if not w.is_floating_point():
             logger.warning("GIFT: %s stays at full precision: dtype %s is not floating point", name, w.dtype)
@@ -162,17 +176,15 @@ def eligible_linears(model: Parts, config: GiftConfig, world: int, *, split_rows
         yield name, module
 
 
-def manage(model: Parts, config: GiftConfig, group: dist.ProcessGroup | None, *, mode: str,
+def manage(model: Parts, config: GiftConfig, group: dist.ProcessGroup | None, *, mode: ManageMode | str,
            device: torch.device | str | None = None, split_rows: bool = False,
            collective: str | None = None) -> GiftState:
     """Register `model`'s eligible linear weights with a new `GiftState`; the one function
     behind `apply` and the torchtitan adapter.
 
-    `mode`: "sync" (GIFT all-reduces the gradient itself, in the weight's backward), "tag"
-    (only the `gift::mark`: a traced framework collective is rewritten by the pass), or
-    "stats" (only the K-FAC statistics hook: a framework hook calls GIFT's collective).
-    `collective` ("all_reduce" / "reduce_scatter") is what the gradients go through; by
-    default "sync" all-reduces and the others reduce-scatter (DDP's hook all-reduces).
+    `mode` (`ManageMode`, or its spelling): how the weights are hooked. `collective`
+    ("all_reduce" / "reduce_scatter") is what the gradients go through; by default `SYNC`
+    all-reduces and the others reduce-scatter (DDP's hook all-reduces).
     The state's tensors live on `device` (default: each weight's), which matters for
     frameworks that parallelize on the meta device and materialize afterwards. With several
     parts (the pipeline stages a rank holds) the one state spans all of them; `group` is then
@@ -180,20 +192,20 @@ def manage(model: Parts, config: GiftConfig, group: dist.ProcessGroup | None, *,
     statistics and selection run among the ranks that hold the same layers.
     """
     parts = model_parts(model)
-    if mode not in ("sync", "tag", "stats"):
-        raise ValueError(f"gift_compile.manage: mode={mode!r}; allowed: sync, tag, stats")
+    mode = ManageMode.parse(mode, "gift_compile.manage: mode")
     if any(getattr(part, "_gift_state", None) is not None for part in parts):
         raise ValueError("gift_compile: GIFT is already applied to this model; call gift_compile.remove first")
     if config.geometry == AUTO_GEOMETRY:
         raise ValueError("gift_compile.manage: geometry='auto' is resolved from the optimizer before managing "
                          "(gift_compile.apply(..., optimizer=) does it, or pass geometry_for(optimizer, weights))")
     if collective is None:  # a framework hook that all-reduces (DDP) says so
-        collective = Collective.ALL_REDUCE if mode == "sync" else Collective.REDUCE_SCATTER
+        collective = Collective.ALL_REDUCE if mode is ManageMode.SYNC else Collective.REDUCE_SCATTER
     state = GiftState(config, group, collective=collective)
     world = state.world()
-    group_name = group.group_name if mode == "sync" and world > 1 else None
+    group_name = group.group_name if mode is ManageMode.SYNC and world > 1 else None
     handles: list[Any] = []
-    for name, module in eligible_linears(parts, config, world, split_rows=split_rows, group=group):
+    for name, module in eligible_linears(parts, world, min_numel=config.min_numel, excluded=config.is_excluded,
+                                         split_rows=split_rows, group=group):
         if name in state.layers:
             raise ValueError(f"gift_compile.manage: {name} is in two model parts; the parts (pipeline stages) of "
                              "one rank must hold disjoint layers under the whole model's names")
@@ -201,7 +213,7 @@ def manage(model: Parts, config: GiftConfig, group: dist.ProcessGroup | None, *,
         layer = state.add_layer(name, local_matrix_shape(w, group), device if device is not None else w.device)
         module._gift_layer = layer
         state.modules[name] = module
-        if mode in ("sync", "tag"):
+        if mode is not ManageMode.STATS:
             module._gift_state = state
             module._gift_group_name = group_name
             module.__class__ = _managed_class(type(module))

@@ -17,7 +17,7 @@ import torch.nn as nn
 from gift_compile.config import GiftConfig
 from gift_compile.frameworks.adapter import attach
 from gift_compile.frameworks.parts import Parts
-from gift_compile.frameworks.routing import manage
+from gift_compile.frameworks.routing import ManageMode, manage
 from gift_compile.runtime.state import GiftState
 
 __all__ = ["SIMPLE_FSDP"]
@@ -40,7 +40,7 @@ class _SimpleFSDPAdapter:
         """Manage the linears in "tag" mode (the marks the pass rewrites); `fuse` concerns eager
         collectives, and these run in the compiled graph. `model` may be the parts one rank
         holds (torchtitan hands its model parts)."""
-        state = manage(model, config, group, mode="tag", split_rows=True)
+        state = manage(model, config, group, mode=ManageMode.TAG, split_rows=True)
         attach(state, self.name, None)
         return state
 

@@ -17,13 +17,12 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from gift_compile.codec.rotation import fwht
-from gift_compile.geometry.statistics import KFACStatistics, SketchStatistics
+from gift_compile.config import StatisticsKind
+from gift_compile.geometry.statistics import KFACStatistics, SketchStatistics, StatisticsSettings
 from gift_compile.geometry.whitening import dense_whitening, gradient_factor, lowrank_refresh_flops, lowrank_whitening
 
 if TYPE_CHECKING:
     import torch.distributed as dist
-
-    from gift_compile.config import GiftConfig
 
 __all__ = ["Dense", "FactorSource", "Geometry", "Gradient", "Hadamard", "LowRank", "Statistics"]
 
@@ -142,7 +141,7 @@ class Geometry:
 
     # ---- statistics and refresh ----------------------------------------------------------
     @classmethod
-    def make_statistics(cls, config: GiftConfig, d_in: int, device: torch.device | str) -> Statistics | None:
+    def make_statistics(cls, settings: StatisticsSettings, d_in: int, device: torch.device | str) -> Statistics | None:
         """The input-statistics object the layer's forward hook feeds (None: no hook)."""
         return None
 
@@ -296,8 +295,8 @@ class Dense(Geometry):
             t.copy_(torch.eye(self.d_in))
 
     @classmethod
-    def make_statistics(cls, config: GiftConfig, d_in: int, device: torch.device | str) -> Statistics | None:
-        return KFACStatistics(d_in, ema=config.ema, max_tokens=config.stats_tokens, device=device)
+    def make_statistics(cls, settings: StatisticsSettings, d_in: int, device: torch.device | str) -> Statistics | None:
+        return KFACStatistics(d_in, ema=settings.ema, max_tokens=settings.max_tokens, device=device)
 
     @torch.no_grad()
     def refresh_from(self, a: torch.Tensor, damping: float) -> None:
@@ -366,14 +365,14 @@ class LowRank(Geometry):
         dinv.fill_(1.0), v.zero_(), cf.zero_(), ci.zero_(), dsq.fill_(1.0)
 
     @classmethod
-    def make_statistics(cls, config: GiftConfig, d_in: int, device: torch.device | str) -> Statistics | None:
+    def make_statistics(cls, settings: StatisticsSettings, d_in: int, device: torch.device | str) -> Statistics | None:
         """A sketch (unless configured dense, or the layer is too narrow for the sketch to be
         smaller), else the exact factor."""
-        cols = config.sketch_cols or 2 * config.rank
-        if config.statistics == "sketch" and 2 * d_in > 3 * cols:
-            return SketchStatistics(d_in, rank=config.rank, sketch_cols=cols, ema=config.ema,
-                                    max_tokens=config.stats_tokens, seed=config.seed, device=device)
-        return KFACStatistics(d_in, ema=config.ema, max_tokens=config.stats_tokens, device=device)
+        cols = settings.sketch_cols
+        if settings.kind is StatisticsKind.SKETCH and 2 * d_in > 3 * cols:
+            return SketchStatistics(d_in, rank=settings.rank, sketch_cols=cols, ema=settings.ema,
+                                    max_tokens=settings.max_tokens, seed=settings.seed, device=device)
+        return KFACStatistics(d_in, ema=settings.ema, max_tokens=settings.max_tokens, device=device)
 
     @torch.no_grad()
     def refresh_from(self, a: torch.Tensor, damping: float) -> None:
@@ -414,5 +413,5 @@ class Gradient(LowRank):
         return 2.0 * rows * d_in ** 2 + lowrank_refresh_flops(d_in, rank)
 
     @classmethod
-    def make_statistics(cls, config: GiftConfig, d_in: int, device: torch.device | str) -> Statistics | None:
+    def make_statistics(cls, settings: StatisticsSettings, d_in: int, device: torch.device | str) -> Statistics | None:
         return None

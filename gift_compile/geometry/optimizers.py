@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from gift_compile.config import SelectMetric
 from gift_compile.geometry.optimizer_maps import leaf_optimizers
 from gift_compile.geometry.table import geometry_class
 
@@ -64,7 +65,7 @@ def _mostly(stepped: list[tuple[int, torch.optim.Optimizer]], test: Callable[[to
     return 2 * sum(n for n, opt in stepped if test(opt)) > sum(n for n, _ in stepped)
 
 
-def select_metric_for(optimizer: object, weights: list[torch.Tensor], geometry: str | None = None) -> str:
+def select_metric_for(optimizer: object, weights: list[torch.Tensor], geometry: str | None = None) -> SelectMetric:
     """`GiftConfig.select_metric` for the optimizer(s) that step the managed `weights`.
 
     "whitened" when most of the managed elements (by count) are stepped by a matrix
@@ -79,10 +80,10 @@ def select_metric_for(optimizer: object, weights: list[torch.Tensor], geometry: 
     """
     stepped = _stepped(optimizer, weights, "select_metric")
     if _mostly(stepped, preconditions_matrices):
-        return "whitened"
+        return SelectMetric.WHITENED
     if geometry is not None and geometry_class(geometry).optimizer_coordinates and _mostly(stepped, _second_moment):
-        return "whitened"
-    return "euclidean"
+        return SelectMetric.WHITENED
+    return SelectMetric.EUCLIDEAN
 
 
 def _second_moment(opt: torch.optim.Optimizer) -> bool:

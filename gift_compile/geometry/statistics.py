@@ -18,17 +18,18 @@ data-parallel group eagerly at a refresh (`consolidate`).
 from __future__ import annotations
 
 import functools
-
 import logging
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from gift_compile.config import StatisticsKind
 from gift_compile.geometry.whitening import lowrank_tensors
 from gift_compile.sync import all_reduce_, group_rank, reduce_, world_size
 
-__all__ = ["KFACStatistics", "SketchStatistics", "sketch_matrix"]
+__all__ = ["KFACStatistics", "SketchStatistics", "StatisticsSettings", "sketch_matrix"]
 
 logger = logging.getLogger("gift_compile")
 
@@ -36,6 +37,22 @@ _EPS32 = torch.finfo(torch.float32).eps
 _TINY32 = torch.finfo(torch.float32).tiny
 # `SketchStatistics.holder` when every rank holds the consolidated sketch (all-reduce mode).
 _EVERY_RANK = -1
+
+
+@dataclass(frozen=True)
+class StatisticsSettings:
+    """What a geometry builds a layer's statistics from (`Geometry.make_statistics`): resolved
+    once per state from its `GiftConfig` (`gift_compile.runtime.state.layer_spec`), so the
+    geometry layer never reads the config. `kind` chooses the sketch where it is smaller than
+    the exact factor; `sketch_cols` is the sketch's k (the config's 0 already resolved to
+    2 x `rank`)."""
+
+    kind: StatisticsKind
+    rank: int
+    sketch_cols: int
+    ema: float
+    max_tokens: int
+    seed: int
 
 
 def _gated(finite: torch.Tensor, gate: torch.Tensor | None,

@@ -29,6 +29,7 @@ Maps:
 
 from __future__ import annotations
 
+from gift_compile.config import AUTO_GEOMETRY
 from gift_compile.config import GEOMETRIES as CONFIG_NAMES
 from gift_compile.geometry.maps import Dense, FactorSource, Geometry, Gradient, Hadamard, LowRank, Statistics
 from gift_compile.geometry.optimizer_maps import Momentum, SecondMoment
@@ -56,7 +57,7 @@ def geometry_class(name: str) -> type[Geometry]:
     try:
         return GEOMETRIES[name]
     except KeyError:
-        if name == "auto":  # GiftConfig's default: a choice `apply` makes, not a map
+        if name == AUTO_GEOMETRY:  # GiftConfig's default: a choice `apply` makes, not a map
             raise ValueError("geometry 'auto' is chosen from the optimizer by gift_compile.apply(..., optimizer=) "
                              "(gift_compile.api.resolve_auto); name a geometry to build GIFT's state without it") \
                 from None

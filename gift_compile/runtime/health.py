@@ -47,7 +47,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from gift_compile.exchange.mark import SYNC
+from gift_compile.exchange.mark import SyncMode
 from gift_compile.runtime.state import Faults, GiftHealthError, GiftState
 from gift_compile.sync import all_reduce_, group_rank, world_size
 
@@ -126,7 +126,7 @@ def end_of_backward(state: GiftState) -> None:
     flushes, watch.flushes = watch.flushes, []
     for flush in flushes:
         flush()
-    syncing = state.sync_mode == SYNC
+    syncing = state.sync_mode is SyncMode.SYNC
     # an optimizer step changes the managed weights in place (their version counters): one
     # between two backward passes that `GiftState.step` did not follow is a step the state
     # missed (micro-batches and pipeline stages of one step change no weight)

@@ -1,4 +1,4 @@
-"""`LayerState`: what GIFT keeps for one managed weight.
+"""`LayerState`: what GIFT keeps for one managed weight, built from its state's `LayerSpec`.
 
 Its own module, below `GiftState`'s (`gift_compile.runtime.state`), because the refresh engine,
 checkpointing and telemetry that `GiftState` inherits read layers too: importing the layer from
@@ -8,21 +8,43 @@ here keeps every one of them below `state` (no import cycle, TYPE_CHECKING inclu
 from __future__ import annotations
 
 import zlib
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from gift_compile.codec import residual as residual_store
-from gift_compile.config import GiftConfig
+from gift_compile.config import layer_format
 from gift_compile.exchange.collectives import ItemTensors, Shared
-from gift_compile.exchange.mark import pack_mark_tensors
+from gift_compile.exchange.mark import SyncMode, pack_mark_tensors
 from gift_compile.exchange.plan import ItemPlan
+from gift_compile.geometry.statistics import StatisticsSettings
 from gift_compile.geometry.table import IDENTITY_KIND, Geometry
 from gift_compile.runtime.selection import LayerMeasurement
 
-__all__ = ["PROBE_ROWS", "LayerState"]
+__all__ = ["PROBE_ROWS", "LayerSpec", "LayerState"]
 
 PROBE_ROWS = 128
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What every layer of one `GiftState` is built from, resolved once from the state's
+    `GiftConfig` (`gift_compile.runtime.state.layer_spec`): the layers, their maps, statistics
+    and plans read these values, never the config, so the config is read in one place.
+
+    `plan` is every layer's plan but for what is the layer's own (its name, shape, map kind
+    and tensor count, filled in by `LayerState`); its error-feedback flags and residual format
+    say which residuals a layer keeps. `reselect` keeps the statistics of a decided layer
+    running (`GiftConfig.reselect_every` > 0)."""
+
+    geometry: type[Geometry]
+    rank: int
+    seed: int
+    statistics: StatisticsSettings
+    plan: ItemPlan
+    reselect: bool
+    # `GiftConfig.layer_formats`: a layer whose FQN an entry matches is planned at that format
+    layer_formats: tuple[str, ...] = ()
 
 
 class LayerState:
@@ -34,30 +56,33 @@ class LayerState:
     this rank's shard of the all-reduce, `ceil(out / world)` rows.
     """
 
-    def __init__(self, fqn: str, shape: tuple[int, int], config: GiftConfig, geometry: type[Geometry],
-                 device: torch.device | str, world: int = 1):
+    def __init__(self, fqn: str, shape: tuple[int, int], spec: LayerSpec, device: torch.device | str,
+                 world: int = 1):
         self.fqn = fqn
         self.shape = (int(shape[0]), int(shape[1]))
-        self.config = config
+        self.reselect = spec.reselect
         out, d_in = self.shape
         stable = zlib.crc32(fqn.encode()) & 0x7FFFFFFF
-        self.transform = geometry(d_in, config.rank, seed=config.seed + stable, device=device)
-        self.stats = geometry.make_statistics(config, d_in, device)
+        geometry = spec.geometry
+        self.transform = geometry(d_in, spec.rank, seed=spec.seed + stable, device=device)
+        self.stats = geometry.make_statistics(spec.statistics, d_in, device)
         # Statistics shared with other layers that read the same input (q/k/v, gate/up):
         # a follower reads its leader's statistics and feeds none itself.
         self.leader: LayerState | None = None
         self.followers: list[LayerState] = []
         self.grad_factor: torch.Tensor | None = geometry.allocate_factor(d_in, device)
-        self.residual = (residual_store.allocate(config.residual_format, out, d_in, device)
-                         if config.error_feedback else None)
-        self.second_hop_residual = (residual_store.allocate(config.residual_format, -(-out // world), d_in, device)
-                                    if config.second_hop_error_feedback else None)
+        plan = spec.plan
+        self.residual = (residual_store.allocate(plan.residual_format, out, d_in, device)
+                         if plan.error_feedback else None)
+        self.second_hop_residual = (residual_store.allocate(plan.residual_format, -(-out // world), d_in, device)
+                                    if plan.second_hop_error_feedback else None)
         self.probe = torch.zeros(min(out, PROBE_ROWS), d_in, device=device)
-        self._full_plan = ItemPlan.managed_layer(fqn, self.shape, config, geometry.kind, len(self.transform.tensors))
+        self._full_plan = replace(plan, name=fqn, rows=out, cols=d_in, kind=geometry.kind,
+                                  n_tensors=len(self.transform.tensors),
+                                  format=layer_format(spec.layer_formats, fqn, plan.format))
         self.seed_offset = torch.tensor(self._full_plan.seed_offset, dtype=torch.int64, device=device)
-        # GIFT's own sync: "sync", "accumulate" (inside `gift_compile.no_sync`) or
-        # "sync_pending" (the next backward sends gradient + `pending`, allocated on first use).
-        self.mode = "sync"
+        # GIFT's own sync (`SyncMode`); `pending` is allocated when `gift_compile.no_sync` is first entered.
+        self.mode = SyncMode.SYNC
         self.pending: torch.Tensor | None = None
         # Selection is structure: a layer takes the transformed path (`selected`) or runs the
         # Euclidean codec with no transform at all; `decided` ends the statistics of a
@@ -91,7 +116,7 @@ class LayerState:
     @property
     def needs_stats(self) -> bool:
         """Whether this layer's geometry must stay current: selected, or selection still open."""
-        return self.stats is not None and (self.selected or not self.decided or self.config.reselect_every > 0)
+        return self.stats is not None and (self.selected or not self.decided or self.reselect)
 
     @property
     def collect_stats(self) -> bool:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from gift_compile.codec import FormatSpec, as_rows, choose_scales, encode
-from gift_compile.config import GiftConfig
+from gift_compile.config import GiftConfig, SelectMetric, SelectRule
 from gift_compile.exchange.collectives import ItemTensors, Shared, bucket_core
 from gift_compile.exchange.plan import BucketPlan, Collective, ItemPlan
 from gift_compile.geometry.table import IDENTITY_KIND, Geometry, map_class
@@ -104,7 +104,7 @@ def measure(
     geometry = map_class(kind)
     rot = config.block_rotation
     euclidean, transformed = round_trip(g, spec, IDENTITY_KIND, (), rot), round_trip(g, spec, kind, tensors, rot)
-    if config.select_metric == "whitened":  # both errors seen in the candidate's geometry
+    if config.select_metric is SelectMetric.WHITENED:  # both errors seen in the candidate's geometry
         g, euclidean, transformed = (geometry.apply_forward(t, tensors) for t in (g, euclidean, transformed))
     e_euc, e_t = relative_error(euclidean, g), relative_error(transformed, g)
     over = geometry.transform_flops(shape[0], shape[1], geometry.rank_of(tensors)) / backward_flops(
@@ -116,7 +116,7 @@ def measure(
 def rests_on_gain(config: GiftConfig) -> bool:
     """Whether `config.select` decides by the measured gain (`"auto"`); the static rules and
     the boundary-hits rank do not read it."""
-    return config.select == "auto" and config.boundary_hits_k is None
+    return config.select is SelectRule.AUTO
 
 
 def _require_finite(config: GiftConfig, measurements: dict[str, LayerMeasurement], caller: str) -> None:
@@ -136,9 +136,9 @@ def decide(config: GiftConfig, geometry: type[Geometry], measurements: dict[str,
     _require_finite(config, measurements, "decide")
     select = config.select
     names = list(measurements)
-    if geometry.is_identity or select == "none":
+    if geometry.is_identity or select is SelectRule.NONE:
         return set()
-    if select == "all":
+    if select is SelectRule.ALL:
         return set(names)
     if isinstance(select, tuple):
         return {n for n in names if any(fnmatch.fnmatch(n, pat) for pat in select)}

@@ -25,14 +25,17 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from gift_compile.config import GiftConfig
+from gift_compile.codec import Nonfinite
+from gift_compile.config import GiftConfig, ReduceOp, SelectRule
 from gift_compile.exchange.agreement import first_difference
 from gift_compile.exchange.collectives import (C_MISMATCH, C_MISMATCH_RANKS, C_NONFINITE, C_NONFINITE_RANKS, N_COUNTERS,
                                                Shared, flagged_ranks)
-from gift_compile.exchange.plan import BucketPlan, Collective
-from gift_compile.geometry.table import geometry_class
+from gift_compile.exchange.mark import SyncMode
+from gift_compile.exchange.plan import BucketPlan, Collective, ItemPlan
+from gift_compile.geometry.statistics import StatisticsSettings
+from gift_compile.geometry.table import Geometry, geometry_class
 from gift_compile.runtime.checkpoint import Checkpointing
-from gift_compile.runtime.layer import LayerState
+from gift_compile.runtime.layer import LayerSpec, LayerState
 from gift_compile.runtime.refresh import RefreshEngine, RefreshRecord
 from gift_compile.runtime.selection import LayerMeasurement, decide
 from gift_compile.runtime.telemetry import Telemetry
@@ -55,6 +58,25 @@ class BackwardWatch:
     # collectives that run at the end of the backward themselves (`gift_compile.frameworks.plain_sync`'s
     # flush), run by the same callback before the checks read the counters they fill
     flushes: list[Callable[[], None]] = field(default_factory=list)
+
+
+def layer_spec(config: GiftConfig, geometry: type[Geometry]) -> LayerSpec:
+    """What the layers of a state under `config` are built from, their geometry's class
+    `geometry` included: the one place that reads the config for them, so a layer, its map,
+    statistics and plan get plain values (`LayerSpec`)."""
+    statistics = StatisticsSettings(kind=config.statistics, rank=config.rank,
+                                    sketch_cols=config.sketch_cols or 2 * config.rank, ema=config.ema,
+                                    max_tokens=config.stats_tokens, seed=config.seed)
+    # name, shape, kind and tensor count are each layer's (`LayerState`)
+    plan = ItemPlan(name="", rows=0, cols=0, dtype="float32", managed=True, format=config.format,
+                    scaling=config.scaling, block_size=config.block_size, error_feedback=config.error_feedback,
+                    stochastic_rounding=config.stochastic_rounding, block_rotation=config.block_rotation,
+                    unrewritten=config.unrewritten,
+                    residual_format=config.residual_format,
+                    second_hop_error_feedback=config.second_hop_error_feedback,
+                    error_feedback_decay=config.error_feedback_decay)
+    return LayerSpec(geometry=geometry, rank=config.rank, seed=config.seed, statistics=statistics, plan=plan,
+                     reselect=config.reselect_every > 0, layer_formats=config.layer_formats)
 
 
 class GiftHealthError(RuntimeError):
@@ -94,7 +116,7 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
     __slots__ = ("config", "group", "collective", "layers", "seed", "rank", "counters", "steps", "history",
                  "grad_source", "_health_seen", "modules", "handles", "active", "sync_mode", "dirty_params",
                  "plan_version", "selection_changes", "_sharing_checked", "adapters", "hop_counters", "backward_watch",
-                 "geometry", "health_group", "pending_faults")
+                 "geometry", "layer_spec", "health_group", "pending_faults")
 
     def __init__(self, config: GiftConfig, group: dist.ProcessGroup | None,
                  collective: Collective | str = Collective.ALL_REDUCE):
@@ -105,6 +127,7 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         # The geometry's class, looked up once from `config.geometry`: layers, refresh,
         # selection and the framework hooks use this object, never the name.
         self.geometry = geometry_class(config.geometry)
+        self.layer_spec = layer_spec(config, self.geometry)  # what `add_layer` builds each layer from
         self.group = group
         self.collective = collective
         self.layers: dict[str, LayerState] = {}
@@ -119,9 +142,9 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         self.modules: dict[str, torch.nn.Module] = {}
         self.handles: list[Any] = []
         self.active = True
-        # GIFT's own sync: "sync" or "accumulate" (inside `gift_compile.no_sync`), and the
+        # GIFT's own sync: `SyncMode.SYNC` or `ACCUMULATE` (inside `gift_compile.no_sync`), and the
         # unmanaged parameters whose `.grad` holds unsynchronised local contributions.
-        self.sync_mode = "sync"
+        self.sync_mode = SyncMode.SYNC
         self.dirty_params: set[int] = set()
         # Bumped whenever what traced graphs carry changes (which layers feed their own
         # statistics, at the first refresh): graphs with the old structure must be retraced
@@ -182,7 +205,7 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         if not self.layers and self.seed.device != torch.device(device):
             # graphs read these where the weights live
             self.seed, self.rank, self.counters = (t.to(device) for t in (self.seed, self.rank, self.counters))
-        layer = LayerState(fqn, shape, self.config, self.geometry, device, world)
+        layer = LayerState(fqn, shape, self.layer_spec, device, world)
         self.layers[fqn] = layer
         if self._static_selection():  # decided before any graph exists: not a plan change
             chosen = fqn in decide(self.config, self.geometry, {fqn: LayerMeasurement(1.0, 1.0, 0.0, 0.0)}, {})
@@ -193,7 +216,7 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
     def _static_selection(self) -> bool:
         """Whether the selection rule needs no measurement (all, none, globs, no geometry)."""
         cfg = self.config
-        return self.geometry.is_identity or cfg.select in ("all", "none") or isinstance(cfg.select, tuple)
+        return self.geometry.is_identity or cfg.select in (SelectRule.ALL, SelectRule.NONE) or isinstance(cfg.select, tuple)
 
     def world(self) -> int:
         return world_size(self.group)
@@ -205,29 +228,29 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
     def layer_plan(self, fqn: str) -> BucketPlan:
         """The one-layer collective this state's own sync runs for `fqn` (for accounting)."""
         group_name = self.group.group_name if self.world() > 1 else None
-        return BucketPlan((self.layers[fqn].plan,), self.world(), group_name, self.config.reduce_op == "avg",
+        return BucketPlan((self.layers[fqn].plan,), self.world(), group_name, self.config.reduce_op is ReduceOp.AVG,
                           self.collective)
 
     # ---- gradient accumulation (GIFT's own sync) -----------------------------------------
     def enter_accumulate(self) -> None:
         """`no_sync` entered: managed weights accumulate into their pending buffers."""
-        self.sync_mode = "accumulate"
+        self.sync_mode = SyncMode.ACCUMULATE
         for layer in self.layers.values():
             if layer.pending is None:
                 layer.pending = torch.zeros(layer.shape, device=layer.probe.device)
-            layer.mode = "accumulate"
+            layer.mode = SyncMode.ACCUMULATE
 
     def exit_accumulate(self) -> None:
         """`no_sync` left: the next backward sends gradient + pending once."""
-        self.sync_mode = "sync"
+        self.sync_mode = SyncMode.SYNC
         for layer in self.layers.values():
-            layer.mode = "sync_pending"
+            layer.mode = SyncMode.SYNC_PENDING
 
     def check_pending(self) -> None:
         """Refuse an optimizer step that would drop gradients accumulated under `no_sync`
         (inside it, or after it without a synchronising backward)."""
-        waiting = [n for n, l in self.layers.items() if l.mode == "accumulate"
-                   or (l.mode == "sync_pending" and bool(l.pending.any()))]
+        waiting = [n for n, l in self.layers.items() if l.mode is SyncMode.ACCUMULATE
+                   or (l.mode is SyncMode.SYNC_PENDING and bool(l.pending.any()))]
         if waiting or self.dirty_params:
             raise RuntimeError(
                 f"GIFT: gradients accumulated under gift_compile.no_sync were never synchronised "
@@ -291,7 +314,7 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         now[masks[0]:masks[1] + 1] = 0
         new = now - self._health_seen
         self._health_seen = now
-        nonfinite = int(new[C_NONFINITE]) if self.config.nonfinite == "error" else 0
+        nonfinite = int(new[C_NONFINITE]) if self.config.nonfinite is Nonfinite.ERROR else 0
         return Faults(int(new[C_MISMATCH]), nonfinite, set(mismatch_ranks) if int(new[C_MISMATCH]) else set(),
                       set(nonfinite_ranks) if nonfinite else set())
 
@@ -304,8 +327,8 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         self.check_health()
         self.backward_watch.since_step, self.backward_watch.versions = 0, None
         for layer in self.layers.values():
-            if layer.mode == "sync_pending":
-                layer.mode = "sync"
+            if layer.mode is SyncMode.SYNC_PENDING:
+                layer.mode = SyncMode.SYNC
         self.steps += 1
         self.seed.add_(1)
         if self.config.refresh_due(self.steps):
