@@ -42,6 +42,7 @@ from bench.formatting import signed_pct
 from bench.step_model import StepModelInputs, arm_layers
 from bench.wire import MODEL_CONFIGS, meta_model
 from gift_compile.config import GiftConfig
+from gift_compile.geometry.table import IDENTITY_KIND, LowRank
 from gift_compile.runtime.selection import transform_flops
 
 MODEL = "Llama-3-8B"
@@ -70,10 +71,10 @@ ASSUMED = {
 
 def _check_plans(euclid: list, gift: list, rank: int) -> None:
     """Each arm runs the plans that were measured, or the pricing would be of something else."""
-    bad = [c.fqn for c in euclid if c.plan.kind != "identity"] + [c.fqn for c in gift if c.plan.kind != "lowrank"]
+    bad = [c.fqn for c in euclid if c.plan.kind != IDENTITY_KIND] + [c.fqn for c in gift if c.plan.kind != LowRank.kind]
     if bad or len(euclid) != len(gift):
         raise ValueError(f"gpu_step_model: layers not on the measured paths: {bad[:5]}")
-    if gift and gift[0].plan.kind == "lowrank" and ARMS["fp8"][1].rank != rank:
+    if gift and gift[0].plan.kind == LowRank.kind and ARMS["fp8"][1].rank != rank:
         raise ValueError(f"gpu_step_model: GIFT's rank {ARMS['fp8'][1].rank} is not the measured rank {rank}")
 
 
