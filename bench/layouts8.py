@@ -13,9 +13,15 @@ or a GIFT warning is in the log. Per row: whether fp32 reproduces GIFT-off's los
 and the low-bit run's largest per-step loss distance from GIFT-off.
 
     python -m bench.layouts8 [--only hsdp_tp/graph ...] [--steps 3]
+    python -m bench.layouts8 --kill-resume [--only ...]
 
 writes (merges its rows into) bench/results/layouts8.json; `bench.pages.layouts8` renders the
-table on docs/torchtitan.md.
+table on docs/torchtitan.md. ``--kill-resume`` adds to each row that runs the fault the
+4-rank tests check (tests/test_torchtitan_train.py): 6 steps at nvfp4 with the low-rank K-FAC
+map, error feedback and a checkpoint every 3 steps, uninterrupted; then the same command with
+rank 1 SIGKILLed after step 4, relaunched on its folder: the losses of steps 4-6 and every
+trained tensor of the final checkpoint (parameters, optimizer, GIFT state) against the
+uninterrupted run's (`gift_compile.torchtitan_ext.kill_resume`).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from gift_compile.torchtitan_ext.hooks import REFUSAL
+from gift_compile.torchtitan_ext.kill_resume import kill_and_resume
 from gift_compile.torchtitan_ext.runs import RunResult, run_config
 
 RESULTS = Path(__file__).resolve().parent / "results" / "layouts8.json"
@@ -150,6 +157,26 @@ def row(layout: str, trainer: str, steps: int, folder: str) -> dict[str, Any]:
     }
 
 
+KILL_STEPS = 6
+KILL_ARGS = [f"--training.steps={KILL_STEPS}", "--validator.no-enable", "--metrics.log-freq=1", "--gift.refresh-every=3",
+             "--gift.geometry=lowrank", "--gift.error-feedback", "--gift.no-fuse", "--checkpoint.enable",
+             "--checkpoint.interval=3", *ARMS["low_bit"]]
+
+
+def kill_resume(layout: str, trainer: str, folder: str) -> dict[str, Any]:
+    """The kill-and-resume record of one layout x trainer (module docstring)."""
+    args = [*LAYOUTS[layout][1], *EXTRA.get((layout, trainer), []), *KILL_ARGS]
+    config = CONFIGS[trainer][0]
+    root = Path(folder) / f"{layout}.{trainer}.kill"
+    full = run_config(config, args, dump_folder=str(root / "full"), nproc=NPROC, timeout_s=1800).check()
+    print(f"{layout} {trainer} uninterrupted: {full.wall_s:.0f} s", flush=True)
+    found = kill_and_resume(config, args, root / "killed", full, root / "full", steps=KILL_STEPS, after_step=4,
+                            nproc=NPROC)
+    return {**found.summary(), "command": user_command(full), "uninterrupted_wall_s": round(full.wall_s, 1),
+            "selected_layers_after_refresh": max(r.get("gift/selected_layers", 0) for r in full.records),
+            "date": time.strftime("%Y-%m-%d"), "commit": _commit(), "machine": machine()}
+
+
 def _all_hops(described: dict[str, Any]) -> list[dict[str, Any]]:
     """Every hop record of one described run (each pipeline rank's under PP)."""
     if "hops_by_pipeline_rank" in described:
@@ -173,6 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.layouts8", description=__doc__.splitlines()[0])
     p.add_argument("--only", nargs="*", default=None, help="rows as layout/trainer (default: all)")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--kill-resume", action="store_true", help="add the kill-and-resume record to rows that run")
     a = p.parse_args(argv)
     keys = a.only or [f"{layout}/{trainer}" for layout in LAYOUTS for trainer in CONFIGS]
     data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"rows": {}}
@@ -181,7 +209,18 @@ def main(argv: list[str] | None = None) -> None:
         for key in keys:
             layout, trainer = key.split("/")
             start = time.perf_counter()
-            data["rows"][key] = {**row(layout, trainer, a.steps, folder), "row_wall_s": round(time.perf_counter() - start)}
+            if a.kill_resume:
+                if data["rows"].get(key, {}).get("status") != "runs":
+                    print(f"{key}: no row that runs, no kill-and-resume", flush=True)
+                    continue
+                data["rows"][key]["kill_resume"] = kill_resume(layout, trainer, folder)
+                data["kill_resume_command"] = "python -m bench.layouts8 --kill-resume"
+                RESULTS.write_text(json.dumps(data, indent=1) + "\n")
+                print(json.dumps(data["rows"][key]["kill_resume"]), flush=True)
+                continue
+            data["rows"][key] = {**row(layout, trainer, a.steps, folder), "row_wall_s": round(time.perf_counter() - start),
+                                 **({"kill_resume": data["rows"][key]["kill_resume"]}
+                                    if "kill_resume" in data["rows"].get(key, {}) else {})}
             RESULTS.write_text(json.dumps(data, indent=1) + "\n")  # each row as soon as it is measured
             print(json.dumps({k: v for k, v in data["rows"][key].items() if k != "arms"}), flush=True)
 

@@ -28,7 +28,7 @@ def layouts8(_: dict) -> str:
     rows, notes = [], []
     for key, r in d["rows"].items():
         if r["status"] == "refused":
-            rows.append([r["layout"], r["trainer"], "refused (below)", "", "", "", "", f"{r['wall_s']:.0f}"])
+            rows.append([r["layout"], r["trainer"], "refused (below)", "", "", "", "", f"{r['wall_s']:.0f}", ""])
             notes.append(f"* {r['layout']}, {r['trainer']}: refused, `{r['command']}`: {r['reason']}")
             continue
         arms = r["arms"]
@@ -41,7 +41,8 @@ def layouts8(_: dict) -> str:
                      _hops(low), "yes" if r["counted_equals_accounted_every_hop"] else "no",
                      f"{r['low_bit_max_abs_loss_diff']:.2e}",
                      f"{'yes' if r['fp32_losses_equal_off'] else 'no'} (max diff {r['fp32_max_abs_loss_diff']:.1e})",
-                     " / ".join(f"{arms[a]['wall_s']:.0f}" for a in ("low_bit", "fp32", "off"))])
+                     " / ".join(f"{arms[a]['wall_s']:.0f}" for a in ("low_bit", "fp32", "off")),
+                     _kill_resume(r.get("kill_resume"))])
         losses = "; ".join(f"{arm} " + ", ".join(f"{v:.5f}" for v in arms[arm]["losses"].values())
                            for arm in ("low_bit", "off"))
         notes.append(f"* {r['layout']}, {r['trainer']}: losses by step: {losses}; nvfp4 `{low['command']}`; GIFT off "
@@ -66,4 +67,28 @@ def layouts8(_: dict) -> str:
                      + ("equal in every arm (nvfp4, fp32, off)" if same else "not equal in every arm"))
     return "\n".join([head, "", table(["layout", "trainer", "GIFT", "bytes per step (nvfp4)", "counted = accounted",
                                        "nvfp4 max abs loss diff vs off", "fp32 losses == off",
-                                       "wall s (nvfp4 / fp32 / off)"], rows), "", *notes])
+                                       "wall s (nvfp4 / fp32 / off)", "kill rank 1 after step 4, relaunch"], rows),
+                     "", *notes, *_kill_resume_notes(d)])
+
+
+def _kill_resume(k: dict | None) -> str:
+    """The kill-and-resume cell: bit-identical or not, from what `bench.layouts8 --kill-resume` found."""
+    if k is None:
+        return "not run"
+    verdict = "bit-identical" if k["bit_identical"] else f"differs ({k['differing_tensors']} tensors)"
+    return (f"{verdict}: steps {min(k['replayed_steps'])}-{max(k['replayed_steps'])} replayed, loss diff "
+            f"{k['max_abs_loss_diff']:.1e}, {k['trained_tensors_compared']} tensors compared")
+
+
+def _kill_resume_notes(d: dict) -> list[str]:
+    """How the kill-and-resume cells were made, when any was."""
+    made = [r["kill_resume"] for r in d["rows"].values() if "kill_resume" in r]
+    if not made:
+        return []
+    commits = ", ".join(dict.fromkeys(k["commit"] for k in made))
+    return ["", f"Kill-and-resume (`{d['kill_resume_command']}`, commits {commits}): 6 steps at nvfp4 with the "
+                "low-rank K-FAC map, error feedback and a checkpoint every 3 steps, run uninterrupted; the same "
+                "command with rank 1 SIGKILLed once step 4 is logged, then relaunched on its folder: it resumes from "
+                "step 3's checkpoint; compared are the logged losses of steps 4-6 and every trained tensor of the "
+                "final checkpoint (parameters, optimizer, GIFT state). e.g. "
+                f"`{made[0]['command']}`."]

@@ -16,15 +16,9 @@ ran (rewrite, wire bytes, refresh).
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import re
 import shutil
-import signal
-import subprocess
-import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -42,8 +36,8 @@ from gift_compile.torchtitan_ext.demo import (  # noqa: E402
     resolved_choices,
     selected_errors,
 )
-from gift_compile.torchtitan_ext.runs import RunResult, config_command, run_config, run_env  # noqa: E402
-from gift_compile.torchtitan_ext.telemetry import read_jsonl  # noqa: E402
+from gift_compile.torchtitan_ext.kill_resume import checkpoint_tensors, kill_and_resume  # noqa: E402
+from gift_compile.torchtitan_ext.runs import RunResult, run_config  # noqa: E402
 
 STEPS = 6
 COMMON = ["--validator.no-enable", f"--training.steps={STEPS}", "--gift.refresh-every=3"]
@@ -183,7 +177,7 @@ def test_auto_by_optimizer_builds_second_moment_from_adamw_state(run: Callable[.
     assert 0 < transformed < euclidean, (transformed, euclidean)
 
     folder = Path(gift.command[gift.command.index("--dump-folder") + 1]) / "checkpoint"
-    first, second = (_checkpoint_tensors(folder / f"step-{s}") for s in (3, STEPS))
+    first, second = (checkpoint_tensors(folder / f"step-{s}") for s in (3, STEPS))
     layers = sorted(k.removeprefix("gift.rank0.").removesuffix(".transform.t0") for k in first
                     if k.startswith("gift.rank0.") and k.endswith(".transform.t0"))
     assert len(layers) == 20
@@ -273,83 +267,11 @@ def _kill_relaunch_and_compare(config: str, args: list[str], folder: Path, full:
     """Kill rank 1 after step 4, relaunch on `folder`, and require the uninterrupted run's
     losses after the resume (within 1e-6: the logged loss is a float32 reduction printed
     and parsed, and the runs are bitwise identical) and its final checkpoint, bit for bit."""
-    killed, killed_at = _run_killing_rank(config, args, folder, after_step=4, nproc=nproc)
-    assert killed.returncode != 0 and killed_at >= 4, killed.output[-3000:]
-    assert not (folder / "checkpoint" / f"step-{STEPS}").exists()
-    relaunched = run_config(config, args, dump_folder=str(folder), nproc=nproc).check()
-    assert "Loading the checkpoint from" in relaunched.output
-    resumed = [r for r in relaunched.output.splitlines() if re.search(r"step:\s+\d+\s+loss", r)]
-    assert resumed and not any(re.search(r"step:\s+[1-3]\s+loss", r) for r in resumed), resumed
-    a, b = full.losses(), relaunched.losses()
-    for step in range(4, STEPS + 1):
-        assert b[step] == pytest.approx(a[step], abs=1e-6), (step, a, b)
-    final_full = _checkpoint_tensors(full_folder / "checkpoint" / f"step-{STEPS}")
-    final_killed = _checkpoint_tensors(folder / "checkpoint" / f"step-{STEPS}")
-    trained = [k for k in final_full if not k.startswith(("dataloader", "train_state", "lr_scheduler"))]
-    assert any(k.startswith("optimizer") for k in trained) and any(k.startswith("gift") for k in trained)
-    assert set(final_full) == set(final_killed)
-    differ = {k: float((final_full[k].double() - final_killed[k].double()).abs().max()) for k in trained
-              if not torch.equal(final_full[k], final_killed[k])}
-    assert not differ, differ
-
-
-def _worker_pids(torchrun_pid: int) -> dict[int, int]:
-    """`{local rank: pid}` of a torchrun agent's worker processes (from /proc)."""
-    out = {}
-    with open(f"/proc/{torchrun_pid}/task/{torchrun_pid}/children") as f:
-        children = [int(c) for c in f.read().split()]
-    for pid in children:
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
-        except OSError:
-            continue
-        if b"LOCAL_RANK" in env:
-            out[int(env[b"LOCAL_RANK"])] = pid
-    return out
-
-
-def _run_killing_rank(config: str, args: list[str], folder: Path, *, after_step: int, rank: int = 1,
-                      nproc: int = 2) -> tuple[RunResult, int]:
-    """Run under ``torchrun``; once the run logged ``after_step``, SIGKILL the worker of
-    ``rank``. Returns the (failed) run and the last step logged before the kill."""
-    folder.mkdir(parents=True)
-    command = config_command(config, args, dump_folder=str(folder), nproc=nproc)
-    jsonl = folder / "gift_metrics.jsonl"
-    start = time.perf_counter()
-    with subprocess.Popen(command, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
-        output: list[str] = []
-        reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)
-        reader.start()
-        killed_at = -1
-        while proc.poll() is None and killed_at < 0:
-            try:
-                steps = [r["step"] for r in read_jsonl(str(jsonl)) if "loss" in r] if jsonl.exists() else []
-            except json.JSONDecodeError:  # a line being written
-                steps = []
-            if steps and max(steps) >= after_step:
-                os.kill(_worker_pids(proc.pid)[rank], signal.SIGKILL)
-                killed_at = max(steps)
-            time.sleep(0.05)
-        proc.wait(timeout=600)
-        reader.join(timeout=10)
-    return RunResult(command, proc.returncode, "".join(output), time.perf_counter() - start, []), killed_at
-
-
-def _checkpoint_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a DCP checkpoint folder, by flattened key (read without a process group)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    target = folder.parent / f"{folder.name}.pt"
-    dcp_to_torch_save(str(folder), str(target))
-    flat: dict[str, torch.Tensor] = {}
-
-    def walk(obj: object, prefix: str) -> None:
-        if isinstance(obj, torch.Tensor):
-            flat[prefix] = obj
-        elif isinstance(obj, dict):
-            for k, v in obj.items():
-                walk(v, f"{prefix}.{k}" if prefix else str(k))
-
-    walk(torch.load(target, weights_only=False), "")
-    return flat
+    found = kill_and_resume(config, args, folder, full, full_folder, steps=STEPS, after_step=4, nproc=nproc)
+    assert found.killed_returncode != 0 and found.killed_after_step >= 4, found.relaunched.output[-3000:]
+    assert not found.final_checkpoint_before_relaunch
+    assert found.loaded_checkpoint and found.replayed_steps and min(found.replayed_steps) >= 4, found.replayed_steps
+    assert max(found.loss_diff.values()) <= 1e-6, found.loss_diff
+    assert found.has_optimizer_and_gift_state and found.key_sets_equal
+    assert not found.differing, found.differing
+    assert found.bit_identical
