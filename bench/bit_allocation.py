@@ -37,20 +37,15 @@ import torch
 
 from bench.convergence_arms import ALLOCATION as OUT
 from bench.convergence_arms import ALLOCATION_COMMAND as COMMAND
-from bench.convergence_arms import FORMATS
+from bench.convergence_arms import FORMATS, format_spec
 from bench.reference import make_optimizers, train_step
 from bench.settings import profile
 from bench.tiny_llama import TinyLlama
-from gift_compile.codec import FormatSpec
 from gift_compile.config import GiftConfig
 from gift_compile.frameworks.routing import eligible_linears
 from gift_compile.geometry.table import IDENTITY_KIND
 from gift_compile.runtime.selection import round_trip
 from gift_compile.torchtitan_ext import corpus, language_modeling
-
-def _spec(short: str) -> FormatSpec:
-    kw = FORMATS[short]
-    return FormatSpec(str(kw["format"]), str(kw.get("scaling", "row")), int(kw.get("block_size", 32)))
 
 
 def allocate(errors: dict[str, dict[str, float]], nbytes: dict[str, dict[str, float]],
@@ -103,16 +98,16 @@ def measure(base: str, candidates: tuple[str, ...], steps: int, seed: int, world
             for n, m in names.items():
                 g = m.weight.grad.detach().float()
                 for f in candidates:
-                    err = (round_trip(g, _spec(f), IDENTITY_KIND, ()) - g).norm() / g.norm().clamp(min=1e-30)
+                    err = (round_trip(g, format_spec(f), IDENTITY_KIND, ()) - g).norm() / g.norm().clamp(min=1e-30)
                     sq[n][f] += float(err) ** 2
         train_step(model, params, optimizers, peaks, step, s.steps, s.warmup, x, y, capture)
     if captured == 0:
         raise ValueError(f"bit_allocation: --steps {steps} ends before the warm-up ({s.warmup} steps): no gradient "
                          "was captured")
     errors = {n: {f: v / captured for f, v in per.items()} for n, per in sq.items()}
-    nbytes = {n: {f: _spec(f).bits_per_element(m.weight.shape[1], m.weight.shape[0]) * m.weight.numel() / 8.0
+    nbytes = {n: {f: format_spec(f).bits_per_element(m.weight.shape[1], m.weight.shape[0]) * m.weight.numel() / 8.0
                   for f in candidates} for n, m in names.items()}
-    budget = sum(_spec(base).bits_per_element(m.weight.shape[1], m.weight.shape[0]) * m.weight.numel() / 8.0
+    budget = sum(format_spec(base).bits_per_element(m.weight.shape[1], m.weight.shape[0]) * m.weight.numel() / 8.0
                  for m in names.values())
     choice = allocate(errors, nbytes, budget)
     elements = sum(m.weight.numel() for m in names.values())

@@ -138,10 +138,15 @@ def arm_config(arm: str, s: ConvergenceSettings, seed: int) -> GiftConfig | None
     return GiftConfig(**{**FORMATS[fmt], **gift, "error_feedback": ef, "seed": seed, **extra})
 
 
+def format_spec(fmt: str) -> FormatSpec:
+    """The codec's `FormatSpec` of an arm's short format name (`FORMATS`)."""
+    kw = FORMATS[fmt]
+    return FormatSpec(str(kw["format"]), str(kw.get("scaling", "row")), int(kw.get("block_size", 32)))
+
+
 def bits_per_element(fmt: str, cols: int = 512) -> float:
     """Exact wire bits per managed element of a format (payload + scales) at width `cols`."""
-    kw = FORMATS[fmt]
-    return FormatSpec(str(kw["format"]), str(kw.get("scaling", "row")), int(kw.get("block_size", 32))).bits_per_element(cols, 64)
+    return format_spec(fmt).bits_per_element(cols, 64)
 
 
 def resolve_arm_auto(config: GiftConfig | None, model: nn.Module, optimizers: list[torch.optim.Optimizer], *,
