@@ -101,7 +101,7 @@ def describe(run: RunResult) -> dict[str, Any]:
     out: dict[str, Any] = {
         "command": user_command(run), "wall_s": round(run.wall_s, 1), "returncode": run.returncode,
         "losses": run.losses(), "refusal_in_log": REFUSAL in run.output,
-        "gift_warnings": len([line for line in lines if "GIFT" in line and ("WARNING" in line or "full precision" in line)]),
+        "gift_warnings": len(run.gift_warnings()),
         "replicas_bit_identical_logged": "replicas bit-identical" in run.output,
         "rewrite": rewrite[-1] if rewrite else None,
     }

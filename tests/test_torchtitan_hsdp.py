@@ -51,7 +51,7 @@ def test_fsdp2_hsdp_runs_both_hops_at_their_formats_and_tracks_fp32(runs: Callab
     assert "replica hop (all-reduce of each reduced shard over 2 replicas) at nvfp4" in gift.output
     # no refusal, no weight left at full precision, no GIFT warning (fallbacks are logged as such)
     assert REFUSAL not in gift.output
-    assert not [line for line in gift.output.splitlines() if "GIFT" in line and ("WARNING" in line or "full precision" in line)]
+    assert not gift.gift_warnings()
     steps = [r for r in gift.records if "loss" in r]
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
     for r in steps:
@@ -82,7 +82,7 @@ def test_graph_hsdp_rewrites_both_hops_at_their_formats_and_tracks_fp32(runs: Ca
     assert ("shard hop (each bucketed reduce-scatter over 2 ranks) at fp8_e4m3, then replica hop (all-reduce of "
             "the reduced shard over 2 replicas) at nvfp4") in gift.output
     assert REFUSAL not in gift.output
-    assert not [line for line in gift.output.splitlines() if "GIFT" in line and ("WARNING" in line or "full precision" in line)]
+    assert not gift.gift_warnings()
     # the rewrite log: each block's bucket is one GIFT reduce-scatter then one GIFT all-reduce of
     # the reduced shard (SimpleFSDP's 7 replica all-reduces + 1 reduce-scatter per block become
     # 2 all_to_alls + 1 all_gather), 0 fallbacks; every trace (the first and the retrace after the

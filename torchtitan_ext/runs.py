@@ -44,6 +44,12 @@ class RunResult:
         """Value of ``key`` in the last record that has it."""
         return next(r[key] for r in reversed(self.records) if key in r)
 
+    def gift_warnings(self) -> list[str]:
+        """Log lines of GIFT warnings, fallbacks included (a weight sent at full precision is
+        logged so): a run that must have used GIFT everywhere has none."""
+        return [line for line in self.output.splitlines()
+                if "GIFT" in line and ("WARNING" in line or "full precision" in line)]
+
     def check(self) -> "RunResult":
         """Raise with the tail of the output unless the run succeeded."""
         if self.returncode != 0:
