@@ -1,5 +1,5 @@
-"""The "8-rank layouts" block of docs/torchtitan.md, from `bench/results/layouts8.json`
-(`bench.layouts8`): per layout and trainer, whether GIFT runs or is refused (with the reason),
+"""The "layouts" block of docs/torchtitan.md, from `bench/results/layouts.json`
+(`bench.layouts`): per layout and trainer, whether GIFT runs or is refused (with the reason),
 each hop's bytes counted at the collective against the accounted and the fp32 bytes, and the
 losses against GIFT off."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from bench.formatting import table
 
-LAYOUTS8 = Path(__file__).resolve().parent / "results" / "layouts8.json"
+LAYOUTS = Path(__file__).resolve().parent / "results" / "layouts.json"
 
 
 def _hops(arm: dict) -> str:
@@ -22,13 +22,13 @@ def _hops(arm: dict) -> str:
     return one(arm["hops"])
 
 
-def layouts8(_: dict) -> str:
+def layouts(_: dict) -> str:
     """The block: the table, then each row's commands (or its refusal)."""
-    d = json.loads(LAYOUTS8.read_text())
+    d = json.loads(LAYOUTS.read_text())
     rows, notes = [], []
     for key, r in d["rows"].items():
         if r["status"] == "refused":
-            rows.append([r["layout"], r["trainer"], "refused (below)", "", "", "", "", f"{r['wall_s']:.0f}", ""])
+            rows.append([r["layout"], str(r["nproc"]), r["trainer"], "refused (below)", "", "", "", "", f"{r['wall_s']:.0f}", ""])
             notes.append(f"* {r['layout']}, {r['trainer']}: refused, `{r['command']}`: {r['reason']}")
             continue
         arms = r["arms"]
@@ -37,7 +37,7 @@ def layouts8(_: dict) -> str:
         state = "runs" if clean else "runs, refusal or GIFT warning in a log"
         if low["replicas_bit_identical_logged"]:
             state += "; replicas bit-identical after the refresh"
-        rows.append([r["layout"], r["trainer"], state,
+        rows.append([r["layout"], str(r["nproc"]), r["trainer"], state,
                      _hops(low), "yes" if r["counted_equals_accounted_every_hop"] else "no",
                      f"{r['low_bit_max_abs_loss_diff']:.2e}",
                      f"{'yes' if r['fp32_losses_equal_off'] else 'no'} (max diff {r['fp32_max_abs_loss_diff']:.1e})",
@@ -65,14 +65,14 @@ def layouts8(_: dict) -> str:
         same = all(fsdp2[arm]["losses"] == graph[arm]["losses"] for arm in fsdp2)
         notes.append(f"* {layout}: the two trainers' losses are "
                      + ("equal in every arm (nvfp4, fp32, off)" if same else "not equal in every arm"))
-    return "\n".join([head, "", table(["layout", "trainer", "GIFT", "bytes per step (nvfp4)", "counted = accounted",
+    return "\n".join([head, "", table(["layout", "ranks", "trainer", "GIFT", "bytes per step (nvfp4)", "counted = accounted",
                                        "nvfp4 max abs loss diff vs off", "fp32 losses == off",
                                        "wall s (nvfp4 / fp32 / off)", "kill rank 1 after step 4, relaunch"], rows),
                      "", *notes, *_kill_resume_notes(d)])
 
 
 def _kill_resume(k: dict | None) -> str:
-    """The kill-and-resume cell: bit-identical or not, from what `bench.layouts8 --kill-resume` found."""
+    """The kill-and-resume cell: bit-identical or not, from what `bench.layouts --kill-resume` found."""
     if k is None:
         return "not run"
     verdict = "bit-identical" if k["bit_identical"] else f"differs ({k['differing_tensors']} tensors)"

@@ -376,7 +376,7 @@ BLOCKS: dict[str, Callable[[dict], str]] = {
     "defaults": defaults, "faults": pages.faults, "frontier": pages_frontier.frontier,
     "gpu_step_model": gpu_step_model.block,
     "frontier_headline": pages_frontier.frontier_headline, "selection_churn": pages_selection.selection_churn,
-    "layouts8": pages_layouts.layouts8,
+    "layouts": pages_layouts.layouts,
     **{name: pages.torchtitan_run(name) for name in pages.torchtitan_runs()},
 }
 # Which page holds each block (relative to the repository root); every block is on exactly one
@@ -387,7 +387,7 @@ PAGES: dict[str, tuple[str, ...]] = {
                            "convergence", "defaults", "adamw_sweep", "closing", "frontier", "selection_churn"),
     "docs/reliability.md": ("faults", "plan_check", "soak", "skips"),
     "docs/design.md": ("formats",),
-    "docs/torchtitan.md": ("demo", "layouts8", *pages.torchtitan_runs()),
+    "docs/torchtitan.md": ("demo", "layouts", *pages.torchtitan_runs()),
 }
 _MARKER = re.compile(r"<!-- bench:([\w:]+) -->")
 

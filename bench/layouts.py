@@ -1,23 +1,25 @@
-"""The 8-rank torchtitan layouts with GIFT: HSDP x TP and PP x TP x FSDP, on both trainers.
+"""Every torchtitan layout with GIFT, measured: one row per layout and trainer.
 
-Each layout takes 8 gloo ranks (2 x 2 x 2), which on a 2-core box costs about a minute per
-FSDP2 run and up to four per graph_trainer run (it traces and compiles the step): too slow for
-the test suite to hold every arm (tests/test_torchtitan_layouts8.py runs the FSDP2 rows), so this bench runs them all and records what the tests check
-on the 4-rank layouts (tests/test_torchtitan_tp.py, test_torchtitan_hsdp.py,
-test_torchtitan_pp.py): per layout and trainer, three runs of torchtitan's debug Llama with the
-same seed, init and data (GIFT low-bit, GIFT fp32, GIFT off), or the refusal the first run
-raised. Per run: the bytes each hop handed to its collectives (counted at run time) against
-the bytes its plans account for, at every step and on every rank that writes telemetry (rank 0;
-under PP the first rank of each pipeline rank), against fp32's; the losses; whether a refusal
-or a GIFT warning is in the log. Per row: whether fp32 reproduces GIFT-off's losses exactly,
-and the low-bit run's largest per-step loss distance from GIFT-off.
+The layouts torchtitan combines for a Llama run (FSDP, DDP, HSDP, TP, PP, CP and their
+products, 2 to 8 gloo ranks of the debug Llama), each on both trainers: a row runs, or holds the
+refusal GIFT raised (whose reason must name the torch or torchtitan limit). The suite checks
+each layout on its own (tests/test_torchtitan_*.py, 4-rank layouts; the 8-rank ones take
+about a minute per FSDP2 run and up to four per graph_trainer run on a 2-core box, so the suite
+holds only the FSDP2 8-rank rows, tests/test_torchtitan_layouts8.py); this bench records, per
+layout and trainer, three runs with the same seed, init and data (GIFT low-bit, GIFT fp32, GIFT
+off), or the refusal the first run raised. Per run: the bytes each hop handed to its
+collectives (counted at run time) against the bytes its plans account for, at every step and
+on every rank that writes telemetry (rank 0; under PP the first rank of each pipeline rank),
+against fp32's; the losses; whether a refusal or a GIFT warning is in the log. Per row: whether
+fp32 reproduces GIFT-off's losses exactly, and the low-bit run's largest per-step loss distance
+from GIFT-off.
 
-    python -m bench.layouts8 [--only hsdp_tp/graph ...] [--steps 3]
-    python -m bench.layouts8 --kill-resume [--only ...]
+    python -m bench.layouts [--only hsdp_tp/graph ...] [--steps 3]
+    python -m bench.layouts --kill-resume [--only ...]
 
-writes (merges its rows into) bench/results/layouts8.json; `bench.pages.layouts8` renders the
-table on docs/torchtitan.md. ``--kill-resume`` adds to each row that runs the fault the
-4-rank tests check (tests/test_torchtitan_train.py): 6 steps at nvfp4 with the low-rank K-FAC
+writes (merges its rows into) bench/results/layouts.json; `bench.pages_layouts.layouts` renders
+the table on docs/torchtitan.md. ``--kill-resume`` adds to each row that runs the fault the
+suite checks on 2 and 4 ranks (tests/test_torchtitan_train.py): 6 steps at nvfp4 with the low-rank K-FAC
 map, error feedback and a checkpoint every 3 steps, uninterrupted; then the same command with
 rank 1 SIGKILLed after step 4, relaunched on its folder: the losses of steps 4-6 and every
 trained tensor of the final checkpoint (parameters, optimizer, GIFT state) against the
@@ -41,19 +43,25 @@ from gift_compile.torchtitan_ext.hooks import REFUSAL
 from gift_compile.torchtitan_ext.kill_resume import kill_and_resume
 from gift_compile.torchtitan_ext.runs import RunResult, run_config
 
-RESULTS = Path(__file__).resolve().parent / "results" / "layouts8.json"
-NPROC = 8
-LAYOUTS: dict[str, tuple[str, list[str]]] = {
-    "hsdp_tp": ("HSDP x TP (dp_replicate 2 x dp_shard 2 x tp 2)",
-                ["--parallelism.data-parallel-replicate-degree=2", "--parallelism.data-parallel-shard-degree=2",
-                 "--parallelism.tensor-parallel-degree=2"]),
-    "pp_tp_fsdp": ("PP x TP x FSDP (pp 2 x tp 2 x dp_shard 2)",
-                   ["--parallelism.pipeline-parallel-degree=2", "--parallelism.data-parallel-shard-degree=2",
-                    "--parallelism.tensor-parallel-degree=2"]),
+RESULTS = Path(__file__).resolve().parent / "results" / "layouts.json"
+_SHARD, _REPLICATE = "--parallelism.data-parallel-shard-degree", "--parallelism.data-parallel-replicate-degree"
+_TP, _PP, _CP = ("--parallelism.tensor-parallel-degree", "--parallelism.pipeline-parallel-degree",
+                 "--parallelism.context-parallel-degree")
+# key: (title, ranks, torchtitan flags), in the table's order
+LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
+    "fsdp": ("FSDP (dp_shard 2)", 2, [f"{_SHARD}=2"]),
+    "ddp": ("DDP (dp_replicate 2)", 2, [f"{_REPLICATE}=2", f"{_SHARD}=1"]),
+    "hsdp": ("HSDP (dp_replicate 2 x dp_shard 2)", 4, [f"{_REPLICATE}=2", f"{_SHARD}=2"]),
+    "tp_fsdp": ("TP x FSDP (tp 2 x dp_shard 2)", 4, [f"{_TP}=2", f"{_SHARD}=2"]),
+    "pp_fsdp": ("PP x FSDP (pp 2 x dp_shard 2)", 4, [f"{_PP}=2", f"{_SHARD}=2"]),
+    "cp_fsdp": ("CP x FSDP (cp 2 x dp_shard 2)", 4, [f"{_CP}=2", f"{_SHARD}=2"]),
+    "hsdp_tp": ("HSDP x TP (dp_replicate 2 x dp_shard 2 x tp 2)", 8, [f"{_REPLICATE}=2", f"{_SHARD}=2", f"{_TP}=2"]),
+    "pp_tp_fsdp": ("PP x TP x FSDP (pp 2 x tp 2 x dp_shard 2)", 8, [f"{_PP}=2", f"{_SHARD}=2", f"{_TP}=2"]),
 }
 # torchtitan's graph_trainer (GraphPP) itself refuses the default 1F1B schedule ("requires a
 # runtime PP schedule such as Interleaved1F1B"); with Interleaved1F1B the run reaches GIFT's setup
-EXTRA = {("pp_tp_fsdp", "graph"): ["--parallelism.pipeline-parallel-schedule=Interleaved1F1B"]}
+EXTRA = {(layout, "graph"): ["--parallelism.pipeline-parallel-schedule=Interleaved1F1B"] for layout in LAYOUTS
+         if "pp" in layout.split("_")}
 CONFIGS = {"fsdp2": ("llama3_debug_gift_fsdp2", "llama3_debug_nogift_fsdp2"),
            "graph": ("llama3_debug_gift_graph", "llama3_debug_nogift_graph")}
 LOW_BIT = "nvfp4"
@@ -123,18 +131,18 @@ def refusal(run: RunResult) -> str | None:
 
 def row(layout: str, trainer: str, steps: int, folder: str) -> dict[str, Any]:
     """One layout x trainer: the three runs, or the refusal its first (low-bit) run raised."""
-    title, dims = LAYOUTS[layout]
+    title, nproc, dims = LAYOUTS[layout]
     base = [*dims, *EXTRA.get((layout, trainer), []), "--validator.no-enable", f"--training.steps={steps}",
             "--metrics.log-freq=1"]
     gift_config, off_config = CONFIGS[trainer]
-    out: dict[str, Any] = {"layout": title, "trainer": trainer, "nproc": NPROC, "steps": steps,
+    out: dict[str, Any] = {"layout": title, "trainer": trainer, "nproc": nproc, "steps": steps,
                            "date": time.strftime("%Y-%m-%d"), "commit": _commit(), "machine": machine()}
     runs = {}
     for arm, config, overrides in (("low_bit", gift_config, [*base, *GIFT, *ARMS["low_bit"]]),
                                    ("fp32", gift_config, [*base, *GIFT, *ARMS["fp32"]]),
                                    ("off", off_config, base)):
         run = run_config(config, overrides, dump_folder=os.path.join(folder, f"{layout}.{trainer}.{arm}"),
-                         nproc=NPROC, timeout_s=1800)
+                         nproc=nproc, timeout_s=1800)
         print(f"{layout} {trainer} {arm}: rc {run.returncode}, {run.wall_s:.0f} s", flush=True)
         if run.returncode != 0:
             why = refusal(run)
@@ -165,16 +173,23 @@ KILL_ARGS = [f"--training.steps={KILL_STEPS}", "--validator.no-enable", "--metri
 
 def kill_resume(layout: str, trainer: str, folder: str) -> dict[str, Any]:
     """The kill-and-resume record of one layout x trainer (module docstring)."""
-    args = [*LAYOUTS[layout][1], *EXTRA.get((layout, trainer), []), *KILL_ARGS]
+    _, nproc, dims = LAYOUTS[layout]
+    args = [*dims, *EXTRA.get((layout, trainer), []), *KILL_ARGS]
     config = CONFIGS[trainer][0]
     root = Path(folder) / f"{layout}.{trainer}.kill"
-    full = run_config(config, args, dump_folder=str(root / "full"), nproc=NPROC, timeout_s=1800).check()
+    full = run_config(config, args, dump_folder=str(root / "full"), nproc=nproc, timeout_s=1800).check()
     print(f"{layout} {trainer} uninterrupted: {full.wall_s:.0f} s", flush=True)
     found = kill_and_resume(config, args, root / "killed", full, root / "full", steps=KILL_STEPS, after_step=4,
-                            nproc=NPROC)
+                            nproc=nproc)
     return {**found.summary(), "command": user_command(full), "uninterrupted_wall_s": round(full.wall_s, 1),
             "selected_layers_after_refresh": max(r.get("gift/selected_layers", 0) for r in full.records),
             "date": time.strftime("%Y-%m-%d"), "commit": _commit(), "machine": machine()}
+
+
+def _order(key: str) -> tuple[int, int]:
+    """A row's place in the table: `LAYOUTS`' order, then the trainers'."""
+    layout, trainer = key.split("/")
+    return list(LAYOUTS).index(layout), list(CONFIGS).index(trainer)
 
 
 def _all_hops(described: dict[str, Any]) -> list[dict[str, Any]]:
@@ -197,14 +212,14 @@ def machine() -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.layouts8", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.layouts", description=__doc__.splitlines()[0])
     p.add_argument("--only", nargs="*", default=None, help="rows as layout/trainer (default: all)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--kill-resume", action="store_true", help="add the kill-and-resume record to rows that run")
     a = p.parse_args(argv)
     keys = a.only or [f"{layout}/{trainer}" for layout in LAYOUTS for trainer in CONFIGS]
     data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"rows": {}}
-    data["command"] = "python -m bench.layouts8"
+    data["command"] = "python -m bench.layouts"
     with tempfile.TemporaryDirectory() as folder:
         for key in keys:
             layout, trainer = key.split("/")
@@ -214,13 +229,14 @@ def main(argv: list[str] | None = None) -> None:
                     print(f"{key}: no row that runs, no kill-and-resume", flush=True)
                     continue
                 data["rows"][key]["kill_resume"] = kill_resume(layout, trainer, folder)
-                data["kill_resume_command"] = "python -m bench.layouts8 --kill-resume"
+                data["kill_resume_command"] = "python -m bench.layouts --kill-resume"
                 RESULTS.write_text(json.dumps(data, indent=1) + "\n")
                 print(json.dumps(data["rows"][key]["kill_resume"]), flush=True)
                 continue
             data["rows"][key] = {**row(layout, trainer, a.steps, folder), "row_wall_s": round(time.perf_counter() - start),
                                  **({"kill_resume": data["rows"][key]["kill_resume"]}
                                     if "kill_resume" in data["rows"].get(key, {}) else {})}
+            data["rows"] = dict(sorted(data["rows"].items(), key=lambda kv: _order(kv[0])))
             RESULTS.write_text(json.dumps(data, indent=1) + "\n")  # each row as soon as it is measured
             print(json.dumps({k: v for k, v in data["rows"][key].items() if k != "arms"}), flush=True)
 
