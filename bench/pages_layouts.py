@@ -16,7 +16,8 @@ LAYOUTS = Path(__file__).resolve().parent / "results" / "layouts.json"
 def _hops(arm: dict) -> str:
     """Each hop's bytes per step at the last step, `counted of fp32`, per pipeline rank under PP."""
     def one(hops: dict) -> str:
-        return "; ".join(f"{hop} {h['counted'][-1]:.0f} of {h['fp32'][-1]:.0f}" for hop, h in hops.items())
+        return "; ".join(f"{hop} {h['counted'][-1]:.0f} of {h['fp32'][-1]:.0f}" for hop, h in hops.items()
+                         if h["fp32"][-1] or h["counted"][-1])  # DDP: the one-rank shard hop sends nothing
     if "hops_by_pipeline_rank" in arm:
         return "; ".join(f"pp{k}: {one(h)}" for k, h in arm["hops_by_pipeline_rank"].items())
     return one(arm["hops"])
