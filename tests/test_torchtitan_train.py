@@ -115,7 +115,7 @@ def test_gift_graph_trainer_tracks_gift_off(run: Callable[..., RunResult]) -> No
     n, buckets, layers, before, after, base_acct, wire_acct = map(int, m.groups())
     assert (n, buckets, layers) == (4, 4, 20) and before == after
     # what the collectives counted at run time equals the shape-based accounting of the pass
-    assert gift.last("gift/wire_bytes_per_step") == wire_acct
+    assert gift.last("gift/wire_bytes_per_step") == wire_acct == gift.last("gift/accounted_bytes_per_backward")
     assert gift.last("gift/baseline_bytes_per_step") == base_acct
     assert gift.last("gift/collectives_per_step") == 4
     _assert_close(_assert_trains(gift), run("llama3_debug_nogift_graph").losses(), GIFT_TOLERANCE)

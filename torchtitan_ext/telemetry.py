@@ -12,8 +12,9 @@ trainer subclass is involved.
 Every byte figure is the difference of the state's counters between two logged steps, i.e.
 what GIFT's collectives handed over at run time (codes, scales, headers and the unmanaged
 parameters that share their buckets), next to what the replaced collectives would have been
-handed (``baseline``); on FSDP2 ``gift/accounted_bytes_per_backward`` is the shape-based
-accounting of the same reduce-scatters, which the counted figure must equal. Collectives GIFT does not touch (buckets without a managed weight) are
+handed (``baseline``); ``gift/accounted_bytes_per_backward`` is the shape-based
+accounting of the same reduce-scatters (FSDP2: each module's plan as last called; graph_trainer:
+the GIFT pass's report of the step it rewrote), which the counted figure must equal. Collectives GIFT does not touch (buckets without a managed weight) are
 not counted. Under HSDP those figures are the shard hop's (the reduce-scatter), and the
 ``gift/replica_*`` keys (:func:`.hsdp.replica_metrics`) are the replica hop's.
 """
@@ -120,7 +121,9 @@ class GiftMetricsProcessor(MetricsProcessor):
         if state is not None:  # HSDP: the replica hop's own figures (the ones above are the shard hop's)
             gift.update(replica_metrics(state, self.model_parts, self._gift_last, steps, self.config.log_freq))
             accounted = fsdp2.accounted_bytes(self.model_parts)
-            if accounted is not None:  # FSDP2: what the wire counter should grow by per backward
+            if accounted is None:  # graph_trainer: the pass's accounting of the step it rewrote
+                accounted = _graph_accounted_bytes()
+            if accounted is not None:  # what the wire counter should grow by per backward
                 gift["gift/accounted_bytes_per_backward"] = float(accounted)
         extra.update(gift)
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)
@@ -133,6 +136,15 @@ class GiftMetricsProcessor(MetricsProcessor):
     def log_validation(self, loss: float, step: int, extra_metrics: dict[str, Any] | None = None) -> None:
         super().log_validation(loss, step, extra_metrics=extra_metrics)
         self._write({"step": step, "validation_loss": loss, **(extra_metrics or {})})
+
+
+def _graph_accounted_bytes() -> int | None:
+    """graph_trainer: the (shard hop's) shape-based bytes per backward of the last graph the
+    GIFT pass rewrote (the traced training step); None when no graph was rewritten."""
+    from gift_compile.passes import last_reports
+
+    report = next((r for r in reversed(last_reports()) if r.rewritten), None)
+    return None if report is None else report.wire_bytes
 
 
 def _jsonl_paths(name: str, dump_folder: str, parallel_dims: Any, pp_schedule: str) -> list[str]:
