@@ -10,12 +10,13 @@ token dispatcher is not touched (GIFT only replaces FSDP2's reduce-scatter comm)
 
 Three runs, same seed, init and data, ``--gift.unrewritten warn`` (without it GIFT refuses the run
 naming the expert modules: the unit test at the end): GIFT at nvfp4 (a refresh after step 2),
-GIFT at fp32 and GIFT off. nvfp4 must quantize the dense linears (bytes counted at the collective
-== the plans' accounting, fewer than fp32's, a round-trip error > 0), hand GIFT exactly the dense
+GIFT at fp32 and GIFT off (FSDP 2 x TP 2 with EP 2: tests/test_torchtitan_ep_tp.py). nvfp4 must
+quantize the dense linears (bytes counted at the collective == the plans' accounting, fewer than
+fp32's, a round-trip error > 0), hand GIFT exactly the dense
 parameters' fp32 gradients as its baseline (none of the experts'), name each expert module in a
 warning, and stay within the 2-rank tests' loss tolerance of GIFT off; fp32 must reproduce GIFT
-off's losses exactly. Measured 2026-12-05 on 2 shared cores: ~40 s (off), ~70 s (nvfp4), ~65 s
-(fp32); the file ~3 min (``.venv/bin/python -m pytest tests/test_torchtitan_ep.py``).
+off's losses exactly. Measured 2026-12-05 on 2 cores shared with other jobs: the file 150 s at load
+4-8, 170 s at load 12-17 (``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_torchtitan_ep.py``).
 """
 
 from __future__ import annotations
@@ -127,7 +128,8 @@ def test_ep_at_fp32_is_exact_and_matches_gift_off(runs: Callable[[str], RunResul
 
 _EXPERT_GROUP = OutsideGroup(
     modules=("layers.1.moe.routed_experts.inner_experts",), kinds=("GroupedExperts",),
-    params=tuple((f"layers.1.moe.routed_experts.inner_experts.{w}", (4, 64, 64)) for w in ("w1_EFD", "w2_EDF", "w3_EFD")),
+    params=tuple((f"layers.1.moe.routed_experts.inner_experts.{w}", (4, 64, 64))
+                 for w in ("w1_EFD", "w2_EDF", "w3_EFD")),
     group="efsdp", ranks=2)
 
 

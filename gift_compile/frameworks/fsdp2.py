@@ -221,8 +221,8 @@ def refuse_outside(groups: list[OutsideGroup], unrewritten: Unrewritten | str) -
     for g in groups:
         for module, kind in zip(g.modules, g.kinds):
             if g.ranks > 1:
-                logger.warning("GIFT: %s (%s) reduce-scatters over mesh %r (%d ranks) at full precision, not managed: %s "
-                               "(unrewritten='warn')", module, kind, g.group, g.ranks, why)
+                logger.warning("GIFT: %s (%s) reduce-scatters over mesh %r (%d ranks) at full precision, not "
+                               "managed: %s (unrewritten='warn')", module, kind, g.group, g.ranks, why)
             else:
                 logger.info("GIFT: %s (%s) is sharded over mesh %r (one rank): its gradient crosses no rank, "
                             "nothing to compress", module, kind, g.group)
