@@ -10,7 +10,7 @@ token dispatcher is not touched (GIFT only replaces FSDP2's reduce-scatter comm)
 
 Three runs, same seed, init and data, ``--gift.unrewritten warn`` (without it GIFT refuses the run
 naming the expert modules: the unit test at the end): GIFT at nvfp4 (a refresh after step 2),
-GIFT at fp32 and GIFT off (FSDP 2 x TP 2 with EP 2: tests/test_torchtitan_ep_tp.py). nvfp4 must
+GIFT at fp32 and GIFT off (EP with TP or PP: tests/test_torchtitan_ep_layouts.py). nvfp4 must
 quantize the dense linears (bytes counted at the collective == the plans' accounting, fewer than
 fp32's, a round-trip error > 0), hand GIFT exactly the dense
 parameters' fp32 gradients as its baseline (none of the experts'), name each expert module in a
