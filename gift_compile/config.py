@@ -69,7 +69,8 @@ class SelectRule(Choice):
 
 
 class Unrewritten(Choice):
-    """`GiftConfig.unrewritten`: a managed gradient the pass did not rewrite raises, or warns once."""
+    """`GiftConfig.unrewritten`: a managed gradient the pass did not rewrite (or an FSDP2 parameter
+    group outside GIFT's process group) raises, or warns once."""
 
     ERROR = "error"
     WARN = "warn"
@@ -256,7 +257,10 @@ class GiftConfig:
         unrewritten: what a managed gradient does when it reaches GIFT's `gift::mark` op
             without the pass having rewritten its collective (a backend without Inductor's
             post-grad hooks, a pass that did not run): "error" raises, "warn" logs once per
-            layer and lets the gradient travel at full precision.
+            layer and lets the gradient travel at full precision. The same for parameters GIFT
+            cannot carry on FSDP2: a parameter group of a per-parameter mesh other than GIFT's
+            group (torchtitan's routed experts under expert parallelism) raises naming its
+            modules, or with "warn" is logged per module and left on FSDP2's own reduce-scatter.
         reselect_every: a measured selection (`select="auto"`, `"boundary_hits:K"`) is decided
             at the first refresh and then kept; with N > 0 it is decided again every N-th
             refresh. Between decisions `select="auto"` still measures its selected layers at

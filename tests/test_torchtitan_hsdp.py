@@ -120,7 +120,8 @@ def test_graph_hsdp_rewrites_both_hops_at_their_formats_and_tracks_fp32(runs: Ca
     ("fsdp2", {"pp": 2, "cp": 2}, r"; context \(other than FSDP x CP\) parallelism is on .*TP or PP"),
     ("graph", {"cp": 2, "dp_replicate": 2}, r"context \(other .* parallelism is on .*dp_replicate x dp_shard x cp"),
     ("fsdp2", {"cp": 2, "tp": 2}, r"context \(other than FSDP x CP\) parallelism is on .*TP or PP"),
-    ("fsdp2", {"ep": 2}, "expert parallelism is on .*several parameter groups"),
+    ("graph", {"ep": 2}, "expert on graph_trainer parallelism is on .*graph path has not been built"),
+    ("fsdp2", {"ep": 2, "dp_replicate": 2}, "expert with .* parallelism is on .*set_all_reduce_hook refuses"),
     ("fsdp2", {"dp_shard": 1}, "needs more than one data-parallel rank: FSDP2 copies a one-rank shard's gradient"),
 ])
 def test_layouts_gift_does_not_run_are_refused_by_name(trainer: str, dims: dict[str, int], names: str) -> None:

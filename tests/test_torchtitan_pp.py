@@ -164,13 +164,13 @@ def test_statistics_paused_keeps_shape_inference_out_of_the_statistics() -> None
 
 @pytest.mark.parametrize("trainer,dims,names", [
     ("graph", {"pp": 2}, "pipeline on graph_trainer parallelism is on .*only on its whole-step trace.*GraphPP"),
-    ("fsdp2", {"pp": 2, "ep": 2}, "expert parallelism is on"),
+    ("fsdp2", {"pp": 2, "ep": 2, "dp_replicate": 2}, "expert with data-replicate or context parallelism is on"),
 ])
 def test_pipeline_refusals_name_the_reason(trainer: str, dims: dict[str, int], names: str) -> None:
     parallel_dims = SimpleNamespace(**{"tp": 1, "cp": 1, "pp": 1, "ep": 1, "dp_replicate": 1, "dp_shard": 2, **dims})
     with pytest.raises(ValueError, match=names) as err:
         data_parallel_group(parallel_dims, trainer)
-    assert ("pipeline" in str(err.value)) is (trainer == "graph")
+    assert ("pipeline on graph_trainer" in str(err.value)) is (trainer == "graph")
 
 
 def test_pipeline_without_data_parallelism_is_refused() -> None:

@@ -10,12 +10,16 @@ llama3_debug_gift_graph     graph_trainer: SimpleFSDP + aot_fx_trace         on
 llama3_debug_nogift_graph   graph_trainer: SimpleFSDP + aot_fx_trace         off
 llama3_debug_gift_fsdp2     stock trainer, FSDP2 ``fully_shard``             on
 llama3_debug_nogift_fsdp2   stock trainer, FSDP2 ``fully_shard``             off
+moe_debug_gift_fsdp2        stock trainer, FSDP2, MoE (expert parallelism)   on
+moe_debug_nogift_fsdp2      stock trainer, FSDP2, MoE (expert parallelism)   off
 ==========================  ==============================================  ==========
 
 All four train the ``gift_debug`` Llama3 (see :mod:`.models`) on the embedded Shakespeare
 corpus with its 4096-token BPE tokenizer, so no download is needed. GIFT-off and GIFT-on
 variants of a trainer differ only in ``gift.enable`` (same seed, data order, init), so
-their losses are directly comparable. Both graph configs select the ``gift`` pass
+their losses are directly comparable. The two ``moe_debug`` configs train the ``gift_moe_debug``
+DeepSeek-V3 MoE (see :mod:`.models`) the same way; set
+``--parallelism.expert-parallel-degree`` for expert parallelism. Both graph configs select the ``gift`` pass
 pipeline, which is the default pipeline plus the GIFT rewrite when ``gift.enable``.
 On a machine without an accelerator, :mod:`.cpu_compat` adds its config-level choices.
 """
@@ -40,7 +44,7 @@ from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 
 from .checkpoint import GiftCheckpointManager
 from .data import corpus_paths
-from .models import gift_model_spec
+from .models import gift_model_spec, gift_moe_model_spec
 from .pipeline import GIFT_PASS_PIPELINE
 from .section import GiftSection
 from .telemetry import GiftMetricsProcessor
@@ -51,17 +55,21 @@ __all__ = [
     "llama3_debug_gift_graph",
     "llama3_debug_nogift_fsdp2",
     "llama3_debug_nogift_graph",
+    "moe_debug_gift_fsdp2",
+    "moe_debug_nogift_fsdp2",
 ]
 
 _FLAVOR = "gift_debug"
+_MOE_FLAVOR = "gift_moe_debug"
 
 
-def _stock_config(*, gift: bool) -> GiftTrainerConfig:
-    model_spec = gift_model_spec(_FLAVOR, attn_backend=cpu_compat.attention_backend(), graph_trainer=False)
+def _stock_config(*, gift: bool, moe: bool = False) -> GiftTrainerConfig:
+    model_spec = (gift_moe_model_spec(_MOE_FLAVOR, attn_backend=cpu_compat.attention_backend()) if moe else
+                  gift_model_spec(_FLAVOR, attn_backend=cpu_compat.attention_backend(), graph_trainer=False))
     config = GiftTrainerConfig(
         model_spec=model_spec,
         hf_assets_path=str(corpus_paths().tokenizer_dir),
-        dump_folder="./outputs/gift_debug",
+        dump_folder=f"./outputs/{_MOE_FLAVOR if moe else _FLAVOR}",
         loss=CrossEntropyLoss.Config(global_vocab_size=model_spec.model.vocab_size),
         optimizer=default_adamw(lr=2e-3),
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=5, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.1),
@@ -114,3 +122,13 @@ def llama3_debug_gift_fsdp2() -> GiftTrainerConfig:
 def llama3_debug_nogift_fsdp2() -> GiftTrainerConfig:
     """Stock trainer with FSDP2, fp32 reduce-scatters (the GIFT-off reference)."""
     return _stock_config(gift=False)
+
+
+def moe_debug_gift_fsdp2() -> GiftTrainerConfig:
+    """Stock trainer with FSDP2 on the ``gift_moe_debug`` MoE; GIFT on its dense linears."""
+    return _stock_config(gift=True, moe=True)
+
+
+def moe_debug_nogift_fsdp2() -> GiftTrainerConfig:
+    """Stock trainer with FSDP2 on the ``gift_moe_debug`` MoE, fp32 reduce-scatters (GIFT off)."""
+    return _stock_config(gift=False, moe=True)

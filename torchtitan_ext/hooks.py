@@ -48,7 +48,17 @@ _UNSUPPORTED_WHY = {
               "its GraphPP schedule runs stage-local graphs (FSDP's reduce-scatters split into a reduce-grad "
               "graph) built with graph_trainer's default compile-time passes, so GIFT's marks would be inert and "
               "every gradient would travel at fp32; use the FSDP2 trainer (GIFT per stage)",
-    "expert": "FSDP2 refuses custom reduce-scatters and all-reduce hooks for modules with several parameter groups",
+    "expert on graph_trainer": "GIFT's graph path has not been built for expert parallelism: SimpleFSDP "
+              "wraps the routed experts on the efsdp mesh, whose bucketed reduce-scatters the gift pass would have "
+              "to tell from the fsdp mesh's and leave alone, and no graph_trainer MoE config is registered or run "
+              "here; use the FSDP2 trainer (GIFT on the dense layers, experts at full precision)",
+    "expert with data-replicate or context": "GIFT with expert parallelism has "
+              "been built and run on the FSDP2 trainer with FSDP, FSDP x TP and PP x FSDP; with "
+              "replicas the MoE blocks' dense group would need GIFT's HSDP replica hook, which FSDP2's "
+              "set_all_reduce_hook refuses for modules with several parameter groups (per-parameter mesh; a "
+              "fenced per-group write like the reduce-scatter's is not built); with CP the layout has not been "
+              "run with GIFT (this repo's MoE model does not run EP x CP on CPU without GIFT either: torchtitan "
+              "0.3.0 stops with 'aten.add.Tensor got mixed torch.Tensor and DTensor')",
     "data-replicate without sharding (DDP) on graph_trainer": "SimpleFSDP then traces only a replica "
               "all-reduce of each full gradient, which the pass rewrites only as HSDP's second hop after a "
               "shard reduce-scatter; use data_parallel_shard_degree > 1 (HSDP) or the FSDP2 trainer",
@@ -65,13 +75,21 @@ def data_parallel_group(parallel_dims: Any, trainer: str = "graph") -> dist.Proc
     ``dp_replicate`` group; 8-rank runs in `bench.layouts`). With context parallelism
     (both trainers) torchtitan's FSDP group is dp_shard x cp, the ranks FSDP2 or SimpleFSDP
     reduce-scatters over: the K-FAC statistics, sums over tokens, then add each CP rank's slice of every
-    sequence to the others'. Other layouts are refused by name."""
+    sequence to the others'. With expert parallelism (FSDP2 trainer: FSDP, FSDP x TP, PP x FSDP) it
+    is the fsdp mesh's group too: EP borrows its ranks from dp_shard x tp, the dense parameters (every block's
+    attention, router and shared experts, the dense blocks, embeddings and head) reduce-scatter
+    over the fsdp mesh, and only the routed experts over the smaller efsdp mesh, which GIFT leaves
+    on FSDP2's own reduce-scatter (`gift_compile.frameworks.fsdp2.refuse_outside`). Other layouts
+    are refused by name."""
     ddp_on_graph = trainer != "fsdp2" and parallel_dims.dp_replicate > 1 and parallel_dims.dp_shard <= 1
     others = {
         "context (other than FSDP x CP)": parallel_dims.cp if (
             parallel_dims.dp_replicate > 1 or parallel_dims.tp > 1 or parallel_dims.pp > 1) else 1,
         "pipeline on graph_trainer": parallel_dims.pp if trainer != "fsdp2" else 1,
-        "expert": parallel_dims.ep,
+        "expert on graph_trainer": parallel_dims.ep if trainer != "fsdp2" else 1,
+        "expert with data-replicate or context": parallel_dims.ep if trainer == "fsdp2" and (
+            parallel_dims.dp_replicate > 1 or parallel_dims.cp > 1)
+        else 1,
         "data-replicate without sharding (DDP) on graph_trainer": 2 if ddp_on_graph else 1,
     }
     unsupported = [name for name, degree in others.items() if degree > 1]
@@ -125,6 +143,10 @@ def gift_post_optimizer_build(optimizers: Any, model_parts: list[nn.Module], par
     world = dist.get_world_size(group)
     config = gift_config(section, optimizers, model, group)
     if trainer == "fsdp2":
+        if parallel_dims.ep > 1:
+            # the group the dense parameter groups reduce-scatter over must be GIFT's state group
+            # (raises otherwise); the routed experts' efsdp groups stay FSDP2's (refused or logged)
+            fsdp2.shard_group(model, group)
         state = manage(model, config, group, mode=ManageMode.STATS, split_rows=True)
         fsdp2.install(model, state, compiled=section.fuse)
         replicas = hsdp.replica_group(parallel_dims)

@@ -128,7 +128,8 @@ class GiftSection:
     """select=auto: maximum transform FLOPs as a fraction of the layer's backward."""
 
     unrewritten: str = _DEFAULTS.unrewritten
-    """A managed gradient the pass cannot rewrite: error | warn (then it goes at full precision)."""
+    """A managed gradient the pass cannot rewrite, or (FSDP2, expert parallelism) routed experts on
+    another mesh than GIFT's: error | warn (then it goes at full precision)."""
 
     plan_check: str = _DEFAULTS.plan_check
     """Cross-rank plan check of eager (FSDP2) collectives: first | always (debug)."""

@@ -16,7 +16,9 @@ handed (``baseline``); ``gift/accounted_bytes_per_backward`` is the shape-based
 accounting of the same reduce-scatters (FSDP2: each module's plan as last called; graph_trainer:
 the GIFT pass's report of the step it rewrote), which the counted figure must equal. Collectives GIFT does not touch (buckets without a managed weight) are
 not counted. Under HSDP those figures are the shard hop's (the reduce-scatter), and the
-``gift/replica_*`` keys (:func:`.hsdp.replica_metrics`) are the replica hop's.
+``gift/replica_*`` keys (:func:`.hsdp.replica_metrics`) are the replica hop's. With expert
+parallelism ``gift/full_precision_params`` counts the parameters (the routed experts) that
+reduce-scatter over another mesh on FSDP2's own reduce-scatter, outside every figure above.
 """
 
 from __future__ import annotations
@@ -125,6 +127,9 @@ class GiftMetricsProcessor(MetricsProcessor):
                 accounted = _graph_accounted_bytes()
             if accounted is not None:  # what the wire counter should grow by per backward
                 gift["gift/accounted_bytes_per_backward"] = float(accounted)
+            outside = fsdp2.full_precision_params(self.model_parts)
+            if outside:  # FSDP2 with a per-parameter mesh (expert parallelism): FSDP2's own reduce-scatter
+                gift["gift/full_precision_params"] = float(outside)
         extra.update(gift)
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)
         # Per-layer entries (gift/<metric>/<layer>) go to the loggers and the JSONL only.

@@ -18,14 +18,25 @@ rewritten by the pass) runs the same functions on the same layout.
 `install` also asks FSDP2 to reduce-scatter unused parameters (zeros,
 `set_reduce_scatter_unused_params`), so every call holds every parameter that requires a
 gradient and the layout always maps; a buffer that does not match raises.
+
+A module sharded on a per-parameter mesh (torchtitan's MoE blocks under expert parallelism:
+routed experts on the ``efsdp`` mesh, attention, router and shared experts on the ``fsdp``
+mesh) has one parameter group per mesh. GIFT's state spans one process group (the one every
+FSDP module reduce-scatters over, `shard_group`), so `install` puts `GiftReduceScatter` on that
+group of such a module only (`fsdp_internals.set_group_reduce_scatter`) and leaves the others on
+FSDP2's own reduce-scatter, at full precision. That is never silent: `outside_gift` lists them,
+and under ``unrewritten="error"`` (the default) `install` raises naming their modules, under
+``"warn"`` it logs one line per module. A group over one rank carries no gradient collective
+(FSDP2 copies its gradient), so it is only logged.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -35,19 +46,21 @@ from torch.distributed.fsdp import FSDPModule
 from gift_compile.exchange.collectives import Segment, bucket_plan, bucket_wire_bytes, sync_buffer
 from gift_compile.exchange.plan import BucketPlan, Collective
 from gift_compile.frameworks.fsdp_internals import (
-    DefaultReduceScatter, ReduceScatter, check_torch, custom_reduce_scatter, fsdp_modules, packed_params,
-    shard_process_group,
+    DefaultReduceScatter, ReduceScatter, check_torch, custom_reduce_scatter, fsdp_modules, packed_params, same_group,
+    set_group_reduce_scatter, shard_mesh_dims, shard_process_groups,
 )
-from gift_compile.config import GiftConfig
+from gift_compile.config import GiftConfig, Unrewritten
 from gift_compile.frameworks.adapter import attach, attached
-from gift_compile.frameworks.parts import Parts
+from gift_compile.frameworks.parts import Parts, model_parts
 from gift_compile.frameworks.routing import ManageMode, manage
 from gift_compile.runtime.health import queue_backward_check
 from gift_compile.runtime.state import GiftState
 from gift_compile.runtime.telemetry import CommTimer
 
-__all__ = ["FSDP2", "GiftReduceScatter", "accounted_bytes", "discarded_gradients", "discarding", "install",
-           "shard_group", "uninstall"]
+__all__ = ["FSDP2", "GiftReduceScatter", "OutsideGroup", "accounted_bytes", "discarded_gradients", "discarding",
+           "full_precision_params", "install", "outside_gift", "refuse_outside", "shard_group", "uninstall"]
+
+logger = logging.getLogger(__name__)
 
 
 # How many `discarded_gradients` contexts are open.
@@ -81,8 +94,10 @@ def discarding() -> bool:
 class GiftReduceScatter(ReduceScatter):
     """FSDP2 custom reduce-scatter of one FSDP module (see the module docstring)."""
 
-    def __init__(self, module: FSDPModule, state: GiftState, timer: CommTimer, compiled: bool) -> None:
+    def __init__(self, module: FSDPModule, state: GiftState, timer: CommTimer, compiled: bool,
+                 over: dist.ProcessGroup | None = None) -> None:
         self.module = module
+        self.over = over  # the process group of the module's parameter group this comm serves (None: its only one)
         self.state = state
         self.timer = timer
         self.compiled = compiled
@@ -96,7 +111,7 @@ class GiftReduceScatter(ReduceScatter):
         """Every parameter FSDP2 packs in this call (those requiring a gradient, in FSDP2's
         order) as a segment of its per-rank rows: managed weights with their layer's plan."""
         out = []
-        for p in packed_params(self.module):
+        for p in packed_params(self.module, self.over):
             layer = getattr(p.module, "_gift_layer", None) if p.param_name == "weight" else None
             if layer is not None and (not p.dim0 or p.cols != layer.shape[1]):
                 layer = None
@@ -137,16 +152,80 @@ class GiftReduceScatter(ReduceScatter):
 
 
 def shard_group(model: Parts, group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    """The process group FSDP2 reduce-scatters over (must be one for the whole model, all of
-    its parts)."""
+    """The process group FSDP2 reduce-scatters over: the one every FSDP module of the whole
+    model (all of its parts) has a parameter group on (a module with a per-parameter mesh has
+    others besides, which GIFT leaves alone: `outside_gift`)."""
     check_torch()
-    groups = {shard_process_group(m) for m in fsdp_modules(model)}
-    if len(groups) != 1:
-        raise ValueError(f"gift_compile: FSDP2 model reduce-scatters over {len(groups)} process groups; GIFT needs one")
-    (pg,) = groups
-    if group is not None and group is not dist.group.WORLD and group is not pg:
+    common: list[dist.ProcessGroup] | None = None
+    for module in fsdp_modules(model):
+        groups = shard_process_groups(module)
+        common = groups if common is None else [g for g in common if any(same_group(g, h) for h in groups)]
+    if not common or len(common) != 1:
+        raise ValueError(f"gift_compile: FSDP2 model reduce-scatters over {len(common or [])} process groups common "
+                         "to all of its FSDP modules; GIFT needs one")
+    (pg,) = common
+    if group is not None and group is not dist.group.WORLD and not same_group(group, pg):
         raise ValueError("gift_compile.apply: group= differs from the process group FSDP2 reduce-scatters over")
     return pg
+
+
+class OutsideGroup(NamedTuple):
+    """A parameter group of an FSDP module that reduce-scatters over another process group than
+    GIFT's (a per-parameter mesh: torchtitan's routed experts under expert parallelism)."""
+
+    modules: tuple[str, ...]  # the owning modules' names (from the root)
+    kinds: tuple[str, ...]  # their classes
+    params: tuple[tuple[str, tuple[int, ...]], ...]  # the parameters' names (from the root), unsharded shapes
+    group: str  # the process group: its mesh dimensions' names (else the group's name)
+    ranks: int  # its size (1: FSDP2 copies the gradient, no collective)
+
+
+def outside_gift(model: Parts, pg: dist.ProcessGroup) -> list[OutsideGroup]:
+    """Every FSDP parameter group of `model` that does not reduce-scatter over ``pg`` (GIFT's
+    group), so runs FSDP2's own reduce-scatter at full precision."""
+    names = {id(m): n for part in model_parts(model) for n, m in part.named_modules()}
+    out = []
+    for module in fsdp_modules(model):
+        for other in shard_process_groups(module):
+            if same_group(other, pg):
+                continue
+            params = packed_params(module, other)
+            owners: dict[str, str] = {}
+            fqns = []
+            for p in params:
+                owner = names.get(id(p.module), p.fqn.rpartition(".")[0])
+                owners.setdefault(owner, type(p.module).__name__)
+                fqns.append((f"{owner}.{p.param_name}" if owner else p.param_name, p.shape))
+            mesh = "x".join(shard_mesh_dims(module, other)) or other.group_name
+            out.append(OutsideGroup(tuple(owners), tuple(owners.values()), tuple(fqns), mesh, other.size()))
+    return out
+
+
+def refuse_outside(groups: list[OutsideGroup], unrewritten: Unrewritten | str) -> None:
+    """Raise (``unrewritten="error"``) naming the modules whose gradients `groups` carry at full
+    precision past GIFT, or log one line per module (``"warn"``; a one-rank group, which sends
+    nothing, is only logged)."""
+    mode = Unrewritten.parse(unrewritten, "unrewritten")
+    crossing = [g for g in groups if g.ranks > 1]
+    why = ("FSDP2 shards them on another mesh than GIFT's group (per-parameter mesh: fully_shard's "
+           "shard_placement_fn), so they reduce-scatter in a parameter group of their own, which GIFT leaves on "
+           "FSDP2's own reduce-scatter (GIFT's statistics, transforms and selection span one group)")
+    if any(len(shape) > 2 for g in crossing for _, shape in g.params):
+        why += ("; and GIFT's matrices are 2-D linear weights with statistics of their inputs, while a grouped-GEMM "
+                "expert weight is one 3-D tensor for a rank's experts, each fed only its routed tokens")
+    if crossing and mode is Unrewritten.ERROR:
+        names = "; ".join(f"{', '.join(f'{m} ({k})' for m, k in zip(g.modules, g.kinds))} over mesh {g.group!r} "
+                          f"({g.ranks} ranks)" for g in crossing)
+        raise ValueError(f"GIFT: the gradients of {names} would travel at full precision: {why}. Set "
+                         "unrewritten='warn' (torchtitan: --gift.unrewritten warn) to run with them at full precision")
+    for g in groups:
+        for module, kind in zip(g.modules, g.kinds):
+            if g.ranks > 1:
+                logger.warning("GIFT: %s (%s) reduce-scatters over mesh %r (%d ranks) at full precision, not "
+                               "managed: %s (unrewritten='warn')", module, kind, g.group, g.ranks, why)
+            else:
+                logger.info("GIFT: %s (%s) is sharded over mesh %r (one rank): its gradient crosses no rank, "
+                            "nothing to compress", module, kind, g.group)
 
 
 def install(model: Parts, state: GiftState, *, compiled: bool = True) -> CommTimer:
@@ -156,29 +235,70 @@ def install(model: Parts, state: GiftState, *, compiled: bool = True) -> CommTim
     Forces FSDP2's SUM reduction (FSDP2 then applies its gradient divide factor itself) and
     the reduce-scatter of unused parameters, so every buffer maps onto the parameters. The
     timer is kept in the state's per-adapter slot (the FSDP2 adapter's telemetry reads it).
+    A module with several parameter groups (a per-parameter mesh) gets GIFT's reduce-scatter on
+    its group over `shard_group` only; the others are refused or logged by `refuse_outside`
+    (``state.config.unrewritten``), and a managed weight in one of them always raises.
     """
     check_torch()
+    pg = shard_group(model, None)
+    outside = outside_gift(model, pg)
+    managed_outside = [p.fqn for module in fsdp_modules(model) for other in shard_process_groups(module)
+                       if not same_group(other, pg) for p in packed_params(module, other)
+                       if p.param_name == "weight" and getattr(p.module, "_gift_layer", None) is not None]
+    if managed_outside:
+        raise ValueError(f"GIFT: managed weights {managed_outside} reduce-scatter over another process group than "
+                         f"GIFT's ({pg.group_name!r}); exclude them (GiftConfig.exclude)")
+    refuse_outside(outside, state.config.unrewritten)
     timer = CommTimer()
     for module in fsdp_modules(model):
         module.set_force_sum_reduction_for_comms(True)
         module.set_reduce_scatter_unused_params(True)
-        module.set_custom_reduce_scatter(GiftReduceScatter(module, state, timer, compiled))
+        several = len(shard_process_groups(module)) > 1
+        set_group_reduce_scatter(module, pg, GiftReduceScatter(module, state, timer, compiled, pg if several else None))
     attach(state, FSDP2.name, timer)
     return timer
 
 
 def uninstall(model: Parts) -> None:
-    """FSDP2's default reduce-scatter back on every FSDP module of `model`."""
+    """FSDP2's default reduce-scatter back on every FSDP module of `model` (on each parameter
+    group GIFT's reduce-scatter runs on)."""
     for module in fsdp_modules(model):
-        module.set_custom_reduce_scatter(DefaultReduceScatter())
+        for pg in shard_process_groups(module):
+            if isinstance(custom_reduce_scatter(module, pg if len(shard_process_groups(module)) > 1 else None),
+                          GiftReduceScatter):
+                set_group_reduce_scatter(module, pg, DefaultReduceScatter())
+
+
+def full_precision_params(model: Parts) -> int | None:
+    """How many parameters of `model` reduce-scatter over more than one rank outside GIFT, in a
+    parameter group whose module has another group on GIFT's reduce-scatter (`outside_gift`:
+    torchtitan's routed experts under expert parallelism); None when GIFT is not installed."""
+    comms = _gift_comms(model)
+    if not comms:
+        return None
+    modules = {id(c.module) for c in comms if c.over is not None}
+    return sum(len(packed_params(m, pg)) for m in fsdp_modules(model) if id(m) in modules
+               for pg in shard_process_groups(m) if pg.size() > 1
+               and not isinstance(custom_reduce_scatter(m, pg), GiftReduceScatter))
+
+
+def _gift_comms(model: Parts) -> list[GiftReduceScatter]:
+    """The GIFT reduce-scatters installed on `model`'s parameter groups."""
+    out = []
+    for module in fsdp_modules(model):
+        groups = shard_process_groups(module)
+        for pg in groups:
+            comm = custom_reduce_scatter(module, pg if len(groups) > 1 else None)
+            if isinstance(comm, GiftReduceScatter):
+                out.append(comm)
+    return out
 
 
 def accounted_bytes(model: Parts) -> int | None:
     """Shape-based bytes one rank hands to GIFT's reduce-scatters per synchronising backward
     (`bucket_wire_bytes` of each module's plan as last called, over all parts), to compare with the bytes the
     collectives counted; None before GIFT's reduce-scatter ran (or when it is not installed)."""
-    comms = {id(c): c for c in (custom_reduce_scatter(m) for m in fsdp_modules(model))
-             if isinstance(c, GiftReduceScatter) and c.last_call is not None}
+    comms = {id(c): c for c in _gift_comms(model) if c.last_call is not None}
     if not comms:
         return None
     return sum(bucket_wire_bytes(c.plan(*c.last_call)) for c in comms.values())

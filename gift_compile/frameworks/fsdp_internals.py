@@ -5,7 +5,15 @@ FSDP2 has public switches for everything GIFT sets (`FSDPModule.set_custom_reduc
 `set_requires_gradient_sync`), but not for what GIFT must read to map the reduce-scatter
 buffer onto parameters: each FSDP module's parameter group, its parameters' padded shard
 sizes, placements and owning modules, and the process group it reduce-scatters over; nor for
-the `ReduceScatter` interface a custom comm implements. Those are private and may change
+the `ReduceScatter` interface a custom comm implements.
+
+A module sharded with a per-parameter mesh (``fully_shard(..., shard_placement_fn=...)``
+returning a `ShardPlacementResult`: torchtitan's MoE blocks under expert parallelism, routed
+experts on the ``efsdp`` mesh, the rest on the ``fsdp`` mesh) has one parameter group per mesh,
+and FSDP2's public setters refuse custom comms for it ("not supported with multiple param
+groups"). Every reader here therefore takes ``over``: the process group whose parameter group
+is meant (None: the module's only one), and `set_group_reduce_scatter` puts a comm on exactly
+that group, the one write GIFT makes past the public API. Those are private and may change
 between releases, so they are read only here, and only on a torch GIFT was tested with
 (`TESTED_TORCH`); another version raises naming it before anything is installed.
 """
@@ -27,7 +35,8 @@ from gift_compile.torch_release import require_tested_torch
 
 __all__ = ["DefaultReduceScatter", "PackedParam", "ReduceScatter", "TESTED_TORCH", "all_reduce_hook", "check_torch",
            "custom_reduce_scatter", "fsdp_modules", "gradient_divide_factor", "is_native_hsdp", "packed_params",
-           "param_group_id", "shard_process_group"]
+           "param_group_id", "same_group", "set_group_reduce_scatter", "shard_mesh_dims", "shard_process_group",
+           "shard_process_groups"]
 
 # (major, minor) releases whose FSDP2 internals match what this module reads.
 TESTED_TORCH = ((2, 13), (2, 14))
@@ -48,30 +57,93 @@ class PackedParam(NamedTuple):
     module: nn.Module  # the module owning the parameter
     param_name: str  # its name on that module
     dim0: bool  # sharded along dim 0 (the only placement GIFT's row blocks map onto)
+    shape: tuple[int, ...] = ()  # the unsharded parameter's shape
 
 
-def _param_group(module: FSDPModule) -> Any | None:
-    return module._get_fsdp_state()._fsdp_param_group
+def _param_groups(module: FSDPModule) -> list[Any]:
+    """`module`'s parameter groups (one per mesh; torch >= 2.13 keeps them in a list)."""
+    groups = module._get_fsdp_state()._fsdp_param_groups
+    if not isinstance(groups, list):
+        raise RuntimeError(f"gift_compile: FSDP2's _fsdp_param_groups is a {type(groups).__name__}, not the list "
+                           f"torch {TESTED_TORCH} keep; GIFT's FSDP2 hook does not know this torch")
+    return groups
+
+
+def same_group(a: dist.ProcessGroup, b: dist.ProcessGroup) -> bool:
+    """Whether two process group handles are the same group (DeviceMesh may hand out
+    distinct handles of one group)."""
+    return a is b or a.group_name == b.group_name
+
+
+def _param_group(module: FSDPModule, over: dist.ProcessGroup | None = None) -> Any:
+    """`module`'s parameter group: its only one (``over`` None), or the one reduce-scattering
+    over ``over`` (a module with a per-parameter mesh has several)."""
+    groups = _param_groups(module)
+    if over is None:
+        if len(groups) != 1:
+            raise ValueError(f"gift_compile: FSDP module {type(module).__name__} has {len(groups)} parameter groups; "
+                             "name the process group of the one meant")
+        return groups[0]
+    found = [g for g in groups if same_group(g.mesh_info.shard_process_group, over)]
+    if len(found) != 1:
+        raise ValueError(f"gift_compile: FSDP module {type(module).__name__} has {len(found)} parameter groups "
+                         f"reduce-scattering over process group {over.group_name!r} (of {len(groups)}); expected one")
+    return found[0]
 
 
 def fsdp_modules(model: Parts) -> list[FSDPModule]:
     """The FSDP modules of `model` (of each of its parts: the pipeline stages a rank holds)
-    that own parameters (have a parameter group)."""
+    that own parameters (have at least one parameter group)."""
     return [m for part in model_parts(model) for m in part.modules()
-            if isinstance(m, FSDPModule) and _param_group(m) is not None]
+            if isinstance(m, FSDPModule) and _param_groups(m)]
 
 
-def packed_params(module: FSDPModule) -> list[PackedParam]:
-    """The parameters FSDP2 packs in `module`'s reduce-scatter (those requiring a gradient,
-    in FSDP2's order)."""
+def shard_process_groups(module: FSDPModule) -> list[dist.ProcessGroup]:
+    """The process group each parameter group of `module` reduce-scatters over (one entry per
+    group, FSDP2's order; several with a per-parameter mesh)."""
+    return [g.mesh_info.shard_process_group for g in _param_groups(module)]
+
+
+def shard_mesh_dims(module: FSDPModule, over: dist.ProcessGroup | None = None) -> tuple[str, ...]:
+    """The names of the mesh dimensions `module`'s parameter group over ``over`` (None: its only
+    one) is sharded on (empty when the mesh has no names)."""
+    return tuple(_param_group(module, over).mesh_info.mesh.mesh_dim_names or ())
+
+
+def set_group_reduce_scatter(module: FSDPModule, over: dist.ProcessGroup, comm: ReduceScatter) -> None:
+    """Put `comm` on the parameter group of `module` that reduce-scatters over ``over``, and only
+    on it (the module's other groups keep theirs).
+
+    `FSDPModule.set_custom_reduce_scatter` does exactly this assignment for every group, but
+    refuses a module with several groups (its comm would be ambiguous across meshes); naming
+    the group removes the ambiguity. A module with one group goes through the public setter.
+    """
+    if len(_param_groups(module)) == 1:
+        if not same_group(shard_process_group(module), over):
+            raise ValueError(f"gift_compile: FSDP module {type(module).__name__} reduce-scatters over "
+                             f"{shard_process_group(module).group_name!r}, not {over.group_name!r}")
+        module.set_custom_reduce_scatter(comm)
+        return
+    group = _param_group(module, over)
+    if not isinstance(getattr(group, "_reduce_scatter_comm", None), ReduceScatter):
+        raise RuntimeError("gift_compile: FSDP2's parameter group has no _reduce_scatter_comm (the slot "
+                           f"set_custom_reduce_scatter writes in torch {TESTED_TORCH}); GIFT's FSDP2 hook does "
+                           "not know this torch")
+    group._reduce_scatter_comm = comm
+
+
+def packed_params(module: FSDPModule, over: dist.ProcessGroup | None = None) -> list[PackedParam]:
+    """The parameters FSDP2 packs in the reduce-scatter of `module`'s parameter group over
+    ``over`` (None: its only one): those requiring a gradient, in FSDP2's order."""
     out = []
-    for fsdp_param in _param_group(module).fsdp_params:
+    for fsdp_param in _param_group(module, over).fsdp_params:
         if not fsdp_param.sharded_param.requires_grad:
             continue
         size = fsdp_param.padded_sharded_param_size
         info = fsdp_param._module_info
         out.append(PackedParam(fsdp_param._param_fqn or info.param_name, int(size[0]), int(math.prod(size[1:])),
-                               info.module, info.param_name, fsdp_param.fsdp_placement.dim == 0))
+                               info.module, info.param_name, fsdp_param.fsdp_placement.dim == 0,
+                               tuple(fsdp_param._orig_size)))
     return out
 
 
@@ -91,9 +163,10 @@ def is_native_hsdp(module: FSDPModule) -> bool:
     return bool(_param_group(module)._is_hsdp)
 
 
-def custom_reduce_scatter(module: FSDPModule) -> Any:
-    """The reduce-scatter comm `module` currently runs (set by `set_custom_reduce_scatter`)."""
-    return _param_group(module)._reduce_scatter_comm
+def custom_reduce_scatter(module: FSDPModule, over: dist.ProcessGroup | None = None) -> Any:
+    """The reduce-scatter comm `module`'s parameter group over ``over`` (None: its only one)
+    currently runs (set by `set_custom_reduce_scatter` / `set_group_reduce_scatter`)."""
+    return _param_group(module, over)._reduce_scatter_comm
 
 
 def all_reduce_hook(module: FSDPModule) -> Any | None:

@@ -1,0 +1,101 @@
+"""Expert parallelism with tensor or pipeline parallelism and FSDP, GIFT on the stock FSDP2
+trainer, 4 gloo ranks.
+
+The layout of tests/test_torchtitan_ep.py (see its docstring: GIFT on every FSDP module's fsdp
+parameter group, the routed experts on FSDP2's own reduce-scatter over efsdp) with
+
+- FSDP 2 x TP 2, EP 2 (torchtitan's efsdp mesh is dp_shard x tp / ep = 2 ranks): each TP rank's
+  attention and shared-expert block is its own GIFT matrix, as in tests/test_torchtitan_tp.py.
+  The TP-halved blocks of this tiny model have 2048-3072 elements, under the default
+  ``min_numel`` 4096, so the runs set 1024 (21 managed blocks);
+- PP 2 x FSDP 2, EP 2 (efsdp = 2 / 2 = 1 rank: each rank holds its stage's experts whole, their
+  gradients cross no rank, so nothing is refused even without ``--gift.unrewritten warn``): one
+  GIFT state per stage, as in tests/test_torchtitan_pp.py.
+
+Four runs, same seed, init and data per layout: GIFT at nvfp4 and GIFT off. Measured 2026-12-05
+on 2 cores shared with other jobs: the TP pair 70 s at load 4, 130 s at load 16; the PP pair 166 s
+at load 14; the file 295 s at load 14-16
+(``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_torchtitan_ep_layouts.py``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import pytest
+
+from conftest import require
+
+require("torchtitan", "torchtitan extra not installed")
+
+from gift_compile.torchtitan_ext.runs import RunResult, shared_runs  # noqa: E402
+from gift_compile.torchtitan_ext.hooks import REFUSAL  # noqa: E402
+from test_torchtitan_ep import GIFT, STEPS, TOLERANCE, _assert_experts_named_and_nothing_else, _steps  # noqa: E402
+
+EP_PP = ["--parallelism.data-parallel-shard-degree=2", "--parallelism.pipeline-parallel-degree=2",
+         "--parallelism.expert-parallel-degree=2", "--validator.no-enable", f"--training.steps={STEPS}",
+         "--metrics.log-freq=1"]
+EP_TP = ["--parallelism.data-parallel-shard-degree=2", "--parallelism.tensor-parallel-degree=2",
+         "--parallelism.expert-parallel-degree=2", "--validator.no-enable", f"--training.steps={STEPS}",
+         "--metrics.log-freq=1"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], RunResult]:
+    return shared_runs({
+        "tp_nvfp4": ("moe_debug_gift_fsdp2", [*EP_TP, *GIFT, "--gift.format=nvfp4", "--gift.min-numel=1024"]),
+        "tp_off": ("moe_debug_nogift_fsdp2", EP_TP),
+        # without --gift.unrewritten warn: the experts' efsdp group has one rank here
+        "pp_nvfp4": ("moe_debug_gift_fsdp2", [*EP_PP, "--gift.refresh-every=2", "--gift.no-fuse",
+                                              "--gift.format=nvfp4"]),
+        "pp_off": ("moe_debug_nogift_fsdp2", EP_PP),
+    }, lambda name: str(tmp_path_factory.mktemp(name)), nproc=4)
+
+
+def test_ep_with_tp_quantizes_each_tp_block_and_tracks_gift_off(runs: Callable[[str], RunResult]) -> None:
+    gift, off = runs("tp_nvfp4"), runs("tp_off")
+    _assert_experts_named_and_nothing_else(gift)
+    blocks = re.search(r"GIFT TP: 21 managed weights are this TP rank's blocks, each its own GIFT matrix with "
+                       r"statistics reduced over the 2-rank data-parallel group: (.*)", gift.output)
+    assert blocks, gift.output[-3000:]
+    for block in ("layers.1.moe.shared_experts.w1.weight [64, 64] -> [32, 64]",
+                  "layers.2.moe.shared_experts.w2.weight [64, 64] -> [64, 32]",
+                  "layers.2.attention.wo.weight [64, 64] -> [64, 32]"):
+        assert block in blocks.group(1)
+    for r in _steps(gift):
+        assert r["gift/wire_bytes_per_step"] == r["gift/accounted_bytes_per_backward"], r
+        assert r["gift/wire_bytes_per_step"] < 0.9 * r["gift/baseline_bytes_per_step"], r
+        assert r["gift/collectives_per_step"] == 5, r
+        assert r["gift/full_precision_params"] == 6, r
+    g, o = gift.losses(), off.losses()
+    assert g[1] == o[1]
+    assert any(g[s] != o[s] for s in g if s > 1)
+    for step in g:
+        assert abs(g[step] - o[step]) < TOLERANCE, (step, g, o)
+
+
+def test_ep_with_pp_runs_gift_per_stage_and_experts_cross_no_rank(runs: Callable[[str], RunResult]) -> None:
+    gift, off = runs("pp_nvfp4"), runs("pp_off")
+    assert REFUSAL not in gift.output
+    assert not [line for line in gift.output.splitlines()
+                if "GIFT" in line and ("WARNING" in line or "full precision" in line)]
+    for layer in (1, 2):
+        assert (f"GIFT: layers.{layer}.moe.routed_experts.inner_experts (GroupedExperts) is sharded over mesh "
+                "'efsdp' (one rank): its gradient crosses no rank") in gift.output
+    # stage 0: embeddings, the dense block, MoE block 1; stage 1: MoE block 2, norm + head
+    for stage, (managed, collectives) in {0: (12, 3), 1: (6, 2)}.items():
+        records = [r for r in gift.stages[stage] if "gift/managed_layers" in r]
+        assert [r["step"] for r in records] == list(range(1, STEPS + 1)), stage
+        for r in records:
+            assert r["gift/managed_layers"] == managed and r["gift/collectives_per_step"] == collectives, r
+            assert r["gift/wire_bytes_per_step"] == r["gift/accounted_bytes_per_backward"], r
+            # fewer than fp32 (stage 1 only 1.08x: its unmanaged 4096 x 64 head is most of its bytes)
+            assert r["gift/wire_bytes_per_step"] < r["gift/baseline_bytes_per_step"], r
+            assert "gift/full_precision_params" not in r, r
+    g, o = gift.losses(), off.losses()
+    assert sorted(g) == list(range(1, STEPS + 1))
+    assert g[1] == o[1]
+    assert any(g[s] != o[s] for s in g if s > 1)
+    for step in g:
+        assert abs(g[step] - o[step]) < TOLERANCE, (step, g, o)
