@@ -63,8 +63,7 @@ def _assert_experts_named_and_nothing_else(run: RunResult) -> None:
     """Each routed-expert module is named in a warning (full precision, not managed), nothing else
     GIFT logs is a warning or a fallback, and no layout was refused."""
     assert REFUSAL not in run.output
-    warnings = [line for line in run.output.splitlines()
-                if "GIFT" in line and ("WARNING" in line or "full precision" in line)]
+    warnings = run.gift_warnings()
     assert warnings, run.output[-3000:]
     for line in warnings:
         found = re.search(r"GIFT: (\S+) \(GroupedExperts\) reduce-scatters over mesh 'efsdp' \(2 ranks\) at full "
