@@ -57,6 +57,7 @@ LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
     "cp_fsdp": ("CP x FSDP (cp 2 x dp_shard 2)", 4, [f"{_CP}=2", f"{_SHARD}=2"]),
     "hsdp_tp": ("HSDP x TP (dp_replicate 2 x dp_shard 2 x tp 2)", 8, [f"{_REPLICATE}=2", f"{_SHARD}=2", f"{_TP}=2"]),
     "pp_tp_fsdp": ("PP x TP x FSDP (pp 2 x tp 2 x dp_shard 2)", 8, [f"{_PP}=2", f"{_SHARD}=2", f"{_TP}=2"]),
+    "ep_fsdp": ("EP x FSDP (ep 2 within dp_shard 4), MoE", 4, [f"{_SHARD}=4", "--parallelism.expert-parallel-degree=2"]),
 }
 # torchtitan's graph_trainer (GraphPP) itself refuses the default 1F1B schedule ("requires a
 # runtime PP schedule such as Interleaved1F1B"); with Interleaved1F1B the run reaches GIFT's setup
@@ -64,6 +65,18 @@ EXTRA = {(layout, "graph"): ["--parallelism.pipeline-parallel-schedule=Interleav
          if "pp" in layout.split("_")}
 CONFIGS = {"fsdp2": ("llama3_debug_gift_fsdp2", "llama3_debug_nogift_fsdp2"),
            "graph": ("llama3_debug_gift_graph", "llama3_debug_nogift_graph")}
+# Layouts of the MoE (`gift_moe_debug`, DeepSeek-V3 blocks): configs exist for the FSDP2 trainer
+# only (no graph_trainer MoE config is registered: GIFT's graph path refuses EP, docs/torchtitan.md)
+MOE_CONFIGS = {"fsdp2": ("moe_debug_gift_fsdp2", "moe_debug_nogift_fsdp2")}
+MOE_LAYOUTS = {"ep_fsdp"}
+# GIFT flags a layout needs: under EP the routed experts stay at full precision on FSDP2's own
+# reduce-scatter, which GIFT refuses unless told to warn (each expert module is then named)
+LAYOUT_GIFT = {"ep_fsdp": ["--gift.unrewritten=warn"]}
+
+
+def configs(layout: str, trainer: str) -> tuple[str, str] | None:
+    """(GIFT config, GIFT-off config) of a layout on a trainer; None where none is registered."""
+    return (MOE_CONFIGS if layout in MOE_LAYOUTS else CONFIGS).get(trainer)
 LOW_BIT = "nvfp4"
 # GIFT's arms: a refresh after step 2 puts step 3 on the measured selection; the replica hop
 # (HSDP) at the shard hop's format
@@ -110,6 +123,8 @@ def describe(run: RunResult) -> dict[str, Any]:
         "command": user_command(run), "wall_s": round(run.wall_s, 1), "returncode": run.returncode,
         "losses": run.losses(), "refusal_in_log": REFUSAL in run.output,
         "gift_warnings": len(run.gift_warnings()),
+        # each distinct warning once (every rank logs it), from its "GIFT" on
+        "gift_warning_lines": sorted({line[line.index("GIFT"):] for line in run.gift_warnings()}),
         "replicas_bit_identical_logged": "replicas bit-identical" in run.output,
         "rewrite": rewrite[-1] if rewrite else None,
     }
@@ -134,12 +149,13 @@ def row(layout: str, trainer: str, steps: int, folder: str) -> dict[str, Any]:
     title, nproc, dims = LAYOUTS[layout]
     base = [*dims, *EXTRA.get((layout, trainer), []), "--validator.no-enable", f"--training.steps={steps}",
             "--metrics.log-freq=1"]
-    gift_config, off_config = CONFIGS[trainer]
+    gift_config, off_config = configs(layout, trainer)
+    gift = [*GIFT, *LAYOUT_GIFT.get(layout, [])]
     out: dict[str, Any] = {"layout": title, "trainer": trainer, "nproc": nproc, "steps": steps,
                            "date": time.strftime("%Y-%m-%d"), "commit": _commit(), "machine": machine()}
     runs = {}
-    for arm, config, overrides in (("low_bit", gift_config, [*base, *GIFT, *ARMS["low_bit"]]),
-                                   ("fp32", gift_config, [*base, *GIFT, *ARMS["fp32"]]),
+    for arm, config, overrides in (("low_bit", gift_config, [*base, *gift, *ARMS["low_bit"]]),
+                                   ("fp32", gift_config, [*base, *gift, *ARMS["fp32"]]),
                                    ("off", off_config, base)):
         run = run_config(config, overrides, dump_folder=os.path.join(folder, f"{layout}.{trainer}.{arm}"),
                          nproc=nproc, timeout_s=1800)
@@ -174,8 +190,8 @@ KILL_ARGS = [f"--training.steps={KILL_STEPS}", "--validator.no-enable", "--metri
 def kill_resume(layout: str, trainer: str, folder: str) -> dict[str, Any]:
     """The kill-and-resume record of one layout x trainer (module docstring)."""
     _, nproc, dims = LAYOUTS[layout]
-    args = [*dims, *EXTRA.get((layout, trainer), []), *KILL_ARGS]
-    config = CONFIGS[trainer][0]
+    args = [*dims, *EXTRA.get((layout, trainer), []), *KILL_ARGS, *LAYOUT_GIFT.get(layout, [])]
+    config = configs(layout, trainer)[0]
     root = Path(folder) / f"{layout}.{trainer}.kill"
     full = run_config(config, args, dump_folder=str(root / "full"), nproc=nproc, timeout_s=1800).check()
     print(f"{layout} {trainer} uninterrupted: {full.wall_s:.0f} s", flush=True)
@@ -217,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--kill-resume", action="store_true", help="add the kill-and-resume record to rows that run")
     a = p.parse_args(argv)
-    keys = a.only or [f"{layout}/{trainer}" for layout in LAYOUTS for trainer in CONFIGS]
+    keys = a.only or [f"{layout}/{trainer}" for layout in LAYOUTS for trainer in CONFIGS if configs(layout, trainer)]
     data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"rows": {}}
     data["command"] = "python -m bench.layouts"
     with tempfile.TemporaryDirectory() as folder:

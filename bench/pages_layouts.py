@@ -34,8 +34,14 @@ def layouts(_: dict) -> str:
             continue
         arms = r["arms"]
         low = arms["low_bit"]
-        clean = not any(a["refusal_in_log"] or a["gift_warnings"] for a in arms.values())
-        state = "runs" if clean else "runs, refusal or GIFT warning in a log"
+        refused = any(a["refusal_in_log"] for a in arms.values())
+        warned = sorted({w for a in arms.values() for w in a.get("gift_warning_lines", [])})
+        state = "runs" if not refused else "runs, a refusal in a log"
+        if warned:
+            state += f"; {len(warned)} distinct GIFT warnings (below)"
+            notes.append(f"* {r['layout']}, {r['trainer']}: GIFT warnings: " + "; ".join(f"`{w[:160]}`" for w in warned))
+        elif any(a["gift_warnings"] for a in arms.values()):
+            state += "; GIFT warnings in a log"
         if low["replicas_bit_identical_logged"]:
             state += "; replicas bit-identical after the refresh"
         rows.append([r["layout"], str(r["nproc"]), r["trainer"], state,
