@@ -117,9 +117,7 @@ def test_graph_hsdp_rewrites_both_hops_at_their_formats_and_tracks_fp32(runs: Ca
 
 @pytest.mark.parametrize("trainer,dims,names", [
     ("graph", {"dp_replicate": 2, "dp_shard": 1}, "data-replicate without sharding .* is on .*HSDP's second hop"),
-    ("fsdp2", {"pp": 2, "cp": 2}, r"; context \(other than FSDP x CP\) parallelism is on .*TP or PP"),
-    ("graph", {"cp": 2, "dp_replicate": 2}, r"context \(other .* parallelism is on .*dp_replicate x dp_shard x cp"),
-    ("fsdp2", {"cp": 2, "tp": 2}, r"context \(other than FSDP x CP\) parallelism is on .*TP or PP"),
+    ("graph", {"pp": 2, "cp": 2}, "pipeline on graph_trainer parallelism is on .*use the FSDP2 trainer"),
     ("fsdp2", {"ep": 2}, "expert parallelism is on .*several parameter groups"),
     ("fsdp2", {"dp_shard": 1}, "needs more than one data-parallel rank: FSDP2 copies a one-rank shard's gradient"),
 ])
