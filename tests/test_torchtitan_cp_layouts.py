@@ -21,7 +21,7 @@ tolerance of GIFT off, and leave bit-identical transforms on the ranks of each s
 final DCP checkpoint (statistics kept per CP rank would give each CP rank its own maps); fp32
 must reproduce GIFT off's losses exactly.
 
-Wall time on the shared 2-core box (12 runs of 4 ranks plus the 1-rank seed): 19 min 20 s for
+Wall time on the shared 2-core box (11 runs of 4 ranks plus the 1-rank seed): 19 min 20 s for
 the whole file at load average 9-16 (other sessions' multi-rank jobs), FSDP2 runs 20-50 s each,
 graph_trainer runs 4 and 9 min; at lower load the graph_trainer tests took 117 s (CP x TP, its
 run plus GIFT off's) and 162 s (HSDP x CP). Too slow to be cheap: the 8-rank combinations (CP
