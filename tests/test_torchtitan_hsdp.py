@@ -140,7 +140,7 @@ def test_shard_only_mesh_follows_the_final_gift_enable(flag: str, shard_only: bo
     fn = config.model_spec.parallelize_fn
     assert fn.func is shard_only_parallelize
     seen = []
-    dims = SimpleNamespace(dp_replicate_enabled=True, dp_shard=2, dp_replicate=2)
+    dims = SimpleNamespace(dp_replicate_enabled=True, dp_shard=2, dp_replicate=2, cp=1)
     fn("model", parallel_dims=dims, inner=lambda model, parallel_dims: seen.append(parallel_dims))
     assert isinstance(seen[0], ShardOnlyDims) is shard_only
     assert seen[0].dp_replicate_enabled is not shard_only and seen[0].dp_shard == 2
