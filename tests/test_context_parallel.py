@@ -12,8 +12,10 @@ each refresh equal those of one rank that sees the whole sequences, and are the 
 both CP ranks. The positions carry different input scales, so a rank's slice alone has a very
 different factor (checked too): statistics kept per rank would fail the comparison.
 
-A torchtitan run does not expose its statistics or transforms; its CP runs (losses against the
-same sequences without CP, GIFT at nvfp4 and fp32) are tests/test_torchtitan_cp.py.
+A torchtitan run does not expose its statistics (its transforms only in its checkpoints); its
+CP runs (losses against the same sequences without CP, GIFT at nvfp4 and fp32) are
+tests/test_torchtitan_cp.py; CP with TP, HSDP and PP, whose final checkpoints hold the same
+transforms on every CP rank, are tests/test_torchtitan_cp_layouts.py.
 """
 
 from __future__ import annotations

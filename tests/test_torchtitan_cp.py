@@ -147,14 +147,22 @@ def test_graph_cp_rewrites_the_fsdp_reduce_scatters_and_tracks_gift_off(runs: Ca
         assert abs(g[step] - o[step]) < TOLERANCE, (step, g, o)
 
 
-@pytest.mark.parametrize("trainer,dp_shard", [("fsdp2", 2), ("fsdp2", 1), ("graph", 2)])
-def test_cp_state_group_is_the_fsdp_mesh(trainer: str, dp_shard: int) -> None:
+@pytest.mark.parametrize("trainer,dims,mesh", [
+    ("fsdp2", {"dp_shard": 2}, "fsdp"), ("fsdp2", {}, "fsdp"), ("graph", {"dp_shard": 2}, "fsdp"),
+    ("fsdp2", {"tp": 2}, "fsdp"), ("graph", {"tp": 2}, "fsdp"), ("fsdp2", {"pp": 2}, "fsdp"),
+    ("fsdp2", {"dp_replicate": 2}, "loss"), ("graph", {"dp_replicate": 2}, "loss"),
+    ("fsdp2", {"dp_replicate": 2, "dp_shard": 2, "tp": 2}, "loss"),
+])
+def test_cp_state_group_spans_the_cp_ranks(trainer: str, dims: dict[str, int], mesh: str) -> None:
     """GIFT's group under CP is torchtitan's ``fsdp`` mesh (dp_shard x cp), the one FSDP2 and
-    SimpleFSDP reduce-scatter over; CP alone (dp_shard 1) still has 2 ranks there, so it is not
-    refused as a one-rank FSDP2 layout. The other CP layouts' refusals: tests/test_torchtitan_hsdp.py."""
-    parallel_dims = SimpleNamespace(tp=1, cp=2, pp=1, ep=1, dp_replicate=1, dp_shard=dp_shard,
+    SimpleFSDP reduce-scatter over, also with TP (per TP block) and PP (per stage); CP alone
+    (dp_shard 1) still has 2 ranks there, so it is not refused as a one-rank FSDP2 layout (nor
+    HSDP x CP with dp_shard 1 as DDP on graph_trainer: SimpleFSDP shards over the CP ranks).
+    With HSDP it is torchtitan's ``loss`` mesh, dp_replicate x dp_shard x cp (the ``batch``
+    mesh leaves the CP ranks out). The CP layouts' runs: tests/test_torchtitan_cp_layouts.py."""
+    parallel_dims = SimpleNamespace(**{"tp": 1, "cp": 2, "pp": 1, "ep": 1, "dp_replicate": 1, "dp_shard": 1, **dims},
                                     get_mesh=lambda name: SimpleNamespace(get_group=lambda: name))
-    assert data_parallel_group(parallel_dims, trainer) == "fsdp"
+    assert data_parallel_group(parallel_dims, trainer) == mesh
 
 
 def _ring_attention(rank: int, world: int) -> dict[str, float]:

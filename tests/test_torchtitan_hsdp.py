@@ -117,9 +117,7 @@ def test_graph_hsdp_rewrites_both_hops_at_their_formats_and_tracks_fp32(runs: Ca
 
 @pytest.mark.parametrize("trainer,dims,names", [
     ("graph", {"dp_replicate": 2, "dp_shard": 1}, "data-replicate without sharding .* is on .*HSDP's second hop"),
-    ("fsdp2", {"pp": 2, "cp": 2}, r"; context \(other than FSDP x CP\) parallelism is on .*TP or PP"),
-    ("graph", {"cp": 2, "dp_replicate": 2}, r"context \(other .* parallelism is on .*dp_replicate x dp_shard x cp"),
-    ("fsdp2", {"cp": 2, "tp": 2}, r"context \(other than FSDP x CP\) parallelism is on .*TP or PP"),
+    ("graph", {"pp": 2, "cp": 2}, "pipeline on graph_trainer parallelism is on .*use the FSDP2 trainer"),
     ("graph", {"ep": 2}, "expert on graph_trainer parallelism is on .*graph path has not been built"),
     ("fsdp2", {"ep": 2, "dp_replicate": 2}, "expert with .* parallelism is on .*set_all_reduce_hook refuses"),
     ("fsdp2", {"dp_shard": 1}, "needs more than one data-parallel rank: FSDP2 copies a one-rank shard's gradient"),
@@ -143,7 +141,7 @@ def test_shard_only_mesh_follows_the_final_gift_enable(flag: str, shard_only: bo
     fn = config.model_spec.parallelize_fn
     assert fn.func is shard_only_parallelize
     seen = []
-    dims = SimpleNamespace(dp_replicate_enabled=True, dp_shard=2, dp_replicate=2)
+    dims = SimpleNamespace(dp_replicate_enabled=True, dp_shard=2, dp_replicate=2, cp=1)
     fn("model", parallel_dims=dims, inner=lambda model, parallel_dims: seen.append(parallel_dims))
     assert isinstance(seen[0], ShardOnlyDims) is shard_only
     assert seen[0].dp_replicate_enabled is not shard_only and seen[0].dp_shard == 2

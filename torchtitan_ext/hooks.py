@@ -38,11 +38,6 @@ REFUSAL = "gift.enable does not run on this layout"
 
 # Why each layout is refused (docs/torchtitan.md, "Limits").
 _UNSUPPORTED_WHY = {
-    "context (other than FSDP x CP)": "GIFT runs with context parallelism under FSDP over "
-              "dp_shard x cp only, on both trainers (its state group is that fsdp mesh, so each CP rank's statistics "
-              "of its slice of every sequence are summed with the other slices'); with HSDP the state group would "
-              "have to span dp_replicate x dp_shard x cp (torchtitan's loss mesh, not the batch mesh GIFT's HSDP "
-              "uses), and with TP or PP the layout has not been run",
     "pipeline on graph_trainer": "graph_trainer runs the registered pass pipeline (where the gift pass is) "
               "only on its whole-step trace, which it makes only without pipeline parallelism; with it, "
               "its GraphPP schedule runs stage-local graphs (FSDP's reduce-scatters split into a reduce-grad "
@@ -73,18 +68,23 @@ def data_parallel_group(parallel_dims: Any, trainer: str = "graph") -> dist.Proc
     (`gift_compile.frameworks.tensor_parallel`), and under HSDP the replica hop all-reduces the
     reduced shard of that block over the replicas holding the same TP coordinate (torchtitan's
     ``dp_replicate`` group; 8-rank runs in `bench.layouts`). With context parallelism
-    (both trainers) torchtitan's FSDP group is dp_shard x cp, the ranks FSDP2 or SimpleFSDP
-    reduce-scatters over: the K-FAC statistics, sums over tokens, then add each CP rank's slice of every
-    sequence to the others'. With expert parallelism (FSDP2 trainer: FSDP, FSDP x TP, PP x FSDP) it
+    torchtitan's FSDP group is dp_shard x cp, the ranks FSDP2 or SimpleFSDP reduce-scatter over
+    (GIFT's shard hop): the K-FAC statistics, sums over tokens, then add each CP rank's slice of
+    every sequence to the others', so every CP rank builds the same transforms. That holds with
+    TP (per TP block; both trainers) and PP (per stage; FSDP2 trainer), and CP alone
+    (dp_shard 1) is a 2-rank FSDP group. With HSDP x CP (both trainers) the state group is
+    dp_replicate x dp_shard x cp, torchtitan's ``loss`` mesh (its ``batch`` mesh, which GIFT's
+    HSDP uses without CP, leaves the CP ranks out); the shard hop runs over fsdp, the replica hop
+    over dp_replicate. With expert parallelism (FSDP2 trainer: FSDP, FSDP x TP, PP x FSDP) it
     is the fsdp mesh's group too: EP borrows its ranks from dp_shard x tp, the dense parameters (every block's
     attention, router and shared experts, the dense blocks, embeddings and head) reduce-scatter
     over the fsdp mesh, and only the routed experts over the smaller efsdp mesh, which GIFT leaves
     on FSDP2's own reduce-scatter (`gift_compile.frameworks.fsdp2.refuse_outside`). Other layouts
     are refused by name."""
-    ddp_on_graph = trainer != "fsdp2" and parallel_dims.dp_replicate > 1 and parallel_dims.dp_shard <= 1
+    # SimpleFSDP shards over fsdp = dp_shard x cp: with CP it is HSDP ("hybrid_shard"), not DDP
+    ddp_on_graph = (trainer != "fsdp2" and parallel_dims.dp_replicate > 1
+                    and parallel_dims.dp_shard * parallel_dims.cp <= 1)
     others = {
-        "context (other than FSDP x CP)": parallel_dims.cp if (
-            parallel_dims.dp_replicate > 1 or parallel_dims.tp > 1 or parallel_dims.pp > 1) else 1,
         "pipeline on graph_trainer": parallel_dims.pp if trainer != "fsdp2" else 1,
         "expert on graph_trainer": parallel_dims.ep if trainer != "fsdp2" else 1,
         "expert with data-replicate or context": parallel_dims.ep if trainer == "fsdp2" and (
@@ -102,15 +102,17 @@ def data_parallel_group(parallel_dims: Any, trainer: str = "graph") -> dist.Proc
             raise ValueError(
                 f"gift.enable with pipeline parallelism (degree {parallel_dims.pp}) needs data parallelism: GIFT "
                 "compresses each stage's data-parallel gradient reduce-scatter, not the activations stages send each "
-                "other, and with data_parallel_shard_degree x data_parallel_replicate_degree = 1 no gradient crosses "
-                "ranks; set one of them > 1 or turn gift.enable off")
+                "other, and with data_parallel_shard_degree x context_parallel_degree x data_parallel_replicate_degree = 1 "
+                "no gradient crosses ranks; set one of them > 1 or turn gift.enable off")
         raise ValueError(
             "gift.enable on the FSDP2 trainer needs more than one data-parallel rank: FSDP2 copies a one-rank "
             "shard's gradient instead of calling the reduce-scatter GIFT replaces, and without replicas no gradient "
             "crosses ranks, so nothing would be quantized or sent (and every refresh would measure never-written "
             "gradient probes); run on more ranks or turn gift.enable off")
     if parallel_dims.dp_replicate > 1:
-        return parallel_dims.get_mesh("batch").get_group()
+        # replicas x shards; with CP the shards are fsdp = dp_shard x cp, and torchtitan's mesh of all
+        # three is its loss mesh (its batch mesh, dp_replicate x dp_shard, leaves the CP ranks out)
+        return parallel_dims.get_mesh("loss" if parallel_dims.cp > 1 else "batch").get_group()
     return parallel_dims.get_mesh("fsdp").get_group()
 
 
@@ -152,14 +154,14 @@ def gift_post_optimizer_build(optimizers: Any, model_parts: list[nn.Module], par
         replicas = hsdp.replica_group(parallel_dims)
         if replicas is not None:
             gift_hsdp.install(model, state, replicas, compiled=section.fuse)
-            logger.info(hsdp.describe_hops(model, state, parallel_dims.dp_shard))
+            logger.info(hsdp.describe_hops(model, state, parallel_dims.dp_shard * parallel_dims.cp))
     else:
         state = SIMPLE_FSDP.install(model, config, group, fuse=section.fuse)
         replicas = hsdp.replica_group(parallel_dims)
         if replicas is not None:  # the marks carry the replica hop, which the pass puts after the shard hop
             gift_hsdp.install_graph(state, replicas)
             gift_hsdp.check_replicas_identical(model, replicas)
-            logger.info(hsdp.describe_graph_hops(state, parallel_dims.dp_shard))
+            logger.info(hsdp.describe_graph_hops(state, parallel_dims.dp_shard * parallel_dims.cp))
     if parallel_dims.tp > 1:
         logger.info(describe_blocks(state))
     # Pipeline stages and tensor-parallel blocks run other GIFT states on other ranks, which never

@@ -50,7 +50,7 @@ def shard_only_parallelize(model: Any, *, parallel_dims: Any, inner: Callable, s
     ``section.enable`` (GIFT's replica hop then replaces FSDP2's; without GIFT the native HSDP
     mesh is kept, or nothing would all-reduce across replicas)."""
     if section.enable and parallel_dims.dp_replicate_enabled:
-        logger.info(f"GIFT HSDP: fully_shard on the shard-only mesh (fsdp={parallel_dims.dp_shard}); GIFT "
+        logger.info(f"GIFT HSDP: fully_shard on the shard-only mesh (fsdp={parallel_dims.dp_shard * parallel_dims.cp}); GIFT "
                     f"all-reduces each reduced shard over the {parallel_dims.dp_replicate} replicas")
         parallel_dims = ShardOnlyDims(parallel_dims)
     return inner(model, parallel_dims=parallel_dims, **kwargs)
