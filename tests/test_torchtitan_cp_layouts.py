@@ -43,7 +43,7 @@ require("torchtitan", "torchtitan extra not installed")
 
 from gift_compile.torchtitan_ext.hooks import REFUSAL  # noqa: E402
 from gift_compile.torchtitan_ext.runs import RunResult, run_config, shared_runs  # noqa: E402
-from test_torchtitan_train import _checkpoint_tensors  # noqa: E402
+from gift_compile.torchtitan_ext.kill_resume import checkpoint_tensors  # noqa: E402
 
 STEPS = 3
 COMMON = ["--parallelism.context-parallel-degree=2", "--parallelism.data-parallel-shard-degree=1",
@@ -102,7 +102,7 @@ def _assert_gift_ran(run: RunResult, layout: str) -> None:
 def _transforms(run: RunResult) -> dict[int, dict[str, torch.Tensor]]:
     """Every rank's GIFT transforms in the run's final DCP checkpoint, by rank and layer."""
     folder = Path(run.command[run.command.index("--dump-folder") + 1]) / "checkpoint" / f"step-{STEPS}"
-    flat = _checkpoint_tensors(folder)
+    flat = checkpoint_tensors(folder)
     out: dict[int, dict[str, torch.Tensor]] = {}
     for key, tensor in flat.items():
         if m := re.fullmatch(r"gift\.rank(\d+)\.(.+\.transform\.t\d+)", key):
