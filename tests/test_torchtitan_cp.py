@@ -30,7 +30,7 @@ from multirank import run_ranks
 require("torchtitan", "torchtitan extra not installed")
 
 from gift_compile.torchtitan_ext.hooks import REFUSAL, data_parallel_group  # noqa: E402
-from gift_compile.torchtitan_ext.runs import RunResult, run_config, shared_runs  # noqa: E402
+from gift_compile.torchtitan_ext.runs import RunResult, seed_checkpoint, shared_runs  # noqa: E402
 
 STEPS = 4
 CP = ["--parallelism.context-parallel-degree=2", "--parallelism.data-parallel-shard-degree=2",
@@ -45,11 +45,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], RunResult]
     # parallel layout (unseeded, 2 CP ranks start at loss 8.7554 where 1 rank on the same 4
     # sequences starts at 8.7805; from this checkpoint both start at 8.7805), so only a common
     # checkpoint makes the CP and non-CP runs comparable.
-    seed = tmp_path_factory.mktemp("seed")
-    run_config("llama3_debug_nogift_fsdp2", ["--checkpoint.enable", "--checkpoint.create-seed-checkpoint",
-                                             "--training.steps=1", "--validator.no-enable"],
-               dump_folder=str(seed), nproc=1).check()
-    start = ["--checkpoint.enable", f"--checkpoint.initial-load-path={seed / 'checkpoint' / 'step-0'}"]
+    start = seed_checkpoint(tmp_path_factory.mktemp("seed"))
     get = shared_runs({
         # select=all: after the refresh every layer's gradient goes through the map built from
         # the CP-summed sketches (step 3's gradient, seen in step 4's loss)

@@ -42,7 +42,7 @@ from conftest import require
 require("torchtitan", "torchtitan extra not installed")
 
 from gift_compile.torchtitan_ext.hooks import REFUSAL  # noqa: E402
-from gift_compile.torchtitan_ext.runs import RunResult, run_config, shared_runs  # noqa: E402
+from gift_compile.torchtitan_ext.runs import RunResult, seed_checkpoint, shared_runs  # noqa: E402
 from gift_compile.torchtitan_ext.kill_resume import checkpoint_tensors  # noqa: E402
 
 STEPS = 3
@@ -64,11 +64,7 @@ TOLERANCE = 5e-3  # the 2-rank tests' per-step loss tolerance (tests/test_torcht
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], RunResult]:
     # one seed checkpoint for every layout: on CPU torchtitan's initial weights depend on the layout
-    seed = tmp_path_factory.mktemp("seed")
-    run_config("llama3_debug_nogift_fsdp2", ["--checkpoint.enable", "--checkpoint.create-seed-checkpoint",
-                                             "--training.steps=1", "--validator.no-enable"],
-               dump_folder=str(seed), nproc=1).check()
-    start = ["--checkpoint.enable", f"--checkpoint.initial-load-path={seed / 'checkpoint' / 'step-0'}"]
+    start = seed_checkpoint(tmp_path_factory.mktemp("seed"))
     table = {}
     for layout, flags in LAYOUTS.items():
         args = [*COMMON, *flags, *start]
@@ -110,14 +106,12 @@ def _transforms(run: RunResult) -> dict[int, dict[str, torch.Tensor]]:
     return out
 
 
-def _assert_quantized_and_tracks_off(gift: RunResult, off: RunResult, hsdp: bool, graph: bool = False) -> None:
+def _assert_quantized_and_tracks_off(gift: RunResult, off: RunResult, hsdp: bool) -> None:
     shard_accounted = "gift/shard_accounted_bytes_per_backward" if hsdp else "gift/accounted_bytes_per_backward"
     for steps in _streams(gift):
         for r in steps:
             # bytes handed to GIFT's collectives (counted at run time) == the plans' accounting, < fp32's
-            # (graph_trainer without HSDP: the pass's accounting is its rewrite log, checked by the caller)
-            accounted = r["gift/wire_bytes_per_step"] if graph and not hsdp else r[shard_accounted]
-            assert r["gift/wire_bytes_per_step"] == accounted < r["gift/baseline_bytes_per_step"] / 1.5, r
+            assert r["gift/wire_bytes_per_step"] == r[shard_accounted] < r["gift/baseline_bytes_per_step"] / 1.5, r
             if hsdp:  # the replica hop: fewer bytes than fp32's all-reduce of the reduced shard (the unmanaged
                 # parameters in each bucket travel at fp32 through GIFT's all_to_all + all_gather: 1.5x on 2 replicas)
                 assert (r["gift/replica_wire_bytes_per_step"] == r["gift/replica_accounted_bytes_per_backward"]
@@ -181,4 +175,4 @@ def test_graph_cp_layout_rewrites_the_reduce_scatters_and_tracks_gift_off(
     for steps in _streams(gift):  # bytes counted at the collectives == the pass's accounting (the last trace's)
         for r in steps:
             assert (r["gift/wire_bytes_per_step"], r["gift/baseline_bytes_per_step"]) == (wire, base), r
-    _assert_quantized_and_tracks_off(gift, off, hsdp=layout == "hsdp_cp", graph=True)
+    _assert_quantized_and_tracks_off(gift, off, hsdp=layout == "hsdp_cp")

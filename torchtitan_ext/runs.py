@@ -15,11 +15,12 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .telemetry import read_jsonl
 
-__all__ = ["RunResult", "config_command", "run_config", "shared_runs"]
+__all__ = ["RunResult", "config_command", "run_config", "seed_checkpoint", "shared_runs"]
 
 MODULE = "gift_compile.torchtitan_ext"
 
@@ -112,3 +113,13 @@ def shared_runs(table: dict[str, tuple[str, Sequence[str]]], folder_for: Callabl
         return cache[name]
 
     return get
+
+
+def seed_checkpoint(folder: Path) -> list[str]:
+    """Write torchtitan's seed checkpoint of the debug Llama into `folder` (one rank) and return
+    the overrides that start a run from it. On CPU torchtitan's initial weights depend on the
+    parallel layout, so runs of different layouts are comparable only from a common checkpoint."""
+    run_config("llama3_debug_nogift_fsdp2", ["--checkpoint.enable", "--checkpoint.create-seed-checkpoint",
+                                             "--training.steps=1", "--validator.no-enable"],
+               dump_folder=str(folder), nproc=1).check()
+    return ["--checkpoint.enable", f"--checkpoint.initial-load-path={folder / 'checkpoint' / 'step-0'}"]
