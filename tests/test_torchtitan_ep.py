@@ -59,15 +59,17 @@ def _steps(run: RunResult) -> list[dict]:
     return steps
 
 
-def _assert_experts_named_and_nothing_else(run: RunResult) -> None:
-    """Each routed-expert module is named in a warning (full precision, not managed), nothing else
-    GIFT logs is a warning or a fallback, and no layout was refused."""
+def _assert_experts_named_and_nothing_else(run: RunResult,
+                                           route: str = r"reduce-scatters over mesh 'efsdp' \(2 ranks\)") -> None:
+    """Each routed-expert module is named in a warning (full precision, not managed; `route`: how
+    its gradients travel), nothing else GIFT logs is a warning or a fallback, and no layout was
+    refused."""
     assert REFUSAL not in run.output
     warnings = run.gift_warnings()
     assert warnings, run.output[-3000:]
     for line in warnings:
-        found = re.search(r"GIFT: (\S+) \(GroupedExperts\) reduce-scatters over mesh 'efsdp' \(2 ranks\) at full "
-                          r"precision, not managed: .*grouped-GEMM expert weight", line)
+        found = re.search(rf"GIFT: (\S+) \(GroupedExperts\) {route} at full precision, not managed: "
+                          r".*grouped-GEMM expert weight", line)
         assert found and found.group(1) in EXPERTS, line
     assert {m for m in EXPERTS if any(m in line for line in warnings)} == set(EXPERTS)
 
@@ -145,3 +147,14 @@ def test_experts_outside_gift_are_refused_by_name_unless_configured(caplog: pyte
     assert "layers.1.moe.routed_experts.inner_experts (GroupedExperts) reduce-scatters over mesh 'efsdp'" in \
         caplog.records[0].getMessage()
     assert "crosses no rank" in caplog.records[1].getMessage()
+    # under HSDP a one-rank efsdp group still crosses the replicas (the fp32 all-reduce native HSDP would run)
+    hsdp = _EXPERT_GROUP._replace(ranks=1, replicas=2)
+    with pytest.raises(ValueError, match=r"inner_experts \(GroupedExperts\) over mesh 'efsdp' \(one rank, then 2 "
+                                         r"replicas\) would travel at full precision: .*all-reduced over the replicas"):
+        refuse_outside([hsdp], "error")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="gift_compile.frameworks.fsdp2"):
+        refuse_outside([hsdp], "warn")
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    assert ("inner_experts (GroupedExperts) is sharded over mesh 'efsdp' (one rank) and all-reduces over 2 replicas "
+            "at full precision") in caplog.records[0].getMessage()

@@ -10,9 +10,14 @@ parameter group, the routed experts on FSDP2's own reduce-scatter over efsdp) wi
   ``min_numel`` 4096, so the runs set 1024 (21 managed blocks);
 - PP 2 x FSDP 2, EP 2 (efsdp = 2 / 2 = 1 rank: each rank holds its stage's experts whole, their
   gradients cross no rank, so nothing is refused even without ``--gift.unrewritten warn``): one
-  GIFT state per stage, as in tests/test_torchtitan_pp.py.
+  GIFT state per stage, as in tests/test_torchtitan_pp.py;
+- HSDP (2 replicas x 2 shards), EP 2 (efsdp = 2 / 2 = 1 rank): GIFT's two hops on every MoE
+  block's dense group (`gift_compile.frameworks.hsdp`, the replica hook set per parameter group),
+  the experts' reduced shards all-reduced over the replicas at fp32 as native HSDP would (named
+  in one warning each, not GIFT's bytes). GIFT at nvfp4 on both hops, GIFT at fp32 (which must
+  equal GIFT off exactly: a missing or double expert all-reduce would not) and GIFT off.
 
-Four runs, same seed, init and data per layout: GIFT at nvfp4 and GIFT off. Measured 2026-12-05
+Seven runs, same seed, init and data per layout: GIFT at nvfp4 and GIFT off (and GIFT at fp32 under HSDP). Measured 2026-12-05
 on 2 cores shared with other jobs: the TP pair 70 s at load 4, 130 s at load 16; the PP pair 166 s
 at load 14; the file 295 s at load 14-16
 (``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_torchtitan_ep_layouts.py``).
@@ -36,6 +41,9 @@ from test_torchtitan_ep import GIFT, STEPS, TOLERANCE, _assert_experts_named_and
 EP_PP = ["--parallelism.data-parallel-shard-degree=2", "--parallelism.pipeline-parallel-degree=2",
          "--parallelism.expert-parallel-degree=2", "--validator.no-enable", f"--training.steps={STEPS}",
          "--metrics.log-freq=1"]
+EP_HSDP = ["--parallelism.data-parallel-replicate-degree=2", "--parallelism.data-parallel-shard-degree=2",
+           "--parallelism.expert-parallel-degree=2", "--validator.no-enable", f"--training.steps={STEPS}",
+           "--metrics.log-freq=1"]
 EP_TP = ["--parallelism.data-parallel-shard-degree=2", "--parallelism.tensor-parallel-degree=2",
          "--parallelism.expert-parallel-degree=2", "--validator.no-enable", f"--training.steps={STEPS}",
          "--metrics.log-freq=1"]
@@ -50,6 +58,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], RunResult]
         "pp_nvfp4": ("moe_debug_gift_fsdp2", [*EP_PP, "--gift.refresh-every=2", "--gift.no-fuse",
                                               "--gift.format=nvfp4"]),
         "pp_off": ("moe_debug_nogift_fsdp2", EP_PP),
+        "hsdp_nvfp4": ("moe_debug_gift_fsdp2", [*EP_HSDP, *GIFT, "--gift.format=nvfp4", "--gift.replica-format=nvfp4"]),
+        "hsdp_fp32": ("moe_debug_gift_fsdp2", [*EP_HSDP, *GIFT, "--gift.format=fp32", "--gift.replica-format=fp32"]),
+        "hsdp_off": ("moe_debug_nogift_fsdp2", EP_HSDP),
     }, lambda name: str(tmp_path_factory.mktemp(name)), nproc=4)
 
 
@@ -94,6 +105,37 @@ def test_ep_with_pp_runs_gift_per_stage_and_experts_cross_no_rank(runs: Callable
             assert "gift/full_precision_params" not in r, r
     g, o = gift.losses(), off.losses()
     assert sorted(g) == list(range(1, STEPS + 1))
+    assert g[1] == o[1]
+    assert any(g[s] != o[s] for s in g if s > 1)
+    for step in g:
+        assert abs(g[step] - o[step]) < TOLERANCE, (step, g, o)
+
+
+def test_ep_with_hsdp_runs_both_hops_on_the_dense_groups_and_all_reduces_the_experts(
+        runs: Callable[[str], RunResult]) -> None:
+    gift, exact, off = runs("hsdp_nvfp4"), runs("hsdp_fp32"), runs("hsdp_off")
+    route = r"is sharded over mesh 'efsdp' \(one rank\) and all-reduces over 2 replicas"
+    for run in (gift, exact):
+        _assert_experts_named_and_nothing_else(run, route)
+    quantized, raw = _steps(gift), _steps(exact)
+    for r, f in zip(quantized, raw):
+        for rec in (r, f):
+            # each hop's bytes counted at the collective == its plans' accounting
+            assert rec["gift/wire_bytes_per_step"] == rec["gift/shard_accounted_bytes_per_backward"], rec
+            assert rec["gift/replica_wire_bytes_per_step"] == rec["gift/replica_accounted_bytes_per_backward"], rec
+            # one GIFT collective per fsdp parameter group on each hop; the experts' fp32 all-reduce is not GIFT's:
+            # the replica hop's fp32 baseline is the reduced dense shard (half of the 2-shard hop's), no expert in it
+            assert rec["gift/collectives_per_step"] == rec["gift/replica_collectives_per_step"] == 5, rec
+            assert 2 * rec["gift/replica_baseline_bytes_per_step"] == rec["gift/baseline_bytes_per_step"], rec
+            assert rec["gift/full_precision_params"] == 6, rec
+        # nvfp4 quantized both hops: fewer bytes than the same plans at fp32
+        assert r["gift/wire_bytes_per_step"] < 0.9 * f["gift/wire_bytes_per_step"], (r, f)
+        assert r["gift/replica_wire_bytes_per_step"] < 0.9 * f["gift/replica_wire_bytes_per_step"], (r, f)
+    assert 0.03 < gift.last("gift/err_euclidean_mean") < 0.3
+    assert exact.last("gift/err_euclidean_mean") == 0.0
+    # fp32 on both hops reproduces native HSDP's losses exactly (experts all-reduced once, over the replicas)
+    assert exact.losses() == off.losses()
+    g, o = gift.losses(), off.losses()
     assert g[1] == o[1]
     assert any(g[s] != o[s] for s in g if s > 1)
     for step in g:

@@ -119,7 +119,7 @@ def test_graph_hsdp_rewrites_both_hops_at_their_formats_and_tracks_fp32(runs: Ca
     ("graph", {"dp_replicate": 2, "dp_shard": 1}, "data-replicate without sharding .* is on .*HSDP's second hop"),
     ("graph", {"pp": 2, "cp": 2}, "pipeline on graph_trainer parallelism is on .*use the FSDP2 trainer"),
     ("graph", {"ep": 2}, "expert on graph_trainer parallelism is on .*graph path has not been built"),
-    ("fsdp2", {"ep": 2, "dp_replicate": 2}, "expert with .* parallelism is on .*set_all_reduce_hook refuses"),
+    ("fsdp2", {"ep": 2, "dp_replicate": 2, "cp": 2}, "expert with context parallelism is on .*without GIFT either"),
     ("fsdp2", {"dp_shard": 1}, "needs more than one data-parallel rank: FSDP2 copies a one-rank shard's gradient"),
 ])
 def test_layouts_gift_does_not_run_are_refused_by_name(trainer: str, dims: dict[str, int], names: str) -> None:

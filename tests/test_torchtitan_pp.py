@@ -164,7 +164,7 @@ def test_statistics_paused_keeps_shape_inference_out_of_the_statistics() -> None
 
 @pytest.mark.parametrize("trainer,dims,names", [
     ("graph", {"pp": 2}, "pipeline on graph_trainer parallelism is on .*only on its whole-step trace.*GraphPP"),
-    ("fsdp2", {"pp": 2, "ep": 2, "dp_replicate": 2}, "expert with data-replicate or context parallelism is on"),
+    ("fsdp2", {"pp": 2, "ep": 2, "cp": 2}, "expert with context parallelism is on .*mixed torch.Tensor and DTensor"),
 ])
 def test_pipeline_refusals_name_the_reason(trainer: str, dims: dict[str, int], names: str) -> None:
     parallel_dims = SimpleNamespace(**{"tp": 1, "cp": 1, "pp": 1, "ep": 1, "dp_replicate": 1, "dp_shard": 2, **dims})

@@ -47,13 +47,10 @@ _UNSUPPORTED_WHY = {
               "wraps the routed experts on the efsdp mesh, whose bucketed reduce-scatters the gift pass would have "
               "to tell from the fsdp mesh's and leave alone, and no graph_trainer MoE config is registered or run "
               "here; use the FSDP2 trainer (GIFT on the dense layers, experts at full precision)",
-    "expert with data-replicate or context": "GIFT with expert parallelism has "
-              "been built and run on the FSDP2 trainer with FSDP, FSDP x TP and PP x FSDP; with "
-              "replicas the MoE blocks' dense group would need GIFT's HSDP replica hook, which FSDP2's "
-              "set_all_reduce_hook refuses for modules with several parameter groups (per-parameter mesh; a "
-              "fenced per-group write like the reduce-scatter's is not built); with CP the layout has not been "
-              "run with GIFT (this repo's MoE model does not run EP x CP on CPU without GIFT either: torchtitan "
-              "0.3.0 stops with 'aten.add.Tensor got mixed torch.Tensor and DTensor')",
+    "expert with context": "GIFT with expert parallelism has been built and run on the FSDP2 trainer "
+              "with FSDP, HSDP, FSDP x TP and PP x FSDP; with CP the layout has not been run with GIFT because "
+              "torchtitan 0.3.0 does not run it on this repo's MoE model without GIFT either (it stops with "
+              "'aten.add.Tensor got mixed torch.Tensor and DTensor')",
     "data-replicate without sharding (DDP) on graph_trainer": "SimpleFSDP then traces only a replica "
               "all-reduce of each full gradient, which the pass rewrites only as HSDP's second hop after a "
               "shard reduce-scatter; use data_parallel_shard_degree > 1 (HSDP) or the FSDP2 trainer",
@@ -75,21 +72,20 @@ def data_parallel_group(parallel_dims: Any, trainer: str = "graph") -> dist.Proc
     (dp_shard 1) is a 2-rank FSDP group. With HSDP x CP (both trainers) the state group is
     dp_replicate x dp_shard x cp, torchtitan's ``loss`` mesh (its ``batch`` mesh, which GIFT's
     HSDP uses without CP, leaves the CP ranks out); the shard hop runs over fsdp, the replica hop
-    over dp_replicate. With expert parallelism (FSDP2 trainer: FSDP, FSDP x TP, PP x FSDP) it
-    is the fsdp mesh's group too: EP borrows its ranks from dp_shard x tp, the dense parameters (every block's
-    attention, router and shared experts, the dense blocks, embeddings and head) reduce-scatter
-    over the fsdp mesh, and only the routed experts over the smaller efsdp mesh, which GIFT leaves
-    on FSDP2's own reduce-scatter (`gift_compile.frameworks.fsdp2.refuse_outside`). Other layouts
-    are refused by name."""
+    over dp_replicate. With expert parallelism (FSDP2 trainer: FSDP, HSDP, FSDP x TP, PP x FSDP)
+    it is the group it would be without EP: EP borrows its ranks from dp_shard x tp, the dense
+    parameters (every block's attention, router and shared experts, the dense blocks, embeddings
+    and head) reduce-scatter over the fsdp mesh, and only the routed experts over the smaller
+    efsdp mesh, which GIFT leaves on FSDP2's own reduce-scatter; under HSDP the replica hop
+    all-reduces them over dp_replicate unquantized (both named: `gift_compile.frameworks.fsdp2.refuse_outside`).
+    Other layouts are refused by name."""
     # SimpleFSDP shards over fsdp = dp_shard x cp: with CP it is HSDP ("hybrid_shard"), not DDP
     ddp_on_graph = (trainer != "fsdp2" and parallel_dims.dp_replicate > 1
                     and parallel_dims.dp_shard * parallel_dims.cp <= 1)
     others = {
         "pipeline on graph_trainer": parallel_dims.pp if trainer != "fsdp2" else 1,
         "expert on graph_trainer": parallel_dims.ep if trainer != "fsdp2" else 1,
-        "expert with data-replicate or context": parallel_dims.ep if trainer == "fsdp2" and (
-            parallel_dims.dp_replicate > 1 or parallel_dims.cp > 1)
-        else 1,
+        "expert with context": parallel_dims.ep if trainer == "fsdp2" and parallel_dims.cp > 1 else 1,
         "data-replicate without sharding (DDP) on graph_trainer": 2 if ddp_on_graph else 1,
     }
     unsupported = [name for name, degree in others.items() if degree > 1]
@@ -146,11 +142,11 @@ def gift_post_optimizer_build(optimizers: Any, model_parts: list[nn.Module], par
     config = gift_config(section, optimizers, model, group)
     if trainer == "fsdp2":
         if parallel_dims.ep > 1:
-            # the group the dense parameter groups reduce-scatter over must be GIFT's state group
+            # the group the dense parameter groups reduce-scatter over must be the fsdp mesh's
             # (raises otherwise); the routed experts' efsdp groups stay FSDP2's (refused or logged)
-            fsdp2.shard_group(model, group)
+            fsdp2.shard_group(model, parallel_dims.get_mesh("fsdp").get_group())
         state = manage(model, config, group, mode=ManageMode.STATS, split_rows=True)
-        fsdp2.install(model, state, compiled=section.fuse)
+        fsdp2.install(model, state, compiled=section.fuse, replicas=parallel_dims.dp_replicate)
         replicas = hsdp.replica_group(parallel_dims)
         if replicas is not None:
             gift_hsdp.install(model, state, replicas, compiled=section.fuse)

@@ -27,7 +27,9 @@ group of such a module only (`fsdp_internals.set_group_reduce_scatter`) and leav
 FSDP2's own reduce-scatter, at full precision. That is never silent: `outside_gift` lists them,
 and under ``unrewritten="error"`` (the default) `install` raises naming their modules, under
 ``"warn"`` it logs one line per module. A group over one rank carries no gradient collective
-(FSDP2 copies its gradient), so it is only logged.
+(FSDP2 copies its gradient), so it is only logged, unless HSDP's replica hop
+(`gift_compile.frameworks.hsdp`, ``install(..., replicas=N)``) has it all-reduced over the
+replicas, also at full precision: refused or warned like the others.
 """
 
 from __future__ import annotations
@@ -101,6 +103,7 @@ class GiftReduceScatter(ReduceScatter):
         self.state = state
         self.timer = timer
         self.compiled = compiled
+        self.replicas = 1  # replicas an HSDP hop all-reduces each reduced shard over (`install`)
         # (world, dtype, group name) of the last call: what `accounted_bytes` prices
         self.last_call: tuple[int, torch.dtype, str] | None = None
 
@@ -178,11 +181,24 @@ class OutsideGroup(NamedTuple):
     params: tuple[tuple[str, tuple[int, ...]], ...]  # the parameters' names (from the root), unsharded shapes
     group: str  # the process group: its mesh dimensions' names (else the group's name)
     ranks: int  # its size (1: FSDP2 copies the gradient, no collective)
+    replicas: int = 1  # replicas HSDP's replica hop then all-reduces the reduced shard over
+
+    @property
+    def crossing(self) -> bool:
+        """Whether the group's gradients cross ranks (a reduce-scatter, or a replica all-reduce)."""
+        return self.ranks > 1 or self.replicas > 1
+
+    def route(self) -> str:
+        """How the group's gradients travel, in words."""
+        first = (f"reduce-scatters over mesh {self.group!r} ({self.ranks} ranks)" if self.ranks > 1
+                 else f"is sharded over mesh {self.group!r} (one rank)")
+        return first + (f" and all-reduces over {self.replicas} replicas" if self.replicas > 1 else "")
 
 
-def outside_gift(model: Parts, pg: dist.ProcessGroup) -> list[OutsideGroup]:
+def outside_gift(model: Parts, pg: dist.ProcessGroup, replicas: int = 1) -> list[OutsideGroup]:
     """Every FSDP parameter group of `model` that does not reduce-scatter over ``pg`` (GIFT's
-    group), so runs FSDP2's own reduce-scatter at full precision."""
+    group), so runs FSDP2's own reduce-scatter at full precision (then, with HSDP, an all-reduce
+    over `replicas` replicas)."""
     names = {id(m): n for part in model_parts(model) for n, m in part.named_modules()}
     out = []
     for module in fsdp_modules(model):
@@ -197,38 +213,42 @@ def outside_gift(model: Parts, pg: dist.ProcessGroup) -> list[OutsideGroup]:
                 owners.setdefault(owner, type(p.module).__name__)
                 fqns.append((f"{owner}.{p.param_name}" if owner else p.param_name, p.shape))
             mesh = "x".join(shard_mesh_dims(module, other)) or other.group_name
-            out.append(OutsideGroup(tuple(owners), tuple(owners.values()), tuple(fqns), mesh, other.size()))
+            out.append(OutsideGroup(tuple(owners), tuple(owners.values()), tuple(fqns), mesh, other.size(), replicas))
     return out
 
 
 def refuse_outside(groups: list[OutsideGroup], unrewritten: Unrewritten | str) -> None:
     """Raise (``unrewritten="error"``) naming the modules whose gradients `groups` carry at full
-    precision past GIFT, or log one line per module (``"warn"``; a one-rank group, which sends
-    nothing, is only logged)."""
+    precision past GIFT, or log one line per module (``"warn"``; a one-rank group without
+    replicas, which sends nothing, is only logged)."""
     mode = Unrewritten.parse(unrewritten, "unrewritten")
-    crossing = [g for g in groups if g.ranks > 1]
+    crossing = [g for g in groups if g.crossing]
     why = ("FSDP2 shards them on another mesh than GIFT's group (per-parameter mesh: fully_shard's "
            "shard_placement_fn), so they reduce-scatter in a parameter group of their own, which GIFT leaves on "
            "FSDP2's own reduce-scatter (GIFT's statistics, transforms and selection span one group)")
+    if any(g.replicas > 1 for g in crossing):
+        why += "; under HSDP their reduced shards are then all-reduced over the replicas at fp32, as native HSDP would"
     if any(len(shape) > 2 for g in crossing for _, shape in g.params):
         why += ("; and GIFT's matrices are 2-D linear weights with statistics of their inputs, while a grouped-GEMM "
                 "expert weight is one 3-D tensor for a rank's experts, each fed only its routed tokens")
     if crossing and mode is Unrewritten.ERROR:
         names = "; ".join(f"{', '.join(f'{m} ({k})' for m, k in zip(g.modules, g.kinds))} over mesh {g.group!r} "
-                          f"({g.ranks} ranks)" for g in crossing)
+                          f"({'one rank' if g.ranks == 1 else f'{g.ranks} ranks'}"
+                          f"{f', then {g.replicas} replicas' if g.replicas > 1 else ''})"
+                          for g in crossing)
         raise ValueError(f"GIFT: the gradients of {names} would travel at full precision: {why}. Set "
                          "unrewritten='warn' (torchtitan: --gift.unrewritten warn) to run with them at full precision")
     for g in groups:
         for module, kind in zip(g.modules, g.kinds):
-            if g.ranks > 1:
-                logger.warning("GIFT: %s (%s) reduce-scatters over mesh %r (%d ranks) at full precision, not "
-                               "managed: %s (unrewritten='warn')", module, kind, g.group, g.ranks, why)
+            if g.crossing:
+                logger.warning("GIFT: %s (%s) %s at full precision, not managed: %s (unrewritten='warn')",
+                               module, kind, g.route(), why)
             else:
                 logger.info("GIFT: %s (%s) is sharded over mesh %r (one rank): its gradient crosses no rank, "
                             "nothing to compress", module, kind, g.group)
 
 
-def install(model: Parts, state: GiftState, *, compiled: bool = True) -> CommTimer:
+def install(model: Parts, state: GiftState, *, compiled: bool = True, replicas: int = 1) -> CommTimer:
     """Put every FSDP module of `model` (of all its parts, the pipeline stages a rank holds,
     which share `state` and one comm timer) on `GiftReduceScatter`; returns the comm timer.
 
@@ -237,11 +257,13 @@ def install(model: Parts, state: GiftState, *, compiled: bool = True) -> CommTim
     timer is kept in the state's per-adapter slot (the FSDP2 adapter's telemetry reads it).
     A module with several parameter groups (a per-parameter mesh) gets GIFT's reduce-scatter on
     its group over `shard_group` only; the others are refused or logged by `refuse_outside`
-    (``state.config.unrewritten``), and a managed weight in one of them always raises.
+    (``state.config.unrewritten``), and a managed weight in one of them always raises. With HSDP,
+    `replicas` is the replica group's size (`gift_compile.frameworks.hsdp.install`, called next,
+    checks it): every group's reduced shard then crosses the replicas too, which the refusal counts.
     """
     check_torch()
     pg = shard_group(model, None)
-    outside = outside_gift(model, pg)
+    outside = outside_gift(model, pg, replicas)
     managed_outside = [p.fqn for module in fsdp_modules(model) for other in shard_process_groups(module)
                        if not same_group(other, pg) for p in packed_params(module, other)
                        if p.param_name == "weight" and getattr(p.module, "_gift_layer", None) is not None]
@@ -254,7 +276,9 @@ def install(model: Parts, state: GiftState, *, compiled: bool = True) -> CommTim
         module.set_force_sum_reduction_for_comms(True)
         module.set_reduce_scatter_unused_params(True)
         several = len(shard_process_groups(module)) > 1
-        set_group_reduce_scatter(module, pg, GiftReduceScatter(module, state, timer, compiled, pg if several else None))
+        comm = GiftReduceScatter(module, state, timer, compiled, pg if several else None)
+        comm.replicas = replicas
+        set_group_reduce_scatter(module, pg, comm)
     attach(state, FSDP2.name, timer)
     return timer
 
@@ -270,15 +294,16 @@ def uninstall(model: Parts) -> None:
 
 
 def full_precision_params(model: Parts) -> int | None:
-    """How many parameters of `model` reduce-scatter over more than one rank outside GIFT, in a
-    parameter group whose module has another group on GIFT's reduce-scatter (`outside_gift`:
-    torchtitan's routed experts under expert parallelism); None when GIFT is not installed."""
+    """How many parameters of `model` cross ranks outside GIFT (a reduce-scatter over more than
+    one rank, or HSDP's replica all-reduce), in a parameter group whose module has another group
+    on GIFT's reduce-scatter (`outside_gift`: torchtitan's routed experts under expert
+    parallelism); None when GIFT is not installed."""
     comms = _gift_comms(model)
     if not comms:
         return None
-    modules = {id(c.module) for c in comms if c.over is not None}
-    return sum(len(packed_params(m, pg)) for m in fsdp_modules(model) if id(m) in modules
-               for pg in shard_process_groups(m) if pg.size() > 1
+    replicas = {id(c.module): c.replicas for c in comms if c.over is not None}
+    return sum(len(packed_params(m, pg)) for m in fsdp_modules(model) if id(m) in replicas
+               for pg in shard_process_groups(m) if (pg.size() > 1 or replicas[id(m)] > 1)
                and not isinstance(custom_reduce_scatter(m, pg), GiftReduceScatter))
 
 

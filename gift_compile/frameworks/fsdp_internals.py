@@ -11,9 +11,11 @@ A module sharded with a per-parameter mesh (``fully_shard(..., shard_placement_f
 returning a `ShardPlacementResult`: torchtitan's MoE blocks under expert parallelism, routed
 experts on the ``efsdp`` mesh, the rest on the ``fsdp`` mesh) has one parameter group per mesh,
 and FSDP2's public setters refuse custom comms for it ("not supported with multiple param
-groups"). Every reader here therefore takes ``over``: the process group whose parameter group
-is meant (None: the module's only one), and `set_group_reduce_scatter` puts a comm on exactly
-that group, the one write GIFT makes past the public API. Those are private and may change
+groups"; `set_all_reduce_hook` likewise). Every reader here therefore takes ``over``: the process
+group whose parameter group is meant (None: the module's only one), and the three ``set_group_*``
+functions put a comm, an all-reduce hook or a gradient divide factor on exactly that group: the
+writes GIFT makes past the public API, each the assignment its public setter makes for every
+group. Those are private and may change
 between releases, so they are read only here, and only on a torch GIFT was tested with
 (`TESTED_TORCH`); another version raises naming it before anything is installed.
 """
@@ -35,8 +37,8 @@ from gift_compile.torch_release import require_tested_torch
 
 __all__ = ["DefaultReduceScatter", "PackedParam", "ReduceScatter", "TESTED_TORCH", "all_reduce_hook", "check_torch",
            "custom_reduce_scatter", "fsdp_modules", "gradient_divide_factor", "is_native_hsdp", "packed_params",
-           "param_group_id", "same_group", "set_group_reduce_scatter", "shard_mesh_dims", "shard_process_group",
-           "shard_process_groups"]
+           "param_group_id", "same_group", "set_group_all_reduce_hook", "set_group_divide_factor",
+           "set_group_reduce_scatter", "shard_mesh_dims", "shard_process_group", "shard_process_groups"]
 
 # (major, minor) releases whose FSDP2 internals match what this module reads.
 TESTED_TORCH = ((2, 13), (2, 14))
@@ -152,15 +154,15 @@ def shard_process_group(module: FSDPModule) -> dist.ProcessGroup:
     return _param_group(module).mesh_info.shard_process_group
 
 
-def param_group_id(module: FSDPModule) -> int:
-    """Identity of `module`'s parameter group (modules sharded together share one)."""
-    return id(_param_group(module))
+def param_group_id(module: FSDPModule, over: dist.ProcessGroup | None = None) -> int:
+    """Identity of `module`'s parameter group over ``over`` (modules sharded together share one)."""
+    return id(_param_group(module, over))
 
 
-def is_native_hsdp(module: FSDPModule) -> bool:
-    """Whether `module` is sharded on a 2-D (replicate x shard) mesh, whose replica all-reduce
-    FSDP2 runs itself before any all-reduce hook."""
-    return bool(_param_group(module)._is_hsdp)
+def is_native_hsdp(module: FSDPModule, over: dist.ProcessGroup | None = None) -> bool:
+    """Whether `module`'s parameter group over ``over`` is sharded on a 2-D (replicate x shard)
+    mesh, whose replica all-reduce FSDP2 runs itself before any all-reduce hook."""
+    return bool(_param_group(module, over)._is_hsdp)
 
 
 def custom_reduce_scatter(module: FSDPModule, over: dist.ProcessGroup | None = None) -> Any:
@@ -169,11 +171,38 @@ def custom_reduce_scatter(module: FSDPModule, over: dist.ProcessGroup | None = N
     return _param_group(module, over)._reduce_scatter_comm
 
 
-def all_reduce_hook(module: FSDPModule) -> Any | None:
-    """The hook `set_all_reduce_hook` put on `module`'s parameter group, if any."""
-    return _param_group(module)._all_reduce_hook
+def all_reduce_hook(module: FSDPModule, over: dist.ProcessGroup | None = None) -> Any | None:
+    """The hook `set_all_reduce_hook` / `set_group_all_reduce_hook` put on `module`'s parameter
+    group over ``over``, if any."""
+    return _param_group(module, over)._all_reduce_hook
 
 
-def gradient_divide_factor(module: FSDPModule) -> float | None:
-    """The explicit gradient divide factor of `module` (None: FSDP2's default mean)."""
-    return _param_group(module).gradient_divide_factor
+def set_group_all_reduce_hook(module: FSDPModule, over: dist.ProcessGroup, hook: Any) -> None:
+    """Put the all-reduce `hook` on the parameter group of `module` that reduce-scatters over
+    ``over``, and only on it: `FSDPModule.set_all_reduce_hook` makes this assignment for every
+    group but refuses a module with several (one hook would serve two meshes). FSDP2 calls the
+    hook of each group with that group's reduced shard."""
+    if len(_param_groups(module)) == 1:
+        if not same_group(shard_process_group(module), over):
+            raise ValueError(f"gift_compile: FSDP module {type(module).__name__} reduce-scatters over "
+                             f"{shard_process_group(module).group_name!r}, not {over.group_name!r}")
+        module.set_all_reduce_hook(hook)
+        return
+    group = _param_group(module, over)
+    if not hasattr(group, "_all_reduce_hook"):
+        raise RuntimeError("gift_compile: FSDP2's parameter group has no _all_reduce_hook (the slot "
+                           f"set_all_reduce_hook writes in torch {TESTED_TORCH}); GIFT's HSDP hook does not know this torch")
+    group._all_reduce_hook = hook
+
+
+def gradient_divide_factor(module: FSDPModule, over: dist.ProcessGroup | None = None) -> float | None:
+    """The explicit gradient divide factor of `module`'s parameter group over ``over`` (None:
+    FSDP2's default mean)."""
+    return _param_group(module, over).gradient_divide_factor
+
+
+def set_group_divide_factor(module: FSDPModule, over: dist.ProcessGroup, factor: float) -> None:
+    """Set the gradient divide factor of `module`'s parameter group over ``over`` only
+    (`FSDPModule.set_gradient_divide_factor` sets one factor on every group, while groups on
+    meshes of different sizes need different ones)."""
+    _param_group(module, over if len(_param_groups(module)) > 1 else None).gradient_divide_factor = factor

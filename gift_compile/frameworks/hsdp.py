@@ -39,9 +39,17 @@ every replica after the hook; the optimizer steps identical shards with identica
 checkpoints (DCP) see each shard once per replica and deduplicate equal entries. The GIFT state
 itself must be built on the whole data-parallel group (shards x replicas): statistics, transforms
 and selection are then the same on every rank, which the replica hop's decode requires.
-Limits: one parameter group per FSDP module (FSDP2 refuses the hook otherwise); with two or
-more shards error feedback covers the shard hop only (its residual is the full local gradient;
-the replica hop's input is already reduced).
+A module sharded on a per-parameter mesh (torchtitan's MoE blocks under expert parallelism:
+routed experts on ``efsdp``, the rest on ``fsdp``) has one parameter group per mesh, each with its
+own all-reduce hook (`fsdp_internals.set_group_all_reduce_hook`; FSDP2's public setter refuses
+such modules). The group on GIFT's reduce-scatter gets the hook above; the others (the routed
+experts, on FSDP2's own reduce-scatter) get `OutsideAllReduce`, the fp32 all-reduce over the
+replicas native HSDP would have run (on the shard-only mesh nothing else would), counted like
+FSDP2's own reduce-scatter of that group: not in GIFT's bytes. That is refused or warned by name
+(`gift_compile.frameworks.fsdp2.install(..., replicas=N)`, which `install` checks), never silent.
+
+Limits: with two or more shards error feedback covers the shard hop only (its residual is the
+full local gradient; the replica hop's input is already reduced).
 """
 
 from __future__ import annotations
@@ -60,12 +68,13 @@ from gift_compile.frameworks.adapter import attach, attached
 from gift_compile.frameworks.fsdp2 import GiftReduceScatter, discarding
 from gift_compile.frameworks.fsdp_internals import (all_reduce_hook, check_torch, custom_reduce_scatter, fsdp_modules,
                                          gradient_divide_factor, is_native_hsdp, param_group_id,
-                                         shard_process_group)
+                                         set_group_all_reduce_hook, set_group_divide_factor, shard_process_group,
+                                         shard_process_groups)
 from gift_compile.frameworks.parts import Parts, model_parts
 from gift_compile.runtime.state import GiftState
 from gift_compile.runtime.telemetry import CommTimer
 
-__all__ = ["NAME", "ReplicaAllReduce", "ReplicaHop", "accounted_bytes", "check_replicas_identical", "hop_totals",
+__all__ = ["NAME", "OutsideAllReduce", "ReplicaAllReduce", "ReplicaHop", "accounted_bytes", "check_replicas_identical", "hop_totals",
            "install", "install_graph", "replica_hop"]
 
 NAME = "hsdp"  # the replica hop's key in `GiftState.adapters`
@@ -102,12 +111,27 @@ class ReplicaHop:
         return out
 
 
+class OutsideAllReduce:
+    """FSDP2 all-reduce hook of a parameter group GIFT's reduce-scatter does not run on (routed
+    experts on their own mesh): the full-precision all-reduce over the replicas that native HSDP
+    would have run, averaging when `average` (FSDP2's default mean over one shard)."""
+
+    def __init__(self, hop: ReplicaHop, average: bool) -> None:
+        self.hop = hop
+        self.average = average
+
+    def __call__(self, reduce_output: torch.Tensor) -> None:
+        dist.all_reduce(reduce_output, group=self.hop.group)
+        if self.average:
+            reduce_output.div_(self.hop.world)
+
+
 class ReplicaAllReduce:
-    """FSDP2 all-reduce hook of one FSDP module: GIFT all-reduce of its reduced shard over the
-    replica group (see the module docstring). `comm` is the module's `GiftReduceScatter`, whose
-    parameter segments (FSDP2's order, rows per shard) the flat shard is cut into. `sole`: the
-    shard group has one rank, so this hop is the only one and runs the layers' own plans and
-    tensors (error feedback, probe), averaging over the replicas when `average`."""
+    """FSDP2 all-reduce hook of one FSDP parameter group: GIFT all-reduce of its reduced shard
+    over the replica group (see the module docstring). `comm` is the group's `GiftReduceScatter`, whose
+    parameter segments (FSDP2's order, rows per shard) the flat shard is cut into. `sole`: the shard group has one rank, so this hop is the only one and runs the
+    layers' own plans and tensors (error feedback, probe), averaging over the replicas when
+    `average`."""
 
     def __init__(self, comm: GiftReduceScatter, hop: ReplicaHop, compiled: bool, *, sole: bool = False,
                  average: bool = False) -> None:
@@ -184,38 +208,57 @@ class ReplicaAllReduce:
 
 
 def install(model: Parts, state: GiftState, replica_group: dist.ProcessGroup, *, compiled: bool = True) -> ReplicaHop:
-    """Set the replica hop on every FSDP module of `model` (after `gift_compile.frameworks.fsdp2.install`).
+    """Set the replica hop on every FSDP parameter group of `model` (after
+    `gift_compile.frameworks.fsdp2.install`).
 
     `model` must be `fully_shard`ed on the shard-only mesh (a native HSDP mesh would all-reduce
-    before the hook: the gradient would cross the replica group twice). A module left at FSDP2's
+    before the hook: the gradient would cross the replica group twice). A group left at FSDP2's
     default gradient division divides by shards x replicas, what native HSDP divides by; an
     explicit factor (torchtitan's 1.0) is kept. With one shard the hop is the only collective
     (see the module docstring: `format` only, factor 1 or FSDP2's default, which GIFT's
-    all-reduce then averages). Keeps the hop in the state's per-adapter slot (`replica_hop`).
+    all-reduce then averages). The parameter groups GIFT's reduce-scatter does not run on (a
+    per-parameter mesh) are all-reduced at full precision, which `fsdp2.install` must have been
+    told (``replicas=``) to refuse or warn about. Keeps the hop in the state's per-adapter slot
+    (`replica_hop`).
     """
     device = state.counters.device
     hop = ReplicaHop(replica_group, device)
     n = 0
     check_torch()
     for module in fsdp_modules(model):
-        if is_native_hsdp(module):
-            raise ValueError(
-                "gift_compile.frameworks.hsdp.install: the model is fully_shard-ed on a 2-D (native HSDP) mesh, whose "
-                "replica all-reduce FSDP2 runs itself at full precision before any hook; shard it on the "
-                "shard-only mesh and let GIFT's replica hop all-reduce across replicas"
-            )
-        comm = custom_reduce_scatter(module)
-        if not isinstance(comm, GiftReduceScatter):
+        groups = shard_process_groups(module)
+        several = len(groups) > 1
+        gift = [custom_reduce_scatter(module, pg if several else None) for pg in groups]
+        gift = [c for c in gift if isinstance(c, GiftReduceScatter)]
+        if not gift:
             raise ValueError("gift_compile.frameworks.hsdp.install: call gift_compile.frameworks.fsdp2.install first "
                              "(the replica hop reads the parameter layout of GIFT's reduce-scatter)")
-        shards, factor = shard_process_group(module).size(), gradient_divide_factor(module)
-        if shards == 1:  # no shard hop: this hop is the only collective
-            _check_sole_hop(state, hop, factor)
-        elif factor is None:  # FSDP2's default mean would only count the shard group
-            module.set_gradient_divide_factor(float(shards * hop.world))
-        module.set_all_reduce_hook(ReplicaAllReduce(comm, hop, compiled, sole=shards == 1,
-                                                    average=shards == 1 and factor is None))
-        n += 1
+        for pg in groups:
+            over = pg if several else None
+            if is_native_hsdp(module, over):
+                raise ValueError(
+                    "gift_compile.frameworks.hsdp.install: the model is fully_shard-ed on a 2-D (native HSDP) mesh, "
+                    "whose replica all-reduce FSDP2 runs itself at full precision before any hook; shard it on the "
+                    "shard-only mesh and let GIFT's replica hop all-reduce across replicas")
+            comm = custom_reduce_scatter(module, over)
+            gift_group = isinstance(comm, GiftReduceScatter)
+            if not gift_group and gift[0].replicas != hop.world:
+                raise ValueError(
+                    f"gift_compile.frameworks.hsdp.install: {type(module).__name__} has a parameter group outside "
+                    f"GIFT's reduce-scatter whose reduced shard would be all-reduced at full precision over "
+                    f"{hop.world} replicas; call gift_compile.frameworks.fsdp2.install(..., replicas={hop.world}) "
+                    "so it is refused or warned about by name")
+            shards, factor = pg.size(), gradient_divide_factor(module, over)
+            if shards == 1:  # no shard hop: this hop is the only collective
+                _check_sole_factor(factor)
+                if gift_group:
+                    _check_sole_hop(state, hop)
+            elif factor is None:  # FSDP2's default mean would only count the shard group
+                set_group_divide_factor(module, pg, float(shards * hop.world))
+            average = shards == 1 and factor is None
+            set_group_all_reduce_hook(module, pg, ReplicaAllReduce(comm, hop, compiled, sole=shards == 1, average=average)
+                                      if gift_group else OutsideAllReduce(hop, average))
+            n += 1
     if n == 0:
         raise ValueError("gift_compile.frameworks.hsdp.install: the model has no FSDP module")
     _attach(state, hop)
@@ -223,9 +266,19 @@ def install(model: Parts, state: GiftState, replica_group: dist.ProcessGroup, *,
     return hop
 
 
-def _check_sole_hop(state: GiftState, hop: ReplicaHop, factor: float | None) -> None:
+def _check_sole_factor(factor: float | None) -> None:
+    """Raise unless FSDP2 applies a one-shard group's divide factor once (see the module docstring)."""
+    if factor is not None and factor != 1.0:
+        raise ValueError(
+            f"gift_compile.frameworks.hsdp.install: the shard group has one rank and the gradient divide factor is "
+            f"{factor}; FSDP2 (under the SUM reductions GIFT forces) divides a one-rank reduce-scatter's copy by an explicit "
+            "factor and again after the all-reduce hook (by factor squared). Leave the factor at FSDP2's default (GIFT's all-reduce then averages over "
+            "the replicas) or set 1.0 (sum)")
+
+
+def _check_sole_hop(state: GiftState, hop: ReplicaHop) -> None:
     """Raise unless a one-shard model can run the replica hop as its only collective (see the
-    module docstring): one format, a divide factor FSDP2 applies once, a state over the replicas."""
+    module docstring): one format, a state over the replicas."""
     config = state.config
     if config.replica_hop_format != config.format:
         raise ValueError(
@@ -233,12 +286,6 @@ def _check_sole_hop(state: GiftState, hop: ReplicaHop, factor: float | None) -> 
             f"replica all-reduce carries every gradient at format={config.format!r} (what the selection measures and error "
             f"feedback covers); replica_format={config.replica_format!r} would send it at another format. Set "
             f"replica_format='same' (or format={config.replica_hop_format!r})")
-    if factor is not None and factor != 1.0:
-        raise ValueError(
-            f"gift_compile.frameworks.hsdp.install: the shard group has one rank and the gradient divide factor is "
-            f"{factor}; FSDP2 (under the SUM reductions GIFT forces) divides a one-rank reduce-scatter's copy by an explicit "
-            "factor and again after the all-reduce hook (by factor squared). Leave the factor at FSDP2's default (GIFT's all-reduce then averages over "
-            "the replicas) or set 1.0 (sum)")
     if state.world() != hop.world:
         raise ValueError(
             f"gift_compile.frameworks.hsdp.install: the GIFT state spans {state.world()} ranks but the replica group "
@@ -288,9 +335,12 @@ def _hooks(model: Parts) -> list[ReplicaAllReduce]:
     `fully_shard([norm, output])`, share one group and appear once)."""
     out: dict[int, ReplicaAllReduce] = {}
     for module in fsdp_modules(model):
-        hook = all_reduce_hook(module)
-        if isinstance(hook, ReplicaAllReduce):
-            out[param_group_id(module)] = hook
+        groups = shard_process_groups(module)
+        for pg in groups:
+            over = pg if len(groups) > 1 else None
+            hook = all_reduce_hook(module, over)
+            if isinstance(hook, ReplicaAllReduce):
+                out[param_group_id(module, over)] = hook
     return list(out.values())
 
 
@@ -302,9 +352,11 @@ def accounted_bytes(model: Parts) -> dict[str, int]:
         if hook.last_plan is None:
             raise RuntimeError("gift_compile.frameworks.hsdp.accounted_bytes: run a backward first (no plan ran yet)")
         dtype = hook.last_plan.items[0].torch_dtype
-        pg = shard_process_group(hook.comm.module)
-        if pg.size() > 1:  # one shard: FSDP2 copies, nothing is handed to a collective
-            shard += bucket_wire_bytes(hook.comm.plan(pg.size(), dtype, pg.group_name))
+        comm = hook.comm
+        pg = comm.over or shard_process_group(comm.module)
+        # one shard: FSDP2 copies, nothing is handed to a collective; outside GIFT: FSDP2's own
+        if pg.size() > 1 and isinstance(comm, GiftReduceScatter):
+            shard += bucket_wire_bytes(comm.plan(pg.size(), dtype, pg.group_name))
         replica += bucket_wire_bytes(hook.last_plan)
     return {"shard": shard, "replica": replica}
 
