@@ -116,7 +116,6 @@ def test_graph_hsdp_rewrites_both_hops_at_their_formats_and_tracks_fp32(runs: Ca
 
 
 @pytest.mark.parametrize("trainer,dims,names", [
-    ("graph", {"dp_replicate": 2, "dp_shard": 1}, "data-replicate without sharding .* is on .*HSDP's second hop"),
     ("graph", {"pp": 2, "cp": 2}, "pipeline on graph_trainer parallelism is on .*use the FSDP2 trainer"),
     ("graph", {"ep": 2}, "expert on graph_trainer parallelism is on .*graph path has not been built"),
     ("fsdp2", {"ep": 2, "dp_replicate": 2, "cp": 2}, "expert with context parallelism is on .*without GIFT either"),

@@ -51,9 +51,6 @@ _UNSUPPORTED_WHY = {
               "with FSDP, HSDP, FSDP x TP and PP x FSDP; with CP the layout has not been run with GIFT because "
               "torchtitan 0.3.0 does not run it on this repo's MoE model without GIFT either (it stops with "
               "'aten.add.Tensor got mixed torch.Tensor and DTensor')",
-    "data-replicate without sharding (DDP) on graph_trainer": "SimpleFSDP then traces only a replica "
-              "all-reduce of each full gradient, which the pass rewrites only as HSDP's second hop after a "
-              "shard reduce-scatter; use data_parallel_shard_degree > 1 (HSDP) or the FSDP2 trainer",
 }
 
 
@@ -79,14 +76,10 @@ def data_parallel_group(parallel_dims: Any, trainer: str = "graph") -> dist.Proc
     efsdp mesh, which GIFT leaves on FSDP2's own reduce-scatter; under HSDP the replica hop
     all-reduces them over dp_replicate unquantized (both named: `gift_compile.frameworks.fsdp2.refuse_outside`).
     Other layouts are refused by name."""
-    # SimpleFSDP shards over fsdp = dp_shard x cp: with CP it is HSDP ("hybrid_shard"), not DDP
-    ddp_on_graph = (trainer != "fsdp2" and parallel_dims.dp_replicate > 1
-                    and parallel_dims.dp_shard * parallel_dims.cp <= 1)
     others = {
         "pipeline on graph_trainer": parallel_dims.pp if trainer != "fsdp2" else 1,
         "expert on graph_trainer": parallel_dims.ep if trainer != "fsdp2" else 1,
         "expert with context": parallel_dims.ep if trainer == "fsdp2" and parallel_dims.cp > 1 else 1,
-        "data-replicate without sharding (DDP) on graph_trainer": 2 if ddp_on_graph else 1,
     }
     unsupported = [name for name, degree in others.items() if degree > 1]
     if unsupported:
@@ -120,7 +113,8 @@ def gift_post_optimizer_build(optimizers: Any, model_parts: list[nn.Module], par
     module, and with HSDP `gift_compile.frameworks.hsdp`'s replica all-reduce hook. graph_trainer: the
     `gift::mark` tags whose reduce-scatters (bucketed or not) the ``gift`` pass pipeline
     rewrites, with HSDP carrying the replica hop (`gift_compile.frameworks.hsdp.install_graph`) the pass
-    puts after each rewritten reduce-scatter. Both: `attach_optimizer` on torchtitan's optimizer
+    puts after each rewritten reduce-scatter, and with replication only (DDP) the traced
+    all-reduces the pass rewrites at each layer's own plan. Both: `attach_optimizer` on torchtitan's optimizer
     container (health check before its step, `GiftState.step()` after). With pipeline
     parallelism (FSDP2 only) one state spans every model part (stage) of the rank, over its
     data-parallel group (`.pipeline_parallel`). When that group is smaller than the job (pipeline
@@ -152,8 +146,13 @@ def gift_post_optimizer_build(optimizers: Any, model_parts: list[nn.Module], par
             gift_hsdp.install(model, state, replicas, compiled=section.fuse)
             logger.info(hsdp.describe_hops(model, state, parallel_dims.dp_shard * parallel_dims.cp))
     else:
-        state = SIMPLE_FSDP.install(model, config, group, fuse=section.fuse)
         replicas = hsdp.replica_group(parallel_dims)
+        # SimpleFSDP shards over fsdp = dp_shard x cp; over one rank it only replicates (DDP): each
+        # gradient's one all-reduce is then GIFT's all-reduce at `format`, the layers' own plans
+        if replicas is not None and parallel_dims.dp_shard * parallel_dims.cp == 1:
+            hsdp.check_replicate_only(config)
+            replicas = None
+        state = SIMPLE_FSDP.install(model, config, group, fuse=section.fuse)
         if replicas is not None:  # the marks carry the replica hop, which the pass puts after the shard hop
             gift_hsdp.install_graph(state, replicas)
             gift_hsdp.check_replicas_identical(model, replicas)

@@ -22,7 +22,7 @@ from torchtitan.tools.logging import logger
 
 from gift_compile.frameworks import hsdp as gift_hsdp
 
-__all__ = ["ShardOnlyDims", "bind_shard_only_parallelize", "describe_graph_hops", "describe_hops", "graph_accounted_bytes",
+__all__ = ["ShardOnlyDims", "bind_shard_only_parallelize", "check_replicate_only", "describe_graph_hops", "describe_hops", "graph_accounted_bytes",
            "replica_group", "replica_metrics", "shard_only_parallelize"]
 
 
@@ -65,6 +65,20 @@ def bind_shard_only_parallelize(config: Any) -> None:
         current = current.keywords["inner"]
     wrapped = functools.partial(shard_only_parallelize, inner=current, section=config.gift)
     config.model_spec = replace(config.model_spec, parallelize_fn=wrapped)
+
+
+def check_replicate_only(config: Any) -> None:
+    """graph_trainer with replication only (DDP: SimpleFSDP's ``replicate`` mode, one all-reduce
+    per gradient, which the pass rewrites as GIFT's all-reduce with each layer's own plan): raise
+    unless the one hop can run the configured formats (``replica_format`` would name a second hop
+    that does not exist)."""
+    if config.replica_hop_format != config.format:
+        raise ValueError(
+            f"gift.replica_format={config.replica_format!r}: with data_parallel_shard_degree x context_parallel_degree "
+            f"= 1 graph_trainer only replicates (DDP), so each gradient crosses ranks once, in GIFT's all-reduce at "
+            f"gift.format={config.format!r}; there is no replica hop of its own. Set gift.replica_format 'same'")
+    logger.info("GIFT DDP (graph_trainer, replication only): each traced gradient all-reduce becomes GIFT's "
+                f"all-reduce at {config.format}")
 
 
 def replica_group(parallel_dims: Any) -> dist.ProcessGroup | None:

@@ -17,6 +17,7 @@ tensors, so the pipeline needs nothing but the graph.
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -70,8 +71,10 @@ def gift_rewrite_pass(gm: torch.fx.GraphModule, example_inputs: Any, *, fuse: bo
     before = set(gm.graph.nodes)
     report = rewrite_gradient_collectives(gm)
     buckets = sum(r.passthrough > 0 or len(r.layers) > 1 for r in report.rewritten)
+    kinds = Counter(r.op for r in report.rewritten)  # reduce-scatters (FSDP, HSDP), all-reduces (DDP)
+    collectives = " + ".join(f"{n} {op.replace('_', '-')}s" for op, n in sorted(kinds.items(), reverse=True)) or "0 collectives"
     logger.info(
-        f"GIFT rewrite: {len(report.rewritten)} reduce-scatters ({buckets} buckets) carrying {len(report.layers)} "
+        f"GIFT rewrite: {collectives} ({buckets} buckets) carrying {len(report.layers)} "
         f"managed weights, {len(report.fallbacks)} fallbacks; collective launches per step "
         f"{report.launches(report.ops_before)} -> {report.launches(report.ops_after)}; bytes per step of the "
         f"rewritten collectives {report.baseline_bytes} -> {report.wire_bytes}"
