@@ -23,6 +23,7 @@ between releases, so they are read only here, and only on a torch GIFT was teste
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -112,26 +113,30 @@ def shard_mesh_dims(module: FSDPModule, over: dist.ProcessGroup | None = None) -
     return tuple(_param_group(module, over).mesh_info.mesh.mesh_dim_names or ())
 
 
-def set_group_reduce_scatter(module: FSDPModule, over: dist.ProcessGroup, comm: ReduceScatter) -> None:
-    """Put `comm` on the parameter group of `module` that reduce-scatters over ``over``, and only
-    on it (the module's other groups keep theirs).
-
-    `FSDPModule.set_custom_reduce_scatter` does exactly this assignment for every group, but
-    refuses a module with several groups (its comm would be ambiguous across meshes); naming
-    the group removes the ambiguity. A module with one group goes through the public setter.
-    """
+def _set_on_group(module: FSDPModule, over: dist.ProcessGroup, slot: str, value: Any,
+                  public: Callable[[Any], None]) -> None:
+    """Write `value` into the ``slot`` of `module`'s parameter group over ``over`` only: the
+    assignment FSDP2's public setter (`public`) makes for every group, which it refuses for a
+    module with several (one value would serve two meshes). A module with one group goes
+    through the public setter."""
     if len(_param_groups(module)) == 1:
         if not same_group(shard_process_group(module), over):
             raise ValueError(f"gift_compile: FSDP module {type(module).__name__} reduce-scatters over "
                              f"{shard_process_group(module).group_name!r}, not {over.group_name!r}")
-        module.set_custom_reduce_scatter(comm)
+        public(value)
         return
     group = _param_group(module, over)
-    if not isinstance(getattr(group, "_reduce_scatter_comm", None), ReduceScatter):
-        raise RuntimeError("gift_compile: FSDP2's parameter group has no _reduce_scatter_comm (the slot "
-                           f"set_custom_reduce_scatter writes in torch {TESTED_TORCH}); GIFT's FSDP2 hook does "
-                           "not know this torch")
-    group._reduce_scatter_comm = comm
+    if not hasattr(group, slot):
+        raise RuntimeError(f"gift_compile: FSDP2's parameter group has no {slot} (the slot {public.__name__} writes "
+                           f"in torch {TESTED_TORCH}); GIFT's FSDP2 hooks do not know this torch")
+    setattr(group, slot, value)
+
+
+def set_group_reduce_scatter(module: FSDPModule, over: dist.ProcessGroup, comm: ReduceScatter) -> None:
+    """Put `comm` on the parameter group of `module` that reduce-scatters over ``over``, and only
+    on it (the module's other groups keep theirs; `FSDPModule.set_custom_reduce_scatter` refuses
+    a module with several groups)."""
+    _set_on_group(module, over, "_reduce_scatter_comm", comm, module.set_custom_reduce_scatter)
 
 
 def packed_params(module: FSDPModule, over: dist.ProcessGroup | None = None) -> list[PackedParam]:
@@ -179,20 +184,9 @@ def all_reduce_hook(module: FSDPModule, over: dist.ProcessGroup | None = None) -
 
 def set_group_all_reduce_hook(module: FSDPModule, over: dist.ProcessGroup, hook: Any) -> None:
     """Put the all-reduce `hook` on the parameter group of `module` that reduce-scatters over
-    ``over``, and only on it: `FSDPModule.set_all_reduce_hook` makes this assignment for every
-    group but refuses a module with several (one hook would serve two meshes). FSDP2 calls the
-    hook of each group with that group's reduced shard."""
-    if len(_param_groups(module)) == 1:
-        if not same_group(shard_process_group(module), over):
-            raise ValueError(f"gift_compile: FSDP module {type(module).__name__} reduce-scatters over "
-                             f"{shard_process_group(module).group_name!r}, not {over.group_name!r}")
-        module.set_all_reduce_hook(hook)
-        return
-    group = _param_group(module, over)
-    if not hasattr(group, "_all_reduce_hook"):
-        raise RuntimeError("gift_compile: FSDP2's parameter group has no _all_reduce_hook (the slot "
-                           f"set_all_reduce_hook writes in torch {TESTED_TORCH}); GIFT's HSDP hook does not know this torch")
-    group._all_reduce_hook = hook
+    ``over``, and only on it (`FSDPModule.set_all_reduce_hook` refuses a module with several
+    groups). FSDP2 calls the hook of each group with that group's reduced shard."""
+    _set_on_group(module, over, "_all_reduce_hook", hook, module.set_all_reduce_hook)
 
 
 def gradient_divide_factor(module: FSDPModule, over: dist.ProcessGroup | None = None) -> float | None:
