@@ -43,10 +43,12 @@ _UNSUPPORTED_WHY = {
               "its GraphPP schedule runs stage-local graphs (FSDP's reduce-scatters split into a reduce-grad "
               "graph) built with graph_trainer's default compile-time passes, so GIFT's marks would be inert and "
               "every gradient would travel at fp32; use the FSDP2 trainer (GIFT per stage)",
-    "expert on graph_trainer": "GIFT's graph path has not been built for expert parallelism: SimpleFSDP "
-              "wraps the routed experts on the efsdp mesh, whose bucketed reduce-scatters the gift pass would have "
-              "to tell from the fsdp mesh's and leave alone, and no graph_trainer MoE config is registered or run "
-              "here; use the FSDP2 trainer (GIFT on the dense layers, experts at full precision)",
+    "expert on graph_trainer with tensor, data-replicate or context": "GIFT with expert parallelism on "
+              "graph_trainer has been built and run with FSDP alone (dp_shard x ep: the routed experts' traced "
+              "reduce-scatters over the efsdp mesh left as traced, refused or named per unrewritten); with TP, "
+              "replicas or CP the routed experts' SimpleFSDP mesh gains dimensions (dp_replicate x efsdp, ep x tp) "
+              "whose traced collectives and GIFT's HSDP replica hop next to them have not been matched or run "
+              "here; use the FSDP2 trainer for EP x TP",
     "expert with data-replicate or context": "GIFT with expert parallelism has "
               "been built and run on the FSDP2 trainer with FSDP, FSDP x TP and PP x FSDP; with "
               "replicas the MoE blocks' dense group would need GIFT's HSDP replica hook, which FSDP2's "
@@ -79,14 +81,19 @@ def data_parallel_group(parallel_dims: Any, trainer: str = "graph") -> dist.Proc
     is the fsdp mesh's group too: EP borrows its ranks from dp_shard x tp, the dense parameters (every block's
     attention, router and shared experts, the dense blocks, embeddings and head) reduce-scatter
     over the fsdp mesh, and only the routed experts over the smaller efsdp mesh, which GIFT leaves
-    on FSDP2's own reduce-scatter (`gift_compile.frameworks.fsdp2.refuse_outside`). Other layouts
-    are refused by name."""
+    on FSDP2's own reduce-scatter (`gift_compile.frameworks.fsdp2.refuse_outside`). On graph_trainer
+    with expert parallelism (FSDP alone: dp_shard x ep) it is the fsdp mesh's group as well:
+    SimpleFSDP wraps the routed experts on the efsdp mesh, whose traced reduce-scatters carry no
+    GIFT mark, so the pass leaves them as traced (refused by name or logged per module,
+    `gift_compile.frameworks.simple_fsdp.outside_gift`), and the EP all-to-alls are not GIFT's
+    either. Other layouts are refused by name."""
     # SimpleFSDP shards over fsdp = dp_shard x cp: with CP it is HSDP ("hybrid_shard"), not DDP
     ddp_on_graph = (trainer != "fsdp2" and parallel_dims.dp_replicate > 1
                     and parallel_dims.dp_shard * parallel_dims.cp <= 1)
     others = {
         "pipeline on graph_trainer": parallel_dims.pp if trainer != "fsdp2" else 1,
-        "expert on graph_trainer": parallel_dims.ep if trainer != "fsdp2" else 1,
+        "expert on graph_trainer with tensor, data-replicate or context": parallel_dims.ep if trainer != "fsdp2" and (
+            parallel_dims.tp > 1 or parallel_dims.dp_replicate > 1 or parallel_dims.cp > 1) else 1,
         "expert with data-replicate or context": parallel_dims.ep if trainer == "fsdp2" and (
             parallel_dims.dp_replicate > 1 or parallel_dims.cp > 1)
         else 1,
