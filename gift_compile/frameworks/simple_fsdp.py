@@ -51,8 +51,9 @@ def _data_parallel_mesh(module: nn.Module, name: str) -> DeviceMesh:
              if hasattr(c.cell_contents, "device_mesh") and hasattr(c.cell_contents, "param_sharding")]
     if len(found) != 1:
         raise RuntimeError(f"gift_compile: {type(module).__name__}.{name} is a DTensor parameter without SimpleFSDP's "
-                           "parametrization (a property calling a ReplicateComputation); cannot tell the mesh its "
-                           "gradient is reduced over (torchtitan's graph_trainer changed how SimpleFSDP wraps modules?)")
+                           "parametrization (a property calling a ReplicateComputation), so the mesh its gradient is "
+                           "reduced over is unknown: the simple_fsdp adapter takes models wrapped by torchtitan "
+                           "graph_trainer's SimpleFSDP (data_parallel) only, and this one is not, or that wrapping changed")
     return found[0].device_mesh
 
 
