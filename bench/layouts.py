@@ -65,12 +65,13 @@ EXTRA = {(layout, "graph"): ["--parallelism.pipeline-parallel-schedule=Interleav
          if "pp" in layout.split("_")}
 CONFIGS = {"fsdp2": ("llama3_debug_gift_fsdp2", "llama3_debug_nogift_fsdp2"),
            "graph": ("llama3_debug_gift_graph", "llama3_debug_nogift_graph")}
-# Layouts of the MoE (`gift_moe_debug`, DeepSeek-V3 blocks): configs exist for the FSDP2 trainer
-# only (no graph_trainer MoE config is registered: GIFT's graph path refuses EP, docs/torchtitan.md)
-MOE_CONFIGS = {"fsdp2": ("moe_debug_gift_fsdp2", "moe_debug_nogift_fsdp2")}
+# Layouts of the MoE (`gift_moe_debug`, DeepSeek-V3 blocks), on both trainers
+MOE_CONFIGS = {"fsdp2": ("moe_debug_gift_fsdp2", "moe_debug_nogift_fsdp2"),
+               "graph": ("moe_debug_gift_graph", "moe_debug_nogift_graph")}
 MOE_LAYOUTS = {"ep_fsdp"}
-# GIFT flags a layout needs: under EP the routed experts stay at full precision on FSDP2's own
-# reduce-scatter, which GIFT refuses unless told to warn (each expert module is then named)
+# GIFT flags a layout needs: under EP the routed experts stay at full precision (FSDP2's own
+# reduce-scatter; graph_trainer's traced efsdp reduce-scatters the pass leaves alone), which GIFT
+# refuses unless told to warn (each expert module is then named)
 LAYOUT_GIFT = {"ep_fsdp": ["--gift.unrewritten=warn"]}
 
 

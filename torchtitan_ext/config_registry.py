@@ -12,14 +12,16 @@ llama3_debug_gift_fsdp2     stock trainer, FSDP2 ``fully_shard``             on
 llama3_debug_nogift_fsdp2   stock trainer, FSDP2 ``fully_shard``             off
 moe_debug_gift_fsdp2        stock trainer, FSDP2, MoE (expert parallelism)   on
 moe_debug_nogift_fsdp2      stock trainer, FSDP2, MoE (expert parallelism)   off
+moe_debug_gift_graph        graph_trainer, SimpleFSDP, MoE (expert par.)     on
+moe_debug_nogift_graph      graph_trainer, SimpleFSDP, MoE (expert par.)     off
 ==========================  ==============================================  ==========
 
-All four train the ``gift_debug`` Llama3 (see :mod:`.models`) on the embedded Shakespeare
+The ``llama3_debug`` configs train the ``gift_debug`` Llama3 (see :mod:`.models`) on the embedded Shakespeare
 corpus with its 4096-token BPE tokenizer, so no download is needed. GIFT-off and GIFT-on
 variants of a trainer differ only in ``gift.enable`` (same seed, data order, init), so
-their losses are directly comparable. The two ``moe_debug`` configs train the ``gift_moe_debug``
+their losses are directly comparable. The four ``moe_debug`` configs train the ``gift_moe_debug``
 DeepSeek-V3 MoE (see :mod:`.models`) the same way; set
-``--parallelism.expert-parallel-degree`` for expert parallelism. Both graph configs select the ``gift`` pass
+``--parallelism.expert-parallel-degree`` for expert parallelism. The graph configs select the ``gift`` pass
 pipeline, which is the default pipeline plus the GIFT rewrite when ``gift.enable``.
 On a machine without an accelerator, :mod:`.cpu_compat` adds its config-level choices.
 """
@@ -56,11 +58,22 @@ __all__ = [
     "llama3_debug_nogift_fsdp2",
     "llama3_debug_nogift_graph",
     "moe_debug_gift_fsdp2",
+    "moe_debug_gift_graph",
     "moe_debug_nogift_fsdp2",
+    "moe_debug_nogift_graph",
 ]
 
 _FLAVOR = "gift_debug"
 _MOE_FLAVOR = "gift_moe_debug"
+# graph_trainer's deduplicate_fsdp_unshard_chains_pass (torchtitan 0.3.0) breaks the MoE at fp32
+# parameters (mixed_precision_param float32, which these configs use so that GIFT at fp32
+# reproduces GIFT off exactly): GroupedExperts casts each routed-expert weight with ``.bfloat16()``
+# right after SimpleFSDP's all-gather, the trace holds more than one unshard chain of those
+# weights, and the pass's chain walk (fsdp_patterns._find_last_user_in_wait_chain) runs on through
+# that single-input cast, so it canonicalizes an fp32 chain and a bf16 one to one value and the
+# step stops in ``aten._grouped_mm`` ("expected m1 and m2 to have the same dtype, but got:
+# c10::BFloat16 != float"). Every later pass, the bucketing included, runs without it.
+_MOE_DISABLED_GRAPH_PASSES = ("deduplicate_fsdp_unshard_chains_pass",)
 
 
 def _stock_config(*, gift: bool, moe: bool = False) -> GiftTrainerConfig:
@@ -96,11 +109,14 @@ def _stock_config(*, gift: bool, moe: bool = False) -> GiftTrainerConfig:
     return cpu_compat.apply_config_defaults(config)
 
 
-def _graph_config(*, gift: bool) -> GiftGraphTrainerConfig:
-    stock = _stock_config(gift=gift)
+def _graph_config(*, gift: bool, moe: bool = False) -> GiftGraphTrainerConfig:
+    stock = _stock_config(gift=gift, moe=moe)
     values = {f.name: getattr(stock, f.name) for f in fields(stock)}
-    values["model_spec"] = gift_model_spec(_FLAVOR, attn_backend=cpu_compat.attention_backend(), graph_trainer=True)
-    values["compile"] = GraphTrainerCompileConfig(enable=True, pass_pipeline=GIFT_PASS_PIPELINE)
+    values["model_spec"] = (
+        gift_moe_model_spec(_MOE_FLAVOR, attn_backend=cpu_compat.attention_backend(), graph_trainer=True) if moe else
+        gift_model_spec(_FLAVOR, attn_backend=cpu_compat.attention_backend(), graph_trainer=True))
+    values["compile"] = GraphTrainerCompileConfig(enable=True, pass_pipeline=GIFT_PASS_PIPELINE,
+                                                  disable_passes=list(_MOE_DISABLED_GRAPH_PASSES if moe else ()))
     return cpu_compat.apply_config_defaults(GiftGraphTrainerConfig(**values))
 
 
@@ -132,3 +148,13 @@ def moe_debug_gift_fsdp2() -> GiftTrainerConfig:
 def moe_debug_nogift_fsdp2() -> GiftTrainerConfig:
     """Stock trainer with FSDP2 on the ``gift_moe_debug`` MoE, fp32 reduce-scatters (GIFT off)."""
     return _stock_config(gift=False, moe=True)
+
+
+def moe_debug_gift_graph() -> GiftGraphTrainerConfig:
+    """graph_trainer on the ``gift_moe_debug`` MoE; GIFT rewrites its dense linears' reduce-scatters."""
+    return _graph_config(gift=True, moe=True)
+
+
+def moe_debug_nogift_graph() -> GiftGraphTrainerConfig:
+    """graph_trainer on the ``gift_moe_debug`` MoE, fp32 reduce-scatters (GIFT off)."""
+    return _graph_config(gift=False, moe=True)

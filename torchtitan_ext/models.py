@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import fields, replace
 
 from torchtitan.experiments.graph_trainer.common_utils import build_decoder_config_for_backend
+from torchtitan.experiments.graph_trainer.deepseek_v3 import model_registry as graph_deepseek_v3_registry
+from torchtitan.experiments.graph_trainer.deepseek_v3.model import GraphTrainerDeepSeekV3Model
 from torchtitan.experiments.graph_trainer.llama3 import model_registry as graph_llama3_registry
 from torchtitan.experiments.graph_trainer.llama3.model import GraphTrainerLlama3Model
 from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
@@ -143,8 +145,13 @@ def _moe_model_config(flavor: str, attn_backend: str) -> DeepSeekV3Model.Config:
     return build_decoder_config_for_backend(build, attn_backend)
 
 
-def gift_moe_model_spec(flavor: str, *, attn_backend: str) -> ModelSpec:
-    """ModelSpec of an MoE flavor for the stock trainer (FSDP2, expert parallelism): torchtitan's
-    DeepSeek-V3 parallelize/pipelining functions and its MoE load-balancing hook."""
-    stock = deepseek_v3_registry("debugmodel")
-    return replace(stock, flavor=flavor, model=_moe_model_config(flavor, attn_backend))
+def gift_moe_model_spec(flavor: str, *, attn_backend: str, graph_trainer: bool = False) -> ModelSpec:
+    """ModelSpec of an MoE flavor for the stock trainer (FSDP2) or for graph_trainer (SimpleFSDP,
+    routed experts wrapped on the efsdp mesh under expert parallelism): torchtitan's or
+    graph_trainer's DeepSeek-V3 parallelize/pipelining functions and the MoE load-balancing hook;
+    graph_trainer's model class initialises weights outside the SimpleFSDP parametrization."""
+    model = _moe_model_config(flavor, attn_backend)
+    if not graph_trainer:
+        return replace(deepseek_v3_registry("debugmodel"), flavor=flavor, model=model)
+    graph_model = GraphTrainerDeepSeekV3Model.Config(**{f.name: getattr(model, f.name) for f in fields(model)})
+    return replace(graph_deepseek_v3_registry("debugmodel"), flavor=flavor, model=graph_model)

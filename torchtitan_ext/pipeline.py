@@ -45,16 +45,17 @@ def _pass_name(pass_fn: Callable) -> str:
     return pass_fn.func.__name__ if isinstance(pass_fn, functools.partial) else pass_fn.__name__
 
 
-def _tp_launches(report: Any, tp_group: str) -> str:
-    """The rewrite log's account of tensor parallelism's collectives, which the pass leaves as
-    they were (it rewrites only the data-parallel reduce-scatters the marks reach)."""
-    counts = report.group_launches(tp_group)
-    return "; TP collectives left as they were: " + ", ".join(
-        f"{phase} {before} -> {after}" for phase, (before, after) in counts.items())
+def _kept_launches(report: Any, kept: dict[str, str]) -> str:
+    """The rewrite log's account of the collectives the pass must leave as they were, per label
+    (``TP``; under expert parallelism ``EP``, the token all-to-alls, and ``efsdp``, the routed
+    experts' reduce-scatters): it rewrites only the data-parallel reduce-scatters the marks reach."""
+    return "".join(f"; {label} collectives left as they were: " + ", ".join(
+        f"{phase} {before} -> {after}" for phase, (before, after) in report.group_launches(group).items())
+        for label, group in kept.items())
 
 
 def gift_rewrite_pass(gm: torch.fx.GraphModule, example_inputs: Any, *, fuse: bool,
-                      tp_group: str | None = None) -> torch.fx.GraphModule:
+                      kept: dict[str, str] | None = None) -> torch.fx.GraphModule:
     """graph_trainer pass ``(gm, example_inputs) -> gm`` around the GIFT rewrite.
 
     With ``fuse``, every node the rewrite inserted is tagged ``compile_with_inductor`` so
@@ -64,9 +65,10 @@ def gift_rewrite_pass(gm: torch.fx.GraphModule, example_inputs: Any, *, fuse: bo
     whole graph is compiled anyway. The collectives themselves stay untagged, so the encode
     side, the collective and the decode side are separate regions and the all_to_all keeps
     the place (and overlap) the bucketing scheduler gave the reduce-scatter. A managed
-    gradient that cannot be rewritten raises inside the pass (no silent fp32). With tensor
-    parallelism, `tp_group` (the TP process group's name) makes the log count TP's collectives
-    before and after the rewrite, forward and backward.
+    gradient that cannot be rewritten raises inside the pass (no silent fp32). `kept` (label ->
+    process group name: TP's group with tensor parallelism, EP's and efsdp's with expert
+    parallelism) makes the log count those groups' collectives before and after the rewrite,
+    forward and backward.
     """
     before = set(gm.graph.nodes)
     report = rewrite_gradient_collectives(gm)
@@ -80,7 +82,7 @@ def gift_rewrite_pass(gm: torch.fx.GraphModule, example_inputs: Any, *, fuse: bo
         f"rewritten collectives {report.baseline_bytes} -> {report.wire_bytes}"
         + (f"; replica hop (HSDP): {report.replica_hops} all-reduces of the reduced shards after them, bytes per "
            f"step {report.replica_baseline_bytes} -> {report.replica_wire_bytes}" if report.replica_hops else "")
-        + (_tp_launches(report, tp_group) if tp_group is not None else "")
+        + _kept_launches(report, kept or {})
     )
     if fuse:
         for node in gm.graph.nodes:
@@ -109,10 +111,23 @@ def gift_pass_pipeline(traced_result: Any, config: Any, *, parallel_dims: Any = 
     terminal = {_pass_name(p) for p in final_inductor_compile_passes(config.compile, use_cudagraph=True)}
     terminal.add("cudagraph_pass")
     index = next((i for i, p in enumerate(passes) if _pass_name(p) in terminal), len(passes))
-    tp_on = parallel_dims is not None and parallel_dims.tp > 1
-    tp_group = parallel_dims.get_mesh("tp").get_group().group_name if tp_on else None
-    passes.insert(index, functools.partial(gift_rewrite_pass, fuse=config.gift.fuse, tp_group=tp_group))
+    passes.insert(index, functools.partial(gift_rewrite_pass, fuse=config.gift.fuse, kept=_kept_groups(parallel_dims)))
     return passes
+
+
+def _kept_groups(parallel_dims: Any) -> dict[str, str]:
+    """The process groups whose collectives the rewrite log counts (`gift_rewrite_pass`): TP's
+    with tensor parallelism; with expert parallelism EP's (the token all-to-alls) and efsdp's
+    (the routed experts' reduce-scatters, which carry no mark)."""
+    if parallel_dims is None:
+        return {}
+    kept = {}
+    if parallel_dims.tp > 1:
+        kept["TP"] = parallel_dims.get_mesh("tp").get_group().group_name
+    if parallel_dims.ep > 1:
+        kept["EP"] = parallel_dims.get_mesh("ep").get_group().group_name
+        kept["efsdp"] = parallel_dims.get_mesh("efsdp").get_group().group_name
+    return kept
 
 
 @register_pre_train_step_hook(GIFT_PASS_PIPELINE)

@@ -18,7 +18,8 @@ the GIFT pass's report of the step it rewrote), which the counted figure must eq
 not counted. Under HSDP those figures are the shard hop's (the reduce-scatter), and the
 ``gift/replica_*`` keys (:func:`.hsdp.replica_metrics`) are the replica hop's. With expert
 parallelism ``gift/full_precision_params`` counts the parameters (the routed experts) that
-reduce-scatter over another mesh on FSDP2's own reduce-scatter, outside every figure above.
+reduce-scatter over another mesh, on FSDP2's own reduce-scatter or (graph_trainer) in the traced
+reduce-scatters the GIFT pass leaves alone, outside every figure above.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from torchtitan.components.metrics import MetricsProcessor, _get_metrics_rank
 from torchtitan.tools.logging import logger
 
 from gift_compile.exchange import compiled_bodies
-from gift_compile.frameworks import fsdp2, table
+from gift_compile.frameworks import fsdp2, simple_fsdp, table
 from gift_compile.runtime.state import GiftState
 
 from .hsdp import replica_metrics
@@ -127,8 +128,10 @@ class GiftMetricsProcessor(MetricsProcessor):
                 accounted = _graph_accounted_bytes()
             if accounted is not None:  # what the wire counter should grow by per backward
                 gift["gift/accounted_bytes_per_backward"] = float(accounted)
-            outside = fsdp2.full_precision_params(self.model_parts)
-            if outside:  # FSDP2 with a per-parameter mesh (expert parallelism): FSDP2's own reduce-scatter
+            # expert parallelism: the routed experts reduce-scatter outside GIFT, on FSDP2's own
+            # reduce-scatter (a per-parameter mesh) or on graph_trainer's traced, unmarked one (efsdp mesh)
+            outside = fsdp2.full_precision_params(self.model_parts) or simple_fsdp.full_precision_params(state)
+            if outside:
                 gift["gift/full_precision_params"] = float(outside)
         extra.update(gift)
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)

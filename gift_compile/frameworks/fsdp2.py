@@ -60,7 +60,7 @@ from gift_compile.runtime.state import GiftState
 from gift_compile.runtime.telemetry import CommTimer
 
 __all__ = ["FSDP2", "GiftReduceScatter", "OutsideGroup", "accounted_bytes", "discarded_gradients", "discarding",
-           "full_precision_params", "install", "outside_gift", "refuse_outside", "shard_group", "uninstall"]
+           "FSDP2_SPLIT", "full_precision_params", "install", "outside_gift", "refuse_outside", "shard_group", "uninstall"]
 
 logger = logging.getLogger(__name__)
 
@@ -217,15 +217,21 @@ def outside_gift(model: Parts, pg: dist.ProcessGroup, replicas: int = 1) -> list
     return out
 
 
-def refuse_outside(groups: list[OutsideGroup], unrewritten: Unrewritten | str) -> None:
+# Why FSDP2's per-parameter-mesh groups stay outside GIFT (`refuse_outside`'s default `split`).
+FSDP2_SPLIT = ("FSDP2 shards them on another mesh than GIFT's group (per-parameter mesh: fully_shard's "
+               "shard_placement_fn), so they reduce-scatter in a parameter group of their own, which GIFT leaves on "
+               "FSDP2's own reduce-scatter (GIFT's statistics, transforms and selection span one group)")
+
+
+def refuse_outside(groups: list[OutsideGroup], unrewritten: Unrewritten | str, *, split: str = FSDP2_SPLIT) -> None:
     """Raise (``unrewritten="error"``) naming the modules whose gradients `groups` carry at full
     precision past GIFT, or log one line per module (``"warn"``; a one-rank group without
-    replicas, which sends nothing, is only logged)."""
+    replicas, which sends nothing, is only logged). `split` says how the framework put them on
+    another group than GIFT's (FSDP2's per-parameter mesh by default; SimpleFSDP passes its own,
+    `gift_compile.frameworks.simple_fsdp`), so both frameworks refuse in one wording."""
     mode = Unrewritten.parse(unrewritten, "unrewritten")
     crossing = [g for g in groups if g.crossing]
-    why = ("FSDP2 shards them on another mesh than GIFT's group (per-parameter mesh: fully_shard's "
-           "shard_placement_fn), so they reduce-scatter in a parameter group of their own, which GIFT leaves on "
-           "FSDP2's own reduce-scatter (GIFT's statistics, transforms and selection span one group)")
+    why = split
     if any(g.replicas > 1 for g in crossing):
         why += "; under HSDP their reduced shards are then all-reduced over the replicas at fp32, as native HSDP would"
     if any(len(shape) > 2 for g in crossing for _, shape in g.params):

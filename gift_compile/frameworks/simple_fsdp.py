@@ -5,6 +5,14 @@ Such a framework launches its gradient collectives from the graph, where the FX 
 (`gift_compile.passes.gift_pass`) rewrites each (possibly bucketed) reduce-scatter that carries
 a managed weight's gradient into GIFT's collective. So the adapter only manages the weights in
 "tag" mode: each managed weight's gradient gets its `gift::mark`, which the pass reads.
+
+Parameters SimpleFSDP wraps on another data-parallel mesh than GIFT's group (torchtitan's
+graph_trainer under expert parallelism wraps the routed experts on the ``efsdp`` mesh, the rest
+on ``fsdp``) reduce-scatter over that mesh's group, a collective that carries no mark, so the pass
+leaves it as traced: at full precision. That is never silent: `outside_gift` lists them and
+`install` refuses them by name under ``unrewritten="error"`` (the default) or logs one line per
+module under ``"warn"`` (`gift_compile.frameworks.fsdp2.refuse_outside`, FSDP2's wording, with
+SimpleFSDP's reason); `full_precision_params` counts them for telemetry.
 """
 
 from __future__ import annotations
@@ -13,14 +21,73 @@ from contextlib import AbstractContextManager
 
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from gift_compile.config import GiftConfig
-from gift_compile.frameworks.adapter import attach
-from gift_compile.frameworks.parts import Parts
+from gift_compile.frameworks.adapter import attach, attached
+from gift_compile.frameworks.fsdp2 import OutsideGroup, refuse_outside
+from gift_compile.frameworks.parts import Parts, model_parts
 from gift_compile.frameworks.routing import ManageMode, manage
 from gift_compile.runtime.state import GiftState
 
-__all__ = ["SIMPLE_FSDP"]
+__all__ = ["SIMPLE_FSDP", "SIMPLE_FSDP_SPLIT", "full_precision_params", "outside_gift"]
+
+# Why SimpleFSDP's parameters on another mesh stay outside GIFT (`refuse_outside`'s `split`).
+SIMPLE_FSDP_SPLIT = ("SimpleFSDP wraps them on another data-parallel mesh than GIFT's group (graph_trainer's "
+                     "apply_simple_fsdp: the routed experts on the efsdp mesh), so their traced reduce-scatters run "
+                     "over that mesh's group and carry no GIFT mark, and the GIFT pass leaves them as traced (GIFT's "
+                     "statistics, transforms and selection span one group)")
+
+
+def _data_parallel_mesh(module: nn.Module, name: str) -> DeviceMesh:
+    """The mesh SimpleFSDP all-gathers ``module.<name>`` over and reduce-scatters its gradient
+    over: the ``device_mesh`` of the parametrization (torchtitan's ``ReplicateComputation``)
+    that the wrapper class's property for `name` calls. The parameter's own DTensor mesh cannot
+    tell: it is that mesh concatenated with the EP/TP mesh the parameter had before. Raises when
+    the property is not SimpleFSDP's."""
+    prop = type(module).__dict__.get(name)
+    cells = getattr(getattr(prop, "fget", None), "__closure__", None) or ()
+    found = [c.cell_contents for c in cells
+             if hasattr(c.cell_contents, "device_mesh") and hasattr(c.cell_contents, "param_sharding")]
+    if len(found) != 1:
+        raise RuntimeError(f"gift_compile: {type(module).__name__}.{name} is a DTensor parameter without SimpleFSDP's "
+                           "parametrization (a property calling a ReplicateComputation), so the mesh its gradient is "
+                           "reduced over is unknown: the simple_fsdp adapter takes models wrapped by torchtitan "
+                           "graph_trainer's SimpleFSDP (data_parallel) only, and this one is not, or that wrapping changed")
+    return found[0].device_mesh
+
+
+def outside_gift(model: Parts, group: dist.ProcessGroup) -> list[OutsideGroup]:
+    """One entry per module whose SimpleFSDP-wrapped parameters reduce their gradients over other
+    ranks than `group` (GIFT's state group: the fsdp mesh's, or under HSDP the replicas x
+    shards'), compared as rank sets, since the group GIFT spans is not itself one of SimpleFSDP's
+    mesh dimensions under HSDP. Their traced collectives carry no mark (the module docstring)."""
+    from torch.distributed.tensor import DTensor
+
+    gift_ranks = set(dist.get_process_group_ranks(group))
+    out = []
+    for part in model_parts(model):
+        for owner, module in part.named_modules():
+            params = [(n, p) for n, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)]
+            meshes = {n: _data_parallel_mesh(module, n) for n, _ in params}
+            other = [(n, p) for n, p in params if set(meshes[n].mesh.flatten().tolist()) != gift_ranks]
+            if not other:
+                continue
+            mesh = meshes[other[0][0]]
+            kind = next(c for c in type(module).__mro__ if not c.__name__.startswith("SimpleFSDP")).__name__
+            out.append(OutsideGroup((owner,), (kind,), tuple((f"{owner}.{n}", tuple(p.shape)) for n, p in other),
+                                    "x".join(mesh.mesh_dim_names) if mesh.mesh_dim_names else f"ranks {sorted(mesh.mesh.flatten().tolist())}",
+                                    mesh.size()))
+    return out
+
+
+def full_precision_params(state: GiftState) -> int | None:
+    """How many parameters reduce-scatter over more than one rank outside GIFT (`outside_gift`,
+    as `install` found them: the routed experts under expert parallelism); None when the
+    SimpleFSDP adapter is not installed on `state`."""
+    if SIMPLE_FSDP.name not in state.adapters:
+        return None
+    return sum(len(g.params) for g in attached(state, SIMPLE_FSDP.name) if g.ranks > 1)
 
 
 class _SimpleFSDPAdapter:
@@ -39,9 +106,18 @@ class _SimpleFSDPAdapter:
                 fuse: bool) -> GiftState:
         """Manage the linears in "tag" mode (the marks the pass rewrites); `fuse` concerns eager
         collectives, and these run in the compiled graph. `model` may be the parts one rank
-        holds (torchtitan hands its model parts)."""
+        holds (torchtitan hands its model parts). Parameters reduce-scattered over another
+        group than `group` (`outside_gift`) are refused or logged first, per
+        ``config.unrewritten``; a managed weight among them always raises. The adapter's slot
+        keeps them (`full_precision_params`)."""
+        outside = outside_gift(model, group if group is not None else dist.group.WORLD)
+        refuse_outside(outside, config.unrewritten, split=SIMPLE_FSDP_SPLIT)
         state = manage(model, config, group, mode=ManageMode.TAG, split_rows=True)
-        attach(state, self.name, None)
+        managed_outside = [fqn for g in outside for fqn, _ in g.params if fqn in state.layers]
+        if managed_outside:
+            raise ValueError(f"GIFT: managed weights {managed_outside} reduce-scatter over another process group than "
+                             "GIFT's; exclude them (GiftConfig.exclude)")
+        attach(state, self.name, outside)
         return state
 
     def no_sync(self, model: nn.Module, state: GiftState) -> AbstractContextManager[None]:
@@ -55,7 +131,8 @@ class _SimpleFSDPAdapter:
         restored by `api.remove`) the pass leaves the framework's collectives alone."""
 
     def telemetry(self, state: GiftState) -> dict[str, float]:
-        """Nothing beyond the state's counters: the rewritten collectives count into them."""
+        """Nothing beyond the state's counters: the rewritten collectives count into them (the
+        parameters outside GIFT are a count, not a per-step figure: `full_precision_params`)."""
         return {}
 
 
