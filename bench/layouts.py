@@ -1,18 +1,22 @@
 """Every torchtitan layout with GIFT, measured: one row per layout and trainer.
 
 The layouts torchtitan combines for a Llama run (FSDP, DDP, HSDP, TP, PP, CP and their
-products, 2 to 8 gloo ranks of the debug Llama), each on both trainers: a row runs, or holds the
-refusal GIFT raised (whose reason must name the torch or torchtitan limit). The suite checks
-each layout on its own (tests/test_torchtitan_*.py, 4-rank layouts; the 8-rank ones take
-about a minute per FSDP2 run and up to four per graph_trainer run on a 2-core box, so the suite
-holds only the FSDP2 8-rank rows, tests/test_torchtitan_layouts8.py); this bench records, per
-layout and trainer, three runs with the same seed, init and data (GIFT low-bit, GIFT fp32, GIFT
-off), or the refusal the first run raised. Per run: the bytes each hop handed to its
-collectives (counted at run time) against the bytes its plans account for, at every step and
-on every rank that writes telemetry (rank 0; under PP the first rank of each pipeline rank),
-against fp32's; the losses; whether a refusal or a GIFT warning is in the log. Per row: whether
-fp32 reproduces GIFT-off's losses exactly, and the low-bit run's largest per-step loss distance
-from GIFT-off.
+products, 2 to 8 gloo ranks of the debug Llama), each on both trainers, and expert parallelism
+with FSDP, TP or PP on the debug MoE (FSDP2 trainer only: no graph_trainer MoE config is
+registered); the table is `bench.layout_table`. A row runs, holds the refusal GIFT raised (whose
+reason must name the torch or torchtitan limit), or, where a run failed otherwise, that failure
+with whether GIFT off fails too (torchtitan's limit then, not GIFT's); a planned row not measured
+yet renders "not run". The suite checks each 4-rank layout on its own (tests/test_torchtitan_*.py);
+the 8-rank ones take about a minute per FSDP2 run and up to four per graph_trainer run on a
+2-core box, so the suite holds only the FSDP2 rows of HSDP x TP and PP x TP x FSDP
+(tests/test_torchtitan_layouts8.py), and the 8-rank CP layouts (HSDP x CP x TP, PP x CP x TP)
+are measured here only. This bench records, per layout and trainer, three runs with the same
+seed, init and data (GIFT low-bit, GIFT fp32, GIFT off), or the refusal the first run raised.
+Per run: the bytes each hop handed to its collectives (counted at run time) against the bytes
+its plans account for, at every step and on every rank that writes telemetry (rank 0; under PP
+the first rank of each pipeline rank), against fp32's; the losses; whether a refusal or a GIFT
+warning is in the log. Per row: whether fp32 reproduces GIFT-off's losses exactly, and the
+low-bit run's largest per-step loss distance from GIFT-off.
 
     python -m bench.layouts [--only hsdp_tp/graph ...] [--steps 3]
     python -m bench.layouts --kill-resume [--only ...]
