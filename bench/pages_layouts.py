@@ -74,7 +74,7 @@ def layouts(_: dict) -> str:
     commits = ", ".join(dict.fromkeys(r["commit"] for r in d["rows"].values()))
     dates = ", ".join(dict.fromkeys(r["date"] for r in d["rows"].values()))
     head = (f"`{d['command']}` ({dates}, rows at commits {commits}, each row's in the results file; {first['machine'].split(' (load')[0]}, the load at each row's start in the "
-            f"results file); {first['steps']} steps of the debug Llama, a refresh after step 2; three runs per row with the same seed, init and data: "
+            f"results file); {first['steps']} steps of the debug Llama (the MoE rows: the debug MoE), a refresh after step 2; three runs per row with the same seed, init and data: "
             "GIFT at nvfp4 (both hops under HSDP), GIFT at fp32, GIFT off. Bytes per step at the last step: handed to "
             "GIFT's collectives as counted at run time, of what fp32 hands over (the replica hop: of the buffer an fp32 "
             "all-reduce is given; rank 0; under PP the first rank of "
