@@ -1,18 +1,22 @@
 """Every torchtitan layout with GIFT, measured: one row per layout and trainer.
 
 The layouts torchtitan combines for a Llama run (FSDP, DDP, HSDP, TP, PP, CP and their
-products, 2 to 8 gloo ranks of the debug Llama), each on both trainers: a row runs, or holds the
-refusal GIFT raised (whose reason must name the torch or torchtitan limit). The suite checks
-each layout on its own (tests/test_torchtitan_*.py, 4-rank layouts; the 8-rank ones take
-about a minute per FSDP2 run and up to four per graph_trainer run on a 2-core box, so the suite
-holds only the FSDP2 8-rank rows, tests/test_torchtitan_layouts8.py); this bench records, per
-layout and trainer, three runs with the same seed, init and data (GIFT low-bit, GIFT fp32, GIFT
-off), or the refusal the first run raised. Per run: the bytes each hop handed to its
-collectives (counted at run time) against the bytes its plans account for, at every step and
-on every rank that writes telemetry (rank 0; under PP the first rank of each pipeline rank),
-against fp32's; the losses; whether a refusal or a GIFT warning is in the log. Per row: whether
-fp32 reproduces GIFT-off's losses exactly, and the low-bit run's largest per-step loss distance
-from GIFT-off.
+products, 2 to 8 gloo ranks of the debug Llama), each on both trainers, and expert parallelism
+with FSDP, TP or PP on the debug MoE (FSDP2 trainer only: no graph_trainer MoE config is
+registered); the table is `bench.layout_table`. A row runs, holds the refusal GIFT raised (whose
+reason must name the torch or torchtitan limit), or, where a run failed otherwise, that failure
+with whether GIFT off fails too (torchtitan's limit then, not GIFT's); a planned row not measured
+yet renders "not run". The suite checks each 4-rank layout on its own (tests/test_torchtitan_*.py);
+the 8-rank ones take about a minute per FSDP2 run and up to four per graph_trainer run on a
+2-core box, so the suite holds only the FSDP2 rows of HSDP x TP and PP x TP x FSDP
+(tests/test_torchtitan_layouts8.py), and the 8-rank CP layouts (HSDP x CP x TP, PP x CP x TP)
+are measured here only. This bench records, per layout and trainer, three runs with the same
+seed, init and data (GIFT low-bit, GIFT fp32, GIFT off), or the refusal the first run raised.
+Per run: the bytes each hop handed to its collectives (counted at run time) against the bytes
+its plans account for, at every step and on every rank that writes telemetry (rank 0; under PP
+the first rank of each pipeline rank), against fp32's; the losses; whether a refusal or a GIFT
+warning is in the log. Per row: whether fp32 reproduces GIFT-off's losses exactly, and the
+low-bit run's largest per-step loss distance from GIFT-off.
 
     python -m bench.layouts [--only hsdp_tp/graph ...] [--steps 3]
     python -m bench.layouts --kill-resume [--only ...]
@@ -39,45 +43,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.layout_table import EXTRA, LAYOUT_GIFT, LAYOUTS, configs, order, planned
 from gift_compile.torchtitan_ext.hooks import REFUSAL
 from gift_compile.torchtitan_ext.kill_resume import kill_and_resume
 from gift_compile.torchtitan_ext.runs import RunResult, run_config
 
 RESULTS = Path(__file__).resolve().parent / "results" / "layouts.json"
-_SHARD, _REPLICATE = "--parallelism.data-parallel-shard-degree", "--parallelism.data-parallel-replicate-degree"
-_TP, _PP, _CP = ("--parallelism.tensor-parallel-degree", "--parallelism.pipeline-parallel-degree",
-                 "--parallelism.context-parallel-degree")
-# key: (title, ranks, torchtitan flags), in the table's order
-LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
-    "fsdp": ("FSDP (dp_shard 2)", 2, [f"{_SHARD}=2"]),
-    "ddp": ("DDP (dp_replicate 2)", 2, [f"{_REPLICATE}=2", f"{_SHARD}=1"]),
-    "hsdp": ("HSDP (dp_replicate 2 x dp_shard 2)", 4, [f"{_REPLICATE}=2", f"{_SHARD}=2"]),
-    "tp_fsdp": ("TP x FSDP (tp 2 x dp_shard 2)", 4, [f"{_TP}=2", f"{_SHARD}=2"]),
-    "pp_fsdp": ("PP x FSDP (pp 2 x dp_shard 2)", 4, [f"{_PP}=2", f"{_SHARD}=2"]),
-    "cp_fsdp": ("CP x FSDP (cp 2 x dp_shard 2)", 4, [f"{_CP}=2", f"{_SHARD}=2"]),
-    "hsdp_tp": ("HSDP x TP (dp_replicate 2 x dp_shard 2 x tp 2)", 8, [f"{_REPLICATE}=2", f"{_SHARD}=2", f"{_TP}=2"]),
-    "pp_tp_fsdp": ("PP x TP x FSDP (pp 2 x tp 2 x dp_shard 2)", 8, [f"{_PP}=2", f"{_SHARD}=2", f"{_TP}=2"]),
-    "ep_fsdp": ("EP x FSDP (ep 2 within dp_shard 4), MoE", 4, [f"{_SHARD}=4", "--parallelism.expert-parallel-degree=2"]),
-}
-# torchtitan's graph_trainer (GraphPP) itself refuses the default 1F1B schedule ("requires a
-# runtime PP schedule such as Interleaved1F1B"); with Interleaved1F1B the run reaches GIFT's setup
-EXTRA = {(layout, "graph"): ["--parallelism.pipeline-parallel-schedule=Interleaved1F1B"] for layout in LAYOUTS
-         if "pp" in layout.split("_")}
-CONFIGS = {"fsdp2": ("llama3_debug_gift_fsdp2", "llama3_debug_nogift_fsdp2"),
-           "graph": ("llama3_debug_gift_graph", "llama3_debug_nogift_graph")}
-# Layouts of the MoE (`gift_moe_debug`, DeepSeek-V3 blocks), on both trainers
-MOE_CONFIGS = {"fsdp2": ("moe_debug_gift_fsdp2", "moe_debug_nogift_fsdp2"),
-               "graph": ("moe_debug_gift_graph", "moe_debug_nogift_graph")}
-MOE_LAYOUTS = {"ep_fsdp"}
-# GIFT flags a layout needs: under EP the routed experts stay at full precision (FSDP2's own
-# reduce-scatter; graph_trainer's traced efsdp reduce-scatters the pass leaves alone), which GIFT
-# refuses unless told to warn (each expert module is then named)
-LAYOUT_GIFT = {"ep_fsdp": ["--gift.unrewritten=warn"]}
-
-
-def configs(layout: str, trainer: str) -> tuple[str, str] | None:
-    """(GIFT config, GIFT-off config) of a layout on a trainer; None where none is registered."""
-    return (MOE_CONFIGS if layout in MOE_LAYOUTS else CONFIGS).get(trainer)
 LOW_BIT = "nvfp4"
 # GIFT's arms: a refresh after step 2 puts step 3 on the measured selection; the replica hop
 # (HSDP) at the shard hop's format
@@ -145,8 +116,20 @@ def refusal(run: RunResult) -> str | None:
     return found.group(1) if found else None
 
 
+def failure(run: RunResult) -> str:
+    """The error a run that failed without a refusal ended with: the first exception any rank
+    printed (the others' usually follow from it: a peer's closed connection, torchrun's
+    ChildFailedError), else its return code."""
+    for line in run.output.splitlines():
+        found = re.match(r"(?:\[rank\d+\]:\s*)?((?:\w+\.)*\w*(?:Error|Exception): .*)", line)
+        if found and "ChildFailedError" not in found.group(1):
+            return found.group(1)
+    return f"exit code {run.returncode}, no exception in the log"
+
+
 def row(layout: str, trainer: str, steps: int, folder: str) -> dict[str, Any]:
-    """One layout x trainer: the three runs, or the refusal its first (low-bit) run raised."""
+    """One layout x trainer: the three runs, the refusal its first (low-bit) run raised, or the
+    failure of a run, with whether GIFT off fails too (torchtitan's limit then, not GIFT's)."""
     title, nproc, dims = LAYOUTS[layout]
     base = [*dims, *EXTRA.get((layout, trainer), []), "--validator.no-enable", f"--training.steps={steps}",
             "--metrics.log-freq=1"]
@@ -154,19 +137,29 @@ def row(layout: str, trainer: str, steps: int, folder: str) -> dict[str, Any]:
     gift = [*GIFT, *LAYOUT_GIFT.get(layout, [])]
     out: dict[str, Any] = {"layout": title, "trainer": trainer, "nproc": nproc, "steps": steps,
                            "date": time.strftime("%Y-%m-%d"), "commit": _commit(), "machine": machine()}
-    runs = {}
-    for arm, config, overrides in (("low_bit", gift_config, [*base, *gift, *ARMS["low_bit"]]),
-                                   ("fp32", gift_config, [*base, *gift, *ARMS["fp32"]]),
-                                   ("off", off_config, base)):
+    arms_args = {"low_bit": (gift_config, [*base, *gift, *ARMS["low_bit"]]),
+                 "fp32": (gift_config, [*base, *gift, *ARMS["fp32"]]), "off": (off_config, base)}
+
+    def launch(arm: str) -> RunResult:
+        config, overrides = arms_args[arm]
         run = run_config(config, overrides, dump_folder=os.path.join(folder, f"{layout}.{trainer}.{arm}"),
                          nproc=nproc, timeout_s=1800)
         print(f"{layout} {trainer} {arm}: rc {run.returncode}, {run.wall_s:.0f} s", flush=True)
+        return run
+
+    runs = {}
+    for arm in arms_args:
+        run = launch(arm)
         if run.returncode != 0:
             why = refusal(run)
             if arm == "low_bit" and why is not None:
                 return {**out, "status": "refused", "reason": why, "command": user_command(run),
                         "wall_s": round(run.wall_s, 1)}
-            run.check()  # any other failure is the bench's to report, not a row
+            off = run if arm == "off" else launch("off")
+            return {**out, "status": "failed", "failed_arm": arm, "reason": failure(run),
+                    "command": user_command(run), "wall_s": round(run.wall_s, 1),
+                    "off_command": user_command(off), "off_fails": off.returncode != 0,
+                    "off_reason": failure(off) if off.returncode != 0 else None}
         runs[arm] = run
     low, exact, off = (runs[a].losses() for a in ("low_bit", "fp32", "off"))
     arms = {arm: describe(run) for arm, run in runs.items()}
@@ -203,12 +196,6 @@ def kill_resume(layout: str, trainer: str, folder: str) -> dict[str, Any]:
             "date": time.strftime("%Y-%m-%d"), "commit": _commit(), "machine": machine()}
 
 
-def _order(key: str) -> tuple[int, int]:
-    """A row's place in the table: `LAYOUTS`' order, then the trainers'."""
-    layout, trainer = key.split("/")
-    return list(LAYOUTS).index(layout), list(CONFIGS).index(trainer)
-
-
 def _all_hops(described: dict[str, Any]) -> list[dict[str, Any]]:
     """Every hop record of one described run (each pipeline rank's under PP)."""
     if "hops_by_pipeline_rank" in described:
@@ -234,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--kill-resume", action="store_true", help="add the kill-and-resume record to rows that run")
     a = p.parse_args(argv)
-    keys = a.only or [f"{layout}/{trainer}" for layout in LAYOUTS for trainer in CONFIGS if configs(layout, trainer)]
+    keys = a.only or planned()
     data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"rows": {}}
     data["command"] = "python -m bench.layouts"
     with tempfile.TemporaryDirectory() as folder:
@@ -253,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
             data["rows"][key] = {**row(layout, trainer, a.steps, folder), "row_wall_s": round(time.perf_counter() - start),
                                  **({"kill_resume": data["rows"][key]["kill_resume"]}
                                     if "kill_resume" in data["rows"].get(key, {}) else {})}
-            data["rows"] = dict(sorted(data["rows"].items(), key=lambda kv: _order(kv[0])))
+            data["rows"] = dict(sorted(data["rows"].items(), key=lambda kv: order(kv[0])))
             RESULTS.write_text(json.dumps(data, indent=1) + "\n")  # each row as soon as it is measured
             print(json.dumps({k: v for k, v in data["rows"][key].items() if k != "arms"}), flush=True)
 

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from bench.formatting import table
+from bench.layout_table import LAYOUTS as PLANNED, order, planned
 
 LAYOUTS = Path(__file__).resolve().parent / "results" / "layouts.json"
 
@@ -24,13 +25,27 @@ def _hops(arm: dict) -> str:
 
 
 def layouts(_: dict) -> str:
-    """The block: the table, then each row's commands (or its refusal)."""
+    """The block: the table (every planned layout x trainer, one not measured yet as "not run"),
+    then each row's commands (or its refusal or failure)."""
     d = json.loads(LAYOUTS.read_text())
     rows, notes = [], []
-    for key, r in d["rows"].items():
+    for key in sorted({*planned(), *d["rows"]}, key=order):
+        if key not in d["rows"]:
+            layout, trainer = key.split("/")
+            rows.append([PLANNED[layout][0], str(PLANNED[layout][1]), trainer, "not run", *[""] * 6])
+            continue
+        r = d["rows"][key]
         if r["status"] == "refused":
             rows.append([r["layout"], str(r["nproc"]), r["trainer"], "refused (below)", "", "", "", "", f"{r['wall_s']:.0f}", ""])
             notes.append(f"* {r['layout']}, {r['trainer']}: refused, `{r['command']}`: {r['reason']}")
+            continue
+        if r["status"] == "failed":
+            rows.append([r["layout"], str(r["nproc"]), r["trainer"], f"{r['failed_arm']} run failed (below)",
+                         "", "", "", "", f"{r['wall_s']:.0f}", ""])
+            off = (f"GIFT off fails too (`{r['off_command']}`): {r['off_reason']}" if r["off_fails"]
+                   else f"GIFT off runs (`{r['off_command']}`)")
+            notes.append(f"* {r['layout']}, {r['trainer']}: the {r['failed_arm']} run failed, `{r['command']}`: "
+                         f"{r['reason']}" + ("" if r["failed_arm"] == "off" else f"; {off}"))
             continue
         arms = r["arms"]
         low = arms["low_bit"]
@@ -59,7 +74,7 @@ def layouts(_: dict) -> str:
     commits = ", ".join(dict.fromkeys(r["commit"] for r in d["rows"].values()))
     dates = ", ".join(dict.fromkeys(r["date"] for r in d["rows"].values()))
     head = (f"`{d['command']}` ({dates}, rows at commits {commits}, each row's in the results file; {first['machine'].split(' (load')[0]}, the load at each row's start in the "
-            f"results file); {first['steps']} steps of the debug Llama, a refresh after step 2; three runs per row with the same seed, init and data: "
+            f"results file); {first['steps']} steps of the debug Llama (the MoE rows: the debug MoE), a refresh after step 2; three runs per row with the same seed, init and data: "
             "GIFT at nvfp4 (both hops under HSDP), GIFT at fp32, GIFT off. Bytes per step at the last step: handed to "
             "GIFT's collectives as counted at run time, of what fp32 hands over (the replica hop: of the buffer an fp32 "
             "all-reduce is given; rank 0; under PP the first rank of "

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import pages, readme
+from bench import layout_table, pages, pages_layouts, readme
 
 
 def test_committed_pages_and_report_match_their_generators() -> None:
@@ -120,3 +120,28 @@ def test_the_targets_block_judges_only_the_default_arm_and_never_at_one_seed() -
     assert "reduce-scatter, 480 steps, muon" not in by  # its arm did not resolve the default geometry
     assert "no verdict" in by["reduce-scatter, 8 ranks, muon"] and "met" not in by["reduce-scatter, 8 ranks, muon"]
     assert "GIFT resolved better than Euclidean" in by["reduce-scatter, 8 ranks, muon"]
+
+
+def test_the_layouts_table_lists_every_planned_row_and_says_which_did_not_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every layout x trainer `bench.layouts` plans is a table row: one without results says
+    "not run" (a layout added to the table renders before it is measured), one whose run failed
+    names the failing run and whether GIFT off fails too, instead of the block crashing or
+    leaving the row out."""
+    d = json.loads(pages_layouts.LAYOUTS.read_text())
+    first = next(iter(d["rows"]))
+    d["rows"] = {first: d["rows"][first], "hsdp_cp_tp/fsdp2": {
+        "layout": "HSDP x CP x TP", "trainer": "fsdp2", "nproc": 8, "steps": 3, "date": "2026-12-05", "commit": "c",
+        "machine": d["rows"][first]["machine"], "status": "failed", "failed_arm": "low_bit",
+        "reason": "RuntimeError: boom", "command": "torchrun a", "wall_s": 9.0, "off_command": "torchrun b",
+        "off_fails": True, "off_reason": "RuntimeError: boom"}}
+    results = tmp_path / "layouts.json"
+    results.write_text(json.dumps(d))
+    monkeypatch.setattr(pages_layouts, "LAYOUTS", results)
+    lines = pages_layouts.layouts({}).splitlines()
+    table = [line for line in lines if line.startswith("| ")][1:]  # after the header
+    assert len(table) == len(layout_table.planned())
+    assert sum(bool(re.search(r"\| (fsdp2|graph) \| not run \|", line)) for line in table) == len(table) - 2
+    assert "| HSDP x CP x TP | 8 | fsdp2 | low_bit run failed (below) |" in "\n".join(table)
+    assert ("* HSDP x CP x TP, fsdp2: the low_bit run failed, `torchrun a`: RuntimeError: boom; GIFT off fails too "
+            "(`torchrun b`): RuntimeError: boom") in lines

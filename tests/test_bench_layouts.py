@@ -1,0 +1,32 @@
+"""`bench.layouts` records a run that fails without GIFT's refusal as a failed row with its
+error (the layout table on docs/torchtitan.md shows it), so the error must be the one that
+stopped the run: the first exception any rank printed, not torchrun's wrapper around it."""
+
+from __future__ import annotations
+
+from conftest import require
+
+require("torchtitan", "torchtitan extra not installed")
+
+from bench.layouts import failure, refusal  # noqa: E402
+from gift_compile.torchtitan_ext.hooks import REFUSAL  # noqa: E402
+from gift_compile.torchtitan_ext.runs import RunResult  # noqa: E402
+
+
+def _run(output: str) -> RunResult:
+    return RunResult(["python", "-m", "torch.distributed.run"], 1, output, 1.0)
+
+
+def test_a_failure_is_the_first_exception_a_rank_printed_and_a_refusal_is_not_one() -> None:
+    failed = _run("\n".join([
+        "[rank1]: Traceback (most recent call last):",
+        "[rank1]: RuntimeError: shape '[2, 64]' is invalid for input of size 96",
+        "[rank0]: torch.distributed.DistBackendError: [../gloo/transport/tcp/pair.cc:534] Connection closed by peer",
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+    ]))
+    assert refusal(failed) is None
+    assert failure(failed) == "RuntimeError: shape '[2, 64]' is invalid for input of size 96"
+    assert failure(_run("torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \nkilled")) == (
+        "exit code 1, no exception in the log")
+    refused = _run(f"[rank0]: ValueError: {REFUSAL}; pipeline on graph_trainer")
+    assert refusal(refused) == f"{REFUSAL}; pipeline on graph_trainer"
