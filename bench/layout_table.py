@@ -27,6 +27,8 @@ LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
                    [f"{_REPLICATE}=2", f"{_SHARD}=1", f"{_CP}=2", f"{_TP}=2"]),
     "pp_cp_tp": ("PP x CP x TP (pp 2 x cp 2 x tp 2)", 8, [f"{_PP}=2", f"{_SHARD}=1", f"{_CP}=2", f"{_TP}=2"]),
     "ep_fsdp": ("EP x FSDP (ep 2 within dp_shard 4), MoE", 4, [f"{_SHARD}=4", f"{_EP}=2"]),
+    "ep_hsdp": ("EP x HSDP (ep 2, dp_replicate 2 x dp_shard 2), MoE", 4,
+                [f"{_REPLICATE}=2", f"{_SHARD}=2", f"{_EP}=2"]),
     "ep_tp": ("EP x TP (ep 2, dp_shard 2 x tp 2), MoE", 4, [f"{_SHARD}=2", f"{_TP}=2", f"{_EP}=2"]),
     "ep_pp": ("EP x PP (ep 2, pp 2 x dp_shard 2), MoE", 4, [f"{_PP}=2", f"{_SHARD}=2", f"{_EP}=2"]),
 }
@@ -39,13 +41,15 @@ CONFIGS = {"fsdp2": ("llama3_debug_gift_fsdp2", "llama3_debug_nogift_fsdp2"),
 # Layouts of the MoE (`gift_moe_debug`, DeepSeek-V3 blocks), on both trainers
 MOE_CONFIGS = {"fsdp2": ("moe_debug_gift_fsdp2", "moe_debug_nogift_fsdp2"),
                "graph": ("moe_debug_gift_graph", "moe_debug_nogift_graph")}
-MOE_LAYOUTS = {"ep_fsdp", "ep_tp", "ep_pp"}
+MOE_LAYOUTS = {"ep_fsdp", "ep_hsdp", "ep_tp", "ep_pp"}
 # GIFT flags a layout needs: under EP the routed experts stay at full precision (FSDP2's own
-# reduce-scatter; graph_trainer's traced efsdp collectives, which the pass leaves alone), which GIFT refuses unless told to warn (each expert module is then named); EP x
-# PP needs no warning (efsdp = dp_shard / ep is one rank: the experts' gradients cross no rank).
-# The TP-halved blocks of the debug MoE have 2048-3072 elements, under the default min-numel 4096:
-# at 1024 GIFT manages them (tests/test_torchtitan_ep_layouts.py)
-LAYOUT_GIFT = {"ep_fsdp": ["--gift.unrewritten=warn"], "ep_tp": ["--gift.unrewritten=warn", "--gift.min-numel=1024"]}
+# reduce-scatter, and under HSDP native HSDP's fp32 all-reduce; graph_trainer's traced efsdp
+# collectives, which the pass leaves alone), which GIFT refuses unless told to warn (each expert
+# module is then named); EP x PP needs no warning (efsdp = dp_shard / ep is one rank: the
+# experts' gradients cross no rank). The TP-halved blocks of the debug MoE have 2048-3072
+# elements, under the default min-numel 4096: at 1024 GIFT manages them (tests/test_torchtitan_ep_layouts.py)
+LAYOUT_GIFT = {"ep_fsdp": ["--gift.unrewritten=warn"], "ep_hsdp": ["--gift.unrewritten=warn"],
+               "ep_tp": ["--gift.unrewritten=warn", "--gift.min-numel=1024"]}
 
 
 def configs(layout: str, trainer: str) -> tuple[str, str] | None:

@@ -13,7 +13,11 @@ the run naming the expert modules: the unit test at the end): GIFT at nvfp4 (a r
 2), GIFT at fp32 and GIFT off. nvfp4 must quantize the dense linears (bytes counted at the
 collective == the pass's accounting, fewer than fp32's, a round-trip error > 0, losses that differ
 from GIFT off after step 1 and stay within the 2-rank tests' tolerance); fp32 must reproduce GIFT
-off's losses exactly. Measured 2026-12-05 on 2 cores shared with other jobs: the file 350 s
+off's losses exactly. A fourth run, EP x TP (dp_shard 2 x tp 2, EP 2) at nvfp4, guards how the
+experts are told apart there: their efsdp group then holds the same ranks as GIFT's fsdp group,
+so only the mesh (its dimensions) says they are another collective; they must still be named.
+(Its losses against GIFT off, and EP x HSDP on this trainer, are rows of `bench.layouts`.)
+Measured 2026-12-05 on 2 cores shared with other jobs: the first three runs 350 s, the EP x TP run 55 s
 (``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_torchtitan_ep_graph.py``).
 """
 
@@ -37,6 +41,8 @@ from gift_compile.torchtitan_ext.runs import RunResult, shared_runs  # noqa: E40
 STEPS = 3
 EP = ["--parallelism.data-parallel-shard-degree=4", "--parallelism.expert-parallel-degree=2",
       "--validator.no-enable", f"--training.steps={STEPS}", "--metrics.log-freq=1"]
+EP_TP = ["--parallelism.data-parallel-shard-degree=2", "--parallelism.tensor-parallel-degree=2",
+         *EP[1:]]
 GIFT = ["--gift.refresh-every=2", "--gift.no-fuse", "--gift.unrewritten=warn"]
 TOLERANCE = 5e-3  # the 2-rank tests' per-step loss tolerance (tests/test_torchtitan_train.py)
 EXPERTS = [f"layers.{i}.moe.routed_experts.inner_experts" for i in (1, 2)]
@@ -48,6 +54,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], RunResult]
         "nvfp4": ("moe_debug_gift_graph", [*EP, *GIFT, "--gift.format=nvfp4"]),
         "fp32": ("moe_debug_gift_graph", [*EP, *GIFT, "--gift.format=fp32"]),
         "off": ("moe_debug_nogift_graph", EP),
+        "tp_nvfp4": ("moe_debug_gift_graph", [*EP_TP, *GIFT, "--gift.format=nvfp4", "--gift.min-numel=1024"]),
     }, lambda name: str(tmp_path_factory.mktemp(name)), nproc=4)
 
 
@@ -148,3 +155,14 @@ def test_experts_outside_the_pass_are_refused_by_name_with_simple_fsdps_reason()
                                          r"'efsdp' \(2 ranks\) would travel at full precision: SimpleFSDP wraps them "
                                          r".*carry no GIFT mark.*3-D tensor.*unrewritten='warn'"):
         refuse_outside([group], "error", split=SIMPLE_FSDP_SPLIT)
+
+
+def test_ep_with_tp_on_graph_names_the_experts_whose_group_has_gift_s_ranks(runs: Callable[[str], RunResult]) -> None:
+    gift = runs("tp_nvfp4")
+    _assert_experts_named_and_nothing_else(gift)
+    _assert_ep_and_efsdp_untouched(gift)
+    for r in _steps(gift):
+        assert r["gift/wire_bytes_per_step"] == r["gift/accounted_bytes_per_backward"], r
+        assert r["gift/wire_bytes_per_step"] < 0.3 * r["gift/baseline_bytes_per_step"], r
+        assert r["gift/collectives_per_step"] == 3, r
+    assert [r["gift/full_precision_params"] for r in gift.records if "gift/full_precision_params" in r] == [6.0] * STEPS

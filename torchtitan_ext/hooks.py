@@ -43,16 +43,10 @@ _UNSUPPORTED_WHY = {
               "its GraphPP schedule runs stage-local graphs (FSDP's reduce-scatters split into a reduce-grad "
               "graph) built with graph_trainer's default compile-time passes, so GIFT's marks would be inert and "
               "every gradient would travel at fp32; use the FSDP2 trainer (GIFT per stage)",
-    "expert on graph_trainer with tensor, data-replicate or context": "GIFT with expert parallelism on "
-              "graph_trainer has been built and run with FSDP alone (dp_shard x ep: the routed experts' traced "
-              "reduce-scatters over the efsdp mesh left as traced, refused or named per unrewritten); with TP, "
-              "replicas or CP the routed experts' SimpleFSDP mesh gains dimensions (dp_replicate x efsdp, ep x tp) "
-              "whose traced collectives and GIFT's HSDP replica hop next to them have not been matched or run "
-              "here; use the FSDP2 trainer (EP with FSDP, HSDP, TP or PP)",
-    "expert with context": "GIFT with expert parallelism has been built and run on the FSDP2 trainer "
-              "with FSDP, HSDP, FSDP x TP and PP x FSDP; with CP the layout has not been run with GIFT because "
-              "torchtitan 0.3.0 does not run it on this repo's MoE model without GIFT either (it stops with "
-              "'aten.add.Tensor got mixed torch.Tensor and DTensor')",
+    "expert with context": "GIFT with expert parallelism has been built and run with FSDP, HSDP, FSDP x TP "
+              "(both trainers) and PP x FSDP (FSDP2 trainer); with CP the layout has not been run with GIFT because "
+              "torchtitan 0.3.0 does not run it on this repo's MoE model without GIFT either (both trainers stop "
+              "with 'aten.add.Tensor got mixed torch.Tensor and DTensor')",
 }
 
 
@@ -78,16 +72,14 @@ def data_parallel_group(parallel_dims: Any, trainer: str = "graph") -> dist.Proc
     efsdp mesh, which GIFT leaves on FSDP2's own reduce-scatter; under HSDP their reduced shards
     are all-reduced over dp_replicate at fp32, as native HSDP would (both named:
     `gift_compile.frameworks.fsdp2.refuse_outside`). On graph_trainer with expert parallelism
-    (FSDP alone: dp_shard x ep) it is the fsdp mesh's group as well: SimpleFSDP wraps the routed
-    experts on the efsdp mesh, whose traced reduce-scatters carry no GIFT mark, so the pass
-    leaves them as traced (refused by name or logged per module,
+    (FSDP, HSDP, FSDP x TP) it is the group it would be without EP as well: SimpleFSDP wraps the
+    routed experts on the efsdp mesh (dp_replicate x efsdp under HSDP), whose traced collectives
+    carry no GIFT mark, so the pass leaves them as traced (refused by name or logged per module,
     `gift_compile.frameworks.simple_fsdp.outside_gift`), and the EP all-to-alls are not GIFT's
     either. Other layouts are refused by name."""
     others = {
         "pipeline on graph_trainer": parallel_dims.pp if trainer != "fsdp2" else 1,
-        "expert on graph_trainer with tensor, data-replicate or context": parallel_dims.ep if trainer != "fsdp2" and (
-            parallel_dims.tp > 1 or parallel_dims.dp_replicate > 1 or parallel_dims.cp > 1) else 1,
-        "expert with context": parallel_dims.ep if trainer == "fsdp2" and parallel_dims.cp > 1 else 1,
+        "expert with context": parallel_dims.ep if parallel_dims.cp > 1 else 1,
     }
     unsupported = [name for name, degree in others.items() if degree > 1]
     if unsupported:

@@ -17,6 +17,7 @@ SimpleFSDP's reason); `full_precision_params` counts them for telemetry.
 
 from __future__ import annotations
 
+from collections import Counter
 from contextlib import AbstractContextManager
 
 import torch.distributed as dist
@@ -58,26 +59,37 @@ def _data_parallel_mesh(module: nn.Module, name: str) -> DeviceMesh:
 
 
 def outside_gift(model: Parts, group: dist.ProcessGroup) -> list[OutsideGroup]:
-    """One entry per module whose SimpleFSDP-wrapped parameters reduce their gradients over other
-    ranks than `group` (GIFT's state group: the fsdp mesh's, or under HSDP the replicas x
-    shards'), compared as rank sets, since the group GIFT spans is not itself one of SimpleFSDP's
-    mesh dimensions under HSDP. Their traced collectives carry no mark (the module docstring)."""
+    """One entry per module whose SimpleFSDP-wrapped parameters reduce their gradients over
+    another mesh than the model's data-parallel one: other ranks than `group` (GIFT's state
+    group: the fsdp mesh's, or under HSDP the replicas x shards', compared as rank sets, since
+    that group is not itself one of SimpleFSDP's mesh dimensions under HSDP), or a mesh of other
+    dimensions than the one most parameters use (with TP the routed experts' efsdp group can
+    hold the same ranks as the fsdp group, but is another collective the pass never sees a mark
+    in). Their traced collectives carry no mark (the module docstring)."""
     from torch.distributed.tensor import DTensor
 
     gift_ranks = set(dist.get_process_group_ranks(group))
-    out = []
+    found = []
     for part in model_parts(model):
         for owner, module in part.named_modules():
             params = [(n, p) for n, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)]
-            meshes = {n: _data_parallel_mesh(module, n) for n, _ in params}
-            other = [(n, p) for n, p in params if set(meshes[n].mesh.flatten().tolist()) != gift_ranks]
-            if not other:
-                continue
-            mesh = meshes[other[0][0]]
-            kind = next(c for c in type(module).__mro__ if not c.__name__.startswith("SimpleFSDP")).__name__
-            out.append(OutsideGroup((owner,), (kind,), tuple((f"{owner}.{n}", tuple(p.shape)) for n, p in other),
-                                    "x".join(mesh.mesh_dim_names) if mesh.mesh_dim_names else f"ranks {sorted(mesh.mesh.flatten().tolist())}",
-                                    mesh.size()))
+            found.append((owner, module, [(n, p, _data_parallel_mesh(module, n)) for n, p in params]))
+    sizes: Counter[tuple[str, ...] | None] = Counter()  # elements per mesh (by its dimensions' names)
+    for _, _, params in found:
+        for _, p, m in params:
+            sizes[m.mesh_dim_names] += p.numel()
+    dense = sizes.most_common(1)[0][0] if sizes else None
+    out = []
+    for owner, module, params in found:
+        other = [(n, p, m) for n, p, m in params
+                 if set(m.mesh.flatten().tolist()) != gift_ranks or m.mesh_dim_names != dense]
+        if not other:
+            continue
+        mesh = other[0][2]
+        kind = next(c for c in type(module).__mro__ if not c.__name__.startswith("SimpleFSDP")).__name__
+        out.append(OutsideGroup((owner,), (kind,), tuple((f"{owner}.{n}", tuple(p.shape)) for n, p, _ in other),
+                                "x".join(mesh.mesh_dim_names) if mesh.mesh_dim_names
+                                else f"ranks {sorted(mesh.mesh.flatten().tolist())}", mesh.size()))
     return out
 
 
