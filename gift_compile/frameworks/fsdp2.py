@@ -97,13 +97,13 @@ class GiftReduceScatter(ReduceScatter):
     """FSDP2 custom reduce-scatter of one FSDP module (see the module docstring)."""
 
     def __init__(self, module: FSDPModule, state: GiftState, timer: CommTimer, compiled: bool,
-                 over: dist.ProcessGroup | None = None) -> None:
+                 over: dist.ProcessGroup | None = None, replicas: int = 1) -> None:
         self.module = module
         self.over = over  # the process group of the module's parameter group this comm serves (None: its only one)
         self.state = state
         self.timer = timer
         self.compiled = compiled
-        self.replicas = 1  # replicas an HSDP hop all-reduces each reduced shard over (`install`)
+        self.replicas = replicas  # replicas an HSDP hop all-reduces each reduced shard over (`install`)
         # (world, dtype, group name) of the last call: what `accounted_bytes` prices
         self.last_call: tuple[int, torch.dtype, str] | None = None
 
@@ -282,9 +282,8 @@ def install(model: Parts, state: GiftState, *, compiled: bool = True, replicas: 
         module.set_force_sum_reduction_for_comms(True)
         module.set_reduce_scatter_unused_params(True)
         several = len(shard_process_groups(module)) > 1
-        comm = GiftReduceScatter(module, state, timer, compiled, pg if several else None)
-        comm.replicas = replicas
-        set_group_reduce_scatter(module, pg, comm)
+        set_group_reduce_scatter(module, pg, GiftReduceScatter(module, state, timer, compiled, pg if several else None,
+                                                               replicas))
     attach(state, FSDP2.name, timer)
     return timer
 

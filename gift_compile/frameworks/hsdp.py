@@ -228,19 +228,18 @@ def install(model: Parts, state: GiftState, replica_group: dist.ProcessGroup, *,
     for module in fsdp_modules(model):
         groups = shard_process_groups(module)
         several = len(groups) > 1
-        gift = [custom_reduce_scatter(module, pg if several else None) for pg in groups]
-        gift = [c for c in gift if isinstance(c, GiftReduceScatter)]
+        comms = [custom_reduce_scatter(module, pg if several else None) for pg in groups]
+        gift = [c for c in comms if isinstance(c, GiftReduceScatter)]
         if not gift:
             raise ValueError("gift_compile.frameworks.hsdp.install: call gift_compile.frameworks.fsdp2.install first "
                              "(the replica hop reads the parameter layout of GIFT's reduce-scatter)")
-        for pg in groups:
+        for pg, comm in zip(groups, comms):
             over = pg if several else None
             if is_native_hsdp(module, over):
                 raise ValueError(
                     "gift_compile.frameworks.hsdp.install: the model is fully_shard-ed on a 2-D (native HSDP) mesh, "
                     "whose replica all-reduce FSDP2 runs itself at full precision before any hook; shard it on the "
                     "shard-only mesh and let GIFT's replica hop all-reduce across replicas")
-            comm = custom_reduce_scatter(module, over)
             gift_group = isinstance(comm, GiftReduceScatter)
             if not gift_group and gift[0].replicas != hop.world:
                 raise ValueError(
