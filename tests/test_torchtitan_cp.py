@@ -31,6 +31,7 @@ require("torchtitan", "torchtitan extra not installed")
 
 from gift_compile.torchtitan_ext.hooks import REFUSAL, data_parallel_group  # noqa: E402
 from gift_compile.torchtitan_ext.runs import RunResult, seed_checkpoint, shared_runs  # noqa: E402
+from torchtitan_checks import assert_tracks_gift_off, logged_steps  # noqa: E402
 
 STEPS = 4
 CP = ["--parallelism.context-parallel-degree=2", "--parallelism.data-parallel-shard-degree=2",
@@ -60,12 +61,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], RunResult]
     return lambda name: no_cp(name) if name == "no_cp_off" else get(name)
 
 
-def _steps(run: RunResult) -> list[dict]:
-    steps = [r for r in run.records if "loss" in r]
-    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
-    return steps
-
-
 def _assert_gift_ran_under_cp(run: RunResult) -> None:
     assert REFUSAL not in run.output
     assert "Applied Context Parallel" in run.output  # torchtitan's CP wrapping of the attention
@@ -82,7 +77,7 @@ def test_fsdp2_cp_quantizes_at_nvfp4_and_tracks_gift_off(runs: Callable[[str], R
     # the whole model's fp32 gradient: embedding and head [4096, 128], per block wqkv/w1/w3 [384, 128],
     # w2 [128, 384] and wo [128, 128], 9 norms of 128
     full = 2 * 4096 * 128 + 4 * (4 * 384 * 128 + 128 * 128) + 9 * 128
-    for r in _steps(gift):
+    for r in logged_steps(gift, STEPS):
         assert r["gift/baseline_bytes_per_step"] == 4 * full, r
         # bytes handed to GIFT's reduce-scatters (counted at run time) == the plans' accounting
         assert r["gift/wire_bytes_per_step"] == r["gift/accounted_bytes_per_backward"], r
@@ -92,11 +87,7 @@ def test_fsdp2_cp_quantizes_at_nvfp4_and_tracks_gift_off(runs: Callable[[str], R
     # the round trip at nvfp4 measured at the refresh, Euclidean and in the maps' coordinates
     assert 0.03 < gift.last("gift/err_euclidean_mean") < 0.3
     assert 0.03 < gift.last("gift/err_transformed_mean") < 0.3
-    g, o = gift.losses(), off.losses()
-    assert g[1] == o[1]  # same init, data and forward: only the gradient path differs
-    assert any(g[s] != o[s] for s in g if s > 1)  # and that path did quantize
-    for step in g:
-        assert abs(g[step] - o[step]) < TOLERANCE, (step, g, o)
+    assert_tracks_gift_off(gift, off, TOLERANCE)
 
 
 def test_cp_on_cpu_trains_like_the_same_sequences_without_cp(runs: Callable[[str], RunResult]) -> None:
@@ -115,7 +106,7 @@ def test_cp_on_cpu_trains_like_the_same_sequences_without_cp(runs: Callable[[str
 def test_fsdp2_cp_at_fp32_is_exact_and_matches_gift_off(runs: Callable[[str], RunResult]) -> None:
     exact, off = runs("fp32"), runs("off")
     _assert_gift_ran_under_cp(exact)
-    for r in _steps(exact):
+    for r in logged_steps(exact, STEPS):
         assert r["gift/wire_bytes_per_step"] == r["gift/accounted_bytes_per_backward"], r
     assert exact.last("gift/err_euclidean_mean") == 0.0
     assert exact.losses() == off.losses()
@@ -133,7 +124,7 @@ def test_graph_cp_rewrites_the_fsdp_reduce_scatters_and_tracks_gift_off(runs: Ca
     blocks = 4 * (4 * 384 * 128 + 128 * 128) + 8 * 128  # the four block buckets' fp32 gradients, norms included
     for before, after, base, wire in (map(int, f) for f in found):
         assert before == after and base == 4 * blocks and wire < base / 5
-    for r in _steps(gift):
+    for r in logged_steps(gift, STEPS):
         assert (r["gift/wire_bytes_per_step"], r["gift/baseline_bytes_per_step"]) == (wire, base), r
         assert r["gift/collectives_per_step"] == 4, r
     assert len(re.findall(r"GIFT refresh at step [24]: 20/20 layers on the transformed path", gift.output)) == 8

@@ -35,6 +35,7 @@ from gift_compile.frameworks.fsdp2 import OutsideGroup, refuse_outside  # noqa: 
 from gift_compile.torchtitan_ext.hooks import REFUSAL  # noqa: E402
 from gift_compile.torchtitan_ext.models import MOE_FLAVORS  # noqa: E402
 from gift_compile.torchtitan_ext.runs import RunResult, shared_runs  # noqa: E402
+from torchtitan_checks import assert_tracks_gift_off, logged_steps  # noqa: E402
 
 STEPS = 3
 EP = ["--parallelism.data-parallel-shard-degree=4", "--parallelism.expert-parallel-degree=2",
@@ -51,12 +52,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], RunResult]
         "fp32": ("moe_debug_gift_fsdp2", [*EP, *GIFT, "--gift.format=fp32"]),
         "off": ("moe_debug_nogift_fsdp2", EP),
     }, lambda name: str(tmp_path_factory.mktemp(name)), nproc=4)
-
-
-def _steps(run: RunResult) -> list[dict]:
-    steps = [r for r in run.records if "loss" in r]
-    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
-    return steps
 
 
 def _assert_experts_named_and_nothing_else(run: RunResult,
@@ -97,7 +92,7 @@ def test_ep_quantizes_the_dense_layers_at_nvfp4_and_leaves_the_experts_at_full_p
         assert name in names
     assert not [n for n in names if "routed_experts" in n]
     dense = _dense_elements(gift)
-    for r in _steps(gift):
+    for r in logged_steps(gift, STEPS):
         # GIFT's reduce-scatters carry exactly the dense parameters' gradients (fp32 baseline), none of the experts'
         assert r["gift/baseline_bytes_per_step"] == 4 * dense, r
         # bytes handed to GIFT's reduce-scatters (counted at run time) == the plans' accounting, < fp32
@@ -110,17 +105,13 @@ def test_ep_quantizes_the_dense_layers_at_nvfp4_and_leaves_the_experts_at_full_p
         assert r["gift/full_precision_params"] == 6, r
     assert gift.last("gift/refresh_step") == 2
     assert 0.03 < gift.last("gift/err_euclidean_mean") < 0.3
-    g, o = gift.losses(), off.losses()
-    assert g[1] == o[1]  # same init, data and forward: only the gradient path differs
-    assert any(g[s] != o[s] for s in g if s > 1)  # and that path did quantize
-    for step in g:
-        assert abs(g[step] - o[step]) < TOLERANCE, (step, g, o)
+    assert_tracks_gift_off(gift, off, TOLERANCE)
 
 
 def test_ep_at_fp32_is_exact_and_matches_gift_off(runs: Callable[[str], RunResult]) -> None:
     exact, off = runs("fp32"), runs("off")
     _assert_experts_named_and_nothing_else(exact)
-    for r in _steps(exact):
+    for r in logged_steps(exact, STEPS):
         assert r["gift/wire_bytes_per_step"] == r["gift/accounted_bytes_per_backward"], r
         assert r["gift/baseline_bytes_per_step"] == 4 * _dense_elements(exact), r
     assert exact.last("gift/err_euclidean_mean") == 0.0

@@ -36,7 +36,8 @@ require("torchtitan", "torchtitan extra not installed")
 
 from gift_compile.torchtitan_ext.runs import RunResult, shared_runs  # noqa: E402
 from gift_compile.torchtitan_ext.hooks import REFUSAL  # noqa: E402
-from test_torchtitan_ep import GIFT, STEPS, TOLERANCE, _assert_experts_named_and_nothing_else, _steps  # noqa: E402
+from test_torchtitan_ep import GIFT, STEPS, TOLERANCE, _assert_experts_named_and_nothing_else  # noqa: E402
+from torchtitan_checks import assert_tracks_gift_off, logged_steps  # noqa: E402
 
 EP_PP = ["--parallelism.data-parallel-shard-degree=2", "--parallelism.pipeline-parallel-degree=2",
          "--parallelism.expert-parallel-degree=2", "--validator.no-enable", f"--training.steps={STEPS}",
@@ -74,16 +75,12 @@ def test_ep_with_tp_quantizes_each_tp_block_and_tracks_gift_off(runs: Callable[[
                   "layers.2.moe.shared_experts.w2.weight [64, 64] -> [64, 32]",
                   "layers.2.attention.wo.weight [64, 64] -> [64, 32]"):
         assert block in blocks.group(1)
-    for r in _steps(gift):
+    for r in logged_steps(gift, STEPS):
         assert r["gift/wire_bytes_per_step"] == r["gift/accounted_bytes_per_backward"], r
         assert r["gift/wire_bytes_per_step"] < 0.9 * r["gift/baseline_bytes_per_step"], r
         assert r["gift/collectives_per_step"] == 5, r
         assert r["gift/full_precision_params"] == 6, r
-    g, o = gift.losses(), off.losses()
-    assert g[1] == o[1]
-    assert any(g[s] != o[s] for s in g if s > 1)
-    for step in g:
-        assert abs(g[step] - o[step]) < TOLERANCE, (step, g, o)
+    assert_tracks_gift_off(gift, off, TOLERANCE)
 
 
 def test_ep_with_pp_runs_gift_per_stage_and_experts_cross_no_rank(runs: Callable[[str], RunResult]) -> None:
@@ -103,12 +100,8 @@ def test_ep_with_pp_runs_gift_per_stage_and_experts_cross_no_rank(runs: Callable
             # fewer than fp32 (stage 1 only 1.08x: its unmanaged 4096 x 64 head is most of its bytes)
             assert r["gift/wire_bytes_per_step"] < r["gift/baseline_bytes_per_step"], r
             assert "gift/full_precision_params" not in r, r
-    g, o = gift.losses(), off.losses()
-    assert sorted(g) == list(range(1, STEPS + 1))
-    assert g[1] == o[1]
-    assert any(g[s] != o[s] for s in g if s > 1)
-    for step in g:
-        assert abs(g[step] - o[step]) < TOLERANCE, (step, g, o)
+    assert sorted(gift.losses()) == list(range(1, STEPS + 1))
+    assert_tracks_gift_off(gift, off, TOLERANCE)
 
 
 def test_ep_with_hsdp_runs_both_hops_on_the_dense_groups_and_all_reduces_the_experts(
@@ -117,7 +110,7 @@ def test_ep_with_hsdp_runs_both_hops_on_the_dense_groups_and_all_reduces_the_exp
     route = r"is sharded over mesh 'efsdp' \(one rank\) and all-reduces over 2 replicas"
     for run in (gift, exact):
         _assert_experts_named_and_nothing_else(run, route)
-    quantized, raw = _steps(gift), _steps(exact)
+    quantized, raw = logged_steps(gift, STEPS), logged_steps(exact, STEPS)
     for r, f in zip(quantized, raw):
         for rec in (r, f):
             # each hop's bytes counted at the collective == its plans' accounting
@@ -135,8 +128,4 @@ def test_ep_with_hsdp_runs_both_hops_on_the_dense_groups_and_all_reduces_the_exp
     assert exact.last("gift/err_euclidean_mean") == 0.0
     # fp32 on both hops reproduces native HSDP's losses exactly (experts all-reduced once, over the replicas)
     assert exact.losses() == off.losses()
-    g, o = gift.losses(), off.losses()
-    assert g[1] == o[1]
-    assert any(g[s] != o[s] for s in g if s > 1)
-    for step in g:
-        assert abs(g[step] - o[step]) < TOLERANCE, (step, g, o)
+    assert_tracks_gift_off(gift, off, TOLERANCE)

@@ -27,6 +27,7 @@ require("torchtitan", "torchtitan extra not installed")
 
 from gift_compile.torchtitan_ext.hooks import REFUSAL  # noqa: E402
 from gift_compile.torchtitan_ext.runs import RunResult, shared_runs  # noqa: E402
+from torchtitan_checks import assert_tracks_gift_off, logged_steps  # noqa: E402
 
 STEPS = 3
 TP = ["--parallelism.tensor-parallel-degree=2", "--parallelism.data-parallel-shard-degree=2",
@@ -43,12 +44,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], RunResult]
         "off": ("llama3_debug_nogift_fsdp2", TP),
         "graph": ("llama3_debug_gift_graph", [*TP, *GIFT, "--gift.format=nvfp4"]),
     }, lambda name: str(tmp_path_factory.mktemp(name)), nproc=4)
-
-
-def _steps(run: RunResult) -> list[dict]:
-    steps = [r for r in run.records if "loss" in r]
-    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
-    return steps
 
 
 def _assert_tp_blocks(run: RunResult) -> None:
@@ -72,7 +67,7 @@ def test_fsdp2_tp_quantizes_each_tp_block_at_nvfp4_and_tracks_gift_off(runs: Cal
     # each, per block wqkv/w1/w3 [192, 128] and wo [128, 64], w2 [128, 192], 9 norms of 128), not
     # the global ones (7.61 MB)
     tp_local = 2 * 2048 * 128 + 4 * (3 * 192 * 128 + 128 * 64 + 128 * 192) + 9 * 128
-    for r in _steps(gift):
+    for r in logged_steps(gift, STEPS):
         assert r["gift/baseline_bytes_per_step"] == 4 * tp_local, r
         # bytes handed to GIFT's reduce-scatters (counted at run time) == the TP-local plans' accounting
         assert r["gift/wire_bytes_per_step"] == r["gift/accounted_bytes_per_backward"], r
@@ -82,17 +77,13 @@ def test_fsdp2_tp_quantizes_each_tp_block_at_nvfp4_and_tracks_gift_off(runs: Cal
     assert gift.last("gift/refresh_step") == 2
     assert 0.03 < gift.last("gift/err_euclidean_mean") < 0.3
     assert gift.last("gift/managed_layers") == 20
-    g, o = gift.losses(), off.losses()
-    assert g[1] == o[1]  # same init, data and forward: only the gradient path differs
-    assert any(g[s] != o[s] for s in g if s > 1)  # and that path did quantize
-    for step in g:
-        assert abs(g[step] - o[step]) < TOLERANCE, (step, g, o)
+    assert_tracks_gift_off(gift, off, TOLERANCE)
 
 
 def test_fsdp2_tp_at_fp32_is_exact_and_matches_gift_off(runs: Callable[[str], RunResult]) -> None:
     exact, off = runs("fp32"), runs("off")
     assert REFUSAL not in exact.output and not exact.gift_warnings()
-    for r in _steps(exact):
+    for r in logged_steps(exact, STEPS):
         assert r["gift/wire_bytes_per_step"] == r["gift/accounted_bytes_per_backward"], r
     assert exact.last("gift/err_euclidean_mean") == 0.0
     assert exact.losses() == off.losses()
@@ -115,7 +106,7 @@ def test_graph_tp_rewrites_the_fsdp_reduce_scatters_and_leaves_tp_collectives(ru
         assert before == after and fwd_before == fwd_after > 0 and bwd_before == bwd_after > 0
         # the four block buckets' TP-local fp32 gradients (see the FSDP2 test), norms included
         assert base == 4 * (4 * (3 * 192 * 128 + 128 * 64 + 128 * 192) + 8 * 128) and wire < base / 5
-    for r in _steps(gift):
+    for r in logged_steps(gift, STEPS):
         # bytes handed to GIFT's collectives (counted at run time) == the pass's accounting
         assert (r["gift/wire_bytes_per_step"], r["gift/baseline_bytes_per_step"]) == (wire, base), r
         assert r["gift/collectives_per_step"] == 4, r
