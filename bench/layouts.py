@@ -87,6 +87,16 @@ def hop_bytes(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def replica_only(hops: dict[str, dict[str, Any]], rewrite: str | None) -> dict[str, dict[str, Any]]:
+    """`hops` with graph_trainer's DDP hop named for what it is: replication alone (SimpleFSDP's
+    replicate mode) traces one all-reduce per gradient over the replicas, which the pass rewrites
+    and the telemetry counts on GIFT's first hop (its ``gift/wire_bytes_per_step``); the row calls
+    it the replica hop, as the FSDP2 trainer's DDP row does."""
+    if rewrite and " all-reduces " in rewrite and " reduce-scatters " not in rewrite and set(hops) == {"shard"}:
+        return {"replica": hops["shard"]}
+    return hops
+
+
 def describe(run: RunResult) -> dict[str, Any]:
     """What one run recorded (see the module docstring)."""
     lines = run.output.splitlines()
@@ -103,7 +113,7 @@ def describe(run: RunResult) -> dict[str, Any]:
     if run.stages:
         out["hops_by_pipeline_rank"] = {str(k): hop_bytes(v) for k, v in sorted(run.stages.items())}
     elif run.records and any("gift/wire_bytes_per_step" in r for r in run.records):
-        out["hops"] = hop_bytes(run.records)
+        out["hops"] = replica_only(hop_bytes(run.records), out["rewrite"])
     errs = [r["gift/err_euclidean_mean"] for r in run.records if "gift/err_euclidean_mean" in r]
     if errs:
         out["err_euclidean_mean_at_refresh"] = errs[-1]

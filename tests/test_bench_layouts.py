@@ -8,7 +8,7 @@ from conftest import require
 
 require("torchtitan", "torchtitan extra not installed")
 
-from bench.layouts import failure, refusal  # noqa: E402
+from bench.layouts import failure, refusal, replica_only  # noqa: E402
 from gift_compile.torchtitan_ext.hooks import REFUSAL  # noqa: E402
 from gift_compile.torchtitan_ext.runs import RunResult  # noqa: E402
 
@@ -30,3 +30,14 @@ def test_a_failure_is_the_first_exception_a_rank_printed_and_a_refusal_is_not_on
         "exit code 1, no exception in the log")
     refused = _run(f"[rank0]: ValueError: {REFUSAL}; pipeline on graph_trainer")
     assert refusal(refused) == f"{REFUSAL}; pipeline on graph_trainer"
+
+
+def test_graph_trainers_ddp_hop_is_named_the_replica_hop_and_no_other_is_renamed() -> None:
+    hop = {"counted": [1.0], "accounted": [1.0], "fp32": [4.0], "counted_equals_accounted": True}
+    ddp = "GIFT rewrite: 20 all-reduces (0 buckets) carrying 20 managed weights, 0 fallbacks"
+    hsdp = ("GIFT rewrite: 4 reduce-scatters (4 buckets) carrying 20 managed weights, 0 fallbacks; replica hop (HSDP): "
+            "4 all-reduces of the reduced shards after them")
+    assert replica_only({"shard": hop}, ddp) == {"replica": hop}
+    assert replica_only({"shard": hop}, hsdp) == {"shard": hop}
+    assert replica_only({"shard": hop, "replica": hop}, ddp) == {"shard": hop, "replica": hop}
+    assert replica_only({"shard": hop}, None) == {"shard": hop}
