@@ -12,6 +12,9 @@ the others; the exit status is 1 when any section failed:
 - map: the low-rank map's forward alone at the fc2 shapes, Inductor's compile of
   `LowRank.apply_forward` against the projection matmul plus the explicit tl.dot expansion
   kernel (fp32 and TF32 operands): time, time over the copy floor, error against fp64;
+- fold: the map's projection folded into the weight-gradient matmul (`P = dY^T (X U)` instead
+  of `G U`; `bench.gpu_fold`), timed against the projection and the dW matmul itself, with both
+  byte counts and each projection's error; whether folding wins is the GPU's answer;
 - codec: for Llama-600M and Llama-3-8B layer shapes, the Euclidean and GIFT codecs (fp8 E4M3
   per-row and NVFP4; `bench.overhead.codec_body`, a one-rank all-reduce: transform, encode,
   decode + sum, re-encode, decode, inverse), each compiled two ways where its format has
@@ -65,6 +68,7 @@ from torch._inductor.utils import run_and_get_code
 
 from bench import kernel_traffic
 from bench.codec_minimum import minimum_bytes
+from bench.gpu_fold import fold_section
 from bench.gpu_report import render
 from bench.gpu_timing import Budget, fp8_types, kernel_times, median_time, triton_kernel_bytes
 from bench.overhead import PATHS, _synthetic_factor, codec_body, generated_traffic, traffic_summary
@@ -85,7 +89,10 @@ CODEC_PATHS = ("euclid-fp8", "gift-fp8", "euclid-nvfp4", "gift-nvfp4")
 IMPLS = ("kernels", "inductor")
 # the collective bodies whose kernel traffic is counted (8 ranks, Euclidean map)
 TRAFFIC_FORMATS = ("nvfp4", "int4")
-SECTIONS = ("device", "kernel_traffic", "map", "codec", "parity", "torchtitan")
+SECTIONS = ("device", "kernel_traffic", "map", "fold", "codec", "parity", "torchtitan")
+# tokens per rank of the fold section's backward (`bench.gpu_fold`): the first H200 run's 8192,
+# and a quarter of it, where folding reads fewer bytes at the w2 shapes
+FOLD_TOKENS, DRY_FOLD_TOKENS = (2048, 8192), (16,)
 # The low-rank map's forward, three ways: Inductor's compile of `LowRank.apply_forward` (a
 # skinny matmul and a pointwise expansion), and the projection matmul followed by the explicit
 # expansion kernel (`gift_compile.kernels.ops.lowrank_expand`, tl.dot) with fp32 or TF32 operands.
@@ -324,6 +331,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     peak = info.get("datasheet_bytes_per_s")
     attempt("kernel_traffic", lambda: kernel_traffic_section(shapes), 10)
     attempt("map", lambda: map_section(device, shapes, rank, copy_bw), 20)
+    attempt("fold", lambda: fold_section(device, shapes, rank, DRY_FOLD_TOKENS if args.dry_run else FOLD_TOKENS), 20)
     rows = attempt("codec", lambda: codec_section(device, shapes, rank, copy_bw, peak, budget,
                                                   5 if args.dry_run else 45), 30)
     if isinstance(rows, list) and any(r.get("status") == "failed" for r in rows):

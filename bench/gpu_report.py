@@ -49,6 +49,18 @@ def render(results: dict[str, object]) -> str:
                   "TF32 operands). Floor: read G and write its image once (8 B/el) at the measured copy bandwidth. "
                   "Error: relative L2 against the map in fp64.", "",
                   table(["gradient", "impl", "status", "µs", "floor µs", "time / floor", "rel. error"], rows, 3), ""]
+    fold = sec.get("fold", {}).get("result")
+    if fold:
+        rows = [[r["shape"], r["tokens"], r["dw_us"], r["project_us"], r["fold_us"], r["project_bytes"] / 1e6,
+                 r["fold_bytes"] / 1e6, r["project_rel_error"], r["fold_rel_error"],
+                 "" if r["fold_wins"] is None else ("yes" if r["fold_wins"] else "no")] for r in fold]
+        lines += ["## The projection folded into the weight-gradient matmul", "",
+                  "The map's projection `G U` of the fp32 gradient, against `dY^T (X U)` from the layer's bf16 output "
+                  "gradient and input (`bench.gpu_fold`), with the backward's own dW matmul for scale; bytes each way "
+                  "reads and writes at least; error: relative L2 against the projection in fp64. Folding wins where "
+                  "its two matmuls take less time than the projection" + (" (not decided on the CPU)." if dry else "."),
+                  "", table(["gradient", "tokens", "dW µs", "project µs", "fold µs", "project MB", "fold MB",
+                             "project error", "fold error", "fold wins"], rows, 3), ""]
     if codec:
         rows = []
         for r in codec:

@@ -23,7 +23,7 @@ def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict, str]:
     with pytest.MonkeyPatch.context() as mp:  # two codecs at one shape keep it to four compiles
         mp.setattr(gpu_check, "DRY_SHAPES", (("dry w2", 64, 192),))
         mp.setattr(gpu_check, "CODEC_PATHS", ("euclid-fp8", "gift-fp8"))
-        code = gpu_check.main(["--dry-run", "--sections", "device,kernel_traffic,map,codec,parity", "--out", str(out)])
+        code = gpu_check.main(["--dry-run", "--sections", "device,kernel_traffic,map,fold,codec,parity", "--out", str(out)])
     return code, json.loads((out / "gpu_check.json").read_text()), (out / "GPU.md").read_text()
 
 
@@ -31,9 +31,10 @@ def test_dry_run_succeeds_and_reports_every_section(dry_run: tuple[int, dict, st
     code, results, md = dry_run
     assert code == 0 and results["dry_run"]
     assert {k: v["status"] for k, v in results["sections"].items()} == {
-        "device": "ok", "kernel_traffic": "ok", "map": "ok", "codec": "ok", "parity": "ok"}
+        "device": "ok", "kernel_traffic": "ok", "map": "ok", "fold": "ok", "codec": "ok", "parity": "ok"}
     assert md.startswith("# GPU check (DRY RUN on the CPU")
-    for heading in ("## Device", "## Kernel traffic", "## The low-rank map alone", "## Codec kernels",
+    for heading in ("## Device", "## Kernel traffic", "## The low-rank map alone",
+                    "## The projection folded into the weight-gradient matmul", "## Codec kernels",
                     "## Parity with the CPU"):
         assert heading in md
 
@@ -164,3 +165,20 @@ def test_torchtitan_section_is_skipped_with_its_reason_below_torch_2_13(tmp_path
     code = gpu_check.main(["--dry-run", "--sections", "torchtitan", "--out", str(tmp_path)])
     status = json.loads((tmp_path / "gpu_check.json").read_text())["sections"]["torchtitan"]["status"]
     assert code == 0 and status == "skipped: torch 2.11.0+cu130 < 2.13 (torchtitan 0.3.0 needs it)"
+
+
+def test_fold_section_computes_the_projection_both_ways_and_leaves_the_decision_to_a_gpu(
+        dry_run: tuple[int, dict, str]) -> None:
+    """The folded projection `dY^T (X U)` is the projection `G U` up to bf16 operand rounding (a
+    wrong fold, say `X^T (dY U)`, would be off by the whole product), the byte counts follow the
+    formulas, and the CPU's host-clock times decide nothing."""
+    _, results, md = dry_run
+    (row,) = results["sections"]["fold"]["result"]
+    out, d_in, t, r = 64, 192, gpu_check.DRY_FOLD_TOKENS[0], 8
+    assert (row["out"], row["d_in"], row["tokens"], row["rank"]) == (out, d_in, t, r)
+    assert row["project_rel_error"] < 1e-6 and 1e-5 < row["fold_rel_error"] < 2e-2
+    assert row["project_bytes"] == 4 * out * d_in + 4 * d_in * r + 4 * out * r
+    assert row["fold_bytes"] == 2 * t * (d_in + out) + 2 * d_in * r + 4 * t * r + 4 * out * r
+    assert row["fold_reads_fewer"] == (row["fold_bytes"] < row["project_bytes"]) is True  # 16 tokens: few
+    assert min(row["dw_us"], row["project_us"], row["fold_us"]) > 0 and row["fold_wins"] is None
+    assert "(not decided on the CPU)" in md
