@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from bench.formatting import table
-from bench.layout_table import LAYOUTS as PLANNED, order, planned
+from bench.layout_table import LAYOUTS as PLANNED, SUITE, order, planned
 
 LAYOUTS = Path(__file__).resolve().parent / "results" / "layouts.json"
 
@@ -32,16 +32,17 @@ def layouts(_: dict) -> str:
     for key in sorted({*planned(), *d["rows"]}, key=order):
         if key not in d["rows"]:
             layout, trainer = key.split("/")
-            rows.append([PLANNED[layout][0], str(PLANNED[layout][1]), trainer, "not run", *[""] * 6])
+            rows.append([PLANNED[layout][0], str(PLANNED[layout][1]), trainer, "not run", *[""] * 6, _suite(key)])
             continue
         r = d["rows"][key]
         if r["status"] == "refused":
-            rows.append([r["layout"], str(r["nproc"]), r["trainer"], "refused (below)", "", "", "", "", f"{r['wall_s']:.0f}", ""])
+            rows.append([r["layout"], str(r["nproc"]), r["trainer"], "refused (below)", "", "", "", "", f"{r['wall_s']:.0f}", "",
+                         _suite(key)])
             notes.append(f"* {r['layout']}, {r['trainer']}: refused, `{r['command']}`: {r['reason']}")
             continue
         if r["status"] == "failed":
             rows.append([r["layout"], str(r["nproc"]), r["trainer"], f"{r['failed_arm']} run failed (below)",
-                         "", "", "", "", f"{r['wall_s']:.0f}", ""])
+                         "", "", "", "", f"{r['wall_s']:.0f}", "", _suite(key)])
             off = (f"GIFT off fails too (`{r['off_command']}`): {r['off_reason']}" if r["off_fails"]
                    else f"GIFT off runs (`{r['off_command']}`)")
             notes.append(f"* {r['layout']}, {r['trainer']}: the {r['failed_arm']} run failed, `{r['command']}`: "
@@ -64,7 +65,7 @@ def layouts(_: dict) -> str:
                      f"{r['low_bit_max_abs_loss_diff']:.2e}",
                      f"{'yes' if r['fp32_losses_equal_off'] else 'no'} (max diff {r['fp32_max_abs_loss_diff']:.1e})",
                      " / ".join(f"{arms[a]['wall_s']:.0f}" for a in ("low_bit", "fp32", "off")),
-                     _kill_resume(r.get("kill_resume"))])
+                     _kill_resume(r.get("kill_resume")), _suite(key)])
         losses = "; ".join(f"{arm} " + ", ".join(f"{v:.5f}" for v in arms[arm]["losses"].values())
                            for arm in ("low_bit", "off"))
         notes.append(f"* {r['layout']}, {r['trainer']}: losses by step: {losses}; nvfp4 `{low['command']}`; GIFT off "
@@ -89,8 +90,17 @@ def layouts(_: dict) -> str:
                      + ("equal in every arm (nvfp4, fp32, off)" if same else "not equal in every arm"))
     return "\n".join([head, "", table(["layout", "ranks", "trainer", "GIFT", "bytes per step (nvfp4)", "counted = accounted",
                                        "nvfp4 max abs loss diff vs off", "fp32 losses == off",
-                                       "wall s (nvfp4 / fp32 / off)", "kill rank 1 after step 4, relaunch"], rows),
+                                       "wall s (nvfp4 / fp32 / off)", "kill rank 1 after step 4, relaunch",
+                                       "suite tests"], rows),
                      "", *notes, *_kill_resume_notes(d)])
+
+
+def _suite(key: str) -> str:
+    """The suite-tests cell: the test functions of the row (`bench.layout_table.SUITE`), by file."""
+    tests = SUITE.get(key)
+    if not tests:
+        return "this bench only"
+    return "; ".join(f"`{t.split('/')[-1]}`" for t in tests)
 
 
 def _kill_resume(k: dict | None) -> str:

@@ -4,10 +4,14 @@ stopped the run: the first exception any rank printed, not torchrun's wrapper ar
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 from conftest import require
 
 require("torchtitan", "torchtitan extra not installed")
 
+from bench.layout_table import SUITE, planned  # noqa: E402
 from bench.layouts import failure, refusal, replica_only  # noqa: E402
 from gift_compile.torchtitan_ext.hooks import REFUSAL  # noqa: E402
 from gift_compile.torchtitan_ext.runs import RunResult  # noqa: E402
@@ -41,3 +45,19 @@ def test_graph_trainers_ddp_hop_is_named_the_replica_hop_and_no_other_is_renamed
     assert replica_only({"shard": hop}, hsdp) == {"shard": hop}
     assert replica_only({"shard": hop, "replica": hop}, ddp) == {"shard": hop, "replica": hop}
     assert replica_only({"shard": hop}, None) == {"shard": hop}
+
+
+def test_every_suite_test_the_layout_table_names_exists() -> None:
+    """Each pytest node id of `SUITE` names a test function in its file, with its parameter
+    among that file's values (a renamed or removed test would leave the table citing nothing)."""
+    root = Path(__file__).resolve().parent.parent
+    assert set(SUITE) <= set(planned())
+    for key, ids in SUITE.items():
+        for node in ids:
+            found = re.fullmatch(r"(tests/\w+\.py)::(test_\w+)(?:\[(\w+)\])?", node)
+            assert found, (key, node)
+            path, name, param = found.groups()
+            source = (root / path).read_text()
+            assert f"def {name}(" in source, (key, node)
+            if param:
+                assert f'"{param}"' in source, (key, node)
