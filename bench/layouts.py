@@ -27,7 +27,9 @@ suite checks on 2 and 4 ranks (tests/test_torchtitan_train.py): 6 steps at nvfp4
 map, error feedback and a checkpoint every 3 steps, uninterrupted; then the same command with
 rank 1 SIGKILLed after step 4, relaunched on its folder: the losses of steps 4-6 and every
 trained tensor of the final checkpoint (parameters, optimizer, GIFT state) against the
-uninterrupted run's (`gift_compile.torchtitan_ext.kill_resume`).
+uninterrupted run's (`gift_compile.torchtitan_ext.kill_resume`). Where they differ, the same
+fault runs with GIFT off too, so the row says whether the difference is GIFT's or torchtitan's
+own resume on that layout (with the tensors that differ in each).
 """
 
 from __future__ import annotations
@@ -201,9 +203,20 @@ def kill_resume(layout: str, trainer: str, folder: str) -> dict[str, Any]:
     print(f"{layout} {trainer} uninterrupted: {full.wall_s:.0f} s", flush=True)
     found = kill_and_resume(config, args, root / "killed", full, root / "full", steps=KILL_STEPS, after_step=4,
                             nproc=nproc)
-    return {**found.summary(), "command": user_command(full), "uninterrupted_wall_s": round(full.wall_s, 1),
-            "selected_layers_after_refresh": max(r.get("gift/selected_layers", 0) for r in full.records),
-            "date": time.strftime("%Y-%m-%d"), "commit": _commit(), "machine": machine()}
+    record = {**found.summary(), "command": user_command(full), "uninterrupted_wall_s": round(full.wall_s, 1),
+              "selected_layers_after_refresh": max(r.get("gift/selected_layers", 0) for r in full.records),
+              "date": time.strftime("%Y-%m-%d"), "commit": _commit(), "machine": machine()}
+    if not found.bit_identical:  # GIFT's, or torchtitan's with GIFT off too: the same fault without GIFT
+        off_args = [a for a in args if not a.startswith("--gift.")]
+        off_root = Path(folder) / f"{layout}.{trainer}.kill_off"
+        off_full = run_config(configs(layout, trainer)[1], off_args, dump_folder=str(off_root / "full"), nproc=nproc,
+                              timeout_s=1800).check()
+        off = kill_and_resume(configs(layout, trainer)[1], off_args, off_root / "killed", off_full, off_root / "full",
+                              steps=KILL_STEPS, after_step=4, nproc=nproc)
+        record["gift_off"] = {**off.summary(), "command": user_command(off_full),
+                              "differing_names": sorted(off.differing)}
+        record["differing_names"] = sorted(found.differing)
+    return record
 
 
 def _all_hops(described: dict[str, Any]) -> list[dict[str, Any]]:

@@ -108,6 +108,11 @@ def _kill_resume(k: dict | None) -> str:
     if k is None:
         return "not run"
     verdict = "bit-identical" if k["bit_identical"] else f"differs ({k['differing_tensors']} tensors)"
+    off = k.get("gift_off")
+    if off is not None:  # the same fault with GIFT off: whose difference it is
+        verdict += ("; GIFT off is bit-identical: GIFT's" if off["bit_identical"] else
+                    f"; GIFT off differs too ({off['differing_tensors']} of {off['trained_tensors_compared']} tensors, "
+                    f"loss diff {off['max_abs_loss_diff']:.1e}): torchtitan's resume on this layout")
     return (f"{verdict}: steps {min(k['replayed_steps'])}-{max(k['replayed_steps'])} replayed, loss diff "
             f"{k['max_abs_loss_diff']:.1e}, {k['trained_tensors_compared']} tensors compared")
 

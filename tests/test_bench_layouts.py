@@ -61,3 +61,14 @@ def test_every_suite_test_the_layout_table_names_exists() -> None:
             assert f"def {name}(" in source, (key, node)
             if param:
                 assert f'"{param}"' in source, (key, node)
+
+
+def test_a_resume_that_differs_says_whether_gift_off_differs_too() -> None:
+    from bench.pages_layouts import _kill_resume
+
+    base = {"bit_identical": False, "differing_tensors": 268, "replayed_steps": [4, 5, 6], "max_abs_loss_diff": 3.8e-6,
+            "trained_tensors_compared": 758}
+    off = {"bit_identical": False, "differing_tensors": 124, "trained_tensors_compared": 166, "max_abs_loss_diff": 1.9e-6}
+    assert "GIFT off differs too (124 of 166 tensors" in _kill_resume({**base, "gift_off": off})
+    assert "GIFT off is bit-identical: GIFT's" in _kill_resume({**base, "gift_off": {**off, "bit_identical": True}})
+    assert _kill_resume({**base, "bit_identical": True}).startswith("bit-identical: steps 4-6 replayed")
