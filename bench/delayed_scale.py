@@ -373,7 +373,8 @@ def block(_: dict) -> str:
     if v["free"]:
         decision = (f"**Decision: a delayed tensor scale costs nothing measurable here** ({', '.join(v['free_arms'])}: "
                     f"upper end below {100 * v['threshold']:g}% and at most {v['saturation_limit']:g} of blocks "
-                    "saturated in every domain and format).")
+                    "saturated in every domain and format). GIFT does not offer it yet: the codec runs the two-pass "
+                    "form only.")
     else:
         why = []
         for arm in DELAYED:
