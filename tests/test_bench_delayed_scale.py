@@ -117,3 +117,10 @@ def test_the_saturation_count_is_every_block_past_e4m3s_maximum(spec) -> None:  
     bound = 448.0 * float(gscale) * ds.top_level(spec)
     past = x.abs().double().reshape(64, -1, spec.block) > bound
     assert coded.clipped_elements == int((past & over.unsqueeze(-1)).sum()) > 0
+
+
+def test_an_arm_is_free_only_if_it_passes_in_every_window() -> None:
+    free = ds.verdict(ds.summarize(_tally(0.0, 0)))
+    costly = ds.verdict(ds.summarize(_tally(2 * ds.THRESHOLD, 0)))
+    assert ds.free_arms([free, free]) == list(ds.DELAYED)
+    assert ds.free_arms([free, costly]) == ds.free_arms([costly, free]) == []
