@@ -487,6 +487,54 @@ def test_compile_keeps_a_kernel_as_one_operator() -> None:
     assert len(calls) == 2  # the multiply and the operator
 
 
+def test_compile_keeps_the_map_kernels_as_two_operators_without_recompiling() -> None:
+    """`torch.compile(fullgraph=True)` of `lowrank_map` (what `LowRank` calls on CUDA): Dynamo's
+    graph holds the projection and the expansion as one node each, the result is the eager
+    one, and a second call with other data (other map tensors, same shapes) reuses the graph."""
+    from gift_compile.kernels.map_dispatch import lowrank_map
+
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    fn = torch.compile(lambda g, u, c, d, q: lowrank_map(g, u, c, d, q, "ieee"), backend=backend, fullgraph=True)
+    for seed in (1, 2):
+        dinv, v, cf, _, dsq = (t.to(DEVICE) for t in _lowrank_map(72, 8, seed))
+        g = torch.randn(20, 72, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+        u = v * dinv.unsqueeze(1)
+        assert torch.equal(fn(g, u, cf, dinv, dsq).cpu(), lowrank_map(g, u, cf, dinv, dsq, "ieee").cpu())
+    (gm,) = graphs
+    assert _kernel_ops(gm) == ["gift_kernels.lowrank_project.default", "gift_kernels.lowrank_expand.default"]
+
+
+def test_the_low_rank_map_compiles_its_precision_choice_once() -> None:
+    """`LowRank.apply_forward` / `apply_inverse` at every precision under
+    `torch.compile(fullgraph=True)`: the choice (`map_path`: the spelling's lookup, the switch)
+    traces without a graph break, and new map values or a new gradient recompile nothing. On
+    the CPU every precision runs the exact map, so the results are the eager exact ones."""
+    from gift_compile.geometry.maps import LowRank
+
+    compiles = 0
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> object:
+        nonlocal compiles
+        compiles += 1
+        return gm.forward
+
+    for precision in ("auto", "exact", "tf32", "bf16"):
+        fn = torch.compile(lambda g, t: LowRank.apply_inverse(LowRank.apply_forward(g, t, precision), t, precision),
+                           backend=backend, fullgraph=True, dynamic=False)
+        before = compiles
+        for seed in (3, 4):
+            t = _lowrank_map(64, 8, seed)
+            g = torch.randn(16, 64, generator=torch.Generator().manual_seed(seed))
+            want = LowRank.apply_inverse(LowRank.apply_forward(g, t), t)
+            assert torch.allclose(fn(g, t), want, rtol=0, atol=1e-6)
+        assert compiles == before + 1, precision
+
+
 def test_the_operators_refuse_bad_inputs_by_name() -> None:
     x = torch.zeros(4, 32)
     s, ts = torch.zeros(4, 2, dtype=torch.uint8), torch.ones(1)
