@@ -9,9 +9,10 @@ the others; the exit status is 1 when any section failed:
 - kernel_traffic: the bytes per element the explicit codec kernels (`gift_compile.kernels`)
   move in the 8-rank reduce-scatter and all-reduce bodies, from their arguments, against the
   floor (`bench.kernel_traffic`; traced on fake CUDA tensors, so the dry run computes it too);
-- map: the low-rank map's forward alone at the fc2 shapes, Inductor's compile of
-  `LowRank.apply_forward` against the projection matmul plus the explicit tl.dot expansion
-  kernel (fp32 and TF32 operands): time, time over the copy floor, error against fp64;
+- map: the low-rank map's forward alone at the fc2 shapes, Inductor's compile of the exact
+  `LowRank.apply_forward` against the map's two kernels (projection, tl.dot expansion; fp32,
+  TF32 and bf16 operands, as `GiftConfig.map_precision` wires them): time, time over the copy
+  floor, error against fp64;
 - fold: the map's projection folded into the weight-gradient matmul (`P = dY^T (X U)` instead
   of `G U`; `bench.gpu_fold`), timed against the projection and the dW matmul itself, with both
   byte counts and each projection's error; whether folding wins is the GPU's answer;
@@ -75,7 +76,7 @@ from bench.overhead import PATHS, _synthetic_factor, codec_body, generated_traff
 from gift_compile import kernels
 from gift_compile.geometry import Transform
 from gift_compile.geometry.maps import LowRank
-from gift_compile.kernels import ops as kernel_ops
+from gift_compile.kernels.map_dispatch import lowrank_map
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 # Datasheet HBM bandwidth (bytes/s) by device-name fragment, first match wins (GH200 before H200).
@@ -93,10 +94,12 @@ SECTIONS = ("device", "kernel_traffic", "map", "fold", "codec", "parity", "torch
 # tokens per rank of the fold section's backward (`bench.gpu_fold`): the first H200 run's 8192,
 # and a quarter of it, where folding reads fewer bytes at the w2 shapes
 FOLD_TOKENS, DRY_FOLD_TOKENS = (2048, 8192), (16,)
-# The low-rank map's forward, three ways: Inductor's compile of `LowRank.apply_forward` (a
-# skinny matmul and a pointwise expansion), and the projection matmul followed by the explicit
-# expansion kernel (`gift_compile.kernels.ops.lowrank_expand`, tl.dot) with fp32 or TF32 operands.
-MAP_IMPLS = ("inductor", "kernel-fp32", "kernel-tf32")
+# The low-rank map's forward as `GiftConfig.map_precision` runs it: Inductor's compile of the exact
+# map (`LowRank.apply_forward` at "exact": a skinny matmul and a pointwise expansion), and the two
+# map kernels (`gift_compile.kernels.map_dispatch.lowrank_map`: projection, then the tl.dot
+# expansion) with fp32 operands (no tensor cores: the rounding-free baseline) and, compiled through
+# `LowRank.apply_forward` as the exchange calls it, with TF32 and bf16 operands.
+MAP_IMPLS = ("exact", "kernel-fp32", "kernel-tf32", "kernel-bf16")
 TORCHTITAN_TORCH = "2.13"  # the oldest torch torchtitan 0.3.0 imports with
 
 
@@ -163,22 +166,12 @@ def kernel_traffic_section(shapes: tuple[tuple[str, int, int], ...]) -> list[dic
 
 def _map_forward(impl: str, tensors: tuple[torch.Tensor, ...]) -> Callable[[torch.Tensor], torch.Tensor]:
     """The low-rank map's forward as `impl` computes it (`MAP_IMPLS`)."""
-    if impl == "inductor":
-        return torch.compile(lambda g: LowRank.apply_forward(g, tensors), fullgraph=True, dynamic=False)
-    dinv, v, cf, _, dsq = tensors
-    ut = (v * dinv.unsqueeze(1)).t().contiguous()
-    tf32 = impl == "kernel-tf32"
-
-    def forward(g: torch.Tensor) -> torch.Tensor:
-        previous = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = tf32  # the projection's operands too
-        try:
-            p = torch.mm(g, ut.t())
-        finally:
-            torch.backends.cuda.matmul.allow_tf32 = previous
-        return kernel_ops.lowrank_expand(g, p, dinv, cf, ut, dsq, tf32)
-
-    return forward
+    if impl == "kernel-fp32":
+        dinv, v, cf, _, dsq = tensors
+        u = v * dinv.unsqueeze(1)
+        return lambda g: lowrank_map(g, u, cf, dinv, dsq, "ieee")
+    precision = "exact" if impl == "exact" else impl.removeprefix("kernel-")
+    return torch.compile(lambda g: LowRank.apply_forward(g, tensors, precision), fullgraph=True, dynamic=False)
 
 
 def map_section(device: torch.device, shapes: tuple[tuple[str, int, int], ...], rank: int,
@@ -186,7 +179,7 @@ def map_section(device: torch.device, shapes: tuple[tuple[str, int, int], ...], 
     """The low-rank map's forward alone at the fc2 (w2) shapes: median time of each impl, its
     time over the copy floor (the map must read G and write its image: 8 bytes per element at
     the measured copy bandwidth), and its relative L2 error against the map computed in fp64
-    (the explicit kernel's rounding differs from the reference's fixed-order sum; TF32 rounds
+    (the kernels' rounding differs from the reference's fixed-order sum; TF32 and bf16 round
     the operands of both matmuls). The kernel impls need CUDA: in the dry run they are recorded
     as not run."""
     rows = []
@@ -202,7 +195,7 @@ def map_section(device: torch.device, shapes: tuple[tuple[str, int, int], ...], 
         for impl in MAP_IMPLS:
             row: dict[str, object] = {"shape": label, "rows": r, "cols": c, "rank": rank, "impl": impl}
             rows.append(row)
-            if impl != "inductor" and device.type != "cuda":
+            if impl != "exact" and device.type != "cuda":
                 row["status"] = "not run: the explicit kernels need CUDA"
                 continue
             fn = _map_forward(impl, tensors)

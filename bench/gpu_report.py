@@ -44,9 +44,11 @@ def render(results: dict[str, object]) -> str:
         rows = [[r["shape"], r["impl"], r["status"], r.get("time_us", ""), r.get("floor_us", ""),
                  r.get("vs_floor", ""), r.get("rel_error", "")] for r in lowrank]
         lines += ["## The low-rank map alone", "",
-                  "`LowRank.apply_forward` compiled by Inductor, against the projection matmul plus the explicit "
-                  "expansion kernel (`gift_compile.kernels.ops.lowrank_expand`, tl.dot with fp32 accumulation; fp32 or "
-                  "TF32 operands). Floor: read G and write its image once (8 B/el) at the measured copy bandwidth. "
+                  "`LowRank.apply_forward` at `map_precision=\"exact\"` compiled by Inductor, against the map's "
+                  "two kernels (`gift_compile.kernels.map_dispatch.lowrank_map`: the projection, then the tl.dot "
+                  "expansion, fp32 accumulation; fp32, TF32 or bf16 operands, the last two through "
+                  "`LowRank.apply_forward` as the exchange runs them). Floor: read G and write its image once "
+                  "(8 B/el) at the measured copy bandwidth. "
                   "Error: relative L2 against the map in fp64.", "",
                   table(["gradient", "impl", "status", "µs", "floor µs", "time / floor", "rel. error"], rows, 3), ""]
     fold = sec.get("fold", {}).get("result")

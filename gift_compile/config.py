@@ -7,8 +7,9 @@ are checked strictly: ints reject bools and floats, floats accept ints but must 
 strings must be `str`; every failure is a `GiftConfigError` (a ValueError) naming the field.
 
 The modes (`reduce_op`, `nonfinite`, `select_metric`, `unrewritten`, `plan_check`,
-`statistics`, the keywords of `select`) are given by their spelling and held as members of
-their `Choice` (a `StrEnum`, defined here, or in the codec for `Nonfinite`): the package
+`statistics`, `map_precision`, the keywords of `select`) are given by their spelling and held
+as members of their `Choice` (a `StrEnum`, defined here, or in the lower layer that reads it:
+the codec for `Nonfinite`, the kernels for `MapPrecision`): the package
 compares members, and a member equals, prints, reprs and serialises as its spelling, so TOML,
 JSON, checkpoints and messages are unchanged. `scaling` stays its spelling: `FormatSpec`
 turns it into the codec's `Scaling`.
@@ -26,6 +27,7 @@ from typing import Any, NoReturn
 
 # The format names belong to the codec, the layer below this one (docs/architecture.md).
 from gift_compile.codec.spec import BLOCK_SIZE_CHOICES, BLOCK_SIZE_FORMATS, FORMATS, SCALINGS, Choice, FormatSpec, Nonfinite
+from gift_compile.kernels.map_dispatch import MapPrecision
 
 # `replica_format` value meaning "the cross-replica hop uses `format` too".
 SAME_FORMAT = "same"
@@ -282,6 +284,20 @@ class GiftConfig:
             all-reduce of each reduced shard over the replica group, typically across nodes
             and on the slow network), or "same" to use `format`. The intra-node shard hop
             (the reduce-scatter) always uses `format`; fp32/bf16 send the hop unquantized.
+        map_precision: the arithmetic of the low-rank maps' two matmuls (the projection
+            `G U` and the rank-r expansion; `lowrank`, `gradient`, `momentum`): "exact" runs
+            the fixed-order fp32 map (a matmul, then r multiply-adds Inductor fuses into the
+            codec), the only path on the CPU; "tf32" / "bf16" run both matmuls as Triton
+            tensor-core kernels on CUDA, fp32 accumulation over operands rounded to TF32 or
+            bf16, each summed in one fixed order so every rank computes the same bits
+            (`gift_compile.kernels.map_dispatch`); "auto" (the default) is "tf32" on CUDA and
+            "exact" elsewhere. TF32 is the CUDA default because the operand rounding is
+            amplified by the inverse map's gain on the factor's strong directions: on the
+            bench's real gradients (`python -m bench.map_precision`, docs/benchmarks.md) bf16
+            operands moved the decoded gradient's error measurably at nvfp4 and int4 where
+            TF32's change stayed within its confidence interval, and at these ranks the map is
+            memory-bound, so bf16 would buy little speed. "tf32"/"bf16" on CPU tensors run
+            the exact map, logged once as a warning.
         plan_check: eager collectives exchange every rank's plan fingerprint (item names and
             order included) in a small fixed-size collective on every call, so a plan that
             changes on one rank raises on every rank instead of hanging; the full description
@@ -322,6 +338,7 @@ class GiftConfig:
     statistics: StatisticsKind = StatisticsKind.SKETCH
     sketch_cols: int = 0
     replica_format: str = "same"
+    map_precision: MapPrecision = MapPrecision.AUTO
 
     def __post_init__(self) -> None:
         # Types first (a str where a float belongs must not surface as a TypeError from a
@@ -333,7 +350,8 @@ class GiftConfig:
                 _fail(name, value, ", ".join(names))
         # The modes: each spelling becomes its member here, once; the package compares members.
         for name, mode in (("nonfinite", Nonfinite), ("select_metric", SelectMetric), ("reduce_op", ReduceOp),
-                           ("unrewritten", Unrewritten), ("plan_check", PlanCheck), ("statistics", StatisticsKind)):
+                           ("unrewritten", Unrewritten), ("plan_check", PlanCheck), ("statistics", StatisticsKind),
+                           ("map_precision", MapPrecision)):
             member = mode.lookup(getattr(self, name))
             if member is None:
                 _fail(name, getattr(self, name), ", ".join(mode))

@@ -71,8 +71,9 @@ def mutated_arguments() -> dict[str, list[str]]:
         "encode": (lambda x, s, t: ops.encode(x, s, t, "int3", 32), [((8, 40), f32), ((8, 2), u8), ((1,), f32)]),
         "decode": (lambda p, s, t: ops.decode(p, s, t, "nvfp4", 16, 40, True, True),
                    [((4, 8, 24), u8), ((4, 8, 3), u8), ((4,), f32)]),
-        "lowrank_expand": (lambda g, p, d, c, b, q: ops.lowrank_expand(g, p, d, c, b, q, True),
-                           [((8, 40), f32), ((8, 4), f32), ((40,), f32), ((4,), f32), ((4, 40), f32), ((40,), f32)]),
+        "lowrank_expand": (lambda g, p, d, c, b, q: ops.lowrank_expand(g, p, d, c, b, q, "tf32"),
+                           [((8, 40), f32), ((8, 4), f32), ((40,), f32), ((4,), f32), ((40, 4), f32), ((40,), f32)]),
+        "lowrank_project": (lambda g, b: ops.lowrank_project(g, b, "bf16"), [((8, 40), f32), ((40, 4), f32)]),
     }
     out = {}
     for name, (fn, shapes) in calls.items():
@@ -110,13 +111,18 @@ def main() -> int:
                     {"SENDERS": 8, **digits, "SUM": reduce, "AVERAGE": average})
             for name, size in sizes.items():
                 print(f"{fmt} b{block} {name}: cubin {size} bytes", flush=True)
-    for precision in ("ieee", "tf32"):
+    from gift_compile.kernels.ops import MAP_PRECISIONS
+
+    dims = {"rows": "i32", "cols": "i32", "rank": "i32"}
+    for precision in MAP_PRECISIONS:
         size = compile_kernel(
             k.lowrank_expand_kernel, {name: "*fp32" for name in ("g_ptr", "p_ptr", "dinv_ptr", "coef_ptr", "basis_ptr",
-                                                                 "dsq_ptr", "out_ptr")}
-            | {"rows": "i32", "cols": "i32", "rank": "i32"},
+                                                                 "dsq_ptr", "out_ptr")} | dims,
             {"BM": 64, "BN": 128, "BR": 32, "PRECISION": precision})
         print(f"lowrank_expand {precision}: cubin {size} bytes", flush=True)
+        size = compile_kernel(k.lowrank_project_kernel, {"g_ptr": "*fp32", "basis_ptr": "*fp32", "p_ptr": "*fp32"} | dims,
+                              {"BM": 32, "BK": 128, "BR": 32, "STEPS": 3, "PRECISION": precision})
+        print(f"lowrank_project {precision}: cubin {size} bytes", flush=True)
     for name, args in mutated_arguments().items():
         print(f"mutates {name}: {' '.join(args)}", flush=True)
     return 0

@@ -19,7 +19,8 @@ NAN, INF = float("nan"), float("inf")
     ({"unrewritten": "ignore"}, "unrewritten"), ({"plan_check": "never"}, "plan_check"),
     ({"reselect_every": -1}, "reselect_every"), ({"statistics": "exact"}, "statistics"),
     ({"sketch_cols": -2}, "sketch_cols"), ({"residual_format": "fp16"}, "residual_format"),
-    ({"replica_format": "fp16"}, "replica_format"),
+    ({"replica_format": "fp16"}, "replica_format"), ({"map_precision": "fp16"}, "map_precision"),
+    ({"map_precision": "ieee"}, "map_precision"),
     ({"format": "fp8_e4m3", "scaling": "row", "block_rotation": True}, "block_rotation"),
     ({"format": "fp8_e4m3", "replica_format": "int4", "block_size": 64}, "block_size"),
 ])
@@ -35,7 +36,7 @@ BAD_TYPES = [
     ("format", 3), ("format", None), ("scaling", b"row"), ("geometry", ["lowrank"]),
     ("nonfinite", 0), ("reduce_op", 1), ("select_metric", None), ("unrewritten", False), ("plan_check", 2),
     ("reselect_every", 1.5), ("statistics", 1), ("sketch_cols", "64"), ("residual_format", None),
-    ("replica_format", None), ("replica_format", 4),
+    ("replica_format", None), ("replica_format", 4), ("map_precision", None), ("map_precision", True),
     ("block_size", 32.0), ("block_size", True), ("rank", True), ("rank", "8"), ("refresh_every", False), ("refresh_warmup", -1), ("refresh_warmup", 2.0),
     ("refresh_every", 10.0), ("stats_tokens", "1024"), ("min_numel", True), ("min_numel", 4096.0),
     ("min_numel", -1), ("seed", "0"), ("seed", True), ("seed", 1.5), ("seed", 2**70), ("seed", 2**63),
@@ -75,6 +76,20 @@ def test_accepted_edge_values_are_normalised():
     assert GiftConfig(exclude=()).exclude == () and GiftConfig(exclude=["a.*"]).exclude == ("a.*",)
     for seed in (-(2**63), -1, 2**63 - 1):  # the int64 range of the seed tensor
         assert GiftConfig(seed=seed).seed == seed
+
+
+def test_map_precision_is_held_as_its_member_and_reaches_the_item_plans():
+    """The spelling becomes the `MapPrecision` member (equal to its spelling, so TOML and JSON
+    keep the string); "auto" is the default; the layers' plan carries the config's choice."""
+    from gift_compile.geometry.table import geometry_class
+    from gift_compile.kernels import MapPrecision
+    from gift_compile.runtime.state import layer_spec
+
+    assert GiftConfig().map_precision is MapPrecision.AUTO
+    for spelling in ("exact", "tf32", "bf16", "auto"):
+        cfg = GiftConfig(map_precision=spelling)
+        assert cfg.map_precision is MapPrecision(spelling) and cfg.to_dict()["map_precision"] == spelling
+        assert layer_spec(cfg, geometry_class("lowrank")).plan.map_precision is MapPrecision(spelling)
 
 
 def test_select_forms():

@@ -18,6 +18,7 @@ operators' input checks.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import subprocess
@@ -66,13 +67,14 @@ def test_every_kernel_compiles_for_hopper(tmp_path: Path) -> None:
                          text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
     lines = [line for line in res.stdout.splitlines() if not line.startswith("mutates ")]
-    assert len(lines) == len(CASES) * 6 + 2 and all(int(line.split()[-2]) > 1000 for line in lines), lines
+    # six per format and block; the map's two kernels at each of their three precisions
+    assert len(lines) == len(CASES) * 6 + 6 and all(int(line.split()[-2]) > 1000 for line in lines), lines
     # Inductor's analysis of each kernel's TTIR finds it stores to its output only, so under
     # torch.compile no input is copied before a kernel runs (its traffic stays its arguments')
     mutates = dict(line.removeprefix("mutates ").split(": ") for line in res.stdout.splitlines()
                    if line.startswith("mutates "))
     assert mutates == {"block_stat": "stat_ptr", "scale_codes": "code_ptr", "encode": "out_ptr", "decode": "out_ptr",
-                       "lowrank_expand": "out_ptr"}
+                       "lowrank_expand": "out_ptr", "lowrank_project": "p_ptr"}
 
 
 def _gradient(rows: int, cols: int, seed: int, huge: bool = True, nonfinite: bool = True) -> torch.Tensor:
@@ -220,28 +222,53 @@ def test_scale_codes_round_like_the_float8_conversion() -> None:
     assert torch.equal(got, _e4m3_code(stat * 16.0 * (1.0 / 6.0)))
 
 
-@pytest.mark.parametrize(("rows", "cols", "rank"), [(70, 200, 8), (1, 129, 32)])
-def test_the_expansion_kernel_computes_the_low_rank_map(rows: int, cols: int, rank: int) -> None:
-    """`lowrank_expand` after the projection matmul is `LowRank.apply_forward`: not bitwise
-    (tl.dot sums the rank-r product in its own order), within fp32 rounding of the map computed
-    in fp64, as close as the reference's own fp32 result; shapes that fill no whole tile."""
-    from gift_compile.geometry.maps import LowRank
-
-    gen = torch.Generator().manual_seed(rows + rank)
+def _lowrank_map(cols: int, rank: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """A low-rank map's tensors (`LowRank`'s five) with a strong rank-r term: an orthonormal V,
+    coefficients far from 0, a non-trivial diagonal."""
+    gen = torch.Generator().manual_seed(seed)
     dinv = torch.rand(cols, generator=gen) + 0.5
     v = torch.linalg.qr(torch.randn(cols, rank, generator=gen))[0]
-    coef = -0.9 * torch.rand(rank, generator=gen)
-    tensors = (dinv, v, coef, torch.zeros(rank), 1 / dinv)
-    g = torch.randn(rows, cols, generator=gen)
-    exact = LowRank.apply_forward(g.double(), tuple(t.double() for t in tensors))
-    ut = (v * dinv.unsqueeze(1)).t().contiguous()
-    p = g @ ut.t()
-    out = ops.lowrank_expand(g.to(DEVICE), p.to(DEVICE), dinv.to(DEVICE), coef.to(DEVICE), ut.to(DEVICE),
-                             (1 / dinv).to(DEVICE), False).cpu()
-    ref_error = float((LowRank.apply_forward(g, tensors).double() - exact).norm() / exact.norm())
-    error = float((out.double() - exact).norm() / exact.norm())
-    assert error < max(4 * ref_error, 1e-7)
-    assert float((out - g * dinv).norm() / out.norm()) > 0.05  # the low-rank term is really there
+    cf = -0.9 * torch.rand(rank, generator=gen)
+    return dinv, v, cf, 1 / (1 + cf) - 1, 1 / dinv
+
+
+@pytest.mark.parametrize(("rows", "cols", "rank"), [(70, 200, 8), (1, 129, 32), (33, 300, 20)])
+def test_the_map_kernels_compute_the_low_rank_map_both_ways(rows: int, cols: int, rank: int) -> None:
+    """`map_dispatch.lowrank_map` (projection kernel, then expansion kernel) at fp32 operands is
+    `LowRank.apply_forward` and `apply_inverse`: not bitwise (tl.dot sums in its own order),
+    within a few times the reference's own fp32 error against the map in fp64; shapes that fill
+    no whole tile (odd rows and columns, a rank that is no power of two, columns past one
+    128-wide step of the projection)."""
+    from gift_compile.geometry.maps import LowRank
+    from gift_compile.kernels.map_dispatch import lowrank_map
+
+    tensors = _lowrank_map(cols, rank, rows + rank)
+    dinv, v, cf, ci, dsq = tensors
+    g = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
+    t64 = tuple(t.double() for t in tensors)
+    u, v_d, cf_d, ci_d, dinv_d, dsq_d = (t.to(DEVICE) for t in (v * dinv.unsqueeze(1), v, cf, ci, dinv, dsq))
+    for fn, out in ((LowRank.apply_forward, lowrank_map(g.to(DEVICE), u, cf_d, dinv_d, dsq_d, "ieee").cpu()),
+                    (LowRank.apply_inverse, lowrank_map(g.to(DEVICE), v_d, ci_d, dsq_d, dsq_d, "ieee").cpu())):
+        exact = fn(g.double(), t64)
+        ref_error = float((fn(g, tensors).double() - exact).norm() / exact.norm())
+        error = float((out.double() - exact).norm() / exact.norm())
+        assert error < max(4 * ref_error, 1e-7), (fn.__name__, error, ref_error)
+        assert float((out - fn(g, (dinv, torch.zeros_like(v), cf, ci, dsq))).norm() / out.norm()) > 0.05  # rank-r term
+
+
+def test_the_projection_kernel_is_the_matmul() -> None:
+    """`lowrank_project` at fp32 operands: `g @ basis` within fp32 rounding, over several
+    column steps and a ragged last one; the same bits on a second call (one fixed order)."""
+    gen = torch.Generator().manual_seed(5)
+    g, basis = torch.randn(45, 333, generator=gen), torch.randn(333, 12, generator=gen)
+    out = ops.lowrank_project(g.to(DEVICE), basis.to(DEVICE), "ieee").cpu()
+    exact = g.double() @ basis.double()
+    assert float((out.double() - exact).norm() / exact.norm()) < 1e-6
+    assert torch.equal(out, ops.lowrank_project(g.to(DEVICE), basis.to(DEVICE), "ieee").cpu())
+    with pytest.raises(ValueError, match="precision='fp16'; allowed: ieee, tf32, bf16"):
+        ops.lowrank_project(g, basis, "fp16")
+    with pytest.raises(ValueError, match=r"basis has shape \(332, 12\), expected \(333, 12\)"):
+        ops.lowrank_project(g, basis[:332], "ieee")
 
 
 def test_a_zero_tensor_and_an_empty_one() -> None:
@@ -360,6 +387,66 @@ def test_the_exchange_emits_the_kernel_operators_for_cuda_tensors() -> None:
     assert not kernels.codec_path(item.spec, cuda, stochastic_rounding=True).kernels
 
 
+def test_the_exchange_runs_a_low_rank_map_on_cuda_as_the_map_kernels() -> None:
+    """A low-rank item traced on fake CUDA tensors: with the default `map_precision` ("auto")
+    the sender's forward map and the receiver's inverse are the projection and expansion
+    operators (before and after the codec's); "exact" would run torch's matmul and pointwise
+    map instead."""
+    rank = 4
+    p_item = ItemPlan(name="w", rows=8, cols=40, format="nvfp4", kind="lowrank", n_tensors=5)
+    plan = BucketPlan((p_item,), 2, None, True, "reduce_scatter")
+    shapes = ((40,), (40, rank), (rank,), (rank,), (40,))
+
+    def trace(item: ItemPlan) -> tuple[list[str], list[str]]:
+        p = BucketPlan((item,), 2, None, True, "reduce_scatter")
+        mode = FakeTensorMode()
+        with mode:
+            maps = ItemTensors(tuple(_fake_cuda(mode, s, torch.float32) for s in shapes))
+            enc = make_fx(lambda g: encode_item(g, maps, Shared(), item, p))(_fake_cuda(mode, (8, 40), torch.float32))
+            dec = make_fx(lambda r: decode_item(r, 0, maps, item, p)[0])(
+                _fake_cuda(mode, (2, item_width(item, p)), torch.uint8))
+        return _kernel_ops(enc), _kernel_ops(dec)
+
+    assert p_item.map_precision == "auto" and item_width(p_item, plan) > 0
+    enc, dec = trace(p_item)
+    assert enc == ["gift_kernels.lowrank_project.default", "gift_kernels.lowrank_expand.default",
+                   "gift_kernels.block_stat.default", "gift_kernels.scale_codes.default", "gift_kernels.encode.default"]
+    assert dec == ["gift_kernels.decode.default", "gift_kernels.lowrank_project.default",
+                   "gift_kernels.lowrank_expand.default"]
+    # the exact map's spelling does not trace on fake CUDA tensors in a CPU-only torch (its
+    # transposed copy dispatches to a CUDA kernel), so "exact" is read off the same decision
+    assert not kernels.map_path(dataclasses.replace(p_item, map_precision="exact").map_precision,
+                                torch.device("cuda")).kernels
+
+
+def test_the_map_path_follows_the_precision_the_device_and_the_switch(caplog: pytest.LogCaptureFixture) -> None:
+    """`map_path`: "auto" is TF32 on CUDA and exact elsewhere, "tf32"/"bf16" run as asked on CUDA,
+    "exact" everywhere; on the CPU a tensor-core precision runs the exact map with a warning
+    logged once, and with the kernels switched off CUDA runs the exact map too."""
+    from gift_compile.kernels.map_dispatch import CUDA_DEFAULT, MapPrecision
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert CUDA_DEFAULT is MapPrecision.TF32
+    assert [kernels.map_path(p, cuda).precision for p in ("auto", "exact", "tf32", "bf16")] == ["tf32", "exact",
+                                                                                                 "tf32", "bf16"]
+    assert all(kernels.map_path(p, cpu).precision == "exact" for p in ("auto", "exact", "tf32", "bf16"))
+    assert kernels.map_path("auto", cuda).kernels and not kernels.map_path("auto", cpu).kernels
+    with kernels.use_kernels(False):
+        assert kernels.map_path("bf16", cuda).precision == "exact"
+    with pytest.raises(ValueError, match="map_precision='fp16'; allowed: auto, exact, tf32, bf16"):
+        kernels.map_path("fp16", cuda)
+    with caplog.at_level(logging.INFO, logger="gift_compile"):
+        for _ in range(2):
+            kernels.note_map_path("bf16", cpu)
+            kernels.note_map_path("auto", cpu)
+        kernels.note_map_path("bf16", cuda)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == ["GIFT low-rank map: map_precision='bf16' asks for tensor-core matmuls, which run on CUDA only: "
+                        "cpu tensors run the fixed-order fp32 map (logged once)"]
+    assert any("bf16 operands and fp32 accumulation" in r.getMessage() for r in caplog.records
+               if r.levelno == logging.INFO)
+
+
 def test_the_cuda_path_is_logged_once_with_its_reason(caplog: pytest.LogCaptureFixture) -> None:
     cuda = torch.device("cuda")
     with caplog.at_level(logging.INFO, logger="gift_compile"):
@@ -398,6 +485,54 @@ def test_compile_keeps_a_kernel_as_one_operator() -> None:
     calls = [n for n in gm.graph.nodes if n.op == "call_function"]
     assert [n.target for n in calls if "gift_kernels" in str(n.target)] == [torch.ops.gift_kernels.encode.default]
     assert len(calls) == 2  # the multiply and the operator
+
+
+def test_compile_keeps_the_map_kernels_as_two_operators_without_recompiling() -> None:
+    """`torch.compile(fullgraph=True)` of `lowrank_map` (what `LowRank` calls on CUDA): Dynamo's
+    graph holds the projection and the expansion as one node each, the result is the eager
+    one, and a second call with other data (other map tensors, same shapes) reuses the graph."""
+    from gift_compile.kernels.map_dispatch import lowrank_map
+
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    fn = torch.compile(lambda g, u, c, d, q: lowrank_map(g, u, c, d, q, "ieee"), backend=backend, fullgraph=True)
+    for seed in (1, 2):
+        dinv, v, cf, _, dsq = (t.to(DEVICE) for t in _lowrank_map(72, 8, seed))
+        g = torch.randn(20, 72, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+        u = v * dinv.unsqueeze(1)
+        assert torch.equal(fn(g, u, cf, dinv, dsq).cpu(), lowrank_map(g, u, cf, dinv, dsq, "ieee").cpu())
+    (gm,) = graphs
+    assert _kernel_ops(gm) == ["gift_kernels.lowrank_project.default", "gift_kernels.lowrank_expand.default"]
+
+
+def test_the_low_rank_map_compiles_its_precision_choice_once() -> None:
+    """`LowRank.apply_forward` / `apply_inverse` at every precision under
+    `torch.compile(fullgraph=True)`: the choice (`map_path`: the spelling's lookup, the switch)
+    traces without a graph break, and new map values or a new gradient recompile nothing. On
+    the CPU every precision runs the exact map, so the results are the eager exact ones."""
+    from gift_compile.geometry.maps import LowRank
+
+    compiles = 0
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> object:
+        nonlocal compiles
+        compiles += 1
+        return gm.forward
+
+    for precision in ("auto", "exact", "tf32", "bf16"):
+        fn = torch.compile(lambda g, t: LowRank.apply_inverse(LowRank.apply_forward(g, t, precision), t, precision),
+                           backend=backend, fullgraph=True, dynamic=False)
+        before = compiles
+        for seed in (3, 4):
+            t = _lowrank_map(64, 8, seed)
+            g = torch.randn(16, 64, generator=torch.Generator().manual_seed(seed))
+            want = LowRank.apply_inverse(LowRank.apply_forward(g, t), t)
+            assert torch.allclose(fn(g, t), want, rtol=0, atol=1e-6)
+        assert compiles == before + 1, precision
 
 
 def test_the_operators_refuse_bad_inputs_by_name() -> None:

@@ -150,6 +150,10 @@ class GiftSection:
     """HSDP's cross-replica hop (all-reduce of the reduced shard, across nodes): a wire format, or
     same (= format). The shard hop (reduce-scatter, inside a node) uses format."""
 
+    map_precision: str = _DEFAULTS.map_precision
+    """The low-rank map's matmuls: auto (TF32 tensor-core kernels on CUDA, exact elsewhere) |
+    exact (fixed-order fp32) | tf32 | bf16 (tensor-core kernels, fp32 accumulation; CUDA only)."""
+
     def __post_init__(self) -> None:
         for name in _INTEGRATION_FIELDS:
             if not isinstance(getattr(self, name), bool):

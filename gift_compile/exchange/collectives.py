@@ -151,7 +151,7 @@ def _single(x: torch.Tensor, group: dist.ProcessGroup | str | None, config: Gift
                     error_feedback=residual is not None, stochastic_rounding=config.stochastic_rounding,
                     block_rotation=config.block_rotation,
                     second_hop_error_feedback=second_hop_residual is not None,
-                    error_feedback_decay=config.error_feedback_decay)
+                    error_feedback_decay=config.error_feedback_decay, map_precision=config.map_precision)
     res2 = None if residual is None else (residual.reshape(rows, cols),)
     hop2 = None if second_hop_residual is None else (second_hop_residual,)
     seg_rows = rows // world if op is Collective.REDUCE_SCATTER else rows

@@ -209,7 +209,7 @@ def _to_original(item: ItemPlan, total: torch.Tensor, state: ItemTensors | None)
     map's inverse."""
     if item.block_rotation:
         total = unrotate(total, item.spec.block)
-    return apply_inverse(item.kind, total, _map_tensors(item, state))
+    return apply_inverse(item.kind, total, _map_tensors(item, state), item.map_precision)
 
 
 def _take(recv: torch.Tensor, offset: int, n: int) -> tuple[torch.Tensor, int]:
@@ -265,7 +265,8 @@ def encode_item(x: torch.Tensor, state: ItemTensors | None, shared: Shared, item
     g = x.reshape(item.rows, item.cols)
     if state.probe is not None:
         state.probe.copy_(g[: state.probe.shape[0]])
-    g = _to_code_axes(item, apply_forward(item.kind, _pad_rows(g.float(), rows), _map_tensors(item, state)))
+    g = _to_code_axes(item, apply_forward(item.kind, _pad_rows(g.float(), rows), _map_tensors(item, state),
+                                          item.map_precision))
     if state.residual is not None:
         g = g + _pad_rows(_decayed(item, residual_store.read(item.residual_format, state.residual, item.cols)), rows)
     scales, tscale = choose_scales(g, spec)

@@ -25,6 +25,7 @@ import torch
 
 from gift_compile.codec import FormatSpec
 from gift_compile.config import Unrewritten
+from gift_compile.kernels.map_dispatch import MapPrecision
 from gift_compile.geometry.table import IDENTITY_KIND
 
 __all__ = ["BucketPlan", "ItemPlan", "dtype_name", "replica_hop_plan"]
@@ -78,11 +79,16 @@ class ItemPlan:
     # gate (counted in `n_tensors`), and the map runs as the identity where it is off. Traced
     # graphs carry this plan whatever the selection, so a selection change is no recompile.
     gated: bool = False
+    # `GiftConfig.map_precision`: the arithmetic of a low-rank map's matmuls, resolved against
+    # the device where the map runs (`gift_compile.kernels.map_dispatch.map_path`); static, so
+    # traced code picks its kernels at trace time
+    map_precision: MapPrecision = MapPrecision.AUTO
 
     def __post_init__(self) -> None:
         # Derived values are computed once here (not fields: they stay out of eq/hash/to_str),
         # so traced code only reads constants.
         object.__setattr__(self, "unrewritten", Unrewritten.parse(self.unrewritten, "ItemPlan.unrewritten"))
+        object.__setattr__(self, "map_precision", MapPrecision.parse(self.map_precision, "ItemPlan.map_precision"))
         object.__setattr__(self, "_seed_offset", (zlib.crc32(self.name.encode()) % 1_000_003) * 7919)
 
     @classmethod

@@ -8,8 +8,8 @@ layers build their geometry from `GiftConfig.geometry` through `geometry_class`.
 
 The package is the geometry layer (docs/architecture.md): the maps (`maps`, `optimizer_maps`),
 their statistics and whitening math (`statistics`, `whitening`), the table (`table`) and the
-optimizer inspections behind `"auto"` (`optimizers`); it imports only the codec, the config
-and `sync`.
+optimizer inspections behind `"auto"` (`optimizers`); it imports only the codec, the kernels
+(the low-rank map's tensor-core matmuls, `kernels.map_dispatch`), the config and `sync`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from gift_compile.geometry.table import KINDS, Geometry, map_class
+from gift_compile.kernels.map_dispatch import MapPrecision
 from gift_compile.geometry.whitening import (
     dense_whitening, diag_floor, gradient_factor, lowrank_refresh_flops, lowrank_tensors, lowrank_whitening,
     top_eigenpairs,
@@ -33,14 +34,18 @@ def Transform(kind: str, d_in: int, rank: int = 32, *, seed: int = 0,  # noqa: N
     return map_class(kind)(d_in, rank, seed=seed, device=device)
 
 
-def apply_forward(kind: str, g: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """`G T^T` for a gradient `g` of shape `[..., d_in]` (fp32), map `kind`."""
-    return map_class(kind).apply_forward(g, tensors)
+def apply_forward(kind: str, g: torch.Tensor, tensors: tuple[torch.Tensor, ...],
+                  precision: str = MapPrecision.EXACT) -> torch.Tensor:
+    """`G T^T` for a gradient `g` of shape `[..., d_in]` (fp32), map `kind`, its matmuls at
+    `precision` (`GiftConfig.map_precision`; the exchange passes its plan's)."""
+    return map_class(kind).apply_forward(g, tensors, precision)
 
 
-def apply_inverse(kind: str, gt: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """`G~ T^{-T}`: exact inverse of `apply_forward` (up to fp32 rounding)."""
-    return map_class(kind).apply_inverse(gt, tensors)
+def apply_inverse(kind: str, gt: torch.Tensor, tensors: tuple[torch.Tensor, ...],
+                  precision: str = MapPrecision.EXACT) -> torch.Tensor:
+    """`G~ T^{-T}`: exact inverse of `apply_forward` (up to fp32 rounding, and the operand
+    rounding of `precision`)."""
+    return map_class(kind).apply_inverse(gt, tensors, precision)
 
 
 def gated_tensors(kind: str, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:

@@ -20,6 +20,7 @@ from gift_compile.codec.rotation import fwht
 from gift_compile.config import StatisticsKind
 from gift_compile.geometry.statistics import KFACStatistics, SketchStatistics, StatisticsSettings
 from gift_compile.geometry.whitening import dense_whitening, gradient_factor, lowrank_refresh_flops, lowrank_whitening
+from gift_compile.kernels.map_dispatch import MapPath, MapPrecision, lowrank_map, map_path, note_map_path
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -31,6 +32,8 @@ Statistics = KFACStatistics | SketchStatistics
 FactorSource = Callable[[str], "torch.Tensor | None"]
 
 _MAX_HADAMARD_BLOCK = 1024
+# the maps' default arithmetic (`GiftConfig.map_precision`): the fixed-order fp32 map everywhere
+EXACT = MapPrecision.EXACT
 
 
 def hadamard_block(d_in: int) -> int:
@@ -66,6 +69,13 @@ def _low_rank_sum(p: torch.Tensor, c: torch.Tensor, basis: torch.Tensor) -> torc
     for k in range(1, basis.shape[0]):
         acc = acc + pc[:, k:k + 1] * basis[k]
     return acc
+
+
+def _map_path(precision: str, t: torch.Tensor) -> MapPath:
+    """`map_path` of `precision` for `t`'s device; noted (logged once) unless Dynamo is tracing."""
+    if torch.compiler.is_compiling():
+        return map_path(precision, t.device)
+    return note_map_path(precision, t.device)
 
 
 def _rows(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -106,12 +116,14 @@ class Geometry:
 
     # ---- the traced map ------------------------------------------------------------------
     @staticmethod
-    def apply_forward(g: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """`G T^T` for a gradient `g` of shape `[..., d_in]` (fp32)."""
+    def apply_forward(g: torch.Tensor, tensors: tuple[torch.Tensor, ...], precision: str = EXACT) -> torch.Tensor:
+        """`G T^T` for a gradient `g` of shape `[..., d_in]` (fp32). `precision`
+        (`GiftConfig.map_precision`) is the arithmetic of the low-rank maps' matmuls
+        (`LowRank`); the other maps have one arithmetic and ignore it."""
         return g
 
     @staticmethod
-    def apply_inverse(gt: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def apply_inverse(gt: torch.Tensor, tensors: tuple[torch.Tensor, ...], precision: str = EXACT) -> torch.Tensor:
         """`G~ T^{-T}`: exact inverse of `apply_forward` (up to fp32 rounding)."""
         return gt
 
@@ -237,12 +249,12 @@ class Hadamard(Geometry):
         return (signs.to(**f32), torch.ones((), **f32))
 
     @staticmethod
-    def apply_forward(g: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def apply_forward(g: torch.Tensor, tensors: tuple[torch.Tensor, ...], precision: str = EXACT) -> torch.Tensor:
         signs, gate = tensors
         return torch.where(gate > 0, fwht(g * signs, hadamard_block(g.shape[-1])), g)
 
     @staticmethod
-    def apply_inverse(gt: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def apply_inverse(gt: torch.Tensor, tensors: tuple[torch.Tensor, ...], precision: str = EXACT) -> torch.Tensor:
         signs, gate = tensors
         return torch.where(gate > 0, fwht(gt, hadamard_block(gt.shape[-1])) * signs, gt)
 
@@ -275,12 +287,12 @@ class Dense(Geometry):
         return (eye, eye.clone())
 
     @staticmethod
-    def apply_forward(g: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def apply_forward(g: torch.Tensor, tensors: tuple[torch.Tensor, ...], precision: str = EXACT) -> torch.Tensor:
         tt, _ = tensors
         return g @ tt
 
     @staticmethod
-    def apply_inverse(gt: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def apply_inverse(gt: torch.Tensor, tensors: tuple[torch.Tensor, ...], precision: str = EXACT) -> torch.Tensor:
         _, tinv = tensors
         return gt @ tinv
 
@@ -328,26 +340,36 @@ class LowRank(Geometry):
                 torch.ones(d_in, **f32))
 
     @staticmethod
-    def apply_forward(g: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def apply_forward(g: torch.Tensor, tensors: tuple[torch.Tensor, ...], precision: str = EXACT) -> torch.Tensor:
         """`G D^{-1/2} M = G D^{-1/2} + (G U) C V^T` with `U = D^{-1/2} V` and
         `C = (I+S^2)^{-1/2} - I`. The projection `P = G U` is one skinny matmul (it reads `G`
         once and writes `[rows, r]`); the expansion uses `V^T = U^T D^{1/2}` so that the matmul's
         operand `U^T` (which Inductor materialises contiguously, `[r, d_in]`) is also the
         expansion's basis, read as contiguous rows: `G D^{-1/2} + (sum_k P_k C_k U^T_k) D^{1/2}`.
+        With `precision` "exact" (the CPU's path) the expansion is `_low_rank_sum`'s fixed-order
+        chain; with tensor cores on CUDA ("tf32", "bf16", "auto"), the projection and the
+        expansion with its diagonal are the two kernels of `kernels.map_dispatch.lowrank_map`.
         """
         dinv, v, cf, _, dsq = tensors
         g2 = g.reshape(-1, g.shape[-1])
+        path = _map_path(precision, g)
+        if path.kernels:
+            return lowrank_map(g2, v * dinv.unsqueeze(1), cf, dinv, dsq, path.precision.value).reshape(g.shape)
         ut = (v * dinv.unsqueeze(1)).t().contiguous()
         p = torch.mm(g2, ut.t())
         out = _rows(lambda x, pb: x * dinv + _low_rank_sum(pb, cf, ut) * dsq, g2, p)
         return out.reshape(g.shape)
 
     @staticmethod
-    def apply_inverse(gt: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def apply_inverse(gt: torch.Tensor, tensors: tuple[torch.Tensor, ...], precision: str = EXACT) -> torch.Tensor:
         """`G~ M^{-1} D^{1/2} = (G~ + (G~ V) C' V^T) D^{1/2}`, `C' = (I+S^2)^{1/2} - I`;
-        the matmul's operand `V^T` (materialised `[r, d_in]`) is the expansion's basis."""
+        the matmul's operand `V^T` (materialised `[r, d_in]`) is the expansion's basis; the
+        same kernels as the forward where `precision` puts it on tensor cores."""
         _, v, _, ci, dsq = tensors
         g2 = gt.reshape(-1, gt.shape[-1])
+        path = _map_path(precision, gt)
+        if path.kernels:
+            return lowrank_map(g2, v, ci, dsq, dsq, path.precision.value).reshape(gt.shape)
         vt = v.t().contiguous()
         p = torch.mm(g2, vt.t())
         out = _rows(lambda x, pb: (x + _low_rank_sum(pb, ci, vt)) * dsq, g2, p)

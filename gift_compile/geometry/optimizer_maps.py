@@ -124,11 +124,11 @@ class SecondMoment(_OptimizerStateFactor, Geometry):
         return (torch.ones(self.d_in, **f32), torch.ones(self.d_in, **f32))
 
     @staticmethod
-    def apply_forward(g: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def apply_forward(g: torch.Tensor, tensors: tuple[torch.Tensor, ...], precision: str = "exact") -> torch.Tensor:
         return g * tensors[0]
 
     @staticmethod
-    def apply_inverse(gt: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def apply_inverse(gt: torch.Tensor, tensors: tuple[torch.Tensor, ...], precision: str = "exact") -> torch.Tensor:
         return gt * tensors[1]
 
     @staticmethod

@@ -5,12 +5,14 @@ arithmetic the kernels restate, and below `gift_compile.exchange`, whose per-ite
 them through `gift_compile.kernels.dispatch`. It imports only torch, Triton and the codec.
 
 - `triton_codec`: the device code (block statistics, E4M3 scale codes, encode with packing,
-  decode with the fp32 sum over senders; the low-rank map's expansion as a `tl.dot` epilogue,
-  which `bench.gpu_check` measures before the exchange uses it);
+  decode with the fp32 sum over senders; the low-rank map's projection and its expansion as a
+  `tl.dot` epilogue, fp32 accumulation over TF32 or bf16 operands);
 - `ops`: each kernel as a `torch.library.triton_op` with its launch and its shape function;
 - `formats`: which formats have kernels and their compile-time parameters;
 - `dispatch`: the codec functions the exchange calls, kernels on CUDA and the reference codec
   (compiled by Inductor) elsewhere, with the choice logged once per format;
+- `map_dispatch`: the same choice for the low-rank map's matmuls (`GiftConfig.map_precision`):
+  the tensor-core kernels on CUDA, the exact fixed-order map elsewhere;
 - `traffic`: the bytes each kernel reads and writes, from its arguments.
 
 The kernels are tested bit for bit against the reference codec on the CPU, in Triton's
@@ -21,6 +23,7 @@ from gift_compile.kernels.dispatch import (
     CodecPath, choose_scales, codec_path, decode, decode_sum, encode, kernels_enabled, note_path, use_kernels,
 )
 from gift_compile.kernels.formats import KERNEL_FORMATS
+from gift_compile.kernels.map_dispatch import MapPath, MapPrecision, map_path, note_map_path
 
-__all__ = ["KERNEL_FORMATS", "CodecPath", "choose_scales", "codec_path", "decode", "decode_sum", "encode",
-           "kernels_enabled", "note_path", "use_kernels"]
+__all__ = ["KERNEL_FORMATS", "CodecPath", "MapPath", "MapPrecision", "choose_scales", "codec_path", "decode",
+           "decode_sum", "encode", "kernels_enabled", "map_path", "note_map_path", "note_path", "use_kernels"]

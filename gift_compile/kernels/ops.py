@@ -28,7 +28,7 @@ from gift_compile.codec.spec import FormatSpec
 from gift_compile.kernels import triton_codec as k
 from gift_compile.kernels.formats import KernelFormat, _next_pow2, kernel_format
 
-__all__ = ["block_stat", "decode", "encode", "lowrank_expand", "scale_codes"]
+__all__ = ["MAP_PRECISIONS", "block_stat", "decode", "encode", "lowrank_expand", "lowrank_project", "scale_codes"]
 
 # Elements one program covers (a power of two): large enough that a program's loads are long
 # contiguous runs, small enough that a 600M-sized gradient still gives thousands of programs.
@@ -185,37 +185,84 @@ def _decode_fake(payload: torch.Tensor, scales: torch.Tensor, tensor_scale: torc
     return payload.new_empty((rows, cols) if reduce else (senders, rows, cols), dtype=torch.float32)
 
 
+# The operand precisions of the low-rank map's matmuls (`triton_codec._mma`): fp32 operands
+# ("ieee": no tensor cores; the interpreter tests and the rounding-free reference), TF32 or bf16
+# operands on the tensor cores, fp32 accumulation in all three.
+MAP_PRECISIONS = ("ieee", "tf32", "bf16")
+# the projection's tile: 32 rows (tl.dot's M is at least 16) walked over the columns 128 at a time
+_PROJECT_TILE = (32, 128)
 # the expansion's tile: 64 rows x 128 columns, the rank (<= 128 in practice) whole in each tile
 _EXPAND_TILE = (64, 128)
 
 
+def _check_precision(op: str, precision: str) -> None:
+    if precision not in MAP_PRECISIONS:
+        raise ValueError(f"gift_kernels.{op}: precision={precision!r}; allowed: {', '.join(MAP_PRECISIONS)}")
+
+
+def _rank_tile(rank: int) -> int:
+    """The rank padded for tl.dot: a power of two, at least 16."""
+    return max(16, _next_pow2(rank))
+
+
+@triton_op("gift_kernels::lowrank_project", mutates_args=())
+def lowrank_project(g: torch.Tensor, basis: torch.Tensor, precision: str) -> torch.Tensor:
+    """`g @ basis` (fp32 `[rows, rank]`) for `g` `[rows, cols]` and `basis` `[cols, rank]`: the
+    low-rank map's projection (`LowRank`: `basis` is `U` forward, `V` inverse) on the
+    tensor cores with fp32 accumulation and `precision` operands, summed in one fixed order
+    (`triton_codec.lowrank_project_kernel`), so every rank gets the same bits whatever torch's
+    matmul flags say."""
+    _check_precision("lowrank_project", precision)
+    basis = basis.contiguous()  # the map's `V` as a caller holds it (a QR factor is column-major)
+    _check("lowrank_project", "g", g, torch.float32, 2)
+    _check("lowrank_project", "basis", basis, torch.float32, 2)
+    rows, cols = g.shape
+    rank = basis.shape[1]
+    _check_shape("lowrank_project", "basis", basis, (cols, rank))
+    out = torch.empty((rows, rank), dtype=torch.float32, device=g.device)
+    if out.numel():
+        bm, bk = _PROJECT_TILE
+        wrap_triton(k.lowrank_project_kernel)[(triton.cdiv(rows, bm),)](
+            g.contiguous(), basis, out, rows, cols, rank, BM=bm, BK=bk, BR=_rank_tile(rank),
+            STEPS=triton.cdiv(cols, bk), PRECISION=precision)
+    return out
+
+
+@lowrank_project.register_fake
+def _lowrank_project_fake(g: torch.Tensor, basis: torch.Tensor, precision: str) -> torch.Tensor:
+    return g.new_empty((g.shape[0], basis.shape[1]), dtype=torch.float32)
+
+
 @triton_op("gift_kernels::lowrank_expand", mutates_args=())
 def lowrank_expand(g: torch.Tensor, p: torch.Tensor, dinv: torch.Tensor, coef: torch.Tensor, basis: torch.Tensor,
-                   dsq: torch.Tensor, tf32: bool) -> torch.Tensor:
-    """`g * dinv + ((p * coef) @ basis) * dsq` (fp32 `[rows, cols]`), the expansion of the
-    low-rank map's forward (`LowRank.apply_forward`: `p = g @ basis.T` its projection, `coef`
-    the `C` of `(I+S^2)^{-1/2} - I`, `basis` `U^T`), with the rank-r product as a tensor-core
-    matmul accumulating in fp32 (TF32 operands with `tf32`). Not bitwise the reference's
-    fixed-order chain of multiply-adds: a preconditioner's rounding, measured by
-    `bench.gpu_check`'s map section."""
+                   dsq: torch.Tensor, precision: str) -> torch.Tensor:
+    """`g * dinv + ((p * coef) @ basis.T) * dsq` (fp32 `[rows, cols]`), the expansion of the
+    low-rank map (`LowRank.apply_forward`: `p = g @ basis` its projection, `coef` the `C` of
+    `(I+S^2)^{-1/2} - I`, `basis` `U` `[cols, rank]`; `apply_inverse`: `dinv = dsq = D^{1/2}`,
+    `coef` the `C'`, `basis` `V`), with the rank-r product as a tensor-core matmul accumulating in fp32
+    with `precision` operands. Not bitwise the reference's fixed-order chain of multiply-adds:
+    a preconditioner's rounding (`python -m bench.map_precision` measures what it does to the
+    codec's error)."""
+    _check_precision("lowrank_expand", precision)
+    basis = basis.contiguous()
     for name, t, dim in (("g", g, 2), ("p", p, 2), ("dinv", dinv, 1), ("coef", coef, 1), ("basis", basis, 2),
                          ("dsq", dsq, 1)):
         _check("lowrank_expand", name, t, torch.float32, dim)
     rows, cols = g.shape
-    rank = basis.shape[0]
+    rank = basis.shape[1]
     for name, t, want in (("p", p, (rows, rank)), ("dinv", dinv, (cols,)), ("coef", coef, (rank,)),
-                          ("basis", basis, (rank, cols)), ("dsq", dsq, (cols,))):
+                          ("basis", basis, (cols, rank)), ("dsq", dsq, (cols,))):
         _check_shape("lowrank_expand", name, t, want)
     out = torch.empty_like(g, memory_format=torch.contiguous_format)
     if out.numel():
         bm, bn = _EXPAND_TILE
         wrap_triton(k.lowrank_expand_kernel)[(triton.cdiv(rows, bm), triton.cdiv(cols, bn))](
-            g.contiguous(), p.contiguous(), dinv, coef, basis.contiguous(), dsq, out, rows, cols, rank, BM=bm, BN=bn,
-            BR=max(16, _next_pow2(rank)), PRECISION="tf32" if tf32 else "ieee")
+            g.contiguous(), p.contiguous(), dinv, coef, basis, dsq, out, rows, cols, rank, BM=bm, BN=bn,
+            BR=_rank_tile(rank), PRECISION=precision)
     return out
 
 
 @lowrank_expand.register_fake
 def _lowrank_expand_fake(g: torch.Tensor, p: torch.Tensor, dinv: torch.Tensor, coef: torch.Tensor,
-                         basis: torch.Tensor, dsq: torch.Tensor, tf32: bool) -> torch.Tensor:
+                         basis: torch.Tensor, dsq: torch.Tensor, precision: str) -> torch.Tensor:
     return torch.empty_like(g, memory_format=torch.contiguous_format)

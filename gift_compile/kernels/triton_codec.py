@@ -271,21 +271,60 @@ def decode_kernel(payload_ptr, code_ptr, tscale_ptr, out_ptr, rows, cols, nblock
 
 
 @triton.jit
+def _mma(a, b, acc, PRECISION: tl.constexpr):
+    """`acc + a @ b` on the tensor cores with fp32 accumulation: "bf16" rounds both operands to
+    bf16 (to nearest even), "tf32" lets `tl.dot` round them to TF32, "ieee" keeps fp32 operands
+    (no tensor cores: the interpreter tests' setting, and the rounding-free reference)."""
+    if PRECISION == "bf16":
+        out = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc, out_dtype=tl.float32)
+    else:
+        out = tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=tl.float32)
+    return out
+
+
+@triton.jit
+def lowrank_project_kernel(g_ptr, basis_ptr, p_ptr, rows, cols, rank, BM: tl.constexpr, BK: tl.constexpr,
+                           BR: tl.constexpr, STEPS: tl.constexpr, PRECISION: tl.constexpr):
+    """The low-rank map's projection `p = g @ basis` (`g` `[rows, cols]`, `basis` `[cols, rank]`,
+    both contiguous; `p` `[rows, rank]`) for `BM` rows per program: the columns are walked in
+    `BK`-wide steps in one fixed order into one fp32 accumulator (`_mma`), with no split of the
+    reduction across programs, so the result's bits depend only on the inputs and the compiled
+    kernel, never on a library's algorithm choice or torch's global TF32 flags: every rank
+    computes the same projection. The rank is padded to BR (>= 16) with zeros. The column walk's
+    length `STEPS` (`cdiv(cols, BK)`) is a constexpr, one compile per input width (a model has a
+    few): Triton's interpreter cannot loop to a runtime bound (its scalars are 1-element arrays,
+    which numpy 2 no longer turns into an index)."""
+    m = tl.program_id(0) * BM + tl.arange(0, BM)
+    k = tl.arange(0, BR)
+    rmask, kmask = m < rows, k < rank
+    acc = tl.zeros([BM, BR], dtype=tl.float32)
+    for step in range(0, STEPS):  # a loop, not unrolled (static_range would unroll it)
+        n = step * BK + tl.arange(0, BK)
+        cmask = n < cols
+        g = tl.load(g_ptr + m[:, None].to(tl.int64) * cols + n[None, :], mask=rmask[:, None] & cmask[None, :],
+                    other=0.0)
+        basis = tl.load(basis_ptr + n[:, None] * rank + k[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)
+        acc = _mma(g, basis, acc, PRECISION)
+    tl.store(p_ptr + m[:, None].to(tl.int64) * rank + k[None, :], acc, mask=rmask[:, None] & kmask[None, :])
+
+
+@triton.jit
 def lowrank_expand_kernel(g_ptr, p_ptr, dinv_ptr, coef_ptr, basis_ptr, dsq_ptr, out_ptr, rows, cols, rank,
                           BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, PRECISION: tl.constexpr):
-    """The low-rank map's expansion as a matmul epilogue (`geometry.maps.LowRank.apply_forward`):
-    out = g * dinv + ((p * coef) @ basis) * dsq for a `[BM, BN]` tile, the rank-r product on
-    the tensor cores (`tl.dot`, fp32 accumulation; PRECISION "ieee" keeps fp32 operands, "tf32"
-    rounds them to TF32). `g` and `out` are `[rows, cols]`, `p` `[rows, rank]`, `basis`
-    `[rank, cols]`, all contiguous; the rank is padded to BR (>= 16, tl.dot's least) with zeros."""
+    """The low-rank map's expansion as a matmul epilogue (`geometry.maps.LowRank`, both
+    directions): out = g * dinv + ((p * coef) @ basis.T) * dsq for a `[BM, BN]` tile, the rank-r
+    product on the tensor cores (`_mma`: fp32 accumulation, operands at PRECISION). `g` and `out`
+    are `[rows, cols]`, `p` `[rows, rank]`, `basis` `[cols, rank]` (the projection's, read
+    transposed: no transposed copy is made), all contiguous; the rank is padded to BR (>= 16,
+    tl.dot's least) with zeros."""
     m = tl.program_id(0) * BM + tl.arange(0, BM)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     k = tl.arange(0, BR)
     rmask, cmask, kmask = m < rows, n < cols, k < rank
     q = tl.load(p_ptr + m[:, None].to(tl.int64) * rank + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
     q = q * tl.load(coef_ptr + k, mask=kmask, other=0.0)[None, :]
-    basis = tl.load(basis_ptr + k[:, None] * cols + n[None, :], mask=kmask[:, None] & cmask[None, :], other=0.0)
-    low = tl.dot(q, basis, input_precision=PRECISION)
+    basis = tl.load(basis_ptr + n[None, :] * rank + k[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
+    low = _mma(q, basis, tl.zeros([BM, BN], dtype=tl.float32), PRECISION)
     at = m[:, None].to(tl.int64) * cols + n[None, :]
     both = rmask[:, None] & cmask[None, :]
     g = tl.load(g_ptr + at, mask=both, other=0.0)

@@ -57,13 +57,14 @@ class LayerMeasurement:
 
 
 def round_trip(g: torch.Tensor, spec: FormatSpec, kind: str, tensors: tuple[torch.Tensor, ...],
-               block_rotation: bool = False) -> torch.Tensor:
+               block_rotation: bool = False, map_precision: str = "auto") -> torch.Tensor:
     """Transform, quantize, dequantize, inverse on one rank: the collective with no peers
-    (with the block rotation where the config sends with it, so both paths are measured as
-    they would be sent)."""
+    (with the block rotation where the config sends with it, and the map at the config's
+    `map_precision`, so both paths are measured as they would be sent)."""
     rows, cols = g.shape
     item = ItemPlan(name="probe", rows=rows, cols=cols, format=spec.name, scaling=spec.scaling,
-                    block_size=spec.block_size, kind=kind, n_tensors=len(tensors), block_rotation=block_rotation)
+                    block_size=spec.block_size, kind=kind, n_tensors=len(tensors), block_rotation=block_rotation,
+                    map_precision=map_precision)
     plan = BucketPlan((item,), 1, None, False, Collective.ALL_REDUCE)
     return bucket_core([g.float()], [ItemTensors(tuple(tensors))], Shared(), plan)[0][0]
 
@@ -103,7 +104,8 @@ def measure(
         return LayerMeasurement(float("nan"), float("nan"), 0.0, 0.0)
     geometry = map_class(kind)
     rot = config.block_rotation
-    euclidean, transformed = round_trip(g, spec, IDENTITY_KIND, (), rot), round_trip(g, spec, kind, tensors, rot)
+    euclidean = round_trip(g, spec, IDENTITY_KIND, (), rot)
+    transformed = round_trip(g, spec, kind, tensors, rot, config.map_precision)  # the map as the layer sends it
     if config.select_metric is SelectMetric.WHITENED:  # both errors seen in the candidate's geometry
         g, euclidean, transformed = (geometry.apply_forward(t, tensors) for t in (g, euclidean, transformed))
     e_euc, e_t = relative_error(euclidean, g), relative_error(transformed, g)

@@ -74,7 +74,7 @@ def layer_spec(config: GiftConfig, geometry: type[Geometry]) -> LayerSpec:
                     unrewritten=config.unrewritten,
                     residual_format=config.residual_format,
                     second_hop_error_feedback=config.second_hop_error_feedback,
-                    error_feedback_decay=config.error_feedback_decay)
+                    error_feedback_decay=config.error_feedback_decay, map_precision=config.map_precision)
     return LayerSpec(geometry=geometry, rank=config.rank, seed=config.seed, statistics=statistics, plan=plan,
                      reselect=config.reselect_every > 0, layer_formats=config.layer_formats)
 
