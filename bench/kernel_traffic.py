@@ -15,7 +15,10 @@ joins the item's codes, scales and header into the send buffer and slices the re
 minimum (`bench.codec_minimum.minimum_bytes`, Euclidean map, row scaling), which counts the
 send and receive buffers once each.
 
-`python -m bench.kernel_traffic` prints one table (formats x ops at Llama shapes, 8 ranks).
+GIFT's bodies (the low-rank map, rank 32) count the map's two kernels on each side too
+(`lowrank_project`, `lowrank_expand`: CUDA's `map_precision="auto"`), against the floor with the
+map (`minimum_bytes` of the low-rank kind). `python -m bench.kernel_traffic` prints one table
+(formats x ops x maps at Llama shapes, 8 ranks).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from bench.formatting import table
 from gift_compile.exchange.item_codec import (ItemTensors, Shared, decode_stage, encode_stage, gather_decode_stage,
                                               item_width, reduce_reencode_stage)
 from gift_compile.exchange.plan import BucketPlan, ItemPlan
+from gift_compile.geometry.maps import LowRank
 from gift_compile.geometry.table import IDENTITY_KIND
 from gift_compile.kernels import KERNEL_FORMATS, codec_path
 from gift_compile.kernels.traffic import node_traffic
@@ -41,6 +45,8 @@ SHAPES = (("600M w2", 1280, 3456), ("8B w2", 4096, 14336))
 FORMATS = ("nvfp4", "int4", "int2")
 OPS = ("reduce_scatter", "all_reduce")
 WORLD = 8
+RANK = 32  # GIFT's bodies: the low-rank map at the default rank
+_MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
 
 
 def _fake_cuda(mode: FakeTensorMode, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -48,13 +54,21 @@ def _fake_cuda(mode: FakeTensorMode, shape: tuple[int, ...], dtype: torch.dtype)
     return FakeTensor(mode, torch.empty(shape, dtype=dtype, device="meta"), torch.device("cuda"))
 
 
-def stages(fmt: str, op: str, rows: int, cols: int, world: int
+def _lowrank_tensors(mode: FakeTensorMode, cols: int, rank: int) -> tuple[torch.Tensor, ...]:
+    """A low-rank map's tensors (`LowRank`: D^-1/2, V, C, C', D^1/2) as fake CUDA tensors."""
+    return tuple(_fake_cuda(mode, shape, torch.float32) for shape in ((cols,), (cols, rank), (rank,), (rank,), (cols,)))
+
+
+def stages(fmt: str, op: str, rows: int, cols: int, world: int, mode: FakeTensorMode, rank: int = 0
            ) -> list[tuple[str, Callable[[torch.Tensor], object], tuple[int, ...], torch.dtype]]:
-    """The per-item stages of one Euclidean `[rows, cols]` item on a `world`-rank `op` plan, each
-    with the shape and dtype of its input (the gradient, or the received `[world, width]` bytes)."""
-    item = ItemPlan(name="g", rows=rows, cols=cols, format=fmt, scaling="row", block_size=32)
+    """The per-item stages of one `[rows, cols]` item on a `world`-rank `op` plan, each with the
+    shape and dtype of its input (the gradient, or the received `[world, width]` bytes):
+    Euclidean, or with `rank` > 0 GIFT's rank-`rank` low-rank map at `map_precision="auto"`
+    (the tensor-core kernels on CUDA)."""
+    item = ItemPlan(name="g", rows=rows, cols=cols, format=fmt, scaling="row", block_size=32,
+                    kind=LowRank.kind if rank else IDENTITY_KIND, n_tensors=5 if rank else 0)
     plan = BucketPlan((item,), world, None, False, op)
-    state, shared = ItemTensors(()), Shared()
+    state, shared = ItemTensors(_lowrank_tensors(mode, cols, rank) if rank else ()), Shared()
     width = (world, item_width(item, plan))
     out = [("encode", lambda g: encode_stage(g, state, shared, plan), (rows, cols), torch.float32)]
     if op == "reduce_scatter":
@@ -65,45 +79,52 @@ def stages(fmt: str, op: str, rows: int, cols: int, world: int
     return out
 
 
-def measure(fmt: str, op: str, rows: int, cols: int, world: int = WORLD) -> dict[str, object]:
-    """Kernel bytes per gradient element of one body, kernel by kernel, and the floor."""
+def measure(fmt: str, op: str, rows: int, cols: int, world: int = WORLD, rank: int = 0) -> dict[str, object]:
+    """Kernel bytes per gradient element of one body (Euclidean, or GIFT's rank-`rank` low-rank
+    map), kernel by kernel, and the floor. A traced stage that still holds a matmul outside
+    the kernels (the map's on CUDA must not) raises: its bytes would be missing here."""
     if not codec_path(ItemPlan(name="g", rows=rows, cols=cols, format=fmt, block_size=32).spec,
                       torch.device("cuda")).kernels:
         raise ValueError(f"kernel_traffic: format {fmt!r} has no kernels on CUDA (they exist for "
                          f"{', '.join(KERNEL_FORMATS)}), or they are switched off")
     n = rows * cols
     kernels = []
-    for stage, fn, shape, dtype in stages(fmt, op, rows, cols, world):
-        mode = FakeTensorMode()
+    mode = FakeTensorMode()
+    for stage, fn, shape, dtype in stages(fmt, op, rows, cols, world, mode, rank):
         with mode:
             gm = make_fx(fn)(_fake_cuda(mode, shape, dtype))
         for node in gm.graph.nodes:
+            if node.op == "call_function" and node.target in _MATMULS:
+                raise RuntimeError(f"kernel_traffic: the {stage} stage traced {node.target} outside the codec's kernels")
             t = node_traffic(node)
             if t is not None:
                 kernels.append({"stage": stage, "kernel": t.op, "reads_per_element": t.reads / n,
                                 "writes_per_element": t.writes / n})
     total = sum(k["reads_per_element"] + k["writes_per_element"] for k in kernels)
-    floor = minimum_bytes(op, fmt, "row", IDENTITY_KIND, rows, cols, 0, world)["total"]
-    return {"format": fmt, "op": op, "rows": rows, "cols": cols, "world": world, "kernels": kernels,
-            "kernel_bytes_per_element": total, "floor_bytes_per_element": floor, "kernel_over_floor": total / floor}
+    kind = LowRank.kind if rank else IDENTITY_KIND
+    floor = minimum_bytes(op, fmt, "row", kind, rows, cols, rank, world)["total"]
+    return {"format": fmt, "op": op, "map": kind, "rank": rank, "rows": rows, "cols": cols, "world": world,
+            "kernels": kernels, "kernel_bytes_per_element": total, "floor_bytes_per_element": floor,
+            "kernel_over_floor": total / floor}
 
 
 def render(results: list[dict[str, object]]) -> str:
     """The per-body table and the per-kernel one, as Markdown."""
-    body = [[f"{r['rows']}x{r['cols']}", r["format"], r["op"], r["kernel_bytes_per_element"],
+    body = [[f"{r['rows']}x{r['cols']}", r["format"], r["op"], r["map"], r["kernel_bytes_per_element"],
              r["floor_bytes_per_element"], r["kernel_over_floor"]] for r in results]
-    per_kernel = [[f"{r['rows']}x{r['cols']}", r["format"], r["op"], k["stage"], k["kernel"], k["reads_per_element"],
-                   k["writes_per_element"]] for r in results for k in r["kernels"]]
+    per_kernel = [[f"{r['rows']}x{r['cols']}", r["format"], r["op"], r["map"], k["stage"], k["kernel"],
+                   k["reads_per_element"], k["writes_per_element"]] for r in results for k in r["kernels"]]
     return "\n".join([
-        table(["gradient", "format", "op", "kernels B/el", "floor B/el", "kernels / floor"], body, 3), "",
-        table(["gradient", "format", "op", "stage", "kernel", "reads B/el", "writes B/el"], per_kernel, 4)])
+        table(["gradient", "format", "op", "map", "kernels B/el", "floor B/el", "kernels / floor"], body, 3), "",
+        table(["gradient", "format", "op", "map", "stage", "kernel", "reads B/el", "writes B/el"], per_kernel, 4)])
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.kernel_traffic", description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=WORLD)
     a = p.parse_args(argv)
-    results = [measure(fmt, op, r, c, a.world) for _, r, c in SHAPES for fmt in FORMATS for op in OPS]
+    results = [measure(fmt, op, r, c, a.world, rank) for _, r, c in SHAPES for fmt in FORMATS for op in OPS
+               for rank in (0, RANK)]
     print(render(results), flush=True)
     return 0
 

@@ -183,3 +183,28 @@ def test_fold_section_computes_the_projection_both_ways_and_leaves_the_decision_
     assert row["fold_reads_fewer"] == (row["fold_bytes"] < row["project_bytes"]) is True  # 16 tokens: few
     assert min(row["dw_us"], row["project_us"], row["fold_us"]) > 0 and row["fold_wins"] is None
     assert "(not decided on the CPU)" in md
+
+
+def test_gift_bodies_count_the_map_kernels_on_both_sides_and_no_matmul_outside_them() -> None:
+    """GIFT's body (rank-8 low-rank map) on CUDA: the send side runs the map's projection and
+    expansion kernels before the codec's, the receive side after its decode, and no torch
+    matmul is left outside the kernels (`measure` raises on one). The expansion is not fused
+    into the block statistics and the encode: its output is written once and read twice, which
+    with the projection's read of G puts the send side 12 B/el above the Euclidean one."""
+    from bench import kernel_traffic
+
+    euclid = kernel_traffic.measure("nvfp4", "reduce_scatter", 64, 192)
+    gift = kernel_traffic.measure("nvfp4", "reduce_scatter", 64, 192, rank=8)
+    stages = [(k["stage"], k["kernel"]) for k in gift["kernels"]]
+    assert stages == [("encode", "lowrank_project"), ("encode", "lowrank_expand"), ("encode", "block_stat"),
+                      ("encode", "scale_codes"), ("encode", "encode"), ("decode", "decode"),
+                      ("decode", "lowrank_project"), ("decode", "lowrank_expand")]
+    project = next(k for k in gift["kernels"] if k["kernel"] == "lowrank_project")
+    assert project["reads_per_element"] == pytest.approx(4 + 4 * 8 / 64)  # G and the [cols, r] basis
+    assert project["writes_per_element"] == pytest.approx(4 * 8 / 192)  # P, [rows, r]
+    send = sum(k["reads_per_element"] + k["writes_per_element"] for k in gift["kernels"] if k["stage"] == "encode")
+    euclid_send = sum(k["reads_per_element"] + k["writes_per_element"] for k in euclid["kernels"]
+                      if k["stage"] == "encode")
+    assert send - euclid_send > 12
+    assert gift["map"] == "lowrank" and gift["floor_bytes_per_element"] > euclid["floor_bytes_per_element"]
+    assert gift["kernel_over_floor"] > euclid["kernel_over_floor"]
