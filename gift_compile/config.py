@@ -293,10 +293,10 @@ class GiftConfig:
             (`gift_compile.kernels.map_dispatch`); "auto" (the default) is "tf32" on CUDA and
             "exact" elsewhere. TF32 is the CUDA default because the operand rounding is
             amplified by the inverse map's gain on the factor's strong directions: on the
-            bench's real gradients (`python -m bench.map_precision`, docs/benchmarks.md) bf16
-            operands moved the decoded gradient's error measurably at nvfp4 and int4 where
-            TF32's change stayed within its confidence interval, and at these ranks the map is
-            memory-bound, so bf16 would buy little speed. "tf32"/"bf16" on CPU tensors run
+            bench's real gradients (`python -m bench.map_precision`, docs/benchmarks.md) the map
+            alone errs 8x more at bf16, and bf16 moved the decoded gradient's error by
+            50-120x TF32's change (neither resolved after the family-wise correction), and at these
+            ranks the map is memory-bound, so bf16 would buy little speed. "tf32"/"bf16" on CPU tensors run
             the exact map, logged once as a warning.
         plan_check: eager collectives exchange every rank's plan fingerprint (item names and
             order included) in a small fixed-size collective on every call, so a plan that

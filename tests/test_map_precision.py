@@ -63,3 +63,29 @@ def test_the_emulated_map_errs_by_the_operand_rounding(cols: int, rank: int) -> 
     assert 5 < errors["bf16"] / errors["tf32"] < 12
     fp32 = float((LowRank.apply_forward(g, tensors).double() - exact).norm()) / low
     assert fp32 < errors["tf32"] / 100
+
+
+def test_the_block_resolves_a_difference_only_after_the_family_wise_correction(tmp_path) -> None:
+    """A change whose own CI excludes 0 (p = 0.04) is not marked resolved in a 10-comparison
+    table (Holm needs p <= 0.005 for the smallest); one at p = 1e-6 is."""
+    import json
+
+    from bench.map_precision import block
+
+    def diff(mean: float, p: float) -> dict:
+        return {"mean": mean, "std": 1.0, "n": 56, "ci95": 0.5 * abs(mean), "mde80": 0.0, "p": p, "resolved": p < 0.05}
+
+    metric = {"exact_mean": 0.1, "tf32": {"mean": 0.1, "minus_exact": diff(1e-4, 0.5)},
+              "bf16": {"mean": 0.11, "minus_exact": diff(1e-2, 0.04)}}
+    summary = {"map_forward": {**metric, "bf16": {"mean": 1e-3, "minus_exact": diff(1e-3, 1e-6)}},
+               "map_round_trip": metric, "nvfp4": metric, "int4": metric, "int2": metric}
+    results = {"command": "python -m bench.map_precision", "mantissa_bits": {"tf32": 10, "bf16": 7}, "layers": 28,
+               "batches": 2, "widths": [192, 512], "rank": 32, "formats": [["nvfp4", "nvfp4", 16], ["int4", "int4", 32], ["int2", "int2", 32]],
+               "summary": summary}
+    path = tmp_path / "map_precision.json"
+    path.write_text(json.dumps(results))
+    text = block(path=path)
+    starred = [line.split(" |")[0] for line in text.splitlines() if line.startswith("|") and "*" in line]
+    assert starred == ["| map_forward"]
+    assert "bf16 changes the codec's error by at most" in text and "resolved at no format" in text
+    assert "over the table's 10 comparisons" in text
