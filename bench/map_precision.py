@@ -44,7 +44,6 @@ from bench.stats import holm, paired
 from gift_compile.codec import dequantize, quantize
 from gift_compile.geometry.maps import LowRank
 from gift_compile.kernels.map_dispatch import CUDA_DEFAULT
-from gift_compile.torchtitan_ext import corpus
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "map_precision.json"
@@ -143,9 +142,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - start:6.0f}s] {msg}", flush=True)
 
-    paths = corpus.prepare()
-    model, _ = reference.reference_model(settings.reference, paths, log, args.cache_dir)
-    samples = reference.collect_samples(model, settings.fidelity, paths, log)
+    samples = reference.reference_samples(settings.reference, settings.fidelity, args.cache_dir, log)
     result: dict[str, object] = {
         "command": "python -m bench.map_precision" + (f" --profile {args.profile}" if args.profile != "quick" else ""),
         "profile": args.profile, "rank": RANK, "damping": settings.fidelity.damping,

@@ -295,3 +295,12 @@ def collect_samples(model: TinyLlama, s: FidelitySettings, paths: corpus.CorpusP
             h.remove()
         model.zero_grad(set_to_none=True)
     return samples
+
+
+def reference_samples(reference: ReferenceSettings, fidelity: FidelitySettings, cache_dir: Path | None,
+                      log: Log) -> list[LayerSample]:
+    """The held-out gradient samples of the reference model (`collect_samples`), the model
+    trained or read from `cache_dir` first: what the per-layer benches measure on."""
+    paths = corpus.prepare()
+    model, _ = reference_model(reference, paths, log, cache_dir)
+    return collect_samples(model, fidelity, paths, log)

@@ -39,7 +39,6 @@ from gift_compile.config import GiftConfig
 from gift_compile.exchange.collectives import all_reduce
 from gift_compile.geometry import Transform, lowrank_refresh_flops
 from gift_compile.geometry.statistics import KFACStatistics, SketchStatistics
-from gift_compile.torchtitan_ext import corpus
 
 EXACT, SKETCH = "kfac-r32", "kfac-sketch-r32"
 DEFAULT_FORMATS = ("e4m3/row", "e5m2/tensor", "nvfp4")
@@ -132,9 +131,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - start:6.0f}s] {msg}", flush=True)
 
-    paths = corpus.prepare()
-    model, _ = reference.reference_model(settings.reference, paths, log, args.cache_dir)
-    samples = reference.collect_samples(model, settings.fidelity, paths, log)
+    samples = reference.reference_samples(settings.reference, settings.fidelity, args.cache_dir, log)
     rt = fidelity.round_trip_errors(samples, formats, transforms, settings.fidelity, log)
     result: dict[str, object] = {
         "profile": args.profile, "layers": len({x.name for x in samples}), "batches": len({x.batch for x in samples}),
