@@ -24,8 +24,10 @@ map (`minimum_bytes` of the low-rank kind). `python -m bench.kernel_traffic` pri
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -46,6 +48,8 @@ FORMATS = ("nvfp4", "int4", "int2")
 OPS = ("reduce_scatter", "all_reduce")
 WORLD = 8
 RANK = 32  # GIFT's bodies: the low-rank map at the default rank
+GOAL = 1.3  # every body within this factor of its floor (the GPU-speed issue's byte goal)
+OUT = Path(__file__).resolve().parent / "results" / "kernel_traffic.json"
 _MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
 
 
@@ -119,12 +123,38 @@ def render(results: list[dict[str, object]]) -> str:
         table(["gradient", "format", "op", "map", "stage", "kernel", "reads B/el", "writes B/el"], per_kernel, 4)])
 
 
+def block(_: dict | None = None, path: Path = OUT) -> str:
+    """The docs/benchmarks.md block: each body's kernel bytes against its floor, from the
+    results file, with which bodies are within `GOAL` of their floor computed from it."""
+    d = json.loads(path.read_text())
+    rows = [[f"{r['rows']}x{r['cols']}", r["format"], r["op"], r["map"], r["kernel_bytes_per_element"],
+             r["floor_bytes_per_element"], r["kernel_over_floor"]] for r in d["results"]]
+    worst = {m: max(r["kernel_over_floor"] for r in d["results"] if r["map"] == m)
+             for m in dict.fromkeys(r["map"] for r in d["results"])}
+    verdict = "; ".join(f"{m} bodies at most {w:.2f}x their floor ({'within' if w <= GOAL else 'above'} {GOAL}x)"
+                        for m, w in worst.items())
+    return "\n".join([
+        f"Bytes per gradient element the explicit codec kernels move in each {d['world']}-rank collective body "
+        f"(`{d['command']}` -> [bench/results/kernel_traffic.json](../bench/results/kernel_traffic.json); from the "
+        "kernels' arguments on fake CUDA tensors, so the same under every torch release; GIFT's bodies with the "
+        f"rank-{d['rank']} low-rank map's two kernels on each side; not counted: Inductor's glue around the kernels, "
+        "the block statistics' maximum and the send-buffer joins), against the body's floor "
+        "(`bench.codec_minimum.minimum_bytes`):", "",
+        table(["gradient", "format", "op", "map", "kernels B/el", "floor B/el", "kernels / floor"], rows, 3), "",
+        f"{verdict}. GIFT's expansion writes the transformed gradient, which the block statistics and the encode "
+        "read back; computing it inside those two kernels instead is what would close the gap."])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.kernel_traffic", description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=WORLD)
+    p.add_argument("--out", type=Path, default=OUT, help="the results JSON (the docs block reads the default)")
     a = p.parse_args(argv)
     results = [measure(fmt, op, r, c, a.world, rank) for _, r, c in SHAPES for fmt in FORMATS for op in OPS
                for rank in (0, RANK)]
+    command = "python -m bench.kernel_traffic" + (f" --world {a.world}" if a.world != WORLD else "")
+    a.out.write_text(json.dumps({"command": command, "world": a.world, "rank": RANK, "results": results}, indent=1)
+                     + "\n")
     print(render(results), flush=True)
     return 0
 

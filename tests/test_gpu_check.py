@@ -208,3 +208,20 @@ def test_gift_bodies_count_the_map_kernels_on_both_sides_and_no_matmul_outside_t
     assert send - euclid_send > 12
     assert gift["map"] == "lowrank" and gift["floor_bytes_per_element"] > euclid["floor_bytes_per_element"]
     assert gift["kernel_over_floor"] > euclid["kernel_over_floor"]
+
+
+def test_kernel_traffic_block_judges_each_map_against_the_goal_from_the_results(tmp_path: Path) -> None:
+    from bench import kernel_traffic
+
+    def body(kind: str, ratio: float) -> dict:
+        return {"rows": 8, "cols": 8, "format": "nvfp4", "op": "reduce_scatter", "map": kind,
+                "kernel_bytes_per_element": 10 * ratio, "floor_bytes_per_element": 10.0, "kernel_over_floor": ratio}
+
+    path = tmp_path / "kernel_traffic.json"
+    path.write_text(json.dumps({"command": "python -m bench.kernel_traffic", "world": 8, "rank": 32,
+                                "results": [body("identity", 1.05), body("lowrank", 1.2), body("lowrank", 1.25)]}))
+    text = kernel_traffic.block(path=path)
+    assert "identity bodies at most 1.05x their floor (within 1.3x); lowrank bodies at most 1.25x" in text
+    path.write_text(json.dumps({"command": "python -m bench.kernel_traffic", "world": 8, "rank": 32,
+                                "results": [body("identity", 1.05), body("lowrank", 1.5)]}))
+    assert "lowrank bodies at most 1.50x their floor (above 1.3x)" in kernel_traffic.block(path=path)
