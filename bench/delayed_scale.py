@@ -70,7 +70,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections import deque
@@ -81,6 +80,7 @@ import torch
 
 from bench import reference
 from bench.formatting import table
+from bench.provenance import commit
 from bench.settings import profile
 from bench.stats import t_quantile
 from bench.tiny_llama import TinyLlama
@@ -355,12 +355,6 @@ def run(steps: int, measure: int, log: Callable[[str], None] = print) -> tuple[T
     return tally, setup
 
 
-def _commit() -> str:
-    """The checkout that ran (short hash)."""
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                          cwd=Path(__file__).resolve().parent).stdout.strip()
-
-
 def free_arms(verdicts: list[dict[str, object]]) -> list[str]:
     """The delayed arms that pass the rule in every measured window (each window's `verdict`)."""
     return [a for a in DELAYED if all(v["arms"][a]["free"] for v in verdicts)]
@@ -442,7 +436,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     tally, setup = run(a.steps, a.measure)
     summary = summarize(tally)
     result = {"command": "python -m bench.delayed_scale" + "".join(f" {x}" for x in (argv or sys.argv[1:])),
-              "date": datetime.date.today().isoformat(), "commit": _commit(),
+              "date": datetime.date.today().isoformat(), "commit": commit(),
               "machine": f"{os.cpu_count()} CPU cores shared with other jobs (load {load:.1f} at start), "
                          f"torch {torch.__version__}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}",
               "setup": setup, "summary": summary, "verdict": verdict(summary)}

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -35,6 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
+from bench.provenance import commit
 import gift_compile
 from gift_compile.config import GiftConfig
 
@@ -118,14 +118,8 @@ def _worker(rank: int, store: str, out: str) -> None:
             for driver in DRIVERS:
                 rows.append({"fault": fault, "path": path, "driver": driver, **_case(rank, fault, path, driver)})
     if rank == 0:
-        Path(out).write_text(json.dumps({"rows": rows, "commit": _commit(), "torch": torch.__version__}, indent=1))
+        Path(out).write_text(json.dumps({"rows": rows, "commit": commit(), "torch": torch.__version__}, indent=1))
     dist.destroy_process_group()
-
-
-def _commit() -> str:
-    """The checkout whose `gift_compile` ran (the table's "before" / "after")."""
-    here = Path(gift_compile.__file__).resolve().parent
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True).stdout.strip()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -39,13 +39,13 @@ import json
 import math
 import os
 import re
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from bench.layout_table import EXTRA, LAYOUT_GIFT, LAYOUTS, configs, order, planned
+from bench.provenance import commit
 from gift_compile.torchtitan_ext.hooks import REFUSAL
 from gift_compile.torchtitan_ext.kill_resume import kill_and_resume
 from gift_compile.torchtitan_ext.runs import RunResult, run_config
@@ -148,7 +148,7 @@ def row(layout: str, trainer: str, steps: int, folder: str) -> dict[str, Any]:
     gift_config, off_config = configs(layout, trainer)
     gift = [*GIFT, *LAYOUT_GIFT.get(layout, [])]
     out: dict[str, Any] = {"layout": title, "trainer": trainer, "nproc": nproc, "steps": steps,
-                           "date": time.strftime("%Y-%m-%d"), "commit": _commit(), "machine": machine()}
+                           "date": time.strftime("%Y-%m-%d"), "commit": commit(), "machine": machine()}
     arms_args = {"low_bit": (gift_config, [*base, *gift, *ARMS["low_bit"]]),
                  "fp32": (gift_config, [*base, *gift, *ARMS["fp32"]]), "off": (off_config, base)}
 
@@ -205,7 +205,7 @@ def kill_resume(layout: str, trainer: str, folder: str) -> dict[str, Any]:
                             nproc=nproc)
     record = {**found.summary(), "command": user_command(full), "uninterrupted_wall_s": round(full.wall_s, 1),
               "selected_layers_after_refresh": max(r.get("gift/selected_layers", 0) for r in full.records),
-              "date": time.strftime("%Y-%m-%d"), "commit": _commit(), "machine": machine()}
+              "date": time.strftime("%Y-%m-%d"), "commit": commit(), "machine": machine()}
     if not found.bit_identical:  # GIFT's, or torchtitan's with GIFT off too: the same fault without GIFT
         off_args = [a for a in args if not a.startswith("--gift.")]
         off_root = Path(folder) / f"{layout}.{trainer}.kill_off"
@@ -224,12 +224,6 @@ def _all_hops(described: dict[str, Any]) -> list[dict[str, Any]]:
     if "hops_by_pipeline_rank" in described:
         return [h for by in described["hops_by_pipeline_rank"].values() for h in by.values()]
     return list(described.get("hops", {}).values())
-
-
-def _commit() -> str:
-    """The commit the rows run at."""
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                          cwd=Path(__file__).resolve().parent).stdout.strip()
 
 
 def machine() -> str:
