@@ -73,11 +73,10 @@ def order(key: str) -> tuple[int, int]:
     return list(LAYOUTS).index(layout), list(CONFIGS).index(trainer)
 
 
-_TRAIN, _CP, _CPL, _EP, _EPG, _EPL, _HSDP, _PP, _TP, _L8, _DDP = (
-    "tests/test_torchtitan_train.py", "tests/test_torchtitan_cp.py", "tests/test_torchtitan_cp_layouts.py",
-    "tests/test_torchtitan_ep.py", "tests/test_torchtitan_ep_graph.py", "tests/test_torchtitan_ep_layouts.py",
-    "tests/test_torchtitan_hsdp.py", "tests/test_torchtitan_pp.py", "tests/test_torchtitan_tp.py",
-    "tests/test_torchtitan_layouts8.py", "tests/test_torchtitan_ddp.py")
+_TESTS = "tests/test_torchtitan_{}.py"
+_TRAIN, _CPT, _CPL, _EPT, _EPG, _EPL, _HSDPT, _PPT, _TPT, _L8, _DDPT = (
+    _TESTS.format(name) for name in ("train", "cp", "cp_layouts", "ep", "ep_graph", "ep_layouts", "hsdp", "pp", "tp",
+                                     "layouts8", "ddp"))
 _KR = f"{_TRAIN}::test_kill_and_resume_under_hsdp_pp_and_tp"
 # The suite's tests of each row (a torchtitan run of that layout on that trainer, or for a
 # refused row the refusal), as pytest node ids; a row without one is measured by this bench
@@ -87,14 +86,14 @@ SUITE: dict[str, tuple[str, ...]] = {
                    f"{_TRAIN}::test_resume_restores_gift_state[llama3_debug_gift_fsdp2]"),
     "fsdp/graph": (f"{_TRAIN}::test_gift_graph_trainer_tracks_gift_off",
                    f"{_TRAIN}::test_resume_restores_gift_state[llama3_debug_gift_graph]"),
-    "ddp/graph": (f"{_DDP}::test_graph_ddp_rewrites_every_gradient_all_reduce_and_tracks_gift_off",),
-    "hsdp/fsdp2": (f"{_HSDP}::test_fsdp2_hsdp_runs_both_hops_at_their_formats_and_tracks_fp32", f"{_KR}[hsdp]"),
-    "hsdp/graph": (f"{_HSDP}::test_graph_hsdp_rewrites_both_hops_at_their_formats_and_tracks_fp32",),
-    "tp_fsdp/fsdp2": (f"{_TP}::test_fsdp2_tp_quantizes_each_tp_block_at_nvfp4_and_tracks_gift_off", f"{_KR}[tp]"),
-    "tp_fsdp/graph": (f"{_TP}::test_graph_tp_rewrites_the_fsdp_reduce_scatters_and_leaves_tp_collectives",),
-    "pp_fsdp/fsdp2": (f"{_PP}::test_pp_fsdp2_manages_and_quantizes_every_stage_and_tracks_gift_off", f"{_KR}[pp]"),
-    "cp_fsdp/fsdp2": (f"{_CP}::test_fsdp2_cp_quantizes_at_nvfp4_and_tracks_gift_off",),
-    "cp_fsdp/graph": (f"{_CP}::test_graph_cp_rewrites_the_fsdp_reduce_scatters_and_tracks_gift_off",),
+    "ddp/graph": (f"{_DDPT}::test_graph_ddp_rewrites_every_gradient_all_reduce_and_tracks_gift_off",),
+    "hsdp/fsdp2": (f"{_HSDPT}::test_fsdp2_hsdp_runs_both_hops_at_their_formats_and_tracks_fp32", f"{_KR}[hsdp]"),
+    "hsdp/graph": (f"{_HSDPT}::test_graph_hsdp_rewrites_both_hops_at_their_formats_and_tracks_fp32",),
+    "tp_fsdp/fsdp2": (f"{_TPT}::test_fsdp2_tp_quantizes_each_tp_block_at_nvfp4_and_tracks_gift_off", f"{_KR}[tp]"),
+    "tp_fsdp/graph": (f"{_TPT}::test_graph_tp_rewrites_the_fsdp_reduce_scatters_and_leaves_tp_collectives",),
+    "pp_fsdp/fsdp2": (f"{_PPT}::test_pp_fsdp2_manages_and_quantizes_every_stage_and_tracks_gift_off", f"{_KR}[pp]"),
+    "cp_fsdp/fsdp2": (f"{_CPT}::test_fsdp2_cp_quantizes_at_nvfp4_and_tracks_gift_off",),
+    "cp_fsdp/graph": (f"{_CPT}::test_graph_cp_rewrites_the_fsdp_reduce_scatters_and_tracks_gift_off",),
     "cp_tp/fsdp2": (f"{_CPL}::test_fsdp2_cp_layout_quantizes_sums_cp_statistics_and_tracks_gift_off[cp_tp]",),
     "cp_tp/graph": (f"{_CPL}::test_graph_cp_layout_rewrites_the_reduce_scatters_and_tracks_gift_off[cp_tp]",),
     "hsdp_cp/fsdp2": (f"{_CPL}::test_fsdp2_cp_layout_quantizes_sums_cp_statistics_and_tracks_gift_off[hsdp_cp]",),
@@ -102,7 +101,7 @@ SUITE: dict[str, tuple[str, ...]] = {
     "pp_cp/fsdp2": (f"{_CPL}::test_fsdp2_cp_layout_quantizes_sums_cp_statistics_and_tracks_gift_off[pp_cp]",),
     "hsdp_tp/fsdp2": (f"{_L8}::test_hsdp_tp_reduces_each_tp_block_over_shards_then_replicas_at_nvfp4",),
     "pp_tp_fsdp/fsdp2": (f"{_L8}::test_pp_tp_fsdp_quantizes_each_stages_tp_blocks_at_nvfp4",),
-    "ep_fsdp/fsdp2": (f"{_EP}::test_ep_quantizes_the_dense_layers_at_nvfp4_and_leaves_the_experts_at_full_precision",),
+    "ep_fsdp/fsdp2": (f"{_EPT}::test_ep_quantizes_the_dense_layers_at_nvfp4_and_leaves_the_experts_at_full_precision",),
     "ep_fsdp/graph": (f"{_EPG}::test_ep_on_graph_quantizes_the_dense_layers_at_nvfp4_and_leaves_the_experts_at_full_"
                       "precision",),
     "ep_hsdp/fsdp2": (f"{_EPL}::test_ep_with_hsdp_runs_both_hops_on_the_dense_groups_and_all_reduces_the_experts",),
@@ -110,6 +109,6 @@ SUITE: dict[str, tuple[str, ...]] = {
     "ep_tp/graph": (f"{_EPG}::test_ep_with_tp_on_graph_names_the_experts_whose_group_has_gift_s_ranks",),
     "ep_pp/fsdp2": (f"{_EPL}::test_ep_with_pp_runs_gift_per_stage_and_experts_cross_no_rank",),
     # graph_trainer refuses every pipeline layout by one rule (its refusal's test)
-    **{f"{layout}/graph": (f"{_PP}::test_pipeline_refusals_name_the_reason",) for layout in LAYOUTS
+    **{f"{layout}/graph": (f"{_PPT}::test_pipeline_refusals_name_the_reason",) for layout in LAYOUTS
        if "pp" in layout.split("_")},
 }
