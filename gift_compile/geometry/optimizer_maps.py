@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from gift_compile.geometry.maps import FactorSource, Geometry, Gradient, Statistics
+from gift_compile.geometry.maps import EXACT, FactorSource, Geometry, Gradient, Statistics
 from gift_compile.sync import all_reduce_
 
 if TYPE_CHECKING:
@@ -124,11 +124,11 @@ class SecondMoment(_OptimizerStateFactor, Geometry):
         return (torch.ones(self.d_in, **f32), torch.ones(self.d_in, **f32))
 
     @staticmethod
-    def apply_forward(g: torch.Tensor, tensors: tuple[torch.Tensor, ...], precision: str = "exact") -> torch.Tensor:
+    def apply_forward(g: torch.Tensor, tensors: tuple[torch.Tensor, ...], precision: str = EXACT) -> torch.Tensor:
         return g * tensors[0]
 
     @staticmethod
-    def apply_inverse(gt: torch.Tensor, tensors: tuple[torch.Tensor, ...], precision: str = "exact") -> torch.Tensor:
+    def apply_inverse(gt: torch.Tensor, tensors: tuple[torch.Tensor, ...], precision: str = EXACT) -> torch.Tensor:
         return gt * tensors[1]
 
     @staticmethod

@@ -31,6 +31,7 @@ from gift_compile.config import GiftConfig, SelectMetric, SelectRule
 from gift_compile.exchange.collectives import ItemTensors, Shared, bucket_core
 from gift_compile.exchange.plan import BucketPlan, Collective, ItemPlan
 from gift_compile.geometry.table import IDENTITY_KIND, Geometry, map_class
+from gift_compile.kernels.map_dispatch import MapPrecision
 
 _E5M2_MAX_CODE = 0x7B  # 0 11110 11: 57344, the largest finite E5M2 magnitude
 
@@ -57,7 +58,7 @@ class LayerMeasurement:
 
 
 def round_trip(g: torch.Tensor, spec: FormatSpec, kind: str, tensors: tuple[torch.Tensor, ...],
-               block_rotation: bool = False, map_precision: str = "auto") -> torch.Tensor:
+               block_rotation: bool = False, map_precision: str = MapPrecision.AUTO) -> torch.Tensor:
     """Transform, quantize, dequantize, inverse on one rank: the collective with no peers
     (with the block rotation where the config sends with it, and the map at the config's
     `map_precision`, so both paths are measured as they would be sent)."""
