@@ -47,7 +47,7 @@ from typing import Any
 from bench.layout_table import EXTRA, LAYOUT_GIFT, LAYOUTS, configs, order, planned
 from bench.provenance import commit
 from gift_compile.torchtitan_ext.hooks import REFUSAL
-from gift_compile.torchtitan_ext.kill_resume import kill_and_resume
+from gift_compile.torchtitan_ext.kill_resume import KillResume, kill_and_resume
 from gift_compile.torchtitan_ext.runs import RunResult, run_config
 
 RESULTS = Path(__file__).resolve().parent / "results" / "layouts.json"
@@ -193,26 +193,28 @@ KILL_ARGS = [f"--training.steps={KILL_STEPS}", "--validator.no-enable", "--metri
              "--checkpoint.interval=3", *ARMS["low_bit"]]
 
 
+def _fault(config: str, args: list[str], root: Path, nproc: int) -> tuple[RunResult, KillResume]:
+    """One kill-and-resume fault of `config args` under `root` (its name the row's label): the
+    uninterrupted run, then the killed and relaunched one compared with it."""
+    full = run_config(config, args, dump_folder=str(root / "full"), nproc=nproc, timeout_s=1800).check()
+    print(f"{root.name} uninterrupted: {full.wall_s:.0f} s", flush=True)
+    found = kill_and_resume(config, args, root / "killed", full, root / "full", steps=KILL_STEPS, after_step=4,
+                            nproc=nproc)
+    return full, found
+
+
 def kill_resume(layout: str, trainer: str, folder: str) -> dict[str, Any]:
     """The kill-and-resume record of one layout x trainer (module docstring)."""
     _, nproc, dims = LAYOUTS[layout]
     args = [*dims, *EXTRA.get((layout, trainer), []), *KILL_ARGS, *LAYOUT_GIFT.get(layout, [])]
-    config = configs(layout, trainer)[0]
-    root = Path(folder) / f"{layout}.{trainer}.kill"
-    full = run_config(config, args, dump_folder=str(root / "full"), nproc=nproc, timeout_s=1800).check()
-    print(f"{layout} {trainer} uninterrupted: {full.wall_s:.0f} s", flush=True)
-    found = kill_and_resume(config, args, root / "killed", full, root / "full", steps=KILL_STEPS, after_step=4,
-                            nproc=nproc)
+    gift_config, off_config = configs(layout, trainer)
+    full, found = _fault(gift_config, args, Path(folder) / f"{layout}.{trainer}.kill", nproc)
     record = {**found.summary(), "command": user_command(full), "uninterrupted_wall_s": round(full.wall_s, 1),
               "selected_layers_after_refresh": max(r.get("gift/selected_layers", 0) for r in full.records),
               "date": time.strftime("%Y-%m-%d"), "commit": commit(), "machine": machine()}
     if not found.bit_identical:  # GIFT's, or torchtitan's with GIFT off too: the same fault without GIFT
         off_args = [a for a in args if not a.startswith("--gift.")]
-        off_root = Path(folder) / f"{layout}.{trainer}.kill_off"
-        off_full = run_config(configs(layout, trainer)[1], off_args, dump_folder=str(off_root / "full"), nproc=nproc,
-                              timeout_s=1800).check()
-        off = kill_and_resume(configs(layout, trainer)[1], off_args, off_root / "killed", off_full, off_root / "full",
-                              steps=KILL_STEPS, after_step=4, nproc=nproc)
+        off_full, off = _fault(off_config, off_args, Path(folder) / f"{layout}.{trainer}.kill_off", nproc)
         record["gift_off"] = {**off.summary(), "command": user_command(off_full),
                               "differing_names": sorted(off.differing)}
         record["differing_names"] = sorted(found.differing)
