@@ -114,21 +114,24 @@ def measure(fmt: str, op: str, rows: int, cols: int, world: int = WORLD, rank: i
 
 def render(results: list[dict[str, object]]) -> str:
     """The per-body table and the per-kernel one, as Markdown."""
-    body = [[f"{r['rows']}x{r['cols']}", r["format"], r["op"], r["map"], r["kernel_bytes_per_element"],
-             r["floor_bytes_per_element"], r["kernel_over_floor"]] for r in results]
     per_kernel = [[f"{r['rows']}x{r['cols']}", r["format"], r["op"], r["map"], k["stage"], k["kernel"],
                    k["reads_per_element"], k["writes_per_element"]] for r in results for k in r["kernels"]]
     return "\n".join([
-        table(["gradient", "format", "op", "map", "kernels B/el", "floor B/el", "kernels / floor"], body, 3), "",
+        body_table(results), "",
         table(["gradient", "format", "op", "map", "stage", "kernel", "reads B/el", "writes B/el"], per_kernel, 4)])
+
+
+def body_table(results: list[dict[str, object]]) -> str:
+    """One row per body: its kernel bytes, its floor and their ratio (Markdown)."""
+    rows = [[f"{r['rows']}x{r['cols']}", r["format"], r["op"], r["map"], r["kernel_bytes_per_element"],
+             r["floor_bytes_per_element"], r["kernel_over_floor"]] for r in results]
+    return table(["gradient", "format", "op", "map", "kernels B/el", "floor B/el", "kernels / floor"], rows, 3)
 
 
 def block(_: dict | None = None, path: Path = OUT) -> str:
     """The docs/benchmarks.md block: each body's kernel bytes against its floor, from the
     results file, with which bodies are within `GOAL` of their floor computed from it."""
     d = json.loads(path.read_text())
-    rows = [[f"{r['rows']}x{r['cols']}", r["format"], r["op"], r["map"], r["kernel_bytes_per_element"],
-             r["floor_bytes_per_element"], r["kernel_over_floor"]] for r in d["results"]]
     worst = {m: max(r["kernel_over_floor"] for r in d["results"] if r["map"] == m)
              for m in dict.fromkeys(r["map"] for r in d["results"])}
     verdict = "; ".join(f"{m} bodies at most {w:.2f}x their floor ({'within' if w <= GOAL else 'above'} {GOAL}x)"
@@ -140,7 +143,7 @@ def block(_: dict | None = None, path: Path = OUT) -> str:
         f"rank-{d['rank']} low-rank map's two kernels on each side; not counted: Inductor's glue around the kernels, "
         "the block statistics' maximum and the send-buffer joins), against the body's floor "
         "(`bench.codec_minimum.minimum_bytes`):", "",
-        table(["gradient", "format", "op", "map", "kernels B/el", "floor B/el", "kernels / floor"], rows, 3), "",
+        body_table(d["results"]), "",
         f"{verdict}. GIFT's expansion writes the transformed gradient, which the block statistics and the encode "
         "read back; computing it inside those two kernels instead is what would close the gap."])
 
