@@ -18,6 +18,12 @@ reference's zero padding gives. One program handles one row and `TILE` packed wo
 a word being the `PER` codes that share one byte (or one 3-byte group for 3- and 6-bit
 codes); the `PER` digits of a word are a `[TILE, PER_P2]` tile (`PER_P2` the next power of two,
 the extra digits masked), so the loads of a program are contiguous.
+
+The low-rank map's expansion and the two kernels that consume it on the sender
+(`lowrank_block_stat_kernel`, `lowrank_encode_kernel`) work on `[BM, BN]` tiles of rows and
+columns instead (`_expand_tile`, one function for all three, so they compute the same values):
+the consumers view a tile as `[BM, BN / BLOCK, BLOCK]` blocks or `[BM, BN / PER, PER]` words,
+which needs BN to be a multiple of both (`ops.fused_reason`).
 """
 
 from __future__ import annotations
