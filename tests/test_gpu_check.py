@@ -229,3 +229,25 @@ def test_kernel_traffic_block_judges_each_map_against_the_goal_from_the_results(
     path.write_text(json.dumps({"command": "python -m bench.kernel_traffic", "world": 8, "rank": 32,
                                 "results": [body("identity", 1.05), body("lowrank", 1.5)]}))
     assert "lowrank bodies at most 1.50x their floor (above 1.3x)" in kernel_traffic.block(path=path)
+
+
+def test_kernel_traffic_carries_each_bodys_bytes_before_the_fused_sender(tmp_path: Path) -> None:
+    """`carry_before`: a body's `before_fused_sender` is the replaced results file's own where it
+    has one (kept across re-runs), else that file's kernel bytes; the block then shows both."""
+    from bench import kernel_traffic
+
+    def body(kind: str, kernel: float, **extra: float) -> dict:
+        return {"rows": 8, "cols": 8, "format": "nvfp4", "op": "reduce_scatter", "map": kind, "rank": 4, "world": 8,
+                "kernel_bytes_per_element": kernel, "floor_bytes_per_element": 10.0,
+                "kernel_over_floor": kernel / 10, **extra}
+
+    path = tmp_path / "kernel_traffic.json"
+    path.write_text(json.dumps({"results": [body("identity", 10.5), body("lowrank", 15.0)]}))
+    new = [body("identity", 10.5), body("lowrank", 11.0)]
+    kernel_traffic.carry_before(new, path)
+    assert [r[kernel_traffic.BEFORE] for r in new] == [10.5, 15.0]
+    path.write_text(json.dumps({"command": "python -m bench.kernel_traffic", "world": 8, "rank": 4, "results": new}))
+    again = [body("identity", 10.5), body("lowrank", 11.0)]
+    kernel_traffic.carry_before(again, path)
+    assert [r[kernel_traffic.BEFORE] for r in again] == [10.5, 15.0]
+    assert "| lowrank | 11.000 | 10.000 | 1.100 | 15.000 | 1.500 |" in kernel_traffic.block(path=path)

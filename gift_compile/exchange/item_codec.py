@@ -24,7 +24,10 @@ one implementation of the codec, two ways to run it.
 The codec steps (scales, encode, decode, the decoded sum) go through `gift_compile.kernels`: on
 CUDA, for the two-level formats, explicit Triton kernels registered as operators, which a trace
 keeps as operators (their traffic is theirs, not the installed Inductor's); elsewhere the
-reference codec, compiled by Inductor as before. Both write the same bytes.
+reference codec, compiled by Inductor as before. Both write the same bytes. A low-rank item whose
+map and codec both run as kernels sends through `kernels.fused_sender` instead: the map's
+expansion computed inside the block statistics and the encode, never written (`_fused_sender`
+says when: no error feedback, no block rotation, a format whose words tile the kernels).
 
 Every function takes its item's `ItemPlan` and a `BucketPlan` of which it reads the world
 size, op and average only, so its code depends on nothing else the bucket holds; the compiled
