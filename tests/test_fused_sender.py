@@ -4,7 +4,7 @@ inside the block statistics and the encode instead of written out.
 The fused operators (`lowrank_block_stat`, `lowrank_encode`) are compared with the unfused chain
 they replace (`lowrank_expand`, then `block_stat`, `scale_codes`, `encode`) bit for bit: on
 inputs whose every product and partial sum is exact in fp32 (small integers times powers of two,
-so no summation order can change a bit, and many values sit exactly on a rounding threshold),
+so no summation order can change a bit),
 and on random ones with NaN/Inf, one row, and widths that fill no whole tile or block. On the
 CPU they run in Triton's interpreter (tests/conftest.py), with "ieee" operands; with CUDA,
 compiled. The exchange's choice of path (fused for a low-rank item on the kernel path, the
@@ -93,9 +93,9 @@ def _check_fused_matches_chain(g: torch.Tensor, p: torch.Tensor, dinv: torch.Ten
 @pytest.mark.parametrize(("fmt", "block"), FUSED, ids=IDS)
 def test_the_fused_ops_are_the_chain_on_exact_inputs(fmt: str, block: int) -> None:
     """Inputs whose every product and partial sum is exact in fp32 (integers up to 2**6 times
-    powers of two): the expansion is the exact map whatever order a kernel sums in, and many of
-    its values sit exactly on a threshold of the grid (ties to even), so a fused kernel that
-    rounded, masked or packed differently from the chain would show. 150 columns: a partial
+    powers of two): the expansion is the exact map whatever order a kernel sums in, so any
+    difference would be the fused kernels' rounding, masking or packing (a few values per
+    format also sit exactly on a threshold of the grid, a tie to even). 150 columns: a partial
     second tile and a partial last block; 70 rows: a partial second row tile."""
     gen = torch.Generator().manual_seed(block + len(fmt))
     rows, cols, rank = 70, 150, 8
