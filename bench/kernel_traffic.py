@@ -15,10 +15,15 @@ joins the item's codes, scales and header into the send buffer and slices the re
 minimum (`bench.codec_minimum.minimum_bytes`, Euclidean map, row scaling), which counts the
 send and receive buffers once each.
 
-GIFT's bodies (the low-rank map, rank 32) count the map's two kernels on each side too
-(`lowrank_project`, `lowrank_expand`: CUDA's `map_precision="auto"`), against the floor with the
-map (`minimum_bytes` of the low-rank kind). `python -m bench.kernel_traffic` prints one table
-(formats x ops x maps at Llama shapes, 8 ranks).
+GIFT's bodies (the low-rank map, rank 32, CUDA's `map_precision="auto"`) count the map's kernels
+too, against the floor with the map (`minimum_bytes` of the low-rank kind): on the sender the
+projection (`lowrank_project`) and the expansion fused into the block statistics and the encode
+(`lowrank_block_stat`, `lowrank_encode`: `gift_compile.kernels.fused_sender`, the mapped gradient
+never written), on the receiver the inverse map's projection and expansion (`lowrank_expand`)
+after the decode. `python -m bench.kernel_traffic` prints one table (formats x ops x maps at
+Llama shapes, 8 ranks). Each body also keeps its kernel bytes from before the fused sender
+(`before_fused_sender`), carried over from the results file a run replaces, so the docs block
+shows what the fusion changed.
 """
 
 from __future__ import annotations
@@ -50,6 +55,8 @@ WORLD = 8
 RANK = 32  # GIFT's bodies: the low-rank map at the default rank
 GOAL = 1.3  # every body within this factor of its floor (the GPU-speed issue's byte goal)
 OUT = Path(__file__).resolve().parent / "results" / "kernel_traffic.json"
+# a body's kernel bytes per element before GIFT's sender was fused (issue 26), kept across runs
+BEFORE = "before_fused_sender"
 _MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
 
 
@@ -122,10 +129,30 @@ def render(results: list[dict[str, object]]) -> str:
 
 
 def body_table(results: list[dict[str, object]]) -> str:
-    """One row per body: its kernel bytes, its floor and their ratio (Markdown)."""
+    """One row per body: its kernel bytes, its floor and their ratio, and (where the results
+    carry them) its kernel bytes and ratio before the fused sender (Markdown)."""
+    before = all(BEFORE in r for r in results)
     rows = [[f"{r['rows']}x{r['cols']}", r["format"], r["op"], r["map"], r["kernel_bytes_per_element"],
-             r["floor_bytes_per_element"], r["kernel_over_floor"]] for r in results]
-    return table(["gradient", "format", "op", "map", "kernels B/el", "floor B/el", "kernels / floor"], rows, 3)
+             r["floor_bytes_per_element"], r["kernel_over_floor"],
+             *((r[BEFORE], r[BEFORE] / r["floor_bytes_per_element"]) if before else ())] for r in results]
+    head = ["gradient", "format", "op", "map", "kernels B/el", "floor B/el", "kernels / floor"]
+    return table(head + (["before: kernels B/el", "before: / floor"] if before else []), rows, 3)
+
+
+def carry_before(results: list[dict[str, object]], previous: Path) -> None:
+    """Give each body its kernel bytes before the fused sender (`BEFORE`), from the results file
+    this run replaces: its `BEFORE` where it has one, else (a file written before the fusion)
+    its kernel bytes. A body the previous file lacks gets none, and then no body shows one."""
+    if not previous.exists():
+        return
+    old = {_key(r): r.get(BEFORE, r["kernel_bytes_per_element"]) for r in json.loads(previous.read_text())["results"]}
+    for r in results:
+        if _key(r) in old:
+            r[BEFORE] = old[_key(r)]
+
+
+def _key(r: dict[str, object]) -> tuple[object, ...]:
+    return r["rows"], r["cols"], r["format"], r["op"], r["map"], r["rank"], r["world"]
 
 
 def block(_: dict | None = None, path: Path = OUT) -> str:
@@ -144,8 +171,12 @@ def block(_: dict | None = None, path: Path = OUT) -> str:
         "the block statistics' maximum and the send-buffer joins), against the body's floor "
         "(`bench.codec_minimum.minimum_bytes`):", "",
         body_table(d["results"]), "",
-        f"{verdict}. GIFT's expansion writes the transformed gradient, which the block statistics and the encode "
-        "read back; computing it inside those two kernels instead is what would close the gap."])
+        f"{verdict}. GIFT's sender computes the map's expansion inside the block statistics and the encode "
+        "(`gift_compile.kernels.fused_sender`) instead of writing the mapped gradient and reading it back twice; "
+        "the `before` columns are each body's kernel bytes with that unfused chain. The sender now reads the "
+        "gradient three times (projection, statistics, encode), as the floor does; what keeps GIFT's all-reduce "
+        "bodies further above their floor is the receiver's inverse map, whose expansion reads the decoded fp32 "
+        "result back where the floor decodes the gathered codes a second time."])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     results = [measure(fmt, op, r, c, a.world, rank) for _, r, c in SHAPES for fmt in FORMATS for op in OPS
                for rank in (0, RANK)]
+    carry_before(results, a.out)
     command = "python -m bench.kernel_traffic" + (f" --world {a.world}" if a.world != WORLD else "")
     a.out.write_text(json.dumps({"command": command, "world": a.world, "rank": RANK, "results": results}, indent=1)
                      + "\n")

@@ -5,9 +5,10 @@ Run as a script by tests/test_kernels.py, in a process without `TRITON_INTERPRET
 process the kernels are the interpreter's functions, which accept code the compiler rejects).
 Triton's wheel carries `ptxas`, so the whole pipeline (TTIR, TTGIR, LLVM IR, PTX, cubin) runs
 without a GPU or a driver: what the interpreter tests cannot tell, that the kernels compile, and
-with which constexprs, is checked here for every kernel format (each decode mode) and both
-precisions of the expansion. Prints one line per compiled kernel: its name, format and the
-cubin's size; exits non-zero on the first failure.
+with which constexprs, is checked here for every kernel format (each decode mode; the fused
+sender kernels for the formats they serve, at TF32 operands) and every precision of the map's
+kernels. Prints one line per compiled kernel: its name, format and the cubin's size; exits
+non-zero on the first failure.
 
 Then each operator is functionalized on fake CUDA tensors as AOTAutograd does under
 `torch.compile`: the operator becomes Triton's kernel-call higher-order op, whose
@@ -31,6 +32,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from gift_compile.codec import FormatSpec  # noqa: E402
 from gift_compile.kernels import triton_codec as k  # noqa: E402
 from gift_compile.kernels.formats import KERNEL_FORMATS, kernel_format  # noqa: E402
+from gift_compile.kernels.ops import fused_reason  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 ROW = {"cols": "i32", "nblocks": "i32", "row_stride": "i32"}
@@ -74,6 +76,13 @@ def mutated_arguments() -> dict[str, list[str]]:
         "lowrank_expand": (lambda g, p, d, c, b, q: ops.lowrank_expand(g, p, d, c, b, q, "tf32"),
                            [((8, 40), f32), ((8, 4), f32), ((40,), f32), ((4,), f32), ((40, 4), f32), ((40,), f32)]),
         "lowrank_project": (lambda g, b: ops.lowrank_project(g, b, "bf16"), [((8, 40), f32), ((40, 4), f32)]),
+        "lowrank_block_stat": (lambda g, p, d, c, b, q: ops.lowrank_block_stat(g, p, d, c, b, q, "tf32", "int2", 16),
+                               [((8, 40), f32), ((8, 4), f32), ((40,), f32), ((4,), f32), ((40, 4), f32),
+                                ((40,), f32)]),
+        "lowrank_encode": (lambda g, p, d, c, b, q, s, t: ops.lowrank_encode(g, p, d, c, b, q, s, t, "tf32", "int3",
+                                                                              32),
+                           [((8, 40), f32), ((8, 4), f32), ((40,), f32), ((4,), f32), ((40, 4), f32), ((40,), f32),
+                            ((8, 2), u8), ((1,), f32)]),
     }
     out = {}
     for name, (fn, shapes) in calls.items():
@@ -109,6 +118,17 @@ def main() -> int:
                                       "out_ptr": "*fp32", "rows": "i32", "cols": "i32", "nblocks": "i32",
                                       "nwords": "i32", "pcols": "i32"},
                     {"SENDERS": 8, **digits, "SUM": reduce, "AVERAGE": average})
+            if fused_reason(fmt, block) is None:  # the fused sender kernels, at the CUDA default's operands
+                maps = {name: "*fp32" for name in ("g_ptr", "p_ptr", "dinv_ptr", "coef_ptr", "basis_ptr", "dsq_ptr")}
+                tiles = {"BLOCK": f.block, "BM": 64, "BN": 128, "BR": 32, "PRECISION": "tf32"}
+                sizes["lowrank_block_stat"] = compile_kernel(
+                    k.lowrank_block_stat_kernel, maps | {"stat_ptr": "*fp32", "rows": "i32", "cols": "i32",
+                                                         "rank": "i32", "nblocks": "i32"},
+                    {"FACTOR": f.mean_abs_factor or 0.0, "MEAN_ABS": f.mean_abs_factor is not None, **tiles})
+                sizes["lowrank_encode"] = compile_kernel(
+                    k.lowrank_encode_kernel, maps | {"code_ptr": "*u8", "tscale_ptr": "*fp32", "out_ptr": "*u8"}
+                    | {name: "i32" for name in ("rows", "cols", "rank", "cp", "nblocks", "nwords", "out_cols")},
+                    {"KIND": f.kind, "BITS": f.bits, "PER": f.per, "NBYTES": f.nbytes, "IMAX": f.imax, **tiles})
             for name, size in sizes.items():
                 print(f"{fmt} b{block} {name}: cubin {size} bytes", flush=True)
     from gift_compile.kernels.ops import MAP_PRECISIONS

@@ -67,14 +67,18 @@ def test_every_kernel_compiles_for_hopper(tmp_path: Path) -> None:
                          text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
     lines = [line for line in res.stdout.splitlines() if not line.startswith("mutates ")]
-    # six per format and block; the map's two kernels at each of their three precisions
-    assert len(lines) == len(CASES) * 6 + 6 and all(int(line.split()[-2]) > 1000 for line in lines), lines
+    # six per format and block, two more (the fused sender's) for every one but ternary; the map's
+    # two kernels at each of their three precisions
+    fused = sum(ops.fused_reason(fmt, block) is None for fmt, block in CASES)
+    assert fused == len(CASES) - 2
+    assert len(lines) == len(CASES) * 6 + 2 * fused + 6 and all(int(line.split()[-2]) > 1000 for line in lines), lines
     # Inductor's analysis of each kernel's TTIR finds it stores to its output only, so under
     # torch.compile no input is copied before a kernel runs (its traffic stays its arguments')
     mutates = dict(line.removeprefix("mutates ").split(": ") for line in res.stdout.splitlines()
                    if line.startswith("mutates "))
     assert mutates == {"block_stat": "stat_ptr", "scale_codes": "code_ptr", "encode": "out_ptr", "decode": "out_ptr",
-                       "lowrank_expand": "out_ptr", "lowrank_project": "p_ptr"}
+                       "lowrank_expand": "out_ptr", "lowrank_project": "p_ptr", "lowrank_block_stat": "stat_ptr",
+                       "lowrank_encode": "out_ptr"}
 
 
 def _gradient(rows: int, cols: int, seed: int, huge: bool = True, nonfinite: bool = True) -> torch.Tensor:
@@ -389,9 +393,10 @@ def test_the_exchange_emits_the_kernel_operators_for_cuda_tensors() -> None:
 
 def test_the_exchange_runs_a_low_rank_map_on_cuda_as_the_map_kernels() -> None:
     """A low-rank item traced on fake CUDA tensors: with the default `map_precision` ("auto")
-    the sender's forward map and the receiver's inverse are the projection and expansion
-    operators (before and after the codec's); "exact" would run torch's matmul and pointwise
-    map instead."""
+    the sender's forward map is the projection operator and the expansion fused into the block
+    statistics and the encode (tests/test_fused_sender.py), the receiver's inverse the
+    projection and expansion operators after the decode; "exact" would run torch's matmul and
+    pointwise map instead."""
     rank = 4
     p_item = ItemPlan(name="w", rows=8, cols=40, format="nvfp4", kind="lowrank", n_tensors=5)
     plan = BucketPlan((p_item,), 2, None, True, "reduce_scatter")
@@ -409,8 +414,8 @@ def test_the_exchange_runs_a_low_rank_map_on_cuda_as_the_map_kernels() -> None:
 
     assert p_item.map_precision == "auto" and item_width(p_item, plan) > 0
     enc, dec = trace(p_item)
-    assert enc == ["gift_kernels.lowrank_project.default", "gift_kernels.lowrank_expand.default",
-                   "gift_kernels.block_stat.default", "gift_kernels.scale_codes.default", "gift_kernels.encode.default"]
+    assert enc == ["gift_kernels.lowrank_project.default", "gift_kernels.lowrank_block_stat.default",
+                   "gift_kernels.scale_codes.default", "gift_kernels.lowrank_encode.default"]
     assert dec == ["gift_kernels.decode.default", "gift_kernels.lowrank_project.default",
                    "gift_kernels.lowrank_expand.default"]
     # the exact map's spelling does not trace on fake CUDA tensors in a CPU-only torch (its

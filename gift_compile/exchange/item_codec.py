@@ -24,7 +24,10 @@ one implementation of the codec, two ways to run it.
 The codec steps (scales, encode, decode, the decoded sum) go through `gift_compile.kernels`: on
 CUDA, for the two-level formats, explicit Triton kernels registered as operators, which a trace
 keeps as operators (their traffic is theirs, not the installed Inductor's); elsewhere the
-reference codec, compiled by Inductor as before. Both write the same bytes.
+reference codec, compiled by Inductor as before. Both write the same bytes. A low-rank item whose
+map and codec both run as kernels sends through `kernels.fused_sender` instead: the map's
+expansion computed inside the block statistics and the encode, never written (`_fused_sender`
+says when: no error feedback, no block rotation, a format whose words tile the kernels).
 
 Every function takes its item's `ItemPlan` and a `BucketPlan` of which it reads the world
 size, op and average only, so its code depends on nothing else the bucket holds; the compiled
@@ -46,7 +49,9 @@ from gift_compile.kernels import choose_scales, decode, decode_sum, encode
 from gift_compile.exchange.accounting import _item_bytes_per_dest, _itemsize, _scale_layout
 from gift_compile.exchange.plan import BucketPlan, ItemPlan
 from gift_compile.geometry import apply_forward, apply_inverse, gated_tensors
-from gift_compile.geometry.maps import _traced
+from gift_compile.geometry.maps import LowRank, _traced
+from gift_compile.geometry.table import map_class
+from gift_compile.kernels.fused_sender import encode_lowrank, sender_path
 
 RANK_SEED_STRIDE = 1_000_003
 _ALL_GATHER_SEED = 7
@@ -245,6 +250,17 @@ def _parse_scales(recv: torch.Tensor, offset: int, spec: FormatSpec, cols: int,
     return scales, tscale, offset
 
 
+def _fused_sender(item: ItemPlan, state: ItemTensors, g: torch.Tensor) -> str | None:
+    """The map precision at which a low-rank item's sender runs fused (`kernels.fused_sender`:
+    the map inside the block statistics and the encode, the mapped gradient never written), or
+    None where it runs the unfused chain: a static choice from the plan and the device."""
+    if not issubclass(map_class(item.kind), LowRank) or item.spec.passthrough:
+        return None
+    path = sender_path(item.spec, g.device, item.map_precision, item.stochastic_rounding, state.residual is not None,
+                       item.block_rotation)
+    return path.precision if path.fused else None
+
+
 # ---- the per-item codec ---------------------------------------------------------------------
 def encode_item(x: torch.Tensor, state: ItemTensors | None, shared: Shared, item: ItemPlan,
                 p: BucketPlan) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -265,8 +281,13 @@ def encode_item(x: torch.Tensor, state: ItemTensors | None, shared: Shared, item
     g = x.reshape(item.rows, item.cols)
     if state.probe is not None:
         state.probe.copy_(g[: state.probe.shape[0]])
-    g = _to_code_axes(item, apply_forward(item.kind, _pad_rows(g.float(), rows), _map_tensors(item, state),
-                                          item.map_precision))
+    g = _pad_rows(g.float(), rows)
+    fused = _fused_sender(item, state, g)
+    if fused is not None:
+        scales, tscale, codes = encode_lowrank(g, *LowRank.forward_operands(_map_tensors(item, state)), fused, spec)
+        return ([_stored_codes(codes, spec).reshape(w, -1), *_scale_blocks(spec, item.cols, scales, tscale, w)],
+                scales_nonfinite(spec, scales, tscale))
+    g = _to_code_axes(item, apply_forward(item.kind, g, _map_tensors(item, state), item.map_precision))
     if state.residual is not None:
         g = g + _pad_rows(_decayed(item, residual_store.read(item.residual_format, state.residual, item.cols)), rows)
     scales, tscale = choose_scales(g, spec)

@@ -354,11 +354,19 @@ class LowRank(Geometry):
         g2 = g.reshape(-1, g.shape[-1])
         path = _map_path(precision, g)
         if path.kernels:
-            return lowrank_map(g2, v * dinv.unsqueeze(1), cf, dinv, dsq, path.precision.value).reshape(g.shape)
+            return lowrank_map(g2, *LowRank.forward_operands(tensors), path.precision.value).reshape(g.shape)
         ut = (v * dinv.unsqueeze(1)).t().contiguous()
         p = torch.mm(g2, ut.t())
         out = _rows(lambda x, pb: x * dinv + _low_rank_sum(pb, cf, ut) * dsq, g2, p)
         return out.reshape(g.shape)
+
+    @staticmethod
+    def forward_operands(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """The forward map's kernel operands `(basis, coef, pre, post)` = `(U, C, D^{-1/2}, D^{1/2})`,
+        `U = D^{-1/2} V`: what `kernels.map_dispatch.lowrank_map` takes on CUDA, and the
+        exchange's fused sender (`kernels.fused_sender.encode_lowrank`) too."""
+        dinv, v, cf, _, dsq = tensors
+        return v * dinv.unsqueeze(1), cf, dinv, dsq
 
     @staticmethod
     def apply_inverse(gt: torch.Tensor, tensors: tuple[torch.Tensor, ...], precision: str = EXACT) -> torch.Tensor:

@@ -6,13 +6,17 @@ them through `gift_compile.kernels.dispatch`. It imports only torch, Triton and 
 
 - `triton_codec`: the device code (block statistics, E4M3 scale codes, encode with packing,
   decode with the fp32 sum over senders; the low-rank map's projection and its expansion as a
-  `tl.dot` epilogue, fp32 accumulation over TF32 or bf16 operands);
+  `tl.dot` epilogue, fp32 accumulation over TF32 or bf16 operands, alone or inside the block
+  statistics and the encode);
 - `ops`: each kernel as a `torch.library.triton_op` with its launch and its shape function;
 - `formats`: which formats have kernels and their compile-time parameters;
 - `dispatch`: the codec functions the exchange calls, kernels on CUDA and the reference codec
   (compiled by Inductor) elsewhere, with the choice logged once per format;
 - `map_dispatch`: the same choice for the low-rank map's matmuls (`GiftConfig.map_precision`):
   the tensor-core kernels on CUDA, the exact fixed-order map elsewhere;
+- `fused_sender`: a low-rank item's sender with the map's expansion computed inside the block
+  statistics and the encode (the mapped gradient never written), where the map and the codec
+  both run as kernels;
 - `traffic`: the bytes each kernel reads and writes, from its arguments.
 
 The kernels are tested bit for bit against the reference codec on the CPU, in Triton's

@@ -11,7 +11,9 @@ arithmetic of `geometry.maps.LowRank`'s projection `P = G U` and expansion `(P C
   rounded to TF32 (10 mantissa bits) or bf16 (7 bits). Each kernel sums in one fixed order
   with no split reduction, so the bits depend on the inputs and the compiled kernel only (not
   on torch's TF32 flags or a library's algorithm choice): every rank computes the same
-  inverse map of the same decoded sum. CUDA only.
+  inverse map of the same decoded sum. CUDA only. The exchange's sender, where its codec runs
+  as kernels too, computes the expansion inside the codec's kernels instead of calling
+  `lowrank_map` (`kernels.fused_sender`).
 - `auto` (the default): `tf32` on CUDA, `exact` elsewhere. TF32 rather than bf16: the map's
   operand rounding reaches the delivered gradient through the inverse map, whose gain on the
   factor's strong directions grows with the whitening's conditioning; on real gradients

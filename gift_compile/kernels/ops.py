@@ -28,7 +28,8 @@ from gift_compile.codec.spec import FormatSpec
 from gift_compile.kernels import triton_codec as k
 from gift_compile.kernels.formats import KernelFormat, _next_pow2, kernel_format
 
-__all__ = ["MAP_PRECISIONS", "block_stat", "decode", "encode", "lowrank_expand", "lowrank_project", "scale_codes"]
+__all__ = ["MAP_PRECISIONS", "block_stat", "decode", "encode", "fused_reason", "lowrank_block_stat", "lowrank_encode",
+           "lowrank_expand", "lowrank_project", "scale_codes"]
 
 # Elements one program covers (a power of two): large enough that a program's loads are long
 # contiguous runs, small enough that a 600M-sized gradient still gives thousands of programs.
@@ -233,6 +234,20 @@ def _lowrank_project_fake(g: torch.Tensor, basis: torch.Tensor, precision: str) 
     return g.new_empty((g.shape[0], basis.shape[1]), dtype=torch.float32)
 
 
+def _check_map_operands(op: str, g: torch.Tensor, p: torch.Tensor, dinv: torch.Tensor, coef: torch.Tensor,
+                        basis: torch.Tensor, dsq: torch.Tensor) -> None:
+    """The expansion's operands (`lowrank_expand` and the fused sender ops): fp32, contiguous
+    along their last dim, shapes agreeing with `g` `[rows, cols]` and `basis` `[cols, rank]`."""
+    for name, t, dim in (("g", g, 2), ("p", p, 2), ("dinv", dinv, 1), ("coef", coef, 1), ("basis", basis, 2),
+                         ("dsq", dsq, 1)):
+        _check(op, name, t, torch.float32, dim)
+    rows, cols = g.shape
+    rank = basis.shape[1]
+    for name, t, want in (("p", p, (rows, rank)), ("dinv", dinv, (cols,)), ("coef", coef, (rank,)),
+                          ("basis", basis, (cols, rank)), ("dsq", dsq, (cols,))):
+        _check_shape(op, name, t, want)
+
+
 @triton_op("gift_kernels::lowrank_expand", mutates_args=())
 def lowrank_expand(g: torch.Tensor, p: torch.Tensor, dinv: torch.Tensor, coef: torch.Tensor, basis: torch.Tensor,
                    dsq: torch.Tensor, precision: str) -> torch.Tensor:
@@ -245,20 +260,14 @@ def lowrank_expand(g: torch.Tensor, p: torch.Tensor, dinv: torch.Tensor, coef: t
     codec's error)."""
     _check_precision("lowrank_expand", precision)
     basis = basis.contiguous()
-    for name, t, dim in (("g", g, 2), ("p", p, 2), ("dinv", dinv, 1), ("coef", coef, 1), ("basis", basis, 2),
-                         ("dsq", dsq, 1)):
-        _check("lowrank_expand", name, t, torch.float32, dim)
+    _check_map_operands("lowrank_expand", g, p, dinv, coef, basis, dsq)
     rows, cols = g.shape
-    rank = basis.shape[1]
-    for name, t, want in (("p", p, (rows, rank)), ("dinv", dinv, (cols,)), ("coef", coef, (rank,)),
-                          ("basis", basis, (cols, rank)), ("dsq", dsq, (cols,))):
-        _check_shape("lowrank_expand", name, t, want)
     out = torch.empty_like(g, memory_format=torch.contiguous_format)
     if out.numel():
         bm, bn = _EXPAND_TILE
         wrap_triton(k.lowrank_expand_kernel)[(triton.cdiv(rows, bm), triton.cdiv(cols, bn))](
-            g.contiguous(), p.contiguous(), dinv, coef, basis, dsq, out, rows, cols, rank, BM=bm, BN=bn,
-            BR=_rank_tile(rank), PRECISION=precision)
+            g.contiguous(), p.contiguous(), dinv, coef, basis, dsq, out, rows, cols, basis.shape[1], BM=bm, BN=bn,
+            BR=_rank_tile(basis.shape[1]), PRECISION=precision)
     return out
 
 
@@ -266,3 +275,95 @@ def lowrank_expand(g: torch.Tensor, p: torch.Tensor, dinv: torch.Tensor, coef: t
 def _lowrank_expand_fake(g: torch.Tensor, p: torch.Tensor, dinv: torch.Tensor, coef: torch.Tensor,
                          basis: torch.Tensor, dsq: torch.Tensor, precision: str) -> torch.Tensor:
     return torch.empty_like(g, memory_format=torch.contiguous_format)
+
+
+def fused_reason(fmt: str, block_size: int) -> str | None:
+    """Why the fused sender ops (`lowrank_block_stat`, `lowrank_encode`) cannot serve a kernel
+    format, or None where they can. Their tile is the expansion's `[64, 128]`: its 128 columns
+    must hold whole scale blocks and whole packed words, i.e. the block divides 128 and a word's
+    digit count is a power of two (1/2/4-bit codes in a byte, 3/6-bit ones in a 3-byte group).
+    Ternary's 5 digits per byte straddle tiles, so ternary keeps the unfused chain; a static
+    property of the format, never of the data."""
+    f = _format(fmt, block_size)
+    bn = _EXPAND_TILE[1]
+    if bn % f.block:
+        return f"{fmt} block {f.block} does not divide the fused tile's {bn} columns"
+    if f.per != f.per_p2 or bn % f.per:
+        return f"{fmt} packs {f.per} codes per word, which does not divide the fused tile's {bn} columns"
+    return None
+
+
+def _check_fused(op: str, fmt: str, block_size: int) -> KernelFormat:
+    reason = fused_reason(fmt, block_size)
+    if reason is not None:
+        raise ValueError(f"gift_kernels.{op}: {reason} (use lowrank_expand, then block_stat / encode)")
+    return _format(fmt, block_size)
+
+
+@triton_op("gift_kernels::lowrank_block_stat", mutates_args=())
+def lowrank_block_stat(g: torch.Tensor, p: torch.Tensor, dinv: torch.Tensor, coef: torch.Tensor, basis: torch.Tensor,
+                       dsq: torch.Tensor, precision: str, fmt: str, block_size: int) -> torch.Tensor:
+    """`block_stat(lowrank_expand(g, p, dinv, coef, basis, dsq, precision), fmt, block_size)`
+    without writing the expansion: each tile of it is computed as `lowrank_expand` computes it
+    and reduced to its blocks' statistics in the same kernel (fp32 `[rows, nblocks]`). For the
+    formats `fused_reason` admits."""
+    _check_precision("lowrank_block_stat", precision)
+    f = _check_fused("lowrank_block_stat", fmt, block_size)
+    basis = basis.contiguous()
+    _check_map_operands("lowrank_block_stat", g, p, dinv, coef, basis, dsq)
+    rows, cols = g.shape
+    nb = _nblocks(f, cols)
+    stat = torch.empty((rows, nb), dtype=torch.float32, device=g.device)
+    if stat.numel():
+        bm, bn = _EXPAND_TILE
+        wrap_triton(k.lowrank_block_stat_kernel)[(triton.cdiv(rows, bm), triton.cdiv(cols, bn))](
+            g.contiguous(), p.contiguous(), dinv, coef, basis, dsq, stat, rows, cols, basis.shape[1], nb,
+            FACTOR=f.mean_abs_factor or 0.0, MEAN_ABS=f.mean_abs_factor is not None, BLOCK=f.block, BM=bm, BN=bn,
+            BR=_rank_tile(basis.shape[1]), PRECISION=precision)
+    return stat
+
+
+@lowrank_block_stat.register_fake
+def _lowrank_block_stat_fake(g: torch.Tensor, p: torch.Tensor, dinv: torch.Tensor, coef: torch.Tensor,
+                             basis: torch.Tensor, dsq: torch.Tensor, precision: str, fmt: str,
+                             block_size: int) -> torch.Tensor:
+    return g.new_empty((g.shape[0], _nblocks(_format(fmt, block_size), g.shape[1])), dtype=torch.float32)
+
+
+@triton_op("gift_kernels::lowrank_encode", mutates_args=())
+def lowrank_encode(g: torch.Tensor, p: torch.Tensor, dinv: torch.Tensor, coef: torch.Tensor, basis: torch.Tensor,
+                   dsq: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor, precision: str, fmt: str,
+                   block_size: int) -> torch.Tensor:
+    """`encode(lowrank_expand(g, p, dinv, coef, basis, dsq, precision), scales, tensor_scale,
+    fmt, block_size)` without writing the expansion: each tile of it is computed as
+    `lowrank_expand` computes it and encoded and packed in the same kernel (uint8
+    `[rows, payload_cols]`). For the formats `fused_reason` admits."""
+    _check_precision("lowrank_encode", precision)
+    f = _check_fused("lowrank_encode", fmt, block_size)
+    spec = FormatSpec(fmt, block_size=block_size)
+    basis = basis.contiguous()
+    _check_map_operands("lowrank_encode", g, p, dinv, coef, basis, dsq)
+    _check("lowrank_encode", "scales", scales, torch.uint8, 2)
+    _check("lowrank_encode", "tensor_scale", tensor_scale, torch.float32, 1)
+    rows, cols = g.shape
+    nb = _nblocks(f, cols)
+    _check_shape("lowrank_encode", "scales", scales, (rows, nb))
+    _check_shape("lowrank_encode", "tensor_scale", tensor_scale, (1,))
+    pcols = spec.payload_cols(cols)
+    out = torch.empty((rows, pcols), dtype=torch.uint8, device=g.device)
+    if out.numel():
+        bm, bn = _EXPAND_TILE
+        wrap_triton(k.lowrank_encode_kernel)[(triton.cdiv(rows, bm), triton.cdiv(nb * f.block, bn))](
+            g.contiguous(), p.contiguous(), dinv, coef, basis, dsq, scales.contiguous(), tensor_scale, out, rows, cols,
+            basis.shape[1], nb * f.block, nb, _nwords(f, cols), pcols, KIND=f.kind, BITS=f.bits, PER=f.per,
+            NBYTES=f.nbytes, IMAX=f.imax, BLOCK=f.block, BM=bm, BN=bn, BR=_rank_tile(basis.shape[1]),
+            PRECISION=precision)
+    return out
+
+
+@lowrank_encode.register_fake
+def _lowrank_encode_fake(g: torch.Tensor, p: torch.Tensor, dinv: torch.Tensor, coef: torch.Tensor,
+                         basis: torch.Tensor, dsq: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor,
+                         precision: str, fmt: str, block_size: int) -> torch.Tensor:
+    return g.new_empty((g.shape[0], FormatSpec(fmt, block_size=block_size).payload_cols(g.shape[1])),
+                       dtype=torch.uint8)

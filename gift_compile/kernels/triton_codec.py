@@ -18,6 +18,12 @@ reference's zero padding gives. One program handles one row and `TILE` packed wo
 a word being the `PER` codes that share one byte (or one 3-byte group for 3- and 6-bit
 codes); the `PER` digits of a word are a `[TILE, PER_P2]` tile (`PER_P2` the next power of two,
 the extra digits masked), so the loads of a program are contiguous.
+
+The low-rank map's expansion and the two kernels that consume it on the sender
+(`lowrank_block_stat_kernel`, `lowrank_encode_kernel`) work on `[BM, BN]` tiles of rows and
+columns instead (`_expand_tile`, one function for all three, so they compute the same values):
+the consumers view a tile as `[BM, BN / BLOCK, BLOCK]` blocks or `[BM, BN / PER, PER]` words,
+which needs BN to be a multiple of both (`ops.fused_reason`).
 """
 
 from __future__ import annotations
@@ -82,22 +88,30 @@ def _e4m3_code(v):
 
 
 @triton.jit
+def _block_stat(a, AXIS: tl.constexpr, FACTOR: tl.constexpr, MEAN_ABS: tl.constexpr):
+    """The statistic of each block of `|x|` values `a`, the blocks along axis AXIS: amax, or
+    FACTOR * sum summed in fp64 (`codec.scales._mean_abs`); +inf for a block holding NaN/Inf
+    (its non-finite values are left out of the sum or max, whose result the +inf replaces)."""
+    fin = _is_finite(a)
+    bad = tl.min(fin.to(tl.int32), axis=AXIS) == 0
+    ok = tl.where(fin, a, 0.0)
+    if MEAN_ABS:
+        m = tl.sum(ok.to(tl.float64), axis=AXIS) * FACTOR
+        s = tl.minimum(m, FP32_MAX).to(tl.float32)
+    else:
+        s = tl.max(ok, axis=AXIS)
+    return tl.where(bad, float("inf"), s)
+
+
+@triton.jit
 def block_stat_kernel(x_ptr, stat_ptr, cols, nblocks, row_stride,
                       FACTOR: tl.constexpr, MEAN_ABS: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr):
-    """Per-block statistic `stat[row, b]` (fp32): amax of |x|, or FACTOR * sum |x| summed in
-    fp64 (`codec.scales._mean_abs`); +inf for a block holding NaN/Inf."""
+    """Per-block statistic `stat[row, b]` (fp32, `_block_stat`) of one row's `TILE` blocks."""
     row = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1) * TILE + tl.arange(0, TILE)
     j = b[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     a = tl.abs(tl.load(x_ptr + row * row_stride + j, mask=(j < cols) & (b < nblocks)[:, None], other=0.0))
-    bad = tl.max((~_is_finite(a)).to(tl.int32), axis=1) > 0
-    if MEAN_ABS:
-        m = tl.sum(tl.where(bad[:, None], 0.0, a).to(tl.float64), axis=1) * FACTOR
-        s = tl.minimum(m, FP32_MAX).to(tl.float32)
-    else:
-        s = tl.max(tl.where(bad[:, None], 0.0, a), axis=1)
-    s = tl.where(bad, float("inf"), s)
-    tl.store(stat_ptr + row * nblocks + b, s, mask=b < nblocks)
+    tl.store(stat_ptr + row * nblocks + b, _block_stat(a, 1, FACTOR, MEAN_ABS), mask=b < nblocks)
 
 
 @triton.jit
@@ -164,21 +178,10 @@ def _magnitude(a, unit, KIND: tl.constexpr, IMAX: tl.constexpr):
 
 
 @triton.jit
-def encode_kernel(x_ptr, code_ptr, tscale_ptr, out_ptr, cols, cp, nblocks, nwords, out_cols, row_stride,
-                  KIND: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr, PER_P2: tl.constexpr,
-                  NBYTES: tl.constexpr, IMAX: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr):
-    """Packed codes of x on the grid of the given E4M3 block codes and tensor scale
-    (`codec.encode`, round to nearest): every digit's code, then each word's digits joined
-    low digit first, stored as one byte or as a 3-byte group, low byte first."""
-    row = tl.program_id(0).to(tl.int64)
-    w = tl.program_id(1) * TILE + tl.arange(0, TILE)
-    i = tl.arange(0, PER_P2)
-    j = w[:, None] * PER + i[None, :]  # padded column of each digit
-    digit = (i < PER)[None, :] & (w < nwords)[:, None]
-    inside = digit & (j < cp)
-    x = tl.load(x_ptr + row * row_stride + j, mask=inside & (j < cols), other=0.0)
-    sc = tl.load(code_ptr + row * nblocks + j // BLOCK, mask=inside, other=0).to(tl.int32)
-    unit = _e4m3_value(sc) * tl.load(tscale_ptr)
+def _digit_code(x, sc, tscale, j, KIND: tl.constexpr, BITS: tl.constexpr, IMAX: tl.constexpr):
+    """Each value's int32 code (`codec.encode`, round to nearest) on the grid of its E4M3 block
+    code `sc` (int32) and the fp32 tensor scale; `j` its padded column (int2's parity rule)."""
+    unit = _e4m3_value(sc) * tscale
     unit = tl.where(_is_finite(unit), unit, float("nan"))
     mag = _magnitude(tl.abs(x), unit, KIND, IMAX)
     neg = x < 0
@@ -194,6 +197,25 @@ def encode_kernel(x_ptr, code_ptr, tscale_ptr, out_ptr, cols, cp, nblocks, nword
         code = 1 + mag * (1 - 2 * sign)
     else:
         code = (mag * (1 - 2 * sign)) & ((1 << BITS) - 1)
+    return code
+
+
+@triton.jit
+def encode_kernel(x_ptr, code_ptr, tscale_ptr, out_ptr, cols, cp, nblocks, nwords, out_cols, row_stride,
+                  KIND: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr, PER_P2: tl.constexpr,
+                  NBYTES: tl.constexpr, IMAX: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr):
+    """Packed codes of x on the grid of the given E4M3 block codes and tensor scale
+    (`codec.encode`, round to nearest): every digit's code (`_digit_code`), then each word's
+    digits joined low digit first, stored as one byte or as a 3-byte group, low byte first."""
+    row = tl.program_id(0).to(tl.int64)
+    w = tl.program_id(1) * TILE + tl.arange(0, TILE)
+    i = tl.arange(0, PER_P2)
+    j = w[:, None] * PER + i[None, :]  # padded column of each digit
+    digit = (i < PER)[None, :] & (w < nwords)[:, None]
+    inside = digit & (j < cp)
+    x = tl.load(x_ptr + row * row_stride + j, mask=inside & (j < cols), other=0.0)
+    sc = tl.load(code_ptr + row * nblocks + j // BLOCK, mask=inside, other=0).to(tl.int32)
+    code = _digit_code(x, sc, tl.load(tscale_ptr), j, KIND, BITS, IMAX)
     if KIND == KIND_TERNARY:
         code = tl.where(inside, code, 1)  # digits past the padded row: the value 0
         weight = tl.full([PER_P2], 1, tl.int32)
@@ -309,25 +331,82 @@ def lowrank_project_kernel(g_ptr, basis_ptr, p_ptr, rows, cols, rank, BM: tl.con
 
 
 @triton.jit
-def lowrank_expand_kernel(g_ptr, p_ptr, dinv_ptr, coef_ptr, basis_ptr, dsq_ptr, out_ptr, rows, cols, rank,
-                          BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, PRECISION: tl.constexpr):
-    """The low-rank map's expansion as a matmul epilogue (`geometry.maps.LowRank`, both
-    directions): out = g * dinv + ((p * coef) @ basis.T) * dsq for a `[BM, BN]` tile, the rank-r
-    product on the tensor cores (`_mma`: fp32 accumulation, operands at PRECISION). `g` and `out`
-    are `[rows, cols]`, `p` `[rows, rank]`, `basis` `[cols, rank]` (the projection's, read
-    transposed: no transposed copy is made), all contiguous; the rank is padded to BR (>= 16,
-    tl.dot's least) with zeros."""
-    m = tl.program_id(0) * BM + tl.arange(0, BM)
-    n = tl.program_id(1) * BN + tl.arange(0, BN)
+def _expand_tile(g_ptr, p_ptr, dinv_ptr, coef_ptr, basis_ptr, dsq_ptr, m, n, rows, cols, rank,
+                 BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, PRECISION: tl.constexpr):
+    """The low-rank map's expansion `g * dinv + ((p * coef) @ basis.T) * dsq` on the `[BM, BN]`
+    tile of rows `m` and columns `n` (`lowrank_expand_kernel`), with the rank padded to BR;
+    0 outside `[rows, cols]` (the zero padding the codec's reference gives the columns past
+    `cols`, whatever a NaN in the projection would make of the masked operands). The one
+    spelling of the tile's arithmetic, shared by the expansion and the fused sender kernels,
+    so all of them compute the same values."""
     k = tl.arange(0, BR)
     rmask, cmask, kmask = m < rows, n < cols, k < rank
     q = tl.load(p_ptr + m[:, None].to(tl.int64) * rank + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
     q = q * tl.load(coef_ptr + k, mask=kmask, other=0.0)[None, :]
     basis = tl.load(basis_ptr + n[None, :] * rank + k[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
     low = _mma(q, basis, tl.zeros([BM, BN], dtype=tl.float32), PRECISION)
-    at = m[:, None].to(tl.int64) * cols + n[None, :]
     both = rmask[:, None] & cmask[None, :]
-    g = tl.load(g_ptr + at, mask=both, other=0.0)
+    g = tl.load(g_ptr + m[:, None].to(tl.int64) * cols + n[None, :], mask=both, other=0.0)
     dinv = tl.load(dinv_ptr + n, mask=cmask, other=0.0)[None, :]
     dsq = tl.load(dsq_ptr + n, mask=cmask, other=0.0)[None, :]
-    tl.store(out_ptr + at, g * dinv + low * dsq, mask=both)
+    return tl.where(both, g * dinv + low * dsq, 0.0)
+
+
+@triton.jit
+def lowrank_expand_kernel(g_ptr, p_ptr, dinv_ptr, coef_ptr, basis_ptr, dsq_ptr, out_ptr, rows, cols, rank,
+                          BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, PRECISION: tl.constexpr):
+    """The low-rank map's expansion as a matmul epilogue (`geometry.maps.LowRank`, both
+    directions): out = g * dinv + ((p * coef) @ basis.T) * dsq for a `[BM, BN]` tile
+    (`_expand_tile`), the rank-r product on the tensor cores (`_mma`: fp32 accumulation,
+    operands at PRECISION). `g` and `out` are `[rows, cols]`, `p` `[rows, rank]`, `basis`
+    `[cols, rank]` (the projection's, read transposed: no transposed copy is made), all
+    contiguous; the rank is padded to BR (>= 16, tl.dot's least) with zeros."""
+    m = tl.program_id(0) * BM + tl.arange(0, BM)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    y = _expand_tile(g_ptr, p_ptr, dinv_ptr, coef_ptr, basis_ptr, dsq_ptr, m, n, rows, cols, rank, BM, BN, BR,
+                     PRECISION)
+    tl.store(out_ptr + m[:, None].to(tl.int64) * cols + n[None, :], y, mask=(m < rows)[:, None] & (n < cols)[None, :])
+
+
+@triton.jit
+def lowrank_block_stat_kernel(g_ptr, p_ptr, dinv_ptr, coef_ptr, basis_ptr, dsq_ptr, stat_ptr, rows, cols, rank,
+                              nblocks, FACTOR: tl.constexpr, MEAN_ABS: tl.constexpr, BLOCK: tl.constexpr,
+                              BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, PRECISION: tl.constexpr):
+    """`block_stat_kernel` of the low-rank map's expansion, computed in the tile
+    (`_expand_tile`) and never written: the `[BM, BN]` tile's `BN / BLOCK` blocks of each row
+    (BN a multiple of BLOCK), their statistics (`_block_stat`) stored `[rows, nblocks]`."""
+    m = tl.program_id(0) * BM + tl.arange(0, BM)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    y = _expand_tile(g_ptr, p_ptr, dinv_ptr, coef_ptr, basis_ptr, dsq_ptr, m, n, rows, cols, rank, BM, BN, BR,
+                     PRECISION)
+    s = _block_stat(tl.reshape(tl.abs(y), [BM, BN // BLOCK, BLOCK]), 2, FACTOR, MEAN_ABS)
+    b = tl.program_id(1) * (BN // BLOCK) + tl.arange(0, BN // BLOCK)
+    tl.store(stat_ptr + m[:, None].to(tl.int64) * nblocks + b[None, :], s,
+             mask=(m < rows)[:, None] & (b < nblocks)[None, :])
+
+
+@triton.jit
+def lowrank_encode_kernel(g_ptr, p_ptr, dinv_ptr, coef_ptr, basis_ptr, dsq_ptr, code_ptr, tscale_ptr, out_ptr,
+                          rows, cols, rank, cp, nblocks, nwords, out_cols,
+                          KIND: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr, NBYTES: tl.constexpr,
+                          IMAX: tl.constexpr, BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                          BR: tl.constexpr, PRECISION: tl.constexpr):
+    """`encode_kernel` of the low-rank map's expansion, computed in the tile (`_expand_tile`)
+    and never written: each value's code (`_digit_code`), the tile's `BN / PER` words of each
+    row joined low digit first (`PER` a power of two dividing BN, so a word never straddles two
+    tiles, and the padded width `cp` a whole number of words: no digit past it is stored),
+    stored as one byte or a 3-byte group, low byte first. Not for ternary's 5-digit words
+    (`ops.fused_reason`)."""
+    m = tl.program_id(0) * BM + tl.arange(0, BM)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    y = _expand_tile(g_ptr, p_ptr, dinv_ptr, coef_ptr, basis_ptr, dsq_ptr, m, n, rows, cols, rank, BM, BN, BR,
+                     PRECISION)
+    inside = (m < rows)[:, None] & (n < cp)[None, :]
+    sc = tl.load(code_ptr + m[:, None].to(tl.int64) * nblocks + (n // BLOCK)[None, :], mask=inside, other=0)
+    code = _digit_code(y, sc.to(tl.int32), tl.load(tscale_ptr), n[None, :], KIND, BITS, IMAX)
+    weight = 1 << (tl.arange(0, PER) * BITS)
+    word = tl.sum(tl.reshape(code, [BM, BN // PER, PER]) * weight[None, None, :], axis=2)
+    w = tl.program_id(1) * (BN // PER) + tl.arange(0, BN // PER)
+    out = out_ptr + m[:, None].to(tl.int64) * out_cols + w[None, :] * NBYTES
+    for k in tl.static_range(NBYTES):
+        tl.store(out + k, ((word >> (8 * k)) & 0xFF).to(tl.uint8), mask=(m < rows)[:, None] & (w < nwords)[None, :])

@@ -1,0 +1,240 @@
+"""GIFT's fused sender (gift_compile.kernels.fused_sender): the low-rank map's expansion computed
+inside the block statistics and the encode instead of written out.
+
+The fused operators (`lowrank_block_stat`, `lowrank_encode`) are compared with the unfused chain
+they replace (`lowrank_expand`, then `block_stat`, `scale_codes`, `encode`) bit for bit: on
+inputs whose every product and partial sum is exact in fp32 (small integers times powers of two,
+so no summation order can change a bit),
+and on random ones with NaN/Inf, one row, and widths that fill no whole tile or block. On the
+CPU they run in Triton's interpreter (tests/conftest.py), with "ieee" operands; with CUDA,
+compiled. The exchange's choice of path (fused for a low-rank item on the kernel path, the
+unfused chain with error feedback, block rotation, or ternary's words) is read off the
+operators a trace on fake CUDA tensors emits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from conftest import require
+
+require("triton", "the codec kernels need Triton (the `test` extra installs it)")
+
+from gift_compile.codec import FormatSpec  # noqa: E402
+from gift_compile.codec import residual as residual_store  # noqa: E402
+from gift_compile.codec.scales import _global_max, _tensor_scale  # noqa: E402
+from gift_compile.exchange.item_codec import ItemTensors, Shared, encode_item  # noqa: E402
+from gift_compile.exchange.plan import BucketPlan, ItemPlan  # noqa: E402
+from gift_compile.kernels import choose_scales, ops  # noqa: E402
+from gift_compile.kernels.formats import KERNEL_FORMATS  # noqa: E402
+from gift_compile.kernels.fused_sender import encode_lowrank, sender_path  # noqa: E402
+from gift_compile.kernels.map_dispatch import lowrank_map  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's inf * 0 in the NaN cases
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# every format the fused kernels serve, at each block it takes; ternary keeps the unfused chain
+FUSED = [("nvfp4", 16), ("int6", 16), ("int6", 32), ("int4", 16), ("int4", 32), ("int3", 16), ("int3", 32),
+         ("int2", 16), ("int2", 32)]
+IDS = [f"{f}-b{b}" for f, b in FUSED]
+
+
+def test_every_kernel_format_but_ternary_is_fused() -> None:
+    """Which path each kernel format's sender takes, a static property of its word layout:
+    words of a power-of-two digit count tile the fused kernels' 128 columns, ternary's five
+    digits per byte do not (its ops refuse it by name)."""
+    fused = {(f, b) for f in KERNEL_FORMATS for b in ((16,) if f == "nvfp4" else (16, 32))
+             if ops.fused_reason(f, b) is None}
+    assert fused == set(FUSED)
+    assert "5 codes per word" in ops.fused_reason("ternary", 32)
+    g, p, d, c, b = torch.zeros(2, 40), torch.zeros(2, 4), torch.ones(40), torch.zeros(4), torch.zeros(40, 4)
+    with pytest.raises(ValueError, match="lowrank_block_stat: ternary packs 5"):
+        ops.lowrank_block_stat(g, p, d, c, b, d, "ieee", "ternary", 32)
+
+
+def _chain(g: torch.Tensor, p: torch.Tensor, dinv: torch.Tensor, coef: torch.Tensor, basis: torch.Tensor,
+           dsq: torch.Tensor, fmt: str, block: int) -> tuple[torch.Tensor, ...]:
+    """The unfused sender: the expansion written out, then its statistics, scales and codes."""
+    y = ops.lowrank_expand(g, p, dinv, coef, basis, dsq, "ieee")
+    stat = ops.block_stat(y, fmt, block)
+    tscale = _tensor_scale(_global_max(stat), FormatSpec(fmt).family.level)
+    scales = ops.scale_codes(stat, tscale, fmt, block)
+    return y, stat, tscale, scales, ops.encode(y, scales, tscale, fmt, block)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal as stored bits, NaN matching NaN whatever its payload."""
+    if a.dtype.is_floating_point:
+        nan = torch.isnan(a)
+        if a.shape != b.shape or not torch.equal(nan, torch.isnan(b)):
+            return False
+        a, b = torch.where(nan, 0.0, a).view(torch.int32), torch.where(nan, 0.0, b).view(torch.int32)
+    return a.shape == b.shape and torch.equal(a, b)
+
+
+def _check_fused_matches_chain(g: torch.Tensor, p: torch.Tensor, dinv: torch.Tensor, coef: torch.Tensor,
+                               basis: torch.Tensor, dsq: torch.Tensor, fmt: str, block: int) -> torch.Tensor:
+    """Assert the fused ops give the chain's statistics and codes bit for bit; return the chain's y."""
+    args = [t.to(DEVICE) for t in (g, p, dinv, coef, basis, dsq)]
+    y, stat, tscale, scales, codes = _chain(*args, fmt, block)
+    fstat = ops.lowrank_block_stat(*args, "ieee", fmt, block)
+    assert _same_bits(fstat.cpu(), stat.cpu()), (fmt, block)
+    fcodes = ops.lowrank_encode(*args, scales, tscale, "ieee", fmt, block)
+    assert _same_bits(fcodes.cpu(), codes.cpu()), (fmt, block, int((fcodes != codes).sum()))
+    return y.cpu()
+
+
+@pytest.mark.parametrize(("fmt", "block"), FUSED, ids=IDS)
+def test_the_fused_ops_are_the_chain_on_exact_inputs(fmt: str, block: int) -> None:
+    """Inputs whose every product and partial sum is exact in fp32 (integers up to 2**6 times
+    powers of two): the expansion is the exact map whatever order a kernel sums in, so any
+    difference would be the fused kernels' rounding, masking or packing (a few values per
+    format also sit exactly on a threshold of the grid, a tie to even). 150 columns: a partial
+    second tile and a partial last block; 70 rows: a partial second row tile."""
+    gen = torch.Generator().manual_seed(block + len(fmt))
+    rows, cols, rank = 70, 150, 8
+
+    def ints(*shape: int, lo: int = -8, hi: int = 9) -> torch.Tensor:
+        return torch.randint(lo, hi, shape, generator=gen).float()
+
+    g = ints(rows, cols) * 2.0 ** ints(rows, 1, lo=-4, hi=5)
+    basis, coef = ints(cols, rank) * 0.125, 2.0 ** ints(rank, lo=-3, hi=1)
+    dinv, dsq = 2.0 ** ints(cols, lo=-2, hi=3), 2.0 ** ints(cols, lo=-2, hi=3)
+    p = g @ basis  # exact: integer multiples of one power of two per row, far below 2**24
+    y = _check_fused_matches_chain(g, p, dinv, coef, basis, dsq, fmt, block)
+    assert torch.equal(y, g * dinv + ((p * coef) @ basis.T) * dsq)  # the exact map, so no order mattered
+    assert (y != g * dinv).float().mean() > 0.5  # the rank-r term is there
+
+
+@pytest.mark.parametrize(("fmt", "block"), FUSED, ids=IDS)
+@pytest.mark.parametrize(("rows", "cols"), [(70, 300), (1, 37)], ids=["70x300", "1x37"])
+def test_the_fused_ops_are_the_chain_on_random_inputs(fmt: str, block: int, rows: int, cols: int) -> None:
+    """Gaussian rows of different magnitudes with a NaN and an Inf row (their projection makes
+    the whole mapped row non-finite: every block statistic +inf, codes as the chain's), an
+    all-zero row (int2's parity rule on exact zeros), one row alone, widths that fill no whole
+    tile or block: bit for bit the chain's, the tile arithmetic being the same function."""
+    gen = torch.Generator().manual_seed(rows + cols + block)
+    rank = 20
+    g = torch.randn(rows, cols, generator=gen) * torch.logspace(-3, 2, rows).unsqueeze(1)
+    if rows > 6:
+        g[3, 5], g[4, cols - 1], g[5] = float("nan"), float("-inf"), 0.0
+    basis = torch.linalg.qr(torch.randn(cols, rank, generator=gen))[0]
+    coef, dinv = -0.9 * torch.rand(rank, generator=gen), torch.rand(cols, generator=gen) + 0.5
+    p = ops.lowrank_project(g.to(DEVICE), basis.to(DEVICE), "ieee").cpu()
+    y = _check_fused_matches_chain(g, p, dinv, coef, basis, 1 / dinv, fmt, block)
+    if rows > 6:
+        stat = ops.lowrank_block_stat(*(t.to(DEVICE) for t in (g, p, dinv, coef, basis, 1 / dinv)), "ieee", fmt, block)
+        assert torch.isinf(stat[3:5]).all() and torch.isfinite(stat[6:]).all()
+        assert (y[5] == 0).all()
+
+
+@pytest.mark.parametrize(("fmt", "block"), [("nvfp4", 16), ("int2", 32), ("int3", 16)])
+def test_encode_lowrank_is_the_map_then_the_kernel_codec(fmt: str, block: int) -> None:
+    """`fused_sender.encode_lowrank` (what the exchange calls) gives the scale codes, tensor
+    scale and codes of the kernel path's unfused sender: `lowrank_map`, then
+    the kernel path's statistics, scale codes and encode."""
+    gen = torch.Generator().manual_seed(block)
+    g = torch.randn(9, 100, generator=gen).to(DEVICE)
+    basis = torch.randn(100, 6, generator=gen).to(DEVICE)
+    coef, pre = torch.randn(6, generator=gen).to(DEVICE), (torch.rand(100, generator=gen) + 0.5).to(DEVICE)
+    spec = FormatSpec(fmt, block_size=block)
+    scales, tscale, codes = encode_lowrank(g, basis, coef, pre, 1 / pre, "ieee", spec)
+    y = lowrank_map(g, basis, coef, pre, 1 / pre, "ieee")
+    # the kernel path's unfused sender by hand (on CPU tensors the dispatch would run the reference codec)
+    stat = ops.block_stat(y, fmt, block)
+    ref_tscale = _tensor_scale(_global_max(stat), spec.family.level)
+    ref_scales = ops.scale_codes(stat, ref_tscale, fmt, block)
+    ref_codes = ops.encode(y, ref_scales, ref_tscale, fmt, block)
+    if DEVICE.type == "cuda":
+        assert torch.equal(choose_scales(y, spec)[0], ref_scales)
+    assert torch.equal(scales, ref_scales) and torch.equal(tscale, ref_tscale) and torch.equal(codes, ref_codes)
+
+
+def _fake_cuda(mode: FakeTensorMode, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return FakeTensor(mode, torch.empty(shape, dtype=dtype, device="meta"), torch.device("cuda"))
+
+
+class _Stop(Exception):
+    """Raised by `_KernelCalls` at the error-feedback residual's decode: the sender is recorded."""
+
+
+class _KernelCalls(TorchDispatchMode):
+    """Records the codec kernel operators a call dispatches (under the fake mode: no launch), up
+    to the first `decode`: the error-feedback residual's, which runs after the encode, and whose
+    update (a row slice) does not run on fake CUDA tensors in a CPU-only torch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 (torch's protocol)
+        if func.namespace == "gift_kernels":
+            self.ops.append(func._opname)
+            if func._opname == "decode":
+                raise _Stop
+        return func(*args, **(kwargs or {}))
+
+
+def _sender_ops(item: ItemPlan, rank: int = 4) -> list[str]:
+    """The kernel operators `encode_item` runs for `item` on fake CUDA tensors, with a
+    rank-`rank` low-rank map and, with error feedback, its residual, up to the residual's
+    decode (`_KernelCalls`); `test_the_fused_sender_traces_as_its_operators` traces the fused
+    path with `make_fx`."""
+    p = BucketPlan((item,), 2, None, True, "reduce_scatter")
+    mode = FakeTensorMode()
+    with mode:
+        maps = tuple(_fake_cuda(mode, s, torch.float32)
+                     for s in ((item.cols,), (item.cols, rank), (rank,), (rank,), (item.cols,)))
+        residual = None
+        if item.error_feedback:
+            residual = tuple(_fake_cuda(mode, tuple(b.shape), b.dtype)
+                             for b in residual_store.allocate(item.residual_format, item.rows, item.cols, "meta"))
+        with _KernelCalls() as calls:
+            try:
+                encode_item(_fake_cuda(mode, (item.rows, item.cols), torch.float32), ItemTensors(maps, residual),
+                            Shared(), item, p)
+            except _Stop:
+                assert item.error_feedback
+    return calls.ops
+
+
+def test_the_fused_sender_traces_as_its_operators() -> None:
+    """Traced as the FX pass traces it (`make_fx` on fake CUDA tensors), a low-rank item's
+    sender is the four operators, which Inductor keeps as kernels (`bench.kernel_traffic` counts
+    their bytes from these nodes)."""
+    item = ItemPlan(name="w", rows=8, cols=40, format="int4", kind="lowrank", n_tensors=5)
+    p = BucketPlan((item,), 2, None, True, "all_reduce")
+    mode = FakeTensorMode()
+    with mode:
+        maps = tuple(_fake_cuda(mode, s, torch.float32) for s in ((40,), (40, 4), (4,), (4,), (40,)))
+        gm = make_fx(lambda g: encode_item(g, ItemTensors(maps), Shared(), item, p))(
+            _fake_cuda(mode, (8, 40), torch.float32))
+    assert [str(n.target) for n in gm.graph.nodes if n.op == "call_function" and "gift_kernels" in str(n.target)] == [
+        f"gift_kernels.{op}.default" for op in ("lowrank_project", "lowrank_block_stat", "scale_codes",
+                                                 "lowrank_encode")]
+
+
+def test_the_exchange_sends_a_low_rank_item_through_the_fused_ops() -> None:
+    """A low-rank item on the kernel path (CUDA, `map_precision` "auto", a fused format) sends
+    through the projection, the fused statistics, the scale codes and the fused encode: no
+    expansion written. With error feedback (its residual joins the mapped gradient), block
+    rotation, ternary, or the exact map, the unfused chain as before."""
+    item = ItemPlan(name="w", rows=8, cols=40, format="nvfp4", kind="lowrank", n_tensors=5)
+    assert _sender_ops(item) == ["lowrank_project", "lowrank_block_stat", "scale_codes", "lowrank_encode"]
+    assert _sender_ops(dataclasses.replace(item, format="int3", block_size=32))[1] == "lowrank_block_stat"
+    chain = ["lowrank_project", "lowrank_expand", "block_stat", "scale_codes", "encode"]
+    assert _sender_ops(dataclasses.replace(item, error_feedback=True)) == [*chain, "decode"]
+    assert _sender_ops(dataclasses.replace(item, format="ternary", block_size=32)) == chain
+    cuda = torch.device("cuda")
+    assert not sender_path(item.spec, cuda, "auto", False, False, True).fused  # block rotation
+    assert not sender_path(item.spec, cuda, "exact", False, False, False).fused
+    assert not sender_path(item.spec, cuda, "auto", True, False, False).fused  # stochastic rounding
+    assert not sender_path(item.spec, torch.device("cpu"), "auto", False, False, False).fused
+    assert sender_path(item.spec, cuda, "bf16", False, False, False) == (
+        True, "bf16", "nvfp4: the low-rank map fused into the block statistics and the encode (bf16 operands)")
