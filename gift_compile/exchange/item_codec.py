@@ -158,9 +158,11 @@ def _from_bytes(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return raw.contiguous().view(dtype)
     itype = _INT_OF_SIZE[size]
     b = raw.reshape(*raw.shape[:-1], raw.shape[-1] // size, size).to(itype)
-    word = b[..., 0]
+    # `select`, not `b[..., i]`: the same op in the graph, but the ellipsis index does not trace on
+    # fake CUDA tensors in a CPU-only torch (bench.kernel_traffic traces the fp32 scales' parse)
+    word = b.select(-1, 0)
     for i in range(1, size):
-        word = word | (b[..., i] << (8 * i))
+        word = word | (b.select(-1, i) << (8 * i))
     return word.view(dtype)
 
 

@@ -7,7 +7,10 @@ them through `gift_compile.kernels.dispatch`. It imports only torch, Triton and 
 - `triton_codec`: the device code (block statistics, E4M3 scale codes, encode with packing,
   decode with the fp32 sum over senders; the low-rank map's projection and its expansion as a
   `tl.dot` epilogue, fp32 accumulation over TF32 or bf16 operands);
-- `ops`: each kernel as a `torch.library.triton_op` with its launch and its shape function;
+- `triton_fp8`: the fp8 formats' device code (per-tensor/row/block scales, encode with the
+  float8 bytes built from the fp32 bits, decode with the fp32 sum over senders);
+- `ops`: each kernel as a `torch.library.triton_op` with its launch and its shape function
+  (`ops_fp8` for the fp8 kernels);
 - `formats`: which formats have kernels and their compile-time parameters;
 - `dispatch`: the codec functions the exchange calls, kernels on CUDA and the reference codec
   (compiled by Inductor) elsewhere, with the choice logged once per format;

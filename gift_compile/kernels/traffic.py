@@ -23,7 +23,8 @@ import torch
 __all__ = ["KERNEL_OPS", "Traffic", "node_traffic", "op_traffic"]
 
 # The registered operators (`torch.ops.gift_kernels.<name>`) whose traffic this module knows.
-KERNEL_OPS = ("block_stat", "scale_codes", "encode", "decode", "lowrank_project", "lowrank_expand")
+KERNEL_OPS = ("block_stat", "scale_codes", "encode", "decode", "lowrank_project", "lowrank_expand",
+              "fp8_scales", "fp8_encode", "fp8_decode")
 
 
 class Traffic(NamedTuple):
