@@ -77,6 +77,9 @@ def mutated_arguments() -> dict[str, list[str]]:
         "lowrank_project": (lambda g, b: ops.lowrank_project(g, b, "bf16"), [((8, 40), f32), ((40, 4), f32)]),
         "fp8_scales": (lambda x: ops_fp8.fp8_scales(x, "fp8_e4m3", "row", 32), [((8, 40), f32)]),
         "fp8_scales[block]": (lambda x: ops_fp8.fp8_scales(x, "fp8_e5m2", "block", 16), [((8, 40), f32)]),
+        "fp8_scale_encode": (lambda x: ops_fp8.fp8_scale_encode(x, "fp8_e4m3", "row", 32), [((8, 40), f32)]),
+        "fp8_scale_encode[block]": (lambda x: ops_fp8.fp8_scale_encode(x, "fp8_e5m2", "block", 16),
+                                    [((8, 40), f32)]),
         "fp8_encode": (lambda x, s: ops_fp8.fp8_encode(x, s, "fp8_e4m3", "block", 16), [((8, 40), f32),
                                                                                        ((8, 3), f32)]),
         "fp8_decode": (lambda p, s: ops_fp8.fp8_decode(p, s, "fp8_e4m3", "row", 32, 40, True, True),
@@ -93,27 +96,36 @@ def mutated_arguments() -> dict[str, list[str]]:
 
 def compile_fp8() -> None:
     """Every fp8 kernel for both fp8 formats: the scale kernels (a row's scale, a row's amax for
-    the tensor scale, a block's scale with a block that is not a power of two), the encoder and
-    the decoder (each decode mode) at each scaling."""
+    the tensor scale, a block's scale with a block that is not a power of two), the scales and
+    codes in one kernel (row, block), the encoder and the decoder (each decode mode) at each
+    scaling."""
     for fmt in FP8_KERNEL_FORMATS:
         for scaling, block in (("tensor", 32), ("row", 32), ("block", 24)):
             f = fp8_kernel_format(FormatSpec(fmt, scaling, block))
             elements = dict(MBITS=f.mbits, EMIN=f.emin)
             layout = dict(SCALING=f.scaling, BLOCK=max(f.block, 1))
             sizes = {}
+            pow2 = {"MAX_EXP": f.max_exp, "MAX_MANT": f.max_mant}
+            codes = {**elements, "FMAX": f.fmax}
+            fused = {"x_ptr": "*fp32", "scale_ptr": "*fp32", "out_ptr": "*u8"}
             if scaling == "block":
+                tiles = {"BLOCK": f.block, "BLOCK_P2": 32, "TILE": 32}
                 sizes["scales"] = compile_kernel(
-                    k8.fp8_block_scale_kernel, {"x_ptr": "*fp32", "out_ptr": "*fp32", **ROW},
-                    {"MAX_EXP": f.max_exp, "MAX_MANT": f.max_mant, "BLOCK": f.block, "BLOCK_P2": 32, "TILE": 32})
+                    k8.fp8_block_scale_kernel, {"x_ptr": "*fp32", "out_ptr": "*fp32", **ROW}, {**pow2, **tiles})
+                sizes["scales + encode"] = compile_kernel(
+                    k8.fp8_block_scale_encode_kernel, {**fused, **ROW}, {**pow2, **codes, **tiles})
             else:
+                row = {"cols": "i32", "row_stride": "i32"}
                 sizes["scales"] = compile_kernel(
-                    k8.fp8_row_scale_kernel, {"x_ptr": "*fp32", "out_ptr": "*fp32", "cols": "i32", "row_stride": "i32"},
-                    {"MAX_EXP": f.max_exp, "MAX_MANT": f.max_mant, "AMAX_ONLY": scaling == "tensor", "CHUNK": 1024,
-                     "STEPS": 3})
+                    k8.fp8_row_scale_kernel, {"x_ptr": "*fp32", "out_ptr": "*fp32", **row},
+                    {**pow2, "AMAX_ONLY": scaling == "tensor", "CHUNK": 1024, "STEPS": 3})
+            if scaling == "row":
+                sizes["scales + encode"] = compile_kernel(
+                    k8.fp8_row_scale_encode_kernel, {**fused, **row}, {**pow2, **codes, "CHUNK": 1024, "STEPS": 3})
             sizes["encode"] = compile_kernel(
                 k8.fp8_encode_kernel, {"x_ptr": "*fp32", "scale_ptr": "*fp32", "out_ptr": "*u8", "cols": "i32",
                                        "cp": "i32", "nblocks": "i32", "row_stride": "i32"},
-                {**layout, **elements, "FMAX": f.fmax, "TILE": 1024})
+                {**layout, **codes, "TILE": 1024})
             for reduce, average in ((True, True), (True, False), (False, False)):
                 sizes[f"decode sum={reduce} average={average}"] = compile_kernel(
                     k8.fp8_decode_kernel, {"payload_ptr": "*u8", "scale_ptr": "*fp32", "out_ptr": "*fp32",

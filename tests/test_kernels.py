@@ -68,16 +68,18 @@ def test_every_kernel_compiles_for_hopper(tmp_path: Path) -> None:
                          text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
     lines = [line for line in res.stdout.splitlines() if not line.startswith("mutates ")]
-    # six per format and block; five per fp8 format and scaling; the map's two kernels at each of
-    # their three precisions
-    assert len(lines) == len(CASES) * 6 + len(FP8_KERNEL_FORMATS) * 3 * 5 + 6 and all(int(line.split()[-2]) > 1000 for line in lines), lines
+    # six per format and block; per fp8 format five at each of its three scalings and the scales
+    # and codes in one kernel for two of them; the map's two kernels at each of their precisions
+    assert len(lines) == len(CASES) * 6 + len(FP8_KERNEL_FORMATS) * (3 * 5 + 2) + 6 and all(int(line.split()[-2]) > 1000 for line in lines), lines
     # Inductor's analysis of each kernel's TTIR finds it stores to its output only, so under
     # torch.compile no input is copied before a kernel runs (its traffic stays its arguments')
     mutates = dict(line.removeprefix("mutates ").split(": ") for line in res.stdout.splitlines()
                    if line.startswith("mutates "))
     assert mutates == {"block_stat": "stat_ptr", "scale_codes": "code_ptr", "encode": "out_ptr", "decode": "out_ptr",
                        "lowrank_expand": "out_ptr", "lowrank_project": "p_ptr", "fp8_scales": "out_ptr",
-                       "fp8_scales[block]": "out_ptr", "fp8_encode": "out_ptr", "fp8_decode": "out_ptr"}
+                       "fp8_scales[block]": "out_ptr", "fp8_scale_encode": "scale_ptr out_ptr",
+                       "fp8_scale_encode[block]": "scale_ptr out_ptr", "fp8_encode": "out_ptr",
+                       "fp8_decode": "out_ptr"}
 
 
 def _gradient(rows: int, cols: int, seed: int, huge: bool = True, nonfinite: bool = True) -> torch.Tensor:

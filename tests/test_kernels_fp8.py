@@ -125,6 +125,24 @@ def test_scales_encode_and_decode_match_the_reference(fmt: str, scaling: str, bl
         assert torch.isinf(_kernel_scales(variants[0], spec)).any()  # the NaN/Inf group's marker
 
 
+@pytest.mark.parametrize(("fmt", "scaling", "block"), [c for c in CASES if c[1] != "tensor"],
+                         ids=[i for c, i in zip(CASES, IDS) if c[1] != "tensor"])
+def test_one_kernel_chooses_the_scales_and_writes_the_reference_bytes(fmt: str, scaling: str, block: int) -> None:
+    """Row and block scaling in one kernel (`fp8_scale_encode`): the reference's scales and
+    bytes, for the same edge cases (a row of one column too); a per-tensor scale is refused."""
+    spec = FormatSpec(fmt, scaling, block)
+    for x in (_gradient(7, 83, seed=block), _gradient(7, 83, seed=block + 1, nonfinite=False), _gradient(1, 7, seed=2),
+              torch.zeros(2, 9), torch.zeros(0, 9)):
+        ref_scales, _ = codec.choose_scales(x, spec)
+        codes, scales = ops_fp8.fp8_scale_encode(x.to(DEVICE), fmt, scaling, block)
+        assert _same_bits(scales.cpu(), ref_scales)
+        assert torch.equal(codes.cpu(), codec.encode(x, spec, ref_scales))
+    codes, _ = ops_fp8.fp8_scale_encode(_gradient(7, 83, seed=block).to(DEVICE), fmt, scaling, block)
+    assert torch.unique(codes).numel() > 8  # many distinct bytes were compared, not a constant payload
+    with pytest.raises(ValueError, match="gift_kernels.fp8_scale_encode: scaling='tensor' needs the whole tensor"):
+        ops_fp8.fp8_scale_encode(torch.zeros(2, 4), fmt, "tensor", block)
+
+
 @pytest.mark.parametrize("fmt", FP8)
 def test_the_code_rounds_like_the_float8_cast(fmt: str) -> None:
     """Under a scale of 1, the code of every float8 value (both signs), the midpoints between
@@ -267,11 +285,13 @@ def test_the_exchange_on_the_kernel_path_sends_and_sums_the_reference_bytes(fmt:
     monkeypatch.setattr(dispatch, "codec_path", lambda spec, device, stochastic_rounding=False: original(
         spec, torch.device("cuda") if device.type == "cpu" else device, stochastic_rounding))
     calls: list[str] = []
-    for name in ("fp8_scales", "fp8_encode", "fp8_decode"):
+    for name in ("fp8_scales", "fp8_scale_encode", "fp8_encode", "fp8_decode"):
         op = getattr(ops_fp8, name)
         monkeypatch.setattr(ops_fp8, name, lambda *a, _op=op, _name=name: calls.append(_name) or _op(*a))
     on_kernels = run()
-    assert sorted(set(calls)) == ["fp8_decode", "fp8_encode", "fp8_scales"]  # the kernel path did run
+    # the kernel path did run: one kernel for row and block scales and codes, two for a tensor scale
+    encoders = ["fp8_encode", "fp8_scales"] if scaling == "tensor" else ["fp8_scale_encode"]
+    assert sorted(set(calls)) == sorted(["fp8_decode", *encoders])
     for got, want in zip(on_kernels, reference):
         assert _same_bits(got, want)
     assert reference[3].abs().sum() > 0 and reference[2].abs().sum() > 0
@@ -285,8 +305,8 @@ def _fake_cuda(mode: FakeTensorMode, shape: tuple[int, ...], dtype: torch.dtype)
 @pytest.mark.parametrize("scaling", ["row", "tensor", "block"])
 def test_the_exchange_emits_the_fp8_operators_for_cuda_tensors(scaling: str) -> None:
     """The per-item codec traced as the FX pass traces it (`make_fx` on fake CUDA tensors), in
-    the default format (fp8_e4m3) at each scaling: the sender's scales and encode and the
-    receiver's decode-and-sum are the fp8 operators."""
+    the default format (fp8_e4m3) at each scaling: the sender's scales and encode (one operator
+    for row and block scaling) and the receiver's decode-and-sum are the fp8 operators."""
     item = ItemPlan(name="w", rows=8, cols=40, format="fp8_e4m3", scaling=scaling)
     plan = BucketPlan((item,), 2, None, True, "reduce_scatter")
     mode = FakeTensorMode()
@@ -299,7 +319,10 @@ def test_the_exchange_emits_the_fp8_operators_for_cuda_tensors(scaling: str) -> 
     def kernel_ops(gm: torch.fx.GraphModule) -> list[str]:
         return [str(n.target) for n in gm.graph.nodes if n.op == "call_function" and "gift_kernels" in str(n.target)]
 
-    assert kernel_ops(enc) == ["gift_kernels.fp8_scales.default", "gift_kernels.fp8_encode.default"]
+    if scaling == "tensor":  # the rows' statistics, their maximum, then the codes
+        assert kernel_ops(enc) == ["gift_kernels.fp8_scales.default", "gift_kernels.fp8_encode.default"]
+    else:  # the scales and codes in one kernel
+        assert kernel_ops(enc) == ["gift_kernels.fp8_scale_encode.default"]
     assert kernel_ops(dec) == ["gift_kernels.fp8_decode.default"]
 
 

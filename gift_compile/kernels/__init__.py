@@ -23,10 +23,12 @@ interpreter (tests/test_kernels.py).
 """
 
 from gift_compile.kernels.dispatch import (
-    CodecPath, choose_scales, codec_path, decode, decode_sum, encode, kernels_enabled, note_path, use_kernels,
+    CodecPath, choose_scales, choose_scales_and_encode, codec_path, decode, decode_sum, encode, kernels_enabled,
+    note_path, use_kernels,
 )
 from gift_compile.kernels.formats import KERNEL_FORMATS
 from gift_compile.kernels.map_dispatch import MapPath, MapPrecision, map_path, note_map_path
 
-__all__ = ["KERNEL_FORMATS", "CodecPath", "MapPath", "MapPrecision", "choose_scales", "codec_path", "decode",
+__all__ = ["KERNEL_FORMATS", "CodecPath", "MapPath", "MapPrecision", "choose_scales", "choose_scales_and_encode",
+           "codec_path", "decode",
            "decode_sum", "encode", "kernels_enabled", "map_path", "note_map_path", "note_path", "use_kernels"]

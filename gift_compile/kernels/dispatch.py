@@ -45,8 +45,8 @@ except ModuleNotFoundError as exc:  # the package runs without Triton where no k
 
 logger = logging.getLogger("gift_compile")
 
-__all__ = ["CodecPath", "choose_scales", "codec_path", "decode", "decode_sum", "encode", "kernels_enabled",
-           "note_path", "use_kernels"]
+__all__ = ["CodecPath", "choose_scales", "choose_scales_and_encode", "codec_path", "decode", "decode_sum", "encode",
+           "kernels_enabled", "note_path", "use_kernels"]
 
 
 class CodecPath(NamedTuple):
@@ -159,6 +159,20 @@ def encode(x: torch.Tensor, spec: FormatSpec, scales: torch.Tensor, tensor_scale
                                   spec.scaling.value, spec.block_size)
     assert tensor_scale is not None, f"{spec.name}: a two-level format has a tensor scale"
     return ops.encode(as_rows(x).float().contiguous(), scales, tensor_scale.reshape(1), spec.name, spec.block_size)
+
+
+def choose_scales_and_encode(x: torch.Tensor, spec: FormatSpec, *, stochastic_rounding: bool = False,
+                             seed: torch.Tensor | int = 0
+                             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """`(scales, tensor_scale, codes)`: `choose_scales` then `encode`, the same results. On the
+    kernel path an fp8 format with row or block scaling does both in one kernel
+    (`ops_fp8.fp8_scale_encode`), reading `x` once instead of once per step."""
+    if spec.name in FP8_KERNEL_FORMATS and not spec.single_scale and _path(spec, x, stochastic_rounding).kernels:
+        codes, scales = ops_fp8.fp8_scale_encode(as_rows(x).float().contiguous(), spec.name, spec.scaling.value,
+                                                 spec.block_size)
+        return scales, None, codes
+    scales, tscale = choose_scales(x, spec)
+    return scales, tscale, encode(x, spec, scales, tscale, stochastic_rounding=stochastic_rounding, seed=seed)
 
 
 def decode(payload: torch.Tensor, spec: FormatSpec, scales: torch.Tensor, tensor_scale: torch.Tensor | None,

@@ -24,7 +24,7 @@ from gift_compile.kernels import triton_fp8 as k
 from gift_compile.kernels.formats import Fp8KernelFormat, _next_pow2, fp8_kernel_format
 from gift_compile.kernels.ops import ELEMENTS_PER_PROGRAM, _check, _check_shape
 
-__all__ = ["fp8_decode", "fp8_encode", "fp8_scales"]
+__all__ = ["fp8_decode", "fp8_encode", "fp8_scale_encode", "fp8_scales"]
 
 
 def _format(op: str, fmt: str, scaling: str, block_size: int) -> tuple[FormatSpec, Fp8KernelFormat]:
@@ -90,6 +90,45 @@ def _fp8_scales_fake(x: torch.Tensor, fmt: str, scaling: str, block_size: int) -
     spec, _ = _format("fp8_scales", fmt, scaling, block_size)
     shape = _scale_shape(spec, x.shape[0], x.shape[1])
     return x.new_empty((x.shape[0],) if spec.scaling is Scaling.TENSOR else shape, dtype=torch.float32)
+
+
+@triton_op("gift_kernels::fp8_scale_encode", mutates_args=())
+def fp8_scale_encode(x: torch.Tensor, fmt: str, scaling: str, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(codes, scales)` of `x` (`[rows, cols]` fp32) with row or block scaling in one kernel
+    (one read of `x`): `fp8_scales`'s scales and the bytes `fp8_encode` writes under them.
+    A per-tensor scale needs the whole tensor first: `fp8_scales`, then `fp8_encode`."""
+    spec, f = _format("fp8_scale_encode", fmt, scaling, block_size)
+    if spec.scaling is Scaling.TENSOR:
+        raise ValueError("gift_kernels.fp8_scale_encode: scaling='tensor' needs the whole tensor's amax before the "
+                         "first code; use fp8_scales, their maximum, then fp8_encode")
+    _check("fp8_scale_encode", "x", x, torch.float32, 2)
+    rows, cols = x.shape
+    cp = spec.padded_cols(cols)
+    codes = torch.empty((rows, cp), dtype=torch.uint8, device=x.device)
+    scales = torch.empty(_scale_shape(spec, rows, cols), dtype=torch.float32, device=x.device)
+    if not scales.numel():
+        return codes, scales
+    elements = dict(MAX_EXP=f.max_exp, MAX_MANT=f.max_mant, MBITS=f.mbits, EMIN=f.emin, FMAX=f.fmax)
+    if spec.scaling is Scaling.BLOCK:
+        nb = scales.shape[1]
+        bp2 = _next_pow2(f.block)
+        tile = min(_next_pow2(nb), max(1, ELEMENTS_PER_PROGRAM // bp2))
+        wrap_triton(k.fp8_block_scale_encode_kernel)[(rows, triton.cdiv(nb, tile))](
+            x, scales, codes, cols, nb, x.stride(0), **elements, BLOCK=f.block, BLOCK_P2=bp2, TILE=tile)
+    else:
+        chunk = _tile(cols)
+        wrap_triton(k.fp8_row_scale_encode_kernel)[(rows,)](
+            x, scales, codes, cols, x.stride(0), **elements, CHUNK=chunk, STEPS=triton.cdiv(cols, chunk))
+    return codes, scales
+
+
+@fp8_scale_encode.register_fake
+def _fp8_scale_encode_fake(x: torch.Tensor, fmt: str, scaling: str,
+                           block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    spec, _ = _format("fp8_scale_encode", fmt, scaling, block_size)
+    rows, cols = x.shape
+    return (x.new_empty((rows, spec.padded_cols(cols)), dtype=torch.uint8),
+            x.new_empty(_scale_shape(spec, rows, cols), dtype=torch.float32))
 
 
 @triton_op("gift_kernels::fp8_encode", mutates_args=())
