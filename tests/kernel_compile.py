@@ -6,8 +6,8 @@ process the kernels are the interpreter's functions, which accept code the compi
 Triton's wheel carries `ptxas`, so the whole pipeline (TTIR, TTGIR, LLVM IR, PTX, cubin) runs
 without a GPU or a driver: what the interpreter tests cannot tell, that the kernels compile, and
 with which constexprs, is checked here for every kernel format (each decode mode; the fp8
-formats at each scaling) and the precisions of the expansion. Prints one line per compiled kernel: its name, format and the
-cubin's size; exits non-zero on the first failure.
+formats at each scaling) and the precisions of the expansion. Prints one line per compiled
+kernel: its name, format and the cubin's size; exits non-zero on the first failure.
 
 Then each operator is functionalized on fake CUDA tensors as AOTAutograd does under
 `torch.compile`: the operator becomes Triton's kernel-call higher-order op, whose
@@ -31,7 +31,9 @@ from triton.compiler import ASTSource  # noqa: E402
 from gift_compile.codec import FormatSpec  # noqa: E402
 from gift_compile.kernels import triton_codec as k  # noqa: E402
 from gift_compile.kernels import triton_fp8 as k8  # noqa: E402
-from gift_compile.kernels.formats import FP8_KERNEL_FORMATS, KERNEL_FORMATS, fp8_kernel_format, kernel_format  # noqa: E402
+from gift_compile.kernels.formats import (  # noqa: E402
+    FP8_KERNEL_FORMATS, KERNEL_FORMATS, fp8_kernel_format, kernel_format,
+)
 
 TARGET = GPUTarget("cuda", 90, 32)
 ROW = {"cols": "i32", "nblocks": "i32", "row_stride": "i32"}

@@ -138,7 +138,7 @@ def test_the_kernel_impl_is_timed_on_cuda_only_for_formats_with_kernels() -> Non
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert gpu_check.impls("euclid-nvfp4", cuda) == ("kernels", "inductor")
     assert gpu_check.impls("gift-nvfp4", cuda) == ("kernels", "inductor")
-    assert gpu_check.impls("euclid-fp8", cuda) == ("inductor",)
+    assert gpu_check.impls("euclid-fp8", cuda) == ("kernels", "inductor")
     assert gpu_check.impls("euclid-nvfp4", cpu) == ("inductor",)
 
 

@@ -6,12 +6,14 @@ its results bit for bit; what differs is how they run:
 
 - CUDA tensors of a format with kernels (`formats.KERNEL_FORMATS`, the two-level formats, and
   `formats.FP8_KERNEL_FORMATS`, the fp8 formats at every scaling; round to nearest): the
-  registered Triton operators of `gift_compile.kernels.ops` and `gift_compile.kernels.ops_fp8`. Traced (Dynamo, or the FX pass's
-  `make_fx`), they stay operators in the graph, so their memory traffic is the kernels' own,
-  whatever fusion choices the installed Inductor makes around them.
+  registered Triton operators of `gift_compile.kernels.ops` and `gift_compile.kernels.ops_fp8`.
+  Traced (Dynamo, or the FX pass's `make_fx`), they stay operators in the graph, so their
+  memory traffic is the kernels' own, whatever fusion choices the installed Inductor makes
+  around them.
 - everything else (CPU tensors; on CUDA, the E8M0 formats, fp8 blocks longer than
-  `formats.FP8_MAX_BLOCK` and stochastic rounding's encoder; or kernels switched off with `use_kernels(False)`): the reference codec, which a compiled
-  body or the FX pass hands to Inductor as today. On the CPU that is the tested path
+  `formats.FP8_MAX_BLOCK` and stochastic rounding's encoder; or kernels switched off with
+  `use_kernels(False)`): the reference codec, which a compiled body or the FX pass hands to
+  Inductor as today. On the CPU that is the tested path
   (Inductor's C++ kernels); the Triton kernels are never launched on CPU tensors outside the
   interpreter tests.
 

@@ -147,8 +147,8 @@ def fp8_encode(x: torch.Tensor, scales: torch.Tensor, fmt: str, scaling: str, bl
     if out.numel():
         tile = _tile(cp)
         wrap_triton(k.fp8_encode_kernel)[(rows, triton.cdiv(cp, tile))](
-            x, scales.contiguous(), out, cols, cp, _nblocks(spec, cols), x.stride(0), SCALING=f.scaling, BLOCK=max(f.block, 1),
-            MBITS=f.mbits, EMIN=f.emin, FMAX=f.fmax, TILE=tile)
+            x, scales.contiguous(), out, cols, cp, _nblocks(spec, cols), x.stride(0), SCALING=f.scaling,
+            BLOCK=max(f.block, 1), MBITS=f.mbits, EMIN=f.emin, FMAX=f.fmax, TILE=tile)
     return out
 
 

@@ -133,8 +133,9 @@ def fp8_row_scale_encode_kernel(x_ptr, scale_ptr, out_ptr, cols, row_stride, MAX
     """Row scaling's scales and codes in one kernel: a program takes its row's scale
     (`_row_amax`, `_pow2_scale`), stores it, and walks the row again writing its float8 bytes
     (`[rows, cols]`, as `fp8_encode_kernel` writes them). The second walk reads the row its own
-    first walk just read (a few KB to tens of KB), which the cache serves: the gradient is read
-    from memory once, as a row reduction fused with its consumer reads it."""
+    first walk just read (a few KB to tens of KB), which the cache is there to serve, as for a
+    row reduction fused with its consumer: the traffic model (`gift_compile.kernels.traffic`)
+    counts the gradient once (not yet timed on a GPU)."""
     row = tl.program_id(0).to(tl.int64)
     s = _pow2_scale(_row_amax(x_ptr, row, cols, row_stride, CHUNK, STEPS), MAX_EXP, MAX_MANT)
     tl.store(scale_ptr + row, s)
@@ -148,9 +149,10 @@ def fp8_row_scale_encode_kernel(x_ptr, scale_ptr, out_ptr, cols, row_stride, MAX
 @triton.jit
 def _block_scales(x_ptr, row, j, inside, cols, row_stride, MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr):
     """One row's blocks (the `[TILE, BLOCK_P2]` tile of padded columns `j`, BLOCK's next power of
-    two wide, `inside` masking the extra lanes and blocks; columns past `cols` read as 0) and each block's scale: `_pow2_scale` of its amax, +inf for a block holding NaN/Inf.
-    The kernels compute the columns themselves: an address built from a called function's
-    result makes torch's analysis of the kernel count every pointer argument as written."""
+    two wide, `inside` masking the extra lanes and blocks; columns past `cols` read as 0) and
+    each block's scale: `_pow2_scale` of its amax, +inf for a block holding NaN/Inf. The kernels
+    compute the columns themselves: an address built from a called function's result makes
+    torch's analysis of the kernel count every pointer argument as written."""
     x = tl.load(x_ptr + row * row_stride + j, mask=inside & (j < cols), other=0.0)
     a = tl.abs(x)
     fin = _is_finite(a)
