@@ -371,3 +371,27 @@ def test_the_fp8_operators_refuse_bad_inputs_by_name() -> None:
     with pytest.raises(ValueError, match="average=True needs reduce=True"):
         ops_fp8.fp8_decode(torch.zeros(1, 4, 32, dtype=torch.uint8), torch.ones(1), "fp8_e4m3", "tensor", 32, 32,
                            False, True)
+
+
+def test_compile_keeps_the_scale_and_encode_kernel_as_one_operator() -> None:
+    """`torch.compile(fullgraph=True)` of a function calling the one-kernel scales and codes
+    (an operator with two outputs): Dynamo's graph holds it as a single node, not a graph
+    break, and the compiled function gives the reference's scales and bytes."""
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    spec = FormatSpec("fp8_e4m3", "row")
+    x = _gradient(7, 83, seed=9)
+
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return ops_fp8.fp8_scale_encode(x * 1.0, "fp8_e4m3", "row", 32)
+
+    codes, scales = torch.compile(fn, backend=backend, fullgraph=True)(x.to(DEVICE))
+    ref_scales, _ = codec.choose_scales(x, spec)
+    assert _same_bits(scales.cpu(), ref_scales) and torch.equal(codes.cpu(), codec.encode(x, spec, ref_scales))
+    (gm,) = graphs
+    calls = [n.target for n in gm.graph.nodes if n.op == "call_function" and "gift_kernels" in str(n.target)]
+    assert calls == [torch.ops.gift_kernels.fp8_scale_encode.default]
