@@ -21,7 +21,7 @@ the others; the exit status is 1 when any section failed:
   decode + sum, re-encode, decode, inverse), each compiled two ways where its format has
   explicit kernels on this device (`impl`: "kernels", the registered Triton operators inside
   the Inductor-compiled body, and "inductor", every step generated, `kernels.use_kernels(False)`;
-  fp8 and the CPU dry run have the second only): bytes
+  the CPU dry run has the second only): bytes
   per element from the generated kernels (`bench.overhead.generated_traffic`), median time of
   the compiled codec (CUDA events), achieved bandwidth against the measured copy bandwidth and
   the datasheet peak, and the float8 types the generated source uses (`tl.float8e4nv` is
@@ -76,6 +76,7 @@ from bench.overhead import PATHS, _synthetic_factor, codec_body, generated_traff
 from gift_compile import kernels
 from gift_compile.geometry import Transform
 from gift_compile.geometry.maps import LowRank
+from gift_compile.kernels.formats import FP8_KERNEL_FORMATS, KERNEL_FORMATS
 from gift_compile.kernels.map_dispatch import lowrank_map
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
@@ -89,7 +90,7 @@ CODEC_PATHS = ("euclid-fp8", "gift-fp8", "euclid-nvfp4", "gift-nvfp4")
 # Triton kernels (gift_compile.kernels) where the format has them (CUDA only).
 IMPLS = ("kernels", "inductor")
 # the collective bodies whose kernel traffic is counted (8 ranks, Euclidean map)
-TRAFFIC_FORMATS = ("nvfp4", "int4")
+TRAFFIC_FORMATS = ("fp8_e4m3", "nvfp4", "int4")
 SECTIONS = ("device", "kernel_traffic", "map", "fold", "codec", "parity", "torchtitan")
 # tokens per rank of the fold section's backward (`bench.gpu_fold`): the first H200 run's 8192,
 # and a quarter of it, where folding reads fewer bytes at the w2 shapes
@@ -137,14 +138,16 @@ def impls(path: str, device: torch.device) -> tuple[str, ...]:
     """The ways `path`'s body is compiled here: with the explicit kernels where its format has
     them on this device (CUDA), and as Inductor-generated code (always)."""
     fmt, _ = PATHS[path]
-    return IMPLS if device.type == "cuda" and fmt in kernels.KERNEL_FORMATS else ("inductor",)
+    return IMPLS if device.type == "cuda" and fmt in KERNEL_FORMATS + FP8_KERNEL_FORMATS else ("inductor",)
 
 
 def _kernel_bytes(fmt: str, rows: int, cols: int) -> dict[str, float]:
     """Bytes per call of each kernel (by its Triton function name, as the profiler lists it) in
     the one-rank all-reduce body the codec section times, from the kernels' arguments."""
     names = {"block_stat": "block_stat_kernel", "scale_codes": "scale_code_kernel", "encode": "encode_kernel",
-             "decode": "decode_kernel"}
+             "decode": "decode_kernel", "fp8_decode": "fp8_decode_kernel", "fp8_encode": "fp8_encode_kernel",
+             # the row-scaled kernels: `kernel_traffic.measure` traces fp8 with row scaling
+             "fp8_scales": "fp8_row_scale_kernel", "fp8_scale_encode": "fp8_row_scale_encode_kernel"}
     out: dict[str, float] = {}
     for k in kernel_traffic.measure(fmt, "all_reduce", rows, cols, world=1)["kernels"]:
         name = names[k["kernel"]]

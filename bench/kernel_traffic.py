@@ -9,7 +9,8 @@ once, the output written once). Those bytes do not depend on the torch or Induct
 compiles the body: that was the point of writing the kernels (issue 26).
 
 What the kernels do not cover is listed beside them, not hidden: the maximum of the block
-statistics (a reduction over one fp32 value per block, Inductor-generated), and the glue that
+statistics (a reduction over one fp32 value per block, Inductor-generated; fp8's row scaling,
+the bodies here, has none: one kernel chooses a row's scale and writes its codes), and the glue that
 joins the item's codes, scales and header into the send buffer and slices the received one
 (`bench.codec_per_item` counts that glue for the per-item bodies). The floor is the body's
 minimum (`bench.codec_minimum.minimum_bytes`, Euclidean map, row scaling), which counts the
@@ -49,7 +50,7 @@ from gift_compile.kernels import KERNEL_FORMATS, codec_path
 from gift_compile.kernels.traffic import node_traffic
 
 SHAPES = (("600M w2", 1280, 3456), ("8B w2", 4096, 14336))
-FORMATS = ("nvfp4", "int4", "int2")
+FORMATS = ("fp8_e4m3", "nvfp4", "int4", "int2")  # fp8_e4m3 with row scaling: GiftConfig's default
 OPS = ("reduce_scatter", "all_reduce")
 WORLD = 8
 RANK = 32  # GIFT's bodies: the low-rank map at the default rank

@@ -6,9 +6,9 @@ process the kernels are the interpreter's functions, which accept code the compi
 Triton's wheel carries `ptxas`, so the whole pipeline (TTIR, TTGIR, LLVM IR, PTX, cubin) runs
 without a GPU or a driver: what the interpreter tests cannot tell, that the kernels compile, and
 with which constexprs, is checked here for every kernel format (each decode mode; the fused
-sender kernels for the formats they serve, at TF32 operands) and every precision of the map's
-kernels. Prints one line per compiled kernel: its name, format and the cubin's size; exits
-non-zero on the first failure.
+sender kernels for the formats they serve, at TF32 operands; the fp8 formats at each scaling)
+and every precision of the map's kernels. Prints one line per compiled kernel: its name, format
+and the cubin's size; exits non-zero on the first failure.
 
 Then each operator is functionalized on fake CUDA tensors as AOTAutograd does under
 `torch.compile`: the operator becomes Triton's kernel-call higher-order op, whose
@@ -31,7 +31,10 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from gift_compile.codec import FormatSpec  # noqa: E402
 from gift_compile.kernels import triton_codec as k  # noqa: E402
-from gift_compile.kernels.formats import KERNEL_FORMATS, kernel_format  # noqa: E402
+from gift_compile.kernels import triton_fp8 as k8  # noqa: E402
+from gift_compile.kernels.formats import (  # noqa: E402
+    FP8_KERNEL_FORMATS, KERNEL_FORMATS, fp8_kernel_format, kernel_format,
+)
 from gift_compile.kernels.ops import fused_reason  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -58,7 +61,7 @@ def mutated_arguments() -> dict[str, list[str]]:
     from torch._subclasses.functional_tensor import dispatch_functionalize
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from gift_compile.kernels import ops
+    from gift_compile.kernels import ops, ops_fp8
 
     triton.runtime.driver.set_active(_Sm90())
     mode = FakeTensorMode()
@@ -83,6 +86,15 @@ def mutated_arguments() -> dict[str, list[str]]:
                                                                               32),
                            [((8, 40), f32), ((8, 4), f32), ((40,), f32), ((4,), f32), ((40, 4), f32), ((40,), f32),
                             ((8, 2), u8), ((1,), f32)]),
+        "fp8_scales": (lambda x: ops_fp8.fp8_scales(x, "fp8_e4m3", "row", 32), [((8, 40), f32)]),
+        "fp8_scales[block]": (lambda x: ops_fp8.fp8_scales(x, "fp8_e5m2", "block", 16), [((8, 40), f32)]),
+        "fp8_scale_encode": (lambda x: ops_fp8.fp8_scale_encode(x, "fp8_e4m3", "row", 32), [((8, 40), f32)]),
+        "fp8_scale_encode[block]": (lambda x: ops_fp8.fp8_scale_encode(x, "fp8_e5m2", "block", 16),
+                                    [((8, 40), f32)]),
+        "fp8_encode": (lambda x, s: ops_fp8.fp8_encode(x, s, "fp8_e4m3", "block", 16), [((8, 40), f32),
+                                                                                       ((8, 3), f32)]),
+        "fp8_decode": (lambda p, s: ops_fp8.fp8_decode(p, s, "fp8_e4m3", "row", 32, 40, True, True),
+                       [((4, 8, 40), u8), ((4, 8), f32)]),
     }
     out = {}
     for name, (fn, shapes) in calls.items():
@@ -91,6 +103,48 @@ def mutated_arguments() -> dict[str, list[str]]:
         (node,) = [n for n in gm.graph.nodes if "triton_kernel_wrapper_functional" in str(n.target)]
         out[name] = list(node.kwargs["tensors_to_clone"])
     return out
+
+
+def compile_fp8() -> None:
+    """Every fp8 kernel for both fp8 formats: the scale kernels (a row's scale, a row's amax for
+    the tensor scale, a block's scale with a block that is not a power of two), the scales and
+    codes in one kernel (row, block), the encoder and the decoder (each decode mode) at each
+    scaling."""
+    for fmt in FP8_KERNEL_FORMATS:
+        for scaling, block in (("tensor", 32), ("row", 32), ("block", 24)):
+            f = fp8_kernel_format(FormatSpec(fmt, scaling, block))
+            elements = dict(MBITS=f.mbits, EMIN=f.emin)
+            layout = dict(SCALING=f.scaling, BLOCK=max(f.block, 1))
+            sizes = {}
+            pow2 = {"MAX_EXP": f.max_exp, "MAX_MANT": f.max_mant}
+            codes = {**elements, "FMAX": f.fmax}
+            fused = {"x_ptr": "*fp32", "scale_ptr": "*fp32", "out_ptr": "*u8"}
+            if scaling == "block":
+                tiles = {"BLOCK": f.block, "BLOCK_P2": 32, "TILE": 32}
+                sizes["scales"] = compile_kernel(
+                    k8.fp8_block_scale_kernel, {"x_ptr": "*fp32", "out_ptr": "*fp32", **ROW}, {**pow2, **tiles})
+                sizes["scales + encode"] = compile_kernel(
+                    k8.fp8_block_scale_encode_kernel, {**fused, **ROW}, {**pow2, **codes, **tiles})
+            else:
+                row = {"cols": "i32", "row_stride": "i32"}
+                sizes["scales"] = compile_kernel(
+                    k8.fp8_row_scale_kernel, {"x_ptr": "*fp32", "out_ptr": "*fp32", **row},
+                    {**pow2, "AMAX_ONLY": scaling == "tensor", "CHUNK": 1024, "STEPS": 3})
+            if scaling == "row":
+                sizes["scales + encode"] = compile_kernel(
+                    k8.fp8_row_scale_encode_kernel, {**fused, **row}, {**pow2, **codes, "CHUNK": 1024, "STEPS": 3})
+            sizes["encode"] = compile_kernel(
+                k8.fp8_encode_kernel, {"x_ptr": "*fp32", "scale_ptr": "*fp32", "out_ptr": "*u8", "cols": "i32",
+                                       "cp": "i32", "nblocks": "i32", "row_stride": "i32"},
+                {**layout, **codes, "TILE": 1024})
+            for reduce, average in ((True, True), (True, False), (False, False)):
+                sizes[f"decode sum={reduce} average={average}"] = compile_kernel(
+                    k8.fp8_decode_kernel, {"payload_ptr": "*u8", "scale_ptr": "*fp32", "out_ptr": "*fp32",
+                                           "rows": "i32", "cols": "i32", "cp": "i32", "nblocks": "i32"},
+                    {"SENDERS": 8, **layout, **elements, "IEEE_SPECIALS": f.ieee_specials, "TILE": 1024,
+                     "SUM": reduce, "AVERAGE": average})
+            for name, size in sizes.items():
+                print(f"{fmt} {scaling} {name}: cubin {size} bytes", flush=True)
 
 
 def main() -> int:
@@ -131,6 +185,7 @@ def main() -> int:
                     {"KIND": f.kind, "BITS": f.bits, "PER": f.per, "NBYTES": f.nbytes, "IMAX": f.imax, **tiles})
             for name, size in sizes.items():
                 print(f"{fmt} b{block} {name}: cubin {size} bytes", flush=True)
+    compile_fp8()
     from gift_compile.kernels.ops import MAP_PRECISIONS
 
     dims = {"rows": "i32", "cols": "i32", "rank": "i32"}

@@ -104,8 +104,9 @@ def test_kernel_traffic_counts_each_kernels_arguments_against_the_floor(dry_run:
     for key, (reads, writes) in want.items():
         assert got[key] == (pytest.approx(reads), pytest.approx(writes)), key
     assert rs["kernel_bytes_per_element"] == pytest.approx(sum(sum(v) for v in want.values()))
-    for r in rows:
-        assert 1.0 < r["kernel_over_floor"] < 1.2
+    for r in rows:  # fp8's reduce-scatter is one kernel per side: at its floor, less the headers the glue writes
+        low = 0.99 if r["format"].startswith("fp8") else 1.0
+        assert low < r["kernel_over_floor"] < 1.2
 
 
 def test_map_section_times_the_compiled_map_and_records_the_kernels_as_cuda_only(
@@ -138,7 +139,7 @@ def test_the_kernel_impl_is_timed_on_cuda_only_for_formats_with_kernels() -> Non
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert gpu_check.impls("euclid-nvfp4", cuda) == ("kernels", "inductor")
     assert gpu_check.impls("gift-nvfp4", cuda) == ("kernels", "inductor")
-    assert gpu_check.impls("euclid-fp8", cuda) == ("inductor",)
+    assert gpu_check.impls("euclid-fp8", cuda) == ("kernels", "inductor")
     assert gpu_check.impls("euclid-nvfp4", cpu) == ("inductor",)
 
 

@@ -40,6 +40,7 @@ from gift_compile.codec.scales import _e4m3_code, _global_max, _tensor_scale  # 
 from gift_compile.exchange.item_codec import ItemTensors, Shared, decode_item, encode_item, item_width  # noqa: E402
 from gift_compile.exchange.plan import BucketPlan, ItemPlan  # noqa: E402
 from gift_compile.kernels import ops  # noqa: E402
+from gift_compile.kernels.formats import FP8_KERNEL_FORMATS  # noqa: E402
 
 # numpy's warnings from the interpreter running the NaN/Inf cases (inf * 0 and the like), intended
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -67,18 +68,23 @@ def test_every_kernel_compiles_for_hopper(tmp_path: Path) -> None:
                          text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
     lines = [line for line in res.stdout.splitlines() if not line.startswith("mutates ")]
-    # six per format and block, two more (the fused sender's) for every one but ternary; the map's
-    # two kernels at each of their three precisions
+    # six per format and block, two more (the fused sender's) for every one but ternary; per fp8
+    # format five at each of its three scalings and the scales and codes in one kernel for two of
+    # them; the map's two kernels at each of their three precisions
     fused = sum(ops.fused_reason(fmt, block) is None for fmt, block in CASES)
     assert fused == len(CASES) - 2
-    assert len(lines) == len(CASES) * 6 + 2 * fused + 6 and all(int(line.split()[-2]) > 1000 for line in lines), lines
+    want = len(CASES) * 6 + 2 * fused + len(FP8_KERNEL_FORMATS) * (3 * 5 + 2) + 6
+    assert len(lines) == want and all(int(line.split()[-2]) > 1000 for line in lines), lines
     # Inductor's analysis of each kernel's TTIR finds it stores to its output only, so under
     # torch.compile no input is copied before a kernel runs (its traffic stays its arguments')
     mutates = dict(line.removeprefix("mutates ").split(": ") for line in res.stdout.splitlines()
                    if line.startswith("mutates "))
     assert mutates == {"block_stat": "stat_ptr", "scale_codes": "code_ptr", "encode": "out_ptr", "decode": "out_ptr",
                        "lowrank_expand": "out_ptr", "lowrank_project": "p_ptr", "lowrank_block_stat": "stat_ptr",
-                       "lowrank_encode": "out_ptr"}
+                       "lowrank_encode": "out_ptr", "fp8_scales": "out_ptr",
+                       "fp8_scales[block]": "out_ptr", "fp8_scale_encode": "scale_ptr out_ptr",
+                       "fp8_scale_encode[block]": "scale_ptr out_ptr", "fp8_encode": "out_ptr",
+                       "fp8_decode": "out_ptr"}
 
 
 def _gradient(rows: int, cols: int, seed: int, huge: bool = True, nonfinite: bool = True) -> torch.Tensor:
@@ -387,7 +393,7 @@ def test_the_exchange_emits_the_kernel_operators_for_cuda_tensors() -> None:
     with kernels.use_kernels(False):
         assert not kernels.codec_path(item.spec, cuda).kernels
     assert kernels.codec_path(item.spec, cuda).kernels
-    assert not kernels.codec_path(FormatSpec("fp8_e4m3", "row"), cuda).kernels
+    assert not kernels.codec_path(FormatSpec("mxfp8"), cuda).kernels
     assert not kernels.codec_path(item.spec, cuda, stochastic_rounding=True).kernels
 
 
@@ -456,13 +462,13 @@ def test_the_cuda_path_is_logged_once_with_its_reason(caplog: pytest.LogCaptureF
     cuda = torch.device("cuda")
     with caplog.at_level(logging.INFO, logger="gift_compile"):
         assert kernels.note_path(FormatSpec("int3", block_size=32), cuda).kernels
-        path = kernels.note_path(FormatSpec("fp8_e5m2", "row"), cuda)
-        kernels.note_path(FormatSpec("fp8_e5m2", "row"), cuda)
+        path = kernels.note_path(FormatSpec("mxint4"), cuda)
+        kernels.note_path(FormatSpec("mxint4"), cuda)
         sr = kernels.note_path(FormatSpec("int3", block_size=32), cuda, stochastic_rounding=True)
     assert not path.kernels and "has no explicit kernels" in path.reason
     assert not sr.kernels and "stochastic rounding" in sr.reason
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert sum("fp8_e5m2" in m for m in warnings) == 1  # once per process, not per call
+    assert sum("mxint4" in m for m in warnings) == 1  # once per process, not per call
     assert any("int3: explicit Triton kernels" in r.getMessage() for r in caplog.records
                if r.levelno == logging.INFO)
 

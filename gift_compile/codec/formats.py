@@ -194,9 +194,14 @@ class Float8(Format):
             amax = _finite_amax(x2, 1, keepdim=False)
         else:
             amax = _finite_amax(_blocks(x2, spec.block_size), -1, keepdim=False)
-        amax = agree(amax)
-        scale = _pow2_scale(amax, self.elements.fmax)
-        return torch.where(torch.isinf(amax), amax, scale), None
+        return self.scales_of(agree(amax)), None
+
+    def scales_of(self, amax: torch.Tensor) -> torch.Tensor:
+        """The fp32 scales of the (agreed) group statistics `amax`: the power of two that maps
+        each onto the element range, +inf kept as the non-finite marker. Shared with the
+        explicit kernels' per-tensor scale (`gift_compile.kernels`), which reduce the rows'
+        statistics in a kernel and take this one-element step here."""
+        return torch.where(torch.isinf(amax), amax, _pow2_scale(amax, self.elements.fmax))
 
     def encode(self, x2: torch.Tensor, spec: FormatSpec, scales: torch.Tensor, tensor_scale: torch.Tensor | None,
                u: torch.Tensor | None) -> torch.Tensor:

@@ -65,6 +65,13 @@ def _mean_abs(xb: torch.Tensor, factor: float) -> torch.Tensor:
     return m.float()
 
 
+def _pow2_limits(fmax: float) -> tuple[int, int]:
+    """`fmax`'s unbiased exponent and its 23 mantissa bits (as an int): `_pow2_scale` compares
+    a statistic's bits with these, and the explicit fp8 kernels take them as constants."""
+    mant, exp2 = math.frexp(fmax)  # fmax = mant * 2**exp2, mant in [0.5, 1)
+    return exp2 - 1, int((2 * mant - 1) * (1 << 23))
+
+
 def _pow2_scale(amax: torch.Tensor, fmax: float) -> torch.Tensor:
     """Smallest power of two `s` with `amax / s <= fmax`, by exponent arithmetic.
 
@@ -73,8 +80,7 @@ def _pow2_scale(amax: torch.Tensor, fmax: float) -> torch.Tensor:
     ties that sums of decoded codes create, and no transcendental function is involved.
     Zero maps to 1; the result lies in [2**-126, 2**127].
     """
-    mant, exp2 = math.frexp(fmax)  # fmax = mant * 2**exp2, mant in [0.5, 1)
-    max_exp, max_mant_bits = exp2 - 1, int((2 * mant - 1) * (1 << 23))
+    max_exp, max_mant_bits = _pow2_limits(fmax)
     bits = amax.contiguous().view(torch.int32)
     exp = ((bits >> 23) & 0xFF) - 127
     k = exp - max_exp + ((bits & 0x7FFFFF) > max_mant_bits).to(torch.int32)

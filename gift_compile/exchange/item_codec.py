@@ -22,7 +22,7 @@ the eager compiled path (`gift_compile.exchange.compiled_bodies`) compiles them 
 one implementation of the codec, two ways to run it.
 
 The codec steps (scales, encode, decode, the decoded sum) go through `gift_compile.kernels`: on
-CUDA, for the two-level formats, explicit Triton kernels registered as operators, which a trace
+CUDA, for the two-level and fp8 formats, explicit Triton kernels registered as operators, which a trace
 keeps as operators (their traffic is theirs, not the installed Inductor's); elsewhere the
 reference codec, compiled by Inductor as before. Both write the same bytes. A low-rank item whose
 map and codec both run as kernels sends through `kernels.fused_sender` instead: the map's
@@ -45,7 +45,7 @@ import torch
 from gift_compile.codec import FormatSpec, scales_nonfinite
 from gift_compile.codec import residual as residual_store
 from gift_compile.codec.rotation import rotate, unrotate
-from gift_compile.kernels import choose_scales, decode, decode_sum, encode
+from gift_compile.kernels import choose_scales_and_encode, decode, decode_sum
 from gift_compile.exchange.accounting import _item_bytes_per_dest, _itemsize, _scale_layout
 from gift_compile.exchange.plan import BucketPlan, ItemPlan
 from gift_compile.geometry import apply_forward, apply_inverse, gated_tensors
@@ -163,9 +163,11 @@ def _from_bytes(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return raw.contiguous().view(dtype)
     itype = _INT_OF_SIZE[size]
     b = raw.reshape(*raw.shape[:-1], raw.shape[-1] // size, size).to(itype)
-    word = b[..., 0]
+    # `select`, not `b[..., i]`: the same op in the graph, but the ellipsis index does not trace on
+    # fake CUDA tensors in a CPU-only torch (bench.kernel_traffic traces the fp32 scales' parse)
+    word = b.select(-1, 0)
     for i in range(1, size):
-        word = word | (b[..., i] << (8 * i))
+        word = word | (b.select(-1, i) << (8 * i))
     return word.view(dtype)
 
 
@@ -290,12 +292,14 @@ def encode_item(x: torch.Tensor, state: ItemTensors | None, shared: Shared, item
     g = _to_code_axes(item, apply_forward(item.kind, g, _map_tensors(item, state), item.map_precision))
     if state.residual is not None:
         g = g + _pad_rows(_decayed(item, residual_store.read(item.residual_format, state.residual, item.cols)), rows)
-    scales, tscale = choose_scales(g, spec)
+    seed = _rank_seed(shared, item, state) if item.stochastic_rounding else 0
+    # one call: where a kernel can choose the scales while it encodes (fp8 per row or block),
+    # g is read once
+    scales, tscale, codes = choose_scales_and_encode(g, spec, stochastic_rounding=item.stochastic_rounding,
+                                                     seed=seed)
     # the flag read off the scales: a separate `all` over g would cost one more full read
     # of g (and, with a map, a materialised g)
     bad = ~torch.isfinite(g).all() if spec.passthrough else scales_nonfinite(spec, scales, tscale)
-    seed = _rank_seed(shared, item, state) if item.stochastic_rounding else 0
-    codes = encode(g, spec, scales, tscale, stochastic_rounding=item.stochastic_rounding, seed=seed)
     if state.residual is not None:
         new = g - decode(codes, spec, scales, tscale, item.cols)
         residual_store.write(item.residual_format, state.residual, new[: item.rows])
@@ -338,9 +342,9 @@ def reencode_item(shard: torch.Tensor, state: ItemTensors | None, shared: Shared
             raise ValueError(f"GIFT: {item.name}: second-hop residual {tuple(e.shape)} != this rank's shard "
                              f"{tuple(shard.shape)} (rows padded to a multiple of the world size {p.world}, / world)")
         shard = shard + _decayed(item, e)
-    scales, tscale = choose_scales(shard, spec)
     seed = _rank_seed(shared, item, state, _ALL_GATHER_SEED) if item.stochastic_rounding else 0
-    codes = encode(shard, spec, scales, tscale, stochastic_rounding=item.stochastic_rounding, seed=seed)
+    scales, tscale, codes = choose_scales_and_encode(shard, spec, stochastic_rounding=item.stochastic_rounding,
+                                                     seed=seed)
     if residual is not None:
         residual_store.write(item.residual_format, residual, shard - decode(codes, spec, scales, tscale, item.cols))
     return [_stored_codes(codes, spec).reshape(-1), *(b.reshape(-1) for b in _scale_blocks(spec, item.cols, scales,

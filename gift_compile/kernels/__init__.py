@@ -8,7 +8,10 @@ them through `gift_compile.kernels.dispatch`. It imports only torch, Triton and 
   decode with the fp32 sum over senders; the low-rank map's projection and its expansion as a
   `tl.dot` epilogue, fp32 accumulation over TF32 or bf16 operands, alone or inside the block
   statistics and the encode);
-- `ops`: each kernel as a `torch.library.triton_op` with its launch and its shape function;
+- `triton_fp8`: the fp8 formats' device code (per-tensor/row/block scales, encode with the
+  float8 bytes built from the fp32 bits, decode with the fp32 sum over senders);
+- `ops`: each kernel as a `torch.library.triton_op` with its launch and its shape function
+  (`ops_fp8` for the fp8 kernels);
 - `formats`: which formats have kernels and their compile-time parameters;
 - `dispatch`: the codec functions the exchange calls, kernels on CUDA and the reference codec
   (compiled by Inductor) elsewhere, with the choice logged once per format;
@@ -24,10 +27,12 @@ interpreter (tests/test_kernels.py).
 """
 
 from gift_compile.kernels.dispatch import (
-    CodecPath, choose_scales, codec_path, decode, decode_sum, encode, kernels_enabled, note_path, use_kernels,
+    CodecPath, choose_scales, choose_scales_and_encode, codec_path, decode, decode_sum, encode, kernels_enabled,
+    note_path, use_kernels,
 )
 from gift_compile.kernels.formats import KERNEL_FORMATS
 from gift_compile.kernels.map_dispatch import MapPath, MapPrecision, map_path, note_map_path
 
-__all__ = ["KERNEL_FORMATS", "CodecPath", "MapPath", "MapPrecision", "choose_scales", "codec_path", "decode",
+__all__ = ["KERNEL_FORMATS", "CodecPath", "MapPath", "MapPrecision", "choose_scales", "choose_scales_and_encode",
+           "codec_path", "decode",
            "decode_sum", "encode", "kernels_enabled", "map_path", "note_map_path", "note_path", "use_kernels"]

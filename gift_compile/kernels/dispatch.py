@@ -4,13 +4,16 @@ The exchange's per-item codec (`gift_compile.exchange.item_codec`) calls the fun
 instead of `gift_compile.codec` directly. They take the reference codec's arguments and give
 its results bit for bit; what differs is how they run:
 
-- CUDA tensors of a format with kernels (`formats.KERNEL_FORMATS`, round to nearest): the
-  registered Triton operators of `gift_compile.kernels.ops`. Traced (Dynamo, or the FX pass's
-  `make_fx`), they stay operators in the graph, so their memory traffic is the kernels' own,
-  whatever fusion choices the installed Inductor makes around them.
-- everything else (CPU tensors; on CUDA, the fp8 and E8M0 formats and stochastic rounding;
-  or kernels switched off with `use_kernels(False)`): the reference codec, which a compiled
-  body or the FX pass hands to Inductor as today. On the CPU that is the tested path
+- CUDA tensors of a format with kernels (`formats.KERNEL_FORMATS`, the two-level formats, and
+  `formats.FP8_KERNEL_FORMATS`, the fp8 formats at every scaling; round to nearest): the
+  registered Triton operators of `gift_compile.kernels.ops` and `gift_compile.kernels.ops_fp8`.
+  Traced (Dynamo, or the FX pass's `make_fx`), they stay operators in the graph, so their
+  memory traffic is the kernels' own, whatever fusion choices the installed Inductor makes
+  around them.
+- everything else (CPU tensors; on CUDA, the E8M0 formats, fp8 blocks longer than
+  `formats.FP8_MAX_BLOCK` and stochastic rounding's encoder; or kernels switched off with
+  `use_kernels(False)`): the reference codec, which a compiled body or the FX pass hands to
+  Inductor as today. On the CPU that is the tested path
   (Inductor's C++ kernels); the Triton kernels are never launched on CPU tensors outside the
   interpreter tests.
 
@@ -33,19 +36,19 @@ import torch
 from gift_compile import codec
 from gift_compile.codec import FormatSpec, as_rows
 from gift_compile.codec.scales import _global_max, _tensor_scale
-from gift_compile.kernels.formats import KERNEL_FORMATS
+from gift_compile.kernels.formats import FP8_KERNEL_FORMATS, FP8_MAX_BLOCK, KERNEL_FORMATS
 
 try:
-    from gift_compile.kernels import ops
+    from gift_compile.kernels import ops, ops_fp8
 except ModuleNotFoundError as exc:  # the package runs without Triton where no kernel is needed (CPU)
     if exc.name != "triton":
         raise
-    ops = None
+    ops = ops_fp8 = None
 
 logger = logging.getLogger("gift_compile")
 
-__all__ = ["CodecPath", "choose_scales", "codec_path", "decode", "decode_sum", "encode", "kernels_enabled",
-           "note_path", "use_kernels"]
+__all__ = ["CodecPath", "choose_scales", "choose_scales_and_encode", "codec_path", "decode", "decode_sum", "encode",
+           "kernels_enabled", "note_path", "use_kernels"]
 
 
 class CodecPath(NamedTuple):
@@ -96,9 +99,12 @@ def codec_path(spec: FormatSpec, device: torch.device, stochastic_rounding: bool
     if not _Switch.enabled:
         return CodecPath(False, "explicit kernels switched off (gift_compile.kernels.use_kernels(False)): the "
                                 "Inductor-generated codec")
-    if spec.name not in KERNEL_FORMATS:
+    if spec.name not in KERNEL_FORMATS + FP8_KERNEL_FORMATS:
         return CodecPath(False, f"format {spec.name!r} has no explicit kernels (they exist for "
-                                f"{', '.join(KERNEL_FORMATS)}): the Inductor-generated codec")
+                                f"{', '.join(KERNEL_FORMATS + FP8_KERNEL_FORMATS)}): the Inductor-generated codec")
+    if spec.name in FP8_KERNEL_FORMATS and (spec.block or 0) > FP8_MAX_BLOCK:
+        return CodecPath(False, f"{spec.name} with block_size={spec.block}: the fp8 kernels take scale blocks of at "
+                                f"most {FP8_MAX_BLOCK} elements, so this codec runs as Inductor-generated code")
     if stochastic_rounding:
         return CodecPath(False, f"{spec.name} with stochastic rounding: its encoder has no explicit kernel, so the "
                                 "encode runs as Inductor-generated code (scales and decode use the kernels)")
@@ -137,6 +143,9 @@ def choose_scales(x: torch.Tensor, spec: FormatSpec) -> tuple[torch.Tensor, torc
     if not _path(spec, x).kernels:
         return codec.choose_scales(x, spec)
     x2 = as_rows(x).float().contiguous()
+    if spec.name in FP8_KERNEL_FORMATS:
+        s = ops_fp8.fp8_scales(x2, spec.name, spec.scaling.value, spec.block_size)
+        return (spec.family.scales_of(_global_max(s)) if spec.single_scale else s), None
     stat = ops.block_stat(x2, spec.name, spec.block_size)
     tscale = _tensor_scale(_global_max(stat), spec.family.level)
     return ops.scale_codes(stat, tscale, spec.name, spec.block_size), tscale
@@ -147,8 +156,25 @@ def encode(x: torch.Tensor, spec: FormatSpec, scales: torch.Tensor, tensor_scale
     """`codec.encode` with the same arguments; the kernel path writes its bytes."""
     if not _path(spec, x, stochastic_rounding).kernels:
         return codec.encode(x, spec, scales, tensor_scale, stochastic_rounding=stochastic_rounding, seed=seed)
+    if spec.name in FP8_KERNEL_FORMATS:
+        return ops_fp8.fp8_encode(as_rows(x).float().contiguous(), scales.contiguous(), spec.name,
+                                  spec.scaling.value, spec.block_size)
     assert tensor_scale is not None, f"{spec.name}: a two-level format has a tensor scale"
     return ops.encode(as_rows(x).float().contiguous(), scales, tensor_scale.reshape(1), spec.name, spec.block_size)
+
+
+def choose_scales_and_encode(x: torch.Tensor, spec: FormatSpec, *, stochastic_rounding: bool = False,
+                             seed: torch.Tensor | int = 0
+                             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """`(scales, tensor_scale, codes)`: `choose_scales` then `encode`, the same results. On the
+    kernel path an fp8 format with row or block scaling does both in one kernel
+    (`ops_fp8.fp8_scale_encode`), reading `x` once instead of once per step."""
+    if spec.name in FP8_KERNEL_FORMATS and not spec.single_scale and _path(spec, x, stochastic_rounding).kernels:
+        codes, scales = ops_fp8.fp8_scale_encode(as_rows(x).float().contiguous(), spec.name, spec.scaling.value,
+                                                 spec.block_size)
+        return scales, None, codes
+    scales, tscale = choose_scales(x, spec)
+    return scales, tscale, encode(x, spec, scales, tscale, stochastic_rounding=stochastic_rounding, seed=seed)
 
 
 def decode(payload: torch.Tensor, spec: FormatSpec, scales: torch.Tensor, tensor_scale: torch.Tensor | None,
@@ -158,6 +184,8 @@ def decode(payload: torch.Tensor, spec: FormatSpec, scales: torch.Tensor, tensor
     `[senders, 1, 1]`), as `item_codec` holds them."""
     if not _path(spec, payload).kernels:
         return codec.decode(payload, spec, scales, tensor_scale, cols)
+    if spec.name in FP8_KERNEL_FORMATS:
+        return _fp8_decode(payload, spec, scales, cols, False, False)
     assert tensor_scale is not None, f"{spec.name}: a two-level format has a tensor scale"
     if payload.dim() == 2:
         out = ops.decode(payload.unsqueeze(0), scales.unsqueeze(0), tensor_scale.reshape(1), spec.name,
@@ -175,6 +203,27 @@ def decode_sum(payload: torch.Tensor, spec: FormatSpec, scales: torch.Tensor, te
     if not _path(spec, payload).kernels:
         total = codec.decode(payload, spec, scales, tensor_scale, cols).sum(dim=0)
         return total / payload.shape[0] if average else total
+    if spec.name in FP8_KERNEL_FORMATS:
+        return _fp8_decode(payload, spec, scales, cols, True, average)
     assert tensor_scale is not None, f"{spec.name}: a two-level format has a tensor scale"
     senders = payload.shape[0]
     return ops.decode(payload, scales, tensor_scale.reshape(senders), spec.name, spec.block_size, cols, True, average)
+
+
+def _fp8_decode(payload: torch.Tensor, spec: FormatSpec, scales: torch.Tensor, cols: int, reduce: bool,
+                average: bool) -> torch.Tensor:
+    """`ops_fp8.fp8_decode` of a `[rows, payload_cols]` payload or of one per sender, with the
+    scales as `item_codec` holds them (per tensor `[1]` or `[senders, 1, 1]`, per row
+    `[senders, rows]`, per block `[senders, rows, nblocks]`, no sender dim for a 2-D payload)
+    reshaped to the operator's `[senders, ...]`."""
+    single = payload.dim() == 2
+    p = payload.unsqueeze(0) if single else payload
+    senders, rows = p.shape[0], p.shape[1]
+    if spec.single_scale:
+        s = scales.reshape(-1).expand(senders)
+    elif spec.block is None:
+        s = scales.reshape(senders, rows)
+    else:
+        s = scales.reshape(senders, rows, -1)
+    out = ops_fp8.fp8_decode(p, s.contiguous(), spec.name, spec.scaling.value, spec.block_size, cols, reduce, average)
+    return out.squeeze(0) if single and not reduce else out

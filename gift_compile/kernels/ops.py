@@ -26,7 +26,7 @@ from torch.library import triton_op, wrap_triton
 
 from gift_compile.codec.spec import FormatSpec
 from gift_compile.kernels import triton_codec as k
-from gift_compile.kernels.formats import KernelFormat, _next_pow2, kernel_format
+from gift_compile.kernels.formats import KERNEL_FORMATS, KernelFormat, _next_pow2, kernel_format
 
 __all__ = ["MAP_PRECISIONS", "block_stat", "decode", "encode", "fused_reason", "lowrank_block_stat", "lowrank_encode",
            "lowrank_expand", "lowrank_project", "scale_codes"]
@@ -283,7 +283,10 @@ def fused_reason(fmt: str, block_size: int) -> str | None:
     must hold whole scale blocks and whole packed words, i.e. the block divides 128 and a word's
     digit count is a power of two (1/2/4-bit codes in a byte, 3/6-bit ones in a 3-byte group).
     Ternary's 5 digits per byte straddle tiles, so ternary keeps the unfused chain; a static
-    property of the format, never of the data."""
+    property of the format, never of the data. The fp8 formats (`ops_fp8`) have no fused sender
+    kernels: their low-rank items keep the unfused chain."""
+    if fmt not in KERNEL_FORMATS:
+        return f"{fmt} has no fused sender kernels (they exist for the two-level formats)"
     f = _format(fmt, block_size)
     bn = _EXPAND_TILE[1]
     if bn % f.block:

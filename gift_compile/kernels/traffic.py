@@ -24,7 +24,7 @@ __all__ = ["KERNEL_OPS", "Traffic", "node_traffic", "op_traffic"]
 
 # The registered operators (`torch.ops.gift_kernels.<name>`) whose traffic this module knows.
 KERNEL_OPS = ("block_stat", "scale_codes", "encode", "decode", "lowrank_project", "lowrank_expand", "lowrank_block_stat",
-              "lowrank_encode")
+              "lowrank_encode", "fp8_scales", "fp8_scale_encode", "fp8_encode", "fp8_decode")
 
 
 class Traffic(NamedTuple):
@@ -39,13 +39,15 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def op_traffic(op: str, args: Sequence[object], out: torch.Tensor) -> Traffic:
+def op_traffic(op: str, args: Sequence[object], out: torch.Tensor | Sequence[torch.Tensor]) -> Traffic:
     """Traffic of one call of `torch.ops.gift_kernels.<op>` with `args` (tensors, real or fake,
-    and the format constants) returning `out`: every tensor argument read once, `out` written
-    once. Raises for an operator this module does not describe."""
+    and the format constants) returning `out` (a tensor, or several: `fp8_scale_encode`'s codes
+    and scales): every tensor argument read once, every output written once. Raises for an
+    operator this module does not describe."""
     if op not in KERNEL_OPS:
         raise ValueError(f"op_traffic: {op!r} is not a codec kernel; known: {', '.join(KERNEL_OPS)}")
-    return Traffic(op, sum(_nbytes(a) for a in args if isinstance(a, torch.Tensor)), _nbytes(out))
+    outs = (out,) if isinstance(out, torch.Tensor) else tuple(out)
+    return Traffic(op, sum(_nbytes(a) for a in args if isinstance(a, torch.Tensor)), sum(map(_nbytes, outs)))
 
 
 def node_traffic(node: torch.fx.Node) -> Traffic | None:
