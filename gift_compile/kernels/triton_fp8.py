@@ -19,6 +19,14 @@ kernel chooses the scales and writes the codes (`fp8_row_scale_encode_kernel`,
 needs every row before the first code: the rows' statistics (`fp8_row_scale_kernel`), their
 maximum, then `fp8_encode_kernel`, which also encodes under any given (agreed) scales.
 
+GIFT's fused sender for the fp8 formats (`lowrank_fp8_row_scale_kernel`,
+`lowrank_fp8_block_scale_kernel`, `lowrank_fp8_encode_kernel`) takes its values from the
+low-rank map's expansion tile (`triton_codec._expand_tile`, the `[64, 128]` tile
+`lowrank_expand_kernel` writes) instead of from memory: the same scale choice
+(`_finite_amax`, `_pow2_scale`) and codes (`_fp8_code`) of the same values, the mapped gradient
+never written. A row's scale needs all its column tiles, so the row-scale kernel walks them in
+one program per 64 rows; a block's needs one tile (the block divides its 128 columns).
+
 Layout: the gradient is the `[rows, cols]` fp32 row view (`codec.as_rows`), read in place (row
 stride given, unit column stride); with block scaling the columns past `cols` up to the padded
 width `cp` read as zeros (the reference's zero padding) and get codes; the payload is one byte
