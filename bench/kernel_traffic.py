@@ -19,8 +19,9 @@ send and receive buffers once each.
 GIFT's bodies (the low-rank map, rank 32, CUDA's `map_precision="auto"`) count the map's kernels
 too, against the floor with the map (`minimum_bytes` of the low-rank kind): on the sender the
 projection (`lowrank_project`) and the expansion fused into the block statistics and the encode
-(`lowrank_block_stat`, `lowrank_encode`: `gift_compile.kernels.fused_sender`, the mapped gradient
-never written), on the receiver the inverse map's projection and expansion (`lowrank_expand`)
+(`lowrank_block_stat`, `lowrank_encode`; for fp8 into the row scales and the encode,
+`lowrank_fp8_scales`, `lowrank_fp8_encode`: `gift_compile.kernels.fused_sender`, the mapped
+gradient never written), on the receiver the inverse map's projection and expansion (`lowrank_expand`)
 after the decode. `python -m bench.kernel_traffic` prints one table (formats x ops x maps at
 Llama shapes, 8 ranks). Each body also keeps its kernel bytes from before the fused sender
 (`before_fused_sender`), carried over from the results file a run replaces, so the docs block
@@ -174,10 +175,15 @@ def block(_: dict | None = None, path: Path = OUT) -> str:
         body_table(d["results"]), "",
         f"{verdict}. GIFT's sender computes the map's expansion inside the block statistics and the encode "
         "(`gift_compile.kernels.fused_sender`) instead of writing the mapped gradient and reading it back twice; "
-        "the `before` columns are each body's kernel bytes with that unfused chain. The sender now reads the "
-        "gradient three times (projection, statistics, encode), as the floor does; what keeps GIFT's all-reduce "
-        "bodies further above their floor is the receiver's inverse map, whose expansion reads the decoded fp32 "
-        "result back where the floor decodes the gathered codes a second time."])
+        "the `before` columns are each body's kernel bytes with that unfused chain (fp8_e4m3's sender, fused "
+        "into the row scales and the encode, `lowrank_fp8_scales` and `lowrank_fp8_encode`, included). The "
+        "two-level formats' sender now reads the gradient three times (projection, statistics, encode), as their "
+        "floor does; fp8's sender reads it three times too (projection, row scales, encode), where the floor's "
+        "row-scaled sender reads it twice: its scale and encode share one pass over a row, which a kernel that "
+        "recomputes the expansion tile by tile could only match by walking a row block's tiles twice and relying "
+        "on the cache to serve the second walk (`[64, cols]` fp32: MBs at these widths). What keeps GIFT's "
+        "all-reduce bodies further above their floor is the receiver's inverse map, whose expansion reads the "
+        "decoded fp32 result back where the floor decodes the gathered codes a second time."])
 
 
 def main(argv: list[str] | None = None) -> int:

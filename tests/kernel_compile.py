@@ -6,7 +6,8 @@ process the kernels are the interpreter's functions, which accept code the compi
 Triton's wheel carries `ptxas`, so the whole pipeline (TTIR, TTGIR, LLVM IR, PTX, cubin) runs
 without a GPU or a driver: what the interpreter tests cannot tell, that the kernels compile, and
 with which constexprs, is checked here for every kernel format (each decode mode; the fused
-sender kernels for the formats they serve, at TF32 operands; the fp8 formats at each scaling)
+sender kernels for the formats they serve, at TF32 operands; the fp8 formats at each scaling,
+their fused sender kernels included)
 and every precision of the map's kernels. Prints one line per compiled kernel: its name, format
 and the cubin's size; exits non-zero on the first failure.
 
@@ -70,6 +71,7 @@ def mutated_arguments() -> dict[str, list[str]]:
         return FakeTensor(mode, torch.empty(shape, dtype=dtype, device="meta"), torch.device("cuda"))
 
     f32, u8 = torch.float32, torch.uint8
+    lowrank = [((8, 40), f32), ((8, 4), f32), ((40,), f32), ((4,), f32), ((40, 4), f32), ((40,), f32)]
     calls = {
         "block_stat": (lambda x: ops.block_stat(x, "ternary", 32), [((8, 40), f32)]),
         "scale_codes": (lambda s, t: ops.scale_codes(s, t, "nvfp4", 16), [((8, 3), f32), ((1,), f32)]),
@@ -95,6 +97,11 @@ def mutated_arguments() -> dict[str, list[str]]:
                                                                                        ((8, 3), f32)]),
         "fp8_decode": (lambda p, s: ops_fp8.fp8_decode(p, s, "fp8_e4m3", "row", 32, 40, True, True),
                        [((4, 8, 40), u8), ((4, 8), f32)]),
+        "lowrank_fp8_scales": (lambda *a: ops_fp8.lowrank_fp8_scales(*a, "tf32", "fp8_e4m3", "row", 32), lowrank),
+        "lowrank_fp8_scales[block]": (lambda *a: ops_fp8.lowrank_fp8_scales(*a, "tf32", "fp8_e5m2", "block", 16),
+                                      lowrank),
+        "lowrank_fp8_encode": (lambda *a: ops_fp8.lowrank_fp8_encode(*a, "tf32", "fp8_e4m3", "row", 32),
+                               [*lowrank, ((8,), f32)]),
     }
     out = {}
     for name, (fn, shapes) in calls.items():
@@ -143,8 +150,28 @@ def compile_fp8() -> None:
                                            "rows": "i32", "cols": "i32", "cp": "i32", "nblocks": "i32"},
                     {"SENDERS": 8, **layout, **elements, "IEEE_SPECIALS": f.ieee_specials, "TILE": 1024,
                      "SUM": reduce, "AVERAGE": average})
+            sizes.update(_compile_fused_fp8(fmt, scaling, pow2, codes))
             for name, size in sizes.items():
                 print(f"{fmt} {scaling} {name}: cubin {size} bytes", flush=True)
+
+
+def _compile_fused_fp8(fmt: str, scaling: str, pow2: dict[str, object], codes: dict[str, object]) -> dict[str, int]:
+    """The fused fp8 sender's two kernels at `scaling` (TF32 operands, the CUDA default; block
+    scaling at a block of 32, one that divides the fused tile's 128 columns)."""
+    f = fp8_kernel_format(FormatSpec(fmt, scaling, 32))
+    maps = {name: "*fp32" for name in ("g_ptr", "p_ptr", "dinv_ptr", "coef_ptr", "basis_ptr", "dsq_ptr")}
+    dims = {"rows": "i32", "cols": "i32", "rank": "i32"}
+    tiles = {"BM": 64, "BN": 128, "BR": 32, "PRECISION": "tf32"}
+    if scaling == "block":
+        scales = compile_kernel(k8.lowrank_fp8_block_scale_kernel, maps | {"out_ptr": "*fp32"} | dims
+                                | {"nblocks": "i32"}, {**pow2, "BLOCK": f.block, **tiles})
+    else:
+        scales = compile_kernel(k8.lowrank_fp8_row_scale_kernel, maps | {"out_ptr": "*fp32"} | dims,
+                                {**pow2, "AMAX_ONLY": scaling == "tensor", **tiles, "STEPS": 3})
+    encode = compile_kernel(k8.lowrank_fp8_encode_kernel, maps | {"scale_ptr": "*fp32", "out_ptr": "*u8"} | dims
+                            | {"cp": "i32", "nblocks": "i32"},
+                            {"SCALING": f.scaling, "BLOCK": max(f.block, 1), **codes, **tiles})
+    return {"lowrank scales": scales, "lowrank encode": encode}
 
 
 def main() -> int:

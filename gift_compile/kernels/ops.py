@@ -283,10 +283,11 @@ def fused_reason(fmt: str, block_size: int) -> str | None:
     must hold whole scale blocks and whole packed words, i.e. the block divides 128 and a word's
     digit count is a power of two (1/2/4-bit codes in a byte, 3/6-bit ones in a 3-byte group).
     Ternary's 5 digits per byte straddle tiles, so ternary keeps the unfused chain; a static
-    property of the format, never of the data. The fp8 formats (`ops_fp8`) have no fused sender
-    kernels: their low-rank items keep the unfused chain."""
+    property of the format, never of the data. The fp8 formats' fused sender ops are
+    `ops_fp8.lowrank_fp8_scales` and `lowrank_fp8_encode` (`ops_fp8.lowrank_fp8_reason`)."""
     if fmt not in KERNEL_FORMATS:
-        return f"{fmt} has no fused sender kernels (they exist for the two-level formats)"
+        return (f"{fmt} has no two-level fused sender kernels (they exist for {', '.join(KERNEL_FORMATS)}; the fp8 "
+                "formats' are ops_fp8's)")
     f = _format(fmt, block_size)
     bn = _EXPAND_TILE[1]
     if bn % f.block:

@@ -10,6 +10,11 @@ the operator and the argument.
 
 The scaling (`"tensor"`, `"row"`, `"block"`) is an argument, as the format and block are: the
 scales' shapes follow from it (`[1]`, `[rows]`, `[rows, nblocks]` per sender).
+
+`lowrank_fp8_scales` and `lowrank_fp8_encode` are GIFT's fused sender for the fp8 formats
+(`gift_compile.kernels.fused_sender`): `fp8_scales` and `fp8_encode` of the low-rank map's
+expansion, each tile of which they compute as `ops.lowrank_expand` does, so the mapped gradient
+is never written.
 """
 
 from __future__ import annotations
@@ -22,9 +27,11 @@ from gift_compile.codec.layout import Scaling
 from gift_compile.codec.spec import FormatSpec
 from gift_compile.kernels import triton_fp8 as k
 from gift_compile.kernels.formats import Fp8KernelFormat, _next_pow2, fp8_kernel_format
-from gift_compile.kernels.ops import ELEMENTS_PER_PROGRAM, _check, _check_shape
+from gift_compile.kernels.ops import (_EXPAND_TILE, ELEMENTS_PER_PROGRAM, _check, _check_map_operands,
+                                      _check_precision, _check_shape, _rank_tile)
 
-__all__ = ["fp8_decode", "fp8_encode", "fp8_scale_encode", "fp8_scales"]
+__all__ = ["fp8_decode", "fp8_encode", "fp8_scale_encode", "fp8_scales", "lowrank_fp8_encode", "lowrank_fp8_reason",
+           "lowrank_fp8_scales"]
 
 
 def _format(op: str, fmt: str, scaling: str, block_size: int) -> tuple[FormatSpec, Fp8KernelFormat]:
@@ -195,3 +202,102 @@ def _fp8_decode_fake(payload: torch.Tensor, scales: torch.Tensor, fmt: str, scal
                      reduce: bool, average: bool) -> torch.Tensor:
     senders, rows, _ = payload.shape
     return payload.new_empty((rows, cols) if reduce else (senders, rows, cols), dtype=torch.float32)
+
+
+def lowrank_fp8_reason(spec: FormatSpec) -> str | None:
+    """Why the fused fp8 sender ops (`lowrank_fp8_scales`, `lowrank_fp8_encode`) cannot serve an
+    fp8 format spec, or None where they can: per tensor and per row always (a row's tiles are
+    walked by one program); per block where the block divides the expansion tile's 128
+    columns, so a tile holds whole blocks. A static property of the spec, never of the data."""
+    bn = _EXPAND_TILE[1]
+    if spec.scaling is Scaling.BLOCK and bn % spec.block:
+        return f"{spec.name} block {spec.block} does not divide the fused tile's {bn} columns"
+    return None
+
+
+def _fused_format(op: str, fmt: str, scaling: str, block_size: int, precision: str) -> tuple[FormatSpec,
+                                                                                             Fp8KernelFormat]:
+    """The spec and kernel constants of a fused fp8 operator's arguments; ValueError naming the
+    operator where the format, the precision or the block cannot be served."""
+    _check_precision(op, precision)
+    spec, f = _format(op, fmt, scaling, block_size)
+    reason = lowrank_fp8_reason(spec)
+    if reason is not None:
+        raise ValueError(f"gift_kernels.{op}: {reason} (use lowrank_expand, then fp8_scales / fp8_encode)")
+    return spec, f
+
+
+@triton_op("gift_kernels::lowrank_fp8_scales", mutates_args=())
+def lowrank_fp8_scales(g: torch.Tensor, p: torch.Tensor, dinv: torch.Tensor, coef: torch.Tensor, basis: torch.Tensor,
+                       dsq: torch.Tensor, precision: str, fmt: str, scaling: str, block_size: int) -> torch.Tensor:
+    """`fp8_scales(lowrank_expand(g, p, dinv, coef, basis, dsq, precision), fmt, scaling,
+    block_size)` without writing the expansion: per row `[rows]` scales, per block
+    `[rows, nblocks]`, per tensor the rows' amax statistics `[rows]` (+inf for a group holding
+    NaN/Inf). A program covers 64 rows: with row scaling (and per tensor) it walks their column
+    tiles, with block scaling one tile."""
+    op = "lowrank_fp8_scales"
+    spec, f = _fused_format(op, fmt, scaling, block_size, precision)
+    basis = basis.contiguous()
+    _check_map_operands(op, g, p, dinv, coef, basis, dsq)
+    rows, cols = g.shape
+    rank = basis.shape[1]
+    block = spec.scaling is Scaling.BLOCK
+    out = torch.empty((rows, spec.padded_cols(cols) // f.block) if block else (rows,), dtype=torch.float32,
+                      device=g.device)
+    if not out.numel():
+        return out
+    bm, bn = _EXPAND_TILE
+    operands = (g.contiguous(), p.contiguous(), dinv, coef, basis, dsq, out, rows, cols, rank)
+    tiles = dict(BM=bm, BN=bn, BR=_rank_tile(rank), PRECISION=precision)
+    if block:
+        wrap_triton(k.lowrank_fp8_block_scale_kernel)[(triton.cdiv(rows, bm), triton.cdiv(cols, bn))](
+            *operands, out.shape[1], MAX_EXP=f.max_exp, MAX_MANT=f.max_mant, BLOCK=f.block, **tiles)
+    else:
+        wrap_triton(k.lowrank_fp8_row_scale_kernel)[(triton.cdiv(rows, bm),)](
+            *operands, MAX_EXP=f.max_exp, MAX_MANT=f.max_mant, AMAX_ONLY=spec.scaling is Scaling.TENSOR,
+            STEPS=triton.cdiv(cols, bn), **tiles)
+    return out
+
+
+@lowrank_fp8_scales.register_fake
+def _lowrank_fp8_scales_fake(g: torch.Tensor, p: torch.Tensor, dinv: torch.Tensor, coef: torch.Tensor,
+                             basis: torch.Tensor, dsq: torch.Tensor, precision: str, fmt: str, scaling: str,
+                             block_size: int) -> torch.Tensor:
+    spec, _ = _format("lowrank_fp8_scales", fmt, scaling, block_size)
+    shape = _scale_shape(spec, g.shape[0], g.shape[1])
+    return g.new_empty((g.shape[0],) if spec.scaling is Scaling.TENSOR else shape, dtype=torch.float32)
+
+
+@triton_op("gift_kernels::lowrank_fp8_encode", mutates_args=())
+def lowrank_fp8_encode(g: torch.Tensor, p: torch.Tensor, dinv: torch.Tensor, coef: torch.Tensor, basis: torch.Tensor,
+                       dsq: torch.Tensor, scales: torch.Tensor, precision: str, fmt: str, scaling: str,
+                       block_size: int) -> torch.Tensor:
+    """`fp8_encode(lowrank_expand(g, p, dinv, coef, basis, dsq, precision), scales, fmt,
+    scaling, block_size)` without writing the expansion: each `[64, 128]` tile of it computed
+    and encoded in one program (uint8 `[rows, padded cols]`)."""
+    op = "lowrank_fp8_encode"
+    spec, f = _fused_format(op, fmt, scaling, block_size, precision)
+    basis = basis.contiguous()
+    _check_map_operands(op, g, p, dinv, coef, basis, dsq)
+    rows, cols = g.shape
+    want = _scale_shape(spec, rows, cols)
+    _check(op, "scales", scales, torch.float32, len(want))
+    _check_shape(op, "scales", scales, want)
+    cp = spec.padded_cols(cols)
+    out = torch.empty((rows, cp), dtype=torch.uint8, device=g.device)
+    if out.numel():
+        bm, bn = _EXPAND_TILE
+        rank = basis.shape[1]
+        wrap_triton(k.lowrank_fp8_encode_kernel)[(triton.cdiv(rows, bm), triton.cdiv(cp, bn))](
+            g.contiguous(), p.contiguous(), dinv, coef, basis, dsq, scales.contiguous(), out, rows, cols, rank, cp,
+            _nblocks(spec, cols), SCALING=f.scaling, BLOCK=max(f.block, 1), MBITS=f.mbits, EMIN=f.emin, FMAX=f.fmax,
+            BM=bm, BN=bn, BR=_rank_tile(rank), PRECISION=precision)
+    return out
+
+
+@lowrank_fp8_encode.register_fake
+def _lowrank_fp8_encode_fake(g: torch.Tensor, p: torch.Tensor, dinv: torch.Tensor, coef: torch.Tensor,
+                             basis: torch.Tensor, dsq: torch.Tensor, scales: torch.Tensor, precision: str, fmt: str,
+                             scaling: str, block_size: int) -> torch.Tensor:
+    spec, _ = _format("lowrank_fp8_encode", fmt, scaling, block_size)
+    return g.new_empty((g.shape[0], spec.padded_cols(g.shape[1])), dtype=torch.uint8)

@@ -19,6 +19,14 @@ kernel chooses the scales and writes the codes (`fp8_row_scale_encode_kernel`,
 needs every row before the first code: the rows' statistics (`fp8_row_scale_kernel`), their
 maximum, then `fp8_encode_kernel`, which also encodes under any given (agreed) scales.
 
+GIFT's fused sender for the fp8 formats (`lowrank_fp8_row_scale_kernel`,
+`lowrank_fp8_block_scale_kernel`, `lowrank_fp8_encode_kernel`) takes its values from the
+low-rank map's expansion tile (`triton_codec._expand_tile`, the `[64, 128]` tile
+`lowrank_expand_kernel` writes) instead of from memory: the same scale choice
+(`_finite_amax`, `_pow2_scale`) and codes (`_fp8_code`) of the same values, the mapped gradient
+never written. A row's scale needs all its column tiles, so the row-scale kernel walks them in
+one program per 64 rows; a block's needs one tile (the block divides its 128 columns).
+
 Layout: the gradient is the `[rows, cols]` fp32 row view (`codec.as_rows`), read in place (row
 stride given, unit column stride); with block scaling the columns past `cols` up to the padded
 width `cp` read as zeros (the reference's zero padding) and get codes; the payload is one byte
@@ -33,7 +41,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gift_compile.kernels.triton_codec import FP32_MAX, _is_finite, _pow2_inverse
+from gift_compile.kernels.triton_codec import FP32_MAX, _expand_tile, _is_finite, _pow2_inverse
 
 # The `SCALING` constexpr (`formats.FP8_SCALINGS`): one scale per tensor, per row, per block.
 TENSOR = tl.constexpr(0)
@@ -147,6 +155,17 @@ def fp8_row_scale_encode_kernel(x_ptr, scale_ptr, out_ptr, cols, row_stride, MAX
 
 
 @triton.jit
+def _finite_amax(x, AXIS: tl.constexpr):
+    """The amax of |x| along AXIS, +inf where the reduced values hold NaN/Inf
+    (`codec.scales._finite_amax`): a group's statistic, never NaN, so a running `tl.maximum`
+    over partial ones is exact and keeps the +inf marker."""
+    a = tl.abs(x)
+    fin = _is_finite(a)
+    bad = tl.max((~fin).to(tl.int32), axis=AXIS) > 0
+    return tl.where(bad, float("inf"), tl.max(tl.where(fin, a, 0.0), axis=AXIS))
+
+
+@triton.jit
 def _block_scales(x_ptr, row, j, inside, cols, row_stride, MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr):
     """One row's blocks (the `[TILE, BLOCK_P2]` tile of padded columns `j`, BLOCK's next power of
     two wide, `inside` masking the extra lanes and blocks; columns past `cols` read as 0) and
@@ -154,11 +173,7 @@ def _block_scales(x_ptr, row, j, inside, cols, row_stride, MAX_EXP: tl.constexpr
     compute the columns themselves: an address built from a called function's result makes
     torch's analysis of the kernel count every pointer argument as written."""
     x = tl.load(x_ptr + row * row_stride + j, mask=inside & (j < cols), other=0.0)
-    a = tl.abs(x)
-    fin = _is_finite(a)
-    bad = tl.max((~fin).to(tl.int32), axis=1) > 0
-    s = tl.where(bad, float("inf"), tl.max(tl.where(fin, a, 0.0), axis=1))
-    return x, _pow2_scale(s, MAX_EXP, MAX_MANT)
+    return x, _pow2_scale(_finite_amax(x, 1), MAX_EXP, MAX_MANT)
 
 
 @triton.jit
@@ -250,3 +265,65 @@ def fp8_decode_kernel(payload_ptr, scale_ptr, out_ptr, rows, cols, cp, nblocks, 
         if AVERAGE:
             acc = tl.math.div_rn(acc, tl.full([TILE], SENDERS, tl.float32))
         tl.store(out_ptr + row * cols + j, acc, mask=valid)
+
+
+@triton.jit
+def lowrank_fp8_row_scale_kernel(g_ptr, p_ptr, dinv_ptr, coef_ptr, basis_ptr, dsq_ptr, out_ptr, rows, cols, rank,
+                                 MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr, AMAX_ONLY: tl.constexpr,
+                                 BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, STEPS: tl.constexpr,
+                                 PRECISION: tl.constexpr):
+    """`fp8_row_scale_kernel` of the low-rank map's expansion, computed in the tile
+    (`triton_codec._expand_tile`) and never written: a program walks its BM rows' `[BM, BN]`
+    tiles across the columns (`STEPS` = `cdiv(cols, BN)`, a constexpr as in
+    `lowrank_project_kernel`), keeping each row's running `_finite_amax`, then stores the
+    rows' amax (AMAX_ONLY: the tensor scale's statistics) or their scales (`_pow2_scale`).
+    The tiles are the expansion's own, so the values are `lowrank_expand`'s bit for bit."""
+    m = tl.program_id(0) * BM + tl.arange(0, BM)
+    amax = tl.zeros([BM], tl.float32)
+    for step in range(0, STEPS):  # a loop, not unrolled
+        n = step * BN + tl.arange(0, BN)
+        y = _expand_tile(g_ptr, p_ptr, dinv_ptr, coef_ptr, basis_ptr, dsq_ptr, m, n, rows, cols, rank, BM, BN, BR,
+                         PRECISION)
+        amax = tl.maximum(amax, _finite_amax(y, 1))
+    if not AMAX_ONLY:
+        amax = _pow2_scale(amax, MAX_EXP, MAX_MANT)
+    tl.store(out_ptr + m, amax, mask=m < rows)
+
+
+@triton.jit
+def lowrank_fp8_block_scale_kernel(g_ptr, p_ptr, dinv_ptr, coef_ptr, basis_ptr, dsq_ptr, out_ptr, rows, cols, rank,
+                                   nblocks, MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr, BLOCK: tl.constexpr,
+                                   BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, PRECISION: tl.constexpr):
+    """`fp8_block_scale_kernel` of the low-rank map's expansion, computed in the tile and never
+    written: the `[BM, BN]` tile's `BN / BLOCK` blocks of each row (BLOCK dividing BN,
+    `ops_fp8.lowrank_fp8_reason`; the columns past `cols` are the tile's zeros, the
+    reference's padding), their scales stored `[rows, nblocks]`."""
+    m = tl.program_id(0) * BM + tl.arange(0, BM)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    y = _expand_tile(g_ptr, p_ptr, dinv_ptr, coef_ptr, basis_ptr, dsq_ptr, m, n, rows, cols, rank, BM, BN, BR,
+                     PRECISION)
+    s = _pow2_scale(_finite_amax(tl.reshape(y, [BM, BN // BLOCK, BLOCK]), 2), MAX_EXP, MAX_MANT)
+    b = tl.program_id(1) * (BN // BLOCK) + tl.arange(0, BN // BLOCK)
+    tl.store(out_ptr + m[:, None].to(tl.int64) * nblocks + b[None, :], s,
+             mask=(m < rows)[:, None] & (b < nblocks)[None, :])
+
+
+@triton.jit
+def lowrank_fp8_encode_kernel(g_ptr, p_ptr, dinv_ptr, coef_ptr, basis_ptr, dsq_ptr, scale_ptr, out_ptr, rows, cols,
+                              rank, cp, nblocks, SCALING: tl.constexpr, BLOCK: tl.constexpr, MBITS: tl.constexpr,
+                              EMIN: tl.constexpr, FMAX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                              BR: tl.constexpr, PRECISION: tl.constexpr):
+    """`fp8_encode_kernel` of the low-rank map's expansion, computed in the tile and never
+    written: each value of the `[BM, BN]` tile times its scale's exact inverse, then
+    `_fp8_code`, stored `[rows, cp]` (the padded columns' codes of the tile's zeros included).
+    Rows past `rows` read row 0's scale (`_scale_at` loads a row's scale unmasked) and store
+    nothing."""
+    m = tl.program_id(0) * BM + tl.arange(0, BM)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    y = _expand_tile(g_ptr, p_ptr, dinv_ptr, coef_ptr, basis_ptr, dsq_ptr, m, n, rows, cols, rank, BM, BN, BR,
+                     PRECISION)
+    inside = (m < rows)[:, None] & (n < cp)[None, :]
+    row = tl.where(m < rows, m, 0).to(tl.int64)[:, None]
+    v = y * _pow2_inverse(_scale_at(scale_ptr, 0, row, n[None, :], nblocks, SCALING, BLOCK, inside))
+    tl.store(out_ptr + m[:, None].to(tl.int64) * cp + n[None, :], _fp8_code(v, MBITS, EMIN, FMAX).to(tl.uint8),
+             mask=inside)
