@@ -25,7 +25,7 @@ What the emulation leaves out: the order in which a tensor-core MMA sums its pro
 accumulation either way; the emulation's order is torch's), and TF32's rounding mode (Triton
 converts with round-to-nearest, ties away from zero, where the emulation rounds ties to even:
 they differ on exact ties only). Not measured here: the convergence arms (a training run per
-precision; see the block's last line) and the kernels' own speed (a GPU's: `bench.gpu_check`).
+precision: `bench.map_precision_arms`, the block after this one) and the kernels' own speed (a GPU's: `bench.gpu_check`).
 """
 
 from __future__ import annotations
@@ -184,8 +184,9 @@ def block(_: dict | None = None, path: Path = OUT) -> str:
                   f"map, whose gain on the factor's strong directions the whitening's conditioning sets, the round trip "
                   f"without a codec errs by {_sci(rt['tf32']['mean'])} at TF32 and {_sci(rt['bf16']['mean'])} at bf16. "
                   f"`map_precision=\"auto\"` runs {CUDA_DEFAULT.value} on CUDA; of the two, "
-                  f"{'TF32' if finer == 'tf32' else 'bf16'} moves the codec's error least here. The convergence arms at "
-                  "TF32 / bf16 are not run: the CPU runs the exact map only, and no GPU ran them."]
+                  f"{'TF32' if finer == 'tf32' else 'bf16'} moves the codec's error least here. What the same rounding "
+                  "does to training (the convergence arms at TF32 / bf16, paired per seed with the exact map): the "
+                  "next block (`bench.map_precision_arms`)."]
     return "\n".join(lines)
 
 
