@@ -17,7 +17,9 @@ rounding in torch:
   names of `gift_compile.geometry.maps` through which `LowRank` reaches the tensor-core path
   (`_map_path`, which picks the arithmetic, and `lowrank_map`, the kernels' entry), and puts
   them back on exit: bench code only, no change to the product. Maps run at any other
-  precision (the residual's re-mapping at a refresh, which runs exact on CUDA too) are untouched.
+  precision (the residual's re-mapping at a refresh, which runs exact on CUDA too) are
+  untouched. Eager or compiled alike: Dynamo traces the swapped names into the graph (bit for
+  bit the eager emulation) and replays the call count on every call.
 
 What the emulation leaves out (as `bench.map_precision` says): the order in which a tensor-core
 MMA sums its products, and TF32's ties (Triton rounds them away from zero, the emulation to even).

@@ -166,3 +166,20 @@ def test_the_summary_pairs_by_seed_and_applies_holm(tmp_path) -> None:
     assert "| gift-int2-dflt-bf16 | 0 of 5 | not run |" in text
     assert "TF32 at nvfp4 (5 of 5 seeds): held-out bits/byte +0.0520 ± 0.0020, resolved (worse) after Holm over 4" in text
     assert "TF32 at int2 (5 of 5 seeds): held-out bits/byte +0.0056 ± 0.0045, not resolved" in text
+
+
+def test_the_emulation_is_traced_into_a_compiled_map() -> None:
+    """Under `torch.compile` (one graph, no breaks) the emulated map computes what it computes
+    eagerly, bit for bit, and is still counted per call: a compiled codec would train through
+    the same rounding."""
+    g, tensors = _layer()
+
+    def round_trip(x: torch.Tensor) -> torch.Tensor:
+        return apply_inverse("lowrank", apply_forward("lowrank", x, tensors, "tf32"), tensors, "tf32")
+
+    exact = round_trip(g)
+    with tensor_core_map("tf32") as emulation:
+        eager = round_trip(g)
+        compiled = torch.compile(round_trip, fullgraph=True)(g)
+    assert emulation.calls == 4
+    assert torch.equal(compiled, eager) and not torch.equal(compiled, exact)
