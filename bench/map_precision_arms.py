@@ -46,6 +46,7 @@ TAIL = 10  # steps of training loss averaged at the end of a run
 ALPHA = 0.05
 METRICS = ("held-out bits/byte", f"training loss, last {TAIL} steps")
 PRECISION_NAMES = {"tf32": "TF32", "bf16": "bf16"}
+DIGITS = 6  # the changes are far below the frontier's 4 digits
 COMMAND = "bash bench/map_precision_runs.sh && python -m bench.readme"
 
 
@@ -118,8 +119,8 @@ def _conclusion(row: dict, band: float, family: int) -> str:
     far = abs(d["mean"]) + d["ci95"]
     verdict = ("resolved" + (" (worse)" if d["mean"] > 0 else " (better)")) if row["resolved_holm"][0] else "not resolved"
     scale = ("inside" if far <= band else "outside") + f" fp32's own ±{band:.4f}" if band == band else "no fp32 band"
-    return (f"{name} ({seeds} of {SEEDS} seeds): held-out bits/byte {d['mean']:+.4f} ± {d['ci95']:.4f}, {verdict} "
-            f"after Holm over {family}; its CI reaches {far:.4f}, {scale}")
+    return (f"{name} ({seeds} of {SEEDS} seeds): held-out bits/byte {d['mean']:+.{DIGITS}f} ± {d['ci95']:.{DIGITS}f}, "
+            f"{verdict} after Holm over {family}; its CI reaches {far:.{DIGITS}f}, {scale}")
 
 
 def block(_: dict | None = None, runs_path: Path = RUNS, committed: tuple[Path, ...] = RUN_FILES) -> str:
@@ -138,12 +139,12 @@ def block(_: dict | None = None, runs_path: Path = RUNS, committed: tuple[Path, 
              f"| arm | seeds | {METRICS[0]} change | {METRICS[1]} change | maps emulated per run (layers mapped) | "
              "exact rerun − committed exact run (held-out) |", "|---|---|---|---|---|---|"]
     for row in s["arms"]:
-        drift = paired_ci(row["drift"]) if row["drift"] else "no rerun yet"
+        drift = paired_ci(row["drift"], DIGITS) if row["drift"] else "no rerun yet"
         if not row["seeds"]:
             lines.append(f"| {row['arm']} | 0 of {SEEDS} | {'not paired yet' if row['unpaired'] else 'not run'} | | | "
                          f"{drift} |")
             continue
-        cells = [paired_ci(d) + (" *" if r else "") for d, r in zip(row["diffs"], row["resolved_holm"])]
+        cells = [paired_ci(d, DIGITS) + (" *" if r else "") for d, r in zip(row["diffs"], row["resolved_holm"])]
         lines.append(f"| {row['arm']} vs {row['exact']} | {len(row['seeds'])} of {SEEDS} | {cells[0]} | {cells[1]} | "
                      f"{row['emulated_calls']:.0f} ({row['selected_layers']:.0f} of {row['managed_layers']}) | "
                      f"{drift} |")

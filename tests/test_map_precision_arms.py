@@ -165,12 +165,12 @@ def test_the_summary_pairs_by_seed_with_the_rerun_and_applies_holm(tmp_path) -> 
     (tmp_path / "committed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in committed))
     (tmp_path / "new.jsonl").write_text("".join(json.dumps(r) + "\n" for r in new))
     text = block(runs_path=tmp_path / "new.jsonl", committed=(tmp_path / "committed.jsonl",))
-    assert "| gift-nvfp4-dflt-tf32 vs gift-nvfp4-dflt | 5 of 5 | +0.0520 ± 0.0020 (n=5) * |" in text
-    assert "| +0.0056 ± 0.0045 (n=5) |" in text  # shown without the resolved mark
+    assert "| gift-nvfp4-dflt-tf32 vs gift-nvfp4-dflt | 5 of 5 | +0.052000 ± 0.001963 (n=5) * |" in text
+    assert "| +0.005600 ± 0.004528 (n=5) |" in text  # shown without the resolved mark
     assert "| gift-nvfp4-dflt-bf16 vs gift-nvfp4-dflt | 1 of 5 |" in text and "bf16 at nvfp4: 1 paired seed" in text
-    assert "| gift-int2-dflt-bf16 | 0 of 5 | not run |" in text and "+0.0030 ± 0.0000 (n=5)" in text
-    assert "TF32 at nvfp4 (5 of 5 seeds): held-out bits/byte +0.0520 ± 0.0020, resolved (worse) after Holm over 4" in text
-    assert "TF32 at int2 (5 of 5 seeds): held-out bits/byte +0.0056 ± 0.0045, not resolved" in text
+    assert "| gift-int2-dflt-bf16 | 0 of 5 | not run |" in text and "+0.003000 ± 0.000000 (n=5)" in text
+    assert "TF32 at nvfp4 (5 of 5 seeds): held-out bits/byte +0.052000 ± 0.001963, resolved (worse) after Holm over 4" in text
+    assert "TF32 at int2 (5 of 5 seeds): held-out bits/byte +0.005600 ± 0.004528, not resolved" in text
 
 
 def test_the_emulation_is_traced_into_a_compiled_map() -> None:
