@@ -20,7 +20,9 @@ measurement here: this reads the runs.
 - Family: every comparison with n >= 2 in the table (arms x both metrics); a difference counts
   as resolved where Holm's step-down rejects it at a family-wise 5% (`bench.stats.holm`).
 - Scale: fp32's own 95% CI half-width over its committed seeds (the frontier's band), the
-  seed-to-seed noise a change in held-out bits/byte is read against.
+  seed-to-seed noise a change in held-out bits/byte is read against; and what the map is for,
+  GIFT's gain over Euclidean at the same format (`euclid-<fmt>` minus the exact arm, paired per
+  seed over the committed runs), of which the far end of the change's CI is given as a share.
 
 The runs file may be partial (a background study): every arm is listed with the seeds it has.
 """
@@ -95,6 +97,10 @@ def summarise(runs: list[dict], committed: list[dict], arms: tuple[str, ...] = A
             row["emulated_calls"] = statistics.fmean(by[arm][s]["map_emulation"]["calls"] for s in seeds)
             row["selected_layers"] = statistics.fmean(by[arm][s]["selected_layers"] for s in seeds)
             row["managed_layers"] = by[arm][seeds[0]]["managed_layers"]
+        euclid = f"euclid-{row['format']}"
+        both = sorted(set(old[twin]) & set(old[euclid]))
+        row["gift_gain"] = (paired([_metrics(old[euclid][s])[0] - _metrics(old[twin][s])[0] for s in both]).as_dict()
+                            if both else None)
         drift = sorted(set(by[twin]) & set(old[twin]))
         row["drift"] = (paired([_metrics(by[twin][s])[0] - _metrics(old[twin][s])[0] for s in drift]).as_dict()
                         if drift else None)
@@ -119,8 +125,11 @@ def _conclusion(row: dict, band: float, family: int) -> str:
     far = abs(d["mean"]) + d["ci95"]
     verdict = ("resolved" + (" (worse)" if d["mean"] > 0 else " (better)")) if row["resolved_holm"][0] else "not resolved"
     scale = ("inside" if far <= band else "outside") + f" fp32's own ±{band:.4f}" if band == band else "no fp32 band"
+    gain = row["gift_gain"]
+    share = (f", {far / gain['mean']:.0%} of GIFT's gain over Euclidean at {row['format']} ({gain['mean']:+.{DIGITS}f}, "
+             f"n={gain['n']}, committed runs)" if gain and gain["mean"] > 0 else "")
     return (f"{name} ({seeds} of {SEEDS} seeds): held-out bits/byte {d['mean']:+.{DIGITS}f} ± {d['ci95']:.{DIGITS}f}, "
-            f"{verdict} after Holm over {family}; its CI reaches {far:.{DIGITS}f}, {scale}")
+            f"{verdict} after Holm over {family}; its CI reaches {far:.{DIGITS}f}, {scale}{share}")
 
 
 def block(_: dict | None = None, runs_path: Path = RUNS, committed: tuple[Path, ...] = RUN_FILES) -> str:

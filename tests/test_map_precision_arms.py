@@ -139,7 +139,8 @@ def test_the_summary_pairs_by_seed_with_the_rerun_and_applies_holm(tmp_path) -> 
     small = [0.009, 0.004, 0.010, 0.003, 0.002]  # mean 0.0056, own CI excludes 0, p ~ 0.026
     committed, new = [], []
     for s in range(5):
-        committed += [_record("fp32", s, 2.76 + wobble[s], 2.5), _record("gift-nvfp4-dflt", s, 2.759 + wobble[s], 2.5),
+        committed += [_record("fp32", s, 2.76 + wobble[s], 2.5), _record("euclid-nvfp4", s, 2.859 + wobble[s], 2.5),
+                      _record("gift-nvfp4-dflt", s, 2.759 + wobble[s], 2.5),
                       _record("gift-int2-dflt", s, 2.767 + wobble[s], 2.6)]
         new += [_record("gift-nvfp4-dflt", s, 2.762 + wobble[s], 2.5), _record("gift-int2-dflt", s, 2.77 + wobble[s], 2.6),
                 _record("gift-nvfp4-dflt-tf32", s, 2.762 + wobble[s] + 0.05 + 0.001 * s, 2.5 + 0.05 + 0.001 * s),
@@ -170,6 +171,7 @@ def test_the_summary_pairs_by_seed_with_the_rerun_and_applies_holm(tmp_path) -> 
     assert "| gift-nvfp4-dflt-bf16 vs gift-nvfp4-dflt | 1 of 5 |" in text and "bf16 at nvfp4: 1 paired seed" in text
     assert "| gift-int2-dflt-bf16 | 0 of 5 | not run |" in text and "+0.003000 ± 0.000000 (n=5)" in text
     assert "TF32 at nvfp4 (5 of 5 seeds): held-out bits/byte +0.052000 ± 0.001963, resolved (worse) after Holm over 4" in text
+    assert "54% of GIFT's gain over Euclidean at nvfp4 (+0.100000, n=5, committed runs)" in text  # 0.053963 / 0.1
     assert "TF32 at int2 (5 of 5 seeds): held-out bits/byte +0.005600 ± 0.004528, not resolved" in text
 
 
