@@ -44,10 +44,11 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import gift_compile
-from bench.convergence_arms import (PATHS, RunKey, arm_config, check_settings, rescaled, resolve_arm_auto, run_key,
-                                    settings_key)
+from bench.convergence_arms import (PATHS, RunKey, arm_config, check_settings, emulated_precision, rescaled,
+                                    resolve_arm_auto, run_key, settings_key)
 from bench.convergence_summary import summarise
 from bench.fidelity import two_sided_round_trip
+from bench.map_emulation import MANTISSA_BITS, tensor_core_map
 from bench.reference import make_optimizers, train_step
 from bench.settings import ConvergenceSettings
 from bench.tiny_llama import TinyLlama
@@ -190,6 +191,24 @@ class ShardedTwin:
 
 def _train(opt_name: str, arm: str, seed: int, s: ConvergenceSettings, paths: corpus.CorpusPaths,
            rank: int, world: int) -> dict[str, object]:
+    """One run of `arm`; an arm with `-tf32` / `-bf16` runs inside the tensor-core map
+    emulation (`bench.map_emulation`) and records how many maps ran emulated, raising if none
+    did (the arm would have been the exact map under another name)."""
+    precision = emulated_precision(arm)
+    if precision is None:
+        return _train_run(opt_name, arm, seed, s, paths, rank, world)
+    with tensor_core_map(precision) as emulation:
+        result = _train_run(opt_name, arm, seed, s, paths, rank, world)
+    if not emulation.calls:
+        raise RuntimeError(f"arm {arm!r}: no low-rank map ran through the {precision} emulation (no layer whitened "
+                           "by a low-rank map?)")
+    result["map_emulation"] = {"precision": precision, "mantissa_bits": MANTISSA_BITS[precision],
+                               "calls": emulation.calls}
+    return result
+
+
+def _train_run(opt_name: str, arm: str, seed: int, s: ConvergenceSettings, paths: corpus.CorpusPaths,
+               rank: int, world: int) -> dict[str, object]:
     model = TinyLlama(s.model, seed=seed)
     config = arm_config(arm, s, seed)
     optimizers, peaks = make_optimizers(model, opt_name, s.lr, s.muon_lr)

@@ -77,7 +77,16 @@ MODIFIERS: dict[str, dict[str, object]] = {
     # bits per layer at the arm format's total bytes: `layer_formats` from the measured
     # allocation (`bench.bit_allocation`, read by `arm_config`)
     "alloc": {},
+    # GIFT's low-rank map with its matmul operands at TF32 / bf16, as the CUDA tensor-core
+    # kernels run it (`map_precision="auto"` is TF32 on CUDA): the run emulates that rounding on
+    # the CPU (`bench.map_emulation.tensor_core_map`, installed by `bench.convergence` for the
+    # arm; `emulated_precision`), which otherwise runs the exact map only
+    "tf32": {"map_precision": "tf32"},
+    "bf16": {"map_precision": "bf16"},
 }
+
+# the modifiers whose arms run the emulated tensor-core map, and the precision each emulates
+EMULATED_PRECISIONS = {"tf32": "tf32", "bf16": "bf16"}
 
 # the measured per-layer bit allocations, by budget format (`bench.bit_allocation` writes it)
 ALLOCATION = Path(__file__).resolve().parent / "results" / "bit_allocation.json"
@@ -99,7 +108,7 @@ def allocated_formats(fmt: str, path: Path = ALLOCATION) -> tuple[str, ...]:
 # the modifiers that change only GIFT's map (the rest, `sr`, `ef2`, `b9`, change the codec both
 # geometries share): a GIFT arm with them is compared with the Euclidean arm without them
 MAP_MODIFIERS = frozenset({"dense", "exact", "r64", "rf5", "grad", "mom", "d2", "auto", "vsq", "geo", "two", "dflt",
-                           "euc", "nowarm"})
+                           "euc", "nowarm", *EMULATED_PRECISIONS})
 assert MAP_MODIFIERS <= MODIFIERS.keys()
 
 
@@ -113,7 +122,7 @@ def parse_arm(arm: str) -> tuple[str, str | None, bool]:
     selection, the two-sided experiment, AdamW's second-moment column scaling, the geometry
     chosen from the optimizer, second-hop error feedback, a decaying residual, the product's
     defaults, the plain-L2 selection metric, no refresh warm-up, the block rotation, the measured
-    per-layer bit allocation).
+    per-layer bit allocation, the low-rank map's operands at TF32 / bf16).
     """
     if arm == "fp32":
         return "fp32", None, False
@@ -123,6 +132,19 @@ def parse_arm(arm: str) -> tuple[str, str | None, bool]:
         raise ValueError(f"unknown convergence arm {arm!r}: expected fp32 or (euclid|gift)-<format>[-ef][-mod...], "
                          f"format one of {sorted(FORMATS)}, modifiers {sorted(MODIFIERS)}")
     return parts[0], parts[1], "ef" in parts[2:]
+
+
+def emulated_precision(arm: str) -> str | None:
+    """The tensor-core map precision an arm's run emulates (`-tf32`, `-bf16`), None for an arm
+    that runs the map as the CPU does. Raises for an arm with both, or a Euclidean arm (no
+    low-rank map to round: the arm would be its plain twin under another name)."""
+    side, _, _ = parse_arm(arm)
+    found = [EMULATED_PRECISIONS[m] for m in arm.split("-")[2:] if m in EMULATED_PRECISIONS]
+    if len(found) > 1:
+        raise ValueError(f"arm {arm!r} asks for more than one map precision ({', '.join(found)})")
+    if found and side != "gift":
+        raise ValueError(f"arm {arm!r}: only a GIFT arm has a low-rank map whose precision could change")
+    return found[0] if found else None
 
 
 def arm_config(arm: str, s: ConvergenceSettings, seed: int) -> GiftConfig | None:
@@ -216,6 +238,7 @@ def check_settings(s: ConvergenceSettings) -> None:
             if s.path == "reduce-scatter" and "ef2" in mods:
                 raise ValueError(f"arm {arm!r} cannot run on the reduce-scatter path: a reduce-scatter has no second "
                                  "hop for second-hop error feedback to correct")
+            emulated_precision(arm)
             arm_config(arm, s, 0)  # invalid combinations (a decay without any error feedback) fail here
     if s.path == "reduce-scatter" and s.compile:
         raise ValueError("the reduce-scatter path runs eager (FSDP2's reduce-scatter runs from eager hooks)")

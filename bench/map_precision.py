@@ -6,7 +6,8 @@ accumulation over operands rounded to TF32 (10 explicit mantissa bits) or bf16 (
 measures, on the CPU, what that rounding does where it matters, to the gradient the exchange
 delivers:
 
-- The tensor-core map is emulated in torch (`emulated_map`): every matmul operand rounded to
+- The tensor-core map is emulated in torch (`bench.map_emulation.emulated_map`, the one
+  emulation the convergence arms `-tf32` / `-bf16` run too): every matmul operand rounded to
   nearest even at the precision's mantissa width (`round_mantissa`), the products summed in
   fp32 (a torch fp32 matmul), the diagonal terms in fp32 as the kernels' epilogue computes them.
   "exact" is the map as the CPU runs it (`LowRank.apply_forward` / `apply_inverse`).
@@ -24,7 +25,7 @@ What the emulation leaves out: the order in which a tensor-core MMA sums its pro
 accumulation either way; the emulation's order is torch's), and TF32's rounding mode (Triton
 converts with round-to-nearest, ties away from zero, where the emulation rounds ties to even:
 they differ on exact ties only). Not measured here: the convergence arms (a training run per
-precision; see the block's last line) and the kernels' own speed (a GPU's: `bench.gpu_check`).
+precision: `bench.map_precision_arms`, the block after this one) and the kernels' own speed (a GPU's: `bench.gpu_check`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import torch
 
 from bench import fidelity, reference
 from bench.formatting import paired_ci
+from bench.map_emulation import MANTISSA_BITS, emulated_map
 from bench.settings import profile
 from bench.stats import holm, paired
 from gift_compile.codec import dequantize, quantize
@@ -47,33 +49,12 @@ from gift_compile.kernels.map_dispatch import CUDA_DEFAULT
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "map_precision.json"
-# explicit mantissa bits of each emulated operand precision (fp32 keeps its 23: "exact")
-MANTISSA_BITS = {"tf32": 10, "bf16": 7}
 PRECISIONS = ("exact", *MANTISSA_BITS)
 # (label, format, block size): GiftConfig's block_size default (32) for the integer formats
 FORMATS = (("nvfp4", "nvfp4", 16), ("int4", "int4", 32), ("int2", "int2", 32))
 RANK = 32
 
 Log = Callable[[str], None]
-
-
-def round_mantissa(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """fp32 `x` rounded to nearest (ties to even) at `bits` explicit mantissa bits, as fp32:
-    the operand a tensor core sees at TF32 (10) or bf16 (7). Finite inputs (the map's are)."""
-    drop = 23 - bits
-    i = x.float().contiguous().view(torch.int32)
-    odd = (i >> drop) & 1
-    return (((i + (1 << (drop - 1)) - 1 + odd) >> drop) << drop).view(torch.float32)
-
-
-def emulated_map(g: torch.Tensor, basis: torch.Tensor, coef: torch.Tensor, pre: torch.Tensor, post: torch.Tensor,
-                 bits: int) -> torch.Tensor:
-    """`g * pre + ((g @ basis) * coef) @ basis.T * post` (`basis` `[cols, rank]`) as
-    `kernels.map_dispatch.lowrank_map` computes it: both matmuls over operands rounded to
-    `bits` mantissa bits, fp32 sums."""
-    b = round_mantissa(basis, bits)
-    p = round_mantissa(g, bits) @ b
-    return g * pre + (round_mantissa(p * coef, bits) @ b.t()) * post
 
 
 def maps(tensors: tuple[torch.Tensor, ...], precision: str) -> tuple[Callable[[torch.Tensor], torch.Tensor],
@@ -203,8 +184,9 @@ def block(_: dict | None = None, path: Path = OUT) -> str:
                   f"map, whose gain on the factor's strong directions the whitening's conditioning sets, the round trip "
                   f"without a codec errs by {_sci(rt['tf32']['mean'])} at TF32 and {_sci(rt['bf16']['mean'])} at bf16. "
                   f"`map_precision=\"auto\"` runs {CUDA_DEFAULT.value} on CUDA; of the two, "
-                  f"{'TF32' if finer == 'tf32' else 'bf16'} moves the codec's error least here. The convergence arms at "
-                  "TF32 / bf16 are not run: the CPU runs the exact map only, and no GPU ran them."]
+                  f"{'TF32' if finer == 'tf32' else 'bf16'} moves the codec's error least here. What the same rounding "
+                  "does to training (the convergence arms at TF32 / bf16, paired per seed with the exact map): the "
+                  "next block (`bench.map_precision_arms`)."]
     return "\n".join(lines)
 
 

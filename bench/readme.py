@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Callable
 
 from bench.fidelity_sweep import ORACLES
-from bench import (delayed_scale, gpu_step_model, kernel_traffic, map_precision, pages, pages_frontier, pages_layouts,
-                   pages_selection, report)
+from bench import (delayed_scale, gpu_step_model, kernel_traffic, map_precision, map_precision_arms, pages,
+                   pages_frontier, pages_layouts, pages_selection, report)
 from bench.formatting import paired_ci, share_closed, signed_pct
 from bench.report_cost import CODEC_PAIR
 from gift_compile.geometry.table import IDENTITY_KIND
@@ -376,6 +376,7 @@ BLOCKS: dict[str, Callable[[dict], str]] = {
     "plan_check": pages.plan_check, "demo": pages.demo, "demo_summary": pages.demo_summary, "skips": pages.skips,
     "defaults": defaults, "faults": pages.faults, "frontier": pages_frontier.frontier,
     "gpu_step_model": gpu_step_model.block, "delayed_scale": delayed_scale.block, "map_precision": map_precision.block,
+    "map_precision_arms": map_precision_arms.block,
     "kernel_traffic": kernel_traffic.block,
     "frontier_headline": pages_frontier.frontier_headline, "selection_churn": pages_selection.selection_churn,
     "layouts": pages_layouts.layouts,
@@ -385,7 +386,8 @@ BLOCKS: dict[str, Callable[[dict], str]] = {
 # page, and a page that lacks one of its blocks' markers, or carries a marker of another's, fails.
 PAGES: dict[str, tuple[str, ...]] = {
     "README.md": ("headline", "frontier_headline", "demo_summary"),
-    "docs/benchmarks.md": ("fidelity", "wire", "codec", "step_model", "gpu_step_model", "map_precision", "kernel_traffic",
+    "docs/benchmarks.md": ("fidelity", "wire", "codec", "step_model", "gpu_step_model", "map_precision",
+                           "map_precision_arms", "kernel_traffic",
                            "hsdp_model",
                            "memory", "second_hop",
                            "convergence", "defaults", "adamw_sweep", "closing", "frontier", "selection_churn"),

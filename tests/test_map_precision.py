@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.map_precision import emulated_map, maps, round_mantissa
+from bench.map_emulation import emulated_map, round_mantissa
+from bench.map_precision import maps
 from gift_compile.geometry.maps import LowRank
 
 
