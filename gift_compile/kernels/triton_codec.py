@@ -23,7 +23,9 @@ The low-rank map's expansion and the two kernels that consume it on the sender
 (`lowrank_block_stat_kernel`, `lowrank_encode_kernel`) work on `[BM, BN]` tiles of rows and
 columns instead (`_expand_tile`, one function for all three, so they compute the same values):
 the consumers view a tile as `[BM, BN / BLOCK, BLOCK]` blocks or `[BM, BN / PER, PER]` words,
-which needs BN to be a multiple of both (`ops.fused_reason`).
+which needs BN to be a multiple of both (`ops.fused_reason`). The all-reduce's receiver
+(`lowrank_decode_expand_kernel`) takes the same tile's values from the gathered codes,
+decoded as `decode_kernel` decodes them (`_decoded_value`), instead of from memory.
 """
 
 from __future__ import annotations
@@ -333,9 +335,9 @@ def _expand_tile(g_ptr, p_ptr, dinv_ptr, coef_ptr, basis_ptr, dsq_ptr, m, n, row
     """The low-rank map's expansion `g * dinv + ((p * coef) @ basis.T) * dsq` on the `[BM, BN]`
     tile of rows `m` and columns `n` (`lowrank_expand_kernel`), with the rank padded to BR;
     0 outside `[rows, cols]` (the zero padding the codec's reference gives the columns past
-    `cols`, whatever a NaN in the projection would make of the masked operands). The one
-    spelling of the tile's arithmetic, shared by the expansion and the fused sender kernels,
-    so all of them compute the same values."""
+    `cols`, whatever a NaN in the projection would make of the masked operands). The tile's
+    arithmetic is `_expand_values`, its one spelling, shared by the expansion, the fused
+    sender kernels and the fused receiver, so all of them compute the same values."""
     both = (m < rows)[:, None] & (n < cols)[None, :]
     g = tl.load(g_ptr + m[:, None].to(tl.int64) * cols + n[None, :], mask=both, other=0.0)
     return _expand_values(g, p_ptr, dinv_ptr, coef_ptr, basis_ptr, dsq_ptr, m, n, rows, cols, rank, BM, BN, BR,
