@@ -331,7 +331,7 @@ def lowrank_fp8_decode_expand(payload: torch.Tensor, scales: torch.Tensor, p: to
         want = _scale_shape(spec, rows, cols)
         _check(op, "scales", scales, torch.float32, len(want))
         _check_shape(op, "scales", scales, want)
-        rps = max(rows, 1)
+        rps = max(rows, 1)  # read by tensor scaling only (the kernel's group of a row)
     _check_receiver_map(op, rows, cols, p, dinv, coef, basis, dsq)
     out = torch.empty((rows, cols), dtype=torch.float32, device=payload.device)
     if out.numel():
