@@ -22,7 +22,8 @@ projection (`lowrank_project`) and the expansion fused into the block statistics
 (`lowrank_block_stat`, `lowrank_encode`; for fp8 into the row scales and the encode,
 `lowrank_fp8_scales`, `lowrank_fp8_encode`: `gift_compile.kernels.fused_sender`, the mapped
 gradient never written), on the receiver the inverse map's projection and expansion (`lowrank_expand`)
-after the decode. `python -m bench.kernel_traffic` prints one table (formats x ops x maps at
+after the decode; the all-reduce's gather decode expands from the gathered codes instead
+(`lowrank_decode_expand`, `lowrank_fp8_decode_expand`: `gift_compile.kernels.fused_receiver`). `python -m bench.kernel_traffic` prints one table (formats x ops x maps at
 Llama shapes, 8 ranks). Each body also keeps its kernel bytes from before the fused sender
 (`before_fused_sender`), carried over from the results file a run replaces, so the docs block
 shows what the fusion changed.
@@ -181,9 +182,12 @@ def block(_: dict | None = None, path: Path = OUT) -> str:
         "floor does; fp8's sender reads it three times too (projection, row scales, encode), where the floor's "
         "row-scaled sender reads it twice: its scale and encode share one pass over a row, which a kernel that "
         "recomputes the expansion tile by tile could only match by walking a row block's tiles twice and relying "
-        "on the cache to serve the second walk (`[64, cols]` fp32: MBs at these widths). What keeps GIFT's "
-        "all-reduce bodies further above their floor is the receiver's inverse map, whose expansion reads the "
-        "decoded fp32 result back where the floor decodes the gathered codes a second time."])
+        "on the cache to serve the second walk (`[64, cols]` fp32: MBs at these widths). The all-reduce's "
+        "receiver decodes the gathered codes a second time inside the inverse map's expansion "
+        "(`gift_compile.kernels.fused_receiver`: `lowrank_decode_expand`, `lowrank_fp8_decode_expand`) instead of "
+        "reading the decoded fp32 result back, as the floor's receiver does; the `before` columns predate that "
+        "too. What keeps fp8's all-reduce bodies above the two-level formats' ratio is the same second read of "
+        "the gradient on the sender."])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,8 +6,8 @@ process the kernels are the interpreter's functions, which accept code the compi
 Triton's wheel carries `ptxas`, so the whole pipeline (TTIR, TTGIR, LLVM IR, PTX, cubin) runs
 without a GPU or a driver: what the interpreter tests cannot tell, that the kernels compile, and
 with which constexprs, is checked here for every kernel format (each decode mode; the fused
-sender kernels for the formats they serve, at TF32 operands; the fp8 formats at each scaling,
-their fused sender kernels included)
+sender and receiver kernels for the formats they serve, at TF32 operands; the fp8 formats at
+each scaling, their fused sender and receiver kernels included)
 and every precision of the map's kernels. Prints one line per compiled kernel: its name, format
 and the cubin's size; exits non-zero on the first failure.
 
@@ -102,6 +102,11 @@ def mutated_arguments() -> dict[str, list[str]]:
                                       lowrank),
         "lowrank_fp8_encode": (lambda *a: ops_fp8.lowrank_fp8_encode(*a, "tf32", "fp8_e4m3", "row", 32),
                                [*lowrank, ((8,), f32)]),
+        "lowrank_decode_expand": (lambda *a: ops.lowrank_decode_expand(*a, "tf32", "nvfp4", 16, 40),
+                                  [((8, 24), u8), ((8, 3), u8), ((2,), f32), *lowrank[1:]]),
+        "lowrank_fp8_decode_expand": (lambda *a: ops_fp8.lowrank_fp8_decode_expand(*a, "tf32", "fp8_e4m3", "tensor",
+                                                                                   32, 40),
+                                      [((8, 40), u8), ((2,), f32), *lowrank[1:]]),
     }
     out = {}
     for name, (fn, shapes) in calls.items():
@@ -151,6 +156,12 @@ def compile_fp8() -> None:
                     {"SENDERS": 8, **layout, **elements, "IEEE_SPECIALS": f.ieee_specials, "TILE": 1024,
                      "SUM": reduce, "AVERAGE": average})
             sizes.update(_compile_fused_fp8(fmt, scaling, pow2, codes))
+            sizes["lowrank decode + expand"] = compile_kernel(  # the receiver's, at every block (24 here)
+                k8.lowrank_fp8_decode_expand_kernel, {"payload_ptr": "*u8", "scale_ptr": "*fp32"}
+                | {name: "*fp32" for name in ("p_ptr", "dinv_ptr", "coef_ptr", "basis_ptr", "dsq_ptr", "out_ptr")}
+                | {name: "i32" for name in ("rows", "cols", "rank", "cp", "nblocks", "rows_per_sender")},
+                {**layout, **elements, "IEEE_SPECIALS": f.ieee_specials, "BM": 64, "BN": 128, "BR": 32,
+                 "PRECISION": "tf32"})
             for name, size in sizes.items():
                 print(f"{fmt} {scaling} {name}: cubin {size} bytes", flush=True)
 
@@ -206,6 +217,11 @@ def main() -> int:
                     k.lowrank_block_stat_kernel, maps | {"stat_ptr": "*fp32", "rows": "i32", "cols": "i32",
                                                          "rank": "i32", "nblocks": "i32"},
                     {"FACTOR": f.mean_abs_factor or 0.0, "MEAN_ABS": f.mean_abs_factor is not None, **tiles})
+                sizes["lowrank_decode_expand"] = compile_kernel(
+                    k.lowrank_decode_expand_kernel, {"payload_ptr": "*u8", "code_ptr": "*u8", "tscale_ptr": "*fp32"}
+                    | {name: "*fp32" for name in ("p_ptr", "dinv_ptr", "coef_ptr", "basis_ptr", "dsq_ptr", "out_ptr")}
+                    | {name: "i32" for name in ("rows", "cols", "rank", "nblocks", "pcols", "rows_per_sender")},
+                    {"KIND": f.kind, "BITS": f.bits, "PER": f.per, "NBYTES": f.nbytes, **tiles})
                 sizes["lowrank_encode"] = compile_kernel(
                     k.lowrank_encode_kernel, maps | {"code_ptr": "*u8", "tscale_ptr": "*fp32", "out_ptr": "*u8"}
                     | {name: "i32" for name in ("rows", "cols", "rank", "cp", "nblocks", "nwords", "out_cols")},

@@ -68,13 +68,13 @@ def test_every_kernel_compiles_for_hopper(tmp_path: Path) -> None:
                          text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
     lines = [line for line in res.stdout.splitlines() if not line.startswith("mutates ")]
-    # six per format and block, two more (the fused sender's) for every one but ternary; per fp8
-    # format five at each of its three scalings, the scales and codes in one kernel for two of
-    # them and the fused sender's two at each scaling; the map's two kernels at each of their
-    # three precisions
+    # six per format and block, three more (the fused sender's two, the fused receiver's) for
+    # every one but ternary; per fp8 format five at each of its three scalings, the scales and
+    # codes in one kernel for two of them and the fused sender's two and receiver's one at each
+    # scaling; the map's two kernels at each of their three precisions
     fused = sum(ops.fused_reason(fmt, block) is None for fmt, block in CASES)
     assert fused == len(CASES) - 2
-    want = len(CASES) * 6 + 2 * fused + len(FP8_KERNEL_FORMATS) * (3 * 5 + 2 + 3 * 2) + 6
+    want = len(CASES) * 6 + 3 * fused + len(FP8_KERNEL_FORMATS) * (3 * 5 + 2 + 3 * 3) + 6
     assert len(lines) == want and all(int(line.split()[-2]) > 1000 for line in lines), lines
     # Inductor's analysis of each kernel's TTIR finds it stores to its output only, so under
     # torch.compile no input is copied before a kernel runs (its traffic stays its arguments')
@@ -86,7 +86,8 @@ def test_every_kernel_compiles_for_hopper(tmp_path: Path) -> None:
                        "fp8_scales[block]": "out_ptr", "fp8_scale_encode": "scale_ptr out_ptr",
                        "fp8_scale_encode[block]": "scale_ptr out_ptr", "fp8_encode": "out_ptr",
                        "fp8_decode": "out_ptr", "lowrank_fp8_scales": "out_ptr",
-                       "lowrank_fp8_scales[block]": "out_ptr", "lowrank_fp8_encode": "out_ptr"}
+                       "lowrank_fp8_scales[block]": "out_ptr", "lowrank_fp8_encode": "out_ptr",
+                       "lowrank_decode_expand": "out_ptr", "lowrank_fp8_decode_expand": "out_ptr"}
 
 
 def _gradient(rows: int, cols: int, seed: int, huge: bool = True, nonfinite: bool = True) -> torch.Tensor:

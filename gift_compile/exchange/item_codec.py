@@ -27,7 +27,9 @@ keeps as operators (their traffic is theirs, not the installed Inductor's); else
 reference codec, compiled by Inductor as before. Both write the same bytes. A low-rank item whose
 map and codec both run as kernels sends through `kernels.fused_sender` instead: the map's
 expansion computed inside the block statistics and the encode, never written (`_fused_sender`
-says when: no error feedback, no block rotation, a format whose words tile the kernels).
+says when: no error feedback, no block rotation, a format whose words tile the kernels), and
+its all-reduce receiver through `kernels.fused_receiver`: the inverse map's expansion decodes
+the gathered codes instead of reading the decoded result back (`_fused_receiver`).
 
 Every function takes its item's `ItemPlan` and a `BucketPlan` of which it reads the world
 size, op and average only, so its code depends on nothing else the bucket holds; the compiled
@@ -51,6 +53,7 @@ from gift_compile.exchange.plan import BucketPlan, ItemPlan
 from gift_compile.geometry import apply_forward, apply_inverse, gated_tensors
 from gift_compile.geometry.maps import LowRank, _traced
 from gift_compile.geometry.table import map_class
+from gift_compile.kernels.fused_receiver import decode_inverse_lowrank, receiver_path
 from gift_compile.kernels.fused_sender import encode_lowrank, sender_path
 
 RANK_SEED_STRIDE = 1_000_003
@@ -263,6 +266,17 @@ def _fused_sender(item: ItemPlan, state: ItemTensors, g: torch.Tensor) -> str | 
     return path.precision if path.fused else None
 
 
+def _fused_receiver(item: ItemPlan, payload: torch.Tensor) -> str | None:
+    """The map precision at which a low-rank item's all-reduce receiver runs fused
+    (`kernels.fused_receiver`: the inverse map's expansion decodes the gathered codes instead
+    of reading the decoded result back), or None where it runs the unfused chain: a static
+    choice from the plan and the device."""
+    if not issubclass(map_class(item.kind), LowRank) or item.spec.passthrough:
+        return None
+    path = receiver_path(item.spec, payload.device, item.map_precision, item.block_rotation)
+    return path.precision if path.fused else None
+
+
 # ---- the per-item codec ---------------------------------------------------------------------
 def encode_item(x: torch.Tensor, state: ItemTensors | None, shared: Shared, item: ItemPlan,
                 p: BucketPlan) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -364,7 +378,13 @@ def gather_decode_item(gathered: torch.Tensor, offset: int, state: ItemTensors |
     spec, r = item.spec, p.rows_sent(item) // w
     payload, offset = _take(gathered, offset, r * spec.payload_cols(item.cols))
     scales, tscale, offset = _parse_scales(gathered, offset, spec, item.cols, r)
-    full = decode(payload.reshape(w, r, -1), spec, scales, tscale, item.cols).reshape(w * r, item.cols)
+    payload = payload.reshape(w, r, -1)
+    fused = _fused_receiver(item, payload)
+    if fused is not None:
+        full = decode_inverse_lowrank(payload, scales, tscale, *LowRank.inverse_operands(_map_tensors(item, state)),
+                                      fused, spec, item.cols)
+        return full.narrow(0, 0, item.rows), offset
+    full = decode(payload, spec, scales, tscale, item.cols).reshape(w * r, item.cols)
     return _to_original(item, full, state).narrow(0, 0, item.rows), offset
 
 

@@ -377,11 +377,19 @@ class LowRank(Geometry):
         g2 = gt.reshape(-1, gt.shape[-1])
         path = _map_path(precision, gt)
         if path.kernels:
-            return lowrank_map(g2, v, ci, dsq, dsq, path.precision.value).reshape(gt.shape)
+            return lowrank_map(g2, *LowRank.inverse_operands(tensors), path.precision.value).reshape(gt.shape)
         vt = v.t().contiguous()
         p = torch.mm(g2, vt.t())
         out = _rows(lambda x, pb: (x + _low_rank_sum(pb, ci, vt)) * dsq, g2, p)
         return out.reshape(gt.shape)
+
+    @staticmethod
+    def inverse_operands(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """The inverse map's kernel operands `(basis, coef, pre, post)` = `(V, C', D^{1/2}, D^{1/2})`:
+        what `kernels.map_dispatch.lowrank_map` takes on CUDA, and the all-reduce's fused
+        receiver (`kernels.fused_receiver.decode_inverse_lowrank`) too."""
+        _, v, _, ci, dsq = tensors
+        return v, ci, dsq, dsq
 
     @staticmethod
     def gated(tensors: tuple[torch.Tensor, ...], on: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -20,6 +20,8 @@ them through `gift_compile.kernels.dispatch`. It imports only torch, Triton and 
 - `fused_sender`: a low-rank item's sender with the map's expansion computed inside the block
   statistics and the encode (the mapped gradient never written), where the map and the codec
   both run as kernels;
+- `fused_receiver`: the all-reduce's receiver of a low-rank item with the inverse map's
+  expansion decoding the gathered codes itself (the decoded result not read back by it);
 - `traffic`: the bytes each kernel reads and writes, from its arguments.
 
 The kernels are tested bit for bit against the reference codec on the CPU, in Triton's

@@ -28,8 +28,8 @@ from gift_compile.codec.spec import FormatSpec
 from gift_compile.kernels import triton_codec as k
 from gift_compile.kernels.formats import KERNEL_FORMATS, KernelFormat, _next_pow2, kernel_format
 
-__all__ = ["MAP_PRECISIONS", "block_stat", "decode", "encode", "fused_reason", "lowrank_block_stat", "lowrank_encode",
-           "lowrank_expand", "lowrank_project", "scale_codes"]
+__all__ = ["MAP_PRECISIONS", "block_stat", "decode", "encode", "fused_reason", "lowrank_block_stat",
+           "lowrank_decode_expand", "lowrank_encode", "lowrank_expand", "lowrank_project", "scale_codes"]
 
 # Elements one program covers (a power of two): large enough that a program's loads are long
 # contiguous runs, small enough that a 600M-sized gradient still gives thousands of programs.
@@ -278,8 +278,8 @@ def _lowrank_expand_fake(g: torch.Tensor, p: torch.Tensor, dinv: torch.Tensor, c
 
 
 def fused_reason(fmt: str, block_size: int) -> str | None:
-    """Why the fused sender ops (`lowrank_block_stat`, `lowrank_encode`) cannot serve a kernel
-    format, or None where they can. Their tile is the expansion's `[64, 128]`: its 128 columns
+    """Why the fused sender ops (`lowrank_block_stat`, `lowrank_encode`) and the fused receiver
+    op (`lowrank_decode_expand`) cannot serve a kernel format, or None where they can. Their tile is the expansion's `[64, 128]`: its 128 columns
     must hold whole scale blocks and whole packed words, i.e. the block divides 128 and a word's
     digit count is a power of two (1/2/4-bit codes in a byte, 3/6-bit ones in a 3-byte group).
     Ternary's 5 digits per byte straddle tiles, so ternary keeps the unfused chain; a static
@@ -300,7 +300,8 @@ def fused_reason(fmt: str, block_size: int) -> str | None:
 def _check_fused(op: str, fmt: str, block_size: int) -> KernelFormat:
     reason = fused_reason(fmt, block_size)
     if reason is not None:
-        raise ValueError(f"gift_kernels.{op}: {reason} (use lowrank_expand, then block_stat / encode)")
+        raise ValueError(f"gift_kernels.{op}: {reason} (use the unfused chain: lowrank_expand beside block_stat / "
+                         "encode / decode)")
     return _format(fmt, block_size)
 
 
@@ -371,3 +372,67 @@ def _lowrank_encode_fake(g: torch.Tensor, p: torch.Tensor, dinv: torch.Tensor, c
                          precision: str, fmt: str, block_size: int) -> torch.Tensor:
     return g.new_empty((g.shape[0], FormatSpec(fmt, block_size=block_size).payload_cols(g.shape[1])),
                        dtype=torch.uint8)
+
+
+def _check_receiver_map(op: str, rows: int, cols: int, p: torch.Tensor, dinv: torch.Tensor, coef: torch.Tensor,
+                        basis: torch.Tensor, dsq: torch.Tensor) -> None:
+    """The inverse map's operands of a receiver op (`lowrank_decode_expand` and its fp8 twin)
+    for a `[rows, cols]` result: as `_check_map_operands` checks them beside a `g`."""
+    for name, t, dim in (("p", p, 2), ("dinv", dinv, 1), ("coef", coef, 1), ("basis", basis, 2), ("dsq", dsq, 1)):
+        _check(op, name, t, torch.float32, dim)
+    rank = basis.shape[1]
+    for name, t, want in (("p", p, (rows, rank)), ("dinv", dinv, (cols,)), ("coef", coef, (rank,)),
+                          ("basis", basis, (cols, rank)), ("dsq", dsq, (cols,))):
+        _check_shape(op, name, t, want)
+
+
+def _rows_per_sender(op: str, rows: int, senders: int) -> int:
+    """Rows of each sender's shard of a gathered payload: `rows` split evenly over `senders`."""
+    if senders < 1 or rows % senders:
+        raise ValueError(f"gift_kernels.{op}: {rows} payload rows do not split into {senders} senders' shards")
+    return rows // senders
+
+
+@triton_op("gift_kernels::lowrank_decode_expand", mutates_args=())
+def lowrank_decode_expand(payload: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor, p: torch.Tensor,
+                          dinv: torch.Tensor, coef: torch.Tensor, basis: torch.Tensor, dsq: torch.Tensor,
+                          precision: str, fmt: str, block_size: int, cols: int) -> torch.Tensor:
+    """`lowrank_expand(decode(payload, ...), p, dinv, coef, basis, dsq, precision)` without
+    reading the decoded values back: each tile of the gathered codes is decoded as `decode`
+    decodes it and expanded as `lowrank_expand` expands it (fp32 `[rows, cols]`). `payload`
+    (uint8 `[rows, payload_cols]`) and `scales` (`[rows, nblocks]`) hold every sender's shard of
+    `rows / senders` rows one after another, `tensor_scale` (fp32 `[senders]`) one per sender:
+    the all-reduce's gathered shards. For the formats `fused_reason` admits."""
+    op = "lowrank_decode_expand"
+    _check_precision(op, precision)
+    f = _check_fused(op, fmt, block_size)
+    spec = FormatSpec(fmt, block_size=block_size)
+    basis = basis.contiguous()
+    _check(op, "payload", payload, torch.uint8, 2)
+    _check(op, "scales", scales, torch.uint8, 2)
+    _check(op, "tensor_scale", tensor_scale, torch.float32, 1)
+    rows, pcols = payload.shape
+    if pcols != spec.payload_cols(cols):
+        raise ValueError(f"gift_kernels.{op}: payload has {pcols} bytes per row, but cols={cols} needs "
+                         f"{spec.payload_cols(cols)} in format {fmt!r}")
+    nb = _nblocks(f, cols)
+    _check_shape(op, "scales", scales, (rows, nb))
+    rps = _rows_per_sender(op, rows, tensor_scale.shape[0])
+    _check_receiver_map(op, rows, cols, p, dinv, coef, basis, dsq)
+    out = torch.empty((rows, cols), dtype=torch.float32, device=payload.device)
+    if out.numel():
+        bm, bn = _EXPAND_TILE
+        rank = basis.shape[1]
+        wrap_triton(k.lowrank_decode_expand_kernel)[(triton.cdiv(rows, bm), triton.cdiv(cols, bn))](
+            payload.contiguous(), scales.contiguous(), tensor_scale.contiguous(), p.contiguous(), dinv, coef, basis,
+            dsq, out, rows, cols, rank, nb, pcols, rps, KIND=f.kind, BITS=f.bits, PER=f.per, NBYTES=f.nbytes,
+            BLOCK=f.block, BM=bm, BN=bn, BR=_rank_tile(rank), PRECISION=precision)
+    return out
+
+
+@lowrank_decode_expand.register_fake
+def _lowrank_decode_expand_fake(payload: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor,
+                                p: torch.Tensor, dinv: torch.Tensor, coef: torch.Tensor, basis: torch.Tensor,
+                                dsq: torch.Tensor, precision: str, fmt: str, block_size: int,
+                                cols: int) -> torch.Tensor:
+    return payload.new_empty((payload.shape[0], cols), dtype=torch.float32)

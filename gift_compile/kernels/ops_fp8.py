@@ -28,10 +28,11 @@ from gift_compile.codec.spec import FormatSpec
 from gift_compile.kernels import triton_fp8 as k
 from gift_compile.kernels.formats import Fp8KernelFormat, _next_pow2, fp8_kernel_format
 from gift_compile.kernels.ops import (_EXPAND_TILE, ELEMENTS_PER_PROGRAM, _check, _check_map_operands,
-                                      _check_precision, _check_shape, _rank_tile)
+                                      _check_precision, _check_receiver_map, _check_shape, _rank_tile,
+                                      _rows_per_sender)
 
-__all__ = ["fp8_decode", "fp8_encode", "fp8_scale_encode", "fp8_scales", "lowrank_fp8_encode", "lowrank_fp8_reason",
-           "lowrank_fp8_scales"]
+__all__ = ["fp8_decode", "fp8_encode", "fp8_scale_encode", "fp8_scales", "lowrank_fp8_decode_expand",
+           "lowrank_fp8_encode", "lowrank_fp8_reason", "lowrank_fp8_scales"]
 
 
 def _format(op: str, fmt: str, scaling: str, block_size: int) -> tuple[FormatSpec, Fp8KernelFormat]:
@@ -301,3 +302,51 @@ def _lowrank_fp8_encode_fake(g: torch.Tensor, p: torch.Tensor, dinv: torch.Tenso
                              scaling: str, block_size: int) -> torch.Tensor:
     spec, _ = _format("lowrank_fp8_encode", fmt, scaling, block_size)
     return g.new_empty((g.shape[0], spec.padded_cols(g.shape[1])), dtype=torch.uint8)
+
+
+@triton_op("gift_kernels::lowrank_fp8_decode_expand", mutates_args=())
+def lowrank_fp8_decode_expand(payload: torch.Tensor, scales: torch.Tensor, p: torch.Tensor, dinv: torch.Tensor,
+                              coef: torch.Tensor, basis: torch.Tensor, dsq: torch.Tensor, precision: str, fmt: str,
+                              scaling: str, block_size: int, cols: int) -> torch.Tensor:
+    """`lowrank_expand(fp8_decode(payload, ...), p, dinv, coef, basis, dsq, precision)` without
+    reading the decoded values back: each `[64, 128]` tile of the gathered bytes decoded as
+    `fp8_decode` decodes it and expanded as `lowrank_expand` expands it (fp32 `[rows, cols]`).
+    `payload` (uint8 `[rows, padded cols]`) holds every sender's shard of `rows / senders` rows
+    one after another; `scales` are fp32, one per sender (`[senders]`, tensor scaling), `[rows]`
+    (row) or `[rows, nblocks]` (block): the all-reduce's gathered shards. Every fp8 spec the
+    kernels serve (a value's scale is looked up per element, so any block size)."""
+    op = "lowrank_fp8_decode_expand"
+    _check_precision(op, precision)
+    spec, f = _format(op, fmt, scaling, block_size)
+    basis = basis.contiguous()
+    _check(op, "payload", payload, torch.uint8, 2)
+    rows, pcols = payload.shape
+    if pcols != spec.payload_cols(cols):
+        raise ValueError(f"gift_kernels.{op}: payload has {pcols} bytes per row, but cols={cols} needs "
+                         f"{spec.payload_cols(cols)} in format {fmt!r} with {scaling} scaling")
+    if spec.scaling is Scaling.TENSOR:
+        _check(op, "scales", scales, torch.float32, 1)
+        rps = _rows_per_sender(op, rows, scales.shape[0])
+    else:
+        want = _scale_shape(spec, rows, cols)
+        _check(op, "scales", scales, torch.float32, len(want))
+        _check_shape(op, "scales", scales, want)
+        rps = max(rows, 1)  # read by tensor scaling only (the kernel's group of a row)
+    _check_receiver_map(op, rows, cols, p, dinv, coef, basis, dsq)
+    out = torch.empty((rows, cols), dtype=torch.float32, device=payload.device)
+    if out.numel():
+        bm, bn = _EXPAND_TILE
+        rank = basis.shape[1]
+        wrap_triton(k.lowrank_fp8_decode_expand_kernel)[(triton.cdiv(rows, bm), triton.cdiv(cols, bn))](
+            payload.contiguous(), scales.contiguous(), p.contiguous(), dinv, coef, basis, dsq, out, rows, cols, rank,
+            pcols, _nblocks(spec, cols), rps, SCALING=f.scaling, BLOCK=max(f.block, 1), MBITS=f.mbits, EMIN=f.emin,
+            IEEE_SPECIALS=f.ieee_specials, BM=bm, BN=bn, BR=_rank_tile(rank), PRECISION=precision)
+    return out
+
+
+@lowrank_fp8_decode_expand.register_fake
+def _lowrank_fp8_decode_expand_fake(payload: torch.Tensor, scales: torch.Tensor, p: torch.Tensor,
+                                    dinv: torch.Tensor, coef: torch.Tensor, basis: torch.Tensor, dsq: torch.Tensor,
+                                    precision: str, fmt: str, scaling: str, block_size: int,
+                                    cols: int) -> torch.Tensor:
+    return payload.new_empty((payload.shape[0], cols), dtype=torch.float32)

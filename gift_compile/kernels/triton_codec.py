@@ -23,7 +23,9 @@ The low-rank map's expansion and the two kernels that consume it on the sender
 (`lowrank_block_stat_kernel`, `lowrank_encode_kernel`) work on `[BM, BN]` tiles of rows and
 columns instead (`_expand_tile`, one function for all three, so they compute the same values):
 the consumers view a tile as `[BM, BN / BLOCK, BLOCK]` blocks or `[BM, BN / PER, PER]` words,
-which needs BN to be a multiple of both (`ops.fused_reason`).
+which needs BN to be a multiple of both (`ops.fused_reason`). The all-reduce's receiver
+(`lowrank_decode_expand_kernel`) takes the same tile's values from the gathered codes,
+decoded as `decode_kernel` decodes them (`_decoded_value`), instead of from memory.
 """
 
 from __future__ import annotations
@@ -278,10 +280,7 @@ def decode_kernel(payload_ptr, code_ptr, tscale_ptr, out_ptr, rows, cols, nblock
         else:
             code = (word[:, None] >> (i * BITS)[None, :]) & ((1 << BITS) - 1)
         sc = tl.load(code_ptr + at * nblocks + j // BLOCK, mask=valid, other=0).to(tl.int32)
-        scale = _e4m3_value(sc) * tl.load(tscale_ptr + s)
-        scale = tl.where(_is_finite(scale), scale, float("nan"))
-        v = _grid_value(code, KIND, BITS) * scale
-        v = tl.where(v > FP32_MAX, FP32_MAX, tl.where(v < -FP32_MAX, -FP32_MAX, v))
+        v = _decoded_value(code, sc, tl.load(tscale_ptr + s), KIND, BITS)
         if SUM:
             acc += v
         else:
@@ -336,9 +335,21 @@ def _expand_tile(g_ptr, p_ptr, dinv_ptr, coef_ptr, basis_ptr, dsq_ptr, m, n, row
     """The low-rank map's expansion `g * dinv + ((p * coef) @ basis.T) * dsq` on the `[BM, BN]`
     tile of rows `m` and columns `n` (`lowrank_expand_kernel`), with the rank padded to BR;
     0 outside `[rows, cols]` (the zero padding the codec's reference gives the columns past
-    `cols`, whatever a NaN in the projection would make of the masked operands). The one
-    spelling of the tile's arithmetic, shared by the expansion and the fused sender kernels,
-    so all of them compute the same values."""
+    `cols`, whatever a NaN in the projection would make of the masked operands). The tile's
+    arithmetic is `_expand_values`, its one spelling, shared by the expansion, the fused
+    sender kernels and the fused receiver, so all of them compute the same values."""
+    both = (m < rows)[:, None] & (n < cols)[None, :]
+    g = tl.load(g_ptr + m[:, None].to(tl.int64) * cols + n[None, :], mask=both, other=0.0)
+    return _expand_values(g, p_ptr, dinv_ptr, coef_ptr, basis_ptr, dsq_ptr, m, n, rows, cols, rank, BM, BN, BR,
+                          PRECISION)
+
+
+@triton.jit
+def _expand_values(g, p_ptr, dinv_ptr, coef_ptr, basis_ptr, dsq_ptr, m, n, rows, cols, rank,
+                   BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, PRECISION: tl.constexpr):
+    """`_expand_tile` of the `[BM, BN]` tile `g` of rows `m` and columns `n` already in
+    registers: read from memory (`_expand_tile`), or decoded from the gathered codes by the
+    all-reduce's receiver (`lowrank_decode_expand_kernel`, `triton_fp8.lowrank_fp8_decode_expand_kernel`)."""
     k = tl.arange(0, BR)
     rmask, cmask, kmask = m < rows, n < cols, k < rank
     q = tl.load(p_ptr + m[:, None].to(tl.int64) * rank + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
@@ -346,7 +357,6 @@ def _expand_tile(g_ptr, p_ptr, dinv_ptr, coef_ptr, basis_ptr, dsq_ptr, m, n, row
     basis = tl.load(basis_ptr + n[None, :] * rank + k[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
     low = _mma(q, basis, tl.zeros([BM, BN], dtype=tl.float32), PRECISION)
     both = rmask[:, None] & cmask[None, :]
-    g = tl.load(g_ptr + m[:, None].to(tl.int64) * cols + n[None, :], mask=both, other=0.0)
     dinv = tl.load(dinv_ptr + n, mask=cmask, other=0.0)[None, :]
     dsq = tl.load(dsq_ptr + n, mask=cmask, other=0.0)[None, :]
     return tl.where(both, g * dinv + low * dsq, 0.0)
@@ -410,3 +420,48 @@ def lowrank_encode_kernel(g_ptr, p_ptr, dinv_ptr, coef_ptr, basis_ptr, dsq_ptr, 
     out = out_ptr + m[:, None].to(tl.int64) * out_cols + w[None, :] * NBYTES
     for k in tl.static_range(NBYTES):
         tl.store(out + k, ((word >> (8 * k)) & 0xFF).to(tl.uint8), mask=(m < rows)[:, None] & (w < nwords)[None, :])
+
+
+@triton.jit
+def _decoded_value(code, sc, tscale, KIND: tl.constexpr, BITS: tl.constexpr):
+    """`decode_kernel`'s value of each code (int32) under its E4M3 block code `sc` (int32) and
+    the fp32 tensor scale: grid value times block scale times tensor scale, NaN for a
+    non-finite scale, saturated at fp32's largest value. The receiver's fused expansion
+    decodes with it too, so both give the same bits."""
+    scale = _e4m3_value(sc) * tscale
+    scale = tl.where(_is_finite(scale), scale, float("nan"))
+    v = _grid_value(code, KIND, BITS) * scale
+    return tl.where(v > FP32_MAX, FP32_MAX, tl.where(v < -FP32_MAX, -FP32_MAX, v))
+
+
+@triton.jit
+def lowrank_decode_expand_kernel(payload_ptr, code_ptr, tscale_ptr, p_ptr, dinv_ptr, coef_ptr, basis_ptr, dsq_ptr,
+                                 out_ptr, rows, cols, rank, nblocks, pcols, rows_per_sender,
+                                 KIND: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr, NBYTES: tl.constexpr,
+                                 BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
+                                 PRECISION: tl.constexpr):
+    """`lowrank_expand_kernel` of the gathered codes, decoded in the tile instead of read as
+    fp32: the all-reduce's receiver. The payload is `[rows, pcols]` packed words (every
+    sender's shard of `rows_per_sender` rows, one after another), its E4M3 block codes
+    `[rows, nblocks]`, one fp32 tensor scale per sender (row m's is sender
+    `m // rows_per_sender`'s). Each row's `BN / PER` words of the tile are loaded once and
+    split into their `PER` digits (`PER` a power of two dividing BN, as in
+    `lowrank_encode_kernel`), each digit decoded as `decode_kernel` decodes it
+    (`_decoded_value`), then expanded (`_expand_values`)."""
+    m = tl.program_id(0) * BM + tl.arange(0, BM)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    w = tl.program_id(1) * (BN // PER) + tl.arange(0, BN // PER)
+    rmask = m < rows
+    both = rmask[:, None] & (n < cols)[None, :]
+    src = payload_ptr + m[:, None].to(tl.int64) * pcols + w[None, :] * NBYTES
+    wmask = rmask[:, None] & (w * PER < cols)[None, :]
+    word = tl.load(src, mask=wmask, other=0).to(tl.int32)
+    for k in tl.static_range(1, NBYTES):
+        word = word | (tl.load(src + k, mask=wmask, other=0).to(tl.int32) << (8 * k))
+    code = tl.reshape((word[:, :, None] >> (tl.arange(0, PER) * BITS)[None, None, :]) & ((1 << BITS) - 1), [BM, BN])
+    sc = tl.load(code_ptr + m[:, None].to(tl.int64) * nblocks + (n // BLOCK)[None, :], mask=both, other=0)
+    tscale = tl.load(tscale_ptr + m // rows_per_sender, mask=rmask, other=1.0)
+    g = _decoded_value(code, sc.to(tl.int32), tscale[:, None], KIND, BITS)
+    y = _expand_values(g, p_ptr, dinv_ptr, coef_ptr, basis_ptr, dsq_ptr, m, n, rows, cols, rank, BM, BN, BR,
+                       PRECISION)
+    tl.store(out_ptr + m[:, None].to(tl.int64) * cols + n[None, :], y, mask=both)

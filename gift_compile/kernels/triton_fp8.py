@@ -41,7 +41,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gift_compile.kernels.triton_codec import FP32_MAX, _expand_tile, _is_finite, _pow2_inverse
+from gift_compile.kernels.triton_codec import FP32_MAX, _expand_tile, _expand_values, _is_finite, _pow2_inverse
 
 # The `SCALING` constexpr (`formats.FP8_SCALINGS`): one scale per tensor, per row, per block.
 TENSOR = tl.constexpr(0)
@@ -238,6 +238,16 @@ def fp8_encode_kernel(x_ptr, scale_ptr, out_ptr, cols, cp, nblocks, row_stride, 
 
 
 @triton.jit
+def _fp8_decoded(code, scale, MBITS: tl.constexpr, EMIN: tl.constexpr, IEEE_SPECIALS: tl.constexpr):
+    """`fp8_decode_kernel`'s value of each float8 byte (int32) under its fp32 scale: the code's
+    value times the scale, NaN for a +inf scale, saturated at fp32's largest value. The
+    receiver's fused expansion decodes with it too, so both give the same bits."""
+    scale = tl.where(_is_finite(scale), scale, float("nan"))
+    v = _fp8_value(code, MBITS, EMIN, IEEE_SPECIALS) * scale
+    return tl.where(v > FP32_MAX, FP32_MAX, tl.where(v < -FP32_MAX, -FP32_MAX, v))
+
+
+@triton.jit
 def fp8_decode_kernel(payload_ptr, scale_ptr, out_ptr, rows, cols, cp, nblocks, SENDERS: tl.constexpr,
                       SCALING: tl.constexpr, BLOCK: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
                       IEEE_SPECIALS: tl.constexpr, TILE: tl.constexpr, SUM: tl.constexpr, AVERAGE: tl.constexpr):
@@ -253,10 +263,8 @@ def fp8_decode_kernel(payload_ptr, scale_ptr, out_ptr, rows, cols, cp, nblocks, 
     for s in range(SENDERS):
         at = s * rows + row
         code = tl.load(payload_ptr + at * cp + j, mask=valid, other=0).to(tl.int32)
-        scale = _scale_at(scale_ptr, s, at, j, nblocks, SCALING, BLOCK, valid)
-        scale = tl.where(_is_finite(scale), scale, float("nan"))
-        v = _fp8_value(code, MBITS, EMIN, IEEE_SPECIALS) * scale
-        v = tl.where(v > FP32_MAX, FP32_MAX, tl.where(v < -FP32_MAX, -FP32_MAX, v))
+        v = _fp8_decoded(code, _scale_at(scale_ptr, s, at, j, nblocks, SCALING, BLOCK, valid), MBITS, EMIN,
+                         IEEE_SPECIALS)
         if SUM:
             acc += v
         else:
@@ -327,3 +335,28 @@ def lowrank_fp8_encode_kernel(g_ptr, p_ptr, dinv_ptr, coef_ptr, basis_ptr, dsq_p
     v = y * _pow2_inverse(_scale_at(scale_ptr, 0, row, n[None, :], nblocks, SCALING, BLOCK, inside))
     tl.store(out_ptr + m[:, None].to(tl.int64) * cp + n[None, :], _fp8_code(v, MBITS, EMIN, FMAX).to(tl.uint8),
              mask=inside)
+
+
+@triton.jit
+def lowrank_fp8_decode_expand_kernel(payload_ptr, scale_ptr, p_ptr, dinv_ptr, coef_ptr, basis_ptr, dsq_ptr, out_ptr,
+                                     rows, cols, rank, cp, nblocks, rows_per_sender, SCALING: tl.constexpr,
+                                     BLOCK: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
+                                     IEEE_SPECIALS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                                     BR: tl.constexpr, PRECISION: tl.constexpr):
+    """`triton_codec.lowrank_expand_kernel` of the gathered float8 bytes, decoded in the tile
+    instead of read as fp32: the all-reduce's receiver. The payload is `[rows, cp]` (every
+    sender's shard of `rows_per_sender` rows, one after another); the scales one per sender
+    (TENSOR: row m's is sender `m // rows_per_sender`'s), `[rows]` (ROW) or `[rows, nblocks]`
+    (BLOCK_SCALING), each value decoded as `fp8_decode_kernel` decodes it (`_fp8_decoded`), then
+    expanded (`_expand_values`). Rows past `rows` read row 0's scale (`_scale_at` loads a row's
+    scale unmasked) and store nothing."""
+    m = tl.program_id(0) * BM + tl.arange(0, BM)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    both = (m < rows)[:, None] & (n < cols)[None, :]
+    code = tl.load(payload_ptr + m[:, None].to(tl.int64) * cp + n[None, :], mask=both, other=0).to(tl.int32)
+    row = tl.where(m < rows, m, 0).to(tl.int64)[:, None]
+    scale = _scale_at(scale_ptr, row // rows_per_sender, row, n[None, :], nblocks, SCALING, BLOCK, both)
+    g = _fp8_decoded(code, scale, MBITS, EMIN, IEEE_SPECIALS)
+    y = _expand_values(g, p_ptr, dinv_ptr, coef_ptr, basis_ptr, dsq_ptr, m, n, rows, cols, rank, BM, BN, BR,
+                       PRECISION)
+    tl.store(out_ptr + m[:, None].to(tl.int64) * cols + n[None, :], y, mask=both)
