@@ -22,6 +22,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from bit_checks import same_bits
 from conftest import require
 
 require("triton", "the codec kernels need Triton (the `test` extra installs it)")
@@ -45,13 +46,6 @@ SHAPES = [(3, 24, 300), (2, 1, 37), (1, 1, 130)]  # (senders, rows per sender, c
 SHAPE_IDS = ["3x24x300", "2x1x37", "1x1x130"]
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal as stored bits, NaN matching NaN whatever its payload."""
-    nan = torch.isnan(a)
-    if a.shape != b.shape or not torch.equal(nan, torch.isnan(b)):
-        return False
-    return torch.equal(torch.where(nan, 0.0, a).view(torch.int32), torch.where(nan, 0.0, b).view(torch.int32))
-
 
 def _map(gen: torch.Generator, cols: int, rank: int = 20) -> tuple[torch.Tensor, ...]:
     """Inverse-map operands `(basis, coef, pre, post)` as `LowRank.inverse_operands` gives them."""
@@ -65,7 +59,7 @@ def _check(full: torch.Tensor, fused: torch.Tensor, basis: torch.Tensor, coef: t
     """`fused` is `lowrank_expand` of the decoded `full` bit for bit, and the rank-r term is there."""
     p = ops.lowrank_project(full, basis, "ieee")
     want = ops.lowrank_expand(full, p, pre, coef, basis, post, "ieee")
-    assert _same_bits(fused.cpu(), want.cpu()), int((fused != want).sum())
+    assert same_bits(fused.cpu(), want.cpu()), int((fused != want).sum())
     fin = torch.isfinite(want) & torch.isfinite(full)
     assert (want[fin] != (full * pre)[fin]).float().mean() > 0.5
 

@@ -25,6 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from bit_checks import same_bits
 from conftest import require
 
 require("triton", "the codec kernels need Triton (the `test` extra installs it)")
@@ -71,15 +72,6 @@ def _chain(g: torch.Tensor, p: torch.Tensor, dinv: torch.Tensor, coef: torch.Ten
     return y, stat, tscale, scales, ops.encode(y, scales, tscale, fmt, block)
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal as stored bits, NaN matching NaN whatever its payload."""
-    if a.dtype.is_floating_point:
-        nan = torch.isnan(a)
-        if a.shape != b.shape or not torch.equal(nan, torch.isnan(b)):
-            return False
-        a, b = torch.where(nan, 0.0, a).view(torch.int32), torch.where(nan, 0.0, b).view(torch.int32)
-    return a.shape == b.shape and torch.equal(a, b)
-
 
 def _check_fused_matches_chain(g: torch.Tensor, p: torch.Tensor, dinv: torch.Tensor, coef: torch.Tensor,
                                basis: torch.Tensor, dsq: torch.Tensor, fmt: str, block: int) -> torch.Tensor:
@@ -87,9 +79,9 @@ def _check_fused_matches_chain(g: torch.Tensor, p: torch.Tensor, dinv: torch.Ten
     args = [t.to(DEVICE) for t in (g, p, dinv, coef, basis, dsq)]
     y, stat, tscale, scales, codes = _chain(*args, fmt, block)
     fstat = ops.lowrank_block_stat(*args, "ieee", fmt, block)
-    assert _same_bits(fstat.cpu(), stat.cpu()), (fmt, block)
+    assert same_bits(fstat.cpu(), stat.cpu()), (fmt, block)
     fcodes = ops.lowrank_encode(*args, scales, tscale, "ieee", fmt, block)
-    assert _same_bits(fcodes.cpu(), codes.cpu()), (fmt, block, int((fcodes != codes).sum()))
+    assert same_bits(fcodes.cpu(), codes.cpu()), (fmt, block, int((fcodes != codes).sum()))
     return y.cpu()
 
 
@@ -289,10 +281,10 @@ def _check_fp8_fused_matches_chain(g: torch.Tensor, p: torch.Tensor, dinv: torch
     y = ops.lowrank_expand(*args, "ieee")
     stat, codes = _fp8_chain(y, fmt, scaling, block)
     fstat = ops_fp8.lowrank_fp8_scales(*args, "ieee", fmt, scaling, block)
-    assert _same_bits(fstat.cpu(), stat.cpu()), (fmt, scaling, block)
+    assert same_bits(fstat.cpu(), stat.cpu()), (fmt, scaling, block)
     scales = FormatSpec(fmt, scaling, block).family.scales_of(_global_max(stat)) if scaling == "tensor" else stat
     fcodes = ops_fp8.lowrank_fp8_encode(*args, scales, "ieee", fmt, scaling, block)
-    assert _same_bits(fcodes.cpu(), codes.cpu()), (fmt, scaling, block, int((fcodes != codes).sum()))
+    assert same_bits(fcodes.cpu(), codes.cpu()), (fmt, scaling, block, int((fcodes != codes).sum()))
     return y.cpu(), stat.cpu()
 
 

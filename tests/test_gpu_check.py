@@ -252,3 +252,18 @@ def test_kernel_traffic_carries_each_bodys_bytes_before_the_fused_sender(tmp_pat
     kernel_traffic.carry_before(again, path)
     assert [r[kernel_traffic.BEFORE] for r in again] == [10.5, 15.0]
     assert "| lowrank | 11.000 | 10.000 | 1.100 | 15.000 | 1.500 |" in kernel_traffic.block(path=path)
+
+
+def test_the_codec_sections_kernel_bytes_name_every_kernel_of_euclidean_and_gift_bodies() -> None:
+    """The codec section prices each profiled kernel by its own bytes: every registered operator
+    has its Triton function's name, and a GIFT body's bytes are its own (the low-rank map's and
+    the fused sender's and receiver's kernels), not the Euclidean body's."""
+    from gift_compile.kernels.traffic import KERNEL_OPS
+
+    assert set(gpu_check._KERNEL_NAMES) == set(KERNEL_OPS)
+    for fmt in ("fp8_e4m3", "nvfp4"):
+        euclid, gift = gpu_check._kernel_bytes(fmt, 64, 256, 0), gpu_check._kernel_bytes(fmt, 64, 256, 8)
+        assert not any(name.startswith("lowrank") for name in euclid), euclid
+        assert {"lowrank_project_kernel", "lowrank_decode_expand_kernel" if fmt == "nvfp4"
+                else "lowrank_fp8_decode_expand_kernel"} <= set(gift), gift
+        assert sum(gift.values()) > sum(euclid.values())

@@ -30,6 +30,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from bit_checks import edge_gradient, same_bits
 from conftest import require
 
 require("triton", "the codec kernels need Triton (the `test` extra installs it)")
@@ -90,38 +91,6 @@ def test_every_kernel_compiles_for_hopper(tmp_path: Path) -> None:
                        "lowrank_decode_expand": "out_ptr", "lowrank_fp8_decode_expand": "out_ptr"}
 
 
-def _gradient(rows: int, cols: int, seed: int, huge: bool = True, nonfinite: bool = True) -> torch.Tensor:
-    """Gaussian rows of different magnitudes, with the edge blocks the codec must handle: an
-    all-zero block, a block near fp32's smallest normal, (`huge`) one near its largest finite
-    value, a row of exact zeros among values (int2's parity rule), (`nonfinite`) a NaN and an
-    Inf block. A huge block sets the tensor scale, so the others underflow to zero codes, and
-    a non-finite one makes every code's unit NaN: each is one case, not the only one."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, cols, generator=g) * torch.logspace(-3, 2, rows).unsqueeze(1)
-    if rows >= 6:
-        x[1, :16] = 0.0
-        x[2, :16] = torch.randn(16, generator=g) * 1e-37
-        if huge:
-            x[3, 16:32] = torch.randn(16, generator=g) * 1e36
-        x[4, ::3] = 0.0
-        x[4, 1] = -0.0
-        if nonfinite:
-            x[5, 3] = float("nan")
-            x[5, 40] = float("-inf")
-    return x
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal as stored bits, NaN matching NaN whatever its payload."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.dtype.is_floating_point:
-        nan = torch.isnan(a)
-        if not torch.equal(nan, torch.isnan(b)):
-            return False
-        a, b = torch.where(nan, 0.0, a), torch.where(nan, 0.0, b)
-        return torch.equal(a.view(torch.int32), b.view(torch.int32))
-    return torch.equal(a, b)
 
 
 def _kernel_scales(x: torch.Tensor, fmt: str, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,13 +105,13 @@ def _kernel_scales(x: torch.Tensor, fmt: str, block: int) -> tuple[torch.Tensor,
 @pytest.mark.parametrize(("rows", "cols"), [(7, 83), (1, 7)], ids=["7x83", "1x7"])
 def test_scales_and_encode_write_the_reference_bytes(fmt: str, block: int, rows: int, cols: int) -> None:
     spec = FormatSpec(fmt, block_size=block)
-    x = _gradient(rows, cols, seed=rows * cols + block)
+    x = edge_gradient(rows, cols, seed=rows * cols + block)
     ref_scales, ref_tscale = codec.choose_scales(x, spec)
     scales, tscale = _kernel_scales(x, fmt, block)
-    assert _same_bits(tscale, ref_tscale)
+    assert same_bits(tscale, ref_tscale)
     assert torch.equal(scales, ref_scales)
-    for t in (x, _gradient(rows, cols, seed=rows + block, nonfinite=False),
-              _gradient(rows, cols, seed=cols + block, huge=False, nonfinite=False)):
+    for t in (x, edge_gradient(rows, cols, seed=rows + block, nonfinite=False),
+              edge_gradient(rows, cols, seed=cols + block, huge=False, nonfinite=False)):
         s, ts = codec.choose_scales(t, spec)
         ref = codec.encode(t, spec, s, ts)
         got = ops.encode(t.to(DEVICE), s.to(DEVICE), ts.to(DEVICE), fmt, block).cpu()
@@ -157,8 +126,8 @@ def test_encode_on_scales_of_another_tensor_matches_the_reference(fmt: str, bloc
     (saturation), zero units under nonzero values, and NaN/Inf values under finite units, where
     the reference's comparisons decide every code."""
     spec = FormatSpec(fmt, block_size=block)
-    scales, tscale = codec.choose_scales(_gradient(7, 83, seed=21, huge=False, nonfinite=False), spec)
-    x = _gradient(7, 83, seed=22, huge=False, nonfinite=False) * 40.0
+    scales, tscale = codec.choose_scales(edge_gradient(7, 83, seed=21, huge=False, nonfinite=False), spec)
+    x = edge_gradient(7, 83, seed=22, huge=False, nonfinite=False) * 40.0
     x[0, :5] = torch.tensor([float("nan"), float("inf"), float("-inf"), 0.0, -0.0])
     x[1, :5] = x[0, :5]
     scales[1, 0] = 0  # a zero block scale under the values of row 1 (and under NaN, +-inf, +-0)
@@ -177,13 +146,13 @@ def test_subnormal_units_code_like_the_reference(fmt: str, block: int) -> None:
     x = torch.randn(4, 64, generator=g) * torch.tensor([1e-38, 3e-40, 2e-42, 1e-44]).unsqueeze(1)
     scales, tscale = codec.choose_scales(x, spec)
     k_scales, k_tscale = _kernel_scales(x, fmt, block)
-    assert torch.equal(k_scales, scales) and _same_bits(k_tscale, tscale)
+    assert torch.equal(k_scales, scales) and same_bits(k_tscale, tscale)
     ref = codec.encode(x, spec, scales, tscale)
     got = ops.encode(x.to(DEVICE), scales.to(DEVICE), tscale.to(DEVICE), fmt, block).cpu()
     assert torch.equal(got, ref), f"{fmt}: {(got != ref).sum()} of {ref.numel()} payload bytes differ"
     dec = ops.decode(got.unsqueeze(0).to(DEVICE), scales.unsqueeze(0).to(DEVICE), tscale.to(DEVICE), fmt, block, 64,
                      False, False).cpu()
-    assert _same_bits(dec[0], codec.decode(ref, spec, scales, tscale, 64))
+    assert same_bits(dec[0], codec.decode(ref, spec, scales, tscale, 64))
     assert (dec != 0).any()
 
 
@@ -195,7 +164,7 @@ def test_decode_and_sum_over_senders_match_the_reference(fmt: str, block: int) -
     rows, cols = 7, 83
     payloads, scales, tscales = [], [], []
     for seed in range(3):
-        x = _gradient(rows, cols, seed=100 + seed, huge=False, nonfinite=seed == 1)
+        x = edge_gradient(rows, cols, seed=100 + seed, huge=False, nonfinite=seed == 1)
         s, ts = codec.choose_scales(x, spec)
         payloads.append(codec.encode(x, spec, s, ts))
         scales.append(s)
@@ -204,13 +173,13 @@ def test_decode_and_sum_over_senders_match_the_reference(fmt: str, block: int) -
     ref = codec.decode(p, spec, s, ts.reshape(3, 1, 1), cols)
     args = (p.to(DEVICE), s.to(DEVICE), ts.to(DEVICE), fmt, block, cols)
     each = ops.decode(*args, False, False).cpu()
-    assert _same_bits(each, ref)
+    assert same_bits(each, ref)
     assert torch.isnan(each[1]).all() and not torch.isnan(each[0]).any()
-    assert _same_bits(ops.decode(*args, True, False).cpu(), ref.sum(dim=0))
-    assert _same_bits(ops.decode(*args, True, True).cpu(), ref.sum(dim=0) / 3)
+    assert same_bits(ops.decode(*args, True, False).cpu(), ref.sum(dim=0))
+    assert same_bits(ops.decode(*args, True, True).cpu(), ref.sum(dim=0) / 3)
     finite = ops.decode(p[[0, 2]].to(DEVICE), s[[0, 2]].to(DEVICE), ts[[0, 2]].to(DEVICE), fmt, block, cols,
                         True, True).cpu()
-    assert _same_bits(finite, ref[[0, 2]].sum(dim=0) / 2) and torch.isfinite(finite).all()
+    assert same_bits(finite, ref[[0, 2]].sum(dim=0) / 2) and torch.isfinite(finite).all()
     assert (finite != 0).float().mean() > 0.3  # real values were compared, not a zero sum
 
 
@@ -289,23 +258,23 @@ def test_a_zero_tensor_and_an_empty_one() -> None:
     for x in (torch.zeros(3, 20), torch.zeros(0, 20)):
         s, ts = codec.choose_scales(x, spec)
         k_s, k_ts = _kernel_scales(x, "int4", 16)
-        assert torch.equal(k_s, s) and _same_bits(k_ts, ts)
+        assert torch.equal(k_s, s) and same_bits(k_ts, ts)
         ref = codec.encode(x, spec, s, ts)
         assert torch.equal(ops.encode(x.to(DEVICE), s.to(DEVICE), ts.to(DEVICE), "int4", 16).cpu(), ref)
         dec = ops.decode(ref.unsqueeze(0).to(DEVICE), s.unsqueeze(0).to(DEVICE), ts.to(DEVICE), "int4", 16, 20,
                          True, False).cpu()
-        assert _same_bits(dec, codec.decode(ref, spec, s, ts, 20))
+        assert same_bits(dec, codec.decode(ref, spec, s, ts, 20))
 
 
 def test_the_dispatch_on_the_cpu_is_the_reference_codec() -> None:
     """On CPU tensors `gift_compile.kernels` runs the reference codec (Inductor compiles it):
     the functions give its results, and a traced encode holds no kernel operator."""
     spec = FormatSpec("nvfp4")
-    x = _gradient(7, 83, seed=5)
+    x = edge_gradient(7, 83, seed=5)
     assert not kernels.codec_path(spec, x.device).kernels
     s, ts = kernels.choose_scales(x, spec)
     ref_s, ref_ts = codec.choose_scales(x, spec)
-    assert torch.equal(s, ref_s) and _same_bits(ts, ref_ts)
+    assert torch.equal(s, ref_s) and same_bits(ts, ref_ts)
     item = ItemPlan(name="w", rows=8, cols=40, format="nvfp4")
     plan = BucketPlan((item,), 2, None, True, "reduce_scatter")
     gm = make_fx(lambda g: encode_item(g, ItemTensors(()), Shared(), item, plan))(torch.randn(8, 40))
@@ -329,12 +298,12 @@ def test_the_exchange_on_the_kernel_path_sends_and_sums_the_reference_bytes(fmt:
     item = ItemPlan(name="w", rows=rows, cols=cols, format=fmt, block_size=16, error_feedback=True)
     rs = BucketPlan((item,), world, None, True, "reduce_scatter")
     ar = BucketPlan((item,), world, None, True, "all_reduce")
-    g = _gradient(rows, cols, seed=11, huge=False, nonfinite=False)
+    g = edge_gradient(rows, cols, seed=11, huge=False, nonfinite=False)
 
     def run() -> list[torch.Tensor]:
         state = ItemTensors((), residual_store.allocate(item.residual_format, rows, cols, "cpu"))
-        residual_store.write(item.residual_format, state.residual, 0.01 * _gradient(rows, cols, seed=12, huge=False,
-                                                                                     nonfinite=False))
+        residual_store.write(item.residual_format, state.residual,
+                             0.01 * edge_gradient(rows, cols, seed=12, huge=False, nonfinite=False))
         blocks, bad = encode_item(g, state, Shared(), item, rs)
         sent = torch.cat(blocks, dim=1)
         recv = sent  # stands in for a received buffer: two senders' blocks, each its own codes and scales
@@ -356,7 +325,7 @@ def test_the_exchange_on_the_kernel_path_sends_and_sums_the_reference_bytes(fmt:
     on_kernels = run()
     assert sorted(set(calls)) == ["block_stat", "decode", "encode", "scale_codes"]  # the kernel path did run
     for got, want in zip(on_kernels, reference):
-        assert _same_bits(got, want)
+        assert same_bits(got, want)
     assert reference[3].abs().sum() > 0 and reference[2].abs().sum() > 0
 
 
@@ -433,12 +402,15 @@ def test_the_exchange_runs_a_low_rank_map_on_cuda_as_the_map_kernels() -> None:
                                 torch.device("cuda")).kernels
 
 
-def test_the_map_path_follows_the_precision_the_device_and_the_switch(caplog: pytest.LogCaptureFixture) -> None:
+def test_the_map_path_follows_the_precision_the_device_and_the_switch(caplog: pytest.LogCaptureFixture,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """`map_path`: "auto" is TF32 on CUDA and exact elsewhere, "tf32"/"bf16" run as asked on CUDA,
     "exact" everywhere; on the CPU a tensor-core precision runs the exact map with a warning
     logged once, and with the kernels switched off CUDA runs the exact map too."""
+    from gift_compile.kernels import map_dispatch
     from gift_compile.kernels.map_dispatch import CUDA_DEFAULT, MapPrecision
 
+    monkeypatch.setattr(map_dispatch, "_noted", set())  # logged once per process: whatever ran before
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert CUDA_DEFAULT is MapPrecision.TF32
     assert [kernels.map_path(p, cuda).precision for p in ("auto", "exact", "tf32", "bf16")] == ["tf32", "exact",
@@ -461,7 +433,11 @@ def test_the_map_path_follows_the_precision_the_device_and_the_switch(caplog: py
                if r.levelno == logging.INFO)
 
 
-def test_the_cuda_path_is_logged_once_with_its_reason(caplog: pytest.LogCaptureFixture) -> None:
+def test_the_cuda_path_is_logged_once_with_its_reason(caplog: pytest.LogCaptureFixture,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from gift_compile.kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "_noted", set())  # logged once per process: whatever ran before
     cuda = torch.device("cuda")
     with caplog.at_level(logging.INFO, logger="gift_compile"):
         assert kernels.note_path(FormatSpec("int3", block_size=32), cuda).kernels
@@ -487,7 +463,7 @@ def test_compile_keeps_a_kernel_as_one_operator() -> None:
         return gm.forward
 
     spec = FormatSpec("int4", block_size=32)
-    x = _gradient(7, 83, seed=9, huge=False, nonfinite=False)
+    x = edge_gradient(7, 83, seed=9, huge=False, nonfinite=False)
     s, ts = codec.choose_scales(x, spec)
 
     def fn(x: torch.Tensor, s: torch.Tensor, ts: torch.Tensor) -> torch.Tensor:

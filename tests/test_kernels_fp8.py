@@ -22,6 +22,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from bit_checks import edge_gradient, same_bits
 from conftest import require
 
 require("triton", "the codec kernels need Triton (the `test` extra installs it)")
@@ -45,38 +46,6 @@ CASES = [(f, s, b) for f in FP8 for s, b in SCALINGS]
 IDS = [f"{f}-{s}-b{b}" for f, s, b in CASES]
 
 
-def _gradient(rows: int, cols: int, seed: int, huge: bool = True, nonfinite: bool = True) -> torch.Tensor:
-    """Gaussian rows of different magnitudes with the edge cases: an all-zero stretch, values
-    near fp32's smallest normal (subnormal float8 codes in a block of their own, zero codes
-    beside larger values), -0.0, (`huge`) values near fp32's largest (its scale's codes decode
-    past fp32's range and saturate), (`nonfinite`) a NaN and a -Inf."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, cols, generator=g) * torch.logspace(-3, 2, rows).unsqueeze(1)
-    if rows >= 6:
-        x[1, :16] = 0.0
-        x[2, :16] = torch.randn(16, generator=g) * 1e-37
-        if huge:
-            x[3, 16:32] = torch.randn(16, generator=g) * 1e36
-            x[3, 33] = 3.4e38
-        x[4, ::3] = 0.0
-        x[4, 1] = -0.0
-        if nonfinite:
-            x[5, 3] = float("nan")
-            x[5, 40] = float("-inf")
-    return x
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal as stored bits, NaN matching NaN whatever its payload."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.dtype.is_floating_point:
-        nan = torch.isnan(a)
-        if not torch.equal(nan, torch.isnan(b)):
-            return False
-        a, b = torch.where(nan, 0.0, a), torch.where(nan, 0.0, b)
-        return torch.equal(a.view(torch.int32), b.view(torch.int32))
-    return torch.equal(a, b)
 
 
 def _same_codes(got: torch.Tensor, ref: torch.Tensor) -> bool:
@@ -120,19 +89,19 @@ def _sender_scales(scales: torch.Tensor, spec: FormatSpec) -> torch.Tensor:
 def test_scales_encode_and_decode_match_the_reference(fmt: str, scaling: str, block: int, rows: int,
                                                       cols: int) -> None:
     spec = FormatSpec(fmt, scaling, block)
-    variants = (_gradient(rows, cols, seed=rows * cols + block), _gradient(rows, cols, seed=rows + block,
-                                                                           nonfinite=False),
-                _gradient(rows, cols, seed=cols + block, huge=False, nonfinite=False))
+    variants = (edge_gradient(rows, cols, seed=rows * cols + block, fp32_max=True),
+                edge_gradient(rows, cols, seed=rows + block, nonfinite=False, fp32_max=True),
+                edge_gradient(rows, cols, seed=cols + block, huge=False, nonfinite=False))
     for x in variants:
         ref_scales, none = codec.choose_scales(x, spec)
         assert none is None
         scales = _kernel_scales(x, spec)
-        assert _same_bits(scales, ref_scales), (scales, ref_scales)
+        assert same_bits(scales, ref_scales), (scales, ref_scales)
         ref = codec.encode(x, spec, ref_scales)
         got = _encode(x, ref_scales, spec)
         assert _same_codes(got, ref), f"{spec}: {(got != ref).sum()} of {ref.numel()} payload bytes differ"
         dec = _decode(ref.unsqueeze(0), _sender_scales(ref_scales, spec), spec, cols)
-        assert _same_bits(dec[0], codec.decode(ref, spec, ref_scales, None, cols))
+        assert same_bits(dec[0], codec.decode(ref, spec, ref_scales, None, cols))
     if rows > 1:  # many distinct bytes were compared, not a constant payload
         assert torch.unique(ref).numel() > 8
         assert torch.isinf(_kernel_scales(variants[0], spec)).any()  # the NaN/Inf group's marker
@@ -144,13 +113,14 @@ def test_one_kernel_chooses_the_scales_and_writes_the_reference_bytes(fmt: str, 
     """Row and block scaling in one kernel (`fp8_scale_encode`): the reference's scales and
     bytes, for the same edge cases (a row of one column too); a per-tensor scale is refused."""
     spec = FormatSpec(fmt, scaling, block)
-    for x in (_gradient(7, 83, seed=block), _gradient(7, 83, seed=block + 1, nonfinite=False), _gradient(1, 7, seed=2),
+    for x in (edge_gradient(7, 83, seed=block, fp32_max=True),
+              edge_gradient(7, 83, seed=block + 1, nonfinite=False, fp32_max=True), edge_gradient(1, 7, seed=2),
               torch.zeros(2, 9), torch.zeros(0, 9)):
         ref_scales, _ = codec.choose_scales(x, spec)
         codes, scales = ops_fp8.fp8_scale_encode(x.to(DEVICE), fmt, scaling, block)
-        assert _same_bits(scales.cpu(), ref_scales)
+        assert same_bits(scales.cpu(), ref_scales)
         assert _same_codes(codes.cpu(), codec.encode(x, spec, ref_scales))
-    codes, _ = ops_fp8.fp8_scale_encode(_gradient(7, 83, seed=block).to(DEVICE), fmt, scaling, block)
+    codes, _ = ops_fp8.fp8_scale_encode(edge_gradient(7, 83, seed=block, fp32_max=True).to(DEVICE), fmt, scaling, block)
     assert torch.unique(codes).numel() > 8  # many distinct bytes were compared, not a constant payload
     with pytest.raises(ValueError, match="gift_kernels.fp8_scale_encode: scaling='tensor' needs the whole tensor"):
         ops_fp8.fp8_scale_encode(torch.zeros(2, 4), fmt, "tensor", block)
@@ -191,7 +161,7 @@ def test_every_byte_decodes_like_the_reference(fmt: str) -> None:
     scales = torch.tensor([2.0**-126, 2.0**-20, 1.0, 2.0**40, 2.0**127, float("inf")])
     ref = codec.decode(payload, spec, scales, None, 256)
     got = _decode(payload.unsqueeze(0), scales.unsqueeze(0), spec, 256)[0]
-    assert _same_bits(got, ref)
+    assert same_bits(got, ref)
     assert (ref == torch.finfo(torch.float32).max).any() and torch.isnan(ref[5]).all()
 
 
@@ -200,8 +170,8 @@ def test_encode_on_scales_of_another_tensor_matches_the_reference(fmt: str, scal
     """`encode` takes any agreed scales: values far past the range (saturation), NaN, +-inf and
     +-0 under finite scales, and finite values under a +inf scale (+-0 codes)."""
     spec = FormatSpec(fmt, scaling, block)
-    scales, _ = codec.choose_scales(_gradient(7, 83, seed=21, huge=False, nonfinite=False), spec)
-    x = _gradient(7, 83, seed=22, huge=False, nonfinite=False) * 40.0
+    scales, _ = codec.choose_scales(edge_gradient(7, 83, seed=21, huge=False, nonfinite=False), spec)
+    x = edge_gradient(7, 83, seed=22, huge=False, nonfinite=False) * 40.0
     x[0, :5] = torch.tensor([float("nan"), float("inf"), float("-inf"), 0.0, -0.0])
     if spec.single_scale:
         scales_inf = torch.full_like(scales, float("inf"))
@@ -223,7 +193,7 @@ def test_decode_and_sum_over_senders_match_the_reference(fmt: str, scaling: str,
     rows, cols = 7, 83
     payloads, scales = [], []
     for seed in range(3):
-        x = _gradient(rows, cols, seed=100 + seed, huge=False, nonfinite=seed == 1)
+        x = edge_gradient(rows, cols, seed=100 + seed, huge=False, nonfinite=seed == 1)
         s, _ = codec.choose_scales(x, spec)
         payloads.append(codec.encode(x, spec, s))
         scales.append(s)
@@ -231,12 +201,12 @@ def test_decode_and_sum_over_senders_match_the_reference(fmt: str, scaling: str,
     ref = codec.decode(p, spec, s.reshape(3, 1, 1) if spec.single_scale else s, None, cols)
     ks = s.reshape(3) if spec.single_scale else s
     each = _decode(p, ks, spec, cols)
-    assert _same_bits(each, ref)
+    assert same_bits(each, ref)
     assert torch.isnan(each[1]).any() and not torch.isnan(each[0]).any()
-    assert _same_bits(_decode(p, ks, spec, cols, True), ref.sum(dim=0))
-    assert _same_bits(_decode(p, ks, spec, cols, True, True), ref.sum(dim=0) / 3)
+    assert same_bits(_decode(p, ks, spec, cols, True), ref.sum(dim=0))
+    assert same_bits(_decode(p, ks, spec, cols, True, True), ref.sum(dim=0) / 3)
     finite = _decode(p[[0, 2]], ks[[0, 2]], spec, cols, True, True)
-    assert _same_bits(finite, ref[[0, 2]].sum(dim=0) / 2) and torch.isfinite(finite).all()
+    assert same_bits(finite, ref[[0, 2]].sum(dim=0) / 2) and torch.isfinite(finite).all()
     assert (finite != 0).float().mean() > 0.3  # real values were compared, not a zero sum
 
 
@@ -250,13 +220,13 @@ def test_tiny_values_and_zeros_code_like_the_reference(fmt: str, scaling: str) -
     tiny = torch.randn(4, 40, generator=g) * torch.tensor([1e-38, 3e-40, 2e-42, 1e-44]).unsqueeze(1)
     for x in (tiny, torch.zeros(3, 20), torch.zeros(0, 20)):
         ref_scales, _ = codec.choose_scales(x, spec)
-        assert _same_bits(_kernel_scales(x, spec), ref_scales)
+        assert same_bits(_kernel_scales(x, spec), ref_scales)
         ref = codec.encode(x, spec, ref_scales)
         assert _same_codes(_encode(x, ref_scales, spec), ref)
         if x.numel():
             dec = _decode(ref.unsqueeze(0), _sender_scales(ref_scales, spec), spec, x.shape[1], True)
             # the sum over the one sender: -0.0 codes sum to +0.0, as the reference's `.sum(0)`
-            assert _same_bits(dec, codec.decode(ref, spec, ref_scales, None, x.shape[1]).unsqueeze(0).sum(dim=0))
+            assert same_bits(dec, codec.decode(ref, spec, ref_scales, None, x.shape[1]).unsqueeze(0).sum(dim=0))
     assert (codec.encode(tiny, spec, codec.choose_scales(tiny, spec)[0]) & 127).unique().numel() > 4
 
 
@@ -278,12 +248,12 @@ def test_the_exchange_on_the_kernel_path_sends_and_sums_the_reference_bytes(fmt:
                     error_feedback=True)
     rs = BucketPlan((item,), world, None, True, "reduce_scatter")
     ar = BucketPlan((item,), world, None, True, "all_reduce")
-    g = _gradient(rows, cols, seed=11, huge=False, nonfinite=False)
+    g = edge_gradient(rows, cols, seed=11, huge=False, nonfinite=False)
 
     def run() -> list[torch.Tensor]:
         state = ItemTensors((), residual_store.allocate(item.residual_format, rows, cols, "cpu"))
-        residual_store.write(item.residual_format, state.residual, 0.01 * _gradient(rows, cols, seed=12, huge=False,
-                                                                                     nonfinite=False))
+        residual_store.write(item.residual_format, state.residual,
+                             0.01 * edge_gradient(rows, cols, seed=12, huge=False, nonfinite=False))
         blocks, bad = encode_item(g, state, Shared(), item, rs)
         sent = torch.cat(blocks, dim=1)
         shard, _ = decode_item(sent, 0, state, item, rs)
@@ -306,7 +276,7 @@ def test_the_exchange_on_the_kernel_path_sends_and_sums_the_reference_bytes(fmt:
     encoders = ["fp8_encode", "fp8_scales"] if scaling == "tensor" else ["fp8_scale_encode"]
     assert sorted(set(calls)) == sorted(["fp8_decode", *encoders])
     for got, want in zip(on_kernels, reference):
-        assert _same_bits(got, want)
+        assert same_bits(got, want)
     assert reference[3].abs().sum() > 0 and reference[2].abs().sum() > 0
 
 
@@ -339,10 +309,14 @@ def test_the_exchange_emits_the_fp8_operators_for_cuda_tensors(scaling: str) -> 
     assert kernel_ops(dec) == ["gift_kernels.fp8_decode.default"]
 
 
-def test_what_the_fp8_kernels_do_not_serve_keeps_the_generated_codec(caplog: pytest.LogCaptureFixture) -> None:
+def test_what_the_fp8_kernels_do_not_serve_keeps_the_generated_codec(caplog: pytest.LogCaptureFixture,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """On CUDA both fp8 formats take the kernels at every scaling (the default config's format
     included); a scale block longer than `FP8_MAX_BLOCK` and stochastic rounding's encoder keep
     the Inductor-generated codec, each with its reason logged once."""
+    from gift_compile.kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "_noted", set())  # logged once per process: whatever ran before
     cuda = torch.device("cuda")
     for fmt in FP8:
         for scaling, block in SCALINGS:
@@ -397,14 +371,14 @@ def test_compile_keeps_the_scale_and_encode_kernel_as_one_operator() -> None:
         return gm.forward
 
     spec = FormatSpec("fp8_e4m3", "row")
-    x = _gradient(7, 83, seed=9)
+    x = edge_gradient(7, 83, seed=9, fp32_max=True)
 
     def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return ops_fp8.fp8_scale_encode(x * 1.0, "fp8_e4m3", "row", 32)
 
     codes, scales = torch.compile(fn, backend=backend, fullgraph=True)(x.to(DEVICE))
     ref_scales, _ = codec.choose_scales(x, spec)
-    assert _same_bits(scales.cpu(), ref_scales) and _same_codes(codes.cpu(), codec.encode(x, spec, ref_scales))
+    assert same_bits(scales.cpu(), ref_scales) and _same_codes(codes.cpu(), codec.encode(x, spec, ref_scales))
     (gm,) = graphs
     calls = [n.target for n in gm.graph.nodes if n.op == "call_function" and "gift_kernels" in str(n.target)]
     assert calls == [torch.ops.gift_kernels.fp8_scale_encode.default]
