@@ -92,7 +92,8 @@ def sender_path(spec: FormatSpec, device: torch.device, map_precision: str, stoc
         path = SenderPath(True, mp.precision.value, f"{spec.name}: the low-rank map fused into the "
                                                     f"{_scale_step(spec)} and the encode ({mp.precision.value} "
                                                     "operands)")
-    key = (spec.name, spec.scaling, spec.block, device.type, str(map_precision), error_feedback, block_rotation, codec.kernels)
+    key = (spec.name, spec.scaling, spec.block, device.type, str(map_precision), error_feedback, block_rotation,
+           codec.kernels)
     if device.type == "cuda" and mp.kernels and not torch.compiler.is_compiling() and key not in _noted:
         _noted.add(key)
         logger.info("GIFT sender on CUDA: %s", path.reason if path.fused else f"unfused map and codec: {path.reason}")

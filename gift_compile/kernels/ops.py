@@ -52,6 +52,23 @@ def _check_shape(op: str, name: str, t: torch.Tensor, want: tuple[int, ...]) -> 
         raise ValueError(f"gift_kernels.{op}: {name} has shape {tuple(t.shape)}, expected {want}")
 
 
+def _check_payload_cols(op: str, pcols: int, spec: FormatSpec, cols: int, what: str) -> None:
+    """A received payload's bytes per row against what `cols` columns take in `spec` (`what`:
+    the format as the error names it)."""
+    if pcols != spec.payload_cols(cols):
+        raise ValueError(f"gift_kernels.{op}: payload has {pcols} bytes per row, but cols={cols} needs "
+                         f"{spec.payload_cols(cols)} in {what}")
+
+
+def _check_block_codes(op: str, scales: torch.Tensor, tensor_scale: torch.Tensor, rows: int, nblocks: int) -> None:
+    """The two-level scales an encoder takes: E4M3 block codes `[rows, nblocks]` and one fp32
+    tensor scale `[1]`."""
+    _check(op, "scales", scales, torch.uint8, 2)
+    _check(op, "tensor_scale", tensor_scale, torch.float32, 1)
+    _check_shape(op, "scales", scales, (rows, nblocks))
+    _check_shape(op, "tensor_scale", tensor_scale, (1,))
+
+
 def _word_tile(f: KernelFormat, nwords: int) -> int:
     """Packed words per program: about `ELEMENTS_PER_PROGRAM` digits, at most the row's words."""
     return min(_next_pow2(max(nwords, 1)), max(1, ELEMENTS_PER_PROGRAM // f.per_p2))
@@ -120,12 +137,9 @@ def encode(x: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor, fm
     f = _format(fmt, block_size)
     spec = FormatSpec(fmt, block_size=block_size)
     _check("encode", "x", x, torch.float32, 2)
-    _check("encode", "scales", scales, torch.uint8, 2)
-    _check("encode", "tensor_scale", tensor_scale, torch.float32, 1)
     rows, cols = x.shape
     nb = _nblocks(f, cols)
-    _check_shape("encode", "scales", scales, (rows, nb))
-    _check_shape("encode", "tensor_scale", tensor_scale, (1,))
+    _check_block_codes("encode", scales, tensor_scale, rows, nb)
     pcols = spec.payload_cols(cols)
     out = torch.empty((rows, pcols), dtype=torch.uint8, device=x.device)
     nwords = _nwords(f, cols)
@@ -159,9 +173,7 @@ def decode(payload: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tens
     _check("decode", "tensor_scale", tensor_scale, torch.float32, 1)
     senders, rows, pcols = payload.shape
     nb = _nblocks(f, cols)
-    if pcols != spec.payload_cols(cols):
-        raise ValueError(f"gift_kernels.decode: payload has {pcols} bytes per row, but cols={cols} needs "
-                         f"{spec.payload_cols(cols)} in format {fmt!r}")
+    _check_payload_cols("decode", pcols, spec, cols, f"format {fmt!r}")
     _check_shape("decode", "scales", scales, (senders, rows, nb))
     _check_shape("decode", "tensor_scale", tensor_scale, (senders,))
     if senders < 1:
@@ -279,12 +291,13 @@ def _lowrank_expand_fake(g: torch.Tensor, p: torch.Tensor, dinv: torch.Tensor, c
 
 def fused_reason(fmt: str, block_size: int) -> str | None:
     """Why the fused sender ops (`lowrank_block_stat`, `lowrank_encode`) and the fused receiver
-    op (`lowrank_decode_expand`) cannot serve a kernel format, or None where they can. Their tile is the expansion's `[64, 128]`: its 128 columns
-    must hold whole scale blocks and whole packed words, i.e. the block divides 128 and a word's
-    digit count is a power of two (1/2/4-bit codes in a byte, 3/6-bit ones in a 3-byte group).
-    Ternary's 5 digits per byte straddle tiles, so ternary keeps the unfused chain; a static
-    property of the format, never of the data. The fp8 formats' fused sender ops are
-    `ops_fp8.lowrank_fp8_scales` and `lowrank_fp8_encode` (`ops_fp8.lowrank_fp8_reason`)."""
+    op (`lowrank_decode_expand`) cannot serve a kernel format, or None where they can. Their
+    tile is the expansion's `[64, 128]`: its 128 columns must hold whole scale blocks and whole
+    packed words, i.e. the block divides 128 and a word's digit count is a power of two
+    (1/2/4-bit codes in a byte, 3/6-bit ones in a 3-byte group). Ternary's 5 digits per byte
+    straddle tiles, so ternary keeps the unfused chain; a static property of the format, never
+    of the data. The fp8 formats' fused sender ops are `ops_fp8.lowrank_fp8_scales` and
+    `lowrank_fp8_encode` (`ops_fp8.lowrank_fp8_reason`)."""
     if fmt not in KERNEL_FORMATS:
         return (f"{fmt} has no two-level fused sender kernels (they exist for {', '.join(KERNEL_FORMATS)}; the fp8 "
                 "formats' are ops_fp8's)")
@@ -348,12 +361,9 @@ def lowrank_encode(g: torch.Tensor, p: torch.Tensor, dinv: torch.Tensor, coef: t
     spec = FormatSpec(fmt, block_size=block_size)
     basis = basis.contiguous()
     _check_map_operands("lowrank_encode", g, p, dinv, coef, basis, dsq)
-    _check("lowrank_encode", "scales", scales, torch.uint8, 2)
-    _check("lowrank_encode", "tensor_scale", tensor_scale, torch.float32, 1)
     rows, cols = g.shape
     nb = _nblocks(f, cols)
-    _check_shape("lowrank_encode", "scales", scales, (rows, nb))
-    _check_shape("lowrank_encode", "tensor_scale", tensor_scale, (1,))
+    _check_block_codes("lowrank_encode", scales, tensor_scale, rows, nb)
     pcols = spec.payload_cols(cols)
     out = torch.empty((rows, pcols), dtype=torch.uint8, device=g.device)
     if out.numel():
@@ -412,9 +422,7 @@ def lowrank_decode_expand(payload: torch.Tensor, scales: torch.Tensor, tensor_sc
     _check(op, "scales", scales, torch.uint8, 2)
     _check(op, "tensor_scale", tensor_scale, torch.float32, 1)
     rows, pcols = payload.shape
-    if pcols != spec.payload_cols(cols):
-        raise ValueError(f"gift_kernels.{op}: payload has {pcols} bytes per row, but cols={cols} needs "
-                         f"{spec.payload_cols(cols)} in format {fmt!r}")
+    _check_payload_cols(op, pcols, spec, cols, f"format {fmt!r}")
     nb = _nblocks(f, cols)
     _check_shape(op, "scales", scales, (rows, nb))
     rps = _rows_per_sender(op, rows, tensor_scale.shape[0])

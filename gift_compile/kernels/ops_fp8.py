@@ -28,8 +28,8 @@ from gift_compile.codec.spec import FormatSpec
 from gift_compile.kernels import triton_fp8 as k
 from gift_compile.kernels.formats import Fp8KernelFormat, _next_pow2, fp8_kernel_format
 from gift_compile.kernels.ops import (_EXPAND_TILE, ELEMENTS_PER_PROGRAM, _check, _check_map_operands,
-                                      _check_precision, _check_receiver_map, _check_shape, _rank_tile,
-                                      _rows_per_sender)
+                                      _check_payload_cols, _check_precision, _check_receiver_map, _check_shape,
+                                      _rank_tile, _rows_per_sender)
 
 __all__ = ["fp8_decode", "fp8_encode", "fp8_scale_encode", "fp8_scales", "lowrank_fp8_decode_expand",
            "lowrank_fp8_encode", "lowrank_fp8_reason", "lowrank_fp8_scales"]
@@ -177,9 +177,7 @@ def fp8_decode(payload: torch.Tensor, scales: torch.Tensor, fmt: str, scaling: s
     spec, f = _format("fp8_decode", fmt, scaling, block_size)
     _check("fp8_decode", "payload", payload, torch.uint8, 3)
     senders, rows, pcols = payload.shape
-    if pcols != spec.payload_cols(cols):
-        raise ValueError(f"gift_kernels.fp8_decode: payload has {pcols} bytes per row, but cols={cols} needs "
-                         f"{spec.payload_cols(cols)} in format {fmt!r} with {scaling} scaling")
+    _check_payload_cols("fp8_decode", pcols, spec, cols, f"format {fmt!r} with {scaling} scaling")
     one = _scale_shape(spec, rows, cols)
     want = (senders,) if spec.scaling is Scaling.TENSOR else (senders, *one)
     _check("fp8_decode", "scales", scales, torch.float32, len(want))
@@ -321,9 +319,7 @@ def lowrank_fp8_decode_expand(payload: torch.Tensor, scales: torch.Tensor, p: to
     basis = basis.contiguous()
     _check(op, "payload", payload, torch.uint8, 2)
     rows, pcols = payload.shape
-    if pcols != spec.payload_cols(cols):
-        raise ValueError(f"gift_kernels.{op}: payload has {pcols} bytes per row, but cols={cols} needs "
-                         f"{spec.payload_cols(cols)} in format {fmt!r} with {scaling} scaling")
+    _check_payload_cols(op, pcols, spec, cols, f"format {fmt!r} with {scaling} scaling")
     if spec.scaling is Scaling.TENSOR:
         _check(op, "scales", scales, torch.float32, 1)
         rps = _rows_per_sender(op, rows, scales.shape[0])

@@ -23,9 +23,9 @@ import torch
 __all__ = ["KERNEL_OPS", "Traffic", "node_traffic", "op_traffic"]
 
 # The registered operators (`torch.ops.gift_kernels.<name>`) whose traffic this module knows.
-KERNEL_OPS = ("block_stat", "scale_codes", "encode", "decode", "lowrank_project", "lowrank_expand", "lowrank_block_stat",
-              "lowrank_encode", "lowrank_decode_expand", "fp8_scales", "fp8_scale_encode", "fp8_encode", "fp8_decode",
-              "lowrank_fp8_scales", "lowrank_fp8_encode", "lowrank_fp8_decode_expand")
+KERNEL_OPS = ("block_stat", "scale_codes", "encode", "decode", "lowrank_project", "lowrank_expand",
+              "lowrank_block_stat", "lowrank_encode", "lowrank_decode_expand", "fp8_scales", "fp8_scale_encode",
+              "fp8_encode", "fp8_decode", "lowrank_fp8_scales", "lowrank_fp8_encode", "lowrank_fp8_decode_expand")
 
 
 class Traffic(NamedTuple):
