@@ -19,10 +19,10 @@ import dataclasses
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from bit_checks import same_bits
+from bit_checks import fake_cuda, same_bits
 from conftest import require
 
 require("triton", "the codec kernels need Triton (the `test` extra installs it)")
@@ -142,9 +142,6 @@ def test_the_receiver_ops_check_their_inputs() -> None:
         ops_fp8.lowrank_fp8_decode_expand(pay8, torch.ones(4), p, d, c, b, d, "fp16", "fp8_e4m3", "row", 32, 40)
 
 
-def _fake_cuda(mode: FakeTensorMode, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    return FakeTensor(mode, torch.empty(shape, dtype=dtype, device="meta"), torch.device("cuda"))
-
 
 def _receiver_ops(item: ItemPlan, world: int = 2, rank: int = 4) -> list[str]:
     """The kernel operators of the all-reduce's gather-decode stage of `item`, traced as the FX
@@ -152,10 +149,10 @@ def _receiver_ops(item: ItemPlan, world: int = 2, rank: int = 4) -> list[str]:
     p = BucketPlan((item,), world, None, True, "all_reduce")
     mode = FakeTensorMode()
     with mode:
-        maps = tuple(_fake_cuda(mode, s, torch.float32)
+        maps = tuple(fake_cuda(mode, s, torch.float32)
                      for s in ((item.cols,), (item.cols, rank), (rank,), (rank,), (item.cols,)))
         gm = make_fx(lambda c: gather_decode_stage(c, ItemTensors(maps), p))(
-            _fake_cuda(mode, (world, item_width(item, p)), torch.uint8))
+            fake_cuda(mode, (world, item_width(item, p)), torch.uint8))
     return [n.target._opname for n in gm.graph.nodes
             if n.op == "call_function" and getattr(n.target, "namespace", None) == "gift_kernels"]
 

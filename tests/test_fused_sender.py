@@ -21,11 +21,11 @@ import dataclasses
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bit_checks import same_bits
+from bit_checks import fake_cuda, kernel_ops, same_bits
 from conftest import require
 
 require("triton", "the codec kernels need Triton (the `test` extra installs it)")
@@ -85,14 +85,12 @@ def _check_fused_matches_chain(g: torch.Tensor, p: torch.Tensor, dinv: torch.Ten
     return y.cpu()
 
 
-@pytest.mark.parametrize(("fmt", "block"), FUSED, ids=IDS)
-def test_the_fused_ops_are_the_chain_on_exact_inputs(fmt: str, block: int) -> None:
-    """Inputs whose every product and partial sum is exact in fp32 (integers up to 2**6 times
-    powers of two): the expansion is the exact map whatever order a kernel sums in, so any
-    difference would be the fused kernels' rounding, masking or packing (a few values per
-    format also sit exactly on a threshold of the grid, a tie to even). 150 columns: a partial
-    second tile and a partial last block; 70 rows: a partial second row tile."""
-    gen = torch.Generator().manual_seed(block + len(fmt))
+def _exact_inputs(seed: int) -> tuple[torch.Tensor, ...]:
+    """`(g, p, dinv, coef, basis, dsq)` of a 70x150 map whose every product and partial sum is
+    exact in fp32 (integers up to 2**6 times powers of two, rank 8), so no summation order can
+    change the expansion: 150 columns give a partial second tile and a partial last block, 70
+    rows a partial second row tile."""
+    gen = torch.Generator().manual_seed(seed)
     rows, cols, rank = 70, 150, 8
 
     def ints(*shape: int, lo: int = -8, hi: int = 9) -> torch.Tensor:
@@ -102,6 +100,32 @@ def test_the_fused_ops_are_the_chain_on_exact_inputs(fmt: str, block: int) -> No
     basis, coef = ints(cols, rank) * 0.125, 2.0 ** ints(rank, lo=-3, hi=1)
     dinv, dsq = 2.0 ** ints(cols, lo=-2, hi=3), 2.0 ** ints(cols, lo=-2, hi=3)
     p = g @ basis  # exact: integer multiples of one power of two per row, far below 2**24
+    return g, p, dinv, coef, basis, dsq
+
+
+def _random_inputs(rows: int, cols: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """`(g, p, dinv, coef, basis)` of a rank-20 map on Gaussian rows of different magnitudes,
+    with (from 7 rows) a NaN row 3, an Inf row 4 and an all-zero row 5; `p` is the kernel
+    projection."""
+    gen = torch.Generator().manual_seed(seed)
+    rank = 20
+    g = torch.randn(rows, cols, generator=gen) * torch.logspace(-3, 2, rows).unsqueeze(1)
+    if rows > 6:
+        g[3, 5], g[4, cols - 1], g[5] = float("nan"), float("-inf"), 0.0
+    basis = torch.linalg.qr(torch.randn(cols, rank, generator=gen))[0]
+    coef, dinv = -0.9 * torch.rand(rank, generator=gen), torch.rand(cols, generator=gen) + 0.5
+    p = ops.lowrank_project(g.to(DEVICE), basis.to(DEVICE), "ieee").cpu()
+    return g, p, dinv, coef, basis
+
+
+@pytest.mark.parametrize(("fmt", "block"), FUSED, ids=IDS)
+def test_the_fused_ops_are_the_chain_on_exact_inputs(fmt: str, block: int) -> None:
+    """Inputs whose every product and partial sum is exact in fp32 (integers up to 2**6 times
+    powers of two): the expansion is the exact map whatever order a kernel sums in, so any
+    difference would be the fused kernels' rounding, masking or packing (a few values per
+    format also sit exactly on a threshold of the grid, a tie to even). 150 columns: a partial
+    second tile and a partial last block; 70 rows: a partial second row tile."""
+    g, p, dinv, coef, basis, dsq = _exact_inputs(block + len(fmt))
     y = _check_fused_matches_chain(g, p, dinv, coef, basis, dsq, fmt, block)
     assert torch.equal(y, g * dinv + ((p * coef) @ basis.T) * dsq)  # the exact map, so no order mattered
     assert (y != g * dinv).float().mean() > 0.5  # the rank-r term is there
@@ -114,14 +138,7 @@ def test_the_fused_ops_are_the_chain_on_random_inputs(fmt: str, block: int, rows
     the whole mapped row non-finite: every block statistic +inf, codes as the chain's), an
     all-zero row (int2's parity rule on exact zeros), one row alone, widths that fill no whole
     tile or block: bit for bit the chain's, the tile arithmetic being the same function."""
-    gen = torch.Generator().manual_seed(rows + cols + block)
-    rank = 20
-    g = torch.randn(rows, cols, generator=gen) * torch.logspace(-3, 2, rows).unsqueeze(1)
-    if rows > 6:
-        g[3, 5], g[4, cols - 1], g[5] = float("nan"), float("-inf"), 0.0
-    basis = torch.linalg.qr(torch.randn(cols, rank, generator=gen))[0]
-    coef, dinv = -0.9 * torch.rand(rank, generator=gen), torch.rand(cols, generator=gen) + 0.5
-    p = ops.lowrank_project(g.to(DEVICE), basis.to(DEVICE), "ieee").cpu()
+    g, p, dinv, coef, basis = _random_inputs(rows, cols, rows + cols + block)
     y = _check_fused_matches_chain(g, p, dinv, coef, basis, 1 / dinv, fmt, block)
     if rows > 6:
         stat = ops.lowrank_block_stat(*(t.to(DEVICE) for t in (g, p, dinv, coef, basis, 1 / dinv)), "ieee", fmt, block)
@@ -150,9 +167,6 @@ def test_encode_lowrank_is_the_map_then_the_kernel_codec(fmt: str, block: int) -
         assert torch.equal(choose_scales(y, spec)[0], ref_scales)
     assert torch.equal(scales, ref_scales) and torch.equal(tscale, ref_tscale) and torch.equal(codes, ref_codes)
 
-
-def _fake_cuda(mode: FakeTensorMode, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    return FakeTensor(mode, torch.empty(shape, dtype=dtype, device="meta"), torch.device("cuda"))
 
 
 class _Stop(Exception):
@@ -184,15 +198,15 @@ def _sender_ops(item: ItemPlan, rank: int = 4) -> list[str]:
     p = BucketPlan((item,), 2, None, True, "reduce_scatter")
     mode = FakeTensorMode()
     with mode:
-        maps = tuple(_fake_cuda(mode, s, torch.float32)
+        maps = tuple(fake_cuda(mode, s, torch.float32)
                      for s in ((item.cols,), (item.cols, rank), (rank,), (rank,), (item.cols,)))
         residual = None
         if item.error_feedback:
-            residual = tuple(_fake_cuda(mode, tuple(b.shape), b.dtype)
+            residual = tuple(fake_cuda(mode, tuple(b.shape), b.dtype)
                              for b in residual_store.allocate(item.residual_format, item.rows, item.cols, "meta"))
         with _KernelCalls() as calls:
             try:
-                encode_item(_fake_cuda(mode, (item.rows, item.cols), torch.float32), ItemTensors(maps, residual),
+                encode_item(fake_cuda(mode, (item.rows, item.cols), torch.float32), ItemTensors(maps, residual),
                             Shared(), item, p)
             except _Stop:
                 assert item.error_feedback
@@ -207,10 +221,10 @@ def test_the_fused_sender_traces_as_its_operators() -> None:
     p = BucketPlan((item,), 2, None, True, "all_reduce")
     mode = FakeTensorMode()
     with mode:
-        maps = tuple(_fake_cuda(mode, s, torch.float32) for s in ((40,), (40, 4), (4,), (4,), (40,)))
+        maps = tuple(fake_cuda(mode, s, torch.float32) for s in ((40,), (40, 4), (4,), (4,), (40,)))
         gm = make_fx(lambda g: encode_item(g, ItemTensors(maps), Shared(), item, p))(
-            _fake_cuda(mode, (8, 40), torch.float32))
-    assert [str(n.target) for n in gm.graph.nodes if n.op == "call_function" and "gift_kernels" in str(n.target)] == [
+            fake_cuda(mode, (8, 40), torch.float32))
+    assert kernel_ops(gm) == [
         f"gift_kernels.{op}.default" for op in ("lowrank_project", "lowrank_block_stat", "scale_codes",
                                                  "lowrank_encode")]
 
@@ -294,16 +308,7 @@ def test_the_fused_fp8_ops_are_the_chain_on_exact_inputs(fmt: str, scaling: str,
     expansion is exact whatever the summation order, so a difference would be the fused
     kernels' scale choice, masking or encode; its integer values hit fp8's rounding ties.
     150 columns: two column tiles for a row's amax, a partial last tile and block."""
-    gen = torch.Generator().manual_seed(block + len(scaling))
-    rows, cols, rank = 70, 150, 8
-
-    def ints(*shape: int, lo: int = -8, hi: int = 9) -> torch.Tensor:
-        return torch.randint(lo, hi, shape, generator=gen).float()
-
-    g = ints(rows, cols) * 2.0 ** ints(rows, 1, lo=-4, hi=5)
-    basis, coef = ints(cols, rank) * 0.125, 2.0 ** ints(rank, lo=-3, hi=1)
-    dinv, dsq = 2.0 ** ints(cols, lo=-2, hi=3), 2.0 ** ints(cols, lo=-2, hi=3)
-    p = g @ basis
+    g, p, dinv, coef, basis, dsq = _exact_inputs(block + len(scaling))
     y, _ = _check_fp8_fused_matches_chain(g, p, dinv, coef, basis, dsq, fmt, scaling, block)
     assert torch.equal(y, g * dinv + ((p * coef) @ basis.T) * dsq)
     assert (y != g * dinv).float().mean() > 0.5
@@ -318,14 +323,7 @@ def test_the_fused_fp8_ops_are_the_chain_on_random_inputs(fmt: str, scaling: str
     """Gaussian rows of different magnitudes with a NaN and an Inf row (the whole mapped row
     non-finite: its scales +inf, its codes NaN, as the chain's), an all-zero row (scale 1, zero
     codes), one row alone, widths that fill no whole tile or block: bit for bit the chain's."""
-    gen = torch.Generator().manual_seed(rows + cols + block + len(scaling))
-    rank = 20
-    g = torch.randn(rows, cols, generator=gen) * torch.logspace(-3, 2, rows).unsqueeze(1)
-    if rows > 6:
-        g[3, 5], g[4, cols - 1], g[5] = float("nan"), float("-inf"), 0.0
-    basis = torch.linalg.qr(torch.randn(cols, rank, generator=gen))[0]
-    coef, dinv = -0.9 * torch.rand(rank, generator=gen), torch.rand(cols, generator=gen) + 0.5
-    p = ops.lowrank_project(g.to(DEVICE), basis.to(DEVICE), "ieee").cpu()
+    g, p, dinv, coef, basis = _random_inputs(rows, cols, rows + cols + block + len(scaling))
     y, stat = _check_fp8_fused_matches_chain(g, p, dinv, coef, basis, 1 / dinv, fmt, scaling, block)
     if rows > 6:
         assert torch.isinf(stat[3:5]).all() and torch.isfinite(stat[6:]).all()
@@ -358,10 +356,10 @@ def test_the_fused_fp8_sender_traces_as_its_operators() -> None:
     p = BucketPlan((item,), 2, None, True, "all_reduce")
     mode = FakeTensorMode()
     with mode:
-        maps = tuple(_fake_cuda(mode, s, torch.float32) for s in ((40,), (40, 4), (4,), (4,), (40,)))
+        maps = tuple(fake_cuda(mode, s, torch.float32) for s in ((40,), (40, 4), (4,), (4,), (40,)))
         gm = make_fx(lambda g: encode_item(g, ItemTensors(maps), Shared(), item, p))(
-            _fake_cuda(mode, (8, 40), torch.float32))
-    assert [str(n.target) for n in gm.graph.nodes if n.op == "call_function" and "gift_kernels" in str(n.target)] == [
+            fake_cuda(mode, (8, 40), torch.float32))
+    assert kernel_ops(gm) == [
         f"gift_kernels.{op}.default" for op in ("lowrank_project", "lowrank_fp8_scales", "lowrank_fp8_encode")]
 
 

@@ -27,10 +27,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from bit_checks import edge_gradient, same_bits
+from bit_checks import edge_gradient, exchange_round_trip, fake_cuda, kernel_ops, on_kernel_path, same_bits
 from conftest import require
 
 require("triton", "the codec kernels need Triton (the `test` extra installs it)")
@@ -290,52 +290,16 @@ def test_the_exchange_on_the_kernel_path_sends_and_sums_the_reference_bytes(fmt:
     2-D and per-sender decodes; the averaged sum). The send blocks, the error-feedback residual,
     the reduce-scatter's averaged shard, the all-reduce's re-encoded shard and the gathered
     result must equal, bit for bit, those of the reference codec (the same stages unpatched)."""
-    from gift_compile.codec import residual as residual_store
-    from gift_compile.exchange.item_codec import gather_decode_item, reencode_item
-    from gift_compile.kernels import dispatch
-
-    world, rows, cols = 2, 6, 40
-    item = ItemPlan(name="w", rows=rows, cols=cols, format=fmt, block_size=16, error_feedback=True)
-    rs = BucketPlan((item,), world, None, True, "reduce_scatter")
-    ar = BucketPlan((item,), world, None, True, "all_reduce")
-    g = edge_gradient(rows, cols, seed=11, huge=False, nonfinite=False)
-
-    def run() -> list[torch.Tensor]:
-        state = ItemTensors((), residual_store.allocate(item.residual_format, rows, cols, "cpu"))
-        residual_store.write(item.residual_format, state.residual,
-                             0.01 * edge_gradient(rows, cols, seed=12, huge=False, nonfinite=False))
-        blocks, bad = encode_item(g, state, Shared(), item, rs)
-        sent = torch.cat(blocks, dim=1)
-        recv = sent  # stands in for a received buffer: two senders' blocks, each its own codes and scales
-        shard, _ = decode_item(recv, 0, state, item, rs)
-        moved, _ = decode_item(recv, 0, state, item, ar, transformed=True)
-        gathered_bytes = torch.cat(reencode_item(moved, state, Shared(), item, ar))
-        full, _ = gather_decode_item(torch.stack([gathered_bytes, gathered_bytes]), 0, state, item, ar)
-        return [sent, bad, residual_store.read(item.residual_format, state.residual, cols), shard, moved,
-                gathered_bytes, full]
-
-    reference = run()
-    original = dispatch.codec_path
-    monkeypatch.setattr(dispatch, "codec_path", lambda spec, device, stochastic_rounding=False: original(
-        spec, torch.device("cuda") if device.type == "cpu" else device, stochastic_rounding))
-    calls: list[str] = []
-    for name in ("block_stat", "scale_codes", "encode", "decode"):
-        op = getattr(ops, name)
-        monkeypatch.setattr(ops, name, lambda *a, _op=op, _name=name: calls.append(_name) or _op(*a))
-    on_kernels = run()
+    item = ItemPlan(name="w", rows=6, cols=40, format=fmt, block_size=16, error_feedback=True)
+    reference = exchange_round_trip(item)
+    calls = on_kernel_path(monkeypatch, ops, ("block_stat", "scale_codes", "encode", "decode"))
+    on_kernels = exchange_round_trip(item)
     assert sorted(set(calls)) == ["block_stat", "decode", "encode", "scale_codes"]  # the kernel path did run
     for got, want in zip(on_kernels, reference):
         assert same_bits(got, want)
     assert reference[3].abs().sum() > 0 and reference[2].abs().sum() > 0
 
 
-def _fake_cuda(mode: FakeTensorMode, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A fake tensor on `cuda` (metadata only): traces what CUDA would run, with no GPU."""
-    return FakeTensor(mode, torch.empty(shape, dtype=dtype, device="meta"), torch.device("cuda"))
-
-
-def _kernel_ops(gm: torch.fx.GraphModule) -> list[str]:
-    return [str(n.target) for n in gm.graph.nodes if n.op == "call_function" and "gift_kernels" in str(n.target)]
 
 
 def test_the_exchange_emits_the_kernel_operators_for_cuda_tensors() -> None:
@@ -349,10 +313,10 @@ def test_the_exchange_emits_the_kernel_operators_for_cuda_tensors() -> None:
         mode = FakeTensorMode()
         with mode:
             enc = make_fx(lambda g: encode_item(g, ItemTensors(()), Shared(), plan_item, p))(
-                _fake_cuda(mode, (8, 40), torch.float32))
+                fake_cuda(mode, (8, 40), torch.float32))
             dec = make_fx(lambda r: decode_item(r, 0, ItemTensors(()), plan_item, p)[0])(
-                _fake_cuda(mode, (2, item_width(plan_item, p)), torch.uint8))
-        return _kernel_ops(enc), _kernel_ops(dec)
+                fake_cuda(mode, (2, item_width(plan_item, p)), torch.uint8))
+        return kernel_ops(enc), kernel_ops(dec)
 
     enc, dec = trace(item, plan)
     assert enc == ["gift_kernels.block_stat.default", "gift_kernels.scale_codes.default",
@@ -384,11 +348,11 @@ def test_the_exchange_runs_a_low_rank_map_on_cuda_as_the_map_kernels() -> None:
         p = BucketPlan((item,), 2, None, True, "reduce_scatter")
         mode = FakeTensorMode()
         with mode:
-            maps = ItemTensors(tuple(_fake_cuda(mode, s, torch.float32) for s in shapes))
-            enc = make_fx(lambda g: encode_item(g, maps, Shared(), item, p))(_fake_cuda(mode, (8, 40), torch.float32))
+            maps = ItemTensors(tuple(fake_cuda(mode, s, torch.float32) for s in shapes))
+            enc = make_fx(lambda g: encode_item(g, maps, Shared(), item, p))(fake_cuda(mode, (8, 40), torch.float32))
             dec = make_fx(lambda r: decode_item(r, 0, maps, item, p)[0])(
-                _fake_cuda(mode, (2, item_width(item, p)), torch.uint8))
-        return _kernel_ops(enc), _kernel_ops(dec)
+                fake_cuda(mode, (2, item_width(item, p)), torch.uint8))
+        return kernel_ops(enc), kernel_ops(dec)
 
     assert p_item.map_precision == "auto" and item_width(p_item, plan) > 0
     enc, dec = trace(p_item)
@@ -496,7 +460,7 @@ def test_compile_keeps_the_map_kernels_as_two_operators_without_recompiling() ->
         u = v * dinv.unsqueeze(1)
         assert torch.equal(fn(g, u, cf, dinv, dsq).cpu(), lowrank_map(g, u, cf, dinv, dsq, "ieee").cpu())
     (gm,) = graphs
-    assert _kernel_ops(gm) == ["gift_kernels.lowrank_project.default", "gift_kernels.lowrank_expand.default"]
+    assert kernel_ops(gm) == ["gift_kernels.lowrank_project.default", "gift_kernels.lowrank_expand.default"]
 
 
 def test_the_low_rank_map_compiles_its_precision_choice_once() -> None:

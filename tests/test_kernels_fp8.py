@@ -19,10 +19,10 @@ import logging
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from bit_checks import edge_gradient, same_bits
+from bit_checks import edge_gradient, exchange_round_trip, fake_cuda, kernel_ops, on_kernel_path, same_bits
 from conftest import require
 
 require("triton", "the codec kernels need Triton (the `test` extra installs it)")
@@ -239,39 +239,10 @@ def test_the_exchange_on_the_kernel_path_sends_and_sums_the_reference_bytes(fmt:
     a GPU: the send blocks, the non-finite flag, the error-feedback residual, the
     reduce-scatter's averaged shard, the all-reduce's re-encoded shard and the gathered result
     equal those of the reference codec bit for bit."""
-    from gift_compile.codec import residual as residual_store
-    from gift_compile.exchange.item_codec import gather_decode_item, reencode_item
-    from gift_compile.kernels import dispatch
-
-    world, rows, cols = 2, 6, 40
-    item = ItemPlan(name="w", rows=rows, cols=cols, format=fmt, scaling=scaling, block_size=block,
-                    error_feedback=True)
-    rs = BucketPlan((item,), world, None, True, "reduce_scatter")
-    ar = BucketPlan((item,), world, None, True, "all_reduce")
-    g = edge_gradient(rows, cols, seed=11, huge=False, nonfinite=False)
-
-    def run() -> list[torch.Tensor]:
-        state = ItemTensors((), residual_store.allocate(item.residual_format, rows, cols, "cpu"))
-        residual_store.write(item.residual_format, state.residual,
-                             0.01 * edge_gradient(rows, cols, seed=12, huge=False, nonfinite=False))
-        blocks, bad = encode_item(g, state, Shared(), item, rs)
-        sent = torch.cat(blocks, dim=1)
-        shard, _ = decode_item(sent, 0, state, item, rs)
-        moved, _ = decode_item(sent, 0, state, item, ar, transformed=True)
-        gathered_bytes = torch.cat(reencode_item(moved, state, Shared(), item, ar))
-        full, _ = gather_decode_item(torch.stack([gathered_bytes, gathered_bytes]), 0, state, item, ar)
-        return [sent, bad, residual_store.read(item.residual_format, state.residual, cols), shard, moved,
-                gathered_bytes, full]
-
-    reference = run()
-    original = dispatch.codec_path
-    monkeypatch.setattr(dispatch, "codec_path", lambda spec, device, stochastic_rounding=False: original(
-        spec, torch.device("cuda") if device.type == "cpu" else device, stochastic_rounding))
-    calls: list[str] = []
-    for name in ("fp8_scales", "fp8_scale_encode", "fp8_encode", "fp8_decode"):
-        op = getattr(ops_fp8, name)
-        monkeypatch.setattr(ops_fp8, name, lambda *a, _op=op, _name=name: calls.append(_name) or _op(*a))
-    on_kernels = run()
+    item = ItemPlan(name="w", rows=6, cols=40, format=fmt, scaling=scaling, block_size=block, error_feedback=True)
+    reference = exchange_round_trip(item)
+    calls = on_kernel_path(monkeypatch, ops_fp8, ("fp8_scales", "fp8_scale_encode", "fp8_encode", "fp8_decode"))
+    on_kernels = exchange_round_trip(item)
     # the kernel path did run: one kernel for row and block scales and codes, two for a tensor scale
     encoders = ["fp8_encode", "fp8_scales"] if scaling == "tensor" else ["fp8_scale_encode"]
     assert sorted(set(calls)) == sorted(["fp8_decode", *encoders])
@@ -279,10 +250,6 @@ def test_the_exchange_on_the_kernel_path_sends_and_sums_the_reference_bytes(fmt:
         assert same_bits(got, want)
     assert reference[3].abs().sum() > 0 and reference[2].abs().sum() > 0
 
-
-def _fake_cuda(mode: FakeTensorMode, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A fake tensor on `cuda` (metadata only): traces what CUDA would run, with no GPU."""
-    return FakeTensor(mode, torch.empty(shape, dtype=dtype, device="meta"), torch.device("cuda"))
 
 
 @pytest.mark.parametrize("scaling", ["row", "tensor", "block"])
@@ -295,12 +262,9 @@ def test_the_exchange_emits_the_fp8_operators_for_cuda_tensors(scaling: str) -> 
     mode = FakeTensorMode()
     with mode:
         enc = make_fx(lambda g: encode_item(g, ItemTensors(()), Shared(), item, plan))(
-            _fake_cuda(mode, (8, 40), torch.float32))
+            fake_cuda(mode, (8, 40), torch.float32))
         dec = make_fx(lambda r: decode_item(r, 0, ItemTensors(()), item, plan)[0])(
-            _fake_cuda(mode, (2, item_width(item, plan)), torch.uint8))
-
-    def kernel_ops(gm: torch.fx.GraphModule) -> list[str]:
-        return [str(n.target) for n in gm.graph.nodes if n.op == "call_function" and "gift_kernels" in str(n.target)]
+            fake_cuda(mode, (2, item_width(item, plan)), torch.uint8))
 
     if scaling == "tensor":  # the rows' statistics, their maximum, then the codes
         assert kernel_ops(enc) == ["gift_kernels.fp8_scales.default", "gift_kernels.fp8_encode.default"]
