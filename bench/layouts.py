@@ -146,7 +146,7 @@ def row(layout: str, trainer: str, steps: int, folder: str) -> dict[str, Any]:
     base = [*dims, *EXTRA.get((layout, trainer), []), "--validator.no-enable", f"--training.steps={steps}",
             "--metrics.log-freq=1"]
     gift_config, off_config = configs(layout, trainer)
-    gift = [*GIFT, *LAYOUT_GIFT.get(layout, [])]
+    gift = [*GIFT, *LAYOUT_GIFT.get((layout, trainer), [])]
     out: dict[str, Any] = {"layout": title, "trainer": trainer, "nproc": nproc, "steps": steps,
                            "date": time.strftime("%Y-%m-%d"), "commit": commit(), "machine": machine()}
     arms_args = {"low_bit": (gift_config, [*base, *gift, *ARMS["low_bit"]]),
@@ -206,7 +206,7 @@ def _fault(config: str, args: list[str], root: Path, nproc: int) -> tuple[RunRes
 def kill_resume(layout: str, trainer: str, folder: str) -> dict[str, Any]:
     """The kill-and-resume record of one layout x trainer (module docstring)."""
     _, nproc, dims = LAYOUTS[layout]
-    args = [*dims, *EXTRA.get((layout, trainer), []), *KILL_ARGS, *LAYOUT_GIFT.get(layout, [])]
+    args = [*dims, *EXTRA.get((layout, trainer), []), *KILL_ARGS, *LAYOUT_GIFT.get((layout, trainer), [])]
     gift_config, off_config = configs(layout, trainer)
     full, found = _fault(gift_config, args, Path(folder) / f"{layout}.{trainer}.kill", nproc)
     record = {**found.summary(), "command": user_command(full), "uninterrupted_wall_s": round(full.wall_s, 1),

@@ -259,10 +259,11 @@ class GiftConfig:
         unrewritten: what a managed gradient does when it reaches GIFT's `gift::mark` op
             without the pass having rewritten its collective (a backend without Inductor's
             post-grad hooks, a pass that did not run): "error" raises, "warn" logs once per
-            layer and lets the gradient travel at full precision. The same for parameters GIFT
-            cannot carry on FSDP2: a parameter group of a per-parameter mesh other than GIFT's
-            group (torchtitan's routed experts under expert parallelism) raises naming its
-            modules, or with "warn" is logged per module and left on FSDP2's own reduce-scatter.
+            layer and lets the gradient travel at full precision. The same for parameters a
+            traced framework reduce-scatters over another mesh than GIFT's group, whose
+            collectives carry no mark (torchtitan's graph_trainer: the routed experts under
+            expert parallelism): refused naming their modules, or with "warn" logged per module
+            and left as traced. (FSDP2 sends such a group on GIFT's codec with no map.)
         reselect_every: a measured selection (`select="auto"`, `"boundary_hits:K"`) is decided
             at the first refresh and then kept; with N > 0 it is decided again every N-th
             refresh. Between decisions `select="auto"` still measures its selected layers at

@@ -9,7 +9,8 @@ precision, named per module (`gift_compile.frameworks.simple_fsdp.outside_gift`)
 all-to-alls are not touched (the rewrite log counts both groups' collectives before and after).
 
 Three runs, same seed, init and data, ``--gift.unrewritten warn`` (under the default GIFT refuses
-the run naming the expert modules: the unit test at the end): GIFT at nvfp4 (a refresh after step
+the run naming the expert modules: the unit test at the end; the FSDP2 trainer sends them on
+GIFT's codec instead, tests/test_torchtitan_ep.py): GIFT at nvfp4 (a refresh after step
 2), GIFT at fp32 and GIFT off. nvfp4 must quantize the dense linears (bytes counted at the
 collective == the pass's accounting, fewer than fp32's, a round-trip error > 0, losses that differ
 from GIFT off after step 1 and stay within the 2-rank tests' tolerance); fp32 must reproduce GIFT
@@ -23,6 +24,7 @@ Measured 2026-12-05 on 2 cores shared with other jobs: the first three runs 350 
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable
 
@@ -32,8 +34,7 @@ from conftest import require
 
 require("torchtitan", "torchtitan extra not installed")
 
-from gift_compile.frameworks.fsdp2 import OutsideGroup, refuse_outside  # noqa: E402
-from gift_compile.frameworks.simple_fsdp import SIMPLE_FSDP_SPLIT  # noqa: E402
+from gift_compile.frameworks.simple_fsdp import OutsideGroup, refuse_outside  # noqa: E402
 from gift_compile.torchtitan_ext.hooks import REFUSAL  # noqa: E402
 from gift_compile.torchtitan_ext.models import MOE_FLAVORS  # noqa: E402
 from gift_compile.torchtitan_ext.runs import RunResult, shared_runs  # noqa: E402
@@ -137,15 +138,23 @@ def test_ep_on_graph_at_fp32_is_exact_and_matches_gift_off(runs: Callable[[str],
     assert exact.losses() == off.losses()
 
 
-def test_experts_outside_the_pass_are_refused_by_name_with_simple_fsdps_reason() -> None:
-    """graph_trainer's refusal is FSDP2's (`refuse_outside`), with SimpleFSDP's reason."""
+def test_experts_outside_the_pass_are_refused_by_name_unless_configured(caplog: pytest.LogCaptureFixture) -> None:
+    """graph_trainer refuses the experts' traced reduce-scatters by name (SimpleFSDP's reason), or
+    with "warn" logs them per module; a one-rank group sends nothing and is only logged."""
     group = OutsideGroup(modules=("layers.1.moe.routed_experts.inner_experts",), kinds=("GroupedExperts",),
                          params=tuple((f"layers.1.moe.routed_experts.inner_experts.{w}", (4, 64, 64))
                                       for w in ("w1_EFD", "w2_EDF", "w3_EFD")), group="efsdp", ranks=2)
     with pytest.raises(ValueError, match=r"layers\.1\.moe\.routed_experts\.inner_experts \(GroupedExperts\) over mesh "
                                          r"'efsdp' \(2 ranks\) would travel at full precision: SimpleFSDP wraps them "
-                                         r".*carry no GIFT mark.*3-D tensor.*unrewritten='warn'"):
-        refuse_outside([group], "error", split=SIMPLE_FSDP_SPLIT)
+                                         r".*carry no GIFT mark.*3-D tensor.*unrewritten='warn'.*FSDP2 trainer"):
+        refuse_outside([group], "error")
+    with caplog.at_level(logging.INFO, logger="gift_compile.frameworks.simple_fsdp"):
+        refuse_outside([group], "warn")
+        refuse_outside([group._replace(ranks=1)], "error")
+    assert [r.levelname for r in caplog.records] == ["WARNING", "INFO"]
+    assert ("layers.1.moe.routed_experts.inner_experts (GroupedExperts) reduce-scatters over mesh 'efsdp' (2 ranks) "
+            "at full precision") in caplog.records[0].getMessage()
+    assert "crosses no rank" in caplog.records[1].getMessage()
 
 
 def test_ep_with_tp_on_graph_names_the_experts_whose_group_has_gift_s_ranks(runs: Callable[[str], RunResult]) -> None:

@@ -69,9 +69,9 @@ def data_parallel_group(parallel_dims: Any, trainer: str = "graph") -> dist.Proc
     it is the group it would be without EP: EP borrows its ranks from dp_shard x tp, the dense
     parameters (every block's attention, router and shared experts, the dense blocks, embeddings
     and head) reduce-scatter over the fsdp mesh, and only the routed experts over the smaller
-    efsdp mesh, which GIFT leaves on FSDP2's own reduce-scatter; under HSDP their reduced shards
-    are all-reduced over dp_replicate at fp32, as native HSDP would (both named:
-    `gift_compile.frameworks.fsdp2.refuse_outside`). On graph_trainer with expert parallelism
+    efsdp mesh, whose reduce-scatter GIFT sends on its codec with no map (logged per module,
+    `gift_compile.frameworks.fsdp2.EuclideanReduceScatter`), as it does their replica all-reduce
+    over dp_replicate under HSDP. On graph_trainer with expert parallelism
     (FSDP, HSDP, FSDP x TP) it is the group it would be without EP as well: SimpleFSDP wraps the
     routed experts on the efsdp mesh (dp_replicate x efsdp under HSDP), whose traced collectives
     carry no GIFT mark, so the pass leaves them as traced (refused by name or logged per module,
@@ -137,10 +137,10 @@ def gift_post_optimizer_build(optimizers: Any, model_parts: list[nn.Module], par
     if trainer == "fsdp2":
         if parallel_dims.ep > 1:
             # the group the dense parameter groups reduce-scatter over must be the fsdp mesh's
-            # (raises otherwise); the routed experts' efsdp groups stay FSDP2's (refused or logged)
+            # (raises otherwise); the routed experts' efsdp groups go on GIFT's codec with no map
             fsdp2.shard_group(model, parallel_dims.get_mesh("fsdp").get_group())
         state = manage(model, config, group, mode=ManageMode.STATS, split_rows=True)
-        fsdp2.install(model, state, compiled=section.fuse, replicas=parallel_dims.dp_replicate)
+        fsdp2.install(model, state, compiled=section.fuse)
         replicas = hsdp.replica_group(parallel_dims)
         if replicas is not None:
             gift_hsdp.install(model, state, replicas, compiled=section.fuse)

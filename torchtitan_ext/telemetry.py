@@ -17,9 +17,10 @@ accounting of the same reduce-scatters (FSDP2: each module's plan as last called
 the GIFT pass's report of the step it rewrote), which the counted figure must equal. Collectives GIFT does not touch (buckets without a managed weight) are
 not counted. Under HSDP those figures are the shard hop's (the reduce-scatter), and the
 ``gift/replica_*`` keys (:func:`.hsdp.replica_metrics`) are the replica hop's. With expert
-parallelism ``gift/full_precision_params`` counts the parameters (the routed experts) that
-reduce-scatter over another mesh, on FSDP2's own reduce-scatter or (graph_trainer) in the traced
-reduce-scatters the GIFT pass leaves alone, outside every figure above.
+parallelism on graph_trainer ``gift/full_precision_params`` counts the parameters (the routed
+experts) that reduce-scatter over another mesh in traced reduce-scatters the GIFT pass leaves
+alone, outside every figure above; on the FSDP2 trainer GIFT's codec sends them
+(`gift_compile.frameworks.fsdp2.EuclideanReduceScatter`), inside those figures.
 """
 
 from __future__ import annotations
@@ -128,9 +129,9 @@ class GiftMetricsProcessor(MetricsProcessor):
                 accounted = _graph_accounted_bytes()
             if accounted is not None:  # what the wire counter should grow by per backward
                 gift["gift/accounted_bytes_per_backward"] = float(accounted)
-            # expert parallelism: the routed experts reduce-scatter outside GIFT, on FSDP2's own
-            # reduce-scatter (a per-parameter mesh) or on graph_trainer's traced, unmarked one (efsdp mesh)
-            outside = fsdp2.full_precision_params(self.model_parts) or simple_fsdp.full_precision_params(state)
+            # expert parallelism on graph_trainer: the routed experts reduce-scatter outside GIFT, in
+            # traced, unmarked collectives over the efsdp mesh (FSDP2 sends them on GIFT's codec)
+            outside = simple_fsdp.full_precision_params(state)
             if outside:
                 gift["gift/full_precision_params"] = float(outside)
         extra.update(gift)

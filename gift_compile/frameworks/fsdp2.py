@@ -21,46 +21,47 @@ gradient and the layout always maps; a buffer that does not match raises.
 
 A module sharded on a per-parameter mesh (torchtitan's MoE blocks under expert parallelism:
 routed experts on the ``efsdp`` mesh, attention, router and shared experts on the ``fsdp``
-mesh) has one parameter group per mesh. GIFT's state spans one process group (the one every
-FSDP module reduce-scatters over, `shard_group`), so `install` puts `GiftReduceScatter` on that
-group of such a module only (`fsdp_internals.set_group_reduce_scatter`) and leaves the others on
-FSDP2's own reduce-scatter, at full precision. That is never silent: `outside_gift` lists them,
-and under ``unrewritten="error"`` (the default) `install` raises naming their modules, under
-``"warn"`` it logs one line per module. A group over one rank carries no gradient collective
-(FSDP2 copies its gradient), so it is only logged, unless HSDP's replica hop
-(`gift_compile.frameworks.hsdp`, ``install(..., replicas=N)``) has it all-reduced over the
-replicas, also at full precision: refused or warned like the others.
+mesh) has one parameter group per mesh (`fsdp_internals.set_group_reduce_scatter` sets a comm
+on one of them). GIFT's state spans one process group (the one every FSDP module
+reduce-scatters over, `shard_group`): that group of such a module gets `GiftReduceScatter`, the
+others `EuclideanReduceScatter`, GIFT's codec with no map over their own group (the grouped
+expert weights as stacks of matrices, each rank receiving its own experts' rows). `install`
+logs one line per such module saying what goes how; no gradient crosses ranks at full
+precision unless it is one GIFT sends raw anyway (norms, biases, small or excluded tensors).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+import math
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
-from gift_compile.exchange.collectives import Segment, bucket_plan, bucket_wire_bytes, sync_buffer
-from gift_compile.exchange.plan import BucketPlan, Collective
+from gift_compile.exchange.collectives import ItemTensors, Segment, Shared, bucket_plan, bucket_wire_bytes, sync_buffer
+from gift_compile.exchange.plan import BucketPlan, Collective, ItemPlan
 from gift_compile.frameworks.fsdp_internals import (
-    DefaultReduceScatter, ReduceScatter, check_torch, custom_reduce_scatter, fsdp_modules, packed_params, same_group,
+    DefaultReduceScatter, PackedParam, ReduceScatter, check_torch, custom_reduce_scatter, fsdp_modules, packed_params, same_group,
     set_group_reduce_scatter, shard_mesh_dims, shard_process_groups,
 )
-from gift_compile.config import GiftConfig, Unrewritten
+from gift_compile.config import GiftConfig, layer_format
 from gift_compile.frameworks.adapter import attach, attached
 from gift_compile.frameworks.parts import Parts, model_parts
 from gift_compile.frameworks.routing import ManageMode, manage
+from gift_compile.geometry.table import IDENTITY_KIND
 from gift_compile.runtime.health import queue_backward_check
 from gift_compile.runtime.state import GiftState
 from gift_compile.runtime.telemetry import CommTimer
 
-__all__ = ["FSDP2", "GiftReduceScatter", "OutsideGroup", "accounted_bytes", "discarded_gradients", "discarding",
-           "FSDP2_SPLIT", "full_precision_params", "install", "outside_gift", "refuse_outside", "shard_group", "uninstall"]
+__all__ = ["FSDP2", "EuclideanReduceScatter", "GiftReduceScatter", "accounted_bytes", "discarded_gradients",
+           "discarding", "euclidean_plan", "install", "shard_group", "uninstall"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,15 +98,19 @@ class GiftReduceScatter(ReduceScatter):
     """FSDP2 custom reduce-scatter of one FSDP module (see the module docstring)."""
 
     def __init__(self, module: FSDPModule, state: GiftState, timer: CommTimer, compiled: bool,
-                 over: dist.ProcessGroup | None = None, replicas: int = 1) -> None:
+                 over: dist.ProcessGroup | None = None) -> None:
         self.module = module
         self.over = over  # the process group of the module's parameter group this comm serves (None: its only one)
         self.state = state
         self.timer = timer
         self.compiled = compiled
-        self.replicas = replicas  # replicas an HSDP hop all-reduces each reduced shard over (`install`)
         # (world, dtype, group name) of the last call: what `accounted_bytes` prices
         self.last_call: tuple[int, torch.dtype, str] | None = None
+
+    @property
+    def shared(self) -> Shared:
+        """Seed, rank and counters of this comm's collectives: the state's."""
+        return self.state.shared
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -147,7 +152,7 @@ class GiftReduceScatter(ReduceScatter):
             )
         config = self.state.config
         self.last_call = (world, input_tensor.dtype, group.group_name)
-        sync_buffer(input_tensor, segments, self.state.shared, op=Collective.REDUCE_SCATTER, group=group, average=False,
+        sync_buffer(input_tensor, segments, self.shared, op=Collective.REDUCE_SCATTER, group=group, average=False,
                     out=output_tensor, plan_check=config.plan_check, compiled=self.compiled,
                     timing=self.timer.timing(input_tensor.device))
         queue_backward_check(self.state)
@@ -157,7 +162,7 @@ class GiftReduceScatter(ReduceScatter):
 def shard_group(model: Parts, group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     """The process group FSDP2 reduce-scatters over: the one every FSDP module of the whole
     model (all of its parts) has a parameter group on (a module with a per-parameter mesh has
-    others besides, which GIFT leaves alone: `outside_gift`)."""
+    others besides, which `install` puts on `EuclideanReduceScatter`)."""
     check_torch()
     common: list[dist.ProcessGroup] | None = None
     for module in fsdp_modules(model):
@@ -172,118 +177,129 @@ def shard_group(model: Parts, group: dist.ProcessGroup | None) -> dist.ProcessGr
     return pg
 
 
-class OutsideGroup(NamedTuple):
-    """A parameter group of an FSDP module that reduce-scatters over another process group than
-    GIFT's (a per-parameter mesh: torchtitan's routed experts under expert parallelism)."""
+class EuclideanReduceScatter(GiftReduceScatter):
+    """GIFT's reduce-scatter of a parameter group FSDP2 shards on another mesh than GIFT's
+    group (a per-parameter mesh: torchtitan's routed experts on ``efsdp`` under expert
+    parallelism), with GIFT's codec and no map.
 
-    modules: tuple[str, ...]  # the owning modules' names (from the root)
-    kinds: tuple[str, ...]  # their classes
-    params: tuple[tuple[str, tuple[int, ...]], ...]  # the parameters' names (from the root), unsharded shapes
-    group: str  # the process group: its mesh dimensions' names (else the group's name)
-    ranks: int  # its size (1: FSDP2 copies the gradient, no collective)
-    replicas: int = 1  # replicas HSDP's replica hop then all-reduces the reduced shard over
+    GIFT's layers (statistics, transforms, selection, error-feedback residuals) belong to the
+    state's group, and a grouped-GEMM expert weight `[E, out, in]` is one tensor for a rank's
+    experts, each fed only its routed tokens: no linear layer's statistics describe it. Its
+    gradient is still a stack of `[out, in]` matrices, and FSDP2's dim-0 shard gives each rank
+    whole experts, so it goes as one Euclidean item `[E * out, in]` (`euclidean_plan`): each
+    rank receives the summed rows of its own experts, every row with its own scales, at the
+    state's format (or its `layer_formats` entry). Parameters it cannot carry that way (not
+    sharded on dim 0, fewer than two dims, under `min_numel`, excluded) go raw in the same
+    collective, as a dense group's norms do. The bytes go to the state's counters, so the
+    telemetry, accounting and health checks see them with the rest; the rank that seeds
+    stochastic rounding is this group's.
+    """
+
+    def __init__(self, module: FSDPModule, state: GiftState, timer: CommTimer, compiled: bool,
+                 over: dist.ProcessGroup, names: dict[int, str]) -> None:
+        super().__init__(module, state, timer, compiled, over)
+        self.rank = torch.full((), dist.get_rank(over), dtype=torch.int64, device=state.counters.device)
+        # FSDP2 names its parameters only once it has run, so each is named from its owner's FQN in
+        # the model (`names`: id(module) -> FQN) and keyed by (owner, name) here
+        self._owners: dict[int, tuple[str, str]] = {}
+        self._plans: dict[tuple[int, str], tuple[str, ItemPlan | None]] = {}
+        for p in packed_params(module, over):
+            owner = names.get(id(p.module), "")
+            self._owners[id(p.module)] = (owner, type(p.module).__name__)
+            fqn = f"{owner}.{p.param_name}" if owner else p.param_name
+            self._plans[id(p.module), p.param_name] = fqn, euclidean_plan(p, fqn, state, over.size())
+        self._seeds = {key: torch.tensor(plan.seed_offset, dtype=torch.int64, device=state.counters.device)
+                       for key, (_, plan) in self._plans.items() if plan is not None}
 
     @property
-    def crossing(self) -> bool:
-        """Whether the group's gradients cross ranks (a reduce-scatter, or a replica all-reduce)."""
-        return self.ranks > 1 or self.replicas > 1
+    def shared(self) -> Shared:
+        return Shared(self.state.seed, self.rank, self.state.counters)
 
-    def route(self) -> str:
-        """How the group's gradients travel, in words."""
-        first = (f"reduce-scatters over mesh {self.group!r} ({self.ranks} ranks)" if self.ranks > 1
-                 else f"is sharded over mesh {self.group!r} (one rank)")
-        return first + (f" and all-reduces over {self.replicas} replicas" if self.replicas > 1 else "")
+    def _segments(self) -> list[Segment]:
+        out = []
+        for p in packed_params(self.module, self.over):
+            key = id(p.module), p.param_name
+            fqn, plan = self._plans[key]
+            out.append(Segment(fqn, p.rows, p.cols) if plan is None else
+                       Segment(fqn, plan.rows // self.over.size(), plan.cols, plan,
+                               ItemTensors((), seed_offset=self._seeds[key])))
+        return out
 
-
-def outside_gift(model: Parts, pg: dist.ProcessGroup, replicas: int = 1) -> list[OutsideGroup]:
-    """Every FSDP parameter group of `model` that does not reduce-scatter over ``pg`` (GIFT's
-    group), so runs FSDP2's own reduce-scatter at full precision (then, with HSDP, an all-reduce
-    over `replicas` replicas)."""
-    names = {id(m): n for part in model_parts(model) for n, m in part.named_modules()}
-    out = []
-    for module in fsdp_modules(model):
-        for other in shard_process_groups(module):
-            if same_group(other, pg):
-                continue
-            params = packed_params(module, other)
-            owners: dict[str, str] = {}
-            fqns = []
-            for p in params:
-                owner = names.get(id(p.module), p.fqn.rpartition(".")[0])
-                owners.setdefault(owner, type(p.module).__name__)
-                fqns.append((f"{owner}.{p.param_name}" if owner else p.param_name, p.shape))
-            mesh = "x".join(shard_mesh_dims(module, other)) or other.group_name
-            out.append(OutsideGroup(tuple(owners), tuple(owners.values()), tuple(fqns), mesh, other.size(), replicas))
-    return out
-
-
-# Why FSDP2's per-parameter-mesh groups stay outside GIFT (`refuse_outside`'s default `split`).
-FSDP2_SPLIT = ("FSDP2 shards them on another mesh than GIFT's group (per-parameter mesh: fully_shard's "
-               "shard_placement_fn), so they reduce-scatter in a parameter group of their own, which GIFT leaves on "
-               "FSDP2's own reduce-scatter (GIFT's statistics, transforms and selection span one group)")
-
-
-def refuse_outside(groups: list[OutsideGroup], unrewritten: Unrewritten | str, *, split: str = FSDP2_SPLIT) -> None:
-    """Raise (``unrewritten="error"``) naming the modules whose gradients `groups` carry at full
-    precision past GIFT, or log one line per module (``"warn"``; a one-rank group without
-    replicas, which sends nothing, is only logged). `split` says how the framework put them on
-    another group than GIFT's (FSDP2's per-parameter mesh by default; SimpleFSDP passes its own,
-    `gift_compile.frameworks.simple_fsdp`), so both frameworks refuse in one wording."""
-    mode = Unrewritten.parse(unrewritten, "unrewritten")
-    crossing = [g for g in groups if g.crossing]
-    why = split
-    if any(g.replicas > 1 for g in crossing):
-        why += "; under HSDP their reduced shards are then all-reduced over the replicas at fp32, as native HSDP would"
-    if any(len(shape) > 2 for g in crossing for _, shape in g.params):
-        why += ("; and GIFT's matrices are 2-D linear weights with statistics of their inputs, while a grouped-GEMM "
-                "expert weight is one 3-D tensor for a rank's experts, each fed only its routed tokens")
-    if crossing and mode is Unrewritten.ERROR:
-        names = "; ".join(f"{', '.join(f'{m} ({k})' for m, k in zip(g.modules, g.kinds))} over mesh {g.group!r} "
-                          f"({'one rank' if g.ranks == 1 else f'{g.ranks} ranks'}"
-                          f"{f', then {g.replicas} replicas' if g.replicas > 1 else ''})"
-                          for g in crossing)
-        raise ValueError(f"GIFT: the gradients of {names} would travel at full precision: {why}. Set "
-                         "unrewritten='warn' (torchtitan: --gift.unrewritten warn) to run with them at full precision")
-    for g in groups:
-        for module, kind in zip(g.modules, g.kinds):
-            if g.crossing:
-                logger.warning("GIFT: %s (%s) %s at full precision, not managed: %s (unrewritten='warn')",
-                               module, kind, g.route(), why)
+    def describe(self) -> list[str]:
+        """One line per module owning parameters of the group: its mesh, which parameters go
+        quantized (and how), which raw."""
+        mesh = "x".join(shard_mesh_dims(self.module, self.over)) or self.over.group_name
+        lines = []
+        for module_id, (owner, kind) in self._owners.items():
+            plans = [(name, plan) for (m, name), (_, plan) in self._plans.items() if m == module_id]
+            # one rank: no reduce-scatter, only HSDP's replica hop, at its own format
+            coded = ", ".join(f"{name} as [{plan.rows}, {plan.cols}] at "
+                              f"{plan.format if self.over.size() > 1 else self.state.config.replica_hop_format}"
+                              for name, plan in plans if plan is not None) or "nothing quantized"
+            raw = [name for name, plan in plans if plan is None]
+            how = (f"{coded}{'; raw: ' + ', '.join(raw) if raw else ''}"
+                   f"{'; without error feedback' if self.state.config.error_feedback else ''}")
+            if self.over.size() == 1:
+                lines.append(f"GIFT: {owner} ({kind}) is sharded over mesh {mesh!r} (one rank): its gradient crosses "
+                             f"no rank in a reduce-scatter (under HSDP GIFT's replica hop sends it with no map: {how})")
             else:
-                logger.info("GIFT: %s (%s) is sharded over mesh %r (one rank): its gradient crosses no rank, "
-                            "nothing to compress", module, kind, g.group)
+                lines.append(f"GIFT: {owner} ({kind}) reduce-scatters over mesh {mesh!r} ({self.over.size()} ranks) "
+                             "on GIFT's codec with no map (GIFT's statistics and transforms span its own group, and a "
+                             f"grouped-GEMM expert weight's experts are each fed only their routed tokens): {how}")
+        return lines
 
 
-def install(model: Parts, state: GiftState, *, compiled: bool = True, replicas: int = 1) -> CommTimer:
-    """Put every FSDP module of `model` (of all its parts, the pipeline stages a rank holds,
-    which share `state` and one comm timer) on `GiftReduceScatter`; returns the comm timer.
+def euclidean_plan(p: PackedParam, fqn: str, state: GiftState, world: int) -> ItemPlan | None:
+    """The Euclidean item `EuclideanReduceScatter` sends parameter `p` (named `fqn`) as over
+    `world` ranks: its local shard viewed `[rows, last dim]` (a stack of `[out, in]` matrices
+    whose rows split over the ranks as FSDP2's dim-0 shard does), at the state's format, with
+    none of a layer's own tensors (map, residual, probe, gate); None where it goes raw (see the
+    class)."""
+    config, spec = state.config, state.layer_spec
+    if not p.dim0 or len(p.local) < 2 or world * math.prod(p.local) < config.min_numel or config.is_excluded(fqn):
+        return None
+    return dataclasses.replace(
+        spec.plan, name=fqn, rows=world * math.prod(p.local[:-1]), cols=p.local[-1], kind=IDENTITY_KIND, n_tensors=0,
+        format=layer_format(spec.layer_formats, fqn, spec.plan.format), error_feedback=False,
+        second_hop_error_feedback=False, error_feedback_decay=1.0, residual_format="fp32")
+
+def install(model: Parts, state: GiftState, *, compiled: bool = True) -> CommTimer:
+    """Put every FSDP parameter group of `model` (of all its parts, the pipeline stages a rank
+    holds, which share `state` and one comm timer) on GIFT's reduce-scatter; returns the timer.
 
     Forces FSDP2's SUM reduction (FSDP2 then applies its gradient divide factor itself) and
     the reduce-scatter of unused parameters, so every buffer maps onto the parameters. The
     timer is kept in the state's per-adapter slot (the FSDP2 adapter's telemetry reads it).
-    A module with several parameter groups (a per-parameter mesh) gets GIFT's reduce-scatter on
-    its group over `shard_group` only; the others are refused or logged by `refuse_outside`
-    (``state.config.unrewritten``), and a managed weight in one of them always raises. With HSDP,
-    `replicas` is the replica group's size (`gift_compile.frameworks.hsdp.install`, called next,
-    checks it): every group's reduced shard then crosses the replicas too, which the refusal counts.
+    The groups over `shard_group` get `GiftReduceScatter`; a group over another mesh (a
+    per-parameter mesh: torchtitan's routed experts on ``efsdp``) gets `EuclideanReduceScatter`,
+    logged once per module (a warning where the state's geometry has a map those parameters go
+    without), and a managed linear weight in such a group raises. A group over one rank carries no
+    gradient collective (FSDP2 copies its gradient; under HSDP the replica hop then carries it).
     """
     check_torch()
     pg = shard_group(model, None)
-    outside = outside_gift(model, pg, replicas)
     managed_outside = [p.fqn for module in fsdp_modules(model) for other in shard_process_groups(module)
                        if not same_group(other, pg) for p in packed_params(module, other)
                        if p.param_name == "weight" and getattr(p.module, "_gift_layer", None) is not None]
     if managed_outside:
         raise ValueError(f"GIFT: managed weights {managed_outside} reduce-scatter over another process group than "
                          f"GIFT's ({pg.group_name!r}); exclude them (GiftConfig.exclude)")
-    refuse_outside(outside, state.config.unrewritten)
+    names = {id(m): n for part in model_parts(model) for n, m in part.named_modules()}
     timer = CommTimer()
     for module in fsdp_modules(model):
         module.set_force_sum_reduction_for_comms(True)
         module.set_reduce_scatter_unused_params(True)
-        several = len(shard_process_groups(module)) > 1
-        set_group_reduce_scatter(module, pg, GiftReduceScatter(module, state, timer, compiled, pg if several else None,
-                                                               replicas))
+        groups = shard_process_groups(module)
+        for group in groups:
+            if same_group(group, pg):
+                set_group_reduce_scatter(module, pg, GiftReduceScatter(module, state, timer, compiled,
+                                                                       pg if len(groups) > 1 else None))
+                continue
+            comm = EuclideanReduceScatter(module, state, timer, compiled, group, names)
+            set_group_reduce_scatter(module, group, comm)
+            level = logging.INFO if state.geometry.is_identity or group.size() == 1 else logging.WARNING
+            for line in comm.describe():
+                logger.log(level, line)
     attach(state, FSDP2.name, timer)
     return timer
 
@@ -296,20 +312,6 @@ def uninstall(model: Parts) -> None:
             if isinstance(custom_reduce_scatter(module, pg if len(shard_process_groups(module)) > 1 else None),
                           GiftReduceScatter):
                 set_group_reduce_scatter(module, pg, DefaultReduceScatter())
-
-
-def full_precision_params(model: Parts) -> int | None:
-    """How many parameters of `model` cross ranks outside GIFT (a reduce-scatter over more than
-    one rank, or HSDP's replica all-reduce), in a parameter group whose module has another group
-    on GIFT's reduce-scatter (`outside_gift`: torchtitan's routed experts under expert
-    parallelism); None when GIFT is not installed."""
-    comms = _gift_comms(model)
-    if not comms:
-        return None
-    replicas = {id(c.module): c.replicas for c in comms if c.over is not None}
-    return sum(len(packed_params(m, pg)) for m in fsdp_modules(model) if id(m) in replicas
-               for pg in shard_process_groups(m) if (pg.size() > 1 or replicas[id(m)] > 1)
-               and not isinstance(custom_reduce_scatter(m, pg), GiftReduceScatter))
 
 
 def _gift_comms(model: Parts) -> list[GiftReduceScatter]:

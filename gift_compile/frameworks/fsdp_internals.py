@@ -61,6 +61,7 @@ class PackedParam(NamedTuple):
     param_name: str  # its name on that module
     dim0: bool  # sharded along dim 0 (the only placement GIFT's row blocks map onto)
     shape: tuple[int, ...] = ()  # the unsharded parameter's shape
+    local: tuple[int, ...] = ()  # this rank's padded shard's shape (`rows` is its dim 0)
 
 
 def _param_groups(module: FSDPModule) -> list[Any]:
@@ -150,7 +151,7 @@ def packed_params(module: FSDPModule, over: dist.ProcessGroup | None = None) -> 
         info = fsdp_param._module_info
         out.append(PackedParam(fsdp_param._param_fqn or info.param_name, int(size[0]), int(math.prod(size[1:])),
                                info.module, info.param_name, fsdp_param.fsdp_placement.dim == 0,
-                               tuple(fsdp_param._orig_size)))
+                               tuple(fsdp_param._orig_size), tuple(int(d) for d in size)))
     return out
 
 

@@ -42,11 +42,9 @@ and selection are then the same on every rank, which the replica hop's decode re
 A module sharded on a per-parameter mesh (torchtitan's MoE blocks under expert parallelism:
 routed experts on ``efsdp``, the rest on ``fsdp``) has one parameter group per mesh, each with its
 own all-reduce hook (`fsdp_internals.set_group_all_reduce_hook`; FSDP2's public setter refuses
-such modules). The group on GIFT's reduce-scatter gets the hook above; the others (the routed
-experts, on FSDP2's own reduce-scatter) get `OutsideAllReduce`, the fp32 all-reduce over the
-replicas native HSDP would have run (on the shard-only mesh nothing else would), counted like
-FSDP2's own reduce-scatter of that group: not in GIFT's bytes. That is refused or warned by name
-(`gift_compile.frameworks.fsdp2.install(..., replicas=N)`, which `install` checks), never silent.
+such modules), each the hook above over its group's reduced shard: the experts' group, which
+`fsdp2.install` put on `EuclideanReduceScatter`, has its reduced shard all-reduced by GIFT's
+codec at the replica format too (also where ``efsdp`` has one rank and this is its only hop).
 
 Limits: with two or more shards error feedback covers the shard hop only (its residual is the
 full local gradient; the replica hop's input is already reduced).
@@ -65,7 +63,7 @@ from gift_compile.exchange.collectives import (C_WIRE, C_BASELINE, C_CALLS, N_CO
                                       bucket_plan, bucket_wire_bytes, check_plan_agreement, run_bucket)
 from gift_compile.exchange.plan import BucketPlan, Collective, ItemPlan, replica_hop_plan
 from gift_compile.frameworks.adapter import attach, attached
-from gift_compile.frameworks.fsdp2 import GiftReduceScatter, discarding
+from gift_compile.frameworks.fsdp2 import EuclideanReduceScatter, GiftReduceScatter, discarding
 from gift_compile.frameworks.fsdp_internals import (all_reduce_hook, check_torch, custom_reduce_scatter, fsdp_modules,
                                          gradient_divide_factor, is_native_hsdp, param_group_id,
                                          set_group_all_reduce_hook, set_group_divide_factor, shard_process_group,
@@ -74,7 +72,7 @@ from gift_compile.frameworks.parts import Parts, model_parts
 from gift_compile.runtime.state import GiftState
 from gift_compile.runtime.telemetry import CommTimer
 
-__all__ = ["NAME", "OutsideAllReduce", "ReplicaAllReduce", "ReplicaHop", "accounted_bytes", "check_replicas_identical", "hop_totals",
+__all__ = ["NAME", "ReplicaAllReduce", "ReplicaHop", "accounted_bytes", "check_replicas_identical", "hop_totals",
            "install", "install_graph", "replica_hop"]
 
 NAME = "hsdp"  # the replica hop's key in `GiftState.adapters`
@@ -111,21 +109,6 @@ class ReplicaHop:
         return out
 
 
-class OutsideAllReduce:
-    """FSDP2 all-reduce hook of a parameter group GIFT's reduce-scatter does not run on (routed
-    experts on their own mesh): the full-precision all-reduce over the replicas that native HSDP
-    would have run, averaging when `average` (FSDP2's default mean over one shard)."""
-
-    def __init__(self, hop: ReplicaHop, average: bool) -> None:
-        self.hop = hop
-        self.average = average
-
-    def __call__(self, reduce_output: torch.Tensor) -> None:
-        dist.all_reduce(reduce_output, group=self.hop.group)
-        if self.average:
-            reduce_output.div_(self.hop.world)
-
-
 class ReplicaAllReduce:
     """FSDP2 all-reduce hook of one FSDP parameter group: GIFT all-reduce of its reduced shard
     over the replica group (see the module docstring). `comm` is the group's `GiftReduceScatter`, whose
@@ -151,15 +134,16 @@ class ReplicaAllReduce:
         feedback: the residual belongs to the shard hop), the others at full precision. An
         fp32 replica format sends managed shards as raw fp32 too (exact, no transform). As the
         `sole` hop: the layers' own plans (`GiftConfig.format`, their error feedback), as
-        GIFT's DDP all-reduce runs them."""
+        GIFT's DDP all-reduce runs them; a group on `EuclideanReduceScatter` (no layers) keeps
+        the replica format then too, averaging when `average`."""
         segments = self.comm._segments()
-        if self.sole:
+        if self.sole and not isinstance(self.comm, EuclideanReduceScatter):
             return bucket_plan(segments, dtype, world=self.hop.world, group_name=self.hop.group.group_name,
                                average=self.average, op=Collective.ALL_REDUCE)
         shards = [ItemPlan.passthrough(seg.name, seg.rows * seg.cols, dtype) if seg.plan is None
                   else dataclasses.replace(seg.plan.with_dtype(dtype), rows=seg.rows) for seg in segments]
         return replica_hop_plan(shards, self.state.config.replica_hop_format, self.hop.world,
-                                self.hop.group.group_name, False)
+                                self.hop.group.group_name, self.average)
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
         if discarding():  # gradients the framework drops (`gift_compile.frameworks.fsdp2.discarded_gradients`)
@@ -216,10 +200,10 @@ def install(model: Parts, state: GiftState, replica_group: dist.ProcessGroup, *,
     default gradient division divides by shards x replicas, what native HSDP divides by; an
     explicit factor (torchtitan's 1.0) is kept. With one shard the hop is the only collective
     (see the module docstring: `format` only, factor 1 or FSDP2's default, which GIFT's
-    all-reduce then averages). The parameter groups GIFT's reduce-scatter does not run on (a
-    per-parameter mesh) are all-reduced at full precision, which `fsdp2.install` must have been
-    told (``replicas=``) to refuse or warn about. Keeps the hop in the state's per-adapter slot
-    (`replica_hop`).
+    all-reduce then averages). A parameter group on another mesh (`fsdp2.EuclideanReduceScatter`:
+    the routed experts) gets the same hook, at the replica format even where its own mesh has one
+    rank (it has no layers whose selection or error feedback would ask for `format`). Keeps the
+    hop in the state's per-adapter slot (`replica_hop`).
     """
     device = state.counters.device
     hop = ReplicaHop(replica_group, device)
@@ -229,8 +213,7 @@ def install(model: Parts, state: GiftState, replica_group: dist.ProcessGroup, *,
         groups = shard_process_groups(module)
         several = len(groups) > 1
         comms = [custom_reduce_scatter(module, pg if several else None) for pg in groups]
-        gift = [c for c in comms if isinstance(c, GiftReduceScatter)]
-        if not gift:
+        if not all(isinstance(c, GiftReduceScatter) for c in comms):
             raise ValueError("gift_compile.frameworks.hsdp.install: call gift_compile.frameworks.fsdp2.install first "
                              "(the replica hop reads the parameter layout of GIFT's reduce-scatter)")
         for pg, comm in zip(groups, comms):
@@ -240,23 +223,15 @@ def install(model: Parts, state: GiftState, replica_group: dist.ProcessGroup, *,
                     "gift_compile.frameworks.hsdp.install: the model is fully_shard-ed on a 2-D (native HSDP) mesh, "
                     "whose replica all-reduce FSDP2 runs itself at full precision before any hook; shard it on the "
                     "shard-only mesh and let GIFT's replica hop all-reduce across replicas")
-            gift_group = isinstance(comm, GiftReduceScatter)
-            if not gift_group and gift[0].replicas != hop.world:
-                raise ValueError(
-                    f"gift_compile.frameworks.hsdp.install: {type(module).__name__} has a parameter group outside "
-                    f"GIFT's reduce-scatter whose reduced shard would be all-reduced at full precision over "
-                    f"{hop.world} replicas; call gift_compile.frameworks.fsdp2.install(..., replicas={hop.world}) "
-                    "so it is refused or warned about by name")
             shards, factor = pg.size(), gradient_divide_factor(module, over)
             if shards == 1:  # no shard hop: this hop is the only collective
                 _check_sole_factor(factor)
-                if gift_group:
+                if not isinstance(comm, EuclideanReduceScatter):
                     _check_sole_hop(state, hop)
             elif factor is None:  # FSDP2's default mean would only count the shard group
                 set_group_divide_factor(module, pg, float(shards * hop.world))
             average = shards == 1 and factor is None
-            set_group_all_reduce_hook(module, pg, ReplicaAllReduce(comm, hop, compiled, sole=shards == 1, average=average)
-                                      if gift_group else OutsideAllReduce(hop, average))
+            set_group_all_reduce_hook(module, pg, ReplicaAllReduce(comm, hop, compiled, sole=shards == 1, average=average))
             n += 1
     if n == 0:
         raise ValueError("gift_compile.frameworks.hsdp.install: the model has no FSDP module")

@@ -11,33 +11,75 @@ graph_trainer under expert parallelism wraps the routed experts on the ``efsdp``
 on ``fsdp``) reduce-scatter over that mesh's group, a collective that carries no mark, so the pass
 leaves it as traced: at full precision. That is never silent: `outside_gift` lists them and
 `install` refuses them by name under ``unrewritten="error"`` (the default) or logs one line per
-module under ``"warn"`` (`gift_compile.frameworks.fsdp2.refuse_outside`, FSDP2's wording, with
-SimpleFSDP's reason); `full_precision_params` counts them for telemetry.
+module under ``"warn"`` (`refuse_outside`); `full_precision_params` counts them for telemetry.
+(FSDP2's custom reduce-scatter, which receives every parameter group's buffer, sends such
+groups on GIFT's codec instead: `gift_compile.frameworks.fsdp2.EuclideanReduceScatter`.)
 """
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from contextlib import AbstractContextManager
+from typing import NamedTuple
 
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from gift_compile.config import GiftConfig
+from gift_compile.config import GiftConfig, Unrewritten
 from gift_compile.frameworks.adapter import attach, attached
-from gift_compile.frameworks.fsdp2 import OutsideGroup, refuse_outside
 from gift_compile.frameworks.parts import Parts, model_parts
 from gift_compile.frameworks.routing import ManageMode, manage
 from gift_compile.runtime.state import GiftState
 
-__all__ = ["SIMPLE_FSDP", "SIMPLE_FSDP_SPLIT", "full_precision_params", "outside_gift"]
+__all__ = ["SIMPLE_FSDP", "SIMPLE_FSDP_SPLIT", "OutsideGroup", "full_precision_params", "outside_gift", "refuse_outside"]
 
-# Why SimpleFSDP's parameters on another mesh stay outside GIFT (`refuse_outside`'s `split`).
+logger = logging.getLogger(__name__)
+
+# Why SimpleFSDP's parameters on another mesh stay outside GIFT (`refuse_outside`).
 SIMPLE_FSDP_SPLIT = ("SimpleFSDP wraps them on another data-parallel mesh than GIFT's group (graph_trainer's "
                      "apply_simple_fsdp: the routed experts on the efsdp mesh), so their traced reduce-scatters run "
                      "over that mesh's group and carry no GIFT mark, and the GIFT pass leaves them as traced (GIFT's "
                      "statistics, transforms and selection span one group)")
+
+
+class OutsideGroup(NamedTuple):
+    """Parameters of one module that SimpleFSDP reduce-scatters over another mesh than GIFT's
+    group (torchtitan's routed experts under expert parallelism), in traced collectives the GIFT
+    pass leaves alone."""
+
+    modules: tuple[str, ...]  # the owning modules' names (from the root)
+    kinds: tuple[str, ...]  # their classes
+    params: tuple[tuple[str, tuple[int, ...]], ...]  # the parameters' names (from the root), unsharded shapes
+    group: str  # the process group: its mesh dimensions' names (else its ranks)
+    ranks: int  # its size (1: no collective)
+
+
+def refuse_outside(groups: list[OutsideGroup], unrewritten: Unrewritten | str) -> None:
+    """Raise (``unrewritten="error"``) naming the modules whose gradients `groups` carry at full
+    precision past GIFT, or log one line per module (``"warn"``; a one-rank group, which sends
+    nothing, is only logged)."""
+    mode = Unrewritten.parse(unrewritten, "unrewritten")
+    crossing = [g for g in groups if g.ranks > 1]
+    why = SIMPLE_FSDP_SPLIT
+    if any(len(shape) > 2 for g in crossing for _, shape in g.params):
+        why += ("; and GIFT's matrices are 2-D linear weights with statistics of their inputs, while a grouped-GEMM "
+                "expert weight is one 3-D tensor for a rank's experts, each fed only its routed tokens")
+    if crossing and mode is Unrewritten.ERROR:
+        names = "; ".join(f"{', '.join(f'{m} ({k})' for m, k in zip(g.modules, g.kinds))} over mesh {g.group!r} "
+                          f"({g.ranks} ranks)" for g in crossing)
+        raise ValueError(f"GIFT: the gradients of {names} would travel at full precision: {why}. Set "
+                         "unrewritten='warn' (torchtitan: --gift.unrewritten warn) to run with them at full precision, "
+                         "or use the FSDP2 trainer, which sends them on GIFT's codec")
+    for g in groups:
+        for module, kind in zip(g.modules, g.kinds):
+            if g.ranks > 1:
+                logger.warning("GIFT: %s (%s) reduce-scatters over mesh %r (%d ranks) at full precision, not managed: "
+                               "%s (unrewritten='warn')", module, kind, g.group, g.ranks, why)
+            else:
+                logger.info("GIFT: %s (%s) is sharded over mesh %r (one rank): its gradient crosses no rank, "
+                            "nothing to compress", module, kind, g.group)
 
 
 def _data_parallel_mesh(module: nn.Module, name: str) -> DeviceMesh:
@@ -123,7 +165,7 @@ class _SimpleFSDPAdapter:
         ``config.unrewritten``; a managed weight among them always raises. The adapter's slot
         keeps them (`full_precision_params`)."""
         outside = outside_gift(model, group if group is not None else dist.group.WORLD)
-        refuse_outside(outside, config.unrewritten, split=SIMPLE_FSDP_SPLIT)
+        refuse_outside(outside, config.unrewritten)
         state = manage(model, config, group, mode=ManageMode.TAG, split_rows=True)
         managed_outside = [fqn for g in outside for fqn, _ in g.params if fqn in state.layers]
         if managed_outside:
