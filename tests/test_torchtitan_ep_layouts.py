@@ -80,6 +80,7 @@ def test_ep_with_tp_quantizes_each_tp_block_and_tracks_gift_off(runs: Callable[[
         # the 5 fsdp parameter groups and the 2 MoE blocks' efsdp groups
         assert r["gift/collectives_per_step"] == 7, r
         assert "gift/full_precision_params" not in r, r
+    assert 0.03 < gift.last("gift/experts_err_euclidean_mean") < 0.3
     assert_tracks_gift_off(gift, off, TOLERANCE)
 
 
@@ -100,6 +101,7 @@ def test_ep_with_pp_runs_gift_per_stage_and_experts_cross_no_rank(runs: Callable
             # fewer than fp32 (stage 1 only 1.08x: its unmanaged 4096 x 64 head is most of its bytes)
             assert r["gift/wire_bytes_per_step"] < r["gift/baseline_bytes_per_step"], r
             assert "gift/full_precision_params" not in r, r
+            assert "gift/experts_err_euclidean_mean" not in r, r  # one-rank efsdp: the experts send nothing
     assert sorted(gift.losses()) == list(range(1, STEPS + 1))
     assert_tracks_gift_off(gift, off, TOLERANCE)
 
@@ -127,6 +129,10 @@ def test_ep_with_hsdp_runs_both_hops_on_the_dense_groups_and_the_replica_hop_on_
         assert r["gift/replica_wire_bytes_per_step"] < 0.9 * f["gift/replica_wire_bytes_per_step"], (r, f)
     assert 0.03 < gift.last("gift/err_euclidean_mean") < 0.3
     assert exact.last("gift/err_euclidean_mean") == 0.0
+    # the experts' only hop quantized them (their round-trip error at nvfp4); at fp32 it sends them raw, with no
+    # round trip to report
+    assert 0.03 < gift.last("gift/experts_err_euclidean_mean") < 0.3
+    assert not [r for r in exact.records if "gift/experts_err_euclidean_mean" in r]
     # fp32 on both hops reproduces native HSDP's losses exactly (experts all-reduced once, over the replicas)
     assert exact.losses() == off.losses()
     assert_tracks_gift_off(gift, off, TOLERANCE)

@@ -20,7 +20,9 @@ not counted. Under HSDP those figures are the shard hop's (the reduce-scatter), 
 parallelism on graph_trainer ``gift/full_precision_params`` counts the parameters (the routed
 experts) that reduce-scatter over another mesh in traced reduce-scatters the GIFT pass leaves
 alone, outside every figure above; on the FSDP2 trainer GIFT's codec sends them
-(`gift_compile.frameworks.fsdp2.EuclideanReduceScatter`), inside those figures.
+(`gift_compile.frameworks.fsdp2.EuclideanReduceScatter`), inside those figures, and
+``gift/experts_err_euclidean_mean`` is their round-trip error at their format, at every logged step
+(the rows each rank last sent; per parameter as ``gift/err_euclidean/<fqn>``).
 """
 
 from __future__ import annotations
@@ -129,6 +131,11 @@ class GiftMetricsProcessor(MetricsProcessor):
                 accounted = _graph_accounted_bytes()
             if accounted is not None:  # what the wire counter should grow by per backward
                 gift["gift/accounted_bytes_per_backward"] = float(accounted)
+            # expert parallelism on the FSDP2 trainer: the routed experts' round-trip error at their format
+            experts = {k: v for k, v in fsdp2.euclidean_errors(self.model_parts).items() if math.isfinite(v)}
+            if experts:
+                gift["gift/experts_err_euclidean_mean"] = sum(experts.values()) / len(experts)
+                gift.update({f"gift/err_euclidean/{fqn}": err for fqn, err in experts.items()})
             # expert parallelism on graph_trainer: the routed experts reduce-scatter outside GIFT, in
             # traced, unmarked collectives over the efsdp mesh (FSDP2 sends them on GIFT's codec)
             outside = simple_fsdp.full_precision_params(state)

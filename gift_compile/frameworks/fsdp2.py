@@ -57,11 +57,13 @@ from gift_compile.frameworks.parts import Parts, model_parts
 from gift_compile.frameworks.routing import ManageMode, manage
 from gift_compile.geometry.table import IDENTITY_KIND
 from gift_compile.runtime.health import queue_backward_check
+from gift_compile.runtime.layer import PROBE_ROWS
+from gift_compile.runtime.selection import relative_error, round_trip
 from gift_compile.runtime.state import GiftState
 from gift_compile.runtime.telemetry import CommTimer
 
 __all__ = ["FSDP2", "EuclideanReduceScatter", "GiftReduceScatter", "accounted_bytes", "discarded_gradients",
-           "discarding", "euclidean_plan", "install", "shard_group", "uninstall"]
+           "discarding", "euclidean_errors", "euclidean_plan", "install", "shard_group", "uninstall"]
 
 logger = logging.getLogger(__name__)
 
@@ -208,8 +210,12 @@ class EuclideanReduceScatter(GiftReduceScatter):
             self._owners[id(p.module)] = (owner, type(p.module).__name__)
             fqn = f"{owner}.{p.param_name}" if owner else p.param_name
             self._plans[id(p.module), p.param_name] = fqn, euclidean_plan(p, fqn, state, over.size())
-        self._seeds = {key: torch.tensor(plan.seed_offset, dtype=torch.int64, device=state.counters.device)
+        device = state.counters.device
+        self._seeds = {key: torch.tensor(plan.seed_offset, dtype=torch.int64, device=device)
                        for key, (_, plan) in self._plans.items() if plan is not None}
+        # each item's first gradient rows as last sent (the codec copies them), for `errors`
+        self._probes = {key: torch.zeros(min(plan.rows, PROBE_ROWS), plan.cols, device=device)
+                        for key, (_, plan) in self._plans.items() if plan is not None}
 
     @property
     def shared(self) -> Shared:
@@ -222,7 +228,22 @@ class EuclideanReduceScatter(GiftReduceScatter):
             fqn, plan = self._plans[key]
             out.append(Segment(fqn, p.rows, p.cols) if plan is None else
                        Segment(fqn, plan.rows // self.over.size(), plan.cols, plan,
-                               ItemTensors((), seed_offset=self._seeds[key])))
+                               ItemTensors((), probe=self._probes[key], seed_offset=self._seeds[key])))
+        return out
+
+    def errors(self) -> dict[str, float]:
+        """Relative round-trip error, at its format, of each quantized parameter's rows as this
+        rank last sent them (its local gradient's first rows: the first local expert's): the
+        experts' counterpart of a layer's Euclidean error at a refresh. NaN before anything was
+        sent (a one-rank group without HSDP sends nothing) or for a non-finite gradient."""
+        out = {}
+        for key, (fqn, plan) in self._plans.items():
+            if plan is None:
+                continue
+            g = self._probes[key]
+            finite = bool(torch.isfinite(g).all()) and float(g.norm()) > 0.0
+            out[fqn] = (relative_error(round_trip(g, plan.spec, IDENTITY_KIND, (), plan.block_rotation), g)
+                        if finite else math.nan)
         return out
 
     def describe(self) -> list[str]:
@@ -334,6 +355,13 @@ def accounted_bytes(model: Parts) -> int | None:
     if not comms:
         return None
     return sum(bucket_wire_bytes(c.plan(*c.last_call)) for c in comms.values())
+
+
+def euclidean_errors(model: Parts) -> dict[str, float]:
+    """`EuclideanReduceScatter.errors` of every such comm on `model` (the routed experts' under
+    expert parallelism), by parameter FQN; empty without one."""
+    return {fqn: err for comm in _gift_comms(model) if isinstance(comm, EuclideanReduceScatter)
+            for fqn, err in comm.errors().items()}
 
 
 class _FSDP2Adapter:
