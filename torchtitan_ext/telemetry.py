@@ -17,10 +17,12 @@ accounting of the same reduce-scatters (FSDP2: each module's plan as last called
 the GIFT pass's report of the step it rewrote), which the counted figure must equal. Collectives GIFT does not touch (buckets without a managed weight) are
 not counted. Under HSDP those figures are the shard hop's (the reduce-scatter), and the
 ``gift/replica_*`` keys (:func:`.hsdp.replica_metrics`) are the replica hop's. With expert
-parallelism on graph_trainer ``gift/full_precision_params`` counts the parameters (the routed
-experts) that reduce-scatter over another mesh in traced reduce-scatters the GIFT pass leaves
-alone, outside every figure above; on the FSDP2 trainer GIFT's codec sends them
-(`gift_compile.frameworks.fsdp2.EuclideanReduceScatter`), inside those figures.
+parallelism the routed experts' reduce-scatters over their efsdp mesh go on GIFT's codec with
+no map, inside those figures (FSDP2: `gift_compile.frameworks.fsdp2.EuclideanReduceScatter`;
+graph_trainer: marked by `gift_compile.frameworks.simple_fsdp.mark_outside`, rewritten by the
+pass); on graph_trainer ``gift/full_precision_params`` counts those that stay unmarked
+(excluded, or refused under ``--gift.unrewritten warn``), in traced reduce-scatters outside
+every figure above.
 """
 
 from __future__ import annotations
@@ -129,8 +131,8 @@ class GiftMetricsProcessor(MetricsProcessor):
                 accounted = _graph_accounted_bytes()
             if accounted is not None:  # what the wire counter should grow by per backward
                 gift["gift/accounted_bytes_per_backward"] = float(accounted)
-            # expert parallelism on graph_trainer: the routed experts reduce-scatter outside GIFT, in
-            # traced, unmarked collectives over the efsdp mesh (FSDP2 sends them on GIFT's codec)
+            # expert parallelism on graph_trainer: routed experts left unmarked (excluded, or refused
+            # under "warn") reduce-scatter outside GIFT, in traced collectives over the efsdp mesh
             outside = simple_fsdp.full_precision_params(state)
             if outside:
                 gift["gift/full_precision_params"] = float(outside)
