@@ -58,8 +58,11 @@ def _other_rewritten(report: Any, other: dict[str, str]) -> str:
     """The rewrite log's account of the collectives it rewrote over other data-parallel groups
     than GIFT's, per label (under expert parallelism ``efsdp``, the routed experts'
     reduce-scatters, marked with no map: `gift_compile.frameworks.simple_fsdp.mark_outside`)."""
-    return "".join(f"; {label} collectives rewritten: {n} carrying {weights} weights"
-                   for label, (n, weights) in ((label, report.rewritten_over(g)) for label, g in other.items()))
+    parts = []
+    for label, group in other.items():
+        n, weights = report.rewritten_over(group)
+        parts.append(f"; {label} collectives rewritten: {n} carrying {weights} weights")
+    return "".join(parts)
 
 
 def gift_rewrite_pass(gm: torch.fx.GraphModule, example_inputs: Any, *, fuse: bool,
