@@ -46,15 +46,16 @@ CONFIGS = {"fsdp2": ("llama3_debug_gift_fsdp2", "llama3_debug_nogift_fsdp2"),
 MOE_CONFIGS = {"fsdp2": ("moe_debug_gift_fsdp2", "moe_debug_nogift_fsdp2"),
                "graph": ("moe_debug_gift_graph", "moe_debug_nogift_graph")}
 MOE_LAYOUTS = {"ep_fsdp", "ep_hsdp", "ep_tp", "ep_pp"}
-# GIFT flags a layout and trainer need: under EP on graph_trainer the routed experts stay at full
-# precision (the traced efsdp collectives, which the pass leaves alone), which GIFT refuses unless
-# told to warn (each expert module is then named); EP x PP needs no warning (efsdp = dp_shard / ep
-# is one rank: the experts' gradients cross no rank). The FSDP2 trainer sends the experts on GIFT's
-# codec (`fsdp2.EuclideanReduceScatter`) and needs no flag. The TP-halved blocks of the debug MoE
-# have 2048-3072 elements, under the default min-numel 4096: at 1024 GIFT manages them
-# (tests/test_torchtitan_ep_layouts.py)
-LAYOUT_GIFT = {("ep_fsdp", "graph"): ["--gift.unrewritten=warn"], ("ep_hsdp", "graph"): ["--gift.unrewritten=warn"],
-               ("ep_tp", "graph"): ["--gift.unrewritten=warn", "--gift.min-numel=1024"],
+# GIFT flags a layout and trainer need: under EP x HSDP on graph_trainer the routed experts'
+# gradients go through the replica all-reduce SimpleFSDP traces for them, which GIFT's pass does
+# not carry for them (its graph replica hop is on its managed linears' marks only), which GIFT
+# refuses unless told to warn (each expert module is then named, its gradient at full
+# precision); under EP x FSDP and EP x TP both trainers send the experts on GIFT's codec with no
+# map (`fsdp2.EuclideanReduceScatter`, `simple_fsdp.mark_outside`) and need no flag; EP x PP needs
+# none either (efsdp = dp_shard / ep is one rank: the experts' gradients cross no rank). The
+# TP-halved blocks of the debug MoE have 2048-3072 elements, under the default min-numel 4096: at
+# 1024 GIFT manages them (tests/test_torchtitan_ep_layouts.py)
+LAYOUT_GIFT = {("ep_hsdp", "graph"): ["--gift.unrewritten=warn"], ("ep_tp", "graph"): ["--gift.min-numel=1024"],
                ("ep_tp", "fsdp2"): ["--gift.min-numel=1024"]}
 
 
@@ -104,12 +105,11 @@ SUITE: dict[str, tuple[str, ...]] = {
     "hsdp_tp/fsdp2": (f"{_L8}::test_hsdp_tp_reduces_each_tp_block_over_shards_then_replicas_at_nvfp4",),
     "pp_tp_fsdp/fsdp2": (f"{_L8}::test_pp_tp_fsdp_quantizes_each_stages_tp_blocks_at_nvfp4",),
     "ep_fsdp/fsdp2": (f"{_EPT}::test_ep_quantizes_the_dense_layers_and_the_experts_at_nvfp4",),
-    "ep_fsdp/graph": (f"{_EPG}::test_ep_on_graph_quantizes_the_dense_layers_at_nvfp4_and_leaves_the_experts_at_full_"
-                      "precision",),
+    "ep_fsdp/graph": (f"{_EPG}::test_ep_on_graph_quantizes_the_dense_layers_and_the_experts_at_nvfp4",),
     "ep_hsdp/fsdp2": (f"{_EPL}::test_ep_with_hsdp_runs_both_hops_on_the_dense_groups_and_the_replica_hop_on_the_"
                       "experts",),
     "ep_tp/fsdp2": (f"{_EPL}::test_ep_with_tp_quantizes_each_tp_block_and_tracks_gift_off",),
-    "ep_tp/graph": (f"{_EPG}::test_ep_with_tp_on_graph_names_the_experts_whose_group_has_gift_s_ranks",),
+    "ep_tp/graph": (f"{_EPG}::test_ep_with_tp_on_graph_rewrites_the_experts_whose_group_has_gift_s_ranks",),
     "ep_pp/fsdp2": (f"{_EPL}::test_ep_with_pp_runs_gift_per_stage_and_experts_cross_no_rank",),
     # graph_trainer refuses every pipeline layout by one rule (its refusal's test)
     **{f"{layout}/graph": (f"{_PPT}::test_pipeline_refusals_name_the_reason",) for layout in LAYOUTS

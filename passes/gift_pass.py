@@ -67,6 +67,7 @@ class RewriteRecord:
     the runtime counters count what is really handed over)."""
 
     op: str
+    group: str  # the process group (name) of the collective it replaced, which GIFT's runs over
     layers: list[str]
     passthrough: int
     wire_bytes: int
@@ -101,6 +102,12 @@ class RewriteReport:
     @property
     def baseline_bytes(self) -> int:
         return sum(r.baseline_bytes for r in self.rewritten)
+
+    def rewritten_over(self, group_name: str) -> tuple[int, int]:
+        """(collectives, managed weights) the pass rewrote over `group_name` (under expert
+        parallelism the routed experts' efsdp reduce-scatters, told apart from the dense ones)."""
+        records = [r for r in self.rewritten if r.group == group_name]
+        return len(records), sum(len(r.layers) for r in records)
 
     @property
     def replica_hops(self) -> int:
@@ -198,7 +205,8 @@ def rewrite_bucket(graph: fx.Graph, match: BucketMatch) -> RewriteRecord:
     if match.pre_bucket is not None and not match.pre_bucket.users:
         graph.erase_node(match.pre_bucket)
     baseline = sum(x.meta["val"].numel() * x.meta["val"].element_size() for x in match.inputs)
-    record = RewriteRecord(match.op, [i.name for i in items if i.managed], sum(not i.managed for i in items),
+    record = RewriteRecord(match.op, match.group_name, [i.name for i in items if i.managed],
+                           sum(not i.managed for i in items),
                            bucket_wire_bytes(plan), baseline)
     if replica_plan is not None:
         record.replica_wire_bytes = bucket_wire_bytes(replica_plan)

@@ -1,8 +1,9 @@
-"""`fsdp2.euclidean_plan`: how a parameter group on another mesh than GIFT's (torchtitan's routed
-experts on ``efsdp``) is cut into GIFT items, without torchtitan or ranks (the 4-rank runs are
-tests/test_torchtitan_ep*.py). A grouped expert weight's local shard `[experts, out, in]` is one
-item `[world x experts x out, in]` at the state's format (or its `layer_formats` entry), with no
-map and none of a layer's runtime tensors; anything else goes raw (None)."""
+"""`frameworks.euclidean.euclidean_plan`: how a parameter group on another mesh than GIFT's
+(torchtitan's routed experts on ``efsdp``) is cut into GIFT items, without torchtitan or ranks
+(the 4-rank runs are tests/test_torchtitan_ep*.py). The gradient a collective reduces over
+`world` ranks, a grouped expert weight `[experts, out, in]`, is one item `[experts x out, in]` at
+the state's format (or its `layer_formats` entry), with no map and none of a layer's runtime
+tensors; anything else goes raw (None)."""
 
 from __future__ import annotations
 
@@ -10,17 +11,9 @@ import pytest
 
 from gift_compile.config import GiftConfig
 from gift_compile.exchange.plan import Collective
-from gift_compile.frameworks.fsdp2 import euclidean_plan
-from gift_compile.frameworks.fsdp_internals import PackedParam
+from gift_compile.frameworks.euclidean import euclidean_plan
 from gift_compile.geometry.table import IDENTITY_KIND
 from gift_compile.runtime.state import GiftState
-
-
-def _param(local: tuple[int, ...], dim0: bool = True) -> PackedParam:
-    rows, cols = local[0], 1
-    for d in local[1:]:
-        cols *= d
-    return PackedParam("w", rows, cols, None, "w", dim0, (2 * local[0], *local[1:]), local)
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +24,9 @@ def state() -> GiftState:
 
 
 def test_a_grouped_expert_weight_is_one_item_of_its_experts_rows(state: GiftState) -> None:
-    plan = euclidean_plan(_param((2, 64, 32)), "blocks.1.experts.w1_EFD", state, world=2)
+    plan = euclidean_plan(state, "blocks.1.experts.w1_EFD", (4, 64, 32), world=2)
     assert plan is not None and plan.managed
-    # 2 ranks x 2 local experts x 64 rows each, the input dim as columns: rows split as FSDP2's shard
+    # 4 experts x 64 rows each (2 whole experts per rank), the input dim as columns
     assert (plan.rows, plan.cols) == (256, 32)
     assert plan.name == "blocks.1.experts.w1_EFD"
     assert plan.format == "nvfp4" and plan.kind == IDENTITY_KIND and plan.n_tensors == 0
@@ -42,21 +35,21 @@ def test_a_grouped_expert_weight_is_one_item_of_its_experts_rows(state: GiftStat
     assert not plan.error_feedback and not plan.second_hop_error_feedback and not plan.gated
     assert plan.stochastic_rounding
     # a 2-D parameter sharded on dim 0 is its own rows
-    flat = euclidean_plan(_param((48, 128)), "blocks.1.router.w", state, world=2)
+    flat = euclidean_plan(state, "blocks.1.router.w", (96, 128), world=2)
     assert flat is not None and (flat.rows, flat.cols) == (96, 128)
 
 
 def test_layer_formats_apply_to_the_expert_items(state: GiftState) -> None:
-    plan = euclidean_plan(_param((2, 32, 64)), "blocks.1.experts.w2_EDF", state, world=2)
+    plan = euclidean_plan(state, "blocks.1.experts.w2_EDF", (4, 32, 64), world=2)
     assert plan is not None and plan.format == "fp8_e4m3"
 
 
-@pytest.mark.parametrize("local, dim0, name, why", [
-    ((2, 64, 32), False, "blocks.1.experts.w1_EFD", "sharded on another dim"),
-    ((1024,), True, "blocks.1.experts.bias", "one dim"),
-    ((1, 32, 32), True, "blocks.1.experts.w1_EFD", "2 x 1024 elements, under min_numel 4096"),
-    ((2, 64, 32), True, "tok_embeddings.w", "excluded by the default globs"),
+@pytest.mark.parametrize("shape, name, why", [
+    ((), "blocks.1.experts.w1_EFD", "sharded on another dim: no dim-0 rows to split (FSDP2 passes no shape)"),
+    ((2048,), "blocks.1.experts.bias", "one dim"),
+    ((2, 32, 32), "blocks.1.experts.w1_EFD", "2048 elements, under min_numel 4096"),
+    ((3, 64, 32), "blocks.1.experts.w1_EFD", "3 experts do not split over 2 ranks"),
+    ((4, 64, 32), "tok_embeddings.w", "excluded by the default globs"),
 ])
-def test_what_cannot_go_as_an_item_goes_raw(state: GiftState, local: tuple[int, ...], dim0: bool, name: str,
-                                             why: str) -> None:
-    assert euclidean_plan(_param(local, dim0), name, state, world=2) is None, why
+def test_what_cannot_go_as_an_item_goes_raw(state: GiftState, shape: tuple[int, ...], name: str, why: str) -> None:
+    assert euclidean_plan(state, name, shape, world=2) is None, why

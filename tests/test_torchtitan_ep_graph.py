@@ -4,21 +4,24 @@ The ``gift_moe_debug`` DeepSeek-V3 MoE (see `gift_compile.torchtitan_ext.models`
 ``apply_simple_fsdp`` with EP 2: the routed experts (grouped-GEMM 3-D weights) are wrapped on the
 2-rank ``efsdp`` mesh, everything else on the 4-rank ``fsdp`` mesh. The GIFT pass rewrites the
 fsdp-mesh bucketed reduce-scatters that carry the marked dense linears (attention, shared experts,
-the dense block); the experts' efsdp reduce-scatters carry no mark and stay as traced, at full
-precision, named per module (`gift_compile.frameworks.simple_fsdp.outside_gift`), and the EP
-all-to-alls are not touched (the rewrite log counts both groups' collectives before and after).
+the dense block) and the experts' efsdp reduce-scatters, whose gradients GIFT marks with a
+Euclidean plan (`gift_compile.frameworks.simple_fsdp.mark_outside`: each grouped weight
+`[2 local experts, 64, 64]` one item `[128, 64]`, no map, as FSDP2 sends them), into GIFT's
+collective over that group; the EP all-to-alls are not touched (the rewrite log counts them
+before and after, and the collectives it rewrote over efsdp).
 
-Three runs, same seed, init and data, ``--gift.unrewritten warn`` (under the default GIFT refuses
-the run naming the expert modules: the unit test at the end; the FSDP2 trainer sends them on
-GIFT's codec instead, tests/test_torchtitan_ep.py): GIFT at nvfp4 (a refresh after step
-2), GIFT at fp32 and GIFT off. nvfp4 must quantize the dense linears (bytes counted at the
-collective == the pass's accounting, fewer than fp32's, a round-trip error > 0, losses that differ
-from GIFT off after step 1 and stay within the 2-rank tests' tolerance); fp32 must reproduce GIFT
-off's losses exactly. A fourth run, EP x TP (dp_shard 2 x tp 2, EP 2) at nvfp4, guards how the
-experts are told apart there: their efsdp group then holds the same ranks as GIFT's fsdp group,
-so only the mesh (its dimensions) says they are another collective; they must still be named.
-(Its losses against GIFT off, and EP x HSDP on this trainer, are rows of `bench.layouts`.)
-Measured 2026-12-05 on 2 cores shared with other jobs: the first three runs 350 s, the EP x TP run 55 s
+Four runs, same seed, init and data, with the default ``--gift.unrewritten error`` (nothing is
+refused): GIFT at nvfp4 (a refresh after step 2), GIFT at fp32, GIFT at nvfp4 with the experts
+excluded (their reduce-scatters then stay as traced, at fp32, counted in
+``gift/full_precision_params``) and GIFT off. nvfp4 must quantize the dense linears and the
+experts (their fp32 gradients in GIFT's baseline, bytes counted at the collective == the pass's
+accounting, the experts' bytes at least 80% fewer than their fp32 bytes, a round-trip error > 0,
+losses within the 2-rank tests' tolerance of GIFT off); fp32 must reproduce GIFT off's losses
+exactly. A fifth run, EP x TP (dp_shard 2 x tp 2, EP 2) at nvfp4: the experts' efsdp group then
+holds the same ranks as GIFT's fsdp group but is another mesh, and its reduce-scatters must be
+rewritten as well. (Its losses against GIFT off, and EP x HSDP on this trainer, whose experts GIFT
+refuses by name, are rows of `bench.layouts`.) Measured 2026-12-06 on 2 cores shared with
+other jobs (load 4-8): the file 464 s
 (``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_torchtitan_ep_graph.py``).
 """
 
@@ -34,7 +37,9 @@ from conftest import require
 
 require("torchtitan", "torchtitan extra not installed")
 
-from gift_compile.frameworks.simple_fsdp import OutsideGroup, refuse_outside  # noqa: E402
+from torch.distributed.tensor import Replicate, Shard  # noqa: E402
+
+from gift_compile.frameworks.simple_fsdp import OutsideGroup, _why_not_carried, refuse_outside  # noqa: E402
 from gift_compile.torchtitan_ext.hooks import REFUSAL  # noqa: E402
 from gift_compile.torchtitan_ext.models import MOE_FLAVORS  # noqa: E402
 from gift_compile.torchtitan_ext.runs import RunResult, shared_runs  # noqa: E402
@@ -45,7 +50,7 @@ EP = ["--parallelism.data-parallel-shard-degree=4", "--parallelism.expert-parall
       "--validator.no-enable", f"--training.steps={STEPS}", "--metrics.log-freq=1"]
 EP_TP = ["--parallelism.data-parallel-shard-degree=2", "--parallelism.tensor-parallel-degree=2",
          *EP[1:]]
-GIFT = ["--gift.refresh-every=2", "--gift.no-fuse", "--gift.unrewritten=warn"]
+GIFT = ["--gift.refresh-every=2", "--gift.no-fuse"]
 TOLERANCE = 5e-3  # the 2-rank tests' per-step loss tolerance (tests/test_torchtitan_train.py)
 EXPERTS = [f"layers.{i}.moe.routed_experts.inner_experts" for i in (1, 2)]
 
@@ -55,53 +60,65 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], RunResult]
     return shared_runs({
         "nvfp4": ("moe_debug_gift_graph", [*EP, *GIFT, "--gift.format=nvfp4"]),
         "fp32": ("moe_debug_gift_graph", [*EP, *GIFT, "--gift.format=fp32"]),
+        # the routed experts excluded (GiftConfig.exclude): unmarked, their traced reduce-scatters stay fp32
+        "raw_experts": ("moe_debug_gift_graph", [*EP, *GIFT, "--gift.format=nvfp4",
+                                                 "--gift.exclude=*embed*,*output*,*lm_head*,*routed_experts*"]),
         "off": ("moe_debug_nogift_graph", EP),
         "tp_nvfp4": ("moe_debug_gift_graph", [*EP_TP, *GIFT, "--gift.format=nvfp4", "--gift.min-numel=1024"]),
     }, lambda name: str(tmp_path_factory.mktemp(name)), nproc=4)
 
 
-def _assert_experts_named_and_nothing_else(run: RunResult) -> None:
-    """Each routed-expert module is named in a warning (full precision, SimpleFSDP's reason),
-    nothing else GIFT logs is a warning or a fallback, and no layout was refused."""
+def _assert_experts_on_gift(run: RunResult, items: str) -> None:
+    """Each routed-expert module is named in one warning saying its three grouped weights go on
+    GIFT's codec with no map over the 2-rank efsdp mesh as `items` (a warning: the run's
+    geometry has a map they go without), nothing else GIFT logs is a warning or a fallback, and
+    no layout was refused."""
     assert REFUSAL not in run.output
+    lines = [line for line in run.output.splitlines() if "(GroupedExperts)" in line]
+    found = {m.group(1) for line in lines
+             if (m := re.search(r"WARNING .*GIFT: (\S+) \(GroupedExperts\) reduce-scatters over mesh 'efsdp' "
+                                rf"\(2 ranks\) on GIFT's codec with no map.*: {items}", line))}
+    assert found == set(EXPERTS), "\n".join(lines) or run.output[-3000:]
     warnings = run.gift_warnings()
-    assert warnings, run.output[-3000:]
-    for line in warnings:
-        found = re.search(r"GIFT: (\S+) \(GroupedExperts\) reduce-scatters over mesh 'efsdp' \(2 ranks\) at full "
-                          r"precision, not managed: SimpleFSDP wraps them on another data-parallel mesh.*"
-                          r"grouped-GEMM expert weight", line)
-        assert found and found.group(1) in EXPERTS, line
-    assert {m for m in EXPERTS if any(m in line for line in warnings)} == set(EXPERTS)
+    assert warnings and all("(GroupedExperts)" in line for line in warnings), warnings
 
 
-def _assert_ep_and_efsdp_untouched(run: RunResult) -> None:
-    """The rewrite log counts the EP all-to-alls and the experts' efsdp collectives, forward
-    and backward, before and after the rewrite: there are some, and they did not change."""
-    for label in ("EP", "efsdp"):
-        found = re.search(rf"; {label} collectives left as they were: forward (\d+) -> (\d+), backward (\d+) -> (\d+)",
-                          run.output)
-        assert found, run.output[-3000:]
+def _quantized(fmt: str) -> str:
+    """`_assert_experts_on_gift`'s items: each grouped weight as [2 local experts x 64 rows, 64]."""
+    return ", ".join(f"{w} as \\[128, 64\\] at {fmt}" for w in ("w1_EFD", "w2_EDF", "w3_EFD"))
+
+
+def _rewrite_logs(run: RunResult, efsdp: tuple[int, int]) -> None:
+    """Every rewrite log counts the EP all-to-alls, forward and backward, before and after the
+    rewrite: there are some, and they did not change; and says it rewrote `efsdp` (collectives,
+    weights) over the efsdp group (the experts' reduce-scatters)."""
+    logs = [line for line in run.output.splitlines() if "GIFT rewrite:" in line]
+    assert logs, run.output[-3000:]
+    for line in logs:
+        found = re.search(r"; EP collectives left as they were: forward (\d+) -> (\d+), backward (\d+) -> (\d+)", line)
+        assert found, line
         fwd, fwd_after, bwd, bwd_after = map(int, found.groups())
-        assert fwd == fwd_after and bwd == bwd_after and bwd > 0, (label, found.group(0))
+        assert fwd == fwd_after and bwd == bwd_after and bwd > 0, found.group(0)
+        found = re.search(r"; efsdp collectives rewritten: (\d+) carrying (\d+) weights", line)
+        assert found and tuple(map(int, found.groups())) == efsdp, line
 
 
-def _block_dense_elements(run: RunResult) -> int:
-    """The transformer blocks' parameters less the routed experts' (3 grouped weights of
-    [E, hidden, dim] per MoE block): what the buckets with a managed weight carry (the
-    embeddings, final norm and head reduce-scatter in buckets of their own, which GIFT leaves as
-    they are)."""
+def _elements(run: RunResult, ep: int = 2) -> tuple[int, int]:
+    """The transformer blocks' parameters less the routed experts' (what the fsdp buckets with a
+    managed weight carry: the embeddings, final norm and head reduce-scatter in buckets of their
+    own, which GIFT leaves as they are), and the routed experts' on one EP rank (3 grouped
+    weights of [E / ep, hidden, dim] per MoE block: what the efsdp reduce-scatters carry)."""
     total = int(re.search(r"gift_moe_debug size: ([\d,]+) total parameters", run.output).group(1).replace(",", ""))
     size = MOE_FLAVORS["gift_moe_debug"]
     experts = ((size["n_layers"] - size["n_dense_layers"]) * 3 * size["num_experts"] * size["moe_hidden_dim"]
                * size["dim"])
-    return total - experts - 2 * size["vocab_size"] * size["dim"] - size["dim"]
+    return total - experts - 2 * size["vocab_size"] * size["dim"] - size["dim"], experts // ep
 
 
-def test_ep_on_graph_quantizes_the_dense_layers_at_nvfp4_and_leaves_the_experts_at_full_precision(
-        runs: Callable[[str], RunResult]) -> None:
-    gift, exact, off = runs("nvfp4"), runs("fp32"), runs("off")
-    _assert_experts_named_and_nothing_else(gift)
-    _assert_ep_and_efsdp_untouched(gift)
+def test_ep_on_graph_quantizes_the_dense_layers_and_the_experts_at_nvfp4(runs: Callable[[str], RunResult]) -> None:
+    gift, off, raw = runs("nvfp4"), runs("off"), runs("raw_experts")
+    _assert_experts_on_gift(gift, _quantized("nvfp4"))
+    _rewrite_logs(gift, (2, 6))
     managed = re.search(r"GIFT: (\d+) weights managed \((.*)\)", gift.output)
     assert managed and int(managed.group(1)) == 18, gift.output[-3000:]
     names = managed.group(2).split(", ")
@@ -110,17 +127,28 @@ def test_ep_on_graph_quantizes_the_dense_layers_at_nvfp4_and_leaves_the_experts_
                  "layers.0.feed_forward.w3.weight"):
         assert name in names
     assert not [n for n in names if "routed_experts" in n]
-    fp32_wire = logged_steps(exact, STEPS)[0]["gift/wire_bytes_per_step"]
+    dense, experts = _elements(gift)
     for r in logged_steps(gift, STEPS):
-        # the rewritten reduce-scatters carry exactly the blocks' dense gradients, none of the experts'
-        assert r["gift/baseline_bytes_per_step"] == 4 * _block_dense_elements(gift), r
-        # bytes handed to GIFT's collectives (counted at run time) == the pass's accounting, < fp32's
+        # the rewritten reduce-scatters carry the blocks' dense gradients and this EP rank's experts'
+        assert r["gift/baseline_bytes_per_step"] == 4 * (dense + experts), r
+        # bytes handed to GIFT's collectives (counted at run time) == the pass's accounting
         assert r["gift/wire_bytes_per_step"] == r["gift/accounted_bytes_per_backward"], r
-        assert r["gift/wire_bytes_per_step"] < 0.9 * fp32_wire, (r, fp32_wire)
-        # one bucketed reduce-scatter per transformer block on the fsdp mesh
-        assert r["gift/collectives_per_step"] == 3, r
-        # the routed experts' 3 weights per MoE block stay on their traced efsdp reduce-scatters
-        assert r["gift/full_precision_params"] == 6, r
+        # one bucketed reduce-scatter per transformer block on the fsdp mesh, one per MoE block on efsdp
+        assert r["gift/collectives_per_step"] == 5, r
+        assert "gift/full_precision_params" not in r, r
+    # excluded, the experts stay unmarked on their traced fp32 reduce-scatters (logged, counted),
+    # outside GIFT's figures; quantized, they add under 20% of their fp32 bytes to GIFT's
+    assert REFUSAL not in raw.output
+    unmarked = {m.group(1) for line in raw.output.splitlines()
+                if (m := re.search(r"INFO .*GIFT: (\S+) \(GroupedExperts\) reduce-scatters over mesh 'efsdp' "
+                                   r"\(2 ranks\) unmarked, at full precision .*: w1_EFD, w2_EDF, w3_EFD$", line))}
+    assert unmarked == set(EXPERTS), raw.output[-3000:]
+    _rewrite_logs(raw, (0, 0))
+    for r, f in zip(logged_steps(gift, STEPS), logged_steps(raw, STEPS)):
+        assert f["gift/baseline_bytes_per_step"] == 4 * dense, f
+        assert f["gift/full_precision_params"] == 6, f
+        assert f["gift/collectives_per_step"] == 3, f
+        assert r["gift/wire_bytes_per_step"] - f["gift/wire_bytes_per_step"] < 0.2 * 4 * experts, (r, f)
     assert gift.last("gift/refresh_step") == 2
     assert 0.03 < gift.last("gift/err_euclidean_mean") < 0.3
     assert_tracks_gift_off(gift, off, TOLERANCE)
@@ -128,41 +156,50 @@ def test_ep_on_graph_quantizes_the_dense_layers_at_nvfp4_and_leaves_the_experts_
 
 def test_ep_on_graph_at_fp32_is_exact_and_matches_gift_off(runs: Callable[[str], RunResult]) -> None:
     exact, off = runs("fp32"), runs("off")
-    _assert_experts_named_and_nothing_else(exact)
-    _assert_ep_and_efsdp_untouched(exact)
+    _assert_experts_on_gift(exact, _quantized("fp32"))
+    _rewrite_logs(exact, (2, 6))
+    dense, experts = _elements(exact)
     for r in logged_steps(exact, STEPS):
         assert r["gift/wire_bytes_per_step"] == r["gift/accounted_bytes_per_backward"], r
-        assert r["gift/baseline_bytes_per_step"] == 4 * _block_dense_elements(exact), r
-        assert r["gift/full_precision_params"] == 6, r
+        assert r["gift/baseline_bytes_per_step"] == 4 * (dense + experts), r
+        assert "gift/full_precision_params" not in r, r
     assert exact.last("gift/err_euclidean_mean") == 0.0
     assert exact.losses() == off.losses()
 
 
-def test_experts_outside_the_pass_are_refused_by_name_unless_configured(caplog: pytest.LogCaptureFixture) -> None:
-    """graph_trainer refuses the experts' traced reduce-scatters by name (SimpleFSDP's reason), or
-    with "warn" logs them per module; a one-rank group sends nothing and is only logged."""
+def test_experts_the_pass_cannot_carry_are_refused_by_name_unless_configured(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """What the pass cannot carry (HSDP's replica all-reduce of the experts, a shard on dim 1)
+    is refused by name with its reason, or with "warn" logged per module; a group the pass
+    carries (no reason) is not refused; a one-rank group sends nothing and is only logged."""
+    assert _why_not_carried((Shard(0),)) == ""
+    hsdp, dim1 = _why_not_carried((Replicate(), Shard(0))), _why_not_carried((Shard(1),))
+    assert "HSDP" in hsdp and "replica" in hsdp and "dim 1" in dim1
     group = OutsideGroup(modules=("layers.1.moe.routed_experts.inner_experts",), kinds=("GroupedExperts",),
                          params=tuple((f"layers.1.moe.routed_experts.inner_experts.{w}", (4, 64, 64))
-                                      for w in ("w1_EFD", "w2_EDF", "w3_EFD")), group="efsdp", ranks=2)
-    with pytest.raises(ValueError, match=r"layers\.1\.moe\.routed_experts\.inner_experts \(GroupedExperts\) over mesh "
-                                         r"'efsdp' \(2 ranks\) would travel at full precision: SimpleFSDP wraps them "
-                                         r".*carry no GIFT mark.*3-D tensor.*unrewritten='warn'.*FSDP2 trainer"):
+                                      for w in ("w1_EFD", "w2_EDF", "w3_EFD")), group="dp_replicatexefsdp", ranks=2,
+                         why=hsdp)
+    with pytest.raises(ValueError, match=r"layers\.1\.moe\.routed_experts\.inner_experts \(GroupedExperts\) "
+                                         r"over mesh 'dp_replicatexefsdp' \(2 ranks\): under HSDP.*would travel at "
+                                         r"full precision.*unrewritten='warn'.*FSDP2 trainer"):
         refuse_outside([group], "error")
     with caplog.at_level(logging.INFO, logger="gift_compile.frameworks.simple_fsdp"):
+        refuse_outside([group._replace(why="")], "error")
         refuse_outside([group], "warn")
         refuse_outside([group._replace(ranks=1)], "error")
     assert [r.levelname for r in caplog.records] == ["WARNING", "INFO"]
-    assert ("layers.1.moe.routed_experts.inner_experts (GroupedExperts) reduce-scatters over mesh 'efsdp' (2 ranks) "
-            "at full precision") in caplog.records[0].getMessage()
+    assert ("layers.1.moe.routed_experts.inner_experts (GroupedExperts) reduces over mesh 'dp_replicatexefsdp' "
+            "(2 ranks) at full precision, not carried: under HSDP") in caplog.records[0].getMessage()
     assert "crosses no rank" in caplog.records[1].getMessage()
 
 
-def test_ep_with_tp_on_graph_names_the_experts_whose_group_has_gift_s_ranks(runs: Callable[[str], RunResult]) -> None:
+def test_ep_with_tp_on_graph_rewrites_the_experts_whose_group_has_gift_s_ranks(
+        runs: Callable[[str], RunResult]) -> None:
     gift = runs("tp_nvfp4")
-    _assert_experts_named_and_nothing_else(gift)
-    _assert_ep_and_efsdp_untouched(gift)
+    _assert_experts_on_gift(gift, _quantized("nvfp4"))
+    _rewrite_logs(gift, (2, 6))
     for r in logged_steps(gift, STEPS):
         assert r["gift/wire_bytes_per_step"] == r["gift/accounted_bytes_per_backward"], r
         assert r["gift/wire_bytes_per_step"] < 0.3 * r["gift/baseline_bytes_per_step"], r
-        assert r["gift/collectives_per_step"] == 3, r
-    assert [r["gift/full_precision_params"] for r in gift.records if "gift/full_precision_params" in r] == [6.0] * STEPS
+        assert r["gift/collectives_per_step"] == 5, r
+        assert "gift/full_precision_params" not in r, r

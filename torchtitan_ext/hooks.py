@@ -73,10 +73,12 @@ def data_parallel_group(parallel_dims: Any, trainer: str = "graph") -> dist.Proc
     `gift_compile.frameworks.fsdp2.EuclideanReduceScatter`), as it does their replica all-reduce
     over dp_replicate under HSDP. On graph_trainer with expert parallelism
     (FSDP, HSDP, FSDP x TP) it is the group it would be without EP as well: SimpleFSDP wraps the
-    routed experts on the efsdp mesh (dp_replicate x efsdp under HSDP), whose traced collectives
-    carry no GIFT mark, so the pass leaves them as traced (refused by name or logged per module,
-    `gift_compile.frameworks.simple_fsdp.outside_gift`), and the EP all-to-alls are not GIFT's
-    either. Other layouts are refused by name."""
+    routed experts on the efsdp mesh, whose gradients GIFT marks with no map
+    (`gift_compile.frameworks.simple_fsdp.mark_outside`), so the pass rewrites their traced
+    reduce-scatters over that group; under HSDP (dp_replicate x efsdp) the replica all-reduce
+    traced for them is not carried, so they are refused by name or logged per module
+    (`simple_fsdp.refuse_outside`). The EP all-to-alls are not GIFT's. Other layouts are refused
+    by name."""
     others = {
         "pipeline on graph_trainer": parallel_dims.pp if trainer != "fsdp2" else 1,
         "expert with context": parallel_dims.ep if parallel_dims.cp > 1 else 1,

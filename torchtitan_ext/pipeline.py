@@ -47,15 +47,27 @@ def _pass_name(pass_fn: Callable) -> str:
 
 def _kept_launches(report: Any, kept: dict[str, str]) -> str:
     """The rewrite log's account of the collectives the pass must leave as they were, per label
-    (``TP``; under expert parallelism ``EP``, the token all-to-alls, and ``efsdp``, the routed
-    experts' reduce-scatters): it rewrites only the data-parallel reduce-scatters the marks reach."""
+    (``TP``; under expert parallelism ``EP``, the token all-to-alls): it rewrites only the
+    data-parallel reduce-scatters the marks reach."""
     return "".join(f"; {label} collectives left as they were: " + ", ".join(
         f"{phase} {before} -> {after}" for phase, (before, after) in report.group_launches(group).items())
         for label, group in kept.items())
 
 
+def _other_rewritten(report: Any, other: dict[str, str]) -> str:
+    """The rewrite log's account of the collectives it rewrote over other data-parallel groups
+    than GIFT's, per label (under expert parallelism ``efsdp``, the routed experts'
+    reduce-scatters, marked with no map: `gift_compile.frameworks.simple_fsdp.mark_outside`)."""
+    parts = []
+    for label, group in other.items():
+        n, weights = report.rewritten_over(group)
+        parts.append(f"; {label} collectives rewritten: {n} carrying {weights} weights")
+    return "".join(parts)
+
+
 def gift_rewrite_pass(gm: torch.fx.GraphModule, example_inputs: Any, *, fuse: bool,
-                      kept: dict[str, str] | None = None) -> torch.fx.GraphModule:
+                      kept: dict[str, str] | None = None,
+                      other: dict[str, str] | None = None) -> torch.fx.GraphModule:
     """graph_trainer pass ``(gm, example_inputs) -> gm`` around the GIFT rewrite.
 
     With ``fuse``, every node the rewrite inserted is tagged ``compile_with_inductor`` so
@@ -66,9 +78,9 @@ def gift_rewrite_pass(gm: torch.fx.GraphModule, example_inputs: Any, *, fuse: bo
     side, the collective and the decode side are separate regions and the all_to_all keeps
     the place (and overlap) the bucketing scheduler gave the reduce-scatter. A managed
     gradient that cannot be rewritten raises inside the pass (no silent fp32). `kept` (label ->
-    process group name: TP's group with tensor parallelism, EP's and efsdp's with expert
-    parallelism) makes the log count those groups' collectives before and after the rewrite,
-    forward and backward.
+    process group name: TP's group with tensor parallelism, EP's with expert parallelism) makes
+    the log count those groups' collectives before and after the rewrite, forward and backward;
+    `other` (efsdp's with expert parallelism) the collectives it rewrote over those groups.
     """
     before = set(gm.graph.nodes)
     report = rewrite_gradient_collectives(gm)
@@ -82,7 +94,7 @@ def gift_rewrite_pass(gm: torch.fx.GraphModule, example_inputs: Any, *, fuse: bo
         f"rewritten collectives {report.baseline_bytes} -> {report.wire_bytes}"
         + (f"; replica hop (HSDP): {report.replica_hops} all-reduces of the reduced shards after them, bytes per "
            f"step {report.replica_baseline_bytes} -> {report.replica_wire_bytes}" if report.replica_hops else "")
-        + _kept_launches(report, kept or {})
+        + _kept_launches(report, kept or {}) + _other_rewritten(report, other or {})
     )
     if fuse:
         for node in gm.graph.nodes:
@@ -111,23 +123,25 @@ def gift_pass_pipeline(traced_result: Any, config: Any, *, parallel_dims: Any = 
     terminal = {_pass_name(p) for p in final_inductor_compile_passes(config.compile, use_cudagraph=True)}
     terminal.add("cudagraph_pass")
     index = next((i for i, p in enumerate(passes) if _pass_name(p) in terminal), len(passes))
-    passes.insert(index, functools.partial(gift_rewrite_pass, fuse=config.gift.fuse, kept=_kept_groups(parallel_dims)))
+    kept, other = _logged_groups(parallel_dims)
+    passes.insert(index, functools.partial(gift_rewrite_pass, fuse=config.gift.fuse, kept=kept, other=other))
     return passes
 
 
-def _kept_groups(parallel_dims: Any) -> dict[str, str]:
-    """The process groups whose collectives the rewrite log counts (`gift_rewrite_pass`): TP's
-    with tensor parallelism; with expert parallelism EP's (the token all-to-alls) and efsdp's
-    (the routed experts' reduce-scatters, which carry no mark)."""
+def _logged_groups(parallel_dims: Any) -> tuple[dict[str, str], dict[str, str]]:
+    """The process groups the rewrite log accounts for (`gift_rewrite_pass`): those whose
+    collectives it must leave as they were (TP's with tensor parallelism, EP's, the token
+    all-to-alls, with expert parallelism) and the other data-parallel ones it rewrites (efsdp's
+    with expert parallelism: the routed experts' reduce-scatters)."""
     if parallel_dims is None:
-        return {}
-    kept = {}
+        return {}, {}
+    kept, other = {}, {}
     if parallel_dims.tp > 1:
         kept["TP"] = parallel_dims.get_mesh("tp").get_group().group_name
     if parallel_dims.ep > 1:
         kept["EP"] = parallel_dims.get_mesh("ep").get_group().group_name
-        kept["efsdp"] = parallel_dims.get_mesh("efsdp").get_group().group_name
-    return kept
+        other["efsdp"] = parallel_dims.get_mesh("efsdp").get_group().group_name
+    return kept, other
 
 
 @register_pre_train_step_hook(GIFT_PASS_PIPELINE)

@@ -17,12 +17,14 @@ accounting of the same reduce-scatters (FSDP2: each module's plan as last called
 the GIFT pass's report of the step it rewrote), which the counted figure must equal. Collectives GIFT does not touch (buckets without a managed weight) are
 not counted. Under HSDP those figures are the shard hop's (the reduce-scatter), and the
 ``gift/replica_*`` keys (:func:`.hsdp.replica_metrics`) are the replica hop's. With expert
-parallelism on graph_trainer ``gift/full_precision_params`` counts the parameters (the routed
-experts) that reduce-scatter over another mesh in traced reduce-scatters the GIFT pass leaves
-alone, outside every figure above; on the FSDP2 trainer GIFT's codec sends them
-(`gift_compile.frameworks.fsdp2.EuclideanReduceScatter`), inside those figures, and
-``gift/experts_err_euclidean_mean`` is their round-trip error at their format, at every logged step
-(the rows each rank last sent; per parameter as ``gift/err_euclidean/<fqn>``).
+parallelism the routed experts' reduce-scatters over their efsdp mesh go on GIFT's codec with
+no map, inside those figures (FSDP2: `gift_compile.frameworks.fsdp2.EuclideanReduceScatter`;
+graph_trainer: marked by `gift_compile.frameworks.simple_fsdp.mark_outside`, rewritten by the
+pass); on the FSDP2 trainer ``gift/experts_err_euclidean_mean`` is their round-trip error at their
+format at every logged step (the rows each rank last sent; per parameter as
+``gift/err_euclidean/<fqn>``); on graph_trainer ``gift/full_precision_params`` counts those that
+stay unmarked (excluded, or refused under ``--gift.unrewritten warn``), in traced reduce-scatters
+outside every figure above.
 """
 
 from __future__ import annotations
@@ -136,8 +138,8 @@ class GiftMetricsProcessor(MetricsProcessor):
             if experts:
                 gift["gift/experts_err_euclidean_mean"] = sum(experts.values()) / len(experts)
                 gift.update({f"gift/err_euclidean/{fqn}": err for fqn, err in experts.items()})
-            # expert parallelism on graph_trainer: the routed experts reduce-scatter outside GIFT, in
-            # traced, unmarked collectives over the efsdp mesh (FSDP2 sends them on GIFT's codec)
+            # expert parallelism on graph_trainer: routed experts left unmarked (excluded, or refused
+            # under "warn") reduce-scatter outside GIFT, in traced collectives over the efsdp mesh
             outside = simple_fsdp.full_precision_params(state)
             if outside:
                 gift["gift/full_precision_params"] = float(outside)

@@ -33,7 +33,6 @@ precision unless it is one GIFT sends raw anyway (norms, biases, small or exclud
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 from collections.abc import Iterator, Sequence
@@ -48,11 +47,12 @@ from torch.distributed.fsdp import FSDPModule
 from gift_compile.exchange.collectives import ItemTensors, Segment, Shared, bucket_plan, bucket_wire_bytes, sync_buffer
 from gift_compile.exchange.plan import BucketPlan, Collective, ItemPlan
 from gift_compile.frameworks.fsdp_internals import (
-    DefaultReduceScatter, PackedParam, ReduceScatter, check_torch, custom_reduce_scatter, fsdp_modules, packed_params, same_group,
+    DefaultReduceScatter, ReduceScatter, check_torch, custom_reduce_scatter, fsdp_modules, packed_params, same_group,
     set_group_reduce_scatter, shard_mesh_dims, shard_process_groups,
 )
-from gift_compile.config import GiftConfig, layer_format
+from gift_compile.config import GiftConfig
 from gift_compile.frameworks.adapter import attach, attached
+from gift_compile.frameworks.euclidean import describe, describe_items, euclidean_plan
 from gift_compile.frameworks.parts import Parts, model_parts
 from gift_compile.frameworks.routing import ManageMode, manage
 from gift_compile.geometry.table import IDENTITY_KIND
@@ -63,7 +63,7 @@ from gift_compile.runtime.state import GiftState
 from gift_compile.runtime.telemetry import CommTimer
 
 __all__ = ["FSDP2", "EuclideanReduceScatter", "GiftReduceScatter", "accounted_bytes", "discarded_gradients",
-           "discarding", "euclidean_errors", "euclidean_plan", "install", "shard_group", "uninstall"]
+           "discarding", "euclidean_errors", "install", "shard_group", "uninstall"]
 
 logger = logging.getLogger(__name__)
 
@@ -188,7 +188,7 @@ class EuclideanReduceScatter(GiftReduceScatter):
     state's group, and a grouped-GEMM expert weight `[E, out, in]` is one tensor for a rank's
     experts, each fed only its routed tokens: no linear layer's statistics describe it. Its
     gradient is still a stack of `[out, in]` matrices, and FSDP2's dim-0 shard gives each rank
-    whole experts, so it goes as one Euclidean item `[E * out, in]` (`euclidean_plan`): each
+    whole experts, so it goes as one Euclidean item `[E * out, in]` (`euclidean.euclidean_plan`): each
     rank receives the summed rows of its own experts, every row with its own scales, at the
     state's format (or its `layer_formats` entry). Parameters it cannot carry that way (not
     sharded on dim 0, fewer than two dims, under `min_numel`, excluded) go raw in the same
@@ -209,7 +209,9 @@ class EuclideanReduceScatter(GiftReduceScatter):
             owner = names.get(id(p.module), "")
             self._owners[id(p.module)] = (owner, type(p.module).__name__)
             fqn = f"{owner}.{p.param_name}" if owner else p.param_name
-            self._plans[id(p.module), p.param_name] = fqn, euclidean_plan(p, fqn, state, over.size())
+            # FSDP2 hands over the whole gradient: `world` times the local shard's rows
+            shape = (over.size() * p.local[0], *p.local[1:]) if p.dim0 and p.local else ()
+            self._plans[id(p.module), p.param_name] = fqn, euclidean_plan(state, fqn, shape, over.size())
         device = state.counters.device
         self._seeds = {key: torch.tensor(plan.seed_offset, dtype=torch.int64, device=device)
                        for key, (_, plan) in self._plans.items() if plan is not None}
@@ -254,35 +256,15 @@ class EuclideanReduceScatter(GiftReduceScatter):
         for module_id, (owner, kind) in self._owners.items():
             plans = [(name, plan) for (m, name), (_, plan) in self._plans.items() if m == module_id]
             # one rank: no reduce-scatter, only HSDP's replica hop, at its own format
-            coded = ", ".join(f"{name} as [{plan.rows}, {plan.cols}] at "
-                              f"{plan.format if self.over.size() > 1 else self.state.config.replica_hop_format}"
-                              for name, plan in plans if plan is not None) or "nothing quantized"
-            raw = [name for name, plan in plans if plan is None]
-            how = (f"{coded}{'; raw: ' + ', '.join(raw) if raw else ''}"
-                   f"{'; without error feedback' if self.state.config.error_feedback else ''}")
+            how = describe_items(plans, self.state.config.error_feedback,
+                                 None if self.over.size() > 1 else self.state.config.replica_hop_format)
             if self.over.size() == 1:
                 lines.append(f"GIFT: {owner} ({kind}) is sharded over mesh {mesh!r} (one rank): its gradient crosses "
                              f"no rank in a reduce-scatter (under HSDP GIFT's replica hop sends it with no map: {how})")
             else:
-                lines.append(f"GIFT: {owner} ({kind}) reduce-scatters over mesh {mesh!r} ({self.over.size()} ranks) "
-                             "on GIFT's codec with no map (GIFT's statistics and transforms span its own group, and a "
-                             f"grouped-GEMM expert weight's experts are each fed only their routed tokens): {how}")
+                lines.append(describe(owner, kind, mesh, self.over.size(), how))
         return lines
 
-
-def euclidean_plan(p: PackedParam, fqn: str, state: GiftState, world: int) -> ItemPlan | None:
-    """The Euclidean item `EuclideanReduceScatter` sends parameter `p` (named `fqn`) as over
-    `world` ranks: its local shard viewed `[rows, last dim]` (a stack of `[out, in]` matrices
-    whose rows split over the ranks as FSDP2's dim-0 shard does), at the state's format, with
-    none of a layer's own tensors (map, residual, probe, gate); None where it goes raw (see the
-    class)."""
-    config, spec = state.config, state.layer_spec
-    if not p.dim0 or len(p.local) < 2 or world * math.prod(p.local) < config.min_numel or config.is_excluded(fqn):
-        return None
-    return dataclasses.replace(
-        spec.plan, name=fqn, rows=world * math.prod(p.local[:-1]), cols=p.local[-1], kind=IDENTITY_KIND, n_tensors=0,
-        format=layer_format(spec.layer_formats, fqn, spec.plan.format), error_feedback=False,
-        second_hop_error_feedback=False, error_feedback_decay=1.0, residual_format="fp32")
 
 def install(model: Parts, state: GiftState, *, compiled: bool = True) -> CommTimer:
     """Put every FSDP parameter group of `model` (of all its parts, the pipeline stages a rank

@@ -8,12 +8,18 @@ a managed weight's gradient into GIFT's collective. So the adapter only manages 
 
 Parameters SimpleFSDP wraps on another data-parallel mesh than GIFT's group (torchtitan's
 graph_trainer under expert parallelism wraps the routed experts on the ``efsdp`` mesh, the rest
-on ``fsdp``) reduce-scatter over that mesh's group, a collective that carries no mark, so the pass
-leaves it as traced: at full precision. That is never silent: `outside_gift` lists them and
-`install` refuses them by name under ``unrewritten="error"`` (the default) or logs one line per
-module under ``"warn"`` (`refuse_outside`); `full_precision_params` counts them for telemetry.
-(FSDP2's custom reduce-scatter, which receives every parameter group's buffer, sends such
-groups on GIFT's codec instead: `gift_compile.frameworks.fsdp2.EuclideanReduceScatter`.)
+on ``fsdp``) reduce-scatter over that mesh's group (`outside_gift` finds them). They have no GIFT
+layer (`gift_compile.frameworks.euclidean`), so `install` marks each one's gradient with a
+Euclidean plan (`euclidean_plan`, the rule FSDP2's `EuclideanReduceScatter` sends them by) and
+the tensors the pass needs (a seed offset, an empty probe, and as shared tensors the state's
+seed and counters with the rank in that group): the pass then rewrites their reduce-scatters,
+bucketed or not, into GIFT's collective over that group, which it reads from the traced
+collective, as for any mark. Logged once per module. What the pass cannot carry is refused by
+name under ``unrewritten="error"`` (the default) or logged per module under ``"warn"``
+(`refuse_outside`): under HSDP the replica all-reduce SimpleFSDP traces for them (GIFT's graph
+replica hop is on its managed linears' marks only), and a shard on another dim than 0.
+Parameters that go unmarked (excluded, under `min_numel`, refused under "warn") are counted by
+`full_precision_params` for telemetry.
 """
 
 from __future__ import annotations
@@ -21,73 +27,68 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from contextlib import AbstractContextManager
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from gift_compile.config import GiftConfig, Unrewritten
+from gift_compile.exchange.collectives import ItemTensors, Shared
+from gift_compile.exchange.mark import _GiftTag, pack_mark_tensors
+from gift_compile.exchange.plan import ItemPlan
 from gift_compile.frameworks.adapter import attach, attached
+from gift_compile.frameworks.euclidean import describe, describe_items, euclidean_plan
 from gift_compile.frameworks.parts import Parts, model_parts
 from gift_compile.frameworks.routing import ManageMode, manage
+from gift_compile.frameworks.tensor_parallel import on_local_block
 from gift_compile.runtime.state import GiftState
 
-__all__ = ["SIMPLE_FSDP", "SIMPLE_FSDP_SPLIT", "OutsideGroup", "full_precision_params", "outside_gift", "refuse_outside"]
+__all__ = ["SIMPLE_FSDP", "OutsideGroup", "full_precision_params", "mark_outside", "outside_gift", "refuse_outside"]
 
 logger = logging.getLogger(__name__)
 
-# Why SimpleFSDP's parameters on another mesh stay outside GIFT (`refuse_outside`).
-SIMPLE_FSDP_SPLIT = ("SimpleFSDP wraps them on another data-parallel mesh than GIFT's group (graph_trainer's "
-                     "apply_simple_fsdp: the routed experts on the efsdp mesh), so their traced reduce-scatters run "
-                     "over that mesh's group and carry no GIFT mark, and the GIFT pass leaves them as traced (GIFT's "
-                     "statistics, transforms and selection span one group)")
-
 
 class OutsideGroup(NamedTuple):
-    """Parameters of one module that SimpleFSDP reduce-scatters over another mesh than GIFT's
-    group (torchtitan's routed experts under expert parallelism), in traced collectives the GIFT
-    pass leaves alone."""
+    """Parameters of one module that SimpleFSDP reduces over another mesh than GIFT's group
+    (torchtitan's routed experts under expert parallelism)."""
 
     modules: tuple[str, ...]  # the owning modules' names (from the root)
     kinds: tuple[str, ...]  # their classes
     params: tuple[tuple[str, tuple[int, ...]], ...]  # the parameters' names (from the root), unsharded shapes
     group: str  # the process group: its mesh dimensions' names (else its ranks)
     ranks: int  # its size (1: no collective)
+    why: str = ""  # why the pass cannot carry their traced collectives; empty: `install` marks them
 
 
 def refuse_outside(groups: list[OutsideGroup], unrewritten: Unrewritten | str) -> None:
-    """Raise (``unrewritten="error"``) naming the modules whose gradients `groups` carry at full
-    precision past GIFT, or log one line per module (``"warn"``; a one-rank group, which sends
-    nothing, is only logged)."""
+    """Raise (``unrewritten="error"``) naming the modules of `groups` whose gradients would
+    cross ranks at full precision past GIFT (those with a `why`), with the reason, or log one
+    line per such module (``"warn"``); a one-rank group, which sends nothing, is only logged."""
     mode = Unrewritten.parse(unrewritten, "unrewritten")
-    crossing = [g for g in groups if g.ranks > 1]
-    why = SIMPLE_FSDP_SPLIT
-    if any(len(shape) > 2 for g in crossing for _, shape in g.params):
-        why += ("; and GIFT's matrices are 2-D linear weights with statistics of their inputs, while a grouped-GEMM "
-                "expert weight is one 3-D tensor for a rank's experts, each fed only its routed tokens")
+    crossing = [g for g in groups if g.ranks > 1 and g.why]
     if crossing and mode is Unrewritten.ERROR:
         names = "; ".join(f"{', '.join(f'{m} ({k})' for m, k in zip(g.modules, g.kinds))} over mesh {g.group!r} "
-                          f"({g.ranks} ranks)" for g in crossing)
-        raise ValueError(f"GIFT: the gradients of {names} would travel at full precision: {why}. Set "
+                          f"({g.ranks} ranks): {g.why}" for g in crossing)
+        raise ValueError(f"GIFT: the gradients of {names}; they would travel at full precision. Set "
                          "unrewritten='warn' (torchtitan: --gift.unrewritten warn) to run with them at full precision, "
                          "or use the FSDP2 trainer, which sends them on GIFT's codec")
     for g in groups:
         for module, kind in zip(g.modules, g.kinds):
-            if g.ranks > 1:
-                logger.warning("GIFT: %s (%s) reduce-scatters over mesh %r (%d ranks) at full precision, not managed: "
-                               "%s (unrewritten='warn')", module, kind, g.group, g.ranks, why)
-            else:
+            if g.ranks == 1:
                 logger.info("GIFT: %s (%s) is sharded over mesh %r (one rank): its gradient crosses no rank, "
                             "nothing to compress", module, kind, g.group)
+            elif g.why:
+                logger.warning("GIFT: %s (%s) reduces over mesh %r (%d ranks) at full precision, not carried: %s "
+                               "(unrewritten='warn')", module, kind, g.group, g.ranks, g.why)
 
 
-def _data_parallel_mesh(module: nn.Module, name: str) -> DeviceMesh:
-    """The mesh SimpleFSDP all-gathers ``module.<name>`` over and reduce-scatters its gradient
-    over: the ``device_mesh`` of the parametrization (torchtitan's ``ReplicateComputation``)
-    that the wrapper class's property for `name` calls. The parameter's own DTensor mesh cannot
-    tell: it is that mesh concatenated with the EP/TP mesh the parameter had before. Raises when
-    the property is not SimpleFSDP's."""
+def _replicate_computation(module: nn.Module, name: str) -> Any:
+    """The parametrization (torchtitan's ``ReplicateComputation``) the wrapper class's property
+    for `name` calls: its ``device_mesh`` is the mesh SimpleFSDP all-gathers ``module.<name>``
+    over and reduces its gradient over, its ``param_sharding`` how it shards it there. The
+    parameter's own DTensor mesh cannot tell: it is that mesh concatenated with the EP/TP mesh
+    the parameter had before. Raises when the property is not SimpleFSDP's."""
     prop = type(module).__dict__.get(name)
     cells = getattr(getattr(prop, "fget", None), "__closure__", None) or ()
     found = [c.cell_contents for c in cells
@@ -96,8 +97,23 @@ def _data_parallel_mesh(module: nn.Module, name: str) -> DeviceMesh:
         raise RuntimeError(f"gift_compile: {type(module).__name__}.{name} is a DTensor parameter without SimpleFSDP's "
                            "parametrization (a property calling a ReplicateComputation), so the mesh its gradient is "
                            "reduced over is unknown: the simple_fsdp adapter takes models wrapped by torchtitan "
-                           "graph_trainer's SimpleFSDP (data_parallel) only, and this one is not, or that wrapping changed")
-    return found[0].device_mesh
+                           "graph_trainer's SimpleFSDP (data_parallel) only, and this one is not, or that wrapping "
+                           "changed")
+    return found[0]
+
+
+def _why_not_carried(sharding: tuple[Any, ...]) -> str:
+    """Why the pass cannot carry a parameter SimpleFSDP places as `sharding` on its mesh (empty:
+    it can, a plain dim-0 shard, whose traced reduce-scatter takes the marked gradient as is)."""
+    if len(sharding) != 1 or not sharding[0].is_shard():
+        return ("under HSDP (or DDP) SimpleFSDP all-reduces their gradients over dp_replicate, a replica hop GIFT's "
+                "graph path carries only on its managed linears' marks (gift_compile.frameworks.hsdp.install_graph), "
+                "not on these")
+    if sharding[0].dim != 0:
+        return (f"SimpleFSDP shards them on dim {sharding[0].dim} (more efsdp x ep ranks than experts), so their "
+                "traced reduce-scatter takes a permuted copy of the gradient, which the pass does not follow a mark "
+                "through")
+    return ""
 
 
 def outside_gift(model: Parts, group: dist.ProcessGroup) -> list[OutsideGroup]:
@@ -106,8 +122,8 @@ def outside_gift(model: Parts, group: dist.ProcessGroup) -> list[OutsideGroup]:
     group: the fsdp mesh's, or under HSDP the replicas x shards', compared as rank sets, since
     that group is not itself one of SimpleFSDP's mesh dimensions under HSDP), or a mesh of other
     dimensions than the one most parameters use (with TP the routed experts' efsdp group can
-    hold the same ranks as the fsdp group, but is another collective the pass never sees a mark
-    in). Their traced collectives carry no mark (the module docstring)."""
+    hold the same ranks as the fsdp group, but is another collective), with why the pass
+    cannot carry them where it cannot (`_why_not_carried`)."""
     from torch.distributed.tensor import DTensor
 
     gift_ranks = set(dist.get_process_group_ranks(group))
@@ -115,33 +131,114 @@ def outside_gift(model: Parts, group: dist.ProcessGroup) -> list[OutsideGroup]:
     for part in model_parts(model):
         for owner, module in part.named_modules():
             params = [(n, p) for n, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)]
-            found.append((owner, module, [(n, p, _data_parallel_mesh(module, n)) for n, p in params]))
+            found.append((owner, module, [(n, p, _replicate_computation(module, n)) for n, p in params]))
     sizes: Counter[tuple[str, ...] | None] = Counter()  # elements per mesh (by its dimensions' names)
     for _, _, params in found:
-        for _, p, m in params:
-            sizes[m.mesh_dim_names] += p.numel()
+        for _, p, rc in params:
+            sizes[rc.device_mesh.mesh_dim_names] += p.numel()
     dense = sizes.most_common(1)[0][0] if sizes else None
     out = []
     for owner, module, params in found:
-        other = [(n, p, m) for n, p, m in params
-                 if set(m.mesh.flatten().tolist()) != gift_ranks or m.mesh_dim_names != dense]
+        other = [(n, p, rc) for n, p, rc in params if set(rc.device_mesh.mesh.flatten().tolist()) != gift_ranks
+                 or rc.device_mesh.mesh_dim_names != dense]
         if not other:
             continue
-        mesh = other[0][2]
+        rc = other[0][2]
+        mesh = rc.device_mesh
         kind = next(c for c in type(module).__mro__ if not c.__name__.startswith("SimpleFSDP")).__name__
         out.append(OutsideGroup((owner,), (kind,), tuple((f"{owner}.{n}", tuple(p.shape)) for n, p, _ in other),
                                 "x".join(mesh.mesh_dim_names) if mesh.mesh_dim_names
-                                else f"ranks {sorted(mesh.mesh.flatten().tolist())}", mesh.size()))
+                                else f"ranks {sorted(mesh.mesh.flatten().tolist())}", mesh.size(),
+                                _why_not_carried(tuple(rc.param_sharding))))
     return out
 
 
+# (SimpleFSDP class, marked parameter names) -> its subclass that marks them (`_marked_class`)
+_MARKED_CLASSES: dict[tuple[type, frozenset[str]], type] = {}
+
+
+def _marked_property(cls: type, name: str) -> property:
+    """`cls`'s property for parameter `name` (SimpleFSDP's all-gathering parametrization) with
+    its result routed through `_GiftTag` on the block this rank computes with, so the gradient
+    reaching SimpleFSDP's reduce-scatter carries the `gift::mark` the module keeps for `name`."""
+    base = getattr(cls, name)
+
+    def get(self: nn.Module) -> torch.Tensor:
+        w = base.__get__(self, cls)
+        if not (torch.is_grad_enabled() and w.requires_grad):
+            return w
+        plan, tensors = self._gift_marks[name]
+        return on_local_block(w, lambda block: _GiftTag.apply(block, plan, *tensors))
+
+    return property(get)
+
+
+def _marked_class(cls: type, names: frozenset[str]) -> type:
+    """Cached subclass of SimpleFSDP's wrapper class `cls` whose properties for `names` mark the
+    gradients (`_marked_property`); `api.remove` restores `cls` (`_gift_base_class`)."""
+    key = (cls, names)
+    if key not in _MARKED_CLASSES:
+        props: dict[str, Any] = {name: _marked_property(cls, name) for name in names}
+        _MARKED_CLASSES[key] = type(f"Gift{cls.__name__}", (cls,), {**props, "_gift_base_class": cls})
+    return _MARKED_CLASSES[key]
+
+
+def mark_outside(model: Parts, state: GiftState, groups: list[OutsideGroup]) -> dict[str, ItemPlan | None]:
+    """Mark the gradients of the parameters of `groups` the pass can carry over their own group
+    (no `why`, more than one rank) with their Euclidean plans (`euclidean_plan`, over the
+    gradient SimpleFSDP reduce-scatters: this rank's shard gathered over the group's ranks) and
+    their tensors: a seed offset, an empty probe (no layer measures them), the state's seed and
+    counters and this rank's rank in that group (stochastic rounding is seeded per group, the
+    bytes count with the rest). Logs one line per module. Returns each crossing parameter's
+    plan, None for those that stay unmarked (`full_precision_params`)."""
+    modules = {owner: m for part in model_parts(model) for owner, m in part.named_modules()}
+    device = state.counters.device
+    shared: dict[str, Shared] = {}  # per mesh
+    plans: dict[str, ItemPlan | None] = {}
+    for g in groups:
+        if g.ranks == 1:
+            continue
+        owner, kind = g.modules[0], g.kinds[0]
+        module = modules[owner]
+        marks: dict[str, tuple[str, list[torch.Tensor]]] = {}
+        named: list[tuple[str, ItemPlan | None]] = []
+        for fqn, _ in g.params:
+            name = fqn[len(owner) + 1:] if owner else fqn
+            mesh = _replicate_computation(module, name).device_mesh
+            local = tuple(module._parameters[name].to_local().shape)
+            shape = (mesh.size() * local[0], *local[1:]) if local else ()
+            plan = None if g.why else euclidean_plan(state, fqn, shape, mesh.size())
+            plans[fqn] = plan
+            named.append((name, plan))
+            if plan is None:
+                continue
+            if g.group not in shared:
+                rank = torch.full((), dist.get_rank(mesh.get_group()), dtype=torch.int64, device=device)
+                shared[g.group] = Shared(state.seed, rank, state.counters)
+            item = ItemTensors((), probe=torch.zeros(0, plan.cols, device=device),
+                               seed_offset=torch.tensor(plan.seed_offset, dtype=torch.int64, device=device))
+            marks[name] = plan.to_str(), pack_mark_tensors(plan, item, shared[g.group], None)
+        if g.why:
+            continue
+        if not marks:  # GIFT sends none of them: their traced collective stays as it is
+            logger.info("GIFT: %s (%s) reduce-scatters over mesh %r (%d ranks) unmarked, at full precision in its "
+                        "traced collective (excluded, under min_numel, or rows not splitting over the ranks): %s",
+                        owner, kind, g.group, g.ranks, ", ".join(name for name, _ in named))
+            continue
+        module._gift_marks = marks
+        module.__class__ = _marked_class(type(module), frozenset(marks))
+        level = logging.INFO if state.geometry.is_identity else logging.WARNING
+        logger.log(level, describe(owner, kind, g.group, g.ranks, describe_items(named, state.config.error_feedback)))
+    return plans
+
+
 def full_precision_params(state: GiftState) -> int | None:
-    """How many parameters reduce-scatter over more than one rank outside GIFT (`outside_gift`,
-    as `install` found them: the routed experts under expert parallelism); None when the
-    SimpleFSDP adapter is not installed on `state`."""
+    """How many parameters reduce over more than one rank outside GIFT's group without a mark
+    (excluded, under `min_numel`, or refused under ``unrewritten="warn"``: `mark_outside`), so
+    travel at full precision; None when the SimpleFSDP adapter is not installed on `state`."""
     if SIMPLE_FSDP.name not in state.adapters:
         return None
-    return sum(len(g.params) for g in attached(state, SIMPLE_FSDP.name) if g.ranks > 1)
+    return sum(plan is None for plan in attached(state, SIMPLE_FSDP.name).values())
 
 
 class _SimpleFSDPAdapter:
@@ -160,10 +257,10 @@ class _SimpleFSDPAdapter:
                 fuse: bool) -> GiftState:
         """Manage the linears in "tag" mode (the marks the pass rewrites); `fuse` concerns eager
         collectives, and these run in the compiled graph. `model` may be the parts one rank
-        holds (torchtitan hands its model parts). Parameters reduce-scattered over another
-        group than `group` (`outside_gift`) are refused or logged first, per
-        ``config.unrewritten``; a managed weight among them always raises. The adapter's slot
-        keeps them (`full_precision_params`)."""
+        holds (torchtitan hands its model parts). Parameters reduced over another group than
+        `group` (`outside_gift`) that the pass cannot carry are refused or logged first, per
+        ``config.unrewritten``; a managed weight among them always raises; the others are
+        marked (`mark_outside`). The adapter's slot keeps their plans (`full_precision_params`)."""
         outside = outside_gift(model, group if group is not None else dist.group.WORLD)
         refuse_outside(outside, config.unrewritten)
         state = manage(model, config, group, mode=ManageMode.TAG, split_rows=True)
@@ -171,7 +268,7 @@ class _SimpleFSDPAdapter:
         if managed_outside:
             raise ValueError(f"GIFT: managed weights {managed_outside} reduce-scatter over another process group than "
                              "GIFT's; exclude them (GiftConfig.exclude)")
-        attach(state, self.name, outside)
+        attach(state, self.name, mark_outside(model, state, outside))
         return state
 
     def no_sync(self, model: nn.Module, state: GiftState) -> AbstractContextManager[None]:
@@ -181,8 +278,11 @@ class _SimpleFSDPAdapter:
                          "(torchtitan: --training.global-batch-size over several local batches)")
 
     def remove(self, model: nn.Module, state: GiftState) -> None:
-        """Nothing of the framework's to restore: without the marks (the managed classes are
-        restored by `api.remove`) the pass leaves the framework's collectives alone."""
+        """Nothing of the framework's to restore: without the marks (the managed and marked
+        classes are restored by `api.remove`; the marks' tensors go here) the pass leaves the
+        framework's collectives alone."""
+        for module in model.modules():
+            module.__dict__.pop("_gift_marks", None)
 
     def telemetry(self, state: GiftState) -> dict[str, float]:
         """Nothing beyond the state's counters: the rewritten collectives count into them (the

@@ -1,0 +1,63 @@
+"""The one rule for gradients GIFT sends on its codec with no map, outside its layers.
+
+A parameter group a framework reduce-scatters over another process group than GIFT's state
+(torchtitan's routed experts on the ``efsdp`` mesh under expert parallelism) has no GIFT layer:
+GIFT's statistics, transforms, selection and error-feedback residuals belong to the state's
+group, and a grouped-GEMM expert weight ``[E, out, in]`` is one tensor for a rank's experts,
+each fed only its routed tokens, so no linear layer's statistics describe it. Its gradient is
+still a stack of ``[out, in]`` matrices, and a dim-0 shard gives each rank whole rows, so it goes
+as one Euclidean item ``[E * out, in]``: every row with its own scales, at the state's format.
+
+Both data-parallel frameworks send such gradients by this rule, so they quantize the same
+parameters the same way: FSDP2 in its custom reduce-scatter
+(`gift_compile.frameworks.fsdp2.EuclideanReduceScatter`), SimpleFSDP through a `gift::mark` the
+FX pass rewrites (`gift_compile.frameworks.simple_fsdp`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from gift_compile.config import layer_format
+from gift_compile.exchange.plan import ItemPlan
+from gift_compile.geometry.table import IDENTITY_KIND
+from gift_compile.runtime.state import GiftState
+
+__all__ = ["describe", "describe_items", "euclidean_plan"]
+
+
+def euclidean_plan(state: GiftState, fqn: str, shape: Sequence[int], world: int) -> ItemPlan | None:
+    """The Euclidean item parameter `fqn` goes as when the tensor a collective reduces over
+    `world` ranks, then splits along dim 0 among them, has `shape` (this rank's gradient before
+    the reduce-scatter): viewed ``[prod(shape[:-1]), shape[-1]]``, at the state's format (or
+    its `layer_formats` entry), with none of a layer's own tensors (map, residual, probe, gate)
+    and no error feedback (the residual would be a layer's). None where it goes raw: fewer than
+    two dims, under `min_numel`, a dim 0 that does not split evenly over `world` (a rank's rows
+    would not be whole), or excluded (`GiftConfig.is_excluded`)."""
+    config, spec = state.config, state.layer_spec
+    if len(shape) < 2 or math.prod(shape) < config.min_numel or shape[0] % world or config.is_excluded(fqn):
+        return None
+    return dataclasses.replace(
+        spec.plan, name=fqn, rows=math.prod(shape[:-1]), cols=shape[-1], kind=IDENTITY_KIND, n_tensors=0,
+        format=layer_format(spec.layer_formats, fqn, spec.plan.format), error_feedback=False,
+        second_hop_error_feedback=False, error_feedback_decay=1.0, residual_format="fp32")
+
+
+def describe_items(plans: Sequence[tuple[str, ItemPlan | None]], error_feedback: bool, fmt: str | None = None) -> str:
+    """How one module's parameters go, for its log line: each planned one as its item at its
+    format (or at `fmt`, a hop with a format of its own), the rest raw, and "without error
+    feedback" where the config asks for it (these items have none)."""
+    coded = ", ".join(f"{name} as [{plan.rows}, {plan.cols}] at {fmt or plan.format}"
+                      for name, plan in plans if plan is not None) or "nothing quantized"
+    raw = [name for name, plan in plans if plan is None]
+    return f"{coded}{'; raw: ' + ', '.join(raw) if raw else ''}{'; without error feedback' if error_feedback else ''}"
+
+
+def describe(owner: str, kind: str, mesh: str, ranks: int, how: str) -> str:
+    """The log line of a module whose parameters reduce-scatter over `mesh` (`ranks` ranks) on
+    GIFT's codec with no map; `how` is `describe_items`'."""
+    return (f"GIFT: {owner} ({kind}) reduce-scatters over mesh {mesh!r} ({ranks} ranks) on GIFT's codec with no map "
+            "(GIFT's statistics and transforms span its own group, and a grouped-GEMM expert weight's experts are each "
+            f"fed only their routed tokens): {how}")
