@@ -25,7 +25,13 @@ from gift_compile.exchange.plan import ItemPlan
 from gift_compile.geometry.table import IDENTITY_KIND
 from gift_compile.runtime.state import GiftState
 
-__all__ = ["describe", "describe_items", "euclidean_plan"]
+__all__ = ["describe", "describe_items", "euclidean_plan", "gathered_shape"]
+
+
+def gathered_shape(local: Sequence[int], world: int) -> tuple[int, ...]:
+    """The shape of the gradient a collective over `world` ranks reduces for a parameter whose
+    dim-0 shard on this rank is `local`: `world` times its rows (`euclidean_plan`'s `shape`)."""
+    return (world * local[0], *local[1:]) if local else ()
 
 
 def euclidean_plan(state: GiftState, fqn: str, shape: Sequence[int], world: int) -> ItemPlan | None:

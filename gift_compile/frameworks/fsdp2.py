@@ -52,7 +52,7 @@ from gift_compile.frameworks.fsdp_internals import (
 )
 from gift_compile.config import GiftConfig
 from gift_compile.frameworks.adapter import attach, attached
-from gift_compile.frameworks.euclidean import describe, describe_items, euclidean_plan
+from gift_compile.frameworks.euclidean import describe, describe_items, euclidean_plan, gathered_shape
 from gift_compile.frameworks.parts import Parts, model_parts
 from gift_compile.frameworks.routing import ManageMode, manage
 from gift_compile.geometry.table import IDENTITY_KIND
@@ -209,8 +209,8 @@ class EuclideanReduceScatter(GiftReduceScatter):
             owner = names.get(id(p.module), "")
             self._owners[id(p.module)] = (owner, type(p.module).__name__)
             fqn = f"{owner}.{p.param_name}" if owner else p.param_name
-            # FSDP2 hands over the whole gradient: `world` times the local shard's rows
-            shape = (over.size() * p.local[0], *p.local[1:]) if p.dim0 and p.local else ()
+            # FSDP2 hands over the whole gradient; a shard on another dim has no rows to split (raw)
+            shape = gathered_shape(p.local, over.size()) if p.dim0 else ()
             self._plans[id(p.module), p.param_name] = fqn, euclidean_plan(state, fqn, shape, over.size())
         device = state.counters.device
         self._seeds = {key: torch.tensor(plan.seed_offset, dtype=torch.int64, device=device)

@@ -55,13 +55,20 @@ class PackedParam(NamedTuple):
     """One parameter FSDP2 packs into a module's reduce-scatter buffer."""
 
     fqn: str
-    rows: int  # rows of this rank's padded shard
-    cols: int  # elements per row
     module: nn.Module  # the module owning the parameter
     param_name: str  # its name on that module
     dim0: bool  # sharded along dim 0 (the only placement GIFT's row blocks map onto)
-    shape: tuple[int, ...] = ()  # the unsharded parameter's shape
-    local: tuple[int, ...] = ()  # this rank's padded shard's shape (`rows` is its dim 0)
+    local: tuple[int, ...]  # this rank's padded shard's shape
+
+    @property
+    def rows(self) -> int:
+        """Rows of this rank's padded shard."""
+        return self.local[0]
+
+    @property
+    def cols(self) -> int:
+        """Elements per row."""
+        return math.prod(self.local[1:])
 
 
 def _param_groups(module: FSDPModule) -> list[Any]:
@@ -149,9 +156,8 @@ def packed_params(module: FSDPModule, over: dist.ProcessGroup | None = None) -> 
             continue
         size = fsdp_param.padded_sharded_param_size
         info = fsdp_param._module_info
-        out.append(PackedParam(fsdp_param._param_fqn or info.param_name, int(size[0]), int(math.prod(size[1:])),
-                               info.module, info.param_name, fsdp_param.fsdp_placement.dim == 0,
-                               tuple(fsdp_param._orig_size), tuple(int(d) for d in size)))
+        out.append(PackedParam(fsdp_param._param_fqn or info.param_name, info.module, info.param_name,
+                               fsdp_param.fsdp_placement.dim == 0, tuple(int(d) for d in size)))
     return out
 
 

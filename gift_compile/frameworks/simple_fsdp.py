@@ -38,7 +38,7 @@ from gift_compile.exchange.collectives import ItemTensors, Shared
 from gift_compile.exchange.mark import _GiftTag, pack_mark_tensors
 from gift_compile.exchange.plan import ItemPlan
 from gift_compile.frameworks.adapter import attach, attached
-from gift_compile.frameworks.euclidean import describe, describe_items, euclidean_plan
+from gift_compile.frameworks.euclidean import describe, describe_items, euclidean_plan, gathered_shape
 from gift_compile.frameworks.parts import Parts, model_parts
 from gift_compile.frameworks.routing import ManageMode, manage
 from gift_compile.frameworks.tensor_parallel import on_local_block
@@ -206,8 +206,7 @@ def mark_outside(model: Parts, state: GiftState, groups: list[OutsideGroup]) -> 
             name = fqn[len(owner) + 1:] if owner else fqn
             mesh = _replicate_computation(module, name).device_mesh
             local = tuple(module._parameters[name].to_local().shape)
-            shape = (mesh.size() * local[0], *local[1:]) if local else ()
-            plan = None if g.why else euclidean_plan(state, fqn, shape, mesh.size())
+            plan = None if g.why else euclidean_plan(state, fqn, gathered_shape(local, mesh.size()), mesh.size())
             plans[fqn] = plan
             named.append((name, plan))
             if plan is None:
