@@ -17,8 +17,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from gift_compile.codec.rotation import fwht
-from gift_compile.config import StatisticsKind
-from gift_compile.geometry.statistics import KFACStatistics, SketchStatistics, StatisticsSettings
+from gift_compile.geometry.statistics import KFACStatistics, SketchStatistics, StatisticsSettings, sketch_chosen
 from gift_compile.geometry.whitening import dense_whitening, gradient_factor, lowrank_refresh_flops, lowrank_whitening
 from gift_compile.kernels.map_dispatch import MapPath, MapPrecision, lowrank_map, map_path, note_map_path
 
@@ -406,9 +405,8 @@ class LowRank(Geometry):
     def make_statistics(cls, settings: StatisticsSettings, d_in: int, device: torch.device | str) -> Statistics | None:
         """A sketch (unless configured dense, or the layer is too narrow for the sketch to be
         smaller), else the exact factor."""
-        cols = settings.sketch_cols
-        if settings.kind is StatisticsKind.SKETCH and 2 * d_in > 3 * cols:
-            return SketchStatistics(d_in, rank=settings.rank, sketch_cols=cols, ema=settings.ema,
+        if sketch_chosen(settings, d_in):
+            return SketchStatistics(d_in, rank=settings.rank, sketch_cols=settings.sketch_cols, ema=settings.ema,
                                     max_tokens=settings.max_tokens, seed=settings.seed, device=device)
         return KFACStatistics(d_in, ema=settings.ema, max_tokens=settings.max_tokens, device=device)
 
