@@ -112,7 +112,8 @@ def _map_tensors(item: ItemPlan, transform: tuple[torch.Tensor, ...]) -> tuple[t
     return gated_tensors(item.kind, transform) if item.gated else transform
 
 
-def _block_maps(item: ItemPlan, transform: tuple[torch.Tensor, ...], blocks: int) -> list[tuple[torch.Tensor, ...]]:
+def _each_block_tensors(item: ItemPlan, transform: tuple[torch.Tensor, ...],
+                        blocks: int) -> list[tuple[torch.Tensor, ...]]:
     """Each of `blocks` blocks' map tensors from a grouped item's stacked ones (row e of each),
     gated by the item's one gate: a gated grouped plan carries a single 0-d bool after the
     stacked tensors, and each block runs its kind's own `gated` on its row, so every map kind
@@ -132,9 +133,9 @@ def _mapped(apply: Callable[..., torch.Tensor], item: ItemPlan, g: torch.Tensor,
     a grouped item one call per block of `g`'s rows (`blocks` of them: all the item's, or this
     rank's shard's) with that block's tensors, concatenated, so each block's result is bit for
     bit what that block alone, as an item of its own, gives."""
-    if item.groups == 1 or map_class(item.kind).is_identity:
+    if not item.block_maps:
         return apply(item.kind, g, _map_tensors(item, transform), item.map_precision)
-    maps = _block_maps(item, transform, blocks)
+    maps = _each_block_tensors(item, transform, blocks)
     return torch.cat([apply(item.kind, b, m, item.map_precision) for b, m in zip(g.split(g.shape[0] // blocks), maps)])
 
 
@@ -278,7 +279,7 @@ def _to_original(item: ItemPlan, total: torch.Tensor, transform: tuple[torch.Ten
 def _shard_transform(item: ItemPlan, state: ItemTensors, p: BucketPlan) -> tuple[tuple[torch.Tensor, ...], int]:
     """The map tensors of the rows a reduce-scatter leaves on this rank and their block count:
     the item's own, or a grouped item's `shard_transform` (its G/W blocks)."""
-    if item.groups == 1 or map_class(item.kind).is_identity:
+    if not item.block_maps:
         return state.transform, 1
     if state.shard_transform is None:
         raise ValueError(f"GIFT: grouped item {item.name} (groups={item.groups}) needs ItemTensors.shard_transform, "

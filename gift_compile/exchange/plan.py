@@ -110,6 +110,12 @@ class ItemPlan:
         return FormatSpec(self.format, self.scaling, self.block_size)
 
     @property
+    def block_maps(self) -> bool:
+        """Whether each of the item's `groups` row blocks runs a map of its own (a grouped item
+        with a map; a map-free grouped item is sent as any other)."""
+        return self.groups > 1 and not map_class(self.kind).is_identity
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
 
@@ -197,7 +203,7 @@ class BucketPlan:
             raise ValueError("BucketPlan: a bucket needs at least one item")
         for i in self.items:
             # each rank's shard then starts and ends on block boundaries, and no rows are padded
-            if i.groups > 1 and not map_class(i.kind).is_identity and i.groups % self.world:
+            if i.block_maps and i.groups % self.world:
                 raise ValueError(f"GIFT: item {i.name}: groups={i.groups} is not divisible by the world size "
                                  f"{self.world}; a grouped item's shards must hold whole blocks")
         # Item names and order are in: two equally shaped layers taken in another order on
