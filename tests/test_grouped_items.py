@@ -14,13 +14,14 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from bit_checks import fake_cuda
+from conftest import require
 from gift_compile.exchange.item_codec import (
     ItemTensors, Shared, _fused_receiver, _fused_sender, decode_item, encode_item, gather_decode_item, reencode_item,
     shard_tensors,
 )
 from gift_compile.exchange.plan import BucketPlan, ItemPlan
 from gift_compile.geometry.maps import LowRank
-from tests.bit_checks import fake_cuda
 
 G, OUT, D_IN, RANK = 4, 8, 64, 4
 
@@ -196,6 +197,8 @@ def test_gated_grouped_item_is_its_maps_when_on_and_the_identity_when_off() -> N
 
 # ---- fused paths never take a grouped item ------------------------------------------------------
 def test_fused_sender_and_receiver_refuse_grouped_items() -> None:
+    """On CUDA the same item ungrouped would run fused (the kernels need Triton)."""
+    require("triton", "the fused paths run Triton kernels")
     item = _item("int4")
     with FakeTensorMode() as mode:
         g = fake_cuda(mode, (G * OUT, D_IN), torch.float32)
