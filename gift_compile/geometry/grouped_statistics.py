@@ -58,7 +58,8 @@ def _per_expert(sub: torch.Tensor, member: torch.Tensor, right: torch.Tensor) ->
     return (sub.t() @ spread).reshape(sub.shape[1], -1, c).permute(1, 0, 2)
 
 
-def _validate(x: torch.Tensor, offsets: torch.Tensor, groups: int, d_in: int, who: str) -> torch.Tensor:
+def _checked_input(x: torch.Tensor, offsets: torch.Tensor, groups: int, d_in: int, who: str) -> torch.Tensor:
+    """`x` detached, after checking its shape and the offsets' (static facts: no guard on data)."""
     if x.dim() != 2 or x.shape[-1] != d_in:
         raise ValueError(f"{who}.observe: input shape {tuple(x.shape)}; expected [rows, d_in={d_in}]")
     if tuple(offsets.shape) != (groups,) or offsets.is_floating_point():
@@ -117,7 +118,7 @@ class GroupedSketchStatistics:
         """Add the grouped GEMM's input `x` (`[R, d_in]`, any float dtype) to each expert's
         window, in place; `offsets` (`[G]` int) the experts' cumulative token ends; `gate` as
         in `SketchStatistics.observe`."""
-        x = _validate(x, offsets, self.groups, self.d_in, type(self).__name__)
+        x = _checked_input(x, offsets, self.groups, self.d_in, type(self).__name__)
         sub, member, seen = _expert_rows(x, offsets, self.groups, self.max_tokens)
         y_new = _per_expert(sub, member, sub @ self.omega)
         diag_new = member.t() @ (sub * sub)
@@ -146,7 +147,7 @@ class GroupedKFACStatistics:
 
     def observe(self, x: torch.Tensor, offsets: torch.Tensor, gate: torch.Tensor | None = None) -> None:
         """As `GroupedSketchStatistics.observe`, adding each expert's `sub_e^T sub_e`."""
-        x = _validate(x, offsets, self.groups, self.d_in, type(self).__name__)
+        x = _checked_input(x, offsets, self.groups, self.d_in, type(self).__name__)
         sub, member, seen = _expert_rows(x, offsets, self.groups, self.max_tokens)
         new = _per_expert(sub, member, sub)
         s = self.state
