@@ -25,7 +25,11 @@ from gift_compile.exchange.plan import ItemPlan
 from gift_compile.geometry.table import IDENTITY_KIND
 from gift_compile.runtime.state import GiftState
 
-__all__ = ["describe", "describe_items", "euclidean_plan", "gathered_shape"]
+__all__ = ["NO_MAP", "describe", "describe_items", "euclidean_plan", "gathered_shape"]
+
+# why these gradients go with no map, for their log lines
+NO_MAP = ("GIFT's statistics and transforms span its own group, and a grouped-GEMM expert weight's experts are each fed "
+          "only their routed tokens")
 
 
 def gathered_shape(local: Sequence[int], world: int) -> tuple[int, ...]:
@@ -65,5 +69,4 @@ def describe(owner: str, kind: str, mesh: str, ranks: int, how: str) -> str:
     """The log line of a module whose parameters reduce-scatter over `mesh` (`ranks` ranks) on
     GIFT's codec with no map; `how` is `describe_items`'."""
     return (f"GIFT: {owner} ({kind}) reduce-scatters over mesh {mesh!r} ({ranks} ranks) on GIFT's codec with no map "
-            "(GIFT's statistics and transforms span its own group, and a grouped-GEMM expert weight's experts are each "
-            f"fed only their routed tokens): {how}")
+            f"({NO_MAP}): {how}")

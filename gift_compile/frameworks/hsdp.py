@@ -69,6 +69,7 @@ from gift_compile.frameworks.fsdp_internals import (all_reduce_hook, check_torch
                                          set_group_all_reduce_hook, set_group_divide_factor, shard_process_group,
                                          shard_process_groups)
 from gift_compile.frameworks.parts import Parts, model_parts
+from gift_compile.frameworks import simple_fsdp
 from gift_compile.runtime.state import GiftState
 from gift_compile.runtime.telemetry import CommTimer
 
@@ -271,8 +272,13 @@ def install_graph(state: GiftState, replica_group: dist.ProcessGroup) -> Replica
     whose graph the FX pass rewrites: every managed weight's plan gets
     `replica_format = config.replica_hop_format` and its `gift::mark` then carries this hop's
     rank and counters, so the pass can put GIFT's all-reduce of the reduced shard over
-    `replica_group` into the graph (`gift_compile.passes.gift_pass`, "HSDP"). Call it after
-    `manage(..., mode="tag")` and before the step is traced. Keeps the hop in the state's
+    `replica_group` into the graph (`gift_compile.passes.gift_pass`, "HSDP"). The marks the
+    SimpleFSDP adapter put on parameters outside GIFT's layers (torchtitan's routed experts,
+    replicated over the same ranks) get the hop too, at the same format with no map
+    (`simple_fsdp.set_replica_hop`), also where their shard dim has one rank and this hop is
+    their only collective (as FSDP2's experts' group, they have no layers whose selection or
+    error feedback would ask for `format`). Call it after `manage(..., mode="tag")` (the
+    SimpleFSDP adapter's install) and before the step is traced. Keeps the hop in the state's
     per-adapter slot (`replica_hop`).
 
     The hop has no error probe in a graph (the probe's extra fp32 all-reduce is a per-step
@@ -283,6 +289,7 @@ def install_graph(state: GiftState, replica_group: dist.ProcessGroup) -> Replica
     replica = Shared(state.seed, hop.rank, hop.counters)
     for layer in state.layers.values():
         layer.set_replica_hop(state.config.replica_hop_format, replica)
+    simple_fsdp.set_replica_hop(state, state.config.replica_hop_format, replica, replica_group)
     return hop
 
 
