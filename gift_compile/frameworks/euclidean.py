@@ -28,8 +28,8 @@ from gift_compile.runtime.state import GiftState
 __all__ = ["NO_MAP", "describe", "describe_items", "euclidean_plan", "gathered_shape"]
 
 # why these gradients go with no map, for their log lines
-NO_MAP = ("GIFT's statistics and transforms span its own group, and a grouped-GEMM expert weight's experts are each fed "
-          "only their routed tokens")
+NO_MAP = ("GIFT's statistics and transforms span its own group, and a grouped-GEMM expert weight's experts are each "
+          "fed only their routed tokens")
 
 
 def gathered_shape(local: Sequence[int], world: int) -> tuple[int, ...]:

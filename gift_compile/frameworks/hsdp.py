@@ -45,6 +45,10 @@ own all-reduce hook (`fsdp_internals.set_group_all_reduce_hook`; FSDP2's public 
 such modules), each the hook above over its group's reduced shard: the experts' group, which
 `fsdp2.install` put on `EuclideanReduceScatter`, has its reduced shard all-reduced by GIFT's
 codec at the replica format too (also where ``efsdp`` has one rank and this is its only hop).
+The graph path (`install_graph`: torchtitan's graph_trainer, whose traced replica all-reduces the
+FX pass rewrites) carries the same hop on the managed linears' marks and on the routed experts'
+(`gift_compile.frameworks.simple_fsdp.set_replica_hop`), at the replica format, with no map for
+the experts, also where their efsdp has one rank and this hop is their only collective.
 
 Limits: with two or more shards error feedback covers the shard hop only (its residual is the
 full local gradient; the replica hop's input is already reduced).

@@ -14,10 +14,16 @@ Euclidean plan (`euclidean_plan`, the rule FSDP2's `EuclideanReduceScatter` send
 the tensors the pass needs (a seed offset, an empty probe, and as shared tensors the state's
 seed and counters with the rank in that group): the pass then rewrites their reduce-scatters,
 bucketed or not, into GIFT's collective over that group, which it reads from the traced
-collective, as for any mark. Logged once per module. What the pass cannot carry is refused by
-name under ``unrewritten="error"`` (the default) or logged per module under ``"warn"``
-(`refuse_outside`): under HSDP the replica all-reduce SimpleFSDP traces for them (GIFT's graph
-replica hop is on its managed linears' marks only), and a shard on another dim than 0.
+collective, as for any mark. Logged once per module. Under HSDP SimpleFSDP places them on the
+``dp_replicate x efsdp`` mesh and all-reduces their gradients over dp_replicate before the efsdp
+reduce-scatter; `gift_compile.frameworks.hsdp.install_graph` puts its replica hop on their marks
+as on the managed linears' (`set_replica_hop`: the replica format, the hop's rank and counters),
+so the pass runs GIFT's all-reduce of the reduced shard behind the reduce-scatter, or, where
+efsdp has one rank and no reduce-scatter is traced, GIFT's all-reduce of the gradient as the
+replica hop alone, no map either way. What the pass cannot carry is refused by name under
+``unrewritten="error"`` (the default) or logged per module under ``"warn"`` (`refuse_outside`):
+a shard on another dim than 0, or a placement that is neither a shard nor a replicated dim and
+a shard.
 Parameters that go unmarked (excluded, under `min_numel`, refused under "warn") are counted by
 `full_precision_params` for telemetry.
 """
@@ -317,11 +323,11 @@ def _describe_replicated(marked: _MarkedModule, error_feedback: bool, fmt: str) 
     owner, kind, shards = g.modules[0], g.kinds[0], g.ranks // g.replicas
     if shards == 1:
         return (f"GIFT: {owner} ({kind}) is sharded over mesh {g.group!r} with one rank along its shard dim (no "
-                f"reduce-scatter): GIFT's replica hop all-reduces its gradient over the {g.replicas} replicas on GIFT's "
-                f"codec with no map ({NO_MAP}): {describe_items(marked.named, error_feedback, fmt)}")
+                f"reduce-scatter): GIFT's replica hop all-reduces its gradient over the {g.replicas} replicas on "
+                f"GIFT's codec with no map ({NO_MAP}): {describe_items(marked.named, error_feedback, fmt)}")
     return (f"GIFT: {owner} ({kind}) reduce-scatters over the {shards} shards of mesh {g.group!r}, then GIFT's replica "
-            f"hop all-reduces the reduced shard over its {g.replicas} replicas, on GIFT's codec with no map ({NO_MAP}): "
-            f"{describe_items(marked.named, error_feedback)}; the replica hop at {fmt}")
+            f"hop all-reduces the reduced shard over its {g.replicas} replicas, on GIFT's codec with no map "
+            f"({NO_MAP}): {describe_items(marked.named, error_feedback)}; the replica hop at {fmt}")
 
 
 def full_precision_params(state: GiftState) -> int | None:
