@@ -26,7 +26,7 @@ default ``--gift.unrewritten error``: nothing is refused, the pass makes each ex
 all-reduce GIFT's replica hop alone (`simple_fsdp.set_replica_hop`), whose bytes count with the
 dense layers' replica hop (counted == accounted per hop, nvfp4 under 30% of fp32's), and fp32
 reproduces GIFT off's losses exactly. Measured 2026-12-06 on 2 cores shared with other jobs
-(load 4-8): the file 464 s before the EP x HSDP runs
+(load 4-8): the file 464 s before the EP x HSDP runs, 746 s with them (load about 7)
 (``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_torchtitan_ep_graph.py``).
 """
 
