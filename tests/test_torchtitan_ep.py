@@ -27,20 +27,17 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
-import torch
 
 from conftest import require
 
 require("torchtitan", "torchtitan extra not installed")
 
 from gift_compile.torchtitan_ext.hooks import REFUSAL  # noqa: E402
-from gift_compile.torchtitan_ext.kill_resume import checkpoint_tensors  # noqa: E402
 from gift_compile.torchtitan_ext.models import MOE_FLAVORS  # noqa: E402
 from gift_compile.torchtitan_ext.runs import RunResult, shared_runs  # noqa: E402
-from torchtitan_checks import assert_tracks_gift_off, logged_steps  # noqa: E402
+from torchtitan_checks import assert_expert_residuals_checkpointed, assert_tracks_gift_off, logged_steps  # noqa: E402
 
 STEPS = 3
 EP = ["--parallelism.data-parallel-shard-degree=4", "--parallelism.expert-parallel-degree=2",
@@ -142,24 +139,4 @@ def test_ep_at_fp32_is_exact_and_matches_gift_off(runs: Callable[[str], RunResul
 
 
 def test_ep_keeps_each_ranks_expert_residuals_and_checkpoints_them(runs: Callable[[str], RunResult]) -> None:
-    """Under error feedback each rank keeps, per grouped weight, what its last encode left out of
-    its local gradient ([2 local experts x 64, 64], the item), and the GIFT state it checkpoints
-    carries it: non-zero (it was written: the experts were quantized with their residual added),
-    finite, and each rank's own."""
-    gift = runs("nvfp4")
-    assert not [line for line in gift.output.splitlines()
-                if "(GroupedExperts)" in line and "without error feedback" in line]
-    folder = Path(gift.command[gift.command.index("--dump-folder") + 1]) / "checkpoint" / f"step-{STEPS}"
-    flat = checkpoint_tensors(folder)
-    for expert in EXPERTS:
-        seen = []
-        for rank in range(4):
-            for w in ("w1_EFD", "w2_EDF", "w3_EFD"):
-                key = f"gift.rank{rank}.outside:{expert}.{w}.0"
-                assert key in flat, sorted(k for k in flat if "outside" in k)[:8]
-                residual = flat[key]
-                assert residual.shape == (128, 64) and residual.dtype == torch.float32
-                assert bool(torch.isfinite(residual).all()) and float(residual.norm()) > 0, key
-                seen.append(residual)
-        # each rank's own: no two ranks hold the same residual
-        assert all(not torch.equal(a, b) for i, a in enumerate(seen) for b in seen[i + 3::3])
+    assert_expert_residuals_checkpointed(runs("nvfp4"), EXPERTS, STEPS)

@@ -11,7 +11,8 @@ collective over that group; the EP all-to-alls are not touched (the rewrite log 
 before and after, and the collectives it rewrote over efsdp).
 
 Four runs, same seed, init and data, with the default ``--gift.unrewritten error`` (nothing is
-refused): GIFT at nvfp4 (a refresh after step 2), GIFT at fp32, GIFT at nvfp4 with the experts
+refused): GIFT at nvfp4 (a refresh after step 2, error feedback on: each rank's experts' residuals
+must be in its checkpoint), GIFT at fp32, GIFT at nvfp4 with the experts
 excluded (their reduce-scatters then stay as traced, at fp32, counted in
 ``gift/full_precision_params``) and GIFT off. nvfp4 must quantize the dense linears and the
 experts (their fp32 gradients in GIFT's baseline, bytes counted at the collective == the pass's
@@ -48,7 +49,7 @@ from gift_compile.frameworks.simple_fsdp import OutsideGroup, _why_not_carried, 
 from gift_compile.torchtitan_ext.hooks import REFUSAL  # noqa: E402
 from gift_compile.torchtitan_ext.models import MOE_FLAVORS  # noqa: E402
 from gift_compile.torchtitan_ext.runs import RunResult, shared_runs  # noqa: E402
-from torchtitan_checks import assert_tracks_gift_off, logged_steps  # noqa: E402
+from torchtitan_checks import assert_expert_residuals_checkpointed, assert_tracks_gift_off, logged_steps  # noqa: E402
 
 STEPS = 3
 EP = ["--parallelism.data-parallel-shard-degree=4", "--parallelism.expert-parallel-degree=2",
@@ -64,7 +65,8 @@ EXPERTS = [f"layers.{i}.moe.routed_experts.inner_experts" for i in (1, 2)]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], RunResult]:
     return shared_runs({
-        "nvfp4": ("moe_debug_gift_graph", [*EP, *GIFT, "--gift.format=nvfp4"]),
+        "nvfp4": ("moe_debug_gift_graph", [*EP, *GIFT, "--gift.format=nvfp4", "--gift.error-feedback",
+                                           "--checkpoint.enable", f"--checkpoint.interval={STEPS}"]),
         "fp32": ("moe_debug_gift_graph", [*EP, *GIFT, "--gift.format=fp32"]),
         # the routed experts excluded (GiftConfig.exclude): unmarked, their traced reduce-scatters stay fp32
         "raw_experts": ("moe_debug_gift_graph", [*EP, *GIFT, "--gift.format=nvfp4",
@@ -173,6 +175,13 @@ def test_ep_on_graph_quantizes_the_dense_layers_and_the_experts_at_nvfp4(runs: C
     assert gift.last("gift/refresh_step") == 2
     assert 0.03 < gift.last("gift/err_euclidean_mean") < 0.3
     assert_tracks_gift_off(gift, off, TOLERANCE)
+
+
+def test_ep_on_graph_keeps_each_ranks_expert_residuals_and_checkpoints_them(
+        runs: Callable[[str], RunResult]) -> None:
+    """The marks carry each grouped weight's residual (the state's, `add_outside_residual`) and the
+    rewritten efsdp reduce-scatters write it, as the FSDP2 trainer's comm does."""
+    assert_expert_residuals_checkpointed(runs("nvfp4"), EXPERTS, STEPS)
 
 
 def test_ep_on_graph_at_fp32_is_exact_and_matches_gift_off(runs: Callable[[str], RunResult]) -> None:

@@ -222,7 +222,10 @@ def mark_outside(model: Parts, state: GiftState, groups: list[OutsideGroup]) -> 
     gradient SimpleFSDP reduce-scatters over the mesh's shard dim: this rank's shard gathered
     over that dim's ranks) and their tensors: a seed offset, an empty probe (no layer measures
     them), the state's seed and counters and this rank's rank in the shard dim's group
-    (stochastic rounding is seeded per group, the bytes count with the rest). Logs one line
+    (stochastic rounding is seeded per group, the bytes count with the rest), and under
+    `error_feedback` a residual of the whole local gradient for the reduce-scatter, kept and
+    checkpointed by the state (`GiftState.add_outside_residual`; none where the shard dim has
+    one rank: the replica hop alone keeps no residual). Logs one line
     per module; under HSDP (a replicated dim) `set_replica_hop` logs it, with the replica hop
     it adds. Returns each crossing parameter's plan, None for those that stay unmarked
     (`full_precision_params`), and the marked modules."""
@@ -242,7 +245,10 @@ def mark_outside(model: Parts, state: GiftState, groups: list[OutsideGroup]) -> 
             mesh = _replicate_computation(module, name).device_mesh
             shards = mesh.size(mesh.ndim - 1)  # the shard dim is the last (`_why_not_carried`)
             local = tuple(module._parameters[name].to_local().shape)
-            plan = None if g.why else euclidean_plan(state, fqn, gathered_shape(local, shards), shards)
+            # error feedback on their reduce-scatter (a one-rank shard dim has none: the replica hop
+            # alone carries no residual, as a layer's would belong to the shard hop)
+            plan = None if g.why else euclidean_plan(state, fqn, gathered_shape(local, shards), shards,
+                                                     error_feedback=shards > 1)
             out.plans[fqn] = plan
             named.append((name, plan))
             if plan is None:
@@ -250,7 +256,9 @@ def mark_outside(model: Parts, state: GiftState, groups: list[OutsideGroup]) -> 
             if g.group not in shared:
                 rank = torch.full((), dist.get_rank(mesh.get_group(mesh.ndim - 1)), dtype=torch.int64, device=device)
                 shared[g.group] = Shared(state.seed, rank, state.counters)
-            item = ItemTensors((), probe=torch.zeros(0, plan.cols, device=device),
+            residual = (state.add_outside_residual(fqn, (plan.rows, plan.cols), device) if plan.error_feedback
+                        else None)
+            item = ItemTensors((), residual, probe=torch.zeros(0, plan.cols, device=device),
                                seed_offset=torch.tensor(plan.seed_offset, dtype=torch.int64, device=device))
             tensors[name] = item, shared[g.group]
         if g.why:
