@@ -225,10 +225,10 @@ def mark_outside(model: Parts, state: GiftState, groups: list[OutsideGroup]) -> 
     (stochastic rounding is seeded per group, the bytes count with the rest), and under
     `error_feedback` a residual of the whole local gradient for the reduce-scatter, kept and
     checkpointed by the state (`GiftState.add_outside_residual`; none where the shard dim has
-    one rank: the replica hop alone keeps no residual). Logs one line
-    per module; under HSDP (a replicated dim) `set_replica_hop` logs it, with the replica hop
-    it adds. Returns each crossing parameter's plan, None for those that stay unmarked
-    (`full_precision_params`), and the marked modules."""
+    one rank: the replica hop alone keeps no residual). Logs one line per module; under HSDP
+    (a replicated dim) `set_replica_hop` logs it, with the replica hop it adds. Returns each
+    crossing parameter's plan, None for those that stay unmarked (`full_precision_params`), and
+    the marked modules."""
     modules = {owner: m for part in model_parts(model) for owner, m in part.named_modules()}
     device = state.counters.device
     shared: dict[str, Shared] = {}  # per mesh
