@@ -46,17 +46,13 @@ CONFIGS = {"fsdp2": ("llama3_debug_gift_fsdp2", "llama3_debug_nogift_fsdp2"),
 MOE_CONFIGS = {"fsdp2": ("moe_debug_gift_fsdp2", "moe_debug_nogift_fsdp2"),
                "graph": ("moe_debug_gift_graph", "moe_debug_nogift_graph")}
 MOE_LAYOUTS = {"ep_fsdp", "ep_hsdp", "ep_tp", "ep_pp"}
-# GIFT flags a layout and trainer need: under EP x HSDP on graph_trainer the routed experts'
-# gradients go through the replica all-reduce SimpleFSDP traces for them, which GIFT's pass does
-# not carry for them (its graph replica hop is on its managed linears' marks only), which GIFT
-# refuses unless told to warn (each expert module is then named, its gradient at full
-# precision); under EP x FSDP and EP x TP both trainers send the experts on GIFT's codec with no
-# map (`fsdp2.EuclideanReduceScatter`, `simple_fsdp.mark_outside`) and need no flag; EP x PP needs
+# GIFT flags a layout and trainer need: under EP x FSDP, EP x TP and EP x HSDP both trainers send
+# the routed experts on GIFT's codec with no map (`fsdp2.EuclideanReduceScatter` and
+# `hsdp.install`; `simple_fsdp.mark_outside` and `set_replica_hop`) and need no flag; EP x PP needs
 # none either (efsdp = dp_shard / ep is one rank: the experts' gradients cross no rank). The
 # TP-halved blocks of the debug MoE have 2048-3072 elements, under the default min-numel 4096: at
 # 1024 GIFT manages them (tests/test_torchtitan_ep_layouts.py)
-LAYOUT_GIFT = {("ep_hsdp", "graph"): ["--gift.unrewritten=warn"], ("ep_tp", "graph"): ["--gift.min-numel=1024"],
-               ("ep_tp", "fsdp2"): ["--gift.min-numel=1024"]}
+LAYOUT_GIFT = {("ep_tp", "graph"): ["--gift.min-numel=1024"], ("ep_tp", "fsdp2"): ["--gift.min-numel=1024"]}
 
 
 def configs(layout: str, trainer: str) -> tuple[str, str] | None:
@@ -108,6 +104,8 @@ SUITE: dict[str, tuple[str, ...]] = {
     "ep_fsdp/graph": (f"{_EPG}::test_ep_on_graph_quantizes_the_dense_layers_and_the_experts_at_nvfp4",),
     "ep_hsdp/fsdp2": (f"{_EPL}::test_ep_with_hsdp_runs_both_hops_on_the_dense_groups_and_the_replica_hop_on_the_"
                       "experts",),
+    "ep_hsdp/graph": (f"{_EPG}::test_ep_with_hsdp_on_graph_sends_the_experts_replica_all_reduce_on_gift_s_codec",
+                      f"{_EPG}::test_ep_with_hsdp_on_graph_at_fp32_matches_gift_off"),
     "ep_tp/fsdp2": (f"{_EPL}::test_ep_with_tp_quantizes_each_tp_block_and_tracks_gift_off",),
     "ep_tp/graph": (f"{_EPG}::test_ep_with_tp_on_graph_rewrites_the_experts_whose_group_has_gift_s_ranks",),
     "ep_pp/fsdp2": (f"{_EPL}::test_ep_with_pp_runs_gift_per_stage_and_experts_cross_no_rank",),

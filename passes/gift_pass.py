@@ -28,6 +28,10 @@ all-reduce of the reduced shard over the replica group follows it (at the plan's
 reduce-scatter bucket. A managed weight's shard is whole rows, so its input-side transform
 applies unchanged. The replica hop counts its bytes in its own counters, which the marks carry
 (`gift_compile.exchange.mark.unpack_replica_shared`), and `RewriteRecord` accounts them separately.
+Where a marked gradient's shard group has one rank (torchtitan's routed experts on a one-rank
+efsdp mesh under EP x HSDP) SimpleFSDP traces no reduce-scatter: its replica all-reduce is the
+gradient's only collective, and the pass makes it the replica hop alone, GIFT's all-reduce at
+the plan's `replica_format` on the hop's rank and counters (`replica_only` records).
 
 A marked gradient that cannot be rewritten raises (or, where its plan says
 `unrewritten="warn"`, is logged and sent at full precision): never a silent fp32 fallback.
@@ -77,6 +81,9 @@ class RewriteRecord:
     # shards x more)
     replica_wire_bytes: int = 0
     replica_baseline_bytes: int = 0
+    # the replica hop alone (its gradients' shard group has one rank): this record's bytes are
+    # all the replica hop's, whose baseline is then the fp32 all-reduce it replaced
+    replica_only: bool = False
 
 
 @dataclass
@@ -111,8 +118,14 @@ class RewriteReport:
 
     @property
     def replica_hops(self) -> int:
-        """Replica all-reduces GIFT put into the graph (HSDP; one per rewritten bucket)."""
+        """Replica all-reduces GIFT put into the graph (HSDP; one per rewritten bucket, after
+        its reduce-scatter, or alone: `sole_replica_hops`)."""
         return sum(r.replica_wire_bytes > 0 for r in self.rewritten)
+
+    @property
+    def sole_replica_hops(self) -> int:
+        """Of `replica_hops`, those that are their gradients' only collective (`replica_only`)."""
+        return sum(r.replica_only for r in self.rewritten)
 
     @property
     def replica_wire_bytes(self) -> int:
@@ -154,7 +167,14 @@ def rewrite_bucket(graph: fx.Graph, match: BucketMatch) -> RewriteRecord:
         if shared_nodes is None:
             shared_nodes = shared  # seed, rank, counters: one set per GiftState
     assert shared_nodes is not None
-    plan = BucketPlan(tuple(items), match.group_size, match.group_name, match.reduce_op is ReduceOp.AVG, match.op)
+    average = match.reduce_op is ReduceOp.AVG
+    sole = _sole_replica_hop(match)
+    if sole is None:
+        plan = BucketPlan(tuple(items), match.group_size, match.group_name, average, match.op)
+    else:  # HSDP's replica hop alone: at its format, on its rank and counters (see the module docstring)
+        plan = replica_hop_plan(items, sole, match.group_size, match.group_name, average)
+        first = next(m for m in match.marks if m is not None)
+        shared_nodes = list(unpack_replica_shared(ItemPlan.from_str(first.args[2]), list(first.args[1])))
     n_x = len(match.inputs)
     out_val = match.wait.meta["val"]
 
@@ -162,11 +182,13 @@ def rewrite_bucket(graph: fx.Graph, match: BucketMatch) -> RewriteRecord:
         xs, rest = list(args[:n_x]), args[n_x:]
         state, shared = rest[:len(state_nodes)], Shared(*rest[len(state_nodes):])
         per_item: list[ItemTensors | None] = []
-        for item, (start, count) in zip(items, layouts):
-            if not item.managed:
+        for item, sent, (start, count) in zip(items, plan.items, layouts):
+            if not sent.managed:  # raw: unmarked, or the replica hop's lossless format
                 per_item.append(None)
                 continue
-            per_item.append(unpack_item_tensors(item, list(state[start:start + count])))
+            it = unpack_item_tensors(item, list(state[start:start + count]))
+            # the replica hop alone: the item's map and seed, no residual, no probe
+            per_item.append(it if sole is None else ItemTensors(it.transform, None, None, it.seed_offset))
         return xs, per_item, shared
 
     def launch_fn(*args: torch.Tensor) -> torch.Tensor:
@@ -205,13 +227,25 @@ def rewrite_bucket(graph: fx.Graph, match: BucketMatch) -> RewriteRecord:
     if match.pre_bucket is not None and not match.pre_bucket.users:
         graph.erase_node(match.pre_bucket)
     baseline = sum(x.meta["val"].numel() * x.meta["val"].element_size() for x in match.inputs)
-    record = RewriteRecord(match.op, match.group_name, [i.name for i in items if i.managed],
-                           sum(not i.managed for i in items),
+    layers = [i.name for i in items if i.managed]
+    if sole is not None:  # the replica hop's bytes, counted in its counters
+        return RewriteRecord(match.op, match.group_name, layers, sum(not i.managed for i in items), 0, 0,
+                             bucket_wire_bytes(plan), baseline, replica_only=True)
+    record = RewriteRecord(match.op, match.group_name, layers, sum(not i.managed for i in items),
                            bucket_wire_bytes(plan), baseline)
     if replica_plan is not None:
         record.replica_wire_bytes = bucket_wire_bytes(replica_plan)
         record.replica_baseline_bytes = baseline // match.group_size
     return record
+
+
+def _sole_replica_hop(match: BucketMatch) -> str | None:
+    """The replica format when `match` is HSDP's replica hop alone (an all-reduce of gradients
+    whose plans have a replica hop, feeding no shard reduce-scatter: their shard group has one
+    rank), else None; `_why_not` has checked that every marked gradient's plan agrees."""
+    if match.op is not Collective.ALL_REDUCE:
+        return None
+    return next((p.replica_format for p in match.plans() if p is not None and p.replica_format), None)
 
 
 def _replica_plan(match: BucketMatch, items: list[ItemPlan]) -> BucketPlan:

@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from gift_compile.config import ReduceOp
+from gift_compile.exchange.mark import split_mark_tensors, unpack_item_tensors
 from gift_compile.exchange.plan import Collective, ItemPlan, dtype_name
 from gift_compile.passes.inductor_internals import pre_bucket_reduce_scatter_op
 from gift_compile.sync import process_group
@@ -202,6 +203,29 @@ def find_gradient_collectives(graph: fx.Graph) -> list[BucketMatch]:
     return matches
 
 
+def _why_not_sole_replica_hop(match: BucketMatch, replica: list[str]) -> str | None:
+    """Why an all-reduce of gradients whose plans have a replica hop (HSDP), feeding no shard
+    reduce-scatter, cannot be that hop alone (`replica`: the marks' replica formats). It is
+    when their shard group has one rank (torchtitan's routed experts on a one-rank efsdp under
+    EP x HSDP): every mark has the hop at one format, and none has what a shard hop would
+    serve, error feedback (its residual) or a gradient probe with rows (a layer's refresh
+    measures it: a one-shard dense layer runs the layers' own plans, GIFT's DDP)."""
+    if not all(replica) or len(set(replica)) != 1:
+        return ("an all-reduce carrying gradients with and without a replica hop (HSDP), or at several replica "
+                "formats; one replica hop runs one format")
+    for m in match.marks:
+        if m is None:
+            continue
+        plan = ItemPlan.from_str(m.args[2])
+        probe = unpack_item_tensors(plan, split_mark_tensors(plan, list(m.args[1]))[0]).probe
+        rows = probe.meta["val"].shape[0] if isinstance(probe, fx.Node) and "val" in probe.meta else None
+        if plan.error_feedback or plan.second_hop_error_feedback or rows != 0:
+            return (f"{plan.name}: its gradient's only collective is the replica all-reduce (HSDP, a one-rank shard "
+                    "group), but its plan has a shard hop's error feedback or gradient probe (a managed layer's), "
+                    "which that hop alone would leave unwritten")
+    return None
+
+
 def _why_not(match: BucketMatch) -> str | None:
     if match.reduce_op is None:
         return f"reduce op {match.collective.args[1]!r} is not a sum"
@@ -215,8 +239,9 @@ def _why_not(match: BucketMatch) -> str | None:
             return ("the gradient crosses a replica all-reduce (HSDP) but its mark carries no replica hop "
                     "(gift_compile.frameworks.hsdp.install_graph was not called before tracing)")
     elif match.op is Collective.ALL_REDUCE and any(replica):
-        return ("an all-reduce of a gradient whose plan has a replica hop (HSDP) that does not feed a shard "
-                "reduce-scatter bucket; the pass only rewrites the replica hop after the reduce-scatter")
+        why = _why_not_sole_replica_hop(match, replica)
+        if why is not None:
+            return why
     for x, m in zip(match.inputs, match.marks):
         val = x.meta.get("val")
         if val is None:

@@ -3,12 +3,16 @@
 (the 4-rank runs are tests/test_torchtitan_ep*.py). The gradient a collective reduces over
 `world` ranks, a grouped expert weight `[experts, out, in]`, is one item `[experts x out, in]` at
 the state's format (or its `layer_formats` entry), with no map and none of a layer's runtime
-tensors; anything else goes raw (None)."""
+tensors, and error feedback where the caller keeps a residual for it, which the state then
+checkpoints; anything else goes raw (None)."""
 
 from __future__ import annotations
 
 import pytest
 
+import torch
+
+from gift_compile.codec import residual as residual_store
 from gift_compile.config import GiftConfig
 from gift_compile.exchange.plan import Collective
 from gift_compile.frameworks.euclidean import euclidean_plan
@@ -30,8 +34,8 @@ def test_a_grouped_expert_weight_is_one_item_of_its_experts_rows(state: GiftStat
     assert (plan.rows, plan.cols) == (256, 32)
     assert plan.name == "blocks.1.experts.w1_EFD"
     assert plan.format == "nvfp4" and plan.kind == IDENTITY_KIND and plan.n_tensors == 0
-    # no layer here: no residual (error feedback off whatever the config), no gate; the codec's own
-    # options stay
+    # no layer here: no gate, no second hop, and no residual unless the caller keeps one; the
+    # codec's own options stay
     assert not plan.error_feedback and not plan.second_hop_error_feedback and not plan.gated
     assert plan.stochastic_rounding
     # a 2-D parameter sharded on dim 0 is its own rows
@@ -53,3 +57,65 @@ def test_layer_formats_apply_to_the_expert_items(state: GiftState) -> None:
 ])
 def test_what_cannot_go_as_an_item_goes_raw(state: GiftState, shape: tuple[int, ...], name: str, why: str) -> None:
     assert euclidean_plan(state, name, shape, world=2) is None, why
+
+
+def test_error_feedback_where_the_caller_keeps_the_residual(state: GiftState) -> None:
+    plan = euclidean_plan(state, "blocks.1.experts.w1_EFD", (4, 64, 32), world=2, error_feedback=True)
+    assert plan is not None and plan.error_feedback and not plan.second_hop_error_feedback
+    assert plan.residual_format == state.config.residual_format
+    # the config decides: without error feedback there, none here either
+    off = GiftState(GiftConfig(geometry="lowrank", format="nvfp4", min_numel=4096), None, collective=Collective.REDUCE_SCATTER)
+    plan = euclidean_plan(off, "blocks.1.experts.w1_EFD", (4, 64, 32), world=2, error_feedback=True)
+    assert plan is not None and not plan.error_feedback
+
+
+def _with_residual(config: GiftConfig, shape: tuple[int, int] = (256, 32)) -> GiftState:
+    state = GiftState(config, None, collective=Collective.REDUCE_SCATTER)
+    state.add_outside_residual("blocks.1.experts.w1_EFD", shape, "cpu")
+    return state
+
+
+def test_the_state_checkpoints_the_residuals_it_keeps_for_them() -> None:
+    config = GiftConfig(geometry="lowrank", format="nvfp4", error_feedback=True)
+    saved = _with_residual(config)
+    (buf,) = saved.outside["blocks.1.experts.w1_EFD"].buffers
+    buf.copy_(torch.randn(buf.shape, generator=torch.Generator().manual_seed(0)))
+    sd = saved.state_dict()
+    assert torch.equal(sd["outside:blocks.1.experts.w1_EFD.0"], buf)
+    assert saved.memory_bytes()["residuals"] == buf.numel() * 4
+    loaded = _with_residual(config)
+    loaded.load_state_dict(sd)
+    assert torch.equal(loaded.outside["blocks.1.experts.w1_EFD"].buffers[0], buf)
+    # stored in another residual format: re-stored from the saved values
+    recoded = _with_residual(GiftConfig(geometry="lowrank", format="nvfp4", error_feedback=True, residual_format="fp8_e4m3"))
+    recoded.load_state_dict(sd)
+    got = recoded.outside["blocks.1.experts.w1_EFD"]
+    value = residual_store.read("fp8_e4m3", got.buffers, 32)
+    assert 0 < float((value - buf).norm() / buf.norm()) < 0.1
+    # a checkpoint without it (error feedback newly on): starts at zero
+    fresh = _with_residual(config)
+    fresh.load_state_dict(GiftState(GiftConfig(geometry="lowrank", format="nvfp4"), None, collective=Collective.REDUCE_SCATTER)
+                          .state_dict())
+    assert not fresh.outside["blocks.1.experts.w1_EFD"].buffers[0].any()
+
+
+@pytest.mark.parametrize("into, match", [
+    (GiftConfig(geometry="lowrank", format="nvfp4"), "error_feedback is off now"),
+    (GiftConfig(geometry="lowrank", format="nvfp4", error_feedback=True, residual_format="fp32"), "residual shape"),
+])
+def test_a_residual_that_does_not_fit_is_refused(into: GiftConfig, match: str) -> None:
+    sd = _with_residual(GiftConfig(geometry="lowrank", format="nvfp4", error_feedback=True)).state_dict()
+    state = (GiftState(into, None, collective=Collective.REDUCE_SCATTER) if not into.error_feedback
+             else _with_residual(into, shape=(128, 32)))
+    with pytest.raises(ValueError, match=match):
+        state.load_state_dict(sd)
+
+
+def test_a_non_finite_residual_is_refused() -> None:
+    config = GiftConfig(geometry="lowrank", format="nvfp4", error_feedback=True)
+    sd = _with_residual(config).state_dict()
+    sd["outside:blocks.1.experts.w1_EFD.0"][0, 0] = float("nan")
+    state = _with_residual(config)
+    with pytest.raises(ValueError, match="NaN/Inf"):
+        state.load_state_dict(sd)
+    assert not state.outside["blocks.1.experts.w1_EFD"].buffers[0].any()  # validated before anything changed

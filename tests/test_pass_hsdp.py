@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from multirank import run_ranks
@@ -108,7 +109,66 @@ def _worker(rank: int, world: int) -> dict:
         out["refused"] = None
     except GiftRewriteError as e:
         out["refused"] = str(e)
+    out["sole"] = _sole_replica_hop(replica)
     out["ranks"] = (dist.get_rank(replica), dist.get_rank(shard))
+    return out
+
+
+def _sole_replica_hop(replica: dist.ProcessGroup) -> dict:
+    """A gradient whose only collective is the replica all-reduce (a one-rank shard group:
+    torchtitan's routed experts on a one-rank efsdp under EP x HSDP), marked as
+    `simple_fsdp.mark_outside` and `set_replica_hop` mark it (a Euclidean plan with the hop's
+    format, an empty probe, the hop's `Shared`), at fp32 and nvfp4; and a managed layer's mark
+    (its probe has rows) in the same place, which the pass must refuse."""
+    import dataclasses
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from gift_compile.api import manage
+    from gift_compile.config import GiftConfig
+    from gift_compile.exchange.collectives import C_CALLS, C_WIRE, ItemTensors, Shared
+    from gift_compile.exchange.mark import pack_mark_tensors
+    from gift_compile.frameworks import hsdp
+    from gift_compile.frameworks.euclidean import euclidean_plan
+    from gift_compile.passes import GiftRewriteError, rewrite_gradient_collectives
+
+    c10d = torch.ops._c10d_functional
+    g = torch.randn(2, 64, 64, generator=torch.Generator().manual_seed(7 + dist.get_rank()))
+    exact = g.clone()
+    dist.all_reduce(exact, group=replica)
+
+    def traced(plan_str: str, tensors: list[torch.Tensor]) -> torch.fx.GraphModule:
+        def backward(g: torch.Tensor, *st: torch.Tensor) -> torch.Tensor:
+            marked = torch.ops.gift.mark(g, list(st), plan_str)
+            return c10d.wait_tensor(c10d.all_reduce(marked, "sum", replica.group_name)) * 1.0
+        return make_fx(backward, tracing_mode="fake")(g, *tensors)
+
+    out: dict = {}
+    for fmt in ("fp32", "nvfp4"):
+        config = GiftConfig(format=fmt, geometry="hadamard", select="all", min_numel=1024, exclude=())
+        state = manage(nn.Sequential(nn.Linear(64, 128)), config, dist.group.WORLD, mode="tag", split_rows=True)
+        hop = hsdp.install_graph(state, replica)
+        plan = dataclasses.replace(euclidean_plan(state, "experts.w1", g.shape, 1), replica_format=fmt)
+        item = ItemTensors((), probe=torch.zeros(0, 64), seed_offset=torch.tensor(plan.seed_offset))
+        tensors = pack_mark_tensors(plan, item, state.shared, Shared(state.seed, hop.rank, hop.counters))
+        gm = traced(plan.to_str(), tensors)
+        report = rewrite_gradient_collectives(gm)
+        shard_before, hop_before = state.counters.clone(), hop.counters.clone()
+        got = gm(g, *tensors)
+        hop_delta = (hop.counters - hop_before).tolist()
+        out[fmt] = {"err": float((got - exact).norm() / exact.norm()), "after": report.ops_after,
+                    "fallbacks": report.fallbacks, "hops": (report.replica_hops, report.sole_replica_hops),
+                    "accounted": (report.wire_bytes, report.replica_wire_bytes, report.replica_baseline_bytes),
+                    "counted": (hop_delta[C_WIRE], hop_delta[C_CALLS]),
+                    "shard_counted": bool((state.counters != shard_before).any())}
+        layer = next(iter(state.layers.values()))  # a layer's mark: its probe has rows
+        gm = traced(layer.plan_str, layer.mark_tensors(state.shared))
+        try:
+            rewrite_gradient_collectives(gm)
+            out[fmt]["layer_refused"] = None
+        except GiftRewriteError as e:
+            out[fmt]["layer_refused"] = str(e)
+    out["baseline"] = g.numel() * 4
     return out
 
 
@@ -177,3 +237,26 @@ def test_tp_all_reduce_of_a_norm_gradient_before_the_replica_one_stays(ranks: li
         assert "_c10d_functional.reduce_scatter_tensor.default" not in case["after"]
         assert case["fallbacks"] == [] and case["hops"] == 1
         assert case["err"] < 1e-6, case["err"]
+
+
+def test_replica_all_reduce_alone_is_the_replica_hop_for_a_mark_without_a_layer(ranks: list[dict]) -> None:
+    """A gradient whose shard group has one rank (SimpleFSDP traces its replica all-reduce and no
+    reduce-scatter: the routed experts under EP x HSDP on a one-rank efsdp), marked with no map
+    and the replica hop: the pass makes that all-reduce GIFT's at the plan's replica format, on
+    the hop's counters (counted == accounted, nothing on the shard hop's); a managed layer's mark
+    there (its probe, which only a shard hop writes) is refused by name."""
+    for rank in ranks:
+        sole = rank["sole"]
+        for fmt in ("fp32", "nvfp4"):
+            case = sole[fmt]
+            assert case["fallbacks"] == [] and case["hops"] == (1, 1), case
+            assert "_c10d_functional.all_reduce.default" not in case["after"], case["after"]
+            assert "gift.mark.default" not in case["after"]
+            wire, replica_wire, replica_baseline = case["accounted"]
+            assert wire == 0 and replica_baseline == sole["baseline"]
+            assert case["counted"] == (replica_wire, 1) and not case["shard_counted"], case
+            assert "experts.w1" not in (case["layer_refused"] or ""), case["layer_refused"]
+            assert "0.weight" in case["layer_refused"] and "probe" in case["layer_refused"], case["layer_refused"]
+        assert sole["fp32"]["err"] < 1e-6
+        assert 0.02 < sole["nvfp4"]["err"] < 0.3, sole["nvfp4"]["err"]
+        assert sole["nvfp4"]["accounted"][1] < 0.2 * sole["fp32"]["accounted"][1]

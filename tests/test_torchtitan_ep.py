@@ -10,13 +10,14 @@ on every dense module), GIFT's codec with no map on the experts' efsdp group
 64, 64]` one item `[128, 64]`), and the EP all-to-all on the token dispatcher is not touched
 (GIFT only replaces FSDP2's reduce-scatter comms).
 
-Three runs, same seed, init and data, with the default ``--gift.unrewritten error`` (nothing is
-refused): GIFT at nvfp4 (a refresh after step 2), GIFT at fp32 and GIFT off (EP with TP, PP or
-HSDP: tests/test_torchtitan_ep_layouts.py). nvfp4 must quantize the dense linears and the
+Four runs, same seed, init and data, with the default ``--gift.unrewritten error`` (nothing is
+refused): GIFT at nvfp4 (a refresh after step 2, error feedback on, a checkpoint at the last
+step), the same with the experts excluded, GIFT at fp32 and GIFT off (EP with TP, PP or HSDP:
+tests/test_torchtitan_ep_layouts.py). nvfp4 must quantize the dense linears and the
 experts (every parameter's fp32 gradient is GIFT's baseline; bytes counted at the collective ==
 the plans' accounting; more than 80% of the experts' fp32 bytes saved against the same run with
-them excluded; their round-trip error reported at every step), name each
-expert module in one warning, and stay within the 2-rank tests' loss tolerance of GIFT off; fp32
+them excluded; their round-trip error reported at every step; their error-feedback residuals,
+each rank's own, in the checkpoint), name each expert module in one warning, and stay within the 2-rank tests' loss tolerance of GIFT off; fp32
 must reproduce GIFT off's losses exactly (the experts' sum included). Measured 2026-12-05 on 2
 cores shared with other jobs: the file 150 s at load 4-8, 170 s at load 12-17
 (``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_torchtitan_ep.py``).
@@ -36,7 +37,7 @@ require("torchtitan", "torchtitan extra not installed")
 from gift_compile.torchtitan_ext.hooks import REFUSAL  # noqa: E402
 from gift_compile.torchtitan_ext.models import MOE_FLAVORS  # noqa: E402
 from gift_compile.torchtitan_ext.runs import RunResult, shared_runs  # noqa: E402
-from torchtitan_checks import assert_tracks_gift_off, logged_steps  # noqa: E402
+from torchtitan_checks import assert_expert_residuals_checkpointed, assert_tracks_gift_off, logged_steps  # noqa: E402
 
 STEPS = 3
 EP = ["--parallelism.data-parallel-shard-degree=4", "--parallelism.expert-parallel-degree=2",
@@ -49,7 +50,8 @@ EXPERTS = [f"layers.{i}.moe.routed_experts.inner_experts" for i in (1, 2)]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], RunResult]:
     return shared_runs({
-        "nvfp4": ("moe_debug_gift_fsdp2", [*EP, *GIFT, "--gift.format=nvfp4"]),
+        "nvfp4": ("moe_debug_gift_fsdp2", [*EP, *GIFT, "--gift.format=nvfp4", "--gift.error-feedback",
+                                           "--checkpoint.enable", f"--checkpoint.interval={STEPS}"]),
         "fp32": ("moe_debug_gift_fsdp2", [*EP, *GIFT, "--gift.format=fp32"]),
         # the routed experts excluded (GiftConfig.exclude): sent raw in their efsdp bucket
         "raw_experts": ("moe_debug_gift_fsdp2", [*EP, *GIFT, "--gift.format=nvfp4",
@@ -134,3 +136,7 @@ def test_ep_at_fp32_is_exact_and_matches_gift_off(runs: Callable[[str], RunResul
     assert exact.last("gift/err_euclidean_mean") == 0.0
     assert exact.last("gift/experts_err_euclidean_mean") == 0.0
     assert exact.losses() == off.losses()
+
+
+def test_ep_keeps_each_ranks_expert_residuals_and_checkpoints_them(runs: Callable[[str], RunResult]) -> None:
+    assert_expert_residuals_checkpointed(runs("nvfp4"), EXPERTS, STEPS)

@@ -9,6 +9,11 @@ every one must stay within the tolerance the test allows.
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import torch
+
+from gift_compile.torchtitan_ext.kill_resume import checkpoint_tensors
 from gift_compile.torchtitan_ext.runs import RunResult
 
 __all__ = ["assert_tracks_gift_off", "logged_steps"]
@@ -28,3 +33,26 @@ def assert_tracks_gift_off(gift: RunResult, off: RunResult, tolerance: float) ->
     assert any(g[s] != o[s] for s in g if s > 1)  # and that path did quantize
     for step in g:
         assert abs(g[step] - o[step]) < tolerance, (step, g, o)
+
+
+def assert_expert_residuals_checkpointed(run: RunResult, experts: list[str], step: int, *, ranks: int = 4,
+                                         shape: tuple[int, int] = (128, 64)) -> None:
+    """Under error feedback each rank keeps, per grouped expert weight, what its last encode left
+    out of its local gradient (`shape`: the item), and the GIFT state the run checkpointed at
+    `step` carries it: non-zero (it was written: the experts were quantized with it), finite, and
+    each rank's own; and no expert module's log line says it goes without error feedback."""
+    assert not [line for line in run.output.splitlines()
+                if "(GroupedExperts)" in line and "without error feedback" in line]
+    folder = Path(run.command[run.command.index("--dump-folder") + 1]) / "checkpoint" / f"step-{step}"
+    flat = checkpoint_tensors(folder)
+    for expert in experts:
+        for w in ("w1_EFD", "w2_EDF", "w3_EFD"):
+            seen = []
+            for rank in range(ranks):
+                key = f"gift.rank{rank}.outside:{expert}.{w}.0"
+                assert key in flat, sorted(k for k in flat if "outside" in k)[:8]
+                residual = flat[key]
+                assert tuple(residual.shape) == shape and residual.dtype == torch.float32, key
+                assert bool(torch.isfinite(residual).all()) and float(residual.norm()) > 0, key
+                seen.append(residual)
+            assert all(not torch.equal(a, b) for i, a in enumerate(seen) for b in seen[i + 1:]), (expert, w)

@@ -92,8 +92,11 @@ def gift_rewrite_pass(gm: torch.fx.GraphModule, example_inputs: Any, *, fuse: bo
         f"managed weights, {len(report.fallbacks)} fallbacks; collective launches per step "
         f"{report.launches(report.ops_before)} -> {report.launches(report.ops_after)}; bytes per step of the "
         f"rewritten collectives {report.baseline_bytes} -> {report.wire_bytes}"
-        + (f"; replica hop (HSDP): {report.replica_hops} all-reduces of the reduced shards after them, bytes per "
-           f"step {report.replica_baseline_bytes} -> {report.replica_wire_bytes}" if report.replica_hops else "")
+        + (f"; replica hop (HSDP): {report.replica_hops - report.sole_replica_hops} all-reduces of the reduced shards "
+           "after them" + (f" and {report.sole_replica_hops} of gradients with a one-rank shard group (their only "
+                           "collective)" if report.sole_replica_hops else "")
+           + f", bytes per step {report.replica_baseline_bytes} -> {report.replica_wire_bytes}"
+           if report.replica_hops else "")
         + _kept_launches(report, kept or {}) + _other_rewritten(report, other or {})
     )
     if fuse:
@@ -132,7 +135,8 @@ def _logged_groups(parallel_dims: Any) -> tuple[dict[str, str], dict[str, str]]:
     """The process groups the rewrite log accounts for (`gift_rewrite_pass`): those whose
     collectives it must leave as they were (TP's with tensor parallelism, EP's, the token
     all-to-alls, with expert parallelism) and the other data-parallel ones it rewrites (efsdp's
-    with expert parallelism: the routed experts' reduce-scatters)."""
+    with expert parallelism: the routed experts' reduce-scatters; under HSDP also their mesh's
+    dp_replicate group's: the experts' replica all-reduces, GIFT's replica hop)."""
     if parallel_dims is None:
         return {}, {}
     kept, other = {}, {}
@@ -141,6 +145,8 @@ def _logged_groups(parallel_dims: Any) -> tuple[dict[str, str], dict[str, str]]:
     if parallel_dims.ep > 1:
         kept["EP"] = parallel_dims.get_mesh("ep").get_group().group_name
         other["efsdp"] = parallel_dims.get_mesh("efsdp").get_group().group_name
+        if parallel_dims.dp_replicate > 1:  # HSDP: SimpleFSDP all-reduces the experts over their mesh's replicas
+            other["experts' dp_replicate"] = parallel_dims.get_mesh(["dp_replicate", "efsdp"]).get_group(0).group_name
     return kept, other
 
 

@@ -109,6 +109,9 @@ class GiftReduceScatter(ReduceScatter):
         # (world, dtype, group name) of the last call: what `accounted_bytes` prices
         self.last_call: tuple[int, torch.dtype, str] | None = None
 
+    # whether its managed items are the state's layers (selection, maps, the layers' residuals)
+    has_layers = True
+
     @property
     def shared(self) -> Shared:
         """Seed, rank and counters of this comm's collectives: the state's."""
@@ -184,8 +187,8 @@ class EuclideanReduceScatter(GiftReduceScatter):
     group (a per-parameter mesh: torchtitan's routed experts on ``efsdp`` under expert
     parallelism), with GIFT's codec and no map.
 
-    GIFT's layers (statistics, transforms, selection, error-feedback residuals) belong to the
-    state's group, and a grouped-GEMM expert weight `[E, out, in]` is one tensor for a rank's
+    GIFT's layers (statistics, transforms, selection) belong to the state's group, and a
+    grouped-GEMM expert weight `[E, out, in]` is one tensor for a rank's
     experts, each fed only its routed tokens: no linear layer's statistics describe it. Its
     gradient is still a stack of `[out, in]` matrices, and FSDP2's dim-0 shard gives each rank
     whole experts, so it goes as one Euclidean item `[E * out, in]` (`euclidean.euclidean_plan`): each
@@ -194,7 +197,8 @@ class EuclideanReduceScatter(GiftReduceScatter):
     sharded on dim 0, fewer than two dims, under `min_numel`, excluded) go raw in the same
     collective, as a dense group's norms do. The bytes go to the state's counters, so the
     telemetry, accounting and health checks see them with the rest; the rank that seeds
-    stochastic rounding is this group's.
+    stochastic rounding is this group's. Under `error_feedback` each quantized item keeps its
+    residual (`keep_error_feedback`), which the state checkpoints.
     """
 
     def __init__(self, module: FSDPModule, state: GiftState, timer: CommTimer, compiled: bool,
@@ -205,12 +209,15 @@ class EuclideanReduceScatter(GiftReduceScatter):
         # the model (`names`: id(module) -> FQN) and keyed by (owner, name) here
         self._owners: dict[int, tuple[str, str]] = {}
         self._plans: dict[tuple[int, str], tuple[str, ItemPlan | None]] = {}
+        # what each plan is made from: the parameter's FQN and the gradient the collective reduces
+        self._shapes: dict[tuple[int, str], tuple[str, tuple[int, ...]]] = {}
         for p in packed_params(module, over):
             owner = names.get(id(p.module), "")
             self._owners[id(p.module)] = (owner, type(p.module).__name__)
             fqn = f"{owner}.{p.param_name}" if owner else p.param_name
             # FSDP2 hands over the whole gradient; a shard on another dim has no rows to split (raw)
             shape = gathered_shape(p.local, over.size()) if p.dim0 else ()
+            self._shapes[id(p.module), p.param_name] = fqn, shape
             self._plans[id(p.module), p.param_name] = fqn, euclidean_plan(state, fqn, shape, over.size())
         device = state.counters.device
         self._seeds = {key: torch.tensor(plan.seed_offset, dtype=torch.int64, device=device)
@@ -218,6 +225,26 @@ class EuclideanReduceScatter(GiftReduceScatter):
         # each item's first gradient rows as last sent (the codec copies them), for `errors`
         self._probes = {key: torch.zeros(min(plan.rows, PROBE_ROWS), plan.cols, device=device)
                         for key, (_, plan) in self._plans.items() if plan is not None}
+        self._residuals: dict[tuple[int, str], tuple[torch.Tensor, ...]] = {}
+        if over.size() > 1:  # a one-rank group sends nothing, unless HSDP's replica hop carries it
+            self.keep_error_feedback()
+
+    has_layers = False
+
+    def keep_error_feedback(self) -> None:
+        """Give every quantized item error feedback where the config asks for it: its plan with
+        the state's error feedback and a residual of its whole local gradient, kept by the state
+        (`GiftState.add_outside_residual`, so checkpoints carry it). Called for a group whose
+        items cross ranks: its own reduce-scatter, or (one rank) HSDP's replica hop as the only
+        hop (`gift_compile.frameworks.hsdp.install`)."""
+        if self._residuals:
+            return
+        for key, (fqn, shape) in self._shapes.items():
+            plan = euclidean_plan(self.state, fqn, shape, self.over.size(), error_feedback=True)
+            if plan is not None and plan.error_feedback:
+                self._plans[key] = fqn, plan
+                self._residuals[key] = self.state.add_outside_residual(fqn, (plan.rows, plan.cols),
+                                                                       self.state.counters.device)
 
     @property
     def shared(self) -> Shared:
@@ -230,7 +257,7 @@ class EuclideanReduceScatter(GiftReduceScatter):
             fqn, plan = self._plans[key]
             out.append(Segment(fqn, p.rows, p.cols) if plan is None else
                        Segment(fqn, plan.rows // self.over.size(), plan.cols, plan,
-                               ItemTensors((), probe=self._probes[key], seed_offset=self._seeds[key])))
+                               ItemTensors((), self._residuals.get(key), self._probes[key], self._seeds[key])))
         return out
 
     def errors(self) -> dict[str, float]:
@@ -255,10 +282,12 @@ class EuclideanReduceScatter(GiftReduceScatter):
         lines = []
         for module_id, (owner, kind) in self._owners.items():
             plans = [(name, plan) for (m, name), (_, plan) in self._plans.items() if m == module_id]
-            # one rank: no reduce-scatter, only HSDP's replica hop, at its own format
-            how = describe_items(plans, self.state.config.error_feedback,
-                                 None if self.over.size() > 1 else self.state.config.replica_hop_format)
-            if self.over.size() == 1:
+            # one rank: no reduce-scatter, only HSDP's replica hop, at its own format and with the
+            # config's error feedback (`keep_error_feedback` when that hop is installed)
+            several = self.over.size() > 1
+            how = describe_items(plans, several and self.state.config.error_feedback,
+                                 None if several else self.state.config.replica_hop_format)
+            if not several:
                 lines.append(f"GIFT: {owner} ({kind}) is sharded over mesh {mesh!r} (one rank): its gradient crosses "
                              f"no rank in a reduce-scatter (under HSDP GIFT's replica hop sends it with no map: {how})")
             else:

@@ -44,7 +44,12 @@ routed experts on ``efsdp``, the rest on ``fsdp``) has one parameter group per m
 own all-reduce hook (`fsdp_internals.set_group_all_reduce_hook`; FSDP2's public setter refuses
 such modules), each the hook above over its group's reduced shard: the experts' group, which
 `fsdp2.install` put on `EuclideanReduceScatter`, has its reduced shard all-reduced by GIFT's
-codec at the replica format too (also where ``efsdp`` has one rank and this is its only hop).
+codec at the replica format too (also where ``efsdp`` has one rank and this is its only hop: it
+then carries the experts' error feedback, `EuclideanReduceScatter.keep_error_feedback`).
+The graph path (`install_graph`: torchtitan's graph_trainer, whose traced replica all-reduces the
+FX pass rewrites) carries the same hop on the managed linears' marks and on the routed experts'
+(`gift_compile.frameworks.simple_fsdp.set_replica_hop`), at the replica format, with no map for
+the experts, also where their efsdp has one rank and this hop is their only collective.
 
 Limits: with two or more shards error feedback covers the shard hop only (its residual is the
 full local gradient; the replica hop's input is already reduced).
@@ -58,17 +63,19 @@ import hashlib
 import torch
 import torch.distributed as dist
 
+from gift_compile.codec import FormatSpec
 from gift_compile.config import PlanCheck
 from gift_compile.exchange.collectives import (C_WIRE, C_BASELINE, C_CALLS, N_COUNTERS, ItemTensors, Shared,
                                       bucket_plan, bucket_wire_bytes, check_plan_agreement, run_bucket)
 from gift_compile.exchange.plan import BucketPlan, Collective, ItemPlan, replica_hop_plan
 from gift_compile.frameworks.adapter import attach, attached
-from gift_compile.frameworks.fsdp2 import EuclideanReduceScatter, GiftReduceScatter, discarding
+from gift_compile.frameworks.fsdp2 import GiftReduceScatter, discarding
 from gift_compile.frameworks.fsdp_internals import (all_reduce_hook, check_torch, custom_reduce_scatter, fsdp_modules,
                                          gradient_divide_factor, is_native_hsdp, param_group_id,
                                          set_group_all_reduce_hook, set_group_divide_factor, shard_process_group,
                                          shard_process_groups)
 from gift_compile.frameworks.parts import Parts, model_parts
+from gift_compile.frameworks import simple_fsdp
 from gift_compile.runtime.state import GiftState
 from gift_compile.runtime.telemetry import CommTimer
 
@@ -134,16 +141,22 @@ class ReplicaAllReduce:
         feedback: the residual belongs to the shard hop), the others at full precision. An
         fp32 replica format sends managed shards as raw fp32 too (exact, no transform). As the
         `sole` hop: the layers' own plans (`GiftConfig.format`, their error feedback), as
-        GIFT's DDP all-reduce runs them; a group on `EuclideanReduceScatter` (no layers) keeps
-        the replica format then too, averaging when `average`."""
+        GIFT's DDP all-reduce runs them; a group without layers (`fsdp2.EuclideanReduceScatter`)
+        keeps the replica format then too, with its items' error feedback, averaging when
+        `average`."""
         segments = self.comm._segments()
-        if self.sole and not isinstance(self.comm, EuclideanReduceScatter):
+        fmt = self.state.config.replica_hop_format
+        if self.sole and self.comm.has_layers:
+            return bucket_plan(segments, dtype, world=self.hop.world, group_name=self.hop.group.group_name,
+                               average=self.average, op=Collective.ALL_REDUCE)
+        if self.sole and not FormatSpec(fmt).family.lossless:  # no layers: the replica format, their error feedback
+            segments = [seg if seg.plan is None else seg._replace(plan=dataclasses.replace(seg.plan, format=fmt))
+                        for seg in segments]
             return bucket_plan(segments, dtype, world=self.hop.world, group_name=self.hop.group.group_name,
                                average=self.average, op=Collective.ALL_REDUCE)
         shards = [ItemPlan.passthrough(seg.name, seg.rows * seg.cols, dtype) if seg.plan is None
                   else dataclasses.replace(seg.plan.with_dtype(dtype), rows=seg.rows) for seg in segments]
-        return replica_hop_plan(shards, self.state.config.replica_hop_format, self.hop.world,
-                                self.hop.group.group_name, self.average)
+        return replica_hop_plan(shards, fmt, self.hop.world, self.hop.group.group_name, self.average)
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
         if discarding():  # gradients the framework drops (`gift_compile.frameworks.fsdp2.discarded_gradients`)
@@ -202,8 +215,8 @@ def install(model: Parts, state: GiftState, replica_group: dist.ProcessGroup, *,
     (see the module docstring: `format` only, factor 1 or FSDP2's default, which GIFT's
     all-reduce then averages). A parameter group on another mesh (`fsdp2.EuclideanReduceScatter`:
     the routed experts) gets the same hook, at the replica format even where its own mesh has one
-    rank (it has no layers whose selection or error feedback would ask for `format`). Keeps the
-    hop in the state's per-adapter slot (`replica_hop`).
+    rank (it has no layers whose selection would ask for `format`; as the only hop it carries
+    their error feedback). Keeps the hop in the state's per-adapter slot (`replica_hop`).
     """
     device = state.counters.device
     hop = ReplicaHop(replica_group, device)
@@ -226,8 +239,10 @@ def install(model: Parts, state: GiftState, replica_group: dist.ProcessGroup, *,
             shards, factor = pg.size(), gradient_divide_factor(module, over)
             if shards == 1:  # no shard hop: this hop is the only collective
                 _check_sole_factor(factor)
-                if not isinstance(comm, EuclideanReduceScatter):
+                if comm.has_layers:
                     _check_sole_hop(state, hop)
+                else:  # the experts' group: this hop carries their error feedback too
+                    comm.keep_error_feedback()
             elif factor is None:  # FSDP2's default mean would only count the shard group
                 set_group_divide_factor(module, pg, float(shards * hop.world))
             average = shards == 1 and factor is None
@@ -271,8 +286,13 @@ def install_graph(state: GiftState, replica_group: dist.ProcessGroup) -> Replica
     whose graph the FX pass rewrites: every managed weight's plan gets
     `replica_format = config.replica_hop_format` and its `gift::mark` then carries this hop's
     rank and counters, so the pass can put GIFT's all-reduce of the reduced shard over
-    `replica_group` into the graph (`gift_compile.passes.gift_pass`, "HSDP"). Call it after
-    `manage(..., mode="tag")` and before the step is traced. Keeps the hop in the state's
+    `replica_group` into the graph (`gift_compile.passes.gift_pass`, "HSDP"). The marks the
+    SimpleFSDP adapter put on parameters outside GIFT's layers (torchtitan's routed experts,
+    replicated over the same ranks) get the hop too, at the same format with no map
+    (`simple_fsdp.set_replica_hop`), also where their shard dim has one rank and this hop is
+    their only collective (as FSDP2's experts' group, they have no layers whose selection or
+    error feedback would ask for `format`). Call it after `manage(..., mode="tag")` (the
+    SimpleFSDP adapter's install) and before the step is traced. Keeps the hop in the state's
     per-adapter slot (`replica_hop`).
 
     The hop has no error probe in a graph (the probe's extra fp32 all-reduce is a per-step
@@ -283,6 +303,7 @@ def install_graph(state: GiftState, replica_group: dist.ProcessGroup) -> Replica
     replica = Shared(state.seed, hop.rank, hop.counters)
     for layer in state.layers.values():
         layer.set_replica_hop(state.config.replica_hop_format, replica)
+    simple_fsdp.set_replica_hop(state, state.config.replica_hop_format, replica, replica_group)
     return hop
 
 

@@ -16,7 +16,7 @@ from gift_compile.codec import residual as residual_store
 from gift_compile.config import GiftConfig
 
 if TYPE_CHECKING:
-    from gift_compile.runtime.layer import LayerState
+    from gift_compile.runtime.layer import LayerState, OutsideResidual
 
 __all__ = ["Checkpointing", "STATE_VERSION"]
 
@@ -25,6 +25,9 @@ logger = logging.getLogger("gift_compile")
 STATE_VERSION = 2
 # (config flag, state-dict prefix) of each error-feedback residual a layer may keep
 _RESIDUALS = (("error_feedback", "residual"), ("second_hop_error_feedback", "second_hop_residual"))
+# state-dict prefix of the residuals of gradients sent outside the layers (`GiftState.outside`):
+# not a module name, so no layer's keys can start with it
+OUTSIDE = "outside:"
 
 
 class Checkpointing:
@@ -33,6 +36,7 @@ class Checkpointing:
     __slots__ = ()
     config: GiftConfig
     layers: dict[str, LayerState]
+    outside: dict[str, OutsideResidual]
     seed: torch.Tensor
     steps: int
     _sharing_checked: bool
@@ -51,6 +55,8 @@ class Checkpointing:
                            "second_hop_error_feedback": l.second_hop_residual is not None,
                            "residual_format": self.config.residual_format if l.residual_buffers() else None}
                        for n, l in self.layers.items()},
+            "outside": {n: {"shape": list(o.shape), "residual_format": self.config.residual_format}
+                        for n, o in self.outside.items()},
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -60,6 +66,8 @@ class Checkpointing:
                               "steps": torch.tensor(self.steps)}
         for name, layer in self.layers.items():
             sd.update({f"{name}.{k}": v.detach().clone() for k, v in layer.state_dict().items()})
+        for name, outside in self.outside.items():
+            sd.update({f"{OUTSIDE}{name}.{i}": t.detach().clone() for i, t in enumerate(outside.buffers)})
         return sd
 
     @torch.no_grad()
@@ -70,7 +78,9 @@ class Checkpointing:
         Accepted with a logged conversion: a different wire format, refresh cadence, EMA,
         damping or selection rule (the saved geometry stays valid), and turning error feedback
         on (residuals start at zero). Refused: other layers, shapes, geometry kind or rank,
-        turning error feedback off with saved residuals, and non-finite tensors.
+        turning error feedback off with saved residuals, and non-finite tensors. The residuals
+        of gradients sent outside the layers (`GiftState.outside`) follow the same rules; one
+        the checkpoint lacks starts at zero (it predates them, or error feedback was off).
         """
         if "meta" not in sd:
             raise ValueError("GIFT checkpoint has no 'meta' entry: it was not written by this version of GiftState")
@@ -127,14 +137,18 @@ class Checkpointing:
                     raise ValueError(f"GIFT checkpoint: layer {name}: key {key!r} holds NaN/Inf values")
                 if key not in ("selected", "decided", "boundary_score"):
                     plan.append((dst, src))
+        recoded_outside = self._outside_plan(sd, meta.get("outside", {}), plan, converted)
         unknown = sorted(k for k in sd if k not in ("meta", "seed", "steps")
-                         and not any(k.startswith(f"{n}.") for n in self.layers))
+                         and not any(k.startswith(f"{n}.") for n in self.layers)
+                         and not any(k.startswith(f"{OUTSIDE}{n}.") for n in self.outside))
         if unknown:
             raise ValueError(f"GIFT checkpoint has unexpected keys {unknown[:5]}")
         for dst, src in plan:
             dst.copy_(src)
         for (name, prefix), value in recoded.items():
             residual_store.write(self.config.residual_format, self.layers[name].residual_buffers()[prefix], value)
+        for name, value in recoded_outside.items():
+            residual_store.write(self.config.residual_format, self.outside[name].buffers, value)
         for leader, followers in meta.get("shared", {}).items():
             if not self.layers[leader].followers:
                 self.share_statistics([leader, *followers])
@@ -149,3 +163,45 @@ class Checkpointing:
             converted.append(f"config changed since the checkpoint: {changed}")
         for line in converted:
             logger.warning("GIFT checkpoint loaded with a conversion: %s", line)
+
+    def _outside_plan(self, sd: dict[str, Any], saved: dict[str, Any], plan: list[tuple[torch.Tensor, torch.Tensor]],
+                      converted: list[str]) -> dict[str, torch.Tensor]:
+        """Validate the checkpoint's residuals of gradients sent outside the layers against
+        `self.outside` (nothing modified): append the copies to `plan` and the conversions to
+        `converted`; return the residuals saved in another format, as fp32, by name."""
+        lost = sorted(set(saved) - set(self.outside))
+        if lost:
+            why = "error_feedback is off now" if not self.config.error_feedback else "this run keeps none for them"
+            raise ValueError(f"GIFT checkpoint: {lost} have error-feedback residuals but {why}; their accumulated "
+                             "error would be lost")
+        recoded: dict[str, torch.Tensor] = {}
+        for name, outside in self.outside.items():
+            got = saved.get(name)
+            if got is None:
+                converted.append(f"{name}: residual starts at zero (not in the checkpoint)")
+                continue
+            if list(got["shape"]) != list(outside.shape):
+                raise ValueError(f"GIFT checkpoint: {name}: residual shape {got['shape']} != expected "
+                                 f"{list(outside.shape)}")
+            fmt = got["residual_format"]
+            srcs = [torch.as_tensor(sd.get(f"{OUTSIDE}{name}.{i}", torch.empty(0)))
+                    for i in range(residual_store.buffer_count(fmt))]
+            if fmt != self.config.residual_format:
+                try:
+                    value = residual_store.read(fmt, tuple(srcs), outside.shape[1])
+                except (RuntimeError, ValueError) as e:
+                    raise ValueError(f"GIFT checkpoint: {name}: unreadable {fmt} residual: {e}")
+                if tuple(value.shape) != outside.shape or not bool(torch.isfinite(value).all()):
+                    raise ValueError(f"GIFT checkpoint: {name}: its {fmt} residual decodes to shape "
+                                     f"{tuple(value.shape)} (expected {outside.shape}) or holds NaN/Inf values")
+                recoded[name] = value
+                converted.append(f"{name}: residual re-stored from {fmt} to {self.config.residual_format}")
+                continue
+            for i, (dst, src) in enumerate(zip(outside.buffers, srcs)):
+                if src.shape != dst.shape:
+                    raise ValueError(f"GIFT checkpoint: {name}: residual buffer {i} has shape {tuple(src.shape)}, "
+                                     f"expected {tuple(dst.shape)}")
+                if src.is_floating_point() and not bool(torch.isfinite(src).all()):
+                    raise ValueError(f"GIFT checkpoint: {name}: residual buffer {i} holds NaN/Inf values")
+                plan.append((dst, src))
+        return recoded

@@ -21,7 +21,7 @@ from gift_compile.geometry.statistics import StatisticsSettings
 from gift_compile.geometry.table import IDENTITY_KIND, Geometry
 from gift_compile.runtime.selection import LayerMeasurement
 
-__all__ = ["PROBE_ROWS", "LayerSpec", "LayerState"]
+__all__ = ["PROBE_ROWS", "LayerSpec", "LayerState", "OutsideResidual"]
 
 PROBE_ROWS = 128
 
@@ -45,6 +45,18 @@ class LayerSpec:
     reselect: bool
     # `GiftConfig.layer_formats`: a layer whose FQN an entry matches is planned at that format
     layer_formats: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class OutsideResidual:
+    """The error-feedback residual of a gradient GIFT sends with no map outside its layers
+    (`gift_compile.frameworks.euclidean`: torchtitan's routed experts), `shape` `[rows, cols]`
+    (the item's whole local gradient), stored as `buffers` in the state's residual format.
+    The state keeps it (`GiftState.add_outside_residual`) so that it is checkpointed, validated
+    and sized with the layers' residuals."""
+
+    shape: tuple[int, int]
+    buffers: tuple[torch.Tensor, ...]
 
 
 class LayerState:

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from gift_compile.codec import Nonfinite
+from gift_compile.codec import residual as residual_store
 from gift_compile.config import GiftConfig, ReduceOp, SelectRule
 from gift_compile.exchange.agreement import first_difference
 from gift_compile.exchange.collectives import (C_MISMATCH, C_MISMATCH_RANKS, C_NONFINITE, C_NONFINITE_RANKS, N_COUNTERS,
@@ -35,7 +36,7 @@ from gift_compile.exchange.plan import BucketPlan, Collective, ItemPlan
 from gift_compile.geometry.statistics import StatisticsSettings
 from gift_compile.geometry.table import Geometry, geometry_class
 from gift_compile.runtime.checkpoint import Checkpointing
-from gift_compile.runtime.layer import LayerSpec, LayerState
+from gift_compile.runtime.layer import LayerSpec, LayerState, OutsideResidual
 from gift_compile.runtime.refresh import RefreshEngine, RefreshRecord
 from gift_compile.runtime.selection import LayerMeasurement, decide
 from gift_compile.runtime.telemetry import Telemetry
@@ -116,7 +117,7 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
     __slots__ = ("config", "group", "collective", "layers", "seed", "rank", "counters", "steps", "history",
                  "grad_source", "_health_seen", "modules", "handles", "active", "sync_mode", "dirty_params",
                  "plan_version", "selection_changes", "_sharing_checked", "adapters", "hop_counters", "backward_watch",
-                 "geometry", "layer_spec", "health_group", "pending_faults")
+                 "geometry", "layer_spec", "health_group", "pending_faults", "outside")
 
     def __init__(self, config: GiftConfig, group: dist.ProcessGroup | None,
                  collective: Collective | str = Collective.ALL_REDUCE):
@@ -169,6 +170,8 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         # optimizer step, where every rank takes part (`gift_compile.runtime.health.check_health_group`).
         self.health_group: dist.ProcessGroup | None = None
         self.pending_faults = Faults()
+        # Error-feedback residuals of gradients sent outside the layers (`add_outside_residual`).
+        self.outside: dict[str, OutsideResidual] = {}
 
     @property
     def shared(self) -> Shared:
@@ -212,6 +215,19 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
             layer.selected, layer.decided = chosen and not layer.transform.is_identity, True
             layer._replan()
         return layer
+
+    def add_outside_residual(self, fqn: str, shape: tuple[int, int],
+                             device: torch.device | str) -> tuple[torch.Tensor, ...]:
+        """Zero error-feedback buffers, in the config's residual format, for parameter `fqn`, a
+        gradient an adapter sends on GIFT's codec outside the layers (`frameworks.euclidean`),
+        `shape` its whole local gradient as the item views it; kept here so that checkpoints
+        carry it (the layers' residuals' rules: `gift_compile.runtime.checkpoint`)."""
+        if fqn in self.outside or fqn in self.layers:
+            raise ValueError(f"GiftState.add_outside_residual: {fqn} already has a residual")
+        rows, cols = shape
+        buffers = residual_store.allocate(self.config.residual_format, rows, cols, device)
+        self.outside[fqn] = OutsideResidual((int(rows), int(cols)), buffers)
+        return buffers
 
     def _static_selection(self) -> bool:
         """Whether the selection rule needs no measurement (all, none, globs, no geometry)."""

@@ -20,7 +20,7 @@ from gift_compile.exchange.collectives import (C_BASELINE, C_CALLS, C_MISMATCH, 
 from gift_compile.geometry.statistics import SketchStatistics
 
 if TYPE_CHECKING:
-    from gift_compile.runtime.layer import LayerState
+    from gift_compile.runtime.layer import LayerState, OutsideResidual
 
 __all__ = ["CommTimer", "Telemetry"]
 
@@ -60,6 +60,7 @@ class Telemetry:
 
     __slots__ = ()
     layers: dict[str, LayerState]
+    outside: dict[str, OutsideResidual]
     counters: torch.Tensor
     seed: torch.Tensor
     rank: torch.Tensor
@@ -110,6 +111,9 @@ class Telemetry:
             add("probes", layer.probe)
             add("pending", layer.pending)
             add("other", layer.seed_offset)
+        for outside in self.outside.values():
+            for t in outside.buffers:
+                add("residuals", t)
         for t in (self.seed, self.rank, self.counters):
             add("other", t)
         return out
