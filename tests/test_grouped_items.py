@@ -195,6 +195,35 @@ def test_gated_grouped_item_is_its_maps_when_on_and_the_identity_when_off() -> N
     assert len(shard) == 6 and shard[-1].dim() == 0
 
 
+def test_a_gate_per_block_selects_each_blocks_map_on_its_own() -> None:
+    """Experts are selected one by one: a `[G]` gate runs block e's map where gate[e] is on and
+    the identity where it is off, block by block, and `shard_tensors` hands a rank its blocks'
+    gates."""
+    maps, x = _maps(), _grads(1)[0]
+    gated = dataclasses.replace(_item("fp32"), gated=True, n_tensors=6)
+    gate = torch.tensor([True, False, True, False])
+    got = torch.cat(_encoded(gated, x, (*_stack(maps), gate)), dim=1).view(torch.float32).reshape(G * OUT, D_IN)
+    for e in range(G):
+        rows = x[e * OUT:(e + 1) * OUT]
+        want = LowRank.apply_forward(rows, maps[e]) if gate[e] else rows
+        assert torch.equal(got[e * OUT:(e + 1) * OUT], want), e
+    shard = shard_tensors(gated, (*_stack(maps), gate), 1, 2)
+    assert torch.equal(shard[-1], gate[2:])
+    with pytest.raises(ValueError, match="leading dim of 4 blocks"):
+        _encoded(gated, x, (*_stack(maps), gate[:3]))
+
+
+def test_a_grouped_probe_keeps_each_blocks_first_rows() -> None:
+    x = _grads(1)[0]
+    item = _item("fp8_e4m3")
+    probe = torch.zeros(G, 3, D_IN)
+    p = BucketPlan((item,), 1, None, False, "reduce_scatter")
+    encode_item(x, ItemTensors(_stack(_maps()), probe=probe), Shared(), item, p)
+    assert torch.equal(probe, x.reshape(G, OUT, D_IN)[:, :3])
+    with pytest.raises(ValueError, match="probe"):
+        encode_item(x, ItemTensors(_stack(_maps()), probe=torch.zeros(G - 1, 3, D_IN)), Shared(), item, p)
+
+
 # ---- fused paths never take a grouped item ------------------------------------------------------
 def test_fused_sender_and_receiver_refuse_grouped_items() -> None:
     """On CUDA the same item ungrouped would run fused (the kernels need Triton)."""

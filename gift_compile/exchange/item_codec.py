@@ -73,8 +73,9 @@ class ItemTensors(NamedTuple):
     Without it the plan's name-derived offset is used.
 
     A grouped item's (`ItemPlan.groups` = G > 1) `transform` holds its map kind's tensors each
-    stacked on a leading dim of G (block e's map is row e of each; a gated plan's 0-d gate
-    follows, one for the item), and its reduce-scatter receiver needs `shard_transform`.
+    stacked on a leading dim of G (block e's map is row e of each; a gated plan's gate follows,
+    0-d for the item or `[G]` one per block), its `probe` may be `[G, p, cols]` (each block's
+    first rows), and its reduce-scatter receiver needs `shard_transform`.
     """
 
     transform: tuple[torch.Tensor, ...]
@@ -103,7 +104,10 @@ def shard_tensors(item: ItemPlan, transform: tuple[torch.Tensor, ...], rank: int
     per_rank = item.groups // world
     stacked = transform[:-1] if item.gated else transform
     views = tuple(t.narrow(0, rank * per_rank, per_rank) for t in stacked)
-    return (*views, transform[-1]) if item.gated else views
+    if not item.gated:
+        return views
+    gate = transform[-1]
+    return (*views, gate if gate.dim() == 0 else gate.narrow(0, rank * per_rank, per_rank))
 
 
 def _map_tensors(item: ItemPlan, transform: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -115,16 +119,21 @@ def _map_tensors(item: ItemPlan, transform: tuple[torch.Tensor, ...]) -> tuple[t
 def _each_block_tensors(item: ItemPlan, transform: tuple[torch.Tensor, ...],
                         blocks: int) -> list[tuple[torch.Tensor, ...]]:
     """Each of `blocks` blocks' map tensors from a grouped item's stacked ones (row e of each),
-    gated by the item's one gate: a gated grouped plan carries a single 0-d bool after the
-    stacked tensors, and each block runs its kind's own `gated` on its row, so every map kind
-    gates stacked tensors exactly as it gates one layer's."""
+    gated: a gated grouped plan carries after the stacked tensors either one 0-d bool for the
+    whole item or one per block (`[blocks]`, block e's path gate: experts selected one by one),
+    and each block runs its kind's own `gated` on its row with its gate, so every map kind gates
+    stacked tensors exactly as it gates one layer's."""
     stacked = transform[:-1] if item.gated else transform
-    for t in stacked:
+    gate = transform[-1] if item.gated else None
+    for t in (*stacked, *(() if gate is None or gate.dim() == 0 else (gate,))):
         if t.dim() == 0 or t.shape[0] != blocks:
             raise ValueError(f"GIFT: grouped item {item.name}: a stacked map tensor has shape {tuple(t.shape)}, "
                              f"expected a leading dim of {blocks} blocks (groups={item.groups})")
-    gate = transform[-1:] if item.gated else ()
-    return [_map_tensors(item, (*(t[e] for t in stacked), *gate)) for e in range(blocks)]
+
+    def gate_of(e: int) -> tuple[torch.Tensor, ...]:
+        return () if gate is None else (gate if gate.dim() == 0 else gate[e],)
+
+    return [_map_tensors(item, (*(t[e] for t in stacked), *gate_of(e))) for e in range(blocks)]
 
 
 def _mapped(apply: Callable[..., torch.Tensor], item: ItemPlan, g: torch.Tensor, transform: tuple[torch.Tensor, ...],
@@ -343,6 +352,19 @@ def _fused_receiver(item: ItemPlan, payload: torch.Tensor) -> str | None:
     return path.precision if path.fused else None
 
 
+def _copy_probe(item: ItemPlan, probe: torch.Tensor, g: torch.Tensor) -> None:
+    """Keep the gradient's first rows in `probe` (what a refresh measures the maps on): `[p, cols]`
+    for the item, or for a grouped item `[G, p, cols]`, each block's first `p` rows (each
+    expert's map is measured on its own rows)."""
+    if probe.dim() == 3:
+        if probe.shape[0] != item.groups:
+            raise ValueError(f"GIFT: grouped item {item.name}: probe {tuple(probe.shape)} has {probe.shape[0]} "
+                             f"blocks, the item {item.groups}")
+        probe.copy_(g.reshape(item.groups, -1, item.cols)[:, : probe.shape[1]])
+    else:
+        probe.copy_(g[: probe.shape[0]])
+
+
 # ---- the per-item codec ---------------------------------------------------------------------
 def encode_item(x: torch.Tensor, state: ItemTensors | None, shared: Shared, item: ItemPlan,
                 p: BucketPlan) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -362,7 +384,7 @@ def encode_item(x: torch.Tensor, state: ItemTensors | None, shared: Shared, item
     spec, rows = item.spec, p.rows_sent(item)
     g = x.reshape(item.rows, item.cols)
     if state.probe is not None:
-        state.probe.copy_(g[: state.probe.shape[0]])
+        _copy_probe(item, state.probe, g)
     g = _pad_rows(g.float(), rows)
     fused = _fused_sender(item, state, g)
     if fused is not None:
