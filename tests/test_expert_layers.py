@@ -3,6 +3,7 @@ own state whose tensors are views of stacked ones, without ranks (the state's gr
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from gift_compile.config import GiftConfig
@@ -101,3 +102,33 @@ def test_checkpoint_round_trip_writes_into_the_stacked_tensors() -> None:
         assert all(torch.equal(a, b) for a, b in zip(weight.transform, other.transform)), name
         assert torch.equal(weight.gate, other.gate)
     assert torch.equal(loaded.weights["w2_EDF"].residual[0], residual[0])
+
+
+def test_the_main_state_steps_refreshes_and_checkpoints_the_experts_state() -> None:
+    """The experts' state is driven by the main one: each optimizer step advances it (its seed,
+    its refresh at the same cadence) and the main state's checkpoint carries it."""
+    def pair() -> tuple[GiftState, ExpertLayers]:
+        main = GiftState(_config(refresh_every=2, refresh_warmup=0), None, collective=Collective.REDUCE_SCATTER)
+        experts = _experts(_config(refresh_every=2, refresh_warmup=0))
+        main.substates.append(experts.state)
+        return main, experts
+
+    main, experts = pair()
+    x, h, offsets = _tokens()
+    experts.observe("x", x, offsets)
+    experts.observe("h", h, offsets)
+    seed = int(experts.state.seed)
+    main.step()
+    assert experts.state.steps == 1 and int(experts.state.seed) == seed + 1 and not experts.state.history
+    main.step()
+    assert experts.state.steps == 2 and len(experts.state.history) == 1  # refreshed with the main state
+    sd = main.state_dict()
+    assert "sub0:layers.1.moe.experts.w1_EFD[4].transform.t1" in sd
+    loaded, other = pair()
+    loaded.load_state_dict(sd)
+    assert other.state.steps == 2
+    assert all(torch.equal(a, b) for a, b in zip(experts.weights["w1_EFD"].transform,
+                                                 other.weights["w1_EFD"].transform))
+    alone = GiftState(_config(refresh_every=2, refresh_warmup=0), None, collective=Collective.REDUCE_SCATTER)
+    with pytest.raises(ValueError, match="further states"):
+        alone.load_state_dict(sd)

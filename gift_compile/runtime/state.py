@@ -117,7 +117,7 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
     __slots__ = ("config", "group", "collective", "layers", "seed", "rank", "counters", "steps", "history",
                  "grad_source", "_health_seen", "modules", "handles", "active", "sync_mode", "dirty_params",
                  "plan_version", "selection_changes", "_sharing_checked", "adapters", "hop_counters", "backward_watch",
-                 "geometry", "layer_spec", "health_group", "pending_faults", "outside")
+                 "geometry", "layer_spec", "health_group", "pending_faults", "outside", "substates")
 
     def __init__(self, config: GiftConfig, group: dist.ProcessGroup | None,
                  collective: Collective | str = Collective.ALL_REDUCE):
@@ -172,6 +172,9 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         self.pending_faults = Faults()
         # Error-feedback residuals of gradients sent outside the layers (`add_outside_residual`).
         self.outside: dict[str, OutsideResidual] = {}
+        # States over other groups this one drives: stepped, refreshed and checkpointed with it
+        # (the routed experts' layers over their own data-parallel group, `runtime.experts`).
+        self.substates: list[GiftState] = []
 
     @property
     def shared(self) -> Shared:
@@ -349,3 +352,5 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         self.seed.add_(1)
         if self.config.refresh_due(self.steps):
             self.refresh()
+        for sub in self.substates:
+            sub.step()
