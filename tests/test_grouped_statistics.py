@@ -150,6 +150,14 @@ def test_kfac_experts_equal_layers_fed_their_rows() -> None:
                                rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("grouped", [_sketch(), GroupedKFACStatistics(G, D, ema=0.5, max_tokens=1024)],
+                         ids=["sketch", "kfac"])
+def test_a_forward_with_no_tokens_adds_nothing(grouped: GroupedSketchStatistics | GroupedKFACStatistics) -> None:
+    """An expert-parallel rank may be routed no token in a step: an empty input is no error."""
+    grouped.observe(torch.zeros(0, D, dtype=torch.bfloat16), _offsets([0, 0, 0, 0]))
+    assert not any(bool(t.any()) for t in grouped.state.values() if t.dtype != torch.int64)
+
+
 @pytest.mark.parametrize(("d_in", "kind"), [(96, GroupedSketchStatistics), (16, GroupedKFACStatistics)])
 def test_make_grouped_statistics_chooses_as_a_layer_does(d_in: int, kind: type) -> None:
     settings = StatisticsSettings(StatisticsKind.SKETCH, rank=R, sketch_cols=2 * R, ema=0.5, max_tokens=64, seed=3)

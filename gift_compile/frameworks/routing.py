@@ -32,7 +32,7 @@ from gift_compile.frameworks.tensor_parallel import local_input, local_matrix_sh
 from gift_compile.runtime.layer import LayerState
 from gift_compile.runtime.state import GiftState
 
-__all__ = ["ManageMode", "eligible_linears", "manage", "observe_inputs", "statistics_paused"]
+__all__ = ["ManageMode", "eligible_linears", "manage", "observe_inputs", "statistics_paused", "statistics_paused_now"]
 
 logger = logging.getLogger("gift_compile")
 
@@ -63,6 +63,11 @@ def statistics_paused() -> Iterator[None]:
         yield
     finally:
         _paused -= 1
+
+
+def statistics_paused_now() -> bool:
+    """Whether a `statistics_paused` context is open (hooks outside this module ask it)."""
+    return _paused > 0
 
 
 def observe_inputs(module: nn.Module, args: tuple[Any, ...]) -> None:

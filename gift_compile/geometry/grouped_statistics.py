@@ -54,7 +54,8 @@ def _per_expert(sub: torch.Tensor, member: torch.Tensor, right: torch.Tensor) ->
     `sub`. One matmul of `sub^T` against the right factor spread over the experts' columns
     (`[m, G c]`, zero outside each row's expert), so no `[G, m, d_in]` copy of the inputs."""
     m, c = right.shape
-    spread = (member.unsqueeze(2) * right.unsqueeze(1)).reshape(m, -1)
+    # sized explicitly: a rank may get no tokens at all (m = 0), where -1 is ambiguous
+    spread = (member.unsqueeze(2) * right.unsqueeze(1)).reshape(m, member.shape[1] * c)
     return (sub.t() @ spread).reshape(sub.shape[1], -1, c).permute(1, 0, 2)
 
 
