@@ -27,14 +27,17 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import require
 
 require("torchtitan", "torchtitan extra not installed")
 
 from gift_compile.torchtitan_ext.hooks import REFUSAL  # noqa: E402
+from gift_compile.torchtitan_ext.kill_resume import checkpoint_tensors  # noqa: E402
 from gift_compile.torchtitan_ext.models import MOE_FLAVORS  # noqa: E402
 from gift_compile.torchtitan_ext.runs import RunResult, shared_runs  # noqa: E402
 from torchtitan_checks import assert_expert_residuals_checkpointed, assert_tracks_gift_off, logged_steps  # noqa: E402
@@ -57,6 +60,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], RunResult]
         "raw_experts": ("moe_debug_gift_fsdp2", [*EP, *GIFT, "--gift.format=nvfp4",
                                                  "--gift.exclude=*embed*,*output*,*lm_head*,*routed_experts*"]),
         "off": ("moe_debug_nogift_fsdp2", EP),
+        # K-FAC's map named (the configs' AdamW resolves `auto` to second_moment, whose factor for a
+        # 3-D weight is not wired): each local expert whitened as its own GIFT matrix
+        "whitened": ("moe_debug_gift_fsdp2", [*EP, *GIFT, "--gift.format=nvfp4", "--gift.geometry=lowrank",
+                                              "--checkpoint.enable", f"--checkpoint.interval={STEPS}"]),
     }, lambda name: str(tmp_path_factory.mktemp(name)), nproc=4)
 
 
@@ -140,3 +147,27 @@ def test_ep_at_fp32_is_exact_and_matches_gift_off(runs: Callable[[str], RunResul
 
 def test_ep_keeps_each_ranks_expert_residuals_and_checkpoints_them(runs: Callable[[str], RunResult]) -> None:
     assert_expert_residuals_checkpointed(runs("nvfp4"), EXPERTS, STEPS)
+
+
+def test_ep_whitens_each_expert_with_its_own_map(runs: Callable[[str], RunResult]) -> None:
+    """Under the low-rank K-FAC map each local expert of each grouped weight is a GIFT layer of the
+    experts' own state over efsdp (`runtime.experts`): its statistics from its routed tokens, its
+    map refreshed at step 2, the grouped weight sent as one grouped item with the experts' maps.
+    The checkpoint holds each expert's map (built: not the identity; each expert's own), the bytes
+    counted equal the accounting and the Euclidean experts' run's, and the losses track GIFT off."""
+    white, euclid, off = runs("whitened"), runs("nvfp4"), runs("off")
+    for expert in EXPERTS:
+        assert re.search(rf"GIFT: {re.escape(expert)} \(GroupedExperts\) reduce-scatters over mesh 'efsdp' \(2 ranks\)"
+                         r" on GIFT's codec, each local expert a GIFT layer.*w1_EFD as \[128, 64\] at nvfp4, 2 experts "
+                         r"each with its own lowrank map", white.output), white.output[-3000:]
+    assert "not whitened" not in white.output
+    for r, e in zip(logged_steps(white, STEPS), logged_steps(euclid, STEPS)):
+        assert r["gift/wire_bytes_per_step"] == r["gift/accounted_bytes_per_backward"] == e["gift/wire_bytes_per_step"]
+    folder = Path(white.command[white.command.index("--dump-folder") + 1]) / "checkpoint" / f"step-{STEPS}"
+    flat = checkpoint_tensors(folder)
+    for rank in range(4):
+        for expert in EXPERTS:
+            basis = [flat[f"gift.rank{rank}.sub0:{expert}.w1_EFD[{e}].transform.t1"] for e in range(2)]
+            assert all(float(b.norm()) > 0 for b in basis), (rank, expert)  # refreshed: not the identity
+            assert not torch.equal(basis[0], basis[1])  # each expert its own map
+    assert_tracks_gift_off(white, off, TOLERANCE)
