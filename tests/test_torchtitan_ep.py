@@ -170,4 +170,9 @@ def test_ep_whitens_each_expert_with_its_own_map(runs: Callable[[str], RunResult
             basis = [flat[f"gift.rank{rank}.sub0:{expert}.w1_EFD[{e}].transform.t1"] for e in range(2)]
             assert all(float(b.norm()) > 0 for b in basis), (rank, expert)  # refreshed: not the identity
             assert not torch.equal(basis[0], basis[1])  # each expert its own map
+    # the experts' layers in telemetry: 2 blocks x 3 weights x 2 local experts, their errors measured
+    # at their refresh on both paths
+    assert white.last("gift/experts_layers") == 12 and 0 <= white.last("gift/experts_selected_layers") <= 12
+    assert 0.03 < white.last("gift/experts_err_euclidean_mean") < 0.3
+    assert 0.0 < white.last("gift/experts_err_transformed_mean") < 0.3
     assert_tracks_gift_off(white, off, TOLERANCE)
