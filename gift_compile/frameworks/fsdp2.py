@@ -24,10 +24,12 @@ routed experts on the ``efsdp`` mesh, attention, router and shared experts on th
 mesh) has one parameter group per mesh (`fsdp_internals.set_group_reduce_scatter` sets a comm
 on one of them). GIFT's state spans one process group (the one every FSDP module
 reduce-scatters over, `shard_group`): that group of such a module gets `GiftReduceScatter`, the
-others `EuclideanReduceScatter`, GIFT's codec with no map over their own group (the grouped
-expert weights as stacks of matrices, each rank receiving its own experts' rows). `install`
-logs one line per such module saying what goes how; no gradient crosses ranks at full
-precision unless it is one GIFT sends raw anyway (norms, biases, small or excluded tensors).
+others `EuclideanReduceScatter`, GIFT's codec over their own group (the grouped expert weights
+as stacks of matrices, each rank receiving its own experts' rows): with no map, or, under a
+geometry with input statistics or a fixed map, each expert through its own map as a layer of the
+experts' own state (`_whitened_experts`, `gift_compile.runtime.experts`). `install` logs one line
+per such module saying what goes how; no gradient crosses ranks at full precision unless it is
+one GIFT sends raw anyway (norms, biases, small or excluded tensors).
 """
 
 from __future__ import annotations
