@@ -2,10 +2,11 @@
 
 A parameter group a framework reduce-scatters over another process group than GIFT's state
 (torchtitan's routed experts on the ``efsdp`` mesh under expert parallelism) has no GIFT layer:
-GIFT's statistics, transforms and selection belong to the state's group, and a grouped-GEMM expert weight ``[E, out, in]`` is one tensor for a rank's experts,
-each fed only its routed tokens, so no linear layer's statistics describe it. Its gradient is
-still a stack of ``[out, in]`` matrices, and a dim-0 shard gives each rank whole rows, so it goes
-as one Euclidean item ``[E * out, in]``: every row with its own scales, at the state's format.
+GIFT's statistics, transforms and selection belong to the state's group, and a grouped-GEMM
+expert weight ``[E, out, in]`` is one tensor for a rank's experts, each fed only its routed
+tokens, so no linear layer's statistics describe it. Its gradient is still a stack of
+``[out, in]`` matrices, and a dim-0 shard gives each rank whole rows, so it goes as one Euclidean
+item ``[E * out, in]``: every row with its own scales, at the state's format.
 An error-feedback residual is a rank's own (what its last encode left out of its local
 gradient), so it needs no group: the framework that sends the item keeps one where the config
 asks for error feedback, registered with the state (`GiftState.add_outside_residual`), which

@@ -146,12 +146,10 @@ class ReplicaAllReduce:
         `average`."""
         segments = self.comm._segments()
         fmt = self.state.config.replica_hop_format
-        if self.sole and self.comm.has_layers:
-            return bucket_plan(segments, dtype, world=self.hop.world, group_name=self.hop.group.group_name,
-                               average=self.average, op=Collective.ALL_REDUCE)
-        if self.sole and not FormatSpec(fmt).family.lossless:  # no layers: the replica format, their error feedback
-            segments = [seg if seg.plan is None else seg._replace(plan=dataclasses.replace(seg.plan, format=fmt))
-                        for seg in segments]
+        if self.sole and (self.comm.has_layers or not FormatSpec(fmt).family.lossless):
+            if not self.comm.has_layers:  # no layers: the replica format, their error feedback
+                segments = [seg if seg.plan is None else seg._replace(plan=dataclasses.replace(seg.plan, format=fmt))
+                            for seg in segments]
             return bucket_plan(segments, dtype, world=self.hop.world, group_name=self.hop.group.group_name,
                                average=self.average, op=Collective.ALL_REDUCE)
         shards = [ItemPlan.passthrough(seg.name, seg.rows * seg.cols, dtype) if seg.plan is None

@@ -117,13 +117,8 @@ class Checkpointing:
             for flag, prefix in _RESIDUALS:
                 if not (got.get(flag, False) and want[flag]) or got["residual_format"] == want["residual_format"]:
                     continue
-                n = residual_store.buffer_count(got["residual_format"])
-                bufs = tuple(torch.as_tensor(sd.get(f"{name}.{prefix}.{i}", torch.empty(0))) for i in range(n))
-                try:
-                    value = residual_store.read(got["residual_format"], bufs, layer.shape[1])
-                except (RuntimeError, ValueError) as e:
-                    raise ValueError(f"GIFT checkpoint: layer {name}: unreadable {got['residual_format']} {prefix}: {e}")
-                recoded[(name, prefix)] = value
+                recoded[(name, prefix)] = _saved_residual(sd, f"{name}.{prefix}", got["residual_format"],
+                                                          layer.shape[1], f"layer {name}", prefix)
                 converted.append(f"{name}: {prefix} re-stored from {got['residual_format']} to {want['residual_format']}")
         plan: list[tuple[torch.Tensor, torch.Tensor]] = []
         for name, layer in self.layers.items():
@@ -198,20 +193,16 @@ class Checkpointing:
                 raise ValueError(f"GIFT checkpoint: {name}: residual shape {got['shape']} != expected "
                                  f"{list(outside.shape)}")
             fmt = got["residual_format"]
-            srcs = [torch.as_tensor(sd.get(f"{OUTSIDE}{name}.{i}", torch.empty(0)))
-                    for i in range(residual_store.buffer_count(fmt))]
             if fmt != self.config.residual_format:
-                try:
-                    value = residual_store.read(fmt, tuple(srcs), outside.shape[1])
-                except (RuntimeError, ValueError) as e:
-                    raise ValueError(f"GIFT checkpoint: {name}: unreadable {fmt} residual: {e}")
+                value = _saved_residual(sd, f"{OUTSIDE}{name}", fmt, outside.shape[1], name, "residual")
                 if tuple(value.shape) != outside.shape or not bool(torch.isfinite(value).all()):
                     raise ValueError(f"GIFT checkpoint: {name}: its {fmt} residual decodes to shape "
                                      f"{tuple(value.shape)} (expected {outside.shape}) or holds NaN/Inf values")
                 recoded[name] = value
                 converted.append(f"{name}: residual re-stored from {fmt} to {self.config.residual_format}")
                 continue
-            for i, (dst, src) in enumerate(zip(outside.buffers, srcs)):
+            for i, dst in enumerate(outside.buffers):
+                src = torch.as_tensor(sd.get(f"{OUTSIDE}{name}.{i}", torch.empty(0)))
                 if src.shape != dst.shape:
                     raise ValueError(f"GIFT checkpoint: {name}: residual buffer {i} has shape {tuple(src.shape)}, "
                                      f"expected {tuple(dst.shape)}")
@@ -219,3 +210,14 @@ class Checkpointing:
                     raise ValueError(f"GIFT checkpoint: {name}: residual buffer {i} holds NaN/Inf values")
                 plan.append((dst, src))
         return recoded
+
+
+def _saved_residual(sd: dict[str, Any], key: str, fmt: str, cols: int, what: str, noun: str) -> torch.Tensor:
+    """The residual a checkpoint saved under `<key>.<i>` in another residual format, `fmt`,
+    decoded to fp32 (a layer's or one sent outside the layers: both are re-stored in this
+    state's format); a ValueError naming `what` where it does not decode."""
+    bufs = tuple(torch.as_tensor(sd.get(f"{key}.{i}", torch.empty(0))) for i in range(residual_store.buffer_count(fmt)))
+    try:
+        return residual_store.read(fmt, bufs, cols)
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"GIFT checkpoint: {what}: unreadable {fmt} {noun}: {e}")
