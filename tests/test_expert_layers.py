@@ -13,7 +13,7 @@ from gift_compile.geometry.statistics import SketchStatistics
 from gift_compile.runtime.experts import ExpertLayers
 from gift_compile.runtime.state import GiftState
 
-E, F, D, FIRST = 4, 16, 48, 4
+E, F, D = 4, 16, 48
 SHAPES = {"w1_EFD": (E, F, D), "w3_EFD": (E, F, D), "w2_EDF": (E, D, F)}
 INPUTS = {"w1_EFD": "x", "w3_EFD": "x", "w2_EDF": "h"}
 
@@ -22,9 +22,13 @@ def _config(**kw: object) -> GiftConfig:
     return GiftConfig(geometry="lowrank", format="fp8_e4m3", select="all", rank=4, sketch_cols=8, **kw)
 
 
-def _experts(config: GiftConfig) -> ExpertLayers:
+def _params() -> dict[str, torch.nn.Parameter]:
+    return {name: torch.nn.Parameter(torch.zeros(shape)) for name, shape in SHAPES.items()}
+
+
+def _experts(config: GiftConfig, params: dict[str, torch.nn.Parameter] | None = None) -> ExpertLayers:
     state = GiftState(config, None, collective=Collective.REDUCE_SCATTER)
-    return ExpertLayers(state, "layers.1.moe.experts", SHAPES, INPUTS, FIRST, "cpu")
+    return ExpertLayers(state, "layers.1.moe.experts", SHAPES, INPUTS, params or _params(), "cpu")
 
 
 def _tokens(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -39,10 +43,10 @@ def _tokens(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return x, h, torch.tensor(counts).cumsum(0)
 
 
-def test_each_expert_is_a_layer_named_by_its_global_index_whose_tensors_are_stacked_views() -> None:
+def test_each_expert_is_a_layer_named_by_its_local_index_whose_tensors_are_stacked_views() -> None:
     experts = _experts(_config())
     names = list(experts.state.layers)
-    assert names[:E] == [f"layers.1.moe.experts.w1_EFD[{FIRST + e}]" for e in range(E)] and len(names) == 3 * E
+    assert names[:E] == [f"layers.1.moe.experts.w1_EFD[{e}]" for e in range(E)] and len(names) == 3 * E
     w1 = experts.weights["w1_EFD"]
     for e, layer in enumerate(w1.layers):
         assert all(t.data_ptr() == s[e].data_ptr() for t, s in zip(layer.transform.tensors, w1.transform))
@@ -123,7 +127,7 @@ def test_the_main_state_steps_refreshes_and_checkpoints_the_experts_state() -> N
     main.step()
     assert experts.state.steps == 2 and len(experts.state.history) == 1  # refreshed with the main state
     sd = main.state_dict()
-    assert "sub0:layers.1.moe.experts.w1_EFD[4].transform.t1" in sd
+    assert "sub0:layers.1.moe.experts.w1_EFD[0].transform.t1" in sd
     loaded, other = pair()
     loaded.load_state_dict(sd)
     assert other.state.steps == 2
@@ -132,3 +136,29 @@ def test_the_main_state_steps_refreshes_and_checkpoints_the_experts_state() -> N
     alone = GiftState(_config(refresh_every=2, refresh_warmup=0), None, collective=Collective.REDUCE_SCATTER)
     with pytest.raises(ValueError, match="further states"):
         alone.load_state_dict(sd)
+
+
+def test_second_moment_builds_each_experts_scales_from_its_own_rows_of_adamws_state() -> None:
+    """Under AdamW's default geometry (`second_moment`) each expert's column scales come from its
+    own block of the 3-D weight's `exp_avg_sq` (`GiftState.blocks`), read through the optimizer
+    `attach_optimizer` binds; not one scale vector for all experts, not the identity."""
+    params = _params()
+    gen = torch.Generator().manual_seed(5)
+    opt = torch.optim.AdamW(params.values(), lr=1e-3)
+    for p in params.values():  # each expert's gradient columns on their own scale
+        p.grad = torch.randn(p.shape, generator=gen) * torch.rand(p.shape[0], 1, p.shape[2], generator=gen) * 10
+    opt.step()
+    experts = _experts(GiftConfig(geometry="second_moment", format="fp8_e4m3", select="all"), params)
+    state = experts.state
+    with pytest.raises(RuntimeError, match=r"w1_EFD\[0\] has no second moment"):
+        state.factor_source(None)("layers.1.moe.experts.w1_EFD[0]")
+    state.grad_source = state.factor_source(opt)
+    state.refresh()
+    for name, weight in experts.weights.items():
+        v = opt.state[params[name]]["exp_avg_sq"]
+        for e, layer in enumerate(weight.layers):
+            c = v[e].double().sum(0)
+            want = (c / c.mean()).rsqrt().float()
+            torch.testing.assert_close(weight.transform[0][e], want, rtol=1e-5, atol=0)
+            assert layer.transform.tensors[0].data_ptr() == weight.transform[0][e].data_ptr()
+        assert not torch.allclose(weight.transform[0][0], weight.transform[0][1])

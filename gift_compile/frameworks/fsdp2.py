@@ -315,7 +315,9 @@ class EuclideanReduceScatter(GiftReduceScatter):
                 lines.append(f"GIFT: {owner} ({kind}) is sharded over mesh {mesh!r} (one rank): its gradient crosses "
                              f"no rank in a reduce-scatter (under HSDP GIFT's replica hop sends it with no map: {how})")
             else:
-                lines.append(describe(owner, kind, mesh, self.over.size(), how))
+                why = ("the geometry has no map" if self.state.geometry.is_identity else
+                       "its weights are not GIFT layers: excluded, or see the warning naming it")
+                lines.append(describe(owner, kind, mesh, self.over.size(), how, why))
         return lines
 
 
@@ -369,22 +371,28 @@ def _whitened_experts(state: GiftState, module: FSDPModule, group: dist.ProcessG
     """The grouped-GEMM experts modules of `module`'s parameter group over `group` whose local
     experts become GIFT layers (`grouped_experts.expert_layers`) of the experts' own state over
     `group` (one per group, in `states`, driven by `state`: `GiftState.substates`), by module id.
-    None where the geometry has no map, the group has one rank (no reduce-scatter), the geometry's
-    factor comes from the optimizer (its state of the 3-D weight is not wired), or a rank's experts
-    do not split whole over the group's ranks; those go as Euclidean items (logged)."""
+    None where the geometry has no map or the group has one rank (no reduce-scatter); a module
+    whose grouped weights are excluded (`GiftConfig.exclude`) or sharded on another dim goes as
+    Euclidean items, and one whose experts do not split whole over the group's ranks too (logged).
+    A geometry whose factor is gradient-side (`second_moment`, the AdamW default; `momentum`,
+    `gradient`) reads each expert's rows of the 3-D weight's optimizer state or gradient
+    (`GiftState.blocks`)."""
     if state.geometry.is_identity or group.size() == 1:
         return {}
     owners: dict[int, tuple[nn.Module, dict[str, tuple[int, int, int]]]] = {}
     for p in packed_params(module, group):
-        if is_grouped_experts(p.module) and p.param_name in INPUTS and p.dim0:
-            shape = gathered_shape(p.local, group.size())
-            owners.setdefault(id(p.module), (p.module, {}))[1][p.param_name] = shape  # type: ignore[assignment]
+        if is_grouped_experts(p.module) and p.param_name in INPUTS:
+            owner = names.get(id(p.module), "")
+            entry = owners.setdefault(id(p.module), (p.module, {}))
+            if p.dim0 and not state.config.is_excluded(f"{owner}.{p.param_name}" if owner else p.param_name):
+                entry[1][p.param_name] = gathered_shape(p.local, group.size())  # type: ignore[assignment]
     out = {}
     for module_id, (experts_module, shapes) in owners.items():
         owner = names.get(module_id, "")
-        why = ("its geometry's factor is the optimizer's state, not wired for a 3-D weight"
-               if state.geometry.uses_gradient_factor else
-               f"{len(shapes)} of its 3 grouped weights are sharded on dim 0" if len(shapes) != len(INPUTS) else
+        if not shapes:  # every grouped weight excluded or sharded on another dim: Euclidean items say how
+            continue
+        why = (f"only {len(shapes)} of its 3 grouped weights are sharded on dim 0 and not excluded"
+               if len(shapes) != len(INPUTS) else
                f"its {next(iter(shapes.values()))[0]} local experts do not split whole over {group.size()} ranks"
                if next(iter(shapes.values()))[0] % group.size() else "")
         if why:

@@ -225,7 +225,7 @@ def manage(model: Parts, config: GiftConfig, group: dist.ProcessGroup | None, *,
         if layer.stats is not None:
             handles.append(module.register_forward_pre_hook(observe_inputs))
     state.handles.extend(handles)
-    state.grad_source = state.geometry.factor_source(state.weight, None, lambda: state.steps)
+    state.grad_source = state.factor_source(None)
     for part in parts:
         part._gift_state = state
     state.check_agreement()

@@ -10,7 +10,7 @@ from the optimizer (`gift_compile.geometry.optimizer_maps`) can derive from thes
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -24,11 +24,23 @@ from gift_compile.kernels.map_dispatch import MapPath, MapPrecision, lowrank_map
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-__all__ = ["Dense", "FactorSource", "Geometry", "Gradient", "Hadamard", "LowRank", "Statistics"]
+__all__ = ["Dense", "FactorSource", "Geometry", "Gradient", "Hadamard", "LowRank", "RowShard", "Statistics"]
 
 Statistics = KFACStatistics | SketchStatistics
-# A layer's factor source for the gradient-side geometries: weight FQN -> tensor (or None: skip).
-FactorSource = Callable[[str], "torch.Tensor | None"]
+
+
+class RowShard(NamedTuple):
+    """This rank's rows of a layer's gradient-side tensor when the layer's rows lie on several
+    ranks of the state's group (a routed expert's rows of a 3-D weight that FSDP2 shards by
+    expert: all of them on one rank, none on the others): the refresh reduces the factor over
+    the group, as for a dim-0 sharded DTensor."""
+
+    local: torch.Tensor
+
+
+# A layer's factor source for the gradient-side geometries: weight FQN -> tensor, its rows on this
+# rank (`RowShard`), or None (skip).
+FactorSource = Callable[[str], "torch.Tensor | RowShard | None"]
 
 _MAX_HADAMARD_BLOCK = 1024
 # the maps' default arithmetic (`GiftConfig.map_precision`): the fixed-order fp32 map everywhere

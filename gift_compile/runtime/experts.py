@@ -36,7 +36,7 @@ __all__ = ["ExpertLayers", "GroupedWeight"]
 @dataclasses.dataclass
 class GroupedWeight:
     """One grouped weight `[E, out, in]` of a rank's local experts: its layers (one per expert,
-    named ``<module>.<weight>[<global expert>]``) and the stacked tensors their own are views of."""
+    named ``<module>.<weight>[<local expert>]``) and the stacked tensors their own are views of."""
 
     name: str  # the parameter's FQN
     layers: list[LayerState]
@@ -71,11 +71,13 @@ class ExpertLayers:
 
     `shapes` maps each grouped weight's parameter name to its local shape `[E, out, in]` and
     `inputs` each to the name of the input it reads (weights reading the same input share its
-    statistics); `first` is the global index of this rank's first local expert (layer names,
-    hence checkpoint keys, follow the global expert, so two EP ranks never collide)."""
+    statistics), `params` each to its parameter (a refresh of a gradient-side geometry reads
+    each expert's rows of its optimizer state or gradient: `GiftState.blocks`). A layer is named
+    by its expert's local index on the rank: every rank of the state's group holds the same
+    local experts, and GIFT's checkpoint state is the rank's own."""
 
     def __init__(self, state: GiftState, owner: str, shapes: dict[str, tuple[int, int, int]], inputs: dict[str, str],
-                 first: int, device: torch.device | str) -> None:
+                 params: dict[str, torch.nn.Parameter], device: torch.device | str) -> None:
         self.state = state
         self.owner = owner
         self.weights: dict[str, GroupedWeight] = {}
@@ -83,16 +85,18 @@ class ExpertLayers:
         leaders: dict[str, list[LayerState]] = {}
         for name, (experts, out, d_in) in shapes.items():
             fqn = f"{owner}.{name}" if owner else name
-            layers = [state.add_layer(f"{fqn}[{first + e}]", (out, d_in), device) for e in range(experts)]
+            layers = [state.add_layer(f"{fqn}[{e}]", (out, d_in), device) for e in range(experts)]
+            for e, layer in enumerate(layers):
+                state.blocks[layer.fqn] = (params[name], e, experts)
             self.weights[name] = self._stack(fqn, layers)
             key = inputs[name]
+            if layers[0].stats is None:  # a geometry without input statistics: each weight its own factor
+                continue
             if key in leaders:
                 for leader, layer in zip(leaders[key], layers):
                     state.share_statistics([leader.fqn, layer.fqn])
                 continue
             leaders[key] = layers
-            if layers[0].stats is None:  # a geometry without input statistics
-                continue
             grouped = make_grouped_statistics(state.layer_spec.statistics, experts, d_in, device)
             if type(grouped.expert(0)) is not type(layers[0].stats):
                 raise ValueError(f"GIFT: {fqn}: the experts' grouped statistics ({type(grouped).__name__}) differ from "
