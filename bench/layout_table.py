@@ -35,6 +35,9 @@ LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
                 [f"{_REPLICATE}=2", f"{_SHARD}=2", f"{_EP}=2"]),
     "ep_tp": ("EP x TP (ep 2, dp_shard 2 x tp 2), MoE", 4, [f"{_SHARD}=2", f"{_TP}=2", f"{_EP}=2"]),
     "ep_pp": ("EP x PP (ep 2, pp 2 x dp_shard 2), MoE", 4, [f"{_PP}=2", f"{_SHARD}=2", f"{_EP}=2"]),
+    # efsdp = dp_shard / ep = 2 ranks: the experts reduce-scatter over efsdp, then the replica hop
+    "ep_hsdp8": ("EP x HSDP (ep 2, dp_replicate 2 x dp_shard 4), MoE", 8,
+                 [f"{_REPLICATE}=2", f"{_SHARD}=4", f"{_EP}=2"]),
 }
 # torchtitan's graph_trainer (GraphPP) itself refuses the default 1F1B schedule ("requires a
 # runtime PP schedule such as Interleaved1F1B"); with Interleaved1F1B the run reaches GIFT's setup
@@ -45,10 +48,11 @@ CONFIGS = {"fsdp2": ("llama3_debug_gift_fsdp2", "llama3_debug_nogift_fsdp2"),
 # Layouts of the MoE (`gift_moe_debug`, DeepSeek-V3 blocks), on both trainers
 MOE_CONFIGS = {"fsdp2": ("moe_debug_gift_fsdp2", "moe_debug_nogift_fsdp2"),
                "graph": ("moe_debug_gift_graph", "moe_debug_nogift_graph")}
-MOE_LAYOUTS = {"ep_fsdp", "ep_hsdp", "ep_tp", "ep_pp"}
-# GIFT flags a layout and trainer need: under EP x FSDP, EP x TP and EP x HSDP both trainers send
-# the routed experts on GIFT's codec with no map (`fsdp2.EuclideanReduceScatter` and
-# `hsdp.install`; `simple_fsdp.mark_outside` and `set_replica_hop`) and need no flag; EP x PP needs
+MOE_LAYOUTS = {"ep_fsdp", "ep_hsdp", "ep_tp", "ep_pp", "ep_hsdp8"}
+# GIFT flags a layout and trainer need: under EP the FSDP2 trainer makes each local expert a GIFT
+# layer where efsdp has several ranks (`fsdp2._whitened_experts`), else sends the routed experts
+# on GIFT's codec with no map (`fsdp2.EuclideanReduceScatter`, `hsdp.install`), graph_trainer
+# with no map (`simple_fsdp.mark_outside` and `set_replica_hop`); neither needs a flag; EP x PP needs
 # none either (efsdp = dp_shard / ep is one rank: the experts' gradients cross no rank). The
 # TP-halved blocks of the debug MoE have 2048-3072 elements, under the default min-numel 4096: at
 # 1024 GIFT manages them (tests/test_torchtitan_ep_layouts.py)

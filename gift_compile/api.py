@@ -167,6 +167,8 @@ def attach_optimizer(state: GiftState, optimizer: torch.optim.Optimizer, *,
                      health_group: dist.ProcessGroup | None = None) -> None:
     """Drive `state` from `optimizer`: before each step, refuse gradients accumulated under
     `no_sync` that were never synchronised; after each step, `state.step()` (seed, refresh).
+    The refreshes of `state` and of the states it drives (`GiftState.substates`: the routed
+    experts') read gradient-side factors from `optimizer`'s state (`GiftState.factor_source`).
     The fault checks need no optimizer: they run at the end of each backward
     (`gift_compile.runtime.health.end_of_backward`).
 
@@ -186,7 +188,8 @@ def attach_optimizer(state: GiftState, optimizer: torch.optim.Optimizer, *,
 
     state.handles.append(optimizer.register_step_pre_hook(before))
     state.handles.append(optimizer.register_step_post_hook(after))
-    state.grad_source = state.geometry.factor_source(state.weight, optimizer, lambda: state.steps)
+    for st in (state, *state.substates):
+        st.grad_source = st.factor_source(optimizer)
 
 
 def step(model: nn.Module) -> None:

@@ -2,10 +2,12 @@
 trainer, 4 gloo ranks.
 
 The layout of tests/test_torchtitan_ep.py (see its docstring: GIFT on every FSDP module's fsdp
-parameter group, GIFT's codec with no map on the routed experts' efsdp group) with
+parameter group, each local routed expert a GIFT layer of the experts' own state over their efsdp
+group) with
 
 - FSDP 2 x TP 2, EP 2 (torchtitan's efsdp mesh is dp_shard x tp / ep = 2 ranks): each TP rank's
-  attention and shared-expert block is its own GIFT matrix, as in tests/test_torchtitan_tp.py.
+  attention and shared-expert block is its own GIFT matrix, as in tests/test_torchtitan_tp.py,
+  and each local expert its own map (the configs' geometry, second_moment under AdamW).
   The TP-halved blocks of this tiny model have 2048-3072 elements, under the default
   ``min_numel`` 4096, so the runs set 1024 (21 managed blocks);
 - PP 2 x FSDP 2, EP 2 (efsdp = 2 / 2 = 1 rank: each rank holds its stage's experts whole, their
@@ -36,7 +38,8 @@ require("torchtitan", "torchtitan extra not installed")
 
 from gift_compile.torchtitan_ext.runs import RunResult, shared_runs  # noqa: E402
 from gift_compile.torchtitan_ext.hooks import REFUSAL  # noqa: E402
-from test_torchtitan_ep import GIFT, STEPS, TOLERANCE, _assert_experts_on_gift, _elements  # noqa: E402
+from test_torchtitan_ep import (GIFT, STEPS, TOLERANCE, _assert_experts_on_gift, _assert_experts_whitened,  # noqa: E402
+                                _elements)
 from torchtitan_checks import assert_tracks_gift_off, logged_steps  # noqa: E402
 
 EP_PP = ["--parallelism.data-parallel-shard-degree=2", "--parallelism.pipeline-parallel-degree=2",
@@ -66,7 +69,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], RunResult]
 
 def test_ep_with_tp_quantizes_each_tp_block_and_tracks_gift_off(runs: Callable[[str], RunResult]) -> None:
     gift, off = runs("tp_nvfp4"), runs("tp_off")
-    _assert_experts_on_gift(gift, "nvfp4")
+    _assert_experts_whitened(gift, "nvfp4", "diagonal")  # the configs' geometry (auto -> second_moment)
     blocks = re.search(r"GIFT TP: 21 managed weights are this TP rank's blocks, each its own GIFT matrix with "
                        r"statistics reduced over the 2-rank data-parallel group: (.*)", gift.output)
     assert blocks, gift.output[-3000:]

@@ -36,11 +36,14 @@ def assert_tracks_gift_off(gift: RunResult, off: RunResult, tolerance: float) ->
 
 
 def assert_expert_residuals_checkpointed(run: RunResult, experts: list[str], step: int, *, ranks: int = 4,
-                                         shape: tuple[int, int] = (128, 64)) -> None:
+                                         shape: tuple[int, int] = (128, 64), local_experts: int = 0) -> None:
     """Under error feedback each rank keeps, per grouped expert weight, what its last encode left
     out of its local gradient (`shape`: the item), and the GIFT state the run checkpointed at
     `step` carries it: non-zero (it was written: the experts were quantized with it), finite, and
-    each rank's own; and no expert module's log line says it goes without error feedback."""
+    each rank's own; and no expert module's log line says it goes without error feedback. With
+    `local_experts` the experts are layers of the experts' own state (whitened): the residual is
+    their layers' rows (``sub0:<module>.<weight>[<e>].residual.0``), else the state's residual of
+    a gradient sent outside the layers (``outside:<module>.<weight>.0``)."""
     assert not [line for line in run.output.splitlines()
                 if "(GroupedExperts)" in line and "without error feedback" in line]
     folder = Path(run.command[run.command.index("--dump-folder") + 1]) / "checkpoint" / f"step-{step}"
@@ -49,9 +52,11 @@ def assert_expert_residuals_checkpointed(run: RunResult, experts: list[str], ste
         for w in ("w1_EFD", "w2_EDF", "w3_EFD"):
             seen = []
             for rank in range(ranks):
-                key = f"gift.rank{rank}.outside:{expert}.{w}.0"
-                assert key in flat, sorted(k for k in flat if "outside" in k)[:8]
-                residual = flat[key]
+                keys = ([f"gift.rank{rank}.sub0:{expert}.{w}[{e}].residual.0" for e in range(local_experts)]
+                        if local_experts else [f"gift.rank{rank}.outside:{expert}.{w}.0"])
+                assert all(k in flat for k in keys), (keys, sorted(k for k in flat if "residual" in k)[:8])
+                residual = torch.cat([flat[k] for k in keys])
+                key = keys[0]
                 assert tuple(residual.shape) == shape and residual.dtype == torch.float32, key
                 assert bool(torch.isfinite(residual).all()) and float(residual.norm()) > 0, key
                 seen.append(residual)

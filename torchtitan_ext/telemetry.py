@@ -92,6 +92,27 @@ def gift_metrics(state: GiftState, last: dict[str, Any]) -> dict[str, float]:
             out[f"gift/err_euclidean/{fqn}"] = float(row["err_euclidean"])
             out[f"gift/err_transformed/{fqn}"] = float(row["err_transformed"])
             out[f"gift/selected/{fqn}"] = float(row["selected"])
+    out.update(_experts_metrics(state, last))
+    return out
+
+
+def _experts_metrics(state: GiftState, last: dict[str, Any]) -> dict[str, float]:
+    """The routed experts' layers (the states the main one drives, `GiftState.substates`): how
+    many there are and are on their maps, and at each of their refreshes the mean errors measured
+    on their probes on either path."""
+    subs = state.substates
+    if not subs:
+        return {}
+    out = {"gift/experts_layers": float(sum(len(s.layers) for s in subs)),
+           "gift/experts_selected_layers": float(sum(l.selected for s in subs for l in s.layers.values()))}
+    refreshes = sum(len(s.history) for s in subs)
+    if refreshes > last.get("experts_refreshes", 0):
+        last["experts_refreshes"] = refreshes
+        rows = [r for s in subs if s.history for r in s.history[-1].layers.values()
+                if math.isfinite(float(r["err_euclidean"])) and math.isfinite(float(r["err_transformed"]))]
+        if rows:
+            out["gift/experts_err_euclidean_mean"] = sum(float(r["err_euclidean"]) for r in rows) / len(rows)
+            out["gift/experts_err_transformed_mean"] = sum(float(r["err_transformed"]) for r in rows) / len(rows)
     return out
 
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -61,7 +62,7 @@ _ALL_GATHER_SEED = 7
 
 __all__ = ["RANK_SEED_STRIDE", "ItemTensors", "Shared", "decode_item", "decode_stage", "encode_item", "encode_stage",
            "gather_decode_item", "gather_decode_stage", "item_plan", "item_width", "reduce_reencode_stage",
-           "reencode_item"]
+           "reencode_item", "shard_tensors"]
 
 
 class ItemTensors(NamedTuple):
@@ -70,6 +71,11 @@ class ItemTensors(NamedTuple):
     `seed_offset` (int64, 0-d) decorrelates the layer's stochastic rounding from other
     layers'; as data, not a plan constant, it lets equally shaped layers share one graph.
     Without it the plan's name-derived offset is used.
+
+    A grouped item's (`ItemPlan.groups` = G > 1) `transform` holds its map kind's tensors each
+    stacked on a leading dim of G (block e's map is row e of each; a gated plan's gate follows,
+    0-d for the item or `[G]` one per block), its `probe` may be `[G, p, cols]` (each block's
+    first rows), and its reduce-scatter receiver needs `shard_transform`.
     """
 
     transform: tuple[torch.Tensor, ...]
@@ -78,12 +84,68 @@ class ItemTensors(NamedTuple):
     seed_offset: torch.Tensor | None = None
     # the all-reduce's second hop: this rank's reduced shard's residual, `[rows_sent/world, cols]`
     second_hop_residual: tuple[torch.Tensor, ...] | None = None
+    # a grouped item's (`ItemPlan.groups`) reduce-scatter receiver: the maps of this rank's
+    # blocks (`shard_tensors`); None for every other item and path
+    shard_transform: tuple[torch.Tensor, ...] | None = None
 
 
-def _map_tensors(item: ItemPlan, state: ItemTensors) -> tuple[torch.Tensor, ...]:
-    """The tensors the item's map runs with: as carried, or, for a gated plan, computed from the
+def shard_tensors(item: ItemPlan, transform: tuple[torch.Tensor, ...], rank: int,
+                  world: int) -> tuple[torch.Tensor, ...]:
+    """`ItemTensors.shard_transform` of a grouped item on group rank `rank`: views of the
+    stacked tensors' rows `[rank * G/W, (rank + 1) * G/W)` (the blocks of the rows the
+    reduce-scatter leaves on this rank), the gate of a gated plan passed through.
+
+    Why the caller slices, not the codec: the plan must be the same on every rank (the header
+    check compares plans, and a traced graph serves every rank), so the rank cannot be a plan
+    constant; and slicing by the `Shared.rank` tensor inside the graph would gather (copy)
+    the maps on every call. The caller knows its rank when it builds the item's runtime
+    tensors, as it does for the rank's own `second_hop_residual`; the views follow refreshes
+    of the stacked tensors in place, so they are built once."""
+    per_rank = item.groups // world
+    stacked = transform[:-1] if item.gated else transform
+    views = tuple(t.narrow(0, rank * per_rank, per_rank) for t in stacked)
+    if not item.gated:
+        return views
+    gate = transform[-1]
+    return (*views, gate if gate.dim() == 0 else gate.narrow(0, rank * per_rank, per_rank))
+
+
+def _map_tensors(item: ItemPlan, transform: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """The tensors one map runs with: as carried, or, for a gated plan, computed from the
     layer's map and its path gate (the last tensor), so the selection is data in the graph."""
-    return gated_tensors(item.kind, state.transform) if item.gated else state.transform
+    return gated_tensors(item.kind, transform) if item.gated else transform
+
+
+def _each_block_tensors(item: ItemPlan, transform: tuple[torch.Tensor, ...],
+                        blocks: int) -> list[tuple[torch.Tensor, ...]]:
+    """Each of `blocks` blocks' map tensors from a grouped item's stacked ones (row e of each),
+    gated: a gated grouped plan carries after the stacked tensors either one 0-d bool for the
+    whole item or one per block (`[blocks]`, block e's path gate: experts selected one by one),
+    and each block runs its kind's own `gated` on its row with its gate, so every map kind gates
+    stacked tensors exactly as it gates one layer's."""
+    stacked = transform[:-1] if item.gated else transform
+    gate = transform[-1] if item.gated else None
+    for t in (*stacked, *(() if gate is None or gate.dim() == 0 else (gate,))):
+        if t.dim() == 0 or t.shape[0] != blocks:
+            raise ValueError(f"GIFT: grouped item {item.name}: a stacked map tensor has shape {tuple(t.shape)}, "
+                             f"expected a leading dim of {blocks} blocks (groups={item.groups})")
+
+    def gate_of(e: int) -> tuple[torch.Tensor, ...]:
+        return () if gate is None else (gate if gate.dim() == 0 else gate[e],)
+
+    return [_map_tensors(item, (*(t[e] for t in stacked), *gate_of(e))) for e in range(blocks)]
+
+
+def _mapped(apply: Callable[..., torch.Tensor], item: ItemPlan, g: torch.Tensor, transform: tuple[torch.Tensor, ...],
+            blocks: int) -> torch.Tensor:
+    """`apply` (`apply_forward` or `apply_inverse`) of the item's map on `g`: one call, or for
+    a grouped item one call per block of `g`'s rows (`blocks` of them: all the item's, or this
+    rank's shard's) with that block's tensors, concatenated, so each block's result is bit for
+    bit what that block alone, as an item of its own, gives."""
+    if not item.block_maps:
+        return apply(item.kind, g, _map_tensors(item, transform), item.map_precision)
+    maps = _each_block_tensors(item, transform, blocks)
+    return torch.cat([apply(item.kind, b, m, item.map_precision) for b, m in zip(g.split(g.shape[0] // blocks), maps)])
 
 
 class Shared(NamedTuple):
@@ -214,12 +276,24 @@ def _to_code_axes(item: ItemPlan, g: torch.Tensor) -> torch.Tensor:
     return rotate(g, item.spec.block) if item.block_rotation else g
 
 
-def _to_original(item: ItemPlan, total: torch.Tensor, state: ItemTensors | None) -> torch.Tensor:
+def _to_original(item: ItemPlan, total: torch.Tensor, transform: tuple[torch.Tensor, ...],
+                 blocks: int) -> torch.Tensor:
     """A decoded sum on the code axes back in the gradient's coordinates: un-rotated, then the
-    map's inverse."""
+    map's inverse (a grouped item's `blocks` blocks each with its own)."""
     if item.block_rotation:
         total = unrotate(total, item.spec.block)
-    return apply_inverse(item.kind, total, _map_tensors(item, state), item.map_precision)
+    return _mapped(apply_inverse, item, total, transform, blocks)
+
+
+def _shard_transform(item: ItemPlan, state: ItemTensors, p: BucketPlan) -> tuple[tuple[torch.Tensor, ...], int]:
+    """The map tensors of the rows a reduce-scatter leaves on this rank and their block count:
+    the item's own, or a grouped item's `shard_transform` (its G/W blocks)."""
+    if not item.block_maps:
+        return state.transform, 1
+    if state.shard_transform is None:
+        raise ValueError(f"GIFT: grouped item {item.name} (groups={item.groups}) needs ItemTensors.shard_transform, "
+                         "the maps of this rank's blocks (`shard_tensors`), to decode its reduce-scatter shard")
+    return state.shard_transform, item.groups // p.world
 
 
 def _take(recv: torch.Tensor, offset: int, n: int) -> tuple[torch.Tensor, int]:
@@ -258,8 +332,9 @@ def _parse_scales(recv: torch.Tensor, offset: int, spec: FormatSpec, cols: int,
 def _fused_sender(item: ItemPlan, state: ItemTensors, g: torch.Tensor) -> str | None:
     """The map precision at which a low-rank item's sender runs fused (`kernels.fused_sender`:
     the map inside the block statistics and the encode, the mapped gradient never written), or
-    None where it runs the unfused chain: a static choice from the plan and the device."""
-    if not issubclass(map_class(item.kind), LowRank) or item.spec.passthrough:
+    None where it runs the unfused chain: a static choice from the plan and the device. A grouped
+    item (`ItemPlan.groups`) always runs the chain: the kernels take one map per item."""
+    if not issubclass(map_class(item.kind), LowRank) or item.spec.passthrough or item.groups > 1:
         return None
     path = sender_path(item.spec, g.device, item.map_precision, item.stochastic_rounding, state.residual is not None,
                        item.block_rotation)
@@ -270,11 +345,24 @@ def _fused_receiver(item: ItemPlan, payload: torch.Tensor) -> str | None:
     """The map precision at which a low-rank item's all-reduce receiver runs fused
     (`kernels.fused_receiver`: the inverse map's expansion decodes the gathered codes instead
     of reading the decoded result back), or None where it runs the unfused chain: a static
-    choice from the plan and the device."""
-    if not issubclass(map_class(item.kind), LowRank) or item.spec.passthrough:
+    choice from the plan and the device; a grouped item always runs the chain, as its sender."""
+    if not issubclass(map_class(item.kind), LowRank) or item.spec.passthrough or item.groups > 1:
         return None
     path = receiver_path(item.spec, payload.device, item.map_precision, item.block_rotation)
     return path.precision if path.fused else None
+
+
+def _copy_probe(item: ItemPlan, probe: torch.Tensor, g: torch.Tensor) -> None:
+    """Keep the gradient's first rows in `probe` (what a refresh measures the maps on): `[p, cols]`
+    for the item, or for a grouped item `[G, p, cols]`, each block's first `p` rows (each
+    expert's map is measured on its own rows)."""
+    if probe.dim() == 3:
+        if probe.shape[0] != item.groups:
+            raise ValueError(f"GIFT: grouped item {item.name}: probe {tuple(probe.shape)} has {probe.shape[0]} "
+                             f"blocks, the item {item.groups}")
+        probe.copy_(g.reshape(item.groups, -1, item.cols)[:, : probe.shape[1]])
+    else:
+        probe.copy_(g[: probe.shape[0]])
 
 
 # ---- the per-item codec ---------------------------------------------------------------------
@@ -296,14 +384,15 @@ def encode_item(x: torch.Tensor, state: ItemTensors | None, shared: Shared, item
     spec, rows = item.spec, p.rows_sent(item)
     g = x.reshape(item.rows, item.cols)
     if state.probe is not None:
-        state.probe.copy_(g[: state.probe.shape[0]])
+        _copy_probe(item, state.probe, g)
     g = _pad_rows(g.float(), rows)
     fused = _fused_sender(item, state, g)
     if fused is not None:
-        scales, tscale, codes = encode_lowrank(g, *LowRank.forward_operands(_map_tensors(item, state)), fused, spec)
+        scales, tscale, codes = encode_lowrank(g, *LowRank.forward_operands(_map_tensors(item, state.transform)),
+                                               fused, spec)
         return ([_stored_codes(codes, spec).reshape(w, -1), *_scale_blocks(spec, item.cols, scales, tscale, w)],
                 scales_nonfinite(spec, scales, tscale))
-    g = _to_code_axes(item, apply_forward(item.kind, g, _map_tensors(item, state), item.map_precision))
+    g = _to_code_axes(item, _mapped(apply_forward, item, g, state.transform, item.groups))
     if state.residual is not None:
         g = g + _pad_rows(_decayed(item, residual_store.read(item.residual_format, state.residual, item.cols)), rows)
     seed = _rank_seed(shared, item, state) if item.stochastic_rounding else 0
@@ -336,7 +425,9 @@ def decode_item(recv: torch.Tensor, offset: int, state: ItemTensors | None, item
     payload, offset = _take(recv, offset, r * spec.payload_cols(item.cols))
     scales, tscale, offset = _parse_scales(recv, offset, spec, item.cols, r)
     total = decode_sum(payload.reshape(w, r, -1), spec, scales, tscale, item.cols, p.average)
-    return (total if transformed else _to_original(item, total, state)), offset
+    if transformed:
+        return total, offset
+    return _to_original(item, total, *_shard_transform(item, state, p)), offset
 
 
 def reencode_item(shard: torch.Tensor, state: ItemTensors | None, shared: Shared, item: ItemPlan,
@@ -381,11 +472,12 @@ def gather_decode_item(gathered: torch.Tensor, offset: int, state: ItemTensors |
     payload = payload.reshape(w, r, -1)
     fused = _fused_receiver(item, payload)
     if fused is not None:
-        full = decode_inverse_lowrank(payload, scales, tscale, *LowRank.inverse_operands(_map_tensors(item, state)),
-                                      fused, spec, item.cols)
+        full = decode_inverse_lowrank(payload, scales, tscale,
+                                      *LowRank.inverse_operands(_map_tensors(item, state.transform)), fused, spec,
+                                      item.cols)
         return full.narrow(0, 0, item.rows), offset
     full = decode(payload, spec, scales, tscale, item.cols).reshape(w * r, item.cols)
-    return _to_original(item, full, state).narrow(0, 0, item.rows), offset
+    return _to_original(item, full, state.transform, item.groups).narrow(0, 0, item.rows), offset
 
 
 # ---- compiled stages: a single-item plan `p` (`item_plan`) as the last argument -----------------

@@ -26,7 +26,7 @@ import torch
 from gift_compile.codec import FormatSpec
 from gift_compile.config import Unrewritten
 from gift_compile.kernels.map_dispatch import MapPrecision
-from gift_compile.geometry.table import IDENTITY_KIND
+from gift_compile.geometry.table import IDENTITY_KIND, map_class
 
 __all__ = ["BucketPlan", "ItemPlan", "dtype_name", "replica_hop_plan"]
 
@@ -83,8 +83,17 @@ class ItemPlan:
     # the device where the map runs (`gift_compile.kernels.map_dispatch.map_path`); static, so
     # traced code picks its kernels at trace time
     map_precision: MapPrecision = MapPrecision.AUTO
+    # A grouped GEMM's weight (MoE experts, `[E*out, in]`): the rows are `groups` equal
+    # consecutive blocks, block e mapped with its own map. The item's transform tensors are then
+    # each stacked on a leading dim of `groups` (`item_codec.ItemTensors`). 1: one map.
+    groups: int = 1
 
     def __post_init__(self) -> None:
+        if not isinstance(self.groups, int) or isinstance(self.groups, bool) or self.groups < 1:
+            raise ValueError(f"GIFT: item {self.name}: groups must be an int >= 1, got {self.groups!r}")
+        if self.rows % self.groups:
+            raise ValueError(f"GIFT: item {self.name}: its {self.rows} rows do not split into groups={self.groups} "
+                             "equal blocks")
         # Derived values are computed once here (not fields: they stay out of eq/hash/to_str),
         # so traced code only reads constants.
         object.__setattr__(self, "unrewritten", Unrewritten.parse(self.unrewritten, "ItemPlan.unrewritten"))
@@ -99,6 +108,12 @@ class ItemPlan:
     @property
     def spec(self) -> FormatSpec:
         return FormatSpec(self.format, self.scaling, self.block_size)
+
+    @property
+    def block_maps(self) -> bool:
+        """Whether each of the item's `groups` row blocks runs a map of its own (a grouped item
+        with a map; a map-free grouped item is sent as any other)."""
+        return self.groups > 1 and not map_class(self.kind).is_identity
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -117,9 +132,18 @@ class ItemPlan:
     def with_dtype(self, dtype: torch.dtype) -> "ItemPlan":
         return dataclasses.replace(self, dtype=dtype_name(dtype))
 
+    def as_dict(self) -> dict:
+        """The fields as plain data, `groups` left out at its default 1: plan strings and
+        descriptions exchanged between ranks, stored in checkpoints and compared by golden tests
+        read exactly as before grouped items existed (`from_str`/`__init__` default it back)."""
+        d = dataclasses.asdict(self)
+        if self.groups == 1:
+            del d["groups"]
+        return d
+
     def to_str(self) -> str:
         """Compact, stable text form (the `gift::mark` op's plan argument)."""
-        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+        return json.dumps(self.as_dict(), sort_keys=True, separators=(",", ":"))
 
     @classmethod
     def from_str(cls, text: str) -> "ItemPlan":
@@ -128,7 +152,8 @@ class ItemPlan:
     def describe(self) -> str:
         if not self.managed:
             return f"{self.name}: {self.numel} x {self.dtype} full precision"
-        return (f"{self.name}: [{self.rows}, {self.cols}] {self.dtype} -> {self.format}/{self.scaling}"
+        blocks = f" x{self.groups} blocks" if self.groups > 1 else ""
+        return (f"{self.name}: [{self.rows}, {self.cols}]{blocks} {self.dtype} -> {self.format}/{self.scaling}"
                 f"/b{self.block_size} {self.kind}{' gated' if self.gated else ''} ef={int(self.error_feedback)}{int(self.second_hop_error_feedback)}"
                 f"{'' if self.error_feedback_decay == 1.0 else f' beta={self.error_feedback_decay}'}"
                 f" sr={int(self.stochastic_rounding)}{' rot' if self.block_rotation else ''}")
@@ -176,6 +201,11 @@ class BucketPlan:
             raise ValueError(f"BucketPlan.op={self.op!r}; allowed: {', '.join(_COLLECTIVES)}") from None
         if not self.items:
             raise ValueError("BucketPlan: a bucket needs at least one item")
+        for i in self.items:
+            # each rank's shard then starts and ends on block boundaries, and no rows are padded
+            if i.block_maps and i.groups % self.world:
+                raise ValueError(f"GIFT: item {i.name}: groups={i.groups} is not divisible by the world size "
+                                 f"{self.world}; a grouped item's shards must hold whole blocks")
         # Item names and order are in: two equally shaped layers taken in another order on
         # another rank must not pair (their seeds and transforms differ).
         text = repr((tuple(i.to_str() for i in self.items), self.world, self.average, self.op.value))
@@ -204,7 +234,7 @@ class BucketPlan:
     def as_dict(self) -> dict:
         """Plain-data form (what ranks exchange to name the first difference of two plans)."""
         return {"op": self.op.value, "world": self.world, "average": self.average,
-                "items": [dataclasses.asdict(i) for i in self.items]}
+                "items": [i.as_dict() for i in self.items]}
 
     @classmethod
     def from_dict(cls, d: dict) -> "BucketPlan":

@@ -31,9 +31,10 @@ from gift_compile.runtime.state import GiftState
 
 __all__ = ["NO_MAP", "describe", "describe_items", "euclidean_plan", "gathered_shape"]
 
-# why these gradients go with no map, for their log lines
-NO_MAP = ("GIFT's statistics and transforms span its own group, and a grouped-GEMM expert weight's experts are each "
-          "fed only their routed tokens")
+# why graph_trainer's routed experts go with no map, for their log lines (on the FSDP2 trainer
+# each local expert is a GIFT layer of its own: `frameworks.fsdp2._whitened_experts`)
+NO_MAP = ("GIFT's statistics and transforms span its own group, and the pass does not carry a grouped-GEMM weight's "
+          "per-expert maps")
 
 
 def gathered_shape(local: Sequence[int], world: int) -> tuple[int, ...]:
@@ -75,8 +76,8 @@ def describe_items(plans: Sequence[tuple[str, ItemPlan | None]], error_feedback:
     return f"{coded}{'; raw: ' + ', '.join(raw) if raw else ''}{'; without error feedback' if missing else ''}"
 
 
-def describe(owner: str, kind: str, mesh: str, ranks: int, how: str) -> str:
+def describe(owner: str, kind: str, mesh: str, ranks: int, how: str, why: str = NO_MAP) -> str:
     """The log line of a module whose parameters reduce-scatter over `mesh` (`ranks` ranks) on
-    GIFT's codec with no map; `how` is `describe_items`'."""
+    GIFT's codec with no map (`why`); `how` is `describe_items`'."""
     return (f"GIFT: {owner} ({kind}) reduce-scatters over mesh {mesh!r} ({ranks} ranks) on GIFT's codec with no map "
-            f"({NO_MAP}): {how}")
+            f"({why}): {how}")

@@ -24,10 +24,12 @@ routed experts on the ``efsdp`` mesh, attention, router and shared experts on th
 mesh) has one parameter group per mesh (`fsdp_internals.set_group_reduce_scatter` sets a comm
 on one of them). GIFT's state spans one process group (the one every FSDP module
 reduce-scatters over, `shard_group`): that group of such a module gets `GiftReduceScatter`, the
-others `EuclideanReduceScatter`, GIFT's codec with no map over their own group (the grouped
-expert weights as stacks of matrices, each rank receiving its own experts' rows). `install`
-logs one line per such module saying what goes how; no gradient crosses ranks at full
-precision unless it is one GIFT sends raw anyway (norms, biases, small or excluded tensors).
+others `EuclideanReduceScatter`, GIFT's codec over their own group (the grouped expert weights
+as stacks of matrices, each rank receiving its own experts' rows): with no map, or, under a
+geometry with input statistics or a fixed map, each expert through its own map as a layer of the
+experts' own state (`_whitened_experts`, `gift_compile.runtime.experts`). `install` logs one line
+per such module saying what goes how; no gradient crosses ranks at full precision unless it is
+one GIFT sends raw anyway (norms, biases, small or excluded tensors).
 """
 
 from __future__ import annotations
@@ -53,10 +55,12 @@ from gift_compile.frameworks.fsdp_internals import (
 from gift_compile.config import GiftConfig
 from gift_compile.frameworks.adapter import attach, attached
 from gift_compile.frameworks.euclidean import describe, describe_items, euclidean_plan, gathered_shape
+from gift_compile.frameworks.grouped_experts import INPUTS, expert_layers, is_grouped_experts
 from gift_compile.frameworks.parts import Parts, model_parts
 from gift_compile.frameworks.routing import ManageMode, manage
 from gift_compile.geometry.table import IDENTITY_KIND
 from gift_compile.runtime.health import queue_backward_check
+from gift_compile.runtime.experts import ExpertLayers, GroupedWeight
 from gift_compile.runtime.layer import PROBE_ROWS
 from gift_compile.runtime.selection import relative_error, round_trip
 from gift_compile.runtime.state import GiftState
@@ -202,8 +206,13 @@ class EuclideanReduceScatter(GiftReduceScatter):
     """
 
     def __init__(self, module: FSDPModule, state: GiftState, timer: CommTimer, compiled: bool,
-                 over: dist.ProcessGroup, names: dict[int, str]) -> None:
+                 over: dist.ProcessGroup, names: dict[int, str],
+                 experts: dict[int, ExpertLayers] | None = None) -> None:
         super().__init__(module, state, timer, compiled, over)
+        # grouped weights whose experts are GIFT layers (`runtime.experts`): sent as grouped items
+        self._whitened: dict[tuple[int, str], GroupedWeight] = {
+            (module_id, name): weight for module_id, layers in (experts or {}).items()
+            for name, weight in layers.weights.items()}
         self.rank = torch.full((), dist.get_rank(over), dtype=torch.int64, device=state.counters.device)
         # FSDP2 names its parameters only once it has run, so each is named from its owner's FQN in
         # the model (`names`: id(module) -> FQN) and keyed by (owner, name) here
@@ -218,13 +227,15 @@ class EuclideanReduceScatter(GiftReduceScatter):
             # FSDP2 hands over the whole gradient; a shard on another dim has no rows to split (raw)
             shape = gathered_shape(p.local, over.size()) if p.dim0 else ()
             self._shapes[id(p.module), p.param_name] = fqn, shape
-            self._plans[id(p.module), p.param_name] = fqn, euclidean_plan(state, fqn, shape, over.size())
+            key = id(p.module), p.param_name
+            self._plans[key] = fqn, (self._whitened[key].plan if key in self._whitened
+                                     else euclidean_plan(state, fqn, shape, over.size()))
         device = state.counters.device
         self._seeds = {key: torch.tensor(plan.seed_offset, dtype=torch.int64, device=device)
-                       for key, (_, plan) in self._plans.items() if plan is not None}
+                       for key, (_, plan) in self._plans.items() if plan is not None and key not in self._whitened}
         # each item's first gradient rows as last sent (the codec copies them), for `errors`
         self._probes = {key: torch.zeros(min(plan.rows, PROBE_ROWS), plan.cols, device=device)
-                        for key, (_, plan) in self._plans.items() if plan is not None}
+                        for key, (_, plan) in self._plans.items() if plan is not None and key not in self._whitened}
         self._residuals: dict[tuple[int, str], tuple[torch.Tensor, ...]] = {}
         if over.size() > 1:  # a one-rank group sends nothing, unless HSDP's replica hop carries it
             self.keep_error_feedback()
@@ -240,6 +251,8 @@ class EuclideanReduceScatter(GiftReduceScatter):
         if self._residuals:
             return
         for key, (fqn, shape) in self._shapes.items():
+            if key in self._whitened:  # the experts' layers keep theirs (`ExpertLayers`)
+                continue
             plan = euclidean_plan(self.state, fqn, shape, self.over.size(), error_feedback=True)
             if plan is not None and plan.error_feedback:
                 self._plans[key] = fqn, plan
@@ -255,9 +268,13 @@ class EuclideanReduceScatter(GiftReduceScatter):
         for p in packed_params(self.module, self.over):
             key = id(p.module), p.param_name
             fqn, plan = self._plans[key]
-            out.append(Segment(fqn, p.rows, p.cols) if plan is None else
-                       Segment(fqn, plan.rows // self.over.size(), plan.cols, plan,
-                               ItemTensors((), self._residuals.get(key), self._probes[key], self._seeds[key])))
+            if plan is None:
+                out.append(Segment(fqn, p.rows, p.cols))
+                continue
+            world = self.over.size()
+            tensors = (self._whitened[key].tensors(dist.get_rank(self.over), world) if key in self._whitened
+                       else ItemTensors((), self._residuals.get(key), self._probes[key], self._seeds[key]))
+            out.append(Segment(fqn, plan.rows // world, plan.cols, plan, tensors))
         return out
 
     def errors(self) -> dict[str, float]:
@@ -267,7 +284,7 @@ class EuclideanReduceScatter(GiftReduceScatter):
         sent (a one-rank group without HSDP sends nothing) or for a non-finite gradient."""
         out = {}
         for key, (fqn, plan) in self._plans.items():
-            if plan is None:
+            if plan is None or key in self._whitened:  # the experts' layers are measured at refreshes
                 continue
             g = self._probes[key]
             finite = bool(torch.isfinite(g).all()) and float(g.norm()) > 0.0
@@ -281,6 +298,13 @@ class EuclideanReduceScatter(GiftReduceScatter):
         mesh = "x".join(shard_mesh_dims(self.module, self.over)) or self.over.group_name
         lines = []
         for module_id, (owner, kind) in self._owners.items():
+            whitened = [(name, w) for (m, name), w in self._whitened.items() if m == module_id]
+            if whitened:
+                how = ", ".join(f"{name} as [{w.plan.rows}, {w.plan.cols}] at {w.plan.format}, {len(w.layers)} experts "
+                                f"each with its own {w.plan.kind} map" for name, w in whitened)
+                lines.append(f"GIFT: {owner} ({kind}) reduce-scatters over mesh {mesh!r} ({self.over.size()} ranks) "
+                             f"on GIFT's codec, each local expert a GIFT layer of the experts' own state: {how}")
+                continue
             plans = [(name, plan) for (m, name), (_, plan) in self._plans.items() if m == module_id]
             # one rank: no reduce-scatter, only HSDP's replica hop, at its own format and with the
             # config's error feedback (`keep_error_feedback` when that hop is installed)
@@ -291,7 +315,9 @@ class EuclideanReduceScatter(GiftReduceScatter):
                 lines.append(f"GIFT: {owner} ({kind}) is sharded over mesh {mesh!r} (one rank): its gradient crosses "
                              f"no rank in a reduce-scatter (under HSDP GIFT's replica hop sends it with no map: {how})")
             else:
-                lines.append(describe(owner, kind, mesh, self.over.size(), how))
+                why = ("the geometry has no map" if self.state.geometry.is_identity else
+                       "its weights are not GIFT layers: excluded, or see the warning naming it")
+                lines.append(describe(owner, kind, mesh, self.over.size(), how, why))
         return lines
 
 
@@ -318,6 +344,7 @@ def install(model: Parts, state: GiftState, *, compiled: bool = True) -> CommTim
                          f"GIFT's ({pg.group_name!r}); exclude them (GiftConfig.exclude)")
     names = {id(m): n for part in model_parts(model) for n, m in part.named_modules()}
     timer = CommTimer()
+    experts_states: dict[str, GiftState] = {}  # the experts' own state per group (`_whitened_experts`)
     for module in fsdp_modules(model):
         module.set_force_sum_reduction_for_comms(True)
         module.set_reduce_scatter_unused_params(True)
@@ -327,13 +354,56 @@ def install(model: Parts, state: GiftState, *, compiled: bool = True) -> CommTim
                 set_group_reduce_scatter(module, pg, GiftReduceScatter(module, state, timer, compiled,
                                                                        pg if len(groups) > 1 else None))
                 continue
-            comm = EuclideanReduceScatter(module, state, timer, compiled, group, names)
+            experts = _whitened_experts(state, module, group, names, experts_states)
+            comm = EuclideanReduceScatter(module, state, timer, compiled, group, names, experts)
             set_group_reduce_scatter(module, group, comm)
-            level = logging.INFO if state.geometry.is_identity or group.size() == 1 else logging.WARNING
+            level = logging.INFO if state.geometry.is_identity or group.size() == 1 or experts else logging.WARNING
             for line in comm.describe():
                 logger.log(level, line)
+    for sub in experts_states.values():
+        sub.check_agreement()
     attach(state, FSDP2.name, timer)
     return timer
+
+
+def _whitened_experts(state: GiftState, module: FSDPModule, group: dist.ProcessGroup, names: dict[int, str],
+                      states: dict[str, GiftState]) -> dict[int, ExpertLayers]:
+    """The grouped-GEMM experts modules of `module`'s parameter group over `group` whose local
+    experts become GIFT layers (`grouped_experts.expert_layers`) of the experts' own state over
+    `group` (one per group, in `states`, driven by `state`: `GiftState.substates`), by module id.
+    None where the geometry has no map or the group has one rank (no reduce-scatter); a module
+    whose grouped weights are excluded (`GiftConfig.exclude`) or sharded on another dim goes as
+    Euclidean items, and one whose experts do not split whole over the group's ranks too (logged).
+    A geometry whose factor is gradient-side (`second_moment`, the AdamW default; `momentum`,
+    `gradient`) reads each expert's rows of the 3-D weight's optimizer state or gradient
+    (`GiftState.blocks`)."""
+    if state.geometry.is_identity or group.size() == 1:
+        return {}
+    owners: dict[int, tuple[nn.Module, dict[str, tuple[int, int, int]]]] = {}
+    for p in packed_params(module, group):
+        if is_grouped_experts(p.module) and p.param_name in INPUTS:
+            owner = names.get(id(p.module), "")
+            entry = owners.setdefault(id(p.module), (p.module, {}))
+            if p.dim0 and not state.config.is_excluded(f"{owner}.{p.param_name}" if owner else p.param_name):
+                entry[1][p.param_name] = gathered_shape(p.local, group.size())  # type: ignore[assignment]
+    out = {}
+    for module_id, (experts_module, shapes) in owners.items():
+        owner = names.get(module_id, "")
+        if not shapes:  # every grouped weight excluded or sharded on another dim: Euclidean items say how
+            continue
+        why = (f"only {len(shapes)} of its 3 grouped weights are sharded on dim 0 and not excluded"
+               if len(shapes) != len(INPUTS) else
+               f"its {next(iter(shapes.values()))[0]} local experts do not split whole over {group.size()} ranks"
+               if next(iter(shapes.values()))[0] % group.size() else "")
+        if why:
+            logger.warning("GIFT: %s (%s): its experts are not whitened, %s", owner, type(experts_module).__name__, why)
+            continue
+        if group.group_name not in states:
+            states[group.group_name] = GiftState(state.config, group, collective=Collective.REDUCE_SCATTER)
+            state.substates.append(states[group.group_name])
+        out[module_id] = expert_layers(states[group.group_name], owner, experts_module, shapes,
+                                       state.counters.device)
+    return out
 
 
 def uninstall(model: Parts) -> None:

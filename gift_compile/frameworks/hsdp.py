@@ -153,8 +153,15 @@ class ReplicaAllReduce:
             return bucket_plan(segments, dtype, world=self.hop.world, group_name=self.hop.group.group_name,
                                average=self.average, op=Collective.ALL_REDUCE)
         shards = [ItemPlan.passthrough(seg.name, seg.rows * seg.cols, dtype) if seg.plan is None
-                  else dataclasses.replace(seg.plan.with_dtype(dtype), rows=seg.rows) for seg in segments]
+                  else dataclasses.replace(seg.plan.with_dtype(dtype), rows=seg.rows,
+                                           groups=seg.plan.groups // self._shards() if seg.plan.block_maps else 1)
+                  for seg in segments]
         return replica_hop_plan(shards, fmt, self.hop.world, self.hop.group.group_name, self.average)
+
+    def _shards(self) -> int:
+        """Ranks of the shard hop before this one: a grouped item's reduced shard holds
+        `groups / shards` of its blocks (`ItemPlan.groups`: the routed experts' own maps)."""
+        return self.comm.over.size() if self.comm.over is not None else 1
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
         if discarding():  # gradients the framework drops (`gift_compile.frameworks.fsdp2.discarded_gradients`)
@@ -180,8 +187,14 @@ class ReplicaAllReduce:
             xs.append(piece.view(seg.rows, seg.cols) if item.managed else piece)
             # the layer's transform and seed; no residual and no probe (both belong to the shard
             # hop), unless this hop is the only one
+            # (a grouped item's shard: the maps of its blocks, `ItemTensors.shard_transform`; one
+            # block: that block's own map, unstacked, as an item of its own)
+            own = seg.tensors.shard_transform if item.managed and seg.plan.block_maps else None
+            if own is not None and item.groups == 1:
+                own = tuple(t[0] if t.dim() > 0 else t for t in own)
             tensors.append(None if not item.managed else seg.tensors if self.sole
-                           else ItemTensors(seg.tensors.transform, None, None, seg.tensors.seed_offset))
+                           else ItemTensors(own if own is not None else seg.tensors.transform, None, None,
+                                            seg.tensors.seed_offset))
         check_plan_agreement(plan, self.hop.group, always=self.state.config.plan_check is PlanCheck.ALWAYS)
         managed = [i for i, seg in enumerate(segments) if seg.plan is not None]
         exact = None

@@ -32,7 +32,7 @@ from gift_compile.frameworks.tensor_parallel import local_input, local_matrix_sh
 from gift_compile.runtime.layer import LayerState
 from gift_compile.runtime.state import GiftState
 
-__all__ = ["ManageMode", "eligible_linears", "manage", "observe_inputs", "statistics_paused"]
+__all__ = ["ManageMode", "eligible_linears", "manage", "observe_inputs", "statistics_paused", "statistics_paused_now"]
 
 logger = logging.getLogger("gift_compile")
 
@@ -63,6 +63,11 @@ def statistics_paused() -> Iterator[None]:
         yield
     finally:
         _paused -= 1
+
+
+def statistics_paused_now() -> bool:
+    """Whether a `statistics_paused` context is open (hooks outside this module ask it)."""
+    return _paused > 0
 
 
 def observe_inputs(module: nn.Module, args: tuple[Any, ...]) -> None:
@@ -220,7 +225,7 @@ def manage(model: Parts, config: GiftConfig, group: dist.ProcessGroup | None, *,
         if layer.stats is not None:
             handles.append(module.register_forward_pre_hook(observe_inputs))
     state.handles.extend(handles)
-    state.grad_source = state.geometry.factor_source(state.weight, None, lambda: state.steps)
+    state.grad_source = state.factor_source(None)
     for part in parts:
         part._gift_state = state
     state.check_agreement()

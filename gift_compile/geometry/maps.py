@@ -10,26 +10,37 @@ from the optimizer (`gift_compile.geometry.optimizer_maps`) can derive from thes
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from gift_compile.codec.rotation import fwht
-from gift_compile.config import StatisticsKind
-from gift_compile.geometry.statistics import KFACStatistics, SketchStatistics, StatisticsSettings
+from gift_compile.geometry.statistics import KFACStatistics, SketchStatistics, StatisticsSettings, sketch_chosen
 from gift_compile.geometry.whitening import dense_whitening, gradient_factor, lowrank_refresh_flops, lowrank_whitening
 from gift_compile.kernels.map_dispatch import MapPath, MapPrecision, lowrank_map, map_path, note_map_path
 
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-__all__ = ["Dense", "FactorSource", "Geometry", "Gradient", "Hadamard", "LowRank", "Statistics"]
+__all__ = ["Dense", "FactorSource", "Geometry", "Gradient", "Hadamard", "LowRank", "RowShard", "Statistics"]
 
 Statistics = KFACStatistics | SketchStatistics
-# A layer's factor source for the gradient-side geometries: weight FQN -> tensor (or None: skip).
-FactorSource = Callable[[str], "torch.Tensor | None"]
+
+
+class RowShard(NamedTuple):
+    """This rank's rows of a layer's gradient-side tensor when the layer's rows lie on several
+    ranks of the state's group (a routed expert's rows of a 3-D weight that FSDP2 shards by
+    expert: all of them on one rank, none on the others): the refresh reduces the factor over
+    the group, as for a dim-0 sharded DTensor."""
+
+    local: torch.Tensor
+
+
+# A layer's factor source for the gradient-side geometries: weight FQN -> tensor, its rows on this
+# rank (`RowShard`), or None (skip).
+FactorSource = Callable[[str], "torch.Tensor | RowShard | None"]
 
 _MAX_HADAMARD_BLOCK = 1024
 # the maps' default arithmetic (`GiftConfig.map_precision`): the fixed-order fp32 map everywhere
@@ -406,9 +417,8 @@ class LowRank(Geometry):
     def make_statistics(cls, settings: StatisticsSettings, d_in: int, device: torch.device | str) -> Statistics | None:
         """A sketch (unless configured dense, or the layer is too narrow for the sketch to be
         smaller), else the exact factor."""
-        cols = settings.sketch_cols
-        if settings.kind is StatisticsKind.SKETCH and 2 * d_in > 3 * cols:
-            return SketchStatistics(d_in, rank=settings.rank, sketch_cols=cols, ema=settings.ema,
+        if sketch_chosen(settings, d_in):
+            return SketchStatistics(d_in, rank=settings.rank, sketch_cols=settings.sketch_cols, ema=settings.ema,
                                     max_tokens=settings.max_tokens, seed=settings.seed, device=device)
         return KFACStatistics(d_in, ema=settings.ema, max_tokens=settings.max_tokens, device=device)
 

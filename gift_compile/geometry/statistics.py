@@ -29,7 +29,8 @@ from gift_compile.config import StatisticsKind
 from gift_compile.geometry.whitening import lowrank_tensors
 from gift_compile.sync import all_reduce_, group_rank, reduce_, world_size
 
-__all__ = ["KFACStatistics", "SketchStatistics", "StatisticsSettings", "sketch_matrix"]
+__all__ = ["KFACStatistics", "SketchStatistics", "StatisticsSettings", "kfac_state", "sketch_chosen", "sketch_matrix",
+           "sketch_state"]
 
 logger = logging.getLogger("gift_compile")
 
@@ -55,6 +56,35 @@ class StatisticsSettings:
     seed: int
 
 
+def sketch_chosen(settings: StatisticsSettings, d_in: int) -> bool:
+    """Whether a layer (or each expert of a grouped one) of `d_in` inputs keeps a sketch rather
+    than the exact factor: configured so, and the sketch is the smaller of the two."""
+    return settings.kind is StatisticsKind.SKETCH and 2 * d_in > 3 * settings.sketch_cols
+
+
+def kfac_state(d_in: int, device: torch.device | str, lead: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:
+    """`KFACStatistics`' tensors, zero, each with the leading dims `lead` (`(G,)`: stacked for
+    G experts, `geometry.grouped_statistics`)."""
+    f32 = dict(dtype=torch.float32, device=device)
+    return {"acc": torch.zeros(*lead, d_in, d_in, **f32), "count": torch.zeros(lead, **f32),
+            "tokens": torch.zeros(lead, **f32), "factor": torch.zeros(*lead, d_in, d_in, **f32),
+            "initialized": torch.zeros(lead, dtype=torch.bool, device=device),
+            "dropped": torch.zeros(lead, dtype=torch.int64, device=device)}
+
+
+def sketch_state(d_in: int, cols: int, device: torch.device | str,
+                 lead: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:
+    """`SketchStatistics`' persistent tensors (`_persistent`'s keys), initial values, each with
+    the leading dims `lead`, as `kfac_state`."""
+    f32 = dict(dtype=torch.float32, device=device)
+    return {"y_acc": torch.zeros(*lead, d_in, cols, **f32), "diag_acc": torch.zeros(*lead, d_in, **f32),
+            "count": torch.zeros(lead, **f32), "tokens": torch.zeros(lead, **f32),
+            "dropped": torch.zeros(lead, dtype=torch.int64, device=device),
+            "y": torch.zeros(*lead, d_in, cols, **f32), "diag": torch.zeros(*lead, d_in, **f32),
+            "initialized": torch.zeros(lead, dtype=torch.bool, device=device),
+            "holder": torch.full(lead, _EVERY_RANK, dtype=torch.int64, device=device)}
+
+
 def _gated(finite: torch.Tensor, gate: torch.Tensor | None,
            n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | int]:
     """`(take, drop, tokens)` of one observation: whether its contribution enters the window,
@@ -74,14 +104,21 @@ class KFACStatistics:
     """
 
     def __init__(self, d_in: int, *, ema: float, max_tokens: int, device: torch.device | str = "cpu"):
+        self._bind(kfac_state(d_in, device), ema, max_tokens)
+
+    @classmethod
+    def viewing(cls, state: dict[str, torch.Tensor], *, ema: float, max_tokens: int) -> KFACStatistics:
+        """The statistics kept in `state` (`kfac_state`'s keys and shapes), not copied: a grouped
+        layer's expert sees its row of the stacked tensors through every method of this class."""
+        stats = cls.__new__(cls)
+        stats._bind(state, ema, max_tokens)
+        return stats
+
+    def _bind(self, state: dict[str, torch.Tensor], ema: float, max_tokens: int) -> None:
         self.ema = ema
         self.max_tokens = max_tokens
-        self.acc = torch.zeros(d_in, d_in, dtype=torch.float32, device=device)
-        self.count = torch.zeros((), dtype=torch.float32, device=device)
-        self.tokens = torch.zeros((), dtype=torch.float32, device=device)
-        self.factor = torch.zeros(d_in, d_in, dtype=torch.float32, device=device)
-        self.initialized = torch.zeros((), dtype=torch.bool, device=device)
-        self.dropped = torch.zeros((), dtype=torch.int64, device=device)
+        self.acc, self.count, self.tokens = state["acc"], state["count"], state["tokens"]
+        self.factor, self.initialized, self.dropped = state["factor"], state["initialized"], state["dropped"]
 
     def observe(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> None:
         """Add one forward's inputs to the window; a batch with NaN/Inf adds nothing and is
@@ -190,6 +227,13 @@ class SketchStatistics:
         seed: int = 0,
         device: torch.device | str = "cpu",
     ):
+        cols = self.checked_cols(d_in, rank=rank, sketch_cols=sketch_cols, ema=ema, max_tokens=max_tokens)
+        self._bind(sketch_matrix(d_in, cols, seed).to(device), sketch_state(d_in, cols, device), ema, max_tokens, seed)
+
+    @staticmethod
+    def checked_cols(d_in: int, *, rank: int, sketch_cols: int | None, ema: float, max_tokens: int) -> int:
+        """The sketch's columns k of these constructor arguments, checked (ValueError otherwise);
+        `geometry.grouped_statistics` builds its experts' from the same arguments."""
         for name, value in (("d_in", d_in), ("rank", rank), ("max_tokens", max_tokens)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"SketchStatistics: {name} must be a positive int, got {value!r}")
@@ -197,26 +241,34 @@ class SketchStatistics:
             raise ValueError(f"SketchStatistics: sketch_cols must be a positive int or None, got {sketch_cols!r}")
         if not 0.0 <= ema < 1.0:
             raise ValueError(f"SketchStatistics: ema must be a float in [0, 1), got {ema!r}")
-        self.d_in = d_in
-        self.cols = min(sketch_cols if sketch_cols is not None else 2 * rank, d_in)
+        return min(sketch_cols if sketch_cols is not None else 2 * rank, d_in)
+
+    @classmethod
+    def viewing(cls, omega: torch.Tensor, state: dict[str, torch.Tensor], *, ema: float, max_tokens: int,
+                seed: int) -> SketchStatistics:
+        """The statistics kept in `state` (`sketch_state`'s keys and shapes) with the test matrix
+        `omega` (`sketch_matrix(d_in, cols, seed)`), not copied: a grouped layer's expert sees its
+        row of the stacked tensors through every method of this class (`consolidate`,
+        `whitening`, `state_dict`, ...), which all update their tensors in place."""
+        stats = cls.__new__(cls)
+        stats._bind(omega, state, ema, max_tokens, seed)
+        return stats
+
+    def _bind(self, omega: torch.Tensor, state: dict[str, torch.Tensor], ema: float, max_tokens: int,
+              seed: int) -> None:
+        self.d_in, self.cols = omega.shape
         self.ema = ema
         self.max_tokens = max_tokens
         self.seed = seed
-        f32 = dict(dtype=torch.float32, device=device)
-        self.omega = sketch_matrix(d_in, self.cols, seed).to(device)
+        self.omega = omega
         # the current window (per rank)
-        self.y_acc = torch.zeros(d_in, self.cols, **f32)
-        self.diag_acc = torch.zeros(d_in, **f32)
-        self.count = torch.zeros((), **f32)
-        self.tokens = torch.zeros((), **f32)
-        self.dropped = torch.zeros((), dtype=torch.int64, device=device)
+        self.y_acc, self.diag_acc, self.count = state["y_acc"], state["diag_acc"], state["count"]
+        self.tokens, self.dropped = state["tokens"], state["dropped"]
         # the EMA (on the ranks that hold it, see `holder`)
-        self.y = torch.zeros(d_in, self.cols, **f32)
-        self.diag = torch.zeros(d_in, **f32)
-        self.initialized = torch.zeros((), dtype=torch.bool, device=device)
+        self.y, self.diag, self.initialized = state["y"], state["diag"], state["initialized"]
         # which group rank holds the EMA: every rank (all-reduce mode) or one owner; the same
         # value on every rank, so a change of owner fails on all ranks alike
-        self.holder = torch.full((), _EVERY_RANK, dtype=torch.int64, device=device)
+        self.holder = state["holder"]
 
     def _persistent(self) -> dict[str, torch.Tensor]:
         return {"y_acc": self.y_acc, "diag_acc": self.diag_acc, "count": self.count, "tokens": self.tokens,

@@ -28,6 +28,8 @@ _RESIDUALS = (("error_feedback", "residual"), ("second_hop_error_feedback", "sec
 # state-dict prefix of the residuals of gradients sent outside the layers (`GiftState.outside`):
 # not a module name, so no layer's keys can start with it
 OUTSIDE = "outside:"
+# state-dict prefix of the i-th state this one drives (`GiftState.substates`): `sub<i>:`
+SUB = "sub{}:"
 
 
 class Checkpointing:
@@ -37,6 +39,7 @@ class Checkpointing:
     config: GiftConfig
     layers: dict[str, LayerState]
     outside: dict[str, OutsideResidual]
+    substates: list[Any]
     seed: torch.Tensor
     steps: int
     _sharing_checked: bool
@@ -57,6 +60,7 @@ class Checkpointing:
                        for n, l in self.layers.items()},
             "outside": {n: {"shape": list(o.shape), "residual_format": self.config.residual_format}
                         for n, o in self.outside.items()},
+            "substates": len(self.substates),
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -68,6 +72,8 @@ class Checkpointing:
             sd.update({f"{name}.{k}": v.detach().clone() for k, v in layer.state_dict().items()})
         for name, outside in self.outside.items():
             sd.update({f"{OUTSIDE}{name}.{i}": t.detach().clone() for i, t in enumerate(outside.buffers)})
+        for i, sub in enumerate(self.substates):
+            sd.update({f"{SUB.format(i)}{k}": v for k, v in sub.state_dict().items()})
         return sd
 
     @torch.no_grad()
@@ -133,11 +139,19 @@ class Checkpointing:
                 if key not in ("selected", "decided", "boundary_score"):
                     plan.append((dst, src))
         recoded_outside = self._outside_plan(sd, meta.get("outside", {}), plan, converted)
+        if meta.get("substates", 0) != len(self.substates):
+            raise ValueError(f"GIFT checkpoint drives {meta.get('substates', 0)} further states (the routed experts' "
+                             f"layers), this state {len(self.substates)}")
         unknown = sorted(k for k in sd if k not in ("meta", "seed", "steps")
                          and not any(k.startswith(f"{n}.") for n in self.layers)
-                         and not any(k.startswith(f"{OUTSIDE}{n}.") for n in self.outside))
+                         and not any(k.startswith(f"{OUTSIDE}{n}.") for n in self.outside)
+                         and not any(k.startswith(SUB.format(i)) for i in range(len(self.substates))))
         if unknown:
             raise ValueError(f"GIFT checkpoint has unexpected keys {unknown[:5]}")
+        # each driven state validates its own entries before it changes anything, and before this one
+        for i, sub in enumerate(self.substates):
+            prefix = SUB.format(i)
+            sub.load_state_dict({k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)})
         for dst, src in plan:
             dst.copy_(src)
         for (name, prefix), value in recoded.items():

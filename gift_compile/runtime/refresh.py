@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -21,6 +20,7 @@ import torch.distributed as dist
 from gift_compile.codec import residual as residual_store
 from gift_compile.config import GiftConfig
 from gift_compile.geometry import apply_forward, apply_inverse
+from gift_compile.geometry.maps import FactorSource, RowShard
 from gift_compile.geometry.statistics import KFACStatistics, SketchStatistics
 from gift_compile.runtime.selection import LayerMeasurement, decide, harmful, measure, rests_on_gain
 from gift_compile.sync import all_reduce_, broadcast_, group_rank
@@ -51,7 +51,7 @@ class RefreshEngine:
     layers: dict[str, LayerState]
     steps: int
     history: list[RefreshRecord]
-    grad_source: Callable[[str], torch.Tensor | None] | None
+    grad_source: FactorSource | None
     plan_version: int
     selection_changes: int
     _sharing_checked: bool
@@ -271,8 +271,11 @@ def _same_window(a: KFACStatistics | SketchStatistics, b: KFACStatistics | Sketc
     return bool(ta["count"] > 0) and all(torch.equal(ta[k], tb[k]) for k in keys)
 
 
-def _local_grad(grad: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """The local tensor of a (possibly DTensor, dim-0 sharded) gradient."""
+def _local_grad(grad: torch.Tensor | RowShard) -> tuple[torch.Tensor, bool]:
+    """The local tensor of a (possibly DTensor, dim-0 sharded, or `RowShard`) gradient-side
+    tensor, and whether its rows lie on several ranks (the factor is then summed over them)."""
+    if isinstance(grad, RowShard):
+        return grad.local, True
     to_local = getattr(grad, "to_local", None)
     if to_local is not None:
         return to_local(), True

@@ -33,6 +33,7 @@ from gift_compile.exchange.collectives import (C_MISMATCH, C_MISMATCH_RANKS, C_N
                                                Shared, flagged_ranks)
 from gift_compile.exchange.mark import SyncMode
 from gift_compile.exchange.plan import BucketPlan, Collective, ItemPlan
+from gift_compile.geometry.maps import FactorSource, RowShard
 from gift_compile.geometry.statistics import StatisticsSettings
 from gift_compile.geometry.table import Geometry, geometry_class
 from gift_compile.runtime.checkpoint import Checkpointing
@@ -117,7 +118,7 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
     __slots__ = ("config", "group", "collective", "layers", "seed", "rank", "counters", "steps", "history",
                  "grad_source", "_health_seen", "modules", "handles", "active", "sync_mode", "dirty_params",
                  "plan_version", "selection_changes", "_sharing_checked", "adapters", "hop_counters", "backward_watch",
-                 "geometry", "layer_spec", "health_group", "pending_faults", "outside")
+                 "geometry", "layer_spec", "health_group", "pending_faults", "outside", "substates", "blocks")
 
     def __init__(self, config: GiftConfig, group: dist.ProcessGroup | None,
                  collective: Collective | str = Collective.ALL_REDUCE):
@@ -137,7 +138,7 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         self.counters = torch.zeros(N_COUNTERS, dtype=torch.int64)
         self.steps = 0
         self.history: list[RefreshRecord] = []
-        self.grad_source: Callable[[str], torch.Tensor | None] | None = None
+        self.grad_source: FactorSource | None = None
         self._health_seen = torch.zeros(N_COUNTERS, dtype=torch.int64)
         # Set by `gift_compile.api.manage` and friends.
         self.modules: dict[str, torch.nn.Module] = {}
@@ -172,6 +173,13 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         self.pending_faults = Faults()
         # Error-feedback residuals of gradients sent outside the layers (`add_outside_residual`).
         self.outside: dict[str, OutsideResidual] = {}
+        # States over other groups this one drives: stepped, refreshed and checkpointed with it
+        # (the routed experts' layers over their own data-parallel group, `runtime.experts`).
+        self.substates: list[GiftState] = []
+        # The layers that are one block of a stacked weight (a routed expert of a grouped-GEMM
+        # weight `[E, out, in]`): the parameter, the block's index in it and the number of blocks
+        # (`runtime.experts`).
+        self.blocks: dict[str, tuple[torch.nn.Parameter, int, int]] = {}
 
     @property
     def shared(self) -> Shared:
@@ -238,8 +246,26 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         return world_size(self.group)
 
     def weight(self, name: str) -> torch.Tensor:
-        """The managed weight parameter `name` (what the optimizer steps and `.grad` lands on)."""
+        """The managed weight parameter `name` (what the optimizer steps and `.grad` lands on;
+        for a block of a stacked weight, the whole stacked parameter)."""
+        if name in self.blocks:
+            return self.blocks[name][0]
         return self.modules[name]._parameters["weight"]
+
+    def factor_source(self, optimizer: Any | None) -> FactorSource:
+        """Where a refresh reads each layer's gradient-side tensor (`Geometry.factor_source`
+        over `optimizer`'s state or the weights' `.grad`), a block's rows cut out of its stacked
+        weight's tensor (`block_rows`)."""
+        source = self.geometry.factor_source(self.weight, optimizer, lambda: self.steps)
+
+        def rows(name: str) -> torch.Tensor | RowShard | None:
+            full = source(name)
+            if full is None or name not in self.blocks:
+                return full
+            _, block, count = self.blocks[name]
+            return block_rows(name, full, block, count, self.group)
+
+        return rows
 
     def layer_plan(self, fqn: str) -> BucketPlan:
         """The one-layer collective this state's own sync runs for `fqn` (for accounting)."""
@@ -349,3 +375,32 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         self.seed.add_(1)
         if self.config.refresh_due(self.steps):
             self.refresh()
+        for sub in self.substates:
+            sub.step()
+
+
+def block_rows(name: str, full: torch.Tensor, block: int, count: int,
+               group: dist.ProcessGroup | None) -> torch.Tensor | RowShard:
+    """Block `block` of `count` (dim 0) of a stacked weight's gradient-side tensor `full`: the
+    block itself when `full` is a plain tensor of the rank's `count` blocks, else this rank's
+    rows of it (`RowShard`: all of the block on the rank whose dim-0 chunk holds it, none
+    elsewhere) when `full` is a DTensor whose local chunk is `count / world` blocks (FSDP2's
+    even dim-0 shard of the rank's experts over their data-parallel `group`). Raises naming the
+    layer for any other layout: a guessed row range would build a map from another expert's rows."""
+    to_local = getattr(full, "to_local", None)
+    if to_local is None:
+        if full.shape[0] != count:
+            raise ValueError(f"GIFT: {name}: its stacked weight's tensor {tuple(full.shape)} does not hold the "
+                             f"{count} blocks its layers were built for")
+        return full[block]
+    local = to_local()
+    world = world_size(group)
+    if local.shape[0] * world != count:
+        raise ValueError(f"GIFT: {name}: the rank's chunk {tuple(local.shape)} of its stacked weight's tensor is not "
+                         f"an even share of its {count} blocks over the {world} ranks of its group, so the rows of "
+                         f"block {block} cannot be found")
+    start = group_rank(group) * local.shape[0]
+    if start <= block < start + local.shape[0]:
+        return RowShard(local[block - start])
+    return RowShard(local.new_zeros((0, local.shape[-1])))
+
