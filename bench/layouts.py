@@ -2,8 +2,8 @@
 
 The layouts torchtitan combines for a Llama run (FSDP, DDP, HSDP, TP, PP, CP and their
 products, 2 to 8 gloo ranks of the debug Llama), each on both trainers, and expert parallelism
-with FSDP, TP or PP on the debug MoE (FSDP2 trainer only: no graph_trainer MoE config is
-registered); the table is `bench.layout_table`. A row runs, holds the refusal GIFT raised (whose
+with FSDP, HSDP (a one-rank and a two-rank efsdp), TP or PP on the debug MoE, on both trainers;
+the table is `bench.layout_table`. A row runs, holds the refusal GIFT raised (whose
 reason must name the torch or torchtitan limit), or, where a run failed otherwise, that failure
 with whether GIFT off fails too (torchtitan's limit then, not GIFT's); a planned row not measured
 yet renders "not run". The suite checks each 4-rank layout on its own (tests/test_torchtitan_*.py);

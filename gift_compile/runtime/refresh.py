@@ -150,13 +150,16 @@ class RefreshEngine:
             tokens = float(layer.stats.tokens) / max(self.steps, 1) if layer.stats is not None else 8192.0
             measured[name] = measure(layer.probe, cfg, layer.kind, layer.transform.tensors, layer.shape, tokens,
                                      name)
+        # The overhead too: it divides by the tokens this rank's statistics saw, which differ
+        # between ranks where each is routed its own tokens (a MoE's experts), and every rank
+        # must take the same decision.
         stacked = torch.tensor(
-            [[m.err_euclidean, m.err_transformed, m.boundary_hits] for m in measured.values()], dtype=torch.float64
-        ).reshape(-1, 3)
+            [[m.err_euclidean, m.err_transformed, m.boundary_hits, m.overhead] for m in measured.values()],
+            dtype=torch.float64).reshape(-1, 4)
         if stacked.numel():
             all_reduce_(stacked, self.group).div_(self.world())
         for (name, m), row in zip(measured.items(), stacked.tolist()):
-            m.err_euclidean, m.err_transformed, m.boundary_hits = row
+            m.err_euclidean, m.err_transformed, m.boundary_hits, m.overhead = row
             layer = self.layers[name]
             layer.measurement = m
             layer.boundary_score = m.boundary_hits if layer.boundary_score == 0 else 0.5 * (layer.boundary_score + m.boundary_hits)
