@@ -38,6 +38,9 @@ LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
     # efsdp = dp_shard / ep = 2 ranks: the experts reduce-scatter over efsdp, then the replica hop
     "ep_hsdp8": ("EP x HSDP (ep 2, dp_replicate 2 x dp_shard 4), MoE", 8,
                  [f"{_REPLICATE}=2", f"{_SHARD}=4", f"{_EP}=2"]),
+    # efsdp x ep = 8 ranks for the debug MoE's 4 experts: torchtitan shards the experts on dim 1
+    "ep_fsdp8": ("EP x FSDP (ep 2 within dp_shard 8: more efsdp x ep ranks than experts), MoE", 8,
+                 [f"{_SHARD}=8", f"{_EP}=2"]),
 }
 # torchtitan's graph_trainer (GraphPP) itself refuses the default 1F1B schedule ("requires a
 # runtime PP schedule such as Interleaved1F1B"); with Interleaved1F1B the run reaches GIFT's setup
@@ -48,7 +51,7 @@ CONFIGS = {"fsdp2": ("llama3_debug_gift_fsdp2", "llama3_debug_nogift_fsdp2"),
 # Layouts of the MoE (`gift_moe_debug`, DeepSeek-V3 blocks), on both trainers
 MOE_CONFIGS = {"fsdp2": ("moe_debug_gift_fsdp2", "moe_debug_nogift_fsdp2"),
                "graph": ("moe_debug_gift_graph", "moe_debug_nogift_graph")}
-MOE_LAYOUTS = {"ep_fsdp", "ep_hsdp", "ep_tp", "ep_pp", "ep_hsdp8"}
+MOE_LAYOUTS = {"ep_fsdp", "ep_hsdp", "ep_tp", "ep_pp", "ep_hsdp8", "ep_fsdp8"}
 # GIFT flags a layout and trainer need: under EP the FSDP2 trainer makes each local expert a GIFT
 # layer where efsdp has several ranks (`fsdp2._whitened_experts`), else sends the routed experts
 # on GIFT's codec with no map (`fsdp2.EuclideanReduceScatter`, `hsdp.install`), graph_trainer

@@ -372,29 +372,37 @@ def _whitened_experts(state: GiftState, module: FSDPModule, group: dist.ProcessG
     experts become GIFT layers (`grouped_experts.expert_layers`) of the experts' own state over
     `group` (one per group, in `states`, driven by `state`: `GiftState.substates`), by module id.
     None where the geometry has no map or the group has one rank (no reduce-scatter); a module
-    whose grouped weights are excluded (`GiftConfig.exclude`) or sharded on another dim goes as
-    Euclidean items, and one whose experts do not split whole over the group's ranks too (logged).
+    whose grouped weights are excluded (`GiftConfig.exclude`) goes as Euclidean items, and one
+    whose grouped weights are sharded on another dim or whose experts do not split whole over the
+    group's ranks too, with a warning naming it and why.
     A geometry whose factor is gradient-side (`second_moment`, the AdamW default; `momentum`,
     `gradient`) reads each expert's rows of the 3-D weight's optimizer state or gradient
     (`GiftState.blocks`)."""
     if state.geometry.is_identity or group.size() == 1:
         return {}
     owners: dict[int, tuple[nn.Module, dict[str, tuple[int, int, int]]]] = {}
+    other_dim: set[int] = set()  # modules with a grouped weight FSDP2 shards on another dim than 0
     for p in packed_params(module, group):
         if is_grouped_experts(p.module) and p.param_name in INPUTS:
             owner = names.get(id(p.module), "")
             entry = owners.setdefault(id(p.module), (p.module, {}))
-            if p.dim0 and not state.config.is_excluded(f"{owner}.{p.param_name}" if owner else p.param_name):
+            if not p.dim0:
+                other_dim.add(id(p.module))
+            elif not state.config.is_excluded(f"{owner}.{p.param_name}" if owner else p.param_name):
                 entry[1][p.param_name] = gathered_shape(p.local, group.size())  # type: ignore[assignment]
     out = {}
     for module_id, (experts_module, shapes) in owners.items():
         owner = names.get(module_id, "")
-        if not shapes:  # every grouped weight excluded or sharded on another dim: Euclidean items say how
+        if module_id in other_dim:
+            why = ("FSDP2 shards its grouped weights on another dim than 0 (torchtitan does so with more efsdp x ep "
+                   "ranks than experts), so no rank holds whole experts; they go raw")
+        elif not shapes:  # every grouped weight excluded: the Euclidean items say so
             continue
-        why = (f"only {len(shapes)} of its 3 grouped weights are sharded on dim 0 and not excluded"
-               if len(shapes) != len(INPUTS) else
-               f"its {next(iter(shapes.values()))[0]} local experts do not split whole over {group.size()} ranks"
-               if next(iter(shapes.values()))[0] % group.size() else "")
+        else:
+            experts = next(iter(shapes.values()))[0]
+            why = (f"only {len(shapes)} of its 3 grouped weights are not excluded" if len(shapes) != len(INPUTS) else
+                   f"its {experts} local experts do not split whole over {group.size()} ranks"
+                   if experts % group.size() else "")
         if why:
             logger.warning("GIFT: %s (%s): its experts are not whitened, %s", owner, type(experts_module).__name__, why)
             continue
