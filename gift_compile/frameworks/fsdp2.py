@@ -407,8 +407,10 @@ def _whitened_experts(state: GiftState, module: FSDPModule, group: dist.ProcessG
             logger.warning("GIFT: %s (%s): its experts are not whitened, %s", owner, type(experts_module).__name__, why)
             continue
         if group.group_name not in states:
-            states[group.group_name] = GiftState(state.config, group, collective=Collective.REDUCE_SCATTER)
-            state.substates.append(states[group.group_name])
+            sub = GiftState(state.config, group, collective=Collective.REDUCE_SCATTER)
+            sub.grad_source = sub.factor_source(None)  # the optimizer's state once `attach_optimizer` runs
+            states[group.group_name] = sub
+            state.substates.append(sub)
         out[module_id] = expert_layers(states[group.group_name], owner, experts_module, shapes,
                                        state.counters.device)
     return out

@@ -42,7 +42,6 @@ def expert_layers(state: GiftState, owner: str, module: nn.Module, shapes: dict[
     """`module`'s local experts as layers of `state` (its weights' local shapes `[E, out, in]` in
     `shapes`), with the hooks that feed their statistics installed on `module`."""
     experts = ExpertLayers(state, owner, shapes, INPUTS, {name: module._parameters[name] for name in shapes}, device)
-    state.grad_source = state.factor_source(None)  # the optimizer's state once `attach_optimizer` runs
     calls = [0]
 
     def before(mod: nn.Module, args: tuple[Any, ...]) -> None:
