@@ -39,12 +39,14 @@ from gift_compile.exchange.agreement import first_difference
 from gift_compile.exchange.plan import dtype_name
 from gift_compile.frameworks import table
 from gift_compile.frameworks.parts import Parts
-from gift_compile.frameworks.routing import _unmanage_module, eligible_linears, manage  # noqa: F401 (public here too)
+from gift_compile.frameworks.routing import (_unmanage_module, eligible_linears, linear_weight_names,  # noqa: F401
+                                             manage)
 from gift_compile.geometry.optimizer_maps import leaf_optimizers
 from gift_compile.geometry.optimizers import geometry_for, select_metric_for
 from gift_compile.geometry.table import Geometry, geometry_class
 from gift_compile.passes.inductor import hold_inductor_pass, release_inductor_pass
 from gift_compile.runtime.health import check_health_group
+from gift_compile.runtime.report import ApplyReport, log_report, summarize
 from gift_compile.runtime.state import GiftState
 
 logger = logging.getLogger("gift_compile")
@@ -99,9 +101,17 @@ def apply(model: nn.Module, config: GiftConfig | None = None, *, group: dist.Pro
         logger.warning("gift_compile.apply: no optimizer given; call gift_compile.step(model) after every optimizer "
                        "step, or GIFT's geometry never refreshes (the fault checks run at the end of each backward)")
     hold_inductor_pass(model)  # installed while a model with GIFT applied is alive (see passes.inductor)
-    logger.info("gift_compile.apply: %d weights managed via %s (%s)", len(state.layers), adapter.kind,
-                ", ".join(state.layers))
+    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model  # what DDP's manages
+    state.report = summarize(state, adapter.kind, linear_weight_names(inner))
+    log_report(state.report)
     return model
+
+
+def report(model: nn.Module) -> ApplyReport:
+    """What `apply` installed on `model`: the path, format, geometry and metric as resolved, the
+    layers managed and mapped, the linear weights at full precision, the globs that matched
+    nothing (`gift_compile.runtime.report`; logged at WARNING on rank 0 by `apply`)."""
+    return state(model).report
 
 
 def check_optimizer(optimizer: Any) -> None:

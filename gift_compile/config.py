@@ -317,7 +317,7 @@ class GiftConfig:
     ema: float = 0.95
     damping: float = 1e-3
     select: SelectRule | str | tuple[str, ...] = SelectRule.AUTO
-    exclude: tuple[str, ...] = ("*embed*", "*output*", "*lm_head*")
+    exclude: tuple[str, ...] = ("*embed*", "*output*", "*lm_head*", "head.*", "*.head.*")
     error_feedback: bool = False
     second_hop_error_feedback: bool = False
     error_feedback_decay: float = 1.0

@@ -310,3 +310,58 @@ def test_optimizer_list_is_one_step_driver_and_the_map_follows_the_owner():
         assert "stepped again before" in got["twice"] and "optimizer 1 of the list" in got["twice"], got["twice"]
     assert "1: str" in a["not_an_optimizer"], a["not_an_optimizer"]
     assert a["muon"]["mapped"] == b["muon"]["mapped"] and a["adamw"]["mapped"] == b["adamw"]["mapped"]
+
+
+class _Headed(nn.Module):
+    """`body` then a classifier named `head` (large enough to be managed if not excluded)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = _MLP(96, classes=None)
+        self.head = nn.Linear(96, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def _report_body(rank: int, world: int) -> dict:
+    """The apply report and its log, for a model with a head named `head`, a glob that matches
+    nothing, and a model without linears."""
+    import logging
+
+    seen: list[tuple[int, str]] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: seen.append((r.levelno, r.getMessage()))  # type: ignore[method-assign]
+    logging.getLogger("gift_compile").addHandler(handler)
+    out = {}
+    m = _Headed()
+    gift_compile.apply(m, GiftConfig(format="nvfp4", geometry="lowrank", min_numel=1024,
+                                     select=("body.fc1.*", "blocks.*.attn.*")), optimizer=torch.optim.SGD(m.parameters()))
+    out["glob"] = gift_compile.report(m)
+    m = _Headed()
+    gift_compile.apply(m, GiftConfig(min_numel=1024, exclude=("*fc2*", "*typo*")), optimizer=torch.optim.AdamW(m.parameters()))
+    out["auto"] = gift_compile.report(m)
+    m = nn.Sequential(nn.Conv1d(4, 4, 3))
+    gift_compile.apply(m, GiftConfig(), optimizer=torch.optim.SGD(m.parameters()))
+    out["none"] = gift_compile.report(m)
+    out["warnings"] = [msg for level, msg in seen if level >= logging.WARNING and msg.startswith("GIFT applied")]
+    return out
+
+
+def test_apply_report_is_logged_on_rank_0_and_names_what_did_nothing():
+    a, b = run_ranks(_report_body, 2)
+    glob = a["glob"]
+    assert glob.managed == ("body.fc1.weight", "body.fc2.weight") and glob.geometry == "lowrank"
+    assert glob.full_precision == ("head.weight",)  # the default exclude catches a head named `head`
+    assert glob.selected == ("body.fc1.weight",)
+    assert glob.unmatched == ("select: 'blocks.*.attn.*'",), glob.unmatched
+    auto = a["auto"]
+    assert (auto.geometry, auto.select_metric) == ("second_moment", "whitened"), auto  # resolved, never "auto"
+    assert auto.selected is None and auto.first_refresh == 10
+    assert auto.managed == ("body.fc1.weight", "head.weight") and auto.unmatched == ("exclude: '*typo*'",), auto
+    assert a["none"].managed == () and "NOTHING IS MANAGED" in str(a["none"])
+    assert len(a["warnings"]) == 3 and b["warnings"] == [], (a["warnings"], b["warnings"])  # rank 0 only
+    assert "select: 'blocks.*.attn.*' matched no weight" in a["warnings"][0]
+    assert "mapped (1 of 2): body.fc1.weight" in a["warnings"][0]
+    assert glob == b["glob"] and auto == b["auto"]
