@@ -324,3 +324,29 @@ def test_wrapping_after_apply_raises_and_wrapping_first_sends_each_gradient_once
             assert not any("reduce_scatter" in name for name, _ in ops), ops  # no FSDP2 fp32 reduce-scatter
             # no fp32 reduction of the gradient (DDP's bucket): GIFT's all-reduces carry flags only
             assert all(n < out["numel"] // 4 for name, n in ops if name == "c10d::allreduce_"), ops
+
+
+def _api_script() -> str:
+    """The runnable FSDP2 / DDP script of docs/api.md (the fence after `# train_gift.py`)."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
+    return re.search(r"```python\n(# train_gift\.py\n.*?)```", text, flags=re.S).group(1)
+
+
+def _api_script_body(rank: int, world: int, framework: str) -> dict:
+    import functools
+
+    # the script as written, its collectives run eagerly (fuse=False: the same numbers without
+    # compiling the codec bodies, which takes minutes on a CPU; test_recompile covers fuse=True)
+    gift_compile.apply = functools.partial(gift_compile.apply, fuse=False)  # this spawned rank's copy only
+    scope: dict = {"__name__": "train_gift"}
+    exec(compile(_api_script(), "docs/api.md:train_gift.py", "exec"), scope)
+    return scope["train"](framework)
+
+
+@pytest.mark.parametrize("framework", ["fsdp2", "ddp"])
+def test_the_documented_fsdp2_and_ddp_script_runs_and_compresses(framework):
+    a, b = run_ranks(_api_script_body, 2, framework)
+    assert a == b and a["calls"] > 0 and a["baseline"] > 2 * a["wire"] > 0, a  # int3 codes, counted at run time
