@@ -357,7 +357,12 @@ def headline(r: dict) -> str:
     rows = r["wire"]["rows"]
     world, model = max(x["world"] for x in rows), r["wire"]["models"][-1]["name"]
     by = {x["format"]: x for x in rows if (x["model"], x["world"], x["op"]) == (model, world, "all_reduce")}
-    return "\n".join(lines + ["", f"Held-out bits/byte minus fp32 communication of the same seed, mean ± 95% CI over n "
+    small = next(m for m in r["wire"]["models"] if m["name"].startswith("small"))  # bench.settings' _SMALL
+    return "\n".join(lines + ["", f"Model: the bench's small Llama, {small['params'] / 1e6:.1f}M parameters "
+                                   f"({small['description']}), trained on {cv['world']} CPU ranks (4 where the study "
+                                   "says so): a statistics study, not a speed measurement (what GIFT costs in step "
+                                   "time and memory: [benchmarks](docs/benchmarks.md)). "
+                                   f"Held-out bits/byte minus fp32 communication of the same seed, mean ± 95% CI over n "
                                    f"seeds, {cv['steps']} steps; \"resolved\" = the paired 95% CI excludes 0. GIFT arm: "
                                    "\"the defaults\" = `GiftConfig(format=..., geometry=\"auto\")` with `optimizer=` as "
                                    f"a user gets it (measured selection, refreshes from step {GiftConfig.refresh_warmup}, then every "
