@@ -310,3 +310,20 @@ def test_the_start_here_config_function_builds_a_gift_trainer_config() -> None:
     assert isinstance(config, GiftTrainerConfig) and config.training.seq_len == 8192
     assert config.gift.enable and (config.gift.format, config.gift.block_size) == ("int3", 32)
     assert config.model_spec.post_optimizer_build_fn.keywords["section"] is config.gift
+
+
+def test_compression_is_the_whole_gradients_on_both_trainers() -> None:
+    """One definition of `gift/compression`: fp32 bytes of every gradient collective of the
+    step over what they all handed over. graph_trainer's untouched buckets (embedding, head)
+    enter both sides, scaled by the graph's runs per step; FSDP2 leaves nothing untouched."""
+    from gift_compile.torchtitan_ext.telemetry import whole_gradient
+
+    step = {"gift/wire_bytes_per_step": 484_000.0, "gift/baseline_bytes_per_step": 3_412_000.0,
+            "gift/collectives_per_step": 8.0}
+    # graph_trainer: 4 GIFT collectives per run of the step's graph, 2 runs (2 micro-batches) per step
+    graph = whole_gradient(step, (4_194_304, 4))
+    assert graph["gift/untouched_bytes_per_step"] == 2 * 4_194_304
+    assert graph["gift/compression"] == pytest.approx((3_412_000 + 2 * 4_194_304) / (484_000 + 2 * 4_194_304))
+    assert graph["gift/compression"] < 1.4  # not the 7.05x of the rewritten buckets alone
+    fsdp2 = whole_gradient(step, None)
+    assert fsdp2 == {"gift/untouched_bytes_per_step": 0.0, "gift/compression": 3_412_000 / 484_000}
