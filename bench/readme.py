@@ -395,10 +395,10 @@ PAGES: dict[str, tuple[str, ...]] = {
                            "map_precision_arms", "kernel_traffic",
                            "hsdp_model",
                            "memory", "second_hop",
-                           "convergence", "defaults", "adamw_sweep", "closing", "frontier", "selection_churn"),
+                           "convergence", "defaults", "adamw_sweep", "closing", "frontier", "selection_churn", "layouts"),
     "docs/reliability.md": ("faults", "plan_check", "soak", "skips"),
     "docs/design.md": ("formats", "delayed_scale"),
-    "docs/torchtitan.md": ("demo", "layouts", *pages.torchtitan_runs()),
+    "docs/torchtitan.md": ("demo", *pages.torchtitan_runs()),
 }
 _MARKER = re.compile(r"<!-- bench:([\w:]+) -->")
 
