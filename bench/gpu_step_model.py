@@ -58,7 +58,7 @@ ARMS: dict[str, tuple[GiftConfig, GiftConfig]] = {
 INPUTS = StepModelInputs(gpus=64, tokens_per_gpu=GEMM_TOKENS, exposed_fraction=1.0)
 # the StepModelInputs fields this model uses, and why each is an assumption
 ASSUMED = {
-    "gpus": "data-parallel ranks, one all-reduce per gradient: the issue's goal",
+    "gpus": "data-parallel ranks, one all-reduce per gradient: the deployment priced",
     "tokens_per_gpu": "the token count of the measured GEMMs; a 0.5 M-token global batch",
     "link_gbytes": "GB/s per GPU: InfiniBand NDR 400 Gb/s, one NIC per GPU",
     "link_efficiency": "share of the link large collectives achieve (nccl-tests)",

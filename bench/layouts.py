@@ -22,7 +22,7 @@ low-bit run's largest per-step loss distance from GIFT-off.
     python -m bench.layouts --kill-resume [--only ...]
 
 writes (merges its rows into) bench/results/layouts.json; `bench.pages_layouts.layouts` renders
-the table on docs/torchtitan.md. ``--kill-resume`` adds to each row that runs the fault the
+the table on docs/benchmarks.md. ``--kill-resume`` adds to each row that runs the fault the
 suite checks on 2 and 4 ranks (tests/test_torchtitan_train.py): 6 steps at nvfp4 with the low-rank K-FAC
 map, error feedback and a checkpoint every 3 steps, uninterrupted; then the same command with
 rank 1 SIGKILLed after step 4, relaunched on its folder: the losses of steps 4-6 and every

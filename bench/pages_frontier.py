@@ -25,8 +25,9 @@ def _gap_cell(a: dict | None) -> str:
     return f"{g['mean']:+.4f}{spread} (n={g['n']}; bound {a['upper_adjusted']:+.4f}) {verdict}"
 
 
-def _spelled(arm: dict) -> str:
-    """The `GiftConfig` a user writes for a frontier arm (with `optimizer=` for GIFT's defaults)."""
+def config_kwargs(arm: dict) -> dict:
+    """The `GiftConfig` keyword arguments of a frontier arm (with `optimizer=` for GIFT's
+    defaults; `gift_compile.recipes` names the best arms' ones)."""
     kw = {**RUN_FORMATS[arm["format"]]}
     if arm["method"].startswith("Euclidean"):
         kw["geometry"] = "none"
@@ -34,7 +35,23 @@ def _spelled(arm: dict) -> str:
         kw["error_feedback"] = True
     if "leaky" in arm["method"]:
         kw["error_feedback_decay"] = 0.9
-    return "GiftConfig(" + ", ".join(f"{k}={v!r}".replace("'", '"') for k, v in kw.items()) + ")"
+    return kw
+
+
+def _spelled(arm: dict) -> str:
+    """The `GiftConfig` a user writes for a frontier arm."""
+    return "GiftConfig(" + ", ".join(f"{k}={v!r}".replace("'", '"') for k, v in config_kwargs(arm).items()) + ")"
+
+
+def best_arms(f: dict) -> dict[str, dict]:
+    """Per optimizer, the fewest bits within fp32's CI (among formats of the same width, the
+    method with the smallest gap); optimizers with none inside are left out."""
+    out = {}
+    for opt, o in f["optimizers"].items():
+        inside = [a for a in o["arms"] if a.get("within")]
+        if inside:
+            out[opt] = min(inside, key=lambda a: (round(a["bits_managed"], 2), a["gap"]["mean"]))
+    return out
 
 
 def frontier(_: dict) -> str:
@@ -120,13 +137,12 @@ def frontier_headline(_: dict) -> str:
     configuration that sends them, from `bench/results/frontier.json`."""
     f = _frontier()
     lines = []
+    bests = best_arms(f)
     for opt, o in f["optimizers"].items():
-        inside = [a for a in o["arms"] if a.get("within")]
-        if not inside:
+        if opt not in bests:
             lines.append(f"* **{opt}**: no measured configuration within fp32's 95% CI.")
             continue
-        # fewest bits; among formats of the same width, the method with the smallest gap
-        best = min(inside, key=lambda a: (round(a["bits_managed"], 2), a["gap"]["mean"]))
+        best = bests[opt]
         lines.append(f"* **{opt}**: `{_spelled(best)}`{' with `optimizer=`' if 'GIFT' in best['method'] else ''} "
                      f"({best['method']}): {best['bits_managed']:.3f} bits per managed element as counted at the "
                      f"collective, {best['gap']['mean']:+.4f} ± {best['gap']['ci95']:.4f} bits/byte against fp32 "

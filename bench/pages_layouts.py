@@ -1,4 +1,4 @@
-"""The "layouts" block of docs/torchtitan.md, from `bench/results/layouts.json`
+"""The "layouts" block of docs/benchmarks.md, from `bench/results/layouts.json`
 (`bench.layouts`): per layout and trainer, whether GIFT runs or is refused (with the reason),
 each hop's bytes counted at the collective against the accounted and the fp32 bytes, and the
 losses against GIFT off."""

@@ -357,7 +357,12 @@ def headline(r: dict) -> str:
     rows = r["wire"]["rows"]
     world, model = max(x["world"] for x in rows), r["wire"]["models"][-1]["name"]
     by = {x["format"]: x for x in rows if (x["model"], x["world"], x["op"]) == (model, world, "all_reduce")}
-    return "\n".join(lines + ["", f"Held-out bits/byte minus fp32 communication of the same seed, mean ± 95% CI over n "
+    small = next(m for m in r["wire"]["models"] if m["name"].startswith("small"))  # bench.settings' _SMALL
+    return "\n".join(lines + ["", f"Model: the bench's small Llama, {small['params'] / 1e6:.1f}M parameters "
+                                   f"({small['description']}), trained on {cv['world']} CPU ranks (4 where the study "
+                                   "says so): a statistics study, not a speed measurement (what GIFT costs in step "
+                                   "time and memory: [benchmarks](docs/benchmarks.md)). "
+                                   f"Held-out bits/byte minus fp32 communication of the same seed, mean ± 95% CI over n "
                                    f"seeds, {cv['steps']} steps; \"resolved\" = the paired 95% CI excludes 0. GIFT arm: "
                                    "\"the defaults\" = `GiftConfig(format=..., geometry=\"auto\")` with `optimizer=` as "
                                    f"a user gets it (measured selection, refreshes from step {GiftConfig.refresh_warmup}, then every "
@@ -367,6 +372,56 @@ def headline(r: dict) -> str:
                                    f"handed to the collectives ({model}, {world} ranks, all-reduce, unmanaged "
                                    "parameters fp32): " + ", ".join(f"{f} {by[f]['vs_fp32']:.2f}x of fp32"
                                                                     for f in ("fp8 row", "nvfp4") if f in by) + "."])
+
+
+def pays(r: dict) -> str:
+    """The README's "what you pay and get" at NVFP4: bytes of the whole gradient, the projected
+    step time (its inputs named: calibrated on one GPU, assumed, taken from the code), GIFT's
+    state memory, and which optimizers the convergence study found GIFT helps, each from its
+    committed results file, next to fp32 and plain low-bit at the same format."""
+    rows = r["wire"]["rows"]
+    world, model = max(x["world"] for x in rows), r["wire"]["models"][-1]["name"]
+    wire = next(x for x in rows if (x["model"], x["world"], x["op"], x["format"]) == (model, world, "all_reduce", "nvfp4"))
+    g = json.loads((ROOT / "bench" / "results" / "gpu_step_model.json").read_text())
+    step = g["formats"]["nvfp4"]["total"]["step_us"]
+    assumed = g["assumed"]
+    mem = {x["config"]: x for x in r["memory"]["rows"] if (x["model"], x["world"]) == ("Llama-600M", 8)}
+    gift_mem = next(x for c, x in mem.items() if c.startswith("GIFT defaults ("))
+    plain_mem = next(x for c, x in mem.items() if c.startswith("Euclidean low-bit"))
+    cv = r["convergence"]
+    verdicts: dict[str, list[str]] = {}
+    for pv in cv["paths"].values():
+        for opt, o in pv["optimizers"].items():
+            for fmt in TARGETS:
+                key = default_gap(o, fmt, cv["default_geometry"][opt])
+                if key is not None:
+                    d = o["gaps"][key]["gift_minus_euclid"]
+                    verdicts.setdefault(opt, []).append("better" if d["resolved"] and d["mean"] < 0 else
+                                                        "worse" if d["resolved"] else "not resolved")
+    helps = "; ".join(f"{opt}: better in {v.count('better')} of {len(v)} study rows"
+                      + (f", worse in {v.count('worse')}" if "worse" in v else "")
+                      + (f", not resolved in {v.count('not resolved')}" if "not resolved" in v else "")
+                      for opt, v in verdicts.items())
+
+    def ms(us: float) -> str:
+        return f"{us / 1e3:,.0f} ms"
+
+    def mb(b: float) -> str:
+        return f"{b / 1e6:,.0f} MB"
+
+    lines = ["| at NVFP4 | fp32 | plain low-bit (`geometry=\"none\"`) | GIFT (the defaults) |", "|---|---|---|---|",
+             f"| bytes of the whole gradient per rank and step ({model}, {world} ranks, all-reduce; bytes handed to the collectives) | 1.00x | "
+             f"{wire['vs_fp32']:.2f}x | {wire['vs_fp32']:.2f}x (the same codes) |",
+             f"| projected step time ({g['model']}, {assumed['gpus']['value']} GPUs; codec calibrated on one "
+             f"{g['device']['name']}, link {assumed['link_gbytes']['value']:g} GB/s x {assumed['link_efficiency']['value']:g} "
+             f"and no overlap assumed) | {ms(step['fp32'])} | {ms(step['euclid'])} | {ms(step['gift'])} |",
+             f"| state memory per rank (Llama-600M, 8 ranks; FSDP's params + grads + optimizer: "
+             f"{mb(gift_mem['fsdp_per_rank'])}) | 0 | {mb(plain_mem['gift_total'])} | {mb(gift_mem['gift_total'])} "
+             f"({gift_mem['gift_vs_fsdp']:.2f}x FSDP's) |",
+             f"| loss against plain low-bit at the same bytes (the study below) | | | {helps} |"]
+    return "\n".join(lines + ["", "Rows from `bench/results/results.json` (wire, memory, convergence) and "
+                               "`bench/results/gpu_step_model.json` (step time: every input and its source in "
+                               "[benchmarks](docs/benchmarks.md)); the study's own model is far smaller (below)."])
 
 
 BLOCKS: dict[str, Callable[[dict], str]] = {
@@ -379,21 +434,21 @@ BLOCKS: dict[str, Callable[[dict], str]] = {
     "map_precision_arms": map_precision_arms.block,
     "kernel_traffic": kernel_traffic.block,
     "frontier_headline": pages_frontier.frontier_headline, "selection_churn": pages_selection.selection_churn,
-    "layouts": pages_layouts.layouts,
+    "layouts": pages_layouts.layouts, "pays": pays,
     **{name: pages.torchtitan_run(name) for name in pages.torchtitan_runs()},
 }
 # Which page holds each block (relative to the repository root); every block is on exactly one
 # page, and a page that lacks one of its blocks' markers, or carries a marker of another's, fails.
 PAGES: dict[str, tuple[str, ...]] = {
-    "README.md": ("headline", "frontier_headline", "demo_summary"),
+    "README.md": ("pays", "headline", "frontier_headline", "demo_summary"),
     "docs/benchmarks.md": ("fidelity", "wire", "codec", "step_model", "gpu_step_model", "map_precision",
                            "map_precision_arms", "kernel_traffic",
                            "hsdp_model",
                            "memory", "second_hop",
-                           "convergence", "defaults", "adamw_sweep", "closing", "frontier", "selection_churn"),
+                           "convergence", "defaults", "adamw_sweep", "closing", "frontier", "selection_churn", "layouts"),
     "docs/reliability.md": ("faults", "plan_check", "soak", "tiers", "skips"),
     "docs/design.md": ("formats", "delayed_scale"),
-    "docs/torchtitan.md": ("demo", "layouts", *pages.torchtitan_runs()),
+    "docs/torchtitan.md": ("demo", *pages.torchtitan_runs()),
 }
 _MARKER = re.compile(r"<!-- bench:([\w:]+) -->")
 

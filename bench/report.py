@@ -32,7 +32,7 @@ def _header(meta: dict) -> list[str]:
            table(["section", "command", "profile", "started"],
                  [[k, f"`{v['command'].strip()}`", v["profile"], v["started"]] for k, v in meta["sections"].items()]),
            ""] if meta.get("merged_into") and meta.get("sections") else []),
-        "**No GPU was lent to this task: every time in this report is a CPU time.** "
+        "**No GPU ran these benchmarks: every time in this report is a CPU time.** "
         "Kernel-time ratios on CPU are not GPU ratios (a CPU is compute-bound where a GPU codec "
         "kernel is memory-bound); the GPU-scale claims are the projections of section 6, built "
         "from the bytes the generated kernels move, the code's FLOP counts and documented hardware assumptions.",
@@ -347,9 +347,9 @@ def render(r: dict) -> str:
     if "memory" in r:
         lines += report_cost.memory(r["memory"])
     lines += ["## 8. Hardware", "",
-              "No GPU was lent to this task. Overhead times are CPU times (section 3); GPU-scale step times are "
+              "No GPU ran these benchmarks. Overhead times are CPU times (section 3); GPU-scale step times are "
               "projections (section 6). The codec ran once on one H200 (`bench/results/gpu_h200/`, the codec only); "
               "`python -m bench.gpu_step_model` prices the step from those times (docs/benchmarks.md). `make gpu-check` (`bench/gpu_check.py`) is the prepared single-GPU check "
               "(Triton compile of the codecs, kernel times and achieved bandwidth, a 1-rank torchtitan step); it "
-              "writes `bench/results/GPU.md`.", ""]
+              "writes `GPU.md` into `bench/results`.", ""]
     return "\n".join(lines) + "\n"

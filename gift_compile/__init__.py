@@ -11,8 +11,8 @@ FSDP2 (`fully_shard`) and `DistributedDataParallel` models. See `GiftConfig` for
 for the FX rewrite.
 """
 
-from gift_compile.api import apply, attach_optimizer, manage, no_sync, remove, state, step
+from gift_compile.api import apply, attach_optimizer, manage, no_sync, remove, report, state, step
 from gift_compile.config import GiftConfig
 
-__all__ = ["GiftConfig", "apply", "attach_optimizer", "manage", "no_sync", "remove", "state", "step"]
+__all__ = ["GiftConfig", "apply", "attach_optimizer", "manage", "no_sync", "remove", "report", "state", "step"]
 __version__ = "0.3.0"

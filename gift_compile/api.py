@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
@@ -39,12 +39,14 @@ from gift_compile.exchange.agreement import first_difference
 from gift_compile.exchange.plan import dtype_name
 from gift_compile.frameworks import table
 from gift_compile.frameworks.parts import Parts
-from gift_compile.frameworks.routing import _unmanage_module, eligible_linears, manage  # noqa: F401 (public here too)
+from gift_compile.frameworks.routing import (_unmanage_module, eligible_linears, linear_weight_names,  # noqa: F401
+                                             manage)
 from gift_compile.geometry.optimizer_maps import leaf_optimizers
 from gift_compile.geometry.optimizers import geometry_for, select_metric_for
 from gift_compile.geometry.table import Geometry, geometry_class
 from gift_compile.passes.inductor import hold_inductor_pass, release_inductor_pass
 from gift_compile.runtime.health import check_health_group
+from gift_compile.runtime.report import ApplyReport, log_report, summarize
 from gift_compile.runtime.state import GiftState
 
 logger = logging.getLogger("gift_compile")
@@ -56,7 +58,8 @@ def _default_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
 
 
 def apply(model: nn.Module, config: GiftConfig | None = None, *, group: dist.ProcessGroup | None = None,
-          optimizer: torch.optim.Optimizer | None = None, fuse: bool = True) -> nn.Module:
+          optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+          fuse: bool = True) -> nn.Module:
     """Manage `model`'s eligible linear weights with GIFT; call before `torch.compile(model)`.
 
     `model` may be a plain module (GIFT synchronises its gradients over `group`, default the
@@ -64,12 +67,16 @@ def apply(model: nn.Module, config: GiftConfig | None = None, *, group: dist.Pro
     whose parameters are DTensors with a traced reduce-scatter (SimpleFSDP): the first adapter
     of `gift_compile.frameworks.table` that detects it installs GIFT. `optimizer` installs the
     step driver (health check before its step, `GiftState.step()` after); without it call
-    `gift_compile.step(model)` after each optimizer step. `fuse` runs the FSDP2/DDP hooks'
+    `gift_compile.step(model)` after each optimizer step; a list (`[muon, adamw]`: Muon for the
+    matrices, AdamW for the rest) is one step driver, and "auto" follows the optimizer that
+    owns the managed weights. `fuse` runs the FSDP2/DDP hooks'
     collective through `torch.compile` (fused kernels). Applying twice with the same config is
     a no-op; with another config it is an error.
     """
     config = config or GiftConfig()
     group = _default_group(group)
+    if optimizer is not None:
+        check_optimizer(optimizer)  # before anything is installed
     adapter = table.adapter_for(model)
     weights = managed_weights(model, config, group, split_rows=adapter.split_rows) if optimizer is not None else []
     config = resolve_auto(config, optimizer, weights)
@@ -94,9 +101,30 @@ def apply(model: nn.Module, config: GiftConfig | None = None, *, group: dist.Pro
         logger.warning("gift_compile.apply: no optimizer given; call gift_compile.step(model) after every optimizer "
                        "step, or GIFT's geometry never refreshes (the fault checks run at the end of each backward)")
     hold_inductor_pass(model)  # installed while a model with GIFT applied is alive (see passes.inductor)
-    logger.info("gift_compile.apply: %d weights managed via %s (%s)", len(state.layers), adapter.kind,
-                ", ".join(state.layers))
+    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model  # DDP: its module's names
+    state.report = summarize(state, adapter.kind, linear_weight_names(inner))
+    log_report(state.report)
     return model
+
+
+def report(model: nn.Module) -> ApplyReport:
+    """What `apply` installed on `model`: the path, format, geometry and metric as resolved, the
+    layers managed and mapped, the linear weights at full precision, the globs that matched
+    nothing (`gift_compile.runtime.report`; logged at WARNING on rank 0 by `apply`)."""
+    return state(model).report
+
+
+def check_optimizer(optimizer: Any) -> None:
+    """Refuse, before `apply` installs anything, an `optimizer=` GIFT cannot drive: not an
+    optimizer (or a container of them), or a list naming one optimizer twice."""
+    if isinstance(optimizer, (list, tuple)):
+        bad = [f"{i}: {type(o).__name__}" for i, o in enumerate(optimizer) if not isinstance(o, torch.optim.Optimizer)]
+        if bad or not optimizer:
+            raise TypeError("gift_compile.apply: optimizer=[...] must list torch.optim.Optimizer objects"
+                            + (f" (not {', '.join(bad)})" if bad else " (the list is empty)"))
+        if len({id(o) for o in optimizer}) != len(optimizer):
+            raise ValueError("gift_compile.apply: optimizer=[...] names the same optimizer twice")
+    leaf_optimizers(optimizer)  # raises naming the type when it is no optimizer
 
 
 def resolve_auto(config: GiftConfig, optimizer: Any | None, weights: list[torch.Tensor]) -> GiftConfig:
@@ -163,10 +191,12 @@ def managed_weights(model: Parts, config: GiftConfig, group: dist.ProcessGroup |
                                                                  split_rows=split_rows, group=group)]
 
 
-def attach_optimizer(state: GiftState, optimizer: torch.optim.Optimizer, *,
+def attach_optimizer(state: GiftState, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer], *,
                      health_group: dist.ProcessGroup | None = None) -> None:
     """Drive `state` from `optimizer`: before each step, refuse gradients accumulated under
     `no_sync` that were never synchronised; after each step, `state.step()` (seed, refresh).
+    A list of optimizers is one driver: checks before the first of them steps, `state.step()`
+    after the last (`_one_step_per_round`).
     The refreshes of `state` and of the states it drives (`GiftState.substates`: the routed
     experts') read gradient-side factors from `optimizer`'s state (`GiftState.factor_source`).
     The fault checks need no optimizer: they run at the end of each backward
@@ -186,10 +216,40 @@ def attach_optimizer(state: GiftState, optimizer: torch.optim.Optimizer, *,
     def after(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         state.step()
 
-    state.handles.append(optimizer.register_step_pre_hook(before))
-    state.handles.append(optimizer.register_step_post_hook(after))
+    if isinstance(optimizer, (list, tuple)):
+        before, after = _one_step_per_round(list(optimizer), before, after)
+    for opt in optimizer if isinstance(optimizer, (list, tuple)) else (optimizer,):
+        state.handles.append(opt.register_step_pre_hook(before))
+        state.handles.append(opt.register_step_post_hook(after))
     for st in (state, *state.substates):
         st.grad_source = st.factor_source(optimizer)
+
+
+def _one_step_per_round(optimizers: list[torch.optim.Optimizer], before: Any, after: Any) -> tuple[Any, Any]:
+    """Hooks for an optimizer list (Muon for the matrices, AdamW for the rest): one training
+    step steps each of them once, in any order, and GIFT's state must advance once, so the
+    checks run before the first of them changes a weight and `after` once the last has
+    stepped. An optimizer stepped twice before the others is refused, naming it: the state
+    would otherwise count steps the user did not mean."""
+    stepped: set[int] = set()  # the optimizers of the list that stepped in this training step
+    names = {id(o): f"{type(o).__name__} (optimizer {i} of the list)" for i, o in enumerate(optimizers)}
+
+    def first_before(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if id(opt) in stepped:
+            missing = ", ".join(names[id(o)] for o in optimizers if id(o) not in stepped)
+            raise RuntimeError(f"gift_compile: {names[id(opt)]} stepped again before {missing}: with optimizer=[...] "
+                               "every optimizer of the list steps once per training step (GIFT advances once they "
+                               "all have)")
+        if not stepped:
+            before(opt, args, kwargs)
+
+    def last_after(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        stepped.add(id(opt))
+        if len(stepped) == len(optimizers):
+            stepped.clear()
+            after(opt, args, kwargs)
+
+    return first_before, last_after
 
 
 def step(model: nn.Module) -> None:

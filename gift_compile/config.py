@@ -317,7 +317,7 @@ class GiftConfig:
     ema: float = 0.95
     damping: float = 1e-3
     select: SelectRule | str | tuple[str, ...] = SelectRule.AUTO
-    exclude: tuple[str, ...] = ("*embed*", "*output*", "*lm_head*")
+    exclude: tuple[str, ...] = ("*embed*", "*output*", "*lm_head*", "head.*", "*.head.*")
     error_feedback: bool = False
     second_hop_error_feedback: bool = False
     error_feedback_decay: float = 1.0
@@ -361,10 +361,11 @@ class GiftConfig:
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 _fail(name, value, "a positive integer")
-        if self.block_size % 2:
-            _fail("block_size", self.block_size, "an even positive integer")
+        # the format's own choices first: "an even integer" then "16 or 32" would send a user round twice
         if self.format in BLOCK_SIZE_FORMATS and self.block_size not in BLOCK_SIZE_CHOICES:
             _fail("block_size", self.block_size, f"{' or '.join(map(str, BLOCK_SIZE_CHOICES))} for format={self.format!r}")
+        if self.block_size % 2:
+            _fail("block_size", self.block_size, "an even positive integer")
         if not isinstance(self.replica_format, str) or self.replica_format not in (SAME_FORMAT, *FORMATS):
             _fail("replica_format", self.replica_format, ", ".join((SAME_FORMAT, *FORMATS)))
         if self.replica_hop_format in BLOCK_SIZE_FORMATS and self.block_size not in BLOCK_SIZE_CHOICES:

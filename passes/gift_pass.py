@@ -62,7 +62,7 @@ _c10d = torch.ops._c10d_functional
 from gift_compile.passes.inductor_internals import splice
 from gift_compile.passes.matching import (
     _META_KEYS, BucketMatch, GiftRewriteError, _group_size, _is_mark, _why_not, count_ops, find_gradient_collectives,
-    launches_by_group,
+    launches_by_group, untouched_gradient_bytes,
 )
 
 @dataclass
@@ -97,6 +97,9 @@ class RewriteReport:
     # collective launches per (process group name, "forward" / "backward"), before and after
     groups_before: dict[tuple[str, str], int] = field(default_factory=dict)
     groups_after: dict[tuple[str, str], int] = field(default_factory=dict)
+    # per run of the graph: bytes of the data-parallel gradient collectives left as they were
+    # (`matching.untouched_gradient_bytes`), the rest of the whole gradient's bytes
+    untouched_bytes: int = 0
 
     @property
     def layers(self) -> list[str]:
@@ -370,6 +373,7 @@ def rewrite_gradient_collectives(gm: fx.GraphModule | fx.Graph) -> RewriteReport
     if isinstance(gm, fx.GraphModule):
         gm.recompile()
     report.ops_after, report.groups_after = count_ops(graph), launches_by_group(graph)
+    report.untouched_bytes = untouched_gradient_bytes(graph, {r.group for r in report.rewritten})
     logger.info(
         "GIFT pass: rewrote %d gradient collectives (%d managed weights; collective launches %d -> %d; "
         "%d -> %d bytes per call)", len(report.rewritten), len(report.layers), report.launches(report.ops_before),

@@ -79,6 +79,27 @@ def count_ops(graph: fx.Graph) -> dict[str, int]:
     return dict(c)
 
 
+def untouched_gradient_bytes(graph: fx.Graph, groups: set[str]) -> int:
+    """Bytes handed, per rank and per run of `graph`, to the reduce-scatters over the
+    data-parallel `groups` that no GIFT rewrite replaced (gradients: the forward reduce-scatters
+    of sequence parallelism run over the tensor-parallel group): SimpleFSDP's buckets without a
+    managed weight (the embedding, the output head) that still travel at their own precision.
+    Telemetry adds them to both sides of the compression, which then is the whole gradient's,
+    as on the FSDP2 path (every bucket there is GIFT's). All-reduces are left out: an
+    activation gradient's all-reduce (tensor parallelism over the same group) is not told apart
+    from a gradient's here, so a replicate-only graph counts GIFT's all-reduces only."""
+    total = 0
+    for n in graph.nodes:
+        if n.op != "call_function" or n.target is not _c10d.reduce_scatter_tensor.default:
+            continue
+        if str(n.kwargs.get("group_name", n.args[-1])) not in groups:
+            continue
+        val = n.args[0].meta.get("val") if isinstance(n.args[0], fx.Node) else None
+        if isinstance(val, torch.Tensor):
+            total += val.numel() * val.element_size()
+    return total
+
+
 def launches_by_group(graph: fx.Graph) -> dict[tuple[str, str], int]:
     """Collective launches (every `_c10d_functional` op but waits) per process group name (the
     last argument of every functional collective) and phase ("forward", or "backward" for nodes

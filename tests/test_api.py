@@ -258,3 +258,110 @@ def test_fp64_parameters_are_refused_at_apply_naming_the_parameter():
     with pytest.raises(TypeError, match=r"parameter 1\.weight is torch\.float64"):
         gift_compile.apply(m, GiftConfig(min_numel=16))
     assert not hasattr(m, "_gift_state")
+
+
+def _optimizer_list_body(rank: int, world: int) -> dict:
+    """`optimizer=[muon, adamw]` (Muon for the matrices, AdamW for the rest) and the reverse
+    ownership: one step driver, "auto" following the optimizer that owns the managed weights,
+    the second moment read from the list's AdamW."""
+    out: dict = {}
+    for owner in ("muon", "adamw"):
+        m = MLP()
+        matrices = [p for p in m.parameters() if p.dim() == 2]
+        rest = [p for p in m.parameters() if p.dim() != 2]
+        if owner == "muon":
+            opts = [torch.optim.Muon(matrices, lr=0.02), torch.optim.AdamW(rest, lr=1e-3)]
+        else:
+            opts = [torch.optim.AdamW(matrices, lr=1e-3), torch.optim.SGD(rest, lr=0.01)]
+        gift_compile.apply(m, GiftConfig(format="nvfp4", min_numel=1024, refresh_every=2, refresh_warmup=0,
+                                         select="all", rank=8), optimizer=opts)
+        st = gift_compile.state(m)
+        for step in range(4):
+            x = torch.randn(64, 96, generator=torch.Generator().manual_seed(10 * step + rank))
+            m(x).pow(2).mean().backward()
+            for opt in reversed(opts) if step % 2 else opts:  # either order within a step
+                opt.step()
+                opt.zero_grad()
+        out[owner] = {"geometry": st.config.geometry, "metric": str(st.config.select_metric), "steps": st.steps,
+                      "refreshes": [r.step for r in st.history],
+                      "mapped": {n: float((layer.transform.tensors[0] - 1).abs().max()) if owner == "adamw" else
+                                 float(layer.transform.tensors[0].abs().sum()) for n, layer in st.layers.items()}}
+        m(torch.randn(64, 96)).pow(2).mean().backward()
+        opts[0].step()
+        try:
+            opts[0].step()
+        except RuntimeError as e:
+            out[owner]["twice"] = str(e)
+    try:
+        gift_compile.apply(MLP(), GiftConfig(), optimizer=[torch.optim.SGD(MLP().parameters(), lr=0.1), "adamw"])
+    except TypeError as e:
+        out["not_an_optimizer"] = str(e)
+    return out
+
+
+def test_optimizer_list_is_one_step_driver_and_the_map_follows_the_owner():
+    a, b = run_ranks(_optimizer_list_body, 2)
+    muon, adamw = a["muon"], a["adamw"]
+    assert (muon["geometry"], muon["metric"]) == ("lowrank", "whitened"), muon
+    assert (adamw["geometry"], adamw["metric"]) == ("second_moment", "whitened"), adamw
+    for got in (muon, adamw):
+        assert got["steps"] == 4 and got["refreshes"] == [2, 4], got  # once per training step, not per optimizer
+        assert set(got["mapped"]) == {"fc1.weight", "fc2.weight"} and min(got["mapped"].values()) > 1e-3, got
+        assert "stepped again before" in got["twice"] and "optimizer 1 of the list" in got["twice"], got["twice"]
+    assert "1: str" in a["not_an_optimizer"], a["not_an_optimizer"]
+    assert a["muon"]["mapped"] == b["muon"]["mapped"] and a["adamw"]["mapped"] == b["adamw"]["mapped"]
+
+
+class _Headed(nn.Module):
+    """`body` then a classifier named `head` (large enough to be managed if not excluded)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = _MLP(96, classes=None)
+        self.head = nn.Linear(96, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def _report_body(rank: int, world: int) -> dict:
+    """The apply report and its log, for a model with a head named `head`, a glob that matches
+    nothing, and a model without linears."""
+    import logging
+
+    seen: list[tuple[int, str]] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: seen.append((r.levelno, r.getMessage()))  # type: ignore[method-assign]
+    logging.getLogger("gift_compile").addHandler(handler)
+    out = {}
+    m = _Headed()
+    gift_compile.apply(m, GiftConfig(format="nvfp4", geometry="lowrank", min_numel=1024,
+                                     select=("body.fc1.*", "blocks.*.attn.*")), optimizer=torch.optim.SGD(m.parameters()))
+    out["glob"] = gift_compile.report(m)
+    m = _Headed()
+    gift_compile.apply(m, GiftConfig(min_numel=1024, exclude=("*fc2*", "*typo*")), optimizer=torch.optim.AdamW(m.parameters()))
+    out["auto"] = gift_compile.report(m)
+    m = nn.Sequential(nn.Conv1d(4, 4, 3))
+    gift_compile.apply(m, GiftConfig(), optimizer=torch.optim.SGD(m.parameters()))
+    out["none"] = gift_compile.report(m)
+    out["warnings"] = [msg for level, msg in seen if level >= logging.WARNING and msg.startswith("GIFT applied")]
+    return out
+
+
+def test_apply_report_is_logged_on_rank_0_and_names_what_did_nothing():
+    a, b = run_ranks(_report_body, 2)
+    glob = a["glob"]
+    assert glob.managed == ("body.fc1.weight", "body.fc2.weight") and glob.geometry == "lowrank"
+    assert glob.full_precision == ("head.weight",)  # the default exclude catches a head named `head`
+    assert glob.selected == ("body.fc1.weight",)
+    assert glob.unmatched == ("select: 'blocks.*.attn.*'",), glob.unmatched
+    auto = a["auto"]
+    assert (auto.geometry, auto.select_metric) == ("second_moment", "whitened"), auto  # resolved, never "auto"
+    assert auto.selected is None and auto.first_refresh == 10
+    assert auto.managed == ("body.fc1.weight", "head.weight") and auto.unmatched == ("exclude: '*typo*'",), auto
+    assert a["none"].managed == () and "NOTHING IS MANAGED" in str(a["none"])
+    assert len(a["warnings"]) == 3 and b["warnings"] == [], (a["warnings"], b["warnings"])  # rank 0 only
+    assert "select: 'blocks.*.attn.*' matched no weight" in a["warnings"][0]
+    assert "mapped (1 of 2): body.fc1.weight" in a["warnings"][0]
+    assert glob == b["glob"] and auto == b["auto"]

@@ -112,3 +112,22 @@ def test_techniques_pair_each_arm_with_the_arm_it_modifies(tmp_path):
     assert euclid["change_resolved_holm"] and not euclid["kept"]
     assert out["family_size"] == summary["optimizers"]["muon"]["family_size"] + 2
     assert gift["within"] == (gift["upper_adjusted"] <= summary["optimizers"]["muon"]["fp32"]["band95"])
+
+
+def test_recipes_are_the_committed_frontiers_fewest_bits():
+    """`adamw-int3` and `muon-int2-leaky-ef` name the configuration the README's frontier
+    headline recommends per optimizer (the committed `bench/results/frontier.json`): a re-run
+    that moves the frontier fails here until the recipe follows."""
+    import json
+
+    from bench.pages_frontier import FRONTIER, best_arms, config_kwargs
+    from gift_compile.recipes import RECIPES, recipe, recipe_fields
+
+    best = best_arms(json.loads(FRONTIER.read_text()))
+    for name in ("adamw-int3", "muon-int2-leaky-ef"):
+        fields = recipe_fields(name)
+        fields.pop("geometry")  # "auto": the frontier's GIFT arms ran the defaults with optimizer=
+        assert fields == config_kwargs(best[RECIPES[name].optimizer]), name
+        assert "GIFT" in best[RECIPES[name].optimizer]["method"]
+        cfg = recipe(name, seed=3)
+        assert cfg.seed == 3 and all(getattr(cfg, k) == v for k, v in fields.items())

@@ -1,5 +1,5 @@
 """`bench.layouts` records a run that fails without GIFT's refusal as a failed row with its
-error (the layout table on docs/torchtitan.md shows it), so the error must be the one that
+error (the layout table on docs/benchmarks.md shows it), so the error must be the one that
 stopped the run: the first exception any rank printed, not torchrun's wrapper around it."""
 
 from __future__ import annotations

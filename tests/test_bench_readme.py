@@ -145,3 +145,70 @@ def test_the_layouts_table_lists_every_planned_row_and_says_which_did_not_run(
     assert "| HSDP x CP x TP | 8 | fsdp2 | low_bit run failed (below) |" in "\n".join(table)
     assert ("* HSDP x CP x TP, fsdp2: the low_bit run failed, `torchrun a`: RuntimeError: boom; GIFT off fails too "
             "(`torchrun b`): RuntimeError: boom") in lines
+
+
+_ROOT = Path(__file__).resolve().parents[1]
+_PAGES = [_ROOT / "README.md", *sorted((_ROOT / "docs").glob("*.md")), _ROOT / "torchtitan_ext" / "README.md",
+          _ROOT / "CHANGELOG.md", _ROOT / "bench" / "results" / "REPORT.md"]
+_FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})(.*)$")
+# repository paths as the pages and the configs' comments write them (the installed package's
+# gift_compile.passes / .torchtitan_ext live in passes/ and torchtitan_ext/)
+_REPO_PATH = re.compile(r"(?<![\w/.])((?:gift_compile|bench|tests|configs|docs|torchtitan_ext|passes)/[\w./-]*?\w"
+                        r"\.(?:py|toml|md|json|jsonl|sh|png|txt))\b")
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[`*_]|\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def _fence_errors(text: str) -> list[str]:
+    """A fence left open swallows the rest of the page in a CommonMark render; a second opening
+    fence (with an info string) inside an open one is the usual sign of a missing close."""
+    errors, open_at = [], None
+    for i, line in enumerate(text.splitlines(), 1):
+        m = _FENCE.match(line)
+        if not m:
+            continue
+        if open_at is None:
+            open_at = (i, m.group(1))
+        elif m.group(2).strip():
+            errors.append(f"line {i}: a fence opens inside the one opened at line {open_at[0]}")
+        elif m.group(1)[0] == open_at[1][0] and len(m.group(1)) >= len(open_at[1]):
+            open_at = None
+    if open_at is not None:
+        errors.append(f"the fence opened at line {open_at[0]} is never closed")
+    return errors
+
+
+def test_pages_fences_links_and_paths_resolve() -> None:
+    """Every page's code fences close, every relative link (and its #anchor) and every
+    repository path a page or a shipped config names exists, and no page speaks of the
+    project's issues instead of the project."""
+    problems = []
+    for page in _PAGES:
+        text = page.read_text()
+        rel = page.relative_to(_ROOT)
+        problems += [f"{rel}: {e}" for e in _fence_errors(text)]
+        prose = re.sub(r"^ {0,3}(`{3,}|~{3,}).*?^ {0,3}\1\s*$", "", text, flags=re.M | re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", prose):
+            if re.match(r"^[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path) if path else page
+            if not dest.exists():
+                problems.append(f"{rel}: link {target} does not resolve")
+            elif anchor and dest.suffix == ".md":
+                slugs = {_slug(h) for h in re.findall(r"^#{1,6} (.*)$", dest.read_text(), flags=re.M)}
+                if anchor not in slugs:
+                    problems.append(f"{rel}: link {target}: no heading #{anchor} in {dest.name}")
+    for source in [*_PAGES, *sorted((_ROOT / "configs").glob("*.toml")), _ROOT / "pyproject.toml"]:
+        text, rel = source.read_text(), source.relative_to(_ROOT)
+        for path in _REPO_PATH.findall(text):
+            local = re.sub(r"^gift_compile/(passes|torchtitan_ext)/", r"\1/", path)
+            if not (_ROOT / local).exists():
+                problems.append(f"{rel}: names {path}, which does not exist")
+        for phrase in re.findall(r"this task|the issue'?s? goal|\bissue \d+", text, flags=re.I):
+            problems.append(f"{rel}: speaks of {phrase!r} (the pages speak of the project only)")
+    assert not problems, "\n".join(problems)

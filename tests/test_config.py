@@ -117,3 +117,13 @@ def test_refresh_schedule_warms_up_then_follows_refresh_every():
     assert [s for s in range(1, 70) if GiftConfig(refresh_every=20, refresh_warmup=3).refresh_due(s)] == [3, 6, 12, 20,
                                                                                                         40, 60]
     assert [s for s in range(1, 70) if GiftConfig(refresh_every=20, refresh_warmup=20).refresh_due(s)] == [20, 40, 60]
+
+
+def test_block_size_error_names_the_formats_choices_first():
+    """int2 with block_size=7 used to say "an even positive integer", and 8 then "16 or 32":
+    the format's own choices come first."""
+    for size in (7, 8):
+        with pytest.raises(ValueError, match=r"block_size=%d is invalid; allowed: 16 or 32 for format='int2'" % size):
+            GiftConfig(format="int2", block_size=size)
+    with pytest.raises(ValueError, match="an even positive integer"):
+        GiftConfig(format="fp8_e4m3", scaling="block", block_size=7)

@@ -8,6 +8,9 @@ exact; bytes counted by the collectives at run time against the shape-based acco
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -259,3 +262,91 @@ def test_marked_gradient_without_the_pass_raises_unless_allowed():
     raised = run_ranks(_unrewritten_body, 2, "error")[0]
     assert "reached gift::mark without the GIFT pass" in raised, raised
     assert run_ranks(_unrewritten_body, 2, "warn")[0].startswith("ok")
+
+
+def _collectives(fn: Any) -> list[tuple[str, int]]:
+    """`(c10d op, elements of its first input)` of every collective `fn` issues (the profiler
+    sees each c10d call, FSDP2's and DDP's own included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn()
+    out = []
+    for e in prof.events():
+        if e.name.startswith("c10d::"):
+            shape = e.input_shapes[0] if e.input_shapes and e.input_shapes[0] else []
+            shape = shape[0] if shape and isinstance(shape[0], list) else shape  # a list of tensors: the first
+            out.append((e.name, math.prod(shape) if shape else 0))
+    return out
+
+
+def _wrapping_order_body(rank: int, world: int) -> dict:
+    """FSDP2 and DDP, wrapped before and after `apply`: the collectives of one backward, or
+    the error the wrong order raises."""
+    from torch.distributed.fsdp import fully_shard
+
+    def wrap(model: nn.Module, framework: str) -> nn.Module:
+        if framework == "ddp":
+            return nn.parallel.DistributedDataParallel(model)
+        for layer in (model.fc1, model.fc2, model.side, model.out):
+            fully_shard(layer)
+        return fully_shard(model)
+
+    out: dict = {}
+    for framework in ("fsdp2", "ddp"):
+        for order in ("wrap_then_apply", "apply_then_wrap"):
+            model = MLP()
+            if order == "wrap_then_apply":
+                model = wrap(model, framework)
+                gift_compile.apply(model, GiftConfig(**CFG), fuse=False)
+            else:
+                gift_compile.apply(model, GiftConfig(**CFG), fuse=False)
+                model = wrap(model, framework)
+            try:
+                out[framework, order] = _collectives(lambda: model(_batch(0, rank)).pow(2).mean().backward())
+            except RuntimeError as e:
+                out[framework, order] = str(e)
+    out["numel"] = sum(p.numel() for p in MLP().parameters())
+    return out
+
+
+def test_wrapping_after_apply_raises_and_wrapping_first_sends_each_gradient_once():
+    """`apply` then `fully_shard` / DDP used to send every gradient twice (GIFT's codes, then
+    FSDP2's fp32 reduce-scatter or DDP's fp32 bucket all-reduce) with nothing said; now the
+    first forward raises on every rank, and the documented order issues no fp32 reduction."""
+    for out in run_ranks(_wrapping_order_body, 2):
+        for framework, wrapper in (("fsdp2", "fully_shard (FSDP2)"), ("ddp", "DistributedDataParallel")):
+            raised = out[framework, "apply_then_wrap"]
+            assert isinstance(raised, str) and f"{wrapper} was applied after gift_compile.apply" in raised, raised
+            assert "wrap first, then apply" in raised
+            ops = out[framework, "wrap_then_apply"]
+            assert any(name == "c10d::alltoall_base_" for name, _ in ops), ops  # GIFT's codes moved
+            assert not any("reduce_scatter" in name for name, _ in ops), ops  # no FSDP2 fp32 reduce-scatter
+            # no fp32 reduction of the gradient (DDP's bucket): GIFT's all-reduces carry flags only
+            assert all(n < out["numel"] // 4 for name, n in ops if name == "c10d::allreduce_"), ops
+
+
+def _api_script() -> str:
+    """The runnable FSDP2 / DDP script of docs/api.md (the fence after `# train_gift.py`)."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
+    return re.search(r"```python\n(# train_gift\.py\n.*?)```", text, flags=re.S).group(1)
+
+
+def _api_script_body(rank: int, world: int, framework: str) -> dict:
+    import functools
+
+    # the script as written, its collectives run eagerly (fuse=False: the same numbers without
+    # compiling the codec bodies, which takes minutes on a CPU; test_recompile covers fuse=True)
+    gift_compile.apply = functools.partial(gift_compile.apply, fuse=False)  # this spawned rank's copy only
+    scope: dict = {"__name__": "train_gift"}
+    exec(compile(_api_script(), "docs/api.md:train_gift.py", "exec"), scope)
+    return scope["train"](framework)
+
+
+@pytest.mark.parametrize("framework", ["fsdp2", "ddp"])
+def test_the_documented_fsdp2_and_ddp_script_runs_and_compresses(framework):
+    a, b = run_ranks(_api_script_body, 2, framework)
+    assert a == b and a["calls"] > 0 and a["baseline"] > 2 * a["wire"] > 0, a  # int3 codes, counted at run time

@@ -282,3 +282,36 @@ def test_bucketed_reduce_scatter_becomes_one_gift_all_to_all():
             ref = exact.reshape(2, -1)[rank] if rows is None else exact[rank * rows:(rank + 1) * rows].reshape(-1)
             err = float((got.reshape(-1) - ref.reshape(-1)).norm() / ref.norm())
             assert (err < 1e-6) if rows is None else (0.003 < err < 0.1), err  # norm exact, weights quantized
+
+
+def _untouched_body(rank: int, world: int) -> dict:
+    """A marked reduce-scatter next to an unmarked one (an embedding's gradient, no managed
+    weight): the pass rewrites the first and reports the second's bytes as untouched."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from gift_compile.passes import rewrite_gradient_collectives
+    from gift_compile.runtime.state import GiftState
+
+    st = GiftState(gift_compile.GiftConfig(format="nvfp4", geometry="none", select="all"), dist.group.WORLD,
+                   collective="reduce_scatter")
+    a = st.add_layer("a.weight", (16, 64), "cpu")
+    ta, group = a.mark_tensors(st.shared), dist.group.WORLD.group_name
+
+    def step(ga, gembed, *state):
+        rs = torch.ops._c10d_functional.reduce_scatter_tensor
+        out_a = torch.ops._c10d_functional.wait_tensor(rs(torch.ops.gift.mark(ga, list(state), a.plan_str),
+                                                          "sum", world, group))
+        return out_a, torch.ops._c10d_functional.wait_tensor(rs(gembed, "sum", world, group))
+
+    gm = make_fx(step, tracing_mode="fake")(torch.randn(16, 64), torch.randn(10, 8), *ta)
+    report = rewrite_gradient_collectives(gm)
+    return {"layers": report.layers, "untouched": report.untouched_bytes, "wire": report.wire_bytes,
+            "baseline": report.baseline_bytes}
+
+
+def test_the_pass_reports_the_bytes_of_the_gradient_collectives_it_left_alone():
+    """graph_trainer's compression used to leave out the buckets without a managed weight
+    (embedding, head); the pass now reports their bytes, which telemetry adds to both sides."""
+    for r in run_ranks(_untouched_body, 2):
+        assert r["layers"] == ["a.weight"] and r["baseline"] == 16 * 64 * 4 > 4 * r["wire"], r
+        assert r["untouched"] == 10 * 8 * 4, r  # the fp32 embedding gradient each rank hands over

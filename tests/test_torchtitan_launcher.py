@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -251,3 +252,78 @@ def test_range_errors_name_the_config_function_for_its_own_values() -> None:
     with pytest.raises(ValueError, match=r"^config function m\.f: key 'training\.steps' = 0 is invalid"):
         check_ranges(Root(), {}, "config function m.f")
     check_ranges(Root(), {"training.steps": (2, "job.toml")}, "config function m.f")  # the override wins
+
+
+def test_help_lists_every_gift_flag_with_its_choices(capsys: pytest.CaptureFixture[str]) -> None:
+    """`gift-train --help` used to show only --toml/--nproc/--dry-run; the [gift] flags needed a
+    command no page named. Now every field of the section is listed, the format help names
+    every format and the block size names the block-scaled formats' choices."""
+    from gift_compile.codec.spec import BLOCK_SIZE_FORMATS, FORMATS
+
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for f in dataclasses.fields(GiftSection):
+        assert f"--gift.{f.name.replace('_', '-')} " in out, f.name
+    fmt = out[out.index("--gift.format "):out.index("--gift.scaling ")]
+    assert all(name in fmt for name in FORMATS), fmt
+    size = " ".join(out[out.index("--gift.block-size "):out.index("--gift.geometry ")].split())
+    assert all(name in size for name in BLOCK_SIZE_FORMATS) and "16 or 32" in size, size
+    metric = " ".join(out[out.index("--gift.select-metric "):out.index("--gift.auto-min-gain ")].split())
+    assert "AdamW resolves to whitened" in metric, metric
+    assert "--help-all" in out and "--toml" in out
+
+
+def test_recipes_expand_in_toml_and_on_the_command_line(tmp_path: Path) -> None:
+    from gift_compile.recipes import RECIPES, recipe, recipe_fields
+
+    def gift_of(plan) -> Any:
+        return _parse(plan.args).gift
+
+    base = GIFT_TOML.read_text()
+    assert 'recipe = "adamw-int3"' in base  # the shipped TOMLs start where GIFT's map is used
+    shipped = gift_of(build_plan(str(GIFT_TOML), [], None))
+    assert (shipped.format, shipped.block_size) == ("int3", 32)
+    # a key next to the recipe wins; a recipe on the command line beats the TOML's keys; a flag beats both
+    path = _write(tmp_path, base.replace('recipe = "adamw-int3"', 'recipe = "adamw-int3"\nblock_size = 16'))
+    assert gift_of(build_plan(path, [], None)).block_size == 16
+    cli = gift_of(build_plan(path, ["--gift.recipe", "muon-int2-leaky-ef"], None))
+    assert (cli.format, cli.block_size, cli.error_feedback, cli.error_feedback_decay) == ("int2", 16, True, 0.9)
+    flag = gift_of(build_plan(path, ["--gift.recipe=muon-int2-leaky-ef", "--gift.error-feedback-decay", "0.5"], None))
+    assert flag.error_feedback_decay == 0.5
+    with pytest.raises(ValueError, match="no recipe named 'muon-int1'.*known: muon-nvfp4"):
+        build_plan(path, ["--gift.recipe", "muon-int1"], None)
+    for name in RECIPES:  # Python and TOML give the same config
+        section = gift_of(build_plan(str(GIFT_TOML), ["--gift.recipe", name], None)).to_gift_config()
+        assert all(getattr(section, k) == getattr(recipe(name, reduce_op="sum"), k) for k in recipe_fields(name)), name
+
+
+def test_the_start_here_config_function_builds_a_gift_trainer_config() -> None:
+    """docs/torchtitan.md's "your own config function" (torchtitan's Llama-3-8B with a [gift]
+    section), executed as written: GIFT's hook is bound and the recipe's fields are set."""
+    from gift_compile.torchtitan_ext.job_config import GiftTrainerConfig
+
+    text = (REPO / "docs" / "torchtitan.md").read_text()
+    code = re.search(r"```python\n(# my_configs\.py\n.*?)```", text, flags=re.S).group(1)
+    scope: dict = {}
+    exec(compile(code, "docs/torchtitan.md:my_configs.py", "exec"), scope)
+    config = scope["llama3_8b_gift"]()
+    assert isinstance(config, GiftTrainerConfig) and config.training.seq_len == 8192
+    assert config.gift.enable and (config.gift.format, config.gift.block_size) == ("int3", 32)
+    assert config.model_spec.post_optimizer_build_fn.keywords["section"] is config.gift
+
+
+def test_compression_is_the_whole_gradients_on_both_trainers() -> None:
+    """One definition of `gift/compression`: fp32 bytes of every gradient collective of the
+    step over what they all handed over. graph_trainer's untouched buckets (embedding, head)
+    enter both sides, scaled by the graph's runs per step; FSDP2 leaves nothing untouched."""
+    from gift_compile.torchtitan_ext.telemetry import whole_gradient
+
+    step = {"gift/wire_bytes_per_step": 484_000.0, "gift/baseline_bytes_per_step": 3_412_000.0,
+            "gift/collectives_per_step": 8.0}
+    # graph_trainer: 4 GIFT collectives per run of the step's graph, 2 runs (2 micro-batches) per step
+    graph = whole_gradient(step, (4_194_304, 4))
+    assert graph["gift/untouched_bytes_per_step"] == 2 * 4_194_304
+    assert graph["gift/compression"] == pytest.approx((3_412_000 + 2 * 4_194_304) / (484_000 + 2 * 4_194_304))
+    assert graph["gift/compression"] < 1.4  # not the 7.05x of the rewritten buckets alone
+    fsdp2 = whole_gradient(step, None)
+    assert fsdp2 == {"gift/untouched_bytes_per_step": 0.0, "gift/compression": 3_412_000 / 484_000}

@@ -196,22 +196,26 @@ def _report(arms: dict[str, RunResult], fmt: str) -> None:
               f"{refresh['gift/err_transformed_mean']:11.4f}  {n_sel}/{n_all}")
         print(f"  {'mean (selected)':<{width}}  {euclidean:9.4f}  {transformed:11.4f}")
 
-    print(f"\nSummary (same seed, init and data order; bytes per step and rank counted where handed to the collective)")
-    fp32_bytes = gift.last("gift/baseline_bytes_per_step")
+    print(f"\nSummary (same seed, init and data order; bytes per step and rank of the whole gradient, counted where "
+          "handed to the collectives)")
+    # the whole gradient, every collective of the step (`telemetry.whole_gradient`): GIFT's and
+    # the buckets without a managed weight (embedding, head) that travel as they were
+    untouched = gift.last("gift/untouched_bytes_per_step")
+    fp32_bytes = gift.last("gift/baseline_bytes_per_step") + untouched
     print(f"  {'arm':<22}  {'final loss':>10}  {'val loss':>9}  {'MB/step':>8}")
     for label, run in arms.items():
         final = run.losses()[max(run.losses())]
         val = validation[label][max(validation[label])] if validation[label] else math.nan
         # The GIFT-off run has no GIFT collective to count at; GIFT's counter records the fp32
         # bytes of the same collectives alongside the bytes it sent.
-        sent = run.last("gift/wire_bytes_per_step") if label != "fp32" else fp32_bytes
+        sent = run.last("gift/wire_bytes_per_step") + untouched if label != "fp32" else fp32_bytes
         print(f"  {ARM_NAMES[label].format(fmt=fmt):<22}  {final:10.5f}  {val:9.5f}  {sent / 1e6:8.3f}")
     if refresh is not None:
         print(f"  round-trip error over the {n_sel} layers GIFT selected: plain (Euclidean) {euclidean:.4f}, "
               f"GIFT (transformed) {transformed:.4f}")
     if "plain" in arms:
-        plain_wire = arms["plain"].last("gift/wire_bytes_per_step")
-        gift_wire = gift.last("gift/wire_bytes_per_step")
+        plain_wire = arms["plain"].last("gift/wire_bytes_per_step") + untouched
+        gift_wire = gift.last("gift/wire_bytes_per_step") + untouched
         print(f"  bytes: GIFT {fp32_bytes / gift_wire:.2f}x fewer than fp32, plain low-bit "
               f"{fp32_bytes / plain_wire:.2f}x (GIFT / plain = {gift_wire / plain_wire:.4f})")
     if "fp32" in arms and "plain" in arms:

@@ -23,9 +23,10 @@ from gift_compile.config import GiftConfig
 from gift_compile.frameworks import fsdp2
 from gift_compile.frameworks import hsdp as gift_hsdp
 from gift_compile.frameworks.parts import Parts
-from gift_compile.frameworks.routing import ManageMode
+from gift_compile.frameworks.routing import ManageMode, linear_weight_names
 from gift_compile.frameworks.simple_fsdp import SIMPLE_FSDP
 from gift_compile.frameworks.tensor_parallel import describe_blocks
+from gift_compile.runtime.report import log_report, summarize
 
 from . import cpu_compat, hsdp, pipeline_parallel
 from .section import GiftSection
@@ -169,6 +170,9 @@ def gift_post_optimizer_build(optimizers: Any, model_parts: list[nn.Module], par
     where = ("" if stage is None else
              f" on pipeline rank {stage} ({len(model_parts)} model parts, data-parallel group of {world})")
     logger.info(f"GIFT: {len(state.layers)} weights managed{where} ({', '.join(state.layers) or 'none'})")
+    kind = fsdp2.FSDP2.kind if trainer == "fsdp2" else SIMPLE_FSDP.kind
+    state.report = summarize(state, kind, linear_weight_names(model))
+    log_report(state.report)
 
 
 def gift_config(section: GiftSection, optimizers: Any, model: Parts, group: dist.ProcessGroup | None) -> GiftConfig:

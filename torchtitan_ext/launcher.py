@@ -79,7 +79,7 @@ def build_plan(toml_path: str, overrides: Sequence[str], nproc: int | None) -> L
     if unknown:
         raise ValueError(f"{toml_path}: unknown key 'job.{unknown[0]}'; [job] knows {sorted(_JOB_KEYS)}")
 
-    overrides = list(overrides)
+    overrides = expand_recipe(table, list(overrides), toml_path)
     module, config_fn = job.get("module"), job.get("config")
     passthrough: list[str] = []
     i = 0
@@ -123,6 +123,41 @@ def build_plan(toml_path: str, overrides: Sequence[str], nproc: int | None) -> L
     return LaunchPlan(args=args, nproc=ranks)
 
 
+def expand_recipe(table: dict[str, Any], overrides: list[str], toml_path: str) -> list[str]:
+    """Replace a named recipe (`gift_compile.recipes`) by the ``[gift]`` keys it sets; returns
+    `overrides` without ``--gift.recipe``. Precedence as everywhere: a recipe in the TOML fills
+    the ``[gift]`` keys the TOML does not set; one on the command line overrides the TOML's, and
+    the other ``--gift.*`` flags beat either."""
+    from gift_compile.recipes import recipe_fields
+
+    gift = table.setdefault("gift", {})
+    if not isinstance(gift, dict):
+        raise ValueError(f"{toml_path}: [gift] must be a table")
+    name, rest, i = None, [], 0
+    while i < len(overrides):
+        flag, eq, inline = overrides[i].partition("=")
+        if flag == "--gift.recipe":
+            if not eq and i + 1 >= len(overrides):
+                raise ValueError("--gift.recipe requires a value")
+            name = inline if eq else overrides[i + 1]
+            i += 1 if eq else 2
+            continue
+        rest.append(overrides[i])
+        i += 1
+    in_toml = gift.pop("recipe", None)
+    if in_toml is not None and not isinstance(in_toml, str):
+        raise ValueError(f"{toml_path}: gift.recipe must be a string, got {in_toml!r}")
+    try:
+        if in_toml is not None:
+            for key, value in recipe_fields(in_toml).items():
+                gift.setdefault(key, value)
+        if name is not None:
+            gift.update(recipe_fields(name))
+    except ValueError as err:
+        raise ValueError(f"{toml_path if name is None else 'command line'}: {err}") from None
+    return rest
+
+
 def _validate(plan: LaunchPlan) -> None:
     """Parse the final arguments with torchtitan's ConfigManager (tyro), as every rank will."""
     from torchtitan.config import ConfigManager
@@ -153,17 +188,58 @@ def _run_in_process(plan: LaunchPlan) -> int:
     return 0
 
 
+def gift_flags_help() -> str:
+    """Every ``--gift.*`` flag with its type, default and help (the `GiftSection` field
+    docstrings tyro shows), without importing torchtitan: `gift-train --help` answers at once
+    and shows what GIFT adds, where torchtitan's own help (`--help-all`) runs to pages."""
+    import ast
+    import inspect
+    import textwrap
+    from dataclasses import MISSING, fields
+
+    from .section import GiftSection
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(GiftSection)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())  # type: ignore[attr-defined]
+    lines = ["[gift] section: --gift.<field> VALUE on the command line, <field> = VALUE under [gift] in the TOML",
+             "(booleans: --gift.<field> / --gift.no-<field>; lists: comma-separated):", ""]
+    for f in fields(GiftSection):
+        default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+        shown = ",".join(default) if isinstance(default, list) else default
+        lines.append(f"  --gift.{f.name.replace('_', '-')} {getattr(f.type, '__name__', f.type)} (default: {shown})")
+        lines.extend(textwrap.wrap(docs.get(f.name, ""), 96, initial_indent=" " * 6, subsequent_indent=" " * 6))
+    lines += ["", "Named recipes: [gift] recipe tables in configs/recipes/ (docs/torchtitan.md, start here).",
+              "torchtitan's own flags (--training.*, --parallelism.*, ...): gift-train --toml FILE --help-all"]
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Console script ``gift-train``."""
     parser = argparse.ArgumentParser(
         prog="gift-train",
         allow_abbrev=False,
+        add_help=False,
         description="Run torchtitan with GIFT from a TOML file; extra --section.key value pairs override it.",
     )
-    parser.add_argument("--toml", required=True, help="TOML file ([job] module/config + config sections)")
-    parser.add_argument("--nproc", type=int, default=None, help="number of ranks (default: job.nproc or 1)")
+    parser.add_argument("-h", "--help", action="store_true", help="this help, with every --gift.* flag")
+    parser.add_argument("--help-all", action="store_true",
+                        help="torchtitan's full help (every --section.key) for the TOML's config function")
+    parser.add_argument("--toml", help="TOML file ([job] module/config + config sections); required")
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="number of ranks (default: job.nproc or 1; the FSDP2 trainer needs 2 or more)")
     parser.add_argument("--dry-run", action="store_true", help="check and print the command, do not run it")
     known, overrides = parser.parse_known_args(argv)
+    if known.help:
+        print(parser.format_help() + "\n" + gift_flags_help(), flush=True)
+        return 0
+    if known.toml is None:
+        parser.error("the following arguments are required: --toml (gift-train --help lists the flags)")
+    if known.help_all:
+        overrides = [*overrides, "--help"]
 
     from . import cpu_compat
 

@@ -55,13 +55,14 @@ class GiftSection:
     FSDP2 ~1 min); --gift.no-fuse runs the same ops eagerly (identical numbers)."""
 
     format: str = _DEFAULTS.format
-    """Wire format: fp32, bf16, fp8_e4m3, fp8_e5m2, mxfp8, nvfp4."""
+    """Wire format: fp32, bf16, fp8_e4m3, fp8_e5m2, mxfp8, nvfp4, mxint4, int6, int4, int3, int2, ternary
+    (the frontier's fewest bits within fp32's noise: int2 + leaky error feedback under Muon, int3 under AdamW)."""
 
     scaling: str = _DEFAULTS.scaling
-    """Scale granularity for the fp8 formats: tensor, row, block."""
+    """Scale granularity for the fp8 formats: tensor, row, block (block-scaled formats ignore it)."""
 
     block_size: int = _DEFAULTS.block_size
-    """Block length for scaling=block."""
+    """Scale block length: fp8 with scaling=block (any even size); int6, int4, int3, int2, ternary: 16 or 32."""
 
     geometry: str = _DEFAULTS.geometry
     """Quantization coordinates: none, hadamard, dense, lowrank, gradient, momentum (the map from the
@@ -119,7 +120,8 @@ class GiftSection:
 
     select_metric: str = _DEFAULTS.select_metric
     """select=auto compares the paths by: euclidean | whitened (the error preconditioners see) |
-    auto (whitened under Muon/Shampoo-style optimizers, else euclidean; auto_by_optimizer is an alias)."""
+    auto (whitened under Muon/Shampoo-style optimizers, and with geometry second_moment, which auto
+    picks under Adam/AdamW: so AdamW resolves to whitened too; else euclidean; auto_by_optimizer is an alias)."""
 
     auto_min_gain: float = _DEFAULTS.auto_min_gain
     """select=auto: minimum error reduction for a layer to take the transformed path."""

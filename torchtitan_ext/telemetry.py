@@ -15,7 +15,12 @@ parameters that share their buckets), next to what the replaced collectives woul
 handed (``baseline``); ``gift/accounted_bytes_per_backward`` is the shape-based
 accounting of the same reduce-scatters (FSDP2: each module's plan as last called; graph_trainer:
 the GIFT pass's report of the step it rewrote), which the counted figure must equal. Collectives GIFT does not touch (buckets without a managed weight) are
-not counted. Under HSDP those figures are the shard hop's (the reduce-scatter), and the
+not counted in those two; ``gift/untouched_bytes_per_step`` is what they handed over (graph_trainer's
+buckets without a managed weight: embedding, head; 0 on FSDP2, whose every parameter group is
+GIFT's), and ``gift/compression`` is the whole gradient's: fp32 bytes of every gradient
+collective of the step over the bytes they all handed over (`whole_gradient`), the same
+definition on both trainers and in `GiftState.comm_totals()`'s ratio on FSDP2, DDP and plain
+modules. Under HSDP those figures are the shard hop's (the reduce-scatter), and the
 ``gift/replica_*`` keys (:func:`.hsdp.replica_metrics`) are the replica hop's. With expert
 parallelism the routed experts' reduce-scatters over their efsdp mesh go on GIFT's codec with
 no map, inside those figures (FSDP2: `gift_compile.frameworks.fsdp2.EuclideanReduceScatter`;
@@ -60,7 +65,6 @@ def gift_metrics(state: GiftState, last: dict[str, Any]) -> dict[str, float]:
         "gift/selected_layers": float(sum(layer.selected for layer in state.layers.values())),
         "gift/wire_bytes_per_step": delta["wire"] / steps,
         "gift/baseline_bytes_per_step": delta["baseline"] / steps,
-        "gift/compression": delta["baseline"] / delta["wire"] if delta["wire"] else float("nan"),
         "gift/collectives_per_step": delta["calls"] / steps,
         "gift/plan_version": float(state.plan_version),
         "gift/selection_changes": float(state.selection_changes),
@@ -154,6 +158,7 @@ class GiftMetricsProcessor(MetricsProcessor):
                 accounted = _graph_accounted_bytes()
             if accounted is not None:  # what the wire counter should grow by per backward
                 gift["gift/accounted_bytes_per_backward"] = float(accounted)
+            gift.update(whole_gradient(gift, _graph_untouched_bytes()))
             # expert parallelism on the FSDP2 trainer: the routed experts' round-trip error at their format
             experts = {k: v for k, v in fsdp2.euclidean_errors(self.model_parts).items() if math.isfinite(v)}
             if experts:
@@ -175,6 +180,31 @@ class GiftMetricsProcessor(MetricsProcessor):
     def log_validation(self, loss: float, step: int, extra_metrics: dict[str, Any] | None = None) -> None:
         super().log_validation(loss, step, extra_metrics=extra_metrics)
         self._write({"step": step, "validation_loss": loss, **(extra_metrics or {})})
+
+
+def whole_gradient(gift: dict[str, float], untouched: tuple[int, int] | None) -> dict[str, float]:
+    """``gift/compression``, the one definition on both trainers: the whole gradient's bytes in
+    fp32 over the bytes every gradient collective of the step handed over, GIFT's and those left
+    as they were. FSDP2 puts every parameter group on GIFT's reduce-scatter (nothing is left);
+    graph_trainer leaves the buckets without a managed weight (embedding, head) as traced, so
+    `untouched` = (their bytes per run of the step's graph, GIFT collectives per run), and the
+    runs per step are GIFT's collectives per step over the latter. Also
+    ``gift/untouched_bytes_per_step``: what those collectives handed over."""
+    per_step = 0.0
+    if untouched is not None and untouched[1]:
+        per_step = untouched[0] * gift["gift/collectives_per_step"] / untouched[1]
+    wire = gift["gift/wire_bytes_per_step"] + per_step
+    return {"gift/untouched_bytes_per_step": per_step,
+            "gift/compression": (gift["gift/baseline_bytes_per_step"] + per_step) / wire if wire else float("nan")}
+
+
+def _graph_untouched_bytes() -> tuple[int, int] | None:
+    """graph_trainer: (bytes of the data-parallel gradient collectives the GIFT pass left as
+    they were, GIFT collectives) per run of the last graph it rewrote; None without one."""
+    from gift_compile.passes import last_reports
+
+    report = next((r for r in reversed(last_reports()) if r.rewritten), None)
+    return None if report is None else (report.untouched_bytes, len(report.rewritten))
 
 
 def _graph_accounted_bytes() -> int | None:

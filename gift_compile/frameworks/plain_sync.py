@@ -183,6 +183,7 @@ class _PlainAdapter:
         else:
             state = manage(model, config, group, mode=ManageMode.SYNC)
             state.handles.extend(PlainSync(model, state, group).install())
+            state.handles.append(model.register_forward_pre_hook(_refuse_outer_data_parallel))
             state.handles.extend(state.weight(n).register_post_accumulate_grad_hook(lambda _: queue_backward_check(state))
                                  for n in state.layers)
         attach(state, self.name, None)
@@ -200,6 +201,42 @@ class _PlainAdapter:
     def telemetry(self, state: GiftState) -> dict[str, float]:
         """Nothing beyond the state's counters (`plain_calls` counts `PlainSync`'s all-reduces)."""
         return {}
+
+
+def wrapped_after_apply(model: nn.Module) -> str | None:
+    """The data-parallel wrapper put around `model` after GIFT synchronises it itself, or None.
+
+    `apply` on a plain module makes GIFT the model's gradient sync; a `fully_shard` or a
+    `DistributedDataParallel` added afterwards brings the framework's own fp32 reduction, so
+    every gradient would travel twice (GIFT's codes, then FSDP2's reduce-scatter or DDP's
+    bucket all-reduce) while `comm_totals()` still reports compression. FSDP2 shows as an
+    `FSDPModule` class on the model or a managed linear, or DTensor weights (a parent sharded
+    without the root); DDP as the module its forward is running (`_get_active_ddp_module`,
+    set around the wrapped module's call, also when that call is compiled)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    state: GiftState = model._gift_state
+    if isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) or isinstance(m._parameters["weight"], DTensor)
+                                            for m in state.modules.values()):
+        return "fully_shard (FSDP2)"
+    if nn.parallel.DistributedDataParallel._get_active_ddp_module() is not None:
+        return "DistributedDataParallel"
+    return None
+
+
+def _refuse_outer_data_parallel(model: nn.Module, args: Any) -> None:
+    """Forward pre-hook of a model GIFT synchronises itself: raise, on every rank (each wrapped
+    its model the same way) and before any gradient moves, when a data-parallel wrapper was put
+    around it after `apply` (`wrapped_after_apply`)."""
+    wrapper = wrapped_after_apply(model)
+    if wrapper is not None:
+        first = "fully_shard(...) the model" if wrapper.startswith("fully_shard") else \
+            "model = DistributedDataParallel(model)"
+        raise RuntimeError(
+            f"gift_compile: {wrapper} was applied after gift_compile.apply, so every gradient would be sent twice "
+            f"(GIFT's codes, then {wrapper}'s own fp32 reduction); wrap first, then apply: {first}, then "
+            "gift_compile.apply(model, ...) (gift_compile.remove undoes this apply)")
 
 
 @contextmanager

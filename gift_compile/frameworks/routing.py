@@ -150,6 +150,13 @@ def _unmanage_module(module: nn.Module) -> None:
         module.__dict__.pop(attr, None)
 
 
+def linear_weight_names(model: Parts) -> list[str]:
+    """The FQN of every `nn.Linear` (subclass) weight in `model`'s parts, named as `manage`
+    names them: what the apply report lists as managed or left at full precision."""
+    return [f"{fqn}.weight" if fqn else "weight" for part in model_parts(model) for fqn, m in part.named_modules()
+            if isinstance(m, nn.Linear) and m._parameters.get("weight") is not None]
+
+
 def eligible_linears(model: Parts, world: int, *, min_numel: int, excluded: Callable[[str], bool], split_rows: bool,
                      group: dist.ProcessGroup | None = None) -> Iterator[tuple[str, nn.Module]]:
     """`(fqn of the weight, module)` of every linear GIFT manages in `model` (each of its parts).

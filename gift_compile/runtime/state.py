@@ -118,7 +118,7 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
     __slots__ = ("config", "group", "collective", "layers", "seed", "rank", "counters", "steps", "history",
                  "grad_source", "_health_seen", "modules", "handles", "active", "sync_mode", "dirty_params",
                  "plan_version", "selection_changes", "_sharing_checked", "adapters", "hop_counters", "backward_watch",
-                 "geometry", "layer_spec", "health_group", "pending_faults", "outside", "substates", "blocks")
+                 "geometry", "layer_spec", "health_group", "pending_faults", "outside", "substates", "blocks", "report")
 
     def __init__(self, config: GiftConfig, group: dist.ProcessGroup | None,
                  collective: Collective | str = Collective.ALL_REDUCE):
@@ -148,6 +148,8 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         # unmanaged parameters whose `.grad` holds unsynchronised local contributions.
         self.sync_mode = SyncMode.SYNC
         self.dirty_params: set[int] = set()
+        # What `apply` installed (`gift_compile.runtime.report.ApplyReport`), set once it has.
+        self.report: Any = None
         # Bumped whenever what traced graphs carry changes (which layers feed their own
         # statistics, at the first refresh): graphs with the old structure must be retraced
         # (dynamo does it through its guards; the torchtitan graph_trainer hook by dropping its

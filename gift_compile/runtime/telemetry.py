@@ -71,7 +71,10 @@ class Telemetry:
         full-precision sync of unmanaged parameters where GIFT does that sync), `baseline`
         (bytes the replaced collectives would have been handed), `calls`, `nonfinite`,
         `mismatch`, and `plain_calls` (bucket collectives of the full-precision sync of unmanaged
-        parameters, `gift_compile.frameworks.plain_sync`; not in `calls`)."""
+        parameters, `gift_compile.frameworks.plain_sync`; not in `calls`). `baseline / wire` is the
+        whole gradient's compression on plain modules, DDP and FSDP2, where every gradient goes
+        through these counters; on a traced SimpleFSDP graph the reduce-scatters the pass left
+        alone are its report's `untouched_bytes`, which torchtitan's telemetry adds to both."""
         c = self.counters.tolist()
         return {"wire": c[C_WIRE], "baseline": c[C_BASELINE], "calls": c[C_CALLS], "nonfinite": c[C_NONFINITE],
                 "mismatch": c[C_MISMATCH], "plain_calls": c[C_PLAIN_CALLS]}

@@ -1,0 +1,65 @@
+"""Named GIFT recipes: the configurations the frontier measured, by optimizer and bit width.
+
+A new user should not have to read the frontier to pick a format, a block size and an error
+feedback that go together; a recipe names one such choice (torchao's named configs are the
+model). Each is a `GiftConfig` field set plus the optimizer family it was measured under (the
+map of `geometry="auto"` follows the optimizer, so a Muon recipe under AdamW gets AdamW's map,
+not the measured one). The same names work in Python and in a torchtitan TOML::
+
+    gift_compile.apply(model, gift_compile.recipes.recipe("muon-int2-leaky-ef"), optimizer=[muon, adamw])
+
+    [gift]
+    recipe = "adamw-int3"        # gift-train expands it; keys set next to it (and --gift.* flags) win
+
+Where the numbers come from (the frontier, docs/benchmarks.md#the-frontier; the README's
+"How few bits stay within fp32's noise"): `muon-int2-leaky-ef` and `adamw-int3` are the fewest
+bits per managed element whose loss gap stayed inside fp32's own run-to-run 95% CI under each
+optimizer (2-rank reduce-scatter, 120 steps); `muon-nvfp4` is the headline's first row, where
+the map closed 40-43% of plain NVFP4's gap on both paths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import MappingProxyType
+from typing import Any
+
+from gift_compile.config import GiftConfig
+
+__all__ = ["RECIPES", "Recipe", "recipe", "recipe_fields"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """One named configuration: the `GiftConfig` fields it sets and what it was measured under."""
+
+    optimizer: str
+    """The optimizer family the frontier measured it under ("muon" or "adamw")."""
+    fields: MappingProxyType[str, Any]
+    """`GiftConfig` keyword arguments (TOML-typed values: str, int, float, bool)."""
+    why: str
+
+
+RECIPES: MappingProxyType[str, Recipe] = MappingProxyType({
+    "muon-nvfp4": Recipe("muon", MappingProxyType({"format": "nvfp4", "geometry": "auto"}),
+                         "NVFP4 with the K-FAC map Muon's auto picks: 40-43% of plain NVFP4's loss gap closed"),
+    "muon-int2-leaky-ef": Recipe(
+        "muon", MappingProxyType({"format": "int2", "block_size": 16, "geometry": "auto", "error_feedback": True,
+                                  "error_feedback_decay": 0.9}),
+        "2.5 bits per managed element within fp32's noise under Muon (the frontier's fewest)"),
+    "adamw-int3": Recipe("adamw", MappingProxyType({"format": "int3", "block_size": 32, "geometry": "auto"}),
+                         "3.25 bits per managed element within fp32's noise under AdamW (the frontier's fewest)"),
+})
+"""Every recipe by name."""
+
+
+def recipe_fields(name: str) -> dict[str, Any]:
+    """The `GiftConfig` fields recipe `name` sets (raises naming the known recipes)."""
+    if name not in RECIPES:
+        raise ValueError(f"GIFT: no recipe named {name!r}; known: {', '.join(RECIPES)}")
+    return dict(RECIPES[name].fields)
+
+
+def recipe(name: str, **overrides: Any) -> GiftConfig:
+    """The `GiftConfig` of recipe `name`, with `overrides` (any `GiftConfig` field) on top."""
+    return GiftConfig(**{**recipe_fields(name), **overrides})

@@ -1,0 +1,117 @@
+"""What one `apply` did, said once: `ApplyReport` and `summarize`.
+
+A GIFT that manages nothing, maps nothing or ignores a glob behaves exactly like plain low-bit
+or fp32 communication: training runs, and nothing shows that the config did not do what its
+author meant. So `apply` (and the torchtitan hook) build this report from the state it
+installed and the model's linear weights, keep it on the state (`gift_compile.report(model)`)
+and log it at WARNING on rank 0: the adapter, the format, the geometry and metric as "auto"
+resolved them, the layers managed and selected, the linear weights left at full precision, and
+every glob (`select`, `exclude`, `layer_formats`) that matched no weight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import logging
+
+import torch.distributed as dist
+
+from gift_compile.config import GiftConfig, SelectRule
+from gift_compile.runtime.state import GiftState
+
+__all__ = ["ApplyReport", "log_report", "summarize", "unmatched_globs"]
+
+logger = logging.getLogger("gift_compile")
+
+
+@dataclasses.dataclass(frozen=True)
+class ApplyReport:
+    """What `apply` installed on one rank's model (identical on every rank of the group)."""
+
+    path: str
+    """How the managed gradients travel (the adapter's `kind`)."""
+    world: int
+    format: str
+    geometry: str
+    """As resolved: never "auto"."""
+    select: str
+    select_metric: str
+    managed: tuple[str, ...]
+    selected: tuple[str, ...] | None
+    """The layers taking the mapped path, or None while a measured selection is open (decided at
+    the first refresh, `first_refresh`)."""
+    first_refresh: int
+    full_precision: tuple[str, ...]
+    """Linear weights GIFT does not manage (excluded, under `min_numel`, rows that do not split)."""
+    unmatched: tuple[str, ...]
+    """`"<field>: <glob>"` for each glob that matched no weight."""
+
+    def lines(self) -> list[str]:
+        """The report as the log prints it."""
+        out = [f"GIFT applied ({self.path}, {self.world} ranks): format={self.format}, geometry={self.geometry}, "
+               f"select={self.select}, select_metric={self.select_metric}",
+               f"  managed ({len(self.managed)}): {_names(self.managed)}"]
+        if not self.managed:
+            out.append("  NOTHING IS MANAGED: every gradient travels at full precision (no eligible nn.Linear "
+                       "weight: see min_numel and exclude)")
+        if self.selected is None:
+            out.append(f"  mapped: decided by the measured selection at the first refresh (optimizer step "
+                       f"{self.first_refresh}); until then every managed layer is plain low-bit")
+        else:
+            out.append(f"  mapped ({len(self.selected)} of {len(self.managed)}): {_names(self.selected)}")
+        if self.full_precision:
+            out.append(f"  linear weights at full precision ({len(self.full_precision)}): "
+                       f"{_names(self.full_precision)}")
+        out.extend(f"  {entry} matched no weight" for entry in self.unmatched)
+        return out
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+
+def _names(names: tuple[str, ...], shown: int = 8) -> str:
+    if not names:
+        return "none"
+    more = f", ... ({len(names) - shown} more)" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
+def unmatched_globs(config: GiftConfig, managed: list[str], linear_weights: list[str]) -> list[str]:
+    """`"<field>: <glob>"` of each glob of `config` that matches none of the names it is meant
+    for: `select` and `layer_formats` globs against the managed layers, `exclude` globs against
+    every linear weight of the model (what they are matched against at `manage`; the default
+    `exclude` globs are left out: they name what a model may have)."""
+    out = []
+    defaults = GiftConfig.__dataclass_fields__["exclude"].default
+    if isinstance(config.select, tuple):
+        out += [f"select: {g!r}" for g in config.select if not any(fnmatch.fnmatch(n, g) for n in managed)]
+    out += [f"exclude: {g!r}" for g in config.exclude
+            if g not in defaults and not any(fnmatch.fnmatch(n, g) for n in linear_weights)]
+    for entry in config.layer_formats:
+        glob = entry.partition("=")[0]
+        if not any(fnmatch.fnmatch(n, glob) for n in managed):
+            out.append(f"layer_formats: {entry!r}")
+    return out
+
+
+def summarize(state: GiftState, path: str, linear_weights: list[str]) -> ApplyReport:
+    """The report of `state`, which manages some of `linear_weights` (every `nn.Linear` weight
+    FQN of the model, as `manage` names them) and sends them as `path` says."""
+    config = state.config
+    managed = tuple(state.layers)
+    decided = all(layer.decided for layer in state.layers.values())
+    selected = tuple(n for n, layer in state.layers.items() if layer.selected) if decided else None
+    first = next(s for s in range(1, 10 * config.refresh_every + 2) if config.refresh_due(s))
+    select = config.select if isinstance(config.select, (SelectRule, str)) else ",".join(config.select)
+    return ApplyReport(
+        path=path, world=state.world(), format=config.format, geometry=config.geometry, select=str(select),
+        select_metric=str(config.select_metric), managed=managed, selected=selected, first_refresh=first,
+        full_precision=tuple(n for n in linear_weights if n not in state.layers),
+        unmatched=tuple(unmatched_globs(config, list(managed), linear_weights)))
+
+
+def log_report(report: ApplyReport) -> None:
+    """The report at WARNING on the job's rank 0 (every rank holds the same one)."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0:
+        logger.warning("%s", report)
