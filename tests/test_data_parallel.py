@@ -259,3 +259,51 @@ def test_marked_gradient_without_the_pass_raises_unless_allowed():
     raised = run_ranks(_unrewritten_body, 2, "error")[0]
     assert "reached gift::mark without the GIFT pass" in raised, raised
     assert run_ranks(_unrewritten_body, 2, "warn")[0].startswith("ok")
+
+
+class TiedLM(nn.Module):
+    """An embedding declared before its tied decoder (the issue's layout)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(96, 64)
+        self.fc = nn.Linear(64, 64)
+        self.decoder = nn.Linear(64, 96, bias=False)
+        self.decoder.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.decoder(torch.relu(self.fc(self.embed(tokens))))
+
+
+def _tied_body(rank: int, world: int, path: str) -> dict:
+    model, ref = TiedLM(), TiedLM()
+    if path == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model.fc)
+        fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    gift_compile.apply(model, GiftConfig(**CFG), optimizer=opt, fuse=False)
+    tokens = torch.randint(0, 96, (16, 8), generator=torch.Generator().manual_seed(rank))
+    out: dict = {"managed": sorted(gift_compile.state(model).layers)}
+    try:
+        model(tokens).pow(2).mean().backward()
+        out["raised"] = ""
+    except RuntimeError as e:
+        out["raised"] = str(e)
+        return out
+    exact = _exact_grads(ref, [tokens], world, average=True)
+    g = model.embed.weight.grad
+    out["rel_tied"] = _rel(g.full_tensor() if path == "fsdp2" else g, exact["embed.weight"])
+    return out
+
+
+@pytest.mark.parametrize("path", ["plain", "fsdp2"])
+def test_a_tied_weight_is_not_managed_and_synchronised_exactly(path):
+    """Issue 49 case 3: before, FSDP2 listed the tied decoder.weight as managed while its gradient
+    went at fp32 (plain modules raised GiftReplicaError); now it is left unmanaged, logged, and
+    synchronised at full precision on both paths."""
+    for r in run_ranks(_tied_body, 2, path, timeout=120):
+        assert r["managed"] == ["fc.weight"] and r["raised"] == "", r
+        assert r["rel_tied"] < 1e-5, r

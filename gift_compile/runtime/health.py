@@ -116,17 +116,17 @@ def queue_backward_check(state: GiftState) -> None:
 
 
 def end_of_backward(state: GiftState) -> None:
-    """The checks of a completed backward, after the end-of-backward collectives queued in
-    `BackwardWatch.flushes`: the health counters (a non-finite gradient or a
+    """The checks of a completed backward, after the end-of-backward collectives of a
+    synchronising one (`BackwardWatch.flushes`): the health counters (a non-finite gradient or a
     plan mismatch on any rank raises on every rank), the replica check of GIFT's own sync
     (skipped while `no_sync` accumulates local gradients on purpose), and a warning, once,
     when the state has not advanced for more than a refresh interval of optimizer steps."""
     watch = state.backward_watch
     watch.queued = False
-    flushes, watch.flushes = watch.flushes, []
-    for flush in flushes:
-        flush()
     syncing = state.sync_mode is SyncMode.SYNC
+    if syncing:
+        for flush in watch.flushes:
+            flush()
     # an optimizer step changes the managed weights in place (their version counters): one
     # between two backward passes that `GiftState.step` did not follow is a step the state
     # missed (micro-batches and pipeline stages of one step change no weight)
