@@ -17,8 +17,15 @@ end, when every gradient has arrived (DDP's reducer with a single bucket). So:
 
 A parameter that received a gradient on no rank keeps `.grad` unset; one that received it on
 some rank only gets the synchronised sum on every rank (an arrival flag travels in the
-bucket), so replicas stay identical. Every rank must run the same number of synchronising
-backward passes that reach unmanaged parameters (as with DDP).
+bucket), so replicas stay identical. The flush runs at the end of every synchronising backward
+that reaches GIFT (a managed or an unmanaged parameter's gradient), so every rank must run the
+same number of those (as with DDP).
+
+The bucket is not frozen at `apply`: a parameter frozen then and unfrozen later, a layer added
+later, or parameters replaced by `load_state_dict(assign=True)` are found at the next flush
+(each rank's layout-changed flag rides in the same all-reduce) and synchronised from that
+backward on (`PlainSync._relayout`, logged). `torch.autograd.grad` on an unmanaged parameter
+is refused: its synchronised value only exists at the end of the backward, in `.grad`.
 
 Accumulation: a synchronising backward routes each incoming gradient into its slot and lets
 autograd accumulate zeros, then adds the synchronised value to `.grad`, so gradients summed
