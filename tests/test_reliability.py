@@ -615,3 +615,26 @@ def test_configs_that_lose_precision_or_save_nothing_say_so():
         assert len(r["block_warned"]) == 1 and "fc1.weight" in r["block_warned"][0], r
         assert r["one_rank_calls"] == 0, r
         assert "already advances" in r["double_step"] and r["steps"] == 1, r
+
+
+def _edited_grad_body(rank: int, world: int) -> str:
+    model = NormNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    gift_compile.apply(model, GiftConfig(**CFG), optimizer=opt, fuse=False)
+    def nudge(p: torch.Tensor) -> None:
+        p.grad.add_(1e-3)
+
+    if rank == 1:  # a rank-dependent edit of an unmanaged gradient inside the backward
+        model.norm.bias.register_post_accumulate_grad_hook(nudge)
+    try:
+        model(_batch(0, rank)).pow(2).mean().backward()
+        return "silent"
+    except RuntimeError as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def test_the_replica_check_covers_the_parameters_synchronised_at_full_precision():
+    """Issue 49 case 1 (the replica check): before, it compared the managed weights only, and an
+    unmanaged gradient edited on one rank diverged silently."""
+    for r in run_ranks(_edited_grad_body, 2, timeout=FAST):
+        assert r.startswith("GiftReplicaError") and "norm.bias (rank(s) [1]" in r, r

@@ -99,6 +99,7 @@ class PlainSync:
         arrival flag per parameter, then per rank a non-finite flag and a layout-changed flag
         (each rank sets its own; the sum names them)."""
         self.params, self.watched = params, watched
+        self.state.backward_watch.synced_params = list(params)  # the replica check compares them too
         self.index = {id(p): i for i, (_, p) in enumerate(params)}
         self.key = tuple(id(p) for _, p in params) + (-1,) + tuple(id(w) for w in watched)
         items = [ItemPlan.passthrough(n, p.numel(), p.dtype) for n, p in params]
@@ -132,6 +133,7 @@ class PlainSync:
         if self.flush in self.state.backward_watch.flushes:
             self.state.backward_watch.flushes.remove(self.flush)
         self._loaded.remove()
+        self.state.backward_watch.synced_params = []
         for handles in self._hooks.values():
             for h in handles:
                 h.remove()

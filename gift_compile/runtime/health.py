@@ -79,25 +79,36 @@ def synced_layers(state: GiftState) -> list[str]:
 @torch.no_grad()
 def check_replicas(state: GiftState) -> None:
     """Raise `GiftReplicaError` on every rank unless every rank holds bit-identical
-    gradients for each managed weight of GIFT's own sync (one small all-reduce)."""
-    names = synced_layers(state)
+    gradients for each managed weight of GIFT's own sync and each parameter its fp32 bucket
+    synchronises (`BackwardWatch.synced_params`; one small all-reduce)."""
+    layers = synced_layers(state)
+    names = [*layers, *(n for n, _ in state.backward_watch.synced_params)]
     world = state.world()
     if not names or world <= 1:
         return
     device = state.counters.device  # where the group's collectives run
-    mine = torch.stack([grad_checksum(state.modules[n]._parameters["weight"].grad, device) for n in names])
+    grads = [state.modules[n]._parameters["weight"].grad for n in layers]
+    grads += [p.grad for _, p in state.backward_watch.synced_params]
+    mine = torch.stack([grad_checksum(g, device) for g in grads])
     table = torch.zeros(world, *mine.shape, dtype=torch.int64, device=device)
     table[group_rank(state.group)] = mine
     table = all_reduce_(table, state.group).cpu()
     differ = [(n, [r for r in range(world) if not torch.equal(table[r, i], table[0, i])])
               for i, n in enumerate(names) if not (table[:, i] == table[0, i]).all()]
-    if differ:
+    if any(n in layers for n, _ in differ):
         listed = "; ".join(f"{n} (rank(s) {ranks} differ from rank 0)" for n, ranks in differ)
         raise GiftReplicaError(
             f"GIFT: the gradients of {len(differ)} managed weight(s) differ between replicas before the optimizer "
             f"step: {listed}. Their gradient reached .grad without GIFT's sync: the weight is read directly "
             "(e.g. F.linear(x, module.weight)) instead of by calling its module. Call the module, or exclude the "
             "weight from GIFT (GiftConfig(exclude=...)) so it is synchronised at full precision."
+        )
+    if differ:
+        listed = "; ".join(f"{n} (rank(s) {ranks} differ from rank 0)" for n, ranks in differ)
+        raise GiftReplicaError(
+            f"GIFT: the gradients of {len(differ)} parameter(s) synchronised at full precision differ between "
+            f"replicas before the optimizer step: {listed}. Something on those ranks wrote into .grad besides "
+            "GIFT's sync (a gradient hook, a rank-dependent edit of .grad during the backward)."
         )
 
 

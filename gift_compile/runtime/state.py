@@ -61,6 +61,9 @@ class BackwardWatch:
     # (`gift_compile.frameworks.plain_sync`'s flush, registered once), run by the same callback
     # before the checks read the counters they fill
     flushes: list[Callable[[], None]] = field(default_factory=list)
+    # the other parameters GIFT's own sync synchronises, `(name, parameter)`, whose gradients
+    # the replica check compares as well (`gift_compile.frameworks.plain_sync` keeps the list)
+    synced_params: list[tuple[str, torch.Tensor]] = field(default_factory=list)
 
 
 def layer_spec(config: GiftConfig, geometry: type[Geometry]) -> LayerSpec:
