@@ -29,8 +29,9 @@ layer's forward routes the weight through. Code that reads the weight directly
 puts a gradient into `.grad` that no collective saw, and the replicas drift apart without an
 error. After a correct sync every rank holds bit-identical gradients (every rank decodes the
 same bytes), so GIFT checks exactly that at the end of each synchronising backward: a 64-bit checksum of each
-managed weight's gradient bits, summed into one small table over the group, compared on every
-rank. A difference raises `GiftReplicaError` on every rank, naming the weights and ranks,
+managed weight's gradient bits, and of each parameter the fp32 bucket synchronised
+(`BackwardWatch.synced_params`: a rank-dependent edit of such a `.grad` shows the same way),
+summed into one small table over the group, compared on every rank. A difference raises `GiftReplicaError` on every rank, naming the weights and ranks,
 before the optimizer changes anything (and before `zero_grad` could hide it). The fix is to call the module (`self.fc2(h)`), or to
 take the weight off GIFT's path with `GiftConfig(exclude=("*fc2*",))`: unmanaged parameters
 are synchronised by `gift_compile.frameworks.plain_sync`, which hooks the parameter itself and so sees
