@@ -638,3 +638,30 @@ def test_the_replica_check_covers_the_parameters_synchronised_at_full_precision(
     unmanaged gradient edited on one rank diverged silently."""
     for r in run_ranks(_edited_grad_body, 2, timeout=FAST):
         assert r.startswith("GiftReplicaError") and "norm.bias (rank(s) [1]" in r, r
+
+
+def _tiny_gradient_map_body(rank: int, world: int) -> dict:
+    maps = {}
+    for scale in (1.0, 1e-20):
+        model = NormNet()
+        config = GiftConfig(**{**CFG, "geometry": "gradient", "refresh_every": 1, "refresh_warmup": 0})
+        gift_compile.apply(model, config, fuse=False)
+        model(_batch(0, rank)).pow(2).mean().mul(scale).backward()
+        gift_compile.step(model)  # the refresh: the map from the reduced gradient
+        st = gift_compile.state(model)
+        maps[scale] = {n: [t.clone() for t in l.transform.tensors] for n, l in st.layers.items()}
+    from gift_compile.geometry import apply_forward
+
+    out = {}
+    for name, tensors in maps[1.0].items():
+        x = torch.randn(32, tensors[0].shape[0], generator=torch.Generator().manual_seed(3))
+        a, b = apply_forward("lowrank", x, tensors), apply_forward("lowrank", x, maps[1e-20][name])
+        out[name] = _rel(b / b.norm(), a / a.norm())  # what each map does, up to a constant factor
+    return out
+
+
+def test_a_gradient_map_is_the_same_at_gradient_scale_1e_20():
+    """Issue 49 case 6: before, `geometry="gradient"` at gradient scale 1e-20 built its factor as
+    fp32 zeros, so the map was a multiple of the identity while the layer stayed selected."""
+    for r in run_ranks(_tiny_gradient_map_body, 2, timeout=FAST):
+        assert max(r.values()) < 0.05, r
