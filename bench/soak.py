@@ -77,9 +77,9 @@ def _slope(xs: list[float], ys: list[float]) -> float:
 
 def _plain_bytes(model: nn.Module, managed: set[int], world: int) -> int:
     """Bytes of the plain path's one fp32 all-reduce per backward (gradients, an arrival flag
-    per parameter, a non-finite flag per rank)."""
+    per parameter, a non-finite and a layout-changed flag per rank)."""
     others = [p for p in model.parameters() if id(p) not in managed]
-    return 4 * (sum(p.numel() for p in others) + len(others) + world)
+    return 4 * (sum(p.numel() for p in others) + len(others) + 2 * world)
 
 
 def _worker(rank: int, world: int, store: str, args: argparse.Namespace, ckpt_dir: str, out: str) -> None:

@@ -40,7 +40,7 @@ from gift_compile.exchange.plan import dtype_name
 from gift_compile.frameworks import table
 from gift_compile.frameworks.parts import Parts
 from gift_compile.frameworks.routing import (_unmanage_module, eligible_linears, linear_weight_names,  # noqa: F401
-                                             manage)
+                                             manage, unmanage)
 from gift_compile.geometry.optimizer_maps import leaf_optimizers
 from gift_compile.geometry.optimizers import geometry_for, select_metric_for
 from gift_compile.geometry.table import Geometry, geometry_class
@@ -91,13 +91,17 @@ def apply(model: nn.Module, config: GiftConfig | None = None, *, group: dist.Pro
         raise ValueError(f"gift_compile.apply: model already has GIFT with a different config ({diff}: applied vs "
                          "requested); call gift_compile.remove first")
     _refuse_unsupported_dtypes(model)
-    state = adapter.install(model, config, group, fuse=fuse)
-    if adapter.name not in state.adapters or getattr(model, "_gift_state", None) is not state:
-        raise RuntimeError(f"gift_compile.apply: the {adapter.name!r} adapter's install did not attach itself to the "
-                           "state it returned and set it as model._gift_state (gift_compile.frameworks.adapter)")
-    if optimizer is not None:
-        attach_optimizer(state, optimizer)
-    else:
+    try:  # all or nothing: a failure leaves the model as it was, so apply can be called again
+        state = adapter.install(model, config, group, fuse=fuse)
+        if adapter.name not in state.adapters or getattr(model, "_gift_state", None) is not state:
+            raise RuntimeError(f"gift_compile.apply: the {adapter.name!r} adapter's install did not attach itself to "
+                               "the state it returned and set it as model._gift_state (gift_compile.frameworks.adapter)")
+        if optimizer is not None:
+            attach_optimizer(state, optimizer)
+    except BaseException:
+        _undo_apply(model)
+        raise
+    if optimizer is None:
         logger.warning("gift_compile.apply: no optimizer given; call gift_compile.step(model) after every optimizer "
                        "step, or GIFT's geometry never refreshes (the fault checks run at the end of each backward)")
     hold_inductor_pass(model)  # installed while a model with GIFT applied is alive (see passes.inductor)
@@ -125,6 +129,15 @@ def check_optimizer(optimizer: Any) -> None:
         if len({id(o) for o in optimizer}) != len(optimizer):
             raise ValueError("gift_compile.apply: optimizer=[...] names the same optimizer twice")
     leaf_optimizers(optimizer)  # raises naming the type when it is no optimizer
+
+
+def _undo_apply(model: nn.Module) -> None:
+    """Take out what a failed `apply` installed: `remove` for a state already set on the model,
+    else (a failure inside `manage`, which undoes itself) any managed class left behind."""
+    if getattr(model, "_gift_state", None) is not None:
+        remove(model)
+    for mod in model.modules():
+        _unmanage_module(mod)
 
 
 def resolve_auto(config: GiftConfig, optimizer: Any | None, weights: list[torch.Tensor]) -> GiftConfig:
@@ -208,6 +221,7 @@ def attach_optimizer(state: GiftState, optimizer: torch.optim.Optimizer | Sequen
     record, and this pre-hook raises on all of them in the same step, before any weight changes
     (`gift_compile.runtime.health.check_health_group`)."""
     state.health_group = health_group
+    state.stepped_by_optimizer = True
 
     def before(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         check_health_group(state)  # first: a collective every rank of the group takes part in
@@ -256,6 +270,9 @@ def step(model: nn.Module) -> None:
     """Advance GIFT's state by one optimizer step (call after `optimizer.step()` when `apply`
     got no optimizer). The fault checks have already run at the end of the backward."""
     st = state(model)
+    if st.stepped_by_optimizer:
+        raise RuntimeError("gift_compile.step: apply got optimizer=, whose step already advances GIFT's state; a "
+                           "second advance per step would run refreshes and seeds twice as often. Drop this call")
     st.check_pending()
     st.step()
 
@@ -285,12 +302,7 @@ def remove(model: nn.Module) -> nn.Module:
     st: GiftState | None = getattr(model, "_gift_state", None)
     if st is None:
         return model
-    for mod in model.modules():
-        _unmanage_module(mod)
-    for h in st.handles:
-        h.remove()
-    st.handles.clear()
-    st.active = False
+    unmanage(model, st)
     for mod in model.modules():
         mod.__dict__.pop("_gift_state", None)
     for adapter in table.installed(st):

@@ -350,3 +350,51 @@ def _api_script_body(rank: int, world: int, framework: str) -> dict:
 def test_the_documented_fsdp2_and_ddp_script_runs_and_compresses(framework):
     a, b = run_ranks(_api_script_body, 2, framework)
     assert a == b and a["calls"] > 0 and a["baseline"] > 2 * a["wire"] > 0, a  # int3 codes, counted at run time
+
+
+class TiedLM(nn.Module):
+    """An embedding declared before its tied decoder (the issue's layout)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(96, 64)
+        self.fc = nn.Linear(64, 64)
+        self.decoder = nn.Linear(64, 96, bias=False)
+        self.decoder.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.decoder(torch.relu(self.fc(self.embed(tokens))))
+
+
+def _tied_body(rank: int, world: int, path: str) -> dict:
+    model, ref = TiedLM(), TiedLM()
+    if path == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model.fc)
+        fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    gift_compile.apply(model, GiftConfig(**CFG), optimizer=opt, fuse=False)
+    tokens = torch.randint(0, 96, (16, 8), generator=torch.Generator().manual_seed(rank))
+    out: dict = {"managed": sorted(gift_compile.state(model).layers)}
+    try:
+        model(tokens).pow(2).mean().backward()
+        out["raised"] = ""
+    except RuntimeError as e:
+        out["raised"] = str(e)
+        return out
+    exact = _exact_grads(ref, [tokens], world, average=True)
+    g = model.embed.weight.grad
+    out["rel_tied"] = _rel(g.full_tensor() if path == "fsdp2" else g, exact["embed.weight"])
+    return out
+
+
+@pytest.mark.parametrize("path", ["plain", "fsdp2"])
+def test_a_tied_weight_is_not_managed_and_synchronised_exactly(path):
+    """Issue 49 case 3: before, FSDP2 listed the tied decoder.weight as managed while its gradient
+    went at fp32 (plain modules raised GiftReplicaError); now it is left unmanaged, logged, and
+    synchronised at full precision on both paths."""
+    for r in run_ranks(_tied_body, 2, path, timeout=120):
+        assert r["managed"] == ["fc.weight"] and r["raised"] == "", r
+        assert r["rel_tied"] < 1e-5, r

@@ -177,3 +177,36 @@ def test_bad_arguments_are_one_clear_error(call):
     with pytest.raises((ValueError, TypeError)) as info:
         call()
     assert len(str(info.value)) > 20 and "Traceback" not in str(info.value)
+
+
+def _other_ranks_checkpoint_body(rank: int, world: int) -> dict:
+    net = MLP()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    gift_compile.apply(net, GiftConfig(format="int2", error_feedback=True, geometry="lowrank", rank=4, select="all",
+                                       refresh_every=2, min_numel=1024), optimizer=opt, fuse=False)
+    for step in range(3):
+        torch.manual_seed(10 * step + rank)
+        net(torch.randn(16, 64)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    st = gift_compile.state(net)
+    mine = st.state_dict()
+    rank0s = [mine]
+    dist.broadcast_object_list(rank0s, src=0)  # rank 0's file, on every rank
+    out = {"has_residuals": any(k.endswith("residual.0") and bool(v.any()) for k, v in mine.items()
+                                if isinstance(v, torch.Tensor))}
+    for what, sd in (("rank0", rank0s[0]), ("own", mine)):
+        try:
+            st.load_state_dict(sd)
+            out[what] = "loaded"
+        except ValueError as e:
+            out[what] = str(e)
+    return out
+
+
+def test_another_ranks_checkpoint_is_refused():
+    """Issue 49 case 4: before, rank 0's GIFT checkpoint (int2 + error feedback) loaded silently
+    on rank 1, whose next synchronised gradient carried rank 0's residuals."""
+    r0, r1 = run_ranks(_other_ranks_checkpoint_body, 2, timeout=FAST)
+    assert r0["has_residuals"] and r0["rank0"] == "loaded" and r0["own"] == "loaded", r0
+    assert "saved by rank 0 of 2 and this is rank 1 of 2" in r1["rank0"] and r1["own"] == "loaded", r1

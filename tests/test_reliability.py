@@ -300,3 +300,368 @@ def test_a_state_that_never_advances_is_warned_about_once():
     for r in run_ranks(_undriven_body, 2, timeout=FAST):
         assert len(r["undriven"]) == 1 and r["undriven"][0].startswith("GIFT: 4 optimizer steps"), r
         assert "gift_compile.step(model)" in r["undriven"][0] and r["driven"] == [], r
+
+
+# ---- reliability round 3 (issue 49) ---------------------------------------------------------
+class NormNet(nn.Module):
+    """The issue's 64-128-64 MLP with a LayerNorm; `extra` (added after `apply`) joins the sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.norm, self.fc2 = nn.Linear(64, 128), nn.LayerNorm(128), nn.Linear(128, 64)
+        self.extra: nn.Module | None = None
+        self.gain: nn.Parameter | None = None
+        with torch.no_grad():
+            self.norm.weight.uniform_(0.5, 1.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(torch.relu(self.fc1(x)))
+        if self.extra is not None:
+            h = h + self.extra(h) * self.gain
+        return self.fc2(h)
+
+    def grow(self) -> None:
+        """The layer and gain vector added after `apply` in case 1."""
+        self.extra = nn.Sequential(nn.Linear(128, 16), nn.ReLU(), nn.Linear(16, 128))
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, 128))
+
+
+def _fp32_mean_grads(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Each trainable parameter's gradient averaged over the ranks in fp32 (the reference: a
+    copy of `model`'s values in a model without GIFT)."""
+    ref = NormNet()
+    if model.extra is not None:
+        ref.grow()
+    ref.load_state_dict(model.state_dict())
+    for n, p in ref.named_parameters():
+        p.requires_grad_(model.get_parameter(n).requires_grad)
+    ref(x).pow(2).mean().backward()
+    out = {}
+    for n, p in ref.named_parameters():
+        if p.grad is not None:
+            g = p.grad.clone()
+            dist.all_reduce(g)
+            out[n] = g / dist.get_world_size()
+    return out
+
+
+def _replicas_agree(model: nn.Module) -> bool:
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    both = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(both, flat)
+    return all(torch.equal(both[0], b) for b in both)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _late_parameters_body(rank: int, world: int, case: str) -> dict:
+    model = NormNet()
+    if case == "unfrozen":
+        model.norm.weight.requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gift_compile.apply(model, GiftConfig(**CFG), optimizer=opt, fuse=False)
+    x = _batch(0, rank)
+    model(x).pow(2).mean().backward()  # one step as applied
+    opt.step()
+    opt.zero_grad()
+    if case == "unfrozen":
+        model.norm.weight.requires_grad_(True)
+        watched = ["norm.weight"]
+    elif case == "added":
+        model.grow()
+        opt.add_param_group({"params": [*model.extra.parameters(), model.gain]})
+        watched = ["extra.0.weight", "extra.0.bias", "extra.2.weight", "extra.2.bias", "gain"]
+    else:  # assign: every parameter replaced by a new tensor
+        model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        watched = ["fc1.bias", "norm.weight", "norm.bias", "fc2.bias"]
+    out: dict = {"rel": {}}
+    for step in (1, 2):
+        x = _batch(step, rank)
+        want = _fp32_mean_grads(model, x)
+        model(x).pow(2).mean().backward()
+        grads = dict(model.named_parameters())
+        out["rel"].update({f"{n}@{step}": _rel(grads[n].grad, want[n]) for n in watched})
+        opt.step()
+        opt.zero_grad()
+    out["agree"] = _replicas_agree(model)
+    return out
+
+
+@pytest.mark.parametrize("case", ["unfrozen", "added", "assign"])
+def test_parameters_unfrozen_added_or_replaced_after_apply_are_synchronised(case):
+    """Issue 49 case 1: before, these gradients stayed local (rel. error 0.5-1.0, replicas differed)."""
+    results = run_ranks(_late_parameters_body, 2, case, timeout=FAST)
+    for r in results:
+        assert r["agree"], r
+        assert max(r["rel"].values()) < 1e-5, r  # full precision, like every unmanaged parameter
+
+
+def _autograd_grad_body(rank: int, world: int) -> dict:
+    model = NormNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gift_compile.apply(model, GiftConfig(**CFG), optimizer=opt, fuse=False)
+    out = {}
+    try:
+        g = torch.autograd.grad(model(_batch(0, rank)).pow(2).mean(), [model.norm.weight, model.fc1.bias])
+        out["grad"] = [t.abs().max().item() for t in g]
+    except RuntimeError as e:
+        out["grad"] = str(e)
+    out["grad_written"] = model.norm.weight.grad is not None
+    x = _batch(1, rank)  # a backward afterwards still synchronises and checks
+    want = _fp32_mean_grads(model, x)
+    model(x).pow(2).mean().backward()
+    out["rel_after"] = _rel(model.norm.weight.grad, want["norm.weight"])
+    out["plain_calls"] = gift_compile.state(model).comm_totals()["plain_calls"]
+    return out
+
+
+def test_autograd_grad_of_an_unmanaged_parameter_raises_instead_of_returning_zeros():
+    """Issue 49 case 2: before, autograd.grad returned zeros for every unmanaged parameter and
+    wrote the synchronised value into .grad."""
+    for r in run_ranks(_autograd_grad_body, 2, timeout=FAST):
+        assert isinstance(r["grad"], str) and "torch.autograd.grad" in r["grad"] and "norm.weight" in r["grad"], r
+        assert not r["grad_written"], r
+        assert r["rel_after"] < 1e-5 and r["plain_calls"] >= 1, r
+
+
+def _refresh_body(rank: int, world: int, case: str) -> dict:
+    import logging
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda rec: records.append(rec.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("gift_compile").addHandler(handler)
+    model = NormNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    geometry, damping = {"dense": ("dense", 1e-8), "broken": ("dense", 1e-3)}[case]
+    config = GiftConfig(**{**CFG, "geometry": geometry, "damping": damping, "refresh_every": 1})
+    gift_compile.apply(model, config, optimizer=opt, fuse=False)
+    st = gift_compile.state(model)
+    if case == "broken" and rank == 0:  # rank 0 owns fc1's map and cannot build it, whatever the damping
+        def fail(a: torch.Tensor, damping: float) -> None:
+            raise torch.linalg.LinAlgError("linalg.cholesky: The factorization could not be completed")
+
+        st.layers["fc1.weight"].transform.refresh_from = fail
+    out: dict = {"steps": []}
+    for step in range(4):
+        try:
+            model(_batch(step, rank)).pow(2).mean().backward()
+            opt.step()
+            out["steps"].append("ok")
+        except (RuntimeError, FloatingPointError) as e:
+            out["steps"].append(f"{type(e).__name__}: {e}")
+        opt.zero_grad()
+    out["maps_finite"] = all(bool(torch.isfinite(t).all()) for l in st.layers.values() for t in l.transform.tensors)
+    out["agree"] = _replicas_agree(model)
+    maps = torch.cat([t.reshape(-1) for l in st.layers.values() for t in l.transform.tensors])
+    out["maps_agree"] = _replicas_agree(nn.ParameterList([nn.Parameter(maps)]))
+    out["logged"] = [m for m in records if "built with damping" in m]
+    return out
+
+
+def test_a_factor_that_cannot_be_decomposed_gets_more_damping_logged():
+    """Issue 49 case 7: before, dense/damping=1e-8 raised `linalg.cholesky` on rank 0 alone (rank 1
+    waited for the group's timeout)."""
+    results = run_ranks(_refresh_body, 2, "dense", timeout=120)
+    for r in results:
+        assert r["steps"] == ["ok"] * 4 and r["maps_finite"] and r["agree"] and r["maps_agree"], r
+    assert any(r["logged"] for r in results), results
+
+
+def test_a_map_one_rank_cannot_build_raises_on_every_rank_in_the_same_step():
+    """Issue 49 case 7: the refresh's owner fails; every rank raises in the same step (before:
+    the owner alone raised and its peer hung in the next collective)."""
+    results = run_ranks(_refresh_body, 2, "broken", timeout=120)
+    for r in results:
+        failed = [i for i, s in enumerate(r["steps"]) if s != "ok"]
+        assert failed and "rank 0: fc1.weight" in r["steps"][failed[0]] and "every rank" in r["steps"][failed[0]], r
+        assert r["maps_agree"] and r["agree"], r
+    assert results[0]["steps"] == results[1]["steps"], results
+
+
+def _apply_all_or_nothing_body(rank: int, world: int) -> dict:
+    out: dict = {}
+    # a managed weight frozen at apply (plain module), unfrozen after two steps
+    model = NormNet()
+    model.fc1.weight.requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    try:
+        gift_compile.apply(model, GiftConfig(**CFG), optimizer=opt, fuse=False)
+        out["frozen_apply"] = "ok"
+    except RuntimeError as e:
+        out["frozen_apply"] = str(e)
+        model.fc1.weight.requires_grad_(True)
+        gift_compile.apply(model, GiftConfig(**CFG), optimizer=opt, fuse=False)  # what a user tries next
+    for step in range(4):
+        if step == 2:
+            model.fc1.weight.requires_grad_(True)
+        model(_batch(step, rank)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    st = gift_compile.state(model)
+    out["frozen_steps"], out["frozen_calls"] = st.steps, st.comm_totals()["calls"]
+    out["frozen_agree"] = _replicas_agree(model)
+    # DDP: apply -> remove -> apply, then train
+    ddp = nn.parallel.DistributedDataParallel(NormNet())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    gift_compile.apply(ddp, GiftConfig(**CFG), optimizer=opt, fuse=False)
+    gift_compile.remove(ddp)
+    try:
+        gift_compile.apply(ddp, GiftConfig(**CFG), optimizer=opt, fuse=False)
+        for step in range(2):
+            ddp(_batch(step, rank)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        st = gift_compile.state(ddp)
+        out["ddp_reapply"] = (st.steps, st.comm_totals()["calls"])
+    except RuntimeError as e:
+        out["ddp_reapply"] = str(e)
+    out["ddp_agree"] = _replicas_agree(ddp)
+    # DDP with a comm hook of the user's: apply refuses and leaves nothing behind
+    other = nn.parallel.DistributedDataParallel(NormNet())
+    other.register_comm_hook(None, lambda _, bucket: torch.futures.Future())
+    try:
+        gift_compile.apply(other, GiftConfig(**CFG), fuse=False)
+        out["refused"] = "applied"
+    except RuntimeError as e:
+        out["refused"] = str(e)
+    out["left_behind"] = [n for n, m in other.named_modules()
+                          if "_gift_state" in m.__dict__ or m._forward_pre_hooks or type(m).__name__.startswith("Gift")]
+    return out
+
+
+def test_apply_is_all_or_nothing_and_remove_lets_it_be_applied_again():
+    """Issue 49 case 9: before, a frozen managed weight made apply raise torch's "cannot register
+    a hook" after the classes were swapped, and the re-apply after unfreezing installed no hooks
+    (steps 0); on DDP apply -> remove -> apply raised "register_comm_hook can only be called once"."""
+    for r in run_ranks(_apply_all_or_nothing_body, 2, timeout=FAST):
+        assert r["frozen_apply"] == "ok" and r["frozen_steps"] == 4 and r["frozen_calls"] > 0, r
+        assert r["frozen_agree"] and r["ddp_agree"], r
+        assert r["ddp_reapply"][0] == 2 and r["ddp_reapply"][1] > 0, r
+        assert "comm hook" in r["refused"] and r["left_behind"] == [], r
+
+
+def _eval_statistics_body(rank: int, world: int) -> dict:
+    model = NormNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    gift_compile.apply(model, GiftConfig(**{**CFG, "refresh_every": 100}), optimizer=opt, fuse=False)
+    st = gift_compile.state(model)
+
+    def stats() -> list[torch.Tensor]:
+        return [t.clone() for l in st.layers.values() for t in l.stats.state_dict().values()]
+
+    model(_batch(0, rank)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    before = stats()
+    model.eval()
+    model(_batch(1, rank) * 50).sum()  # an evaluation forward with grad enabled, no backward
+    after_eval = stats()
+    model.train()
+    model(_batch(2, rank)).pow(2).mean().backward()
+    return {"eval_unchanged": all(torch.equal(a, b) for a, b in zip(before, after_eval)),
+            "train_changed": not all(torch.equal(a, b) for a, b in zip(after_eval, stats()))}
+
+
+def test_eval_mode_forwards_with_grad_enabled_feed_no_statistics():
+    """Issue 49 case 5: before, a forward under model.eval() with grad enabled entered the K-FAC
+    statistics (the next map differed)."""
+    for r in run_ranks(_eval_statistics_body, 2, timeout=FAST):
+        assert r["eval_unchanged"] and r["train_changed"], r
+
+
+def _silent_precision_body(rank: int, world: int) -> dict:
+    import logging
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda rec: records.append(rec.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("gift_compile").addHandler(handler)
+    out: dict = {}
+    # fp8 block scaling whose block is longer than the layers' rows
+    model = NormNet()
+    gift_compile.apply(model, GiftConfig(**{**CFG, "scaling": "block", "block_size": 4096}), fuse=False)
+    out["block_warned"] = [m for m in records if "fp32 gradient's bytes" in m]
+    # DDP over a one-rank group: nothing to communicate, so nothing to quantize
+    singles = [dist.new_group([r]) for r in range(world)]
+    ddp = nn.parallel.DistributedDataParallel(NormNet(), process_group=singles[rank])
+    gift_compile.apply(ddp, GiftConfig(**CFG), fuse=False)
+    ddp(_batch(0, rank)).pow(2).mean().backward()
+    out["one_rank_calls"] = gift_compile.state(ddp).comm_totals()["calls"]
+    # optimizer= and gift_compile.step: the state would advance twice per step
+    model = NormNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    gift_compile.apply(model, GiftConfig(**CFG), optimizer=opt, fuse=False)
+    model(_batch(1, rank)).pow(2).mean().backward()
+    opt.step()
+    try:
+        gift_compile.step(model)
+        out["double_step"] = f"steps {gift_compile.state(model).steps}"
+    except RuntimeError as e:
+        out["double_step"] = str(e)
+    out["steps"] = gift_compile.state(model).steps
+    return out
+
+
+def test_configs_that_lose_precision_or_save_nothing_say_so():
+    """Issue 49 case 6 (three of its five parts): block_size=4096 on 64/128-column layers sent up to
+    16x the fp32 bytes silently; DDP on a one-rank group quantized (rel. error 0.37 for nothing);
+    optimizer= plus gift_compile.step advanced the state twice per step."""
+    for r in run_ranks(_silent_precision_body, 2, timeout=FAST):
+        assert len(r["block_warned"]) == 1 and "fc1.weight" in r["block_warned"][0], r
+        assert r["one_rank_calls"] == 0, r
+        assert "already advances" in r["double_step"] and r["steps"] == 1, r
+
+
+def _edited_grad_body(rank: int, world: int) -> str:
+    model = NormNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    gift_compile.apply(model, GiftConfig(**CFG), optimizer=opt, fuse=False)
+    def nudge(p: torch.Tensor) -> None:
+        p.grad.add_(1e-3)
+
+    if rank == 1:  # a rank-dependent edit of an unmanaged gradient inside the backward
+        model.norm.bias.register_post_accumulate_grad_hook(nudge)
+    try:
+        model(_batch(0, rank)).pow(2).mean().backward()
+        return "silent"
+    except RuntimeError as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def test_the_replica_check_covers_the_parameters_synchronised_at_full_precision():
+    """Issue 49 case 1 (the replica check): before, it compared the managed weights only, and an
+    unmanaged gradient edited on one rank diverged silently."""
+    for r in run_ranks(_edited_grad_body, 2, timeout=FAST):
+        assert r.startswith("GiftReplicaError") and "norm.bias (rank(s) [1]" in r, r
+
+
+def _tiny_gradient_map_body(rank: int, world: int) -> dict:
+    maps = {}
+    for scale in (1.0, 1e-20):
+        model = NormNet()
+        config = GiftConfig(**{**CFG, "geometry": "gradient", "refresh_every": 1, "refresh_warmup": 0})
+        gift_compile.apply(model, config, fuse=False)
+        model(_batch(0, rank)).pow(2).mean().mul(scale).backward()
+        gift_compile.step(model)  # the refresh: the map from the reduced gradient
+        st = gift_compile.state(model)
+        maps[scale] = {n: [t.clone() for t in l.transform.tensors] for n, l in st.layers.items()}
+    from gift_compile.geometry import apply_forward
+
+    out = {}
+    for name, tensors in maps[1.0].items():
+        x = torch.randn(32, tensors[0].shape[0], generator=torch.Generator().manual_seed(3))
+        a, b = apply_forward("lowrank", x, tensors), apply_forward("lowrank", x, maps[1e-20][name])
+        out[name] = _rel(b / b.norm(), a / a.norm())  # what each map does, up to a constant factor
+    return out
+
+
+def test_a_gradient_map_is_the_same_at_gradient_scale_1e_20():
+    """Issue 49 case 6: before, `geometry="gradient"` at gradient scale 1e-20 built its factor as
+    fp32 zeros, so the map was a multiple of the identity while the layer stayed selected."""
+    for r in run_ranks(_tiny_gradient_map_body, 2, timeout=FAST):
+        assert max(r.values()) < 0.05, r

@@ -76,9 +76,9 @@ def codec_error(g: torch.Tensor) -> float:
 
 def _plain_bucket_bytes(model: torch.nn.Module, managed_ids: set[int], world: int) -> int:
     """Bytes of the one fp32 all-reduce the plain path's sync runs per backward: every unmanaged
-    gradient, an arrival flag per parameter and a non-finite flag per rank."""
+    gradient, an arrival flag per parameter and a non-finite and a layout-changed flag per rank."""
     others = [p for p in model.parameters() if id(p) not in managed_ids]
-    return 4 * (sum(p.numel() for p in others) + len(others) + world)
+    return 4 * (sum(p.numel() for p in others) + len(others) + 2 * world)
 
 
 def test_gift_fp8_tracks_fp32_communication_and_quantizes():

@@ -23,7 +23,7 @@ from gift_compile.config import GiftConfig, ReduceOp
 from gift_compile.exchange.collectives import Segment, group_info, sync_buffer
 from gift_compile.exchange.plan import Collective
 from gift_compile.frameworks.adapter import attach
-from gift_compile.frameworks.routing import ManageMode, manage
+from gift_compile.frameworks.routing import ManageMode, manage, unmanage
 from gift_compile.runtime.health import queue_backward_check
 from gift_compile.runtime.state import GiftState
 
@@ -72,8 +72,27 @@ def install(model: nn.parallel.DistributedDataParallel, config: GiftConfig, grou
     pg = model.process_group if group is None or group is dist.group.WORLD else group
     if pg is not model.process_group and dist.get_world_size(pg) != dist.get_world_size(model.process_group):
         raise ValueError("gift_compile.apply: group= differs from the DistributedDataParallel process group")
+    if dist.get_world_size(model.process_group) == 1:  # as the plain adapter: nothing to compress
+        logger.warning("gift_compile.apply: DistributedDataParallel on a one-rank group, no gradient communication "
+                       "to compress; nothing managed")
+        state = GiftState(config, None)
+        model._gift_state = state
+        attach(state, DDP.name, None)
+        return state
     state = manage(model.module, config, model.process_group, mode=ManageMode.STATS, collective=Collective.ALL_REDUCE)
-    model.register_comm_hook(_HookState(state, model.module, model.process_group, fuse), _gift_hook)
+    hook = _HookState(state, model.module, model.process_group, fuse)
+    if getattr(model, "_gift_comm_hook", None) is not None:
+        # applied before and removed: DDP takes one comm hook per model and none back, so
+        # GIFT's own hook (running DDP's plain all-reduce since) is pointed at the new state
+        model._gift_comm_hook.__dict__.update(hook.__dict__)
+    else:
+        try:
+            model.register_comm_hook(hook, _gift_hook)
+        except RuntimeError as e:
+            unmanage(model.module, state)  # all or nothing
+            raise RuntimeError(f"gift_compile.apply: DistributedDataParallel refused GIFT's comm hook ({e}); GIFT "
+                               "needs the model's one comm hook: apply GIFT instead of registering another") from e
+        model._gift_comm_hook = hook
     model._gift_state = state
     attach(state, DDP.name, None)
     return state
@@ -99,7 +118,7 @@ class _DDPAdapter:
 
     def remove(self, model: nn.Module, state: GiftState) -> None:
         """A comm hook cannot be unregistered: the hook sees the state inactive and runs DDP's
-        plain fp32 all-reduce from now on (logged)."""
+        plain fp32 all-reduce from now on (logged); a later `apply` points it at its new state."""
         logger.warning("gift_compile.remove: DDP keeps its comm hook; it now runs DDP's plain fp32 all-reduce")
 
     def telemetry(self, state: GiftState) -> dict[str, float]:

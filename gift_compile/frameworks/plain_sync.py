@@ -17,8 +17,15 @@ end, when every gradient has arrived (DDP's reducer with a single bucket). So:
 
 A parameter that received a gradient on no rank keeps `.grad` unset; one that received it on
 some rank only gets the synchronised sum on every rank (an arrival flag travels in the
-bucket), so replicas stay identical. Every rank must run the same number of synchronising
-backward passes that reach unmanaged parameters (as with DDP).
+bucket), so replicas stay identical. The flush runs at the end of every synchronising backward
+that reaches GIFT (a managed or an unmanaged parameter's gradient), so every rank must run the
+same number of those (as with DDP).
+
+The bucket is not frozen at `apply`: a parameter frozen then and unfrozen later, a layer added
+later, or parameters replaced by `load_state_dict(assign=True)` are found at the next flush
+(each rank's layout-changed flag rides in the same all-reduce) and synchronised from that
+backward on (`PlainSync._relayout`, logged). `torch.autograd.grad` on an unmanaged parameter
+is refused: its synchronised value only exists at the end of the backward, in `.grad`.
 
 Accumulation: a synchronising backward routes each incoming gradient into its slot and lets
 autograd accumulate zeros, then adds the synchronised value to `.grad`, so gradients summed
@@ -57,68 +64,153 @@ ARRIVED_ITEM = "<plain-sync arrivals>"  # the bucket's last item: which paramete
 
 
 class PlainSync:
-    """The bucket of a model's unmanaged parameters and the hooks that fill and flush it."""
+    """The bucket of a model's unmanaged parameters and the hooks that fill and flush it.
+
+    The bucket follows the model: at the end of every synchronising backward each rank
+    compares the parameters that require a gradient now (unmanaged ones, and the managed
+    weights' tensors) with those it hooked, and says whether they changed in the same
+    all-reduce as the gradients (one flag per rank). If any rank's did (a norm frozen at
+    `apply` and unfrozen since, a layer added after `apply`, parameters replaced by
+    `load_state_dict(assign=True)`), every rank rebuilds the bucket, agrees on the new layout
+    (a rank that changed alone makes every rank raise, naming the difference), hooks the new
+    parameters and sends the gradients they accumulated unhooked in a second all-reduce, so
+    no parameter that requires a gradient ever stays unsynchronised (logged once per change).
+    """
 
     def __init__(self, model: nn.Module, state: GiftState, group: dist.ProcessGroup) -> None:
-        managed = {id(m._parameters["weight"]) for m in state.modules.values()}
+        self.model = model
         self.state = state
         self.group = group
-        self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in managed]
-        name, world, self.me = collectives.group_info(group)
-        items = [ItemPlan.passthrough(n, p.numel(), p.dtype) for n, p in self.params]
-        items.append(ItemPlan.passthrough(ARRIVED_ITEM, len(self.params), torch.float32))
         self.average = state.config.reduce_op is ReduceOp.AVG
-        self.plan = BucketPlan(tuple(items), world, name, self.average, Collective.ALL_REDUCE)
-        # One fp32 buffer: every parameter's slot in parameter order, one arrival flag per
-        # parameter, one non-finite flag per rank (each rank sets its own; the sum names them).
-        self.n_values = sum(p.numel() for _, p in self.params)
-        device = self.params[0][1].device if self.params else None
-        self.flat = torch.zeros(self.n_values + len(self.params) + world, device=device)
+        self.group_name, self.world, self.me = collectives.group_info(group)
+        self._hooks: dict[int, Any] = {}  # id(parameter) -> its hook handle(s)
+        self._layout(*self._current())
+
+    def _current(self) -> tuple[list[tuple[str, torch.Tensor]], list[torch.Tensor]]:
+        """The unmanaged parameters that require a gradient now, in parameter order, and the
+        managed weights that do."""
+        managed = list({id(w): w for w in map(self.state.weight, self.state.layers)}.values())
+        ids = {id(w) for w in managed}
+        params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad and id(p) not in ids]
+        return params, [w for w in managed if w.requires_grad]
+
+    def _layout(self, params: list[tuple[str, torch.Tensor]], watched: list[torch.Tensor]) -> None:
+        """Cut the flat buffer for `params`: every parameter's slot in parameter order, one
+        arrival flag per parameter, then per rank a non-finite flag and a layout-changed flag
+        (each rank sets its own; the sum names them)."""
+        self.params, self.watched = params, watched
+        self.state.backward_watch.synced_params = list(params)  # the replica check compares them too
+        self.index = {id(p): i for i, (_, p) in enumerate(params)}
+        self.key = tuple(id(p) for _, p in params) + (-1,) + tuple(id(w) for w in watched)
+        items = [ItemPlan.passthrough(n, p.numel(), p.dtype) for n, p in params]
+        items.append(ItemPlan.passthrough(ARRIVED_ITEM, len(params), torch.float32))
+        self.plan = BucketPlan(tuple(items), self.world, self.group_name, self.average, Collective.ALL_REDUCE)
+        self.n_values = sum(p.numel() for _, p in params)
+        device = params[0][1].device if params else self.state.counters.device
+        self.flat = torch.zeros(self.n_values + len(params) + 2 * self.world, device=device)
         self.slots, offset = [], 0
-        for _, p in self.params:
+        for _, p in params:
             self.slots.append(self.flat[offset:offset + p.numel()].view(p.shape))
             offset += p.numel()
-        self.arrived = self.flat[offset:offset + len(self.params)]
-        self.flags = self.flat[offset + len(self.params):]
-        self.baseline_bytes = sum(p.numel() * p.element_size() for _, p in self.params)
-        self._queued = False
+        self.arrived = self.flat[offset:offset + len(params)]
+        self.flags = self.flat[offset + len(params):offset + len(params) + self.world]
+        self.changed = self.flat[offset + len(params) + self.world:]
+        self.baseline_bytes = sum(p.numel() * p.element_size() for _, p in params)
 
     def install(self) -> list[Any]:
-        """Agree on the bucket's plan across ranks (names, order, sizes) and register the hooks."""
-        if not self.params:
-            return []
+        """Agree on the bucket's plan across ranks (names, order, sizes) and register the
+        hooks; the one handle returned takes every hook out (`api.remove`)."""
         collectives.check_plan_agreement(self.plan, self.group, always=True)
-        return [p.register_hook(self._incoming(i, p)) for i, (_, p) in enumerate(self.params)]
+        self._rehook()
+        self.state.backward_watch.flushes.append(self.flush)  # every synchronising backward's end
+        # `load_state_dict(assign=True)` replaces parameters: the hooks move to the new tensors
+        # now, since none of the old ones would fire to start the next backward's flush
+        self._loaded = self.model.register_load_state_dict_post_hook(lambda module, keys: self._rebind())
+        return [self]
 
-    def _incoming(self, i: int, p: torch.Tensor) -> Any:
+    def remove(self) -> None:
+        """Take out every hook this bucket registered and its flush (the state's handle protocol)."""
+        if self.flush in self.state.backward_watch.flushes:
+            self.state.backward_watch.flushes.remove(self.flush)
+        self._loaded.remove()
+        self.state.backward_watch.synced_params = []
+        for handles in self._hooks.values():
+            for h in handles:
+                h.remove()
+        self._hooks.clear()
+
+    def _rebind(self) -> None:
+        """Hook the tensors now at the bucket's names when the layout (names, order, shapes,
+        dtypes) is unchanged: a local change, nothing to agree on. Any other change is found
+        by the next flush."""
+        params, watched = self._current()
+        same = [(n, p.shape, p.dtype) for n, p in params] == [(n, p.shape, p.dtype) for n, p in self.params]
+        if same and len(watched) == len(self.watched):
+            self._layout(params, watched)
+            self._rehook()
+
+    def _rehook(self) -> list[str]:
+        """Hook what the layout holds and unhook what it no longer does; the names of the
+        unmanaged parameters newly hooked."""
+        wanted = {id(p): (i, p) for i, (_, p) in enumerate(self.params)}
+        wanted.update({id(w): (-1, w) for w in self.watched})
+        for key in [k for k in self._hooks if k not in wanted]:
+            for h in self._hooks.pop(key):
+                h.remove()
+        new = []
+        for key, (i, p) in wanted.items():
+            if key in self._hooks:
+                continue
+            if i < 0:  # a managed weight: its accumulated gradient queues the end-of-backward work
+                self._hooks[key] = [p.register_post_accumulate_grad_hook(lambda _: queue_backward_check(self.state))]
+            else:
+                self._hooks[key] = [p.register_hook(self._incoming(p))]
+                new.append(self.params[i][0])
+        return new
+
+    def _incoming(self, p: torch.Tensor) -> Any:
         key = id(p)
         st = self.state
+        # the parameter's gradient accumulator, held so the engine can be asked whether this
+        # backward will accumulate into `.grad` (not under `torch.autograd.grad`)
+        with torch.enable_grad():  # also when re-hooking in the flush (no_grad)
+            accumulator = p.view_as(p).grad_fn.next_functions[0][0]
 
         def hook(g: torch.Tensor) -> torch.Tensor | None:
+            try:
+                torch._C._will_engine_execute_node(accumulator)
+            except RuntimeError:  # torch raises this for a leaf only inside torch.autograd.grad
+                st.backward_watch.queued = False  # the failed backward runs no end-of-backward callback
+                raise RuntimeError(
+                    f"GIFT: torch.autograd.grad asked for the gradient of {self._name(key)}, a parameter GIFT "
+                    "synchronises at full precision at the end of a backward into .grad (one all-reduce for all "
+                    "of them, in a fixed order); autograd.grad would return its local gradient unsynchronised. "
+                    "Call loss.backward() (or torch.autograd.backward(loss, inputs=...)) and read .grad") from None
             if st.sync_mode is not SyncMode.SYNC:
                 st.dirty_params.add(key)
                 return None
-            self._queue_flush()
+            queue_backward_check(st)
             if key in st.dirty_params:
                 return None  # the whole accumulated .grad is sent at the flush
+            i = self.index[key]
             self.slots[i].add_(g)
             self.arrived[i] = 1.0
             return torch.zeros_like(g)  # autograd accumulates nothing; the flush adds the sum
 
         return hook
 
-    def _queue_flush(self) -> None:
-        if not self._queued:
-            self._queued = True
-            self.state.backward_watch.flushes.append(self.flush)  # before the checks read the counters
-            queue_backward_check(self.state)
+    def _name(self, key: int) -> str:
+        return next((n for n, p in self.params if id(p) == key), "a parameter")
 
     @torch.no_grad()
     def flush(self) -> None:
         """End of a synchronising backward: one all-reduce of the flat buffer, then each
-        parameter that got a gradient on any rank receives the synchronised sum (or mean)."""
-        self._queued = False
+        parameter that got a gradient on any rank receives the synchronised sum (or mean);
+        if any rank's trainable parameters changed, every rank re-lays the bucket out and
+        sends what the new parameters accumulated (`_relayout`)."""
         st = self.state
+        params, watched = self._current()
+        key = tuple(id(p) for _, p in params) + (-1,) + tuple(id(w) for w in watched)
         for i, (_, p) in enumerate(self.params):
             if id(p) in st.dirty_params:
                 st.dirty_params.discard(id(p))
@@ -128,18 +220,38 @@ class PlainSync:
                     p.grad.zero_()
         values = self.flat[: self.n_values]
         self.flags[self.me] = 0.0 if bool(torch.isfinite(values).all()) else 1.0
+        self.changed[self.me] = float(key != self.key)
         dist.all_reduce(self.flat, group=self.group)
         bad = [r for r, f in enumerate(self.flags.tolist()) if f > 0]
         self._count(bad)
-        world = self.flags.numel()
         for (_, p), slot, arrived in zip(self.params, self.slots, self.arrived.tolist()):
             if arrived > 0:
-                synced = (slot / world if self.average else slot).to(p.dtype)
+                synced = (slot / self.world if self.average else slot).to(p.dtype)
                 if p.grad is None:
                     p.grad = synced.clone() if synced.data_ptr() == slot.data_ptr() else synced
                 else:
                     p.grad.add_(synced)
+        changed = [r for r, f in enumerate(self.changed.tolist()) if f > 0]
         self.flat.zero_()
+        if changed:
+            self._relayout(params, watched, changed)
+
+    def _relayout(self, params: list[tuple[str, torch.Tensor]], watched: list[torch.Tensor],
+                  changed: list[int]) -> None:
+        """Every rank, when rank(s) `changed` found other trainable parameters than the bucket
+        holds: lay the bucket out for them, agree on it (raises on every rank, naming the
+        first difference, when the ranks changed differently), hook them, and send the
+        gradients the newly hooked parameters accumulated without a hook (as after `no_sync`)."""
+        self._layout(params, watched)
+        collectives.check_plan_agreement(self.plan, self.group, always=True)
+        new = self._rehook()
+        self.state.dirty_params.update(id(p) for n, p in params if n in new and p.grad is not None)
+        logger.warning("GIFT: the model's trainable parameters changed after apply (rank(s) %s): now synchronised at "
+                       "full precision: %d unmanaged parameter(s)%s. Parameters added, unfrozen or replaced after "
+                       "apply are not quantized; gift_compile.remove + apply to manage new linears.", changed,
+                       len(params), f", newly: {', '.join(new)}" if new else "")
+        if new:
+            self.flush()
 
     def _count(self, bad: list[int]) -> None:
         """Bytes handed to the all-reduce, the launch, and the ranks whose gradients were not
@@ -184,8 +296,6 @@ class _PlainAdapter:
             state = manage(model, config, group, mode=ManageMode.SYNC)
             state.handles.extend(PlainSync(model, state, group).install())
             state.handles.append(model.register_forward_pre_hook(_refuse_outer_data_parallel))
-            state.handles.extend(state.weight(n).register_post_accumulate_grad_hook(lambda _: queue_backward_check(state))
-                                 for n in state.layers)
         attach(state, self.name, None)
         return state
 

@@ -26,13 +26,15 @@ import torch.nn.functional as F
 from gift_compile.codec.layout import Choice
 from gift_compile.config import AUTO_GEOMETRY, GiftConfig
 from gift_compile.exchange.mark import SyncMode, _GiftSync, _GiftTag, tracing
-from gift_compile.exchange.plan import Collective
+from gift_compile.exchange.accounting import bucket_wire_bytes
+from gift_compile.exchange.plan import BucketPlan, Collective
 from gift_compile.frameworks.parts import Parts, model_parts
 from gift_compile.frameworks.tensor_parallel import local_input, local_matrix_shape, on_local_block
 from gift_compile.runtime.layer import LayerState
 from gift_compile.runtime.state import GiftState
 
-__all__ = ["ManageMode", "eligible_linears", "manage", "observe_inputs", "statistics_paused", "statistics_paused_now"]
+__all__ = ["ManageMode", "eligible_linears", "manage", "observe_inputs", "statistics_paused", "statistics_paused_now",
+           "unmanage"]
 
 logger = logging.getLogger("gift_compile")
 
@@ -71,8 +73,10 @@ def statistics_paused_now() -> bool:
 
 
 def observe_inputs(module: nn.Module, args: tuple[Any, ...]) -> None:
-    """Forward pre-hook feeding a managed layer's K-FAC statistics (training passes only, and
-    only while the layer's selection needs them; never inside `statistics_paused`).
+    """Forward pre-hook feeding a managed layer's K-FAC statistics (training passes only: grad
+    enabled and the module in training mode, so an evaluation under `model.eval()` with grad
+    enabled adds nothing; only while the layer's selection needs them; never inside
+    `statistics_paused`).
 
     Eagerly the need is a Python flag (`collect_stats`: no work for a layer that needs none).
     Traced, it is the layer's `stats_gate` tensor, and the statistic is computed and masked:
@@ -83,7 +87,7 @@ def observe_inputs(module: nn.Module, args: tuple[Any, ...]) -> None:
     forwards (one `[m, d_in]` product per layer, m <= `stats_tokens`). Whether a layer leads
     its statistic (`leader`) is structure that changes once, at the first refresh."""
     layer: LayerState = module._gift_layer
-    if not torch.is_grad_enabled() or _paused:
+    if not (torch.is_grad_enabled() and module.training) or _paused:
         return
     if torch.compiler.is_compiling():
         if layer.leader is None:
@@ -162,19 +166,33 @@ def eligible_linears(model: Parts, world: int, *, min_numel: int, excluded: Call
     """`(fqn of the weight, module)` of every linear GIFT manages in `model` (each of its parts).
 
     Eligible: weights of `nn.Linear` (sub)class modules, 2-D, floating point, at least
-    `min_numel` elements, FQN not `excluded` (`GiftConfig.min_numel`, `GiftConfig.is_excluded`:
+    `min_numel` elements, not tied (registered on another module too: an embedding's decoder),
+    FQN not `excluded` (`GiftConfig.min_numel`, `GiftConfig.is_excluded`:
     the rule's two settings, so callers that resolve "auto" read the config once), and (`split_rows`, for
     reduce-scatter paths) a row count divisible by the world size. Sizes are those of the
     matrix one rank of the data-parallel `group` holds (`local_matrix_shape`: a tensor-parallel
     rank's block). Ineligible weights that are big enough are logged with the reason: they
     travel at full precision.
     """
+    holders: dict[int, list[str]] = {}  # id(parameter) -> every "module.name" it is registered as
+    for part in model_parts(model):
+        for fqn, module in part.named_modules(remove_duplicate=False):
+            for pname, p in module._parameters.items():
+                if p is not None:
+                    holders.setdefault(id(p), []).append(f"{fqn}.{pname}" if fqn else pname)
     for fqn, module in (named for part in model_parts(model) for named in part.named_modules()):
         if not isinstance(module, nn.Linear):
             continue
         w = module._parameters.get("weight")
         name = f"{fqn}.weight" if fqn else "weight"
         if w is None or w.dim() != 2 or excluded(name):
+            continue
+        tied = sorted(set(holders.get(id(w), ())) - {name})
+        if tied:
+            # the other module's use reaches the gradient outside this linear's forward: the
+            # frameworks file the gradient under one name, plain sync would see a partial one
+            logger.warning("GIFT: %s stays at full precision: it is tied to %s (one parameter, several modules)",
+                           name, ", ".join(tied))
             continue
         rows, cols = local_matrix_shape(w, group)
         if rows * cols < min_numel:
@@ -215,25 +233,60 @@ def manage(model: Parts, config: GiftConfig, group: dist.ProcessGroup | None, *,
     state = GiftState(config, group, collective=collective)
     world = state.world()
     group_name = group.group_name if mode is ManageMode.SYNC and world > 1 else None
-    handles: list[Any] = []
-    for name, module in eligible_linears(parts, world, min_numel=config.min_numel, excluded=config.is_excluded,
-                                         split_rows=split_rows, group=group):
-        if name in state.layers:
-            raise ValueError(f"gift_compile.manage: {name} is in two model parts; the parts (pipeline stages) of "
-                             "one rank must hold disjoint layers under the whole model's names")
-        w = module._parameters["weight"]
-        layer = state.add_layer(name, local_matrix_shape(w, group), device if device is not None else w.device)
-        module._gift_layer = layer
-        state.modules[name] = module
-        if mode is not ManageMode.STATS:
-            module._gift_state = state
-            module._gift_group_name = group_name
-            module.__class__ = _managed_class(type(module))
-        if layer.stats is not None:
-            handles.append(module.register_forward_pre_hook(observe_inputs))
-    state.handles.extend(handles)
-    state.grad_source = state.factor_source(None)
-    for part in parts:
-        part._gift_state = state
-    state.check_agreement()
+    try:
+        for name, module in eligible_linears(parts, world, min_numel=config.min_numel, excluded=config.is_excluded,
+                                             split_rows=split_rows, group=group):
+            if name in state.layers:
+                raise ValueError(f"gift_compile.manage: {name} is in two model parts; the parts (pipeline stages) "
+                                 "of one rank must hold disjoint layers under the whole model's names")
+            w = module._parameters["weight"]
+            layer = state.add_layer(name, local_matrix_shape(w, group), device if device is not None else w.device)
+            module._gift_layer = layer
+            state.modules[name] = module
+            if mode is not ManageMode.STATS:
+                module._gift_state = state
+                module._gift_group_name = group_name
+                module.__class__ = _managed_class(type(module))
+            if layer.stats is not None:
+                state.handles.append(module.register_forward_pre_hook(observe_inputs))
+        state.grad_source = state.factor_source(None)
+        for part in parts:
+            part._gift_state = state
+        state.check_agreement()
+        _warn_costly_layers(state)
+    except BaseException:
+        unmanage(parts, state)  # all or nothing
+        raise
     return state
+
+
+def _warn_costly_layers(state: GiftState) -> None:
+    """Name, once at set-up, the managed layers whose codes would take at least as many bytes
+    as their fp32 gradient (a scale block longer than a row: `block_size=4096` on 64 columns
+    pads each row to a whole block), so a config that saves nothing never runs silently."""
+    world = state.world()
+    costly = []
+    for name, layer in state.layers.items():
+        rows, cols = layer.shape
+        sent = bucket_wire_bytes(BucketPlan((layer.plan,), world, None, False, state.collective))
+        if layer.plan.managed and sent >= 4 * rows * cols:
+            costly.append(f"{name} ({sent:,} bytes vs {4 * rows * cols:,} at fp32)")
+    if costly:
+        logger.warning("GIFT: %d managed layer(s) send at least their fp32 gradient's bytes with format=%r, "
+                       "scaling=%r, block_size=%d: %s; pick a block_size no longer than a row (the layer's columns), or exclude them",
+                       len(costly), state.config.format, state.config.scaling, state.config.block_size,
+                       "; ".join(costly))
+
+
+def unmanage(model: Parts, state: GiftState) -> None:
+    """Undo `manage` (and whatever an adapter added to `state.handles`): every hook out, the
+    original classes back, no GIFT attribute left on any module, the state inactive. What
+    `gift_compile.remove` does before each adapter's own `remove`, and what a failed `apply`
+    does so that it leaves the model as it found it."""
+    for part in model_parts(model):
+        for mod in part.modules():
+            _unmanage_module(mod)
+    for h in state.handles:
+        h.remove()
+    state.handles.clear()
+    state.active = False

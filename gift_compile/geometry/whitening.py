@@ -119,7 +119,8 @@ def lowrank_tensors(diag: torch.Tensor, u: torch.Tensor, evals: torch.Tensor, da
 
 @torch.no_grad()
 def gradient_factor(grad: torch.Tensor, group: dist.ProcessGroup | None = None, *, sharded: bool = False) -> torch.Tensor:
-    """Gradient-side factor `R = G^T G / out` of a reduced gradient (no hooks needed).
+    """Gradient-side factor `R = G^T G / out` of a reduced gradient (no hooks needed), brought
+    to a mean diagonal near 1 by a power of two when it lies outside [2^-64, 2^64].
 
     With `sharded=True` each rank holds a dim-0 shard and the partial products are summed
     over `group`, so the result is the same on every rank.
@@ -130,4 +131,13 @@ def gradient_factor(grad: torch.Tensor, group: dist.ProcessGroup | None = None, 
     if sharded:
         all_reduce_(r, group)
         all_reduce_(rows, group)
-    return (r / rows.clamp(min=1.0)).float()
+    r = r / rows.clamp(min=1.0)
+    # Gradients far from 1 (1e-20 under a tiny loss scale) give a factor that fp32 flushes to
+    # zero, whose map is then a multiple of the identity: the layer stays "selected" and does
+    # nothing. A power of two brings its mean diagonal near 1 when it is outside [2^-64, 2^64]:
+    # exact, and the whitening of `c R` is `c^(-1/2)` times that of `R` (the damping is relative),
+    # which the codec's scales and the inverse map cancel.
+    mean = torch.diagonal(r).mean() if r.numel() else r.new_zeros(())
+    if bool(mean > 0) and not 2.0 ** -64 <= float(mean) <= 2.0 ** 64:
+        r = r * torch.exp2(-torch.round(torch.log2(mean)))
+    return r.float()

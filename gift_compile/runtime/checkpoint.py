@@ -14,6 +14,7 @@ import torch
 
 from gift_compile.codec import residual as residual_store
 from gift_compile.config import GiftConfig
+from gift_compile.sync import group_rank
 
 if TYPE_CHECKING:
     from gift_compile.runtime.layer import LayerState, OutsideResidual
@@ -37,6 +38,7 @@ class Checkpointing:
 
     __slots__ = ()
     config: GiftConfig
+    group: Any
     layers: dict[str, LayerState]
     outside: dict[str, OutsideResidual]
     substates: list[Any]
@@ -61,6 +63,8 @@ class Checkpointing:
             "outside": {n: {"shape": list(o.shape), "residual_format": self.config.residual_format}
                         for n, o in self.outside.items()},
             "substates": len(self.substates),
+            # whose: residuals, probes and statistics accumulators are this rank's own
+            "group_rank": group_rank(self.group), "world": self.world(),
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -83,7 +87,8 @@ class Checkpointing:
 
         Accepted with a logged conversion: a different wire format, refresh cadence, EMA,
         damping or selection rule (the saved geometry stays valid), and turning error feedback
-        on (residuals start at zero). Refused: other layers, shapes, geometry kind or rank,
+        on (residuals start at zero). Refused: another rank's or data-parallel size's state,
+        other layers, shapes, geometry kind or rank,
         turning error feedback off with saved residuals, and non-finite tensors. The residuals
         of gradients sent outside the layers (`GiftState.outside`) follow the same rules; one
         the checkpoint lacks starts at zero (it predates them, or error feedback was off).
@@ -94,6 +99,12 @@ class Checkpointing:
         mine = self._meta()
         if meta.get("version") != STATE_VERSION:
             raise ValueError(f"GIFT checkpoint version {meta.get('version')} != {STATE_VERSION}")
+        saved_at, here = (meta.get("group_rank"), meta.get("world")), (mine["group_rank"], mine["world"])
+        if saved_at != (None, None) and saved_at != here:
+            raise ValueError(f"GIFT checkpoint was saved by rank {saved_at[0]} of {saved_at[1]} and this is rank "
+                             f"{here[0]} of {here[1]}: its error-feedback residuals, probes and statistics are that "
+                             "rank's own (another rank's would be added to this rank's gradients); load each rank's "
+                             "own GIFT state on the same data-parallel size")
         saved_layers, my_layers = meta["layers"], mine["layers"]
         missing, extra = sorted(set(my_layers) - set(saved_layers)), sorted(set(saved_layers) - set(my_layers))
         if missing or extra:

@@ -29,8 +29,9 @@ layer's forward routes the weight through. Code that reads the weight directly
 puts a gradient into `.grad` that no collective saw, and the replicas drift apart without an
 error. After a correct sync every rank holds bit-identical gradients (every rank decodes the
 same bytes), so GIFT checks exactly that at the end of each synchronising backward: a 64-bit checksum of each
-managed weight's gradient bits, summed into one small table over the group, compared on every
-rank. A difference raises `GiftReplicaError` on every rank, naming the weights and ranks,
+managed weight's gradient bits, and of each parameter the fp32 bucket synchronised
+(`BackwardWatch.synced_params`: a rank-dependent edit of such a `.grad` shows the same way),
+summed into one small table over the group, compared on every rank. A difference raises `GiftReplicaError` on every rank, naming the weights and ranks,
 before the optimizer changes anything (and before `zero_grad` could hide it). The fix is to call the module (`self.fc2(h)`), or to
 take the weight off GIFT's path with `GiftConfig(exclude=("*fc2*",))`: unmanaged parameters
 are synchronised by `gift_compile.frameworks.plain_sync`, which hooks the parameter itself and so sees
@@ -79,25 +80,36 @@ def synced_layers(state: GiftState) -> list[str]:
 @torch.no_grad()
 def check_replicas(state: GiftState) -> None:
     """Raise `GiftReplicaError` on every rank unless every rank holds bit-identical
-    gradients for each managed weight of GIFT's own sync (one small all-reduce)."""
-    names = synced_layers(state)
+    gradients for each managed weight of GIFT's own sync and each parameter its fp32 bucket
+    synchronises (`BackwardWatch.synced_params`; one small all-reduce)."""
+    layers = synced_layers(state)
+    names = [*layers, *(n for n, _ in state.backward_watch.synced_params)]
     world = state.world()
     if not names or world <= 1:
         return
     device = state.counters.device  # where the group's collectives run
-    mine = torch.stack([grad_checksum(state.modules[n]._parameters["weight"].grad, device) for n in names])
+    grads = [state.modules[n]._parameters["weight"].grad for n in layers]
+    grads += [p.grad for _, p in state.backward_watch.synced_params]
+    mine = torch.stack([grad_checksum(g, device) for g in grads])
     table = torch.zeros(world, *mine.shape, dtype=torch.int64, device=device)
     table[group_rank(state.group)] = mine
     table = all_reduce_(table, state.group).cpu()
     differ = [(n, [r for r in range(world) if not torch.equal(table[r, i], table[0, i])])
               for i, n in enumerate(names) if not (table[:, i] == table[0, i]).all()]
-    if differ:
+    if any(n in layers for n, _ in differ):
         listed = "; ".join(f"{n} (rank(s) {ranks} differ from rank 0)" for n, ranks in differ)
         raise GiftReplicaError(
             f"GIFT: the gradients of {len(differ)} managed weight(s) differ between replicas before the optimizer "
             f"step: {listed}. Their gradient reached .grad without GIFT's sync: the weight is read directly "
             "(e.g. F.linear(x, module.weight)) instead of by calling its module. Call the module, or exclude the "
             "weight from GIFT (GiftConfig(exclude=...)) so it is synchronised at full precision."
+        )
+    if differ:
+        listed = "; ".join(f"{n} (rank(s) {ranks} differ from rank 0)" for n, ranks in differ)
+        raise GiftReplicaError(
+            f"GIFT: the gradients of {len(differ)} parameter(s) synchronised at full precision differ between "
+            f"replicas before the optimizer step: {listed}. Something on those ranks wrote into .grad besides "
+            "GIFT's sync (a gradient hook, a rank-dependent edit of .grad during the backward)."
         )
 
 
@@ -116,17 +128,17 @@ def queue_backward_check(state: GiftState) -> None:
 
 
 def end_of_backward(state: GiftState) -> None:
-    """The checks of a completed backward, after the end-of-backward collectives queued in
-    `BackwardWatch.flushes`: the health counters (a non-finite gradient or a
+    """The checks of a completed backward, after the end-of-backward collectives of a
+    synchronising one (`BackwardWatch.flushes`): the health counters (a non-finite gradient or a
     plan mismatch on any rank raises on every rank), the replica check of GIFT's own sync
     (skipped while `no_sync` accumulates local gradients on purpose), and a warning, once,
     when the state has not advanced for more than a refresh interval of optimizer steps."""
     watch = state.backward_watch
     watch.queued = False
-    flushes, watch.flushes = watch.flushes, []
-    for flush in flushes:
-        flush()
     syncing = state.sync_mode is SyncMode.SYNC
+    if syncing:
+        for flush in watch.flushes:
+            flush()
     # an optimizer step changes the managed weights in place (their version counters): one
     # between two backward passes that `GiftState.step` did not follow is a step the state
     # missed (micro-batches and pipeline stages of one step change no weight)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -23,7 +24,7 @@ from gift_compile.geometry import apply_forward, apply_inverse
 from gift_compile.geometry.maps import FactorSource, RowShard
 from gift_compile.geometry.statistics import KFACStatistics, SketchStatistics
 from gift_compile.runtime.selection import LayerMeasurement, decide, harmful, measure, rests_on_gain
-from gift_compile.sync import all_reduce_, broadcast_, group_rank
+from gift_compile.sync import all_gather_object_, all_reduce_, broadcast_, group_rank
 
 if TYPE_CHECKING:
     from gift_compile.runtime.layer import LayerState
@@ -31,6 +32,10 @@ if TYPE_CHECKING:
 __all__ = ["RefreshEngine", "RefreshRecord"]
 
 logger = logging.getLogger("gift_compile")
+
+RETRY_DAMPING = (1e-6, 1e-4, 1e-2)
+"""Relative dampings (`GiftConfig.damping`'s unit) a refresh retries, in order, when a map
+cannot be built at the configured one."""
 
 
 @dataclass
@@ -54,6 +59,7 @@ class RefreshEngine:
     grad_source: FactorSource | None
     plan_version: int
     selection_changes: int
+    counters: torch.Tensor
     _sharing_checked: bool
 
 
@@ -92,6 +98,7 @@ class RefreshEngine:
             self._share_identical_statistics()
         owners, me = self.owners(), group_rank(self.group)
         needing = [n for n, l in self.layers.items() if self.needs_geometry(l, deciding)]
+        failed: list[str] = []  # this rank's maps that could not be built (kept as they were)
         for name in needing:
             layer = self.layers[name]
             mine = owners[name] == me
@@ -100,7 +107,7 @@ class RefreshEngine:
             if isinstance(layer.stats, SketchStatistics):
                 # reduced onto the owner only: it alone rebuilds the map
                 if layer.stats.consolidate(self.group, owner=owners[name]) and mine:
-                    layer.transform.refresh_from_stats(layer.stats, cfg.damping)
+                    failed += self._build_map(name, layer, lambda d, l=layer: l.transform.refresh_from_stats(l.stats, d))
                 continue
             if layer.stats is not None:
                 factor = layer.stats.consolidate(self.group)
@@ -118,7 +125,7 @@ class RefreshEngine:
                 layer.transform.fold_factor(layer.grad_factor, new, cfg.ema)
                 factor = layer.grad_factor
             if mine:
-                layer.transform.refresh_from(factor, cfg.damping)
+                failed += self._build_map(name, layer, lambda d, l=layer, f=factor: l.transform.refresh_from(f, d))
         for name in needing:
             layer = self.layers[name]
             if layer.leader is not None and owners[name] == me:
@@ -126,6 +133,7 @@ class RefreshEngine:
                     dst.copy_(src)
         # every rank broadcasts the same list (owners send what they built, or kept)
         self._broadcast_transforms(owners, set(needing))
+        self._raise_together(failed)
         record = self._select(deciding)
         for name, layer in self.layers.items():
             for bufs in layer.residual_buffers().values():  # maps act on columns: a row shard maps alike
@@ -136,6 +144,52 @@ class RefreshEngine:
         record.seconds = time.perf_counter() - start
         self.history.append(record)
         return record
+
+    def _build_map(self, name: str, layer: LayerState, build: Callable[[float], None]) -> list[str]:
+        """Build `layer`'s map with `build(damping)` at the configured damping, else at the
+        larger relative dampings of `RETRY_DAMPING` (logged): a factor too ill-conditioned to
+        decompose (`linalg.cholesky` not positive-definite), or a map that comes out non-finite
+        (a damping floor so small its inverse overflows), gets a usable map instead of failing
+        on the one rank that owns it. Returns `[]`, or `[why]` when no damping gave one: the
+        layer then keeps its previous map and `_raise_together` raises on every rank."""
+        kept = tuple(t.clone() for t in layer.transform.tensors)
+        problem = ""
+        tries = [self.config.damping, *(d for d in RETRY_DAMPING if d > self.config.damping)]
+        for damping in tries:
+            try:
+                build(damping)
+            except RuntimeError as e:  # torch.linalg.LinAlgError is one
+                problem = str(e).splitlines()[0]
+                continue
+            if all(bool(torch.isfinite(t).all()) for t in layer.transform.tensors):
+                if damping != self.config.damping:
+                    logger.warning("GIFT refresh at step %d: %s: no usable map at damping=%g (%s); built with "
+                                   "damping=%g", self.steps, name, self.config.damping, problem, damping)
+                return []
+            problem = "the map came out non-finite"
+        for dst, src in zip(layer.transform.tensors, kept):
+            dst.copy_(src)
+        return [f"{name}: {problem} (damping {self.config.damping:g} up to {tries[-1]:g})"]
+
+    def _raise_together(self, failed: list[str]) -> None:
+        """Raise the same error on every rank when any rank could not build a map it owns
+        (one flag per rank all-reduced; the reasons gathered only then): the maps are built
+        round-robin, so a rank that raised alone would leave the others waiting at their next
+        collective until the process group's timeout. Every rank has broadcast its maps first
+        (the failed ones unchanged), so the replicas still hold identical maps."""
+        world = self.world()
+        if world <= 1:
+            if failed:
+                raise RuntimeError(f"GIFT refresh at step {self.steps}: no map could be built for {'; '.join(failed)}")
+            return
+        flags = torch.zeros(world, dtype=torch.float64, device=self.counters.device)
+        flags[group_rank(self.group)] = float(len(failed))
+        if not all_reduce_(flags, self.group).any():
+            return
+        reasons = all_gather_object_(failed, self.group)
+        listed = "; ".join(f"rank {r}: {why}" for r, whys in enumerate(reasons) for why in whys)
+        raise RuntimeError(f"GIFT refresh at step {self.steps}: no map could be built for {listed}; raised on every "
+                           f"rank, those layers keep their previous maps")
 
     def _select(self, deciding: bool) -> RefreshRecord:
         """Measure the layers with a geometry on their probes (averaged over ranks); when

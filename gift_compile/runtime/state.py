@@ -57,9 +57,13 @@ class BackwardWatch:
     since_step: int = 0
     versions: int | None = None
     warned: bool = False
-    # collectives that run at the end of the backward themselves (`gift_compile.frameworks.plain_sync`'s
-    # flush), run by the same callback before the checks read the counters they fill
+    # collectives that run at the end of every synchronising backward that reached GIFT
+    # (`gift_compile.frameworks.plain_sync`'s flush, registered once), run by the same callback
+    # before the checks read the counters they fill
     flushes: list[Callable[[], None]] = field(default_factory=list)
+    # the other parameters GIFT's own sync synchronises, `(name, parameter)`, whose gradients
+    # the replica check compares as well (`gift_compile.frameworks.plain_sync` keeps the list)
+    synced_params: list[tuple[str, torch.Tensor]] = field(default_factory=list)
 
 
 def layer_spec(config: GiftConfig, geometry: type[Geometry]) -> LayerSpec:
@@ -118,7 +122,8 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
     __slots__ = ("config", "group", "collective", "layers", "seed", "rank", "counters", "steps", "history",
                  "grad_source", "_health_seen", "modules", "handles", "active", "sync_mode", "dirty_params",
                  "plan_version", "selection_changes", "_sharing_checked", "adapters", "hop_counters", "backward_watch",
-                 "geometry", "layer_spec", "health_group", "pending_faults", "outside", "substates", "blocks", "report")
+                 "geometry", "layer_spec", "health_group", "pending_faults", "outside", "substates", "blocks",
+                 "stepped_by_optimizer", "report")
 
     def __init__(self, config: GiftConfig, group: dist.ProcessGroup | None,
                  collective: Collective | str = Collective.ALL_REDUCE):
@@ -182,6 +187,9 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         # weight `[E, out, in]`): the parameter, the block's index in it and the number of blocks
         # (`runtime.experts`).
         self.blocks: dict[str, tuple[torch.nn.Parameter, int, int]] = {}
+        # Whether an optimizer's step hook advances the state (`gift_compile.api.attach_optimizer`):
+        # `gift_compile.step` then refuses to advance it a second time per step.
+        self.stepped_by_optimizer = False
 
     @property
     def shared(self) -> Shared:
