@@ -47,6 +47,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
 from gift_compile.exchange.collectives import ItemTensors, Segment, Shared, bucket_plan, bucket_wire_bytes, sync_buffer
+from gift_compile.exchange.node_stage import residual_rows
 from gift_compile.exchange.plan import BucketPlan, Collective, ItemPlan
 from gift_compile.exchange.topology import FLAT, node_layout
 from gift_compile.frameworks.fsdp_internals import (
@@ -259,7 +260,10 @@ class EuclideanReduceScatter(GiftReduceScatter):
             plan = euclidean_plan(self.state, fqn, shape, self.over.size(), error_feedback=True)
             if plan is not None and plan.error_feedback:
                 self._plans[key] = fqn, plan
-                self._residuals[key] = self.state.add_outside_residual(fqn, (plan.rows, plan.cols),
+                # the rows stage 2 of a two-level exchange rounds, where the group spans nodes
+                layout = node_layout(self.over, self.state.config.ranks_per_node)
+                rows = residual_rows(plan.rows, self.over.size(), layout)
+                self._residuals[key] = self.state.add_outside_residual(fqn, (rows, plan.cols),
                                                                        self.state.counters.device)
 
     @property

@@ -234,7 +234,8 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
                              device: torch.device | str) -> tuple[torch.Tensor, ...]:
         """Zero error-feedback buffers, in the config's residual format, for parameter `fqn`, a
         gradient an adapter sends on GIFT's codec outside the layers (`frameworks.euclidean`),
-        `shape` its whole local gradient as the item views it; kept here so that checkpoints
+        `shape` its whole local gradient as the item views it (under a two-level exchange the
+        node chunk's rows, `exchange.node_stage.residual_rows`); kept here so that checkpoints
         carry it (the layers' residuals' rules: `gift_compile.runtime.checkpoint`)."""
         if fqn in self.outside or fqn in self.layers:
             raise ValueError(f"GiftState.add_outside_residual: {fqn} already has a residual")
