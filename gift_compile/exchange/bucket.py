@@ -12,6 +12,13 @@ or a single weight) becomes ONE all_to_all of bytes:
     -> per item: decode every sender's block with that sender's scales, sum in fp32 in rank
        order, (average), inverse transform
 
+Where the group spans nodes (`BucketPlan.layout`, `gift_compile.exchange.topology`) the same
+functions run it in two levels (`gift_compile.exchange.node_stage`): `launch` first
+reduce-scatters the bucket natively inside the node and then encodes only the node's 1/g chunk
+for the all_to_all across nodes (`BucketPlan.cross`), `finish` and the all-gather stages decode
+that, and `gather_finish` ends an all-reduce with an all_gather of the fp32 chunks inside the
+node; every caller (eager hooks, the FX pass, compiled bodies) gets the two levels from its plan.
+
 For an all-reduce the reduced shards (still in transformed coordinates) are re-encoded with
 local scales and all-gathered (one all_gather_into_tensor of codes + scales), and every rank
 decodes the very same bytes, so replicas stay bit-identical. With second-hop error feedback the
