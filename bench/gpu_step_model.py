@@ -20,6 +20,12 @@ compute from an assumed MFU), every time here that a GPU measured is read from
   reach the goal is solved for;
 - statistics and refresh (code-counted FLOPs, assumed rates): GIFT's only, as in `bench.step_model`.
 
+The network rule here (every arm's bytes at one link rate per GPU, fp32 as a ring at that rate)
+flatters GIFT at scale: it credits neither the ring's use of the node's NICs nor the all-to-all's
+limit of one NIC per GPU. `bench.topology_model` prices each collective where its bytes go, with
+the two-level exchange (`GiftConfig.ranks_per_node`) among its arms; this model stays the
+per-layer codec/GEMM account at one link rate.
+
 Which layers are managed, with which plan, is what `GiftState` does for the configs in `ARMS`
 (fp8 E4M3 per row and NVFP4, the measured formats; the low-rank map at rank 32 on every layer for
 GIFT). The unmanaged parameters (embeddings, output layer, norms) take the fp32 all-reduce in every

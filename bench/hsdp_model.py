@@ -19,6 +19,11 @@ the 4-rank HSDP tests check against the bytes counted at run time. Statistics an
 come from `bench.step_model.arm_layers` (a meta-device `GiftState` of the model).
 
     python -m bench.hsdp_model            # prints the table, writes bench/results/hsdp_step_model.json
+
+Its flat-FSDP arm sends every byte of an all-to-all over the network and does not credit
+NCCL's ring, and it predates the two-level exchange (`GiftConfig.ranks_per_node`): the step
+model that prices rings, all-to-alls and NVLink where their bytes go, with GIFT's two levels
+as an arm, is `bench.topology_model`.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from typing import Callable
 
 from bench.fidelity_sweep import ORACLES
 from bench import (delayed_scale, gpu_step_model, kernel_traffic, map_precision, map_precision_arms, pages,
-                   pages_frontier, pages_layouts, pages_selection, report)
+                   pages_frontier, pages_layouts, pages_selection, report, topology_model)
 from bench.formatting import paired_ci, share_closed, signed_pct
 from bench.report_cost import CODEC_PAIR
 from gift_compile.geometry.table import IDENTITY_KIND
@@ -435,15 +435,16 @@ BLOCKS: dict[str, Callable[[dict], str]] = {
     "kernel_traffic": kernel_traffic.block,
     "frontier_headline": pages_frontier.frontier_headline, "selection_churn": pages_selection.selection_churn,
     "layouts": pages_layouts.layouts, "pays": pays,
+    "topology_model": topology_model.block, "when_it_pays": topology_model.when_it_pays,
     **{name: pages.torchtitan_run(name) for name in pages.torchtitan_runs()},
 }
 # Which page holds each block (relative to the repository root); every block is on exactly one
 # page, and a page that lacks one of its blocks' markers, or carries a marker of another's, fails.
 PAGES: dict[str, tuple[str, ...]] = {
-    "README.md": ("pays", "headline", "frontier_headline", "demo_summary"),
+    "README.md": ("pays", "headline", "frontier_headline", "when_it_pays", "demo_summary"),
     "docs/benchmarks.md": ("fidelity", "wire", "codec", "step_model", "gpu_step_model", "map_precision",
                            "map_precision_arms", "kernel_traffic",
-                           "hsdp_model",
+                           "topology_model", "hsdp_model",
                            "memory", "second_hop",
                            "convergence", "defaults", "adamw_sweep", "closing", "frontier", "selection_churn", "layouts"),
     "docs/reliability.md": ("faults", "plan_check", "soak", "tiers", "skips"),

@@ -305,6 +305,16 @@ class GiftConfig:
             is compared on the "first" call of each plan and on a mismatch, or on "always"
             every call (debug mode). Compiled graphs always compare the fingerprint carried
             in every collective's header, at no extra collective.
+        ranks_per_node: the node layout of the exchange (`gift_compile.exchange.topology`).
+            None (the default) reads it from the launcher (`LOCAL_WORLD_SIZE`; unset: one
+            node); an int g >= 1 says the job's global ranks sit g to a node (rank r on node
+            r // g), which CPU tests use to simulate nodes; 0 switches the two levels off.
+            Where a group's ranks span more than one node, each collective runs in two levels:
+            the ranks of a node reduce-scatter the bucket natively at the gradient's dtype
+            (fast links), then GIFT's codec runs on that 1/g chunk only and exchanges it with
+            the ranks of the same local index on the other nodes, so each node puts about
+            bits/32 of the bucket on the network instead of g times that. A group inside one
+            node (or with one rank per node) runs today's one-level exchange, bit for bit.
     """
 
     format: str = "fp8_e4m3"
@@ -340,6 +350,7 @@ class GiftConfig:
     sketch_cols: int = 0
     replica_format: str = "same"
     map_precision: MapPrecision = MapPrecision.AUTO
+    ranks_per_node: int | None = None
 
     def __post_init__(self) -> None:
         # Types first (a str where a float belongs must not surface as a TypeError from a
@@ -371,6 +382,8 @@ class GiftConfig:
         if self.replica_hop_format in BLOCK_SIZE_FORMATS and self.block_size not in BLOCK_SIZE_CHOICES:
             _fail("block_size", self.block_size,
                   f"{' or '.join(map(str, BLOCK_SIZE_CHOICES))} for replica_format={self.replica_hop_format!r}")
+        if self.ranks_per_node is not None and (not _is_int(self.ranks_per_node) or self.ranks_per_node < 0):
+            _fail("ranks_per_node", self.ranks_per_node, "None (from LOCAL_WORLD_SIZE), 0 (one level) or a positive integer")
         if not _is_int(self.min_numel) or self.min_numel < 0:
             _fail("min_numel", self.min_numel, "a non-negative integer")
         if not _is_int(self.sketch_cols) or self.sketch_cols < 0:

@@ -55,6 +55,7 @@ from gift_compile.exchange.collectives import (
 )
 from gift_compile.exchange.mark import split_mark_tensors, unpack_item_tensors, unpack_replica_shared
 from gift_compile.exchange.plan import BucketPlan, Collective, ItemPlan, replica_hop_plan
+from gift_compile.exchange.topology import FLAT, NodeLayout, node_layout
 
 logger = logging.getLogger("gift_compile")
 
@@ -173,7 +174,7 @@ def rewrite_bucket(graph: fx.Graph, match: BucketMatch) -> RewriteRecord:
     average = match.reduce_op is ReduceOp.AVG
     sole = _sole_replica_hop(match)
     if sole is None:
-        plan = BucketPlan(tuple(items), match.group_size, match.group_name, average, match.op)
+        plan = BucketPlan(tuple(items), match.group_size, match.group_name, average, match.op, _layout(match, items))
     else:  # HSDP's replica hop alone: at its format, on its rank and counters (see the module docstring)
         plan = replica_hop_plan(items, sole, match.group_size, match.group_name, average)
         first = next(m for m in match.marks if m is not None)
@@ -206,7 +207,7 @@ def rewrite_bucket(graph: fx.Graph, match: BucketMatch) -> RewriteRecord:
             return flat.to(out_val.dtype).reshape(out_val.shape)
         shards = finish(recv, per_item, shared, plan, transformed=True)
         gathered = _c10d.wait_tensor(gather_launch(shards, per_item, shared, plan))
-        (full,) = gather_finish(gathered, per_item, plan)
+        (full,) = gather_finish(gathered, per_item, plan, shared=shared)
         return full.to(out_val.dtype).reshape(out_val.shape)
 
     meta = {k: match.collective.meta[k] for k in _META_KEYS if k in match.collective.meta}
@@ -240,6 +241,18 @@ def rewrite_bucket(graph: fx.Graph, match: BucketMatch) -> RewriteRecord:
         record.replica_wire_bytes = bucket_wire_bytes(replica_plan)
         record.replica_baseline_bytes = baseline // match.group_size
     return record
+
+
+def _layout(match: BucketMatch, items: list[ItemPlan]) -> NodeLayout:
+    """The node layout of the bucket's group under its managed items' `ranks_per_node` (the
+    config's, carried by each mark), as the eager hooks resolve it (`topology.node_layout`):
+    two levels where the group spans nodes. Its subgroups are made here, at the rewrite,
+    which every rank of the group runs at the same point of its compilation."""
+    settings = {item.ranks_per_node for item in items if item.managed}
+    if len(settings) != 1:
+        raise GiftRewriteError(f"GIFT pass: the managed gradients of one bucket carry ranks_per_node {sorted(settings, key=str)}; "
+                               "one bucket runs on one node layout")
+    return node_layout(match.group_name, settings.pop()) if match.group_size > 1 else FLAT
 
 
 def _sole_replica_hop(match: BucketMatch) -> str | None:

@@ -29,7 +29,7 @@ FAST_FILES: frozenset[str] = frozenset({
     "test_layers.py", "test_map_precision.py", "test_map_precision_arms.py", "test_pass.py", "test_pass_hsdp.py",
     "test_recompile.py", "test_reliability.py", "test_rotation.py", "test_second_hop_ef.py",
     "test_second_moment.py", "test_selection.py", "test_statistics.py", "test_tensor_parallel.py", "test_tiers.py",
-    "test_tiny_llama.py", "test_training.py",
+    "test_tiny_llama.py", "test_training.py", "test_two_level.py",
     # torchtitan: the launcher's parsing, and each file's tests that launch nothing
     "test_torchtitan_launcher.py", "test_torchtitan_train.py", "test_torchtitan_hsdp.py", "test_torchtitan_pp.py",
     "test_torchtitan_cp.py", "test_torchtitan_ddp.py", "test_torchtitan_ep_graph.py",
@@ -49,6 +49,17 @@ FULL_FILES: dict[str, str] = {
 # Tests of `FAST_FILES` that only `make test-full` runs (pytest node ids, or their prefix up to a
 # parametrization), each with why it is not needed in the fast tier.
 FULL_TESTS: dict[str, str] = {
+    **{f"test_two_level.py::{name}": "the 8-rank two-level matrix (2 nodes x 4, 4 nodes x 2: core, DDP, FSDP2, graph "
+                                     "pass; fast: test_core_on_four_ranks_as_two_nodes_of_two)"
+       for name in ("test_fp32_two_level_equals_native_collective_bit_for_bit",
+                    "test_nvfp4_two_level_within_format_error_and_replicas_identical",
+                    "test_bytes_per_hop_counted_equal_accounting_and_cross_node_is_flat_over_g",
+                    "test_map_and_encode_run_on_one_gth_of_the_elements",
+                    "test_error_feedback_lives_on_the_chunk_and_nan_raises_on_every_rank",
+                    "test_ddp_two_level_replicas_identical_bytes_accounted_resume_exact",
+                    "test_fsdp2_two_level_shards_and_bytes", "test_graph_pass_rewrites_into_two_levels")},
+    "test_two_level.py::test_compiled_bodies_equal_eager_in_two_levels":
+        "4 ranks compiling the two-level bodies (fast: the eager core in test_core_on_four_ranks_as_two_nodes_of_two)",
     "test_torchtitan_train.py::test_graph_trainer_and_fsdp2_train_identically_without_gift":
         "a GIFT-off graph_trainer launch; the fast tier's graph run is held to the FSDP2 trainer's GIFT-off run",
     "test_torchtitan_train.py::test_resume_restores_gift_state[llama3_debug_gift_graph]":
@@ -103,6 +114,8 @@ FEATURES: dict[str, tuple[str, ...]] = {
     "error feedback (first hop, leaky, second hop)": (
         "test_collectives.py::test_error_feedback_shrinks_the_mean_error",
         "test_second_hop_ef.py::test_replicas_bit_identical_and_residual_is_the_owners_shard"),
+    "two-level exchange (inside the node, then across nodes on 1/g)": (
+        "test_two_level.py::test_core_on_four_ranks_as_two_nodes_of_two", "test_two_level.py::test_layout_rules"),
     "per-layer formats": ("test_layer_formats.py::test_each_layer_is_sent_and_counted_at_its_own_format",),
     # geometries and selection
     "every geometry (none, hadamard, dense, lowrank, gradient, momentum, second_moment)": (

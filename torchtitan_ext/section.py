@@ -156,6 +156,11 @@ class GiftSection:
     """The low-rank map's matmuls: auto (TF32 tensor-core kernels on CUDA, exact elsewhere) |
     exact (fixed-order fp32) | tf32 | bf16 (tensor-core kernels, fp32 accumulation; CUDA only)."""
 
+    ranks_per_node: int | None = _DEFAULTS.ranks_per_node
+    """Node layout of the exchange: None (the launcher's LOCAL_WORLD_SIZE) | 0 (one level) | g (global
+    ranks g to a node). Where a group spans nodes each collective runs in two levels: the node's
+    native reduce-scatter, then GIFT's codec on the 1/g chunk across nodes."""
+
     def __post_init__(self) -> None:
         for name in _INTEGRATION_FIELDS:
             if not isinstance(getattr(self, name), bool):

@@ -64,6 +64,10 @@ def gift_metrics(state: GiftState, last: dict[str, Any]) -> dict[str, float]:
         "gift/managed_layers": float(len(state.layers)),
         "gift/selected_layers": float(sum(layer.selected for layer in state.layers.values())),
         "gift/wire_bytes_per_step": delta["wire"] / steps,
+        # by hop: inside the node (a two-level exchange's native stage; 0 in one level) and the
+        # group's exchange (across nodes where the group spans them)
+        "gift/node_wire_bytes_per_step": delta["node_wire"] / steps,
+        "gift/cross_wire_bytes_per_step": delta["cross_wire"] / steps,
         "gift/baseline_bytes_per_step": delta["baseline"] / steps,
         "gift/collectives_per_step": delta["calls"] / steps,
         "gift/plan_version": float(state.plan_version),

@@ -1,5 +1,5 @@
 """What one bucket collective hands to the wire, by shape alone: the header, the layout of each
-format's scales, and the byte accounting (`bucket_wire_bytes`, `wire_bytes_per_rank`).
+format's scales, and the byte accounting (`bucket_wire_bytes`, `bucket_hop_bytes`, `wire_bytes_per_rank`).
 
 Split out of `gift_compile.exchange.collectives` because cost tables, the bench and telemetry read the
 accounting without running a collective, while `collectives` packs and parses scales with the
@@ -65,8 +65,10 @@ def bucket_wire_bytes(plan: BucketPlan) -> int:
 
     The all_to_all input (`world` blocks, each with its header) plus, for an all-reduce, the
     all_gather input. `run_bucket` counts what it really hands over at run time; the tests
-    check the two agree.
+    check the two agree. A two-level plan's are both hops' (`bucket_hop_bytes`).
     """
+    if plan.two_level:
+        return sum(bucket_hop_bytes(plan))
     w = plan.world
     total = w * HEADER_BYTES
     gather = 0
@@ -82,6 +84,24 @@ def bucket_wire_bytes(plan: BucketPlan) -> int:
     if plan.op is Collective.ALL_REDUCE and w > 1:
         total += gather
     return total
+
+
+def bucket_hop_bytes(plan: BucketPlan) -> tuple[int, int]:
+    """`(inside the node, across nodes)`: the bytes this rank hands to each level's collectives
+    for one call of `plan`. A one-level plan hands everything to its group's exchange, counted
+    as across (the group may span nodes; inside one node it is the only hop anyway). A
+    two-level plan (`gift_compile.exchange.node_stage`): the native reduce-scatter of the
+    whole bucket at its dtypes, the 16-byte header all_gather and, for an all-reduce, the
+    fp32 chunks' all_gather inside the node; its stage 2 (`plan.cross`) across nodes."""
+    if not plan.two_level:
+        return 0, bucket_wire_bytes(plan)
+    node = HEADER_BYTES
+    for item in plan.items:
+        sent = plan.rows_sent(item) * item.cols if item.managed else plan.flat_sent(item)
+        node += sent * _itemsize(item.torch_dtype)
+        if plan.op is Collective.ALL_REDUCE:
+            node += plan.chunk_rows(item) * (item.cols if item.managed else 1) * 4
+    return node, bucket_wire_bytes(plan.cross)
 
 
 def wire_bytes_per_rank(op: str, shape: Sequence[int], spec: FormatSpec, world: int) -> int:

@@ -12,6 +12,13 @@ or a single weight) becomes ONE all_to_all of bytes:
     -> per item: decode every sender's block with that sender's scales, sum in fp32 in rank
        order, (average), inverse transform
 
+Where the group spans nodes (`BucketPlan.layout`, `gift_compile.exchange.topology`) the same
+functions run it in two levels (`gift_compile.exchange.node_stage`): `launch` first
+reduce-scatters the bucket natively inside the node and then encodes only the node's 1/g chunk
+for the all_to_all across nodes (`BucketPlan.cross`), `finish` and the all-gather stages decode
+that, and `gather_finish` ends an all-reduce with an all_gather of the fp32 chunks inside the
+node; every caller (eager hooks, the FX pass, compiled bodies) gets the two levels from its plan.
+
 For an all-reduce the reduced shards (still in transformed coordinates) are re-encoded with
 local scales and all-gathered (one all_gather_into_tensor of codes + scales), and every rank
 decodes the very same bytes, so replicas stay bit-identical. With second-hop error feedback the
@@ -65,6 +72,7 @@ from gift_compile.exchange.item_codec import (
     ItemTensors, Shared, _as_bytes, _from_bytes, _take, decode_item, decode_stage, encode_item, encode_stage,
     gather_decode_item, gather_decode_stage, item_plan, item_width, reduce_reencode_stage, reencode_item,
 )
+from gift_compile.exchange.node_stage import node_gather, node_rank_flags, node_reduce
 from gift_compile.exchange.plan import BucketPlan, Collective, ItemPlan
 from gift_compile.sync import process_group
 
@@ -81,12 +89,16 @@ C_MISMATCH = 4  # calls in which some rank's plan differed from this rank's
 C_NONFINITE_RANKS = 5  # ranks whose header flagged a non-finite gradient
 C_MISMATCH_RANKS = 6  # ranks whose plan fingerprint differed from this rank's
 C_PLAIN_CALLS = 7  # bucket collectives of the full-precision sync of unmanaged parameters
-N_COUNTERS = 8
+# bytes of C_WIRE handed to collectives inside a node: a two-level exchange's native
+# reduce-scatter, header all_gather and (all-reduce) result all_gather; C_WIRE minus this is
+# what crossed between nodes (a one-level exchange counts nothing here)
+C_NODE_WIRE = 8
+N_COUNTERS = 9
 RANK_BITS = 62
 
 __all__ = [
-    "C_BASELINE", "C_CALLS", "C_MISMATCH", "C_MISMATCH_RANKS", "C_NONFINITE", "C_NONFINITE_RANKS", "C_PLAIN_CALLS",
-    "C_WIRE", "N_COUNTERS", "RANK_BITS", "ItemTensors", "Shared", "bucket_core", "finish", "flagged_ranks",
+    "C_BASELINE", "C_CALLS", "C_MISMATCH", "C_MISMATCH_RANKS", "C_NONFINITE", "C_NONFINITE_RANKS", "C_NODE_WIRE",
+    "C_PLAIN_CALLS", "C_WIRE", "N_COUNTERS", "RANK_BITS", "ItemTensors", "Shared", "bucket_core", "finish", "flagged_ranks",
     "gather_finish", "gather_launch", "group_info", "launch", "run_bucket",
 ]
 
@@ -103,14 +115,15 @@ def group_info(group: dist.ProcessGroup | str | None) -> tuple[str | None, int, 
 
 
 def _count(shared: Shared, wire: int, baseline: int, calls: int, nonfinite: torch.Tensor | int = 0,
-           mismatch: torch.Tensor | int = 0) -> None:
-    """Add to the counters in one in-place op (no tensor constants: graph-spliceable)."""
+           mismatch: torch.Tensor | int = 0, node: int = 0) -> None:
+    """Add to the counters in one in-place op (no tensor constants: graph-spliceable); `node`
+    of the `wire` bytes went to collectives inside a node."""
     c = shared.counters
     if c is None:
         return
     idx = torch.arange(c.shape[0], device=c.device)
     delta = ((idx == C_WIRE) * wire + (idx == C_BASELINE) * baseline + (idx == C_CALLS) * calls
-             + (idx == C_NONFINITE) * nonfinite + (idx == C_MISMATCH) * mismatch)
+             + (idx == C_NONFINITE) * nonfinite + (idx == C_MISMATCH) * mismatch + (idx == C_NODE_WIRE) * node)
     c.add_(delta.to(c.dtype))
 
 
@@ -167,7 +180,20 @@ def launch(xs: Sequence[torch.Tensor], items: Sequence[ItemTensors | None], shar
 
     Returns the collective's (not yet waited) output `[world * N]` uint8, or the packed input
     itself on one rank. Updates error-feedback residuals, gradient probes and the counters.
+    A two-level plan first runs stage 1 inside the node (`node_stage.node_reduce`, waited)
+    and then this on the node's chunks over `plan.cross`, whose headers carry the node's flags.
     """
+    if not plan.two_level:
+        return _launch(xs, items, shared, plan, compiled, None)
+    chunks, stage2, flag, handed, baseline = node_reduce(xs, items, plan)
+    _count(shared, handed, baseline, 1, node=handed)
+    return _launch(chunks, stage2, shared, plan.cross, compiled, flag)
+
+
+def _launch(xs: Sequence[torch.Tensor], items: Sequence[ItemTensors | None], shared: Shared, plan: BucketPlan,
+            compiled: bool, node_flag: torch.Tensor | None) -> torch.Tensor:
+    """`launch` of a one-level plan, or (`node_flag`, the node's flag word) of a two-level
+    plan's stage 2, whose header carries that word and whose call and baseline stage 1 counted."""
     w = plan.world
     blocks: list[torch.Tensor] = []
     nonfinite = None
@@ -184,11 +210,14 @@ def launch(xs: Sequence[torch.Tensor], items: Sequence[ItemTensors | None], shar
             item_blocks, bad = encode_item(x, state, shared, item, plan)
         blocks.extend(item_blocks)
         nonfinite = bad if nonfinite is None else nonfinite | bad
-    flag = nonfinite.to(torch.int64)
+    flag = nonfinite.to(torch.int64) if node_flag is None else node_flag
     header = torch.stack([torch.full_like(flag, plan.fingerprint()), flag])
     blocks.insert(0, _as_bytes(header).reshape(1, -1).expand(w, -1))
     send = torch.cat(blocks, dim=1)
-    _count(shared, send.numel(), baseline, 1)
+    if node_flag is None:
+        _count(shared, send.numel(), baseline, 1)
+    else:
+        _count(shared, send.numel(), 0, 0)
     if plan.group_name is None:
         return send.reshape(-1)
     n = send.shape[1]
@@ -200,8 +229,11 @@ def _read_headers(recv: torch.Tensor, shared: Shared, plan: BucketPlan) -> torch
     to the counters."""
     recv = recv.reshape(plan.world, -1)
     header = _from_bytes(_take(recv, 0, HEADER_BYTES)[0], torch.int64)  # [w, 2]
-    mismatch = header[:, 0] != plan.fingerprint()
-    nonfinite = header[:, 1] != 0
+    if plan.node_headers:  # a two-level stage 2: each header carries its node's flags
+        nonfinite, mismatch = node_rank_flags(header, shared, plan)
+    else:
+        mismatch = header[:, 0] != plan.fingerprint()
+        nonfinite = header[:, 1] != 0
     _count(shared, 0, 0, 0, nonfinite.any().to(torch.int64), mismatch.any().to(torch.int64))
     _flag_ranks(shared, nonfinite, mismatch)
     return recv
@@ -216,6 +248,9 @@ def finish(recv: torch.Tensor, items: Sequence[ItemTensors | None], shared: Shar
     if compiled and transformed:
         raise ValueError("finish: the compiled bodies decode to original coordinates (the all-reduce's compiled "
                          "path re-encodes in the same body: run_bucket)")
+    if plan.two_level:  # stage 2's decode: the chunk's shard is this rank's one-level shard
+        outs = finish(recv, items, shared, plan.cross, transformed=transformed, compiled=compiled)
+        return outs if transformed else _averaged(outs, plan)
     recv = _read_headers(recv, shared, plan)
     offset = HEADER_BYTES
     outs = []
@@ -229,6 +264,12 @@ def finish(recv: torch.Tensor, items: Sequence[ItemTensors | None], shared: Shar
     return outs
 
 
+def _averaged(outs: list[torch.Tensor], plan: BucketPlan) -> list[torch.Tensor]:
+    """A two-level plan's results divided by the world size when it averages: its stage 2
+    sums (it spans the nodes only), so the mean over all ranks is taken once, at the end."""
+    return [o / plan.world for o in outs] if plan.average else outs
+
+
 def _gather_send(pieces: list[torch.Tensor], shared: Shared, plan: BucketPlan) -> torch.Tensor:
     buf = torch.cat(pieces)
     _count(shared, buf.numel(), 0, 0)
@@ -240,7 +281,10 @@ def _gather_send(pieces: list[torch.Tensor], shared: Shared, plan: BucketPlan) -
 def gather_launch(shards: Sequence[torch.Tensor], items: Sequence[ItemTensors | None], shared: Shared,
                   plan: BucketPlan) -> torch.Tensor:
     """All-reduce stage 2: re-encode this rank's reduced shards (transformed coordinates,
-    `item_codec.reencode_item`) and start one all_gather of codes + scales (not yet waited)."""
+    `item_codec.reencode_item`) and start one all_gather of codes + scales (not yet waited);
+    a two-level plan's over the cross-node group (stage 2)."""
+    if plan.two_level:
+        plan = plan.cross
     pieces = []
     for shard, state, item in zip(shards, items, plan.items):
         pieces.extend(reencode_item(shard, state, shared, item, plan))
@@ -252,6 +296,8 @@ def _regather_launch(recv: torch.Tensor, items: Sequence[ItemTensors | None], sh
     """`finish(transformed=True)` then `gather_launch`, each item in ONE compiled body
     (`item_codec.reduce_reencode_stage`): decode, sum and re-encode share the body, so the fp32
     shard need not be written out between two bodies."""
+    if plan.two_level:
+        plan = plan.cross
     recv = _read_headers(recv, shared, plan)
     body_shared = _body_shared(shared, recv.device)
     offset = HEADER_BYTES
@@ -264,10 +310,17 @@ def _regather_launch(recv: torch.Tensor, items: Sequence[ItemTensors | None], sh
 
 
 def gather_finish(gathered: torch.Tensor, items: Sequence[ItemTensors | None], plan: BucketPlan, *,
-                  compiled: bool = False) -> list[torch.Tensor]:
+                  shared: Shared, compiled: bool = False) -> list[torch.Tensor]:
     """Decode every rank's shard (the same bytes on every rank), inverse-transform, crop the
     padding (`item_codec.gather_decode_item`): full fp32 results, managed items as `[rows, cols]`,
-    passthrough items flat. `compiled`: each item through its compiled body."""
+    passthrough items flat. `compiled`: each item through its compiled body. A two-level plan
+    decodes its node's chunks (stage 2) and gathers them inside the node (stage 3,
+    `node_stage.node_gather`, counted in `shared`'s counters)."""
+    if plan.two_level:
+        chunks = _averaged(gather_finish(gathered, items, plan.cross, shared=shared, compiled=compiled), plan)
+        outs, handed = node_gather(chunks, plan)
+        _count(shared, handed, 0, 0, node=handed)
+        return outs
     allb = gathered.reshape(plan.world, -1)
     offset = 0
     outs = []
@@ -283,11 +336,20 @@ def gather_finish(gathered: torch.Tensor, items: Sequence[ItemTensors | None], p
 
 
 def _wait(t: torch.Tensor, plan: BucketPlan) -> torch.Tensor:
-    return t if plan.group_name is None else _c10d.wait_tensor(t)
+    return t if plan.group_name is None else _c10d.wait_tensor(t)  # a two-level plan spans ranks: it has one
 
 
-def _headers(recv: torch.Tensor, plan: BucketPlan) -> torch.Tensor:
-    return _from_bytes(_take(recv.reshape(plan.world, -1), 0, HEADER_BYTES)[0], torch.int64)
+def _headers(recv: torch.Tensor, plan: BucketPlan, shared: Shared) -> torch.Tensor:
+    """`[world, 2]` int64: each rank's plan fingerprint and non-finite flag, as the headers
+    say. A two-level plan's come from stage 2's node flags (`node_stage.node_rank_flags`):
+    a rank flagged as mismatching gets a fingerprint other than this rank's."""
+    if not plan.two_level:
+        return _from_bytes(_take(recv.reshape(plan.world, -1), 0, HEADER_BYTES)[0], torch.int64)
+    cross = plan.cross
+    header = _from_bytes(_take(recv.reshape(cross.world, -1), 0, HEADER_BYTES)[0], torch.int64)
+    nonfinite, mismatch = node_rank_flags(header, shared, cross)
+    fingerprint = torch.full_like(nonfinite, plan.fingerprint(), dtype=torch.int64)
+    return torch.stack([torch.where(mismatch, ~fingerprint, fingerprint), nonfinite.to(torch.int64)], dim=1)
 
 
 def bucket_core(xs: Sequence[torch.Tensor], items: Sequence[ItemTensors | None], shared: Shared,
@@ -298,12 +360,12 @@ def bucket_core(xs: Sequence[torch.Tensor], items: Sequence[ItemTensors | None],
     `gather_finish`). The headers let an eager caller raise on every rank at once.
     """
     recv = _wait(launch(xs, items, shared, plan), plan)
-    headers = _headers(recv, plan)
+    headers = _headers(recv, plan, shared)
     if plan.op is Collective.REDUCE_SCATTER:
         return finish(recv, items, shared, plan), headers
     shards = finish(recv, items, shared, plan, transformed=True)
     gathered = _wait(gather_launch(shards, items, shared, plan), plan)
-    return gather_finish(gathered, items, plan), headers
+    return gather_finish(gathered, items, plan, shared=shared), headers
 
 
 def _compiled_bucket(xs: Sequence[torch.Tensor], items: Sequence[ItemTensors | None], shared: Shared,
@@ -311,11 +373,11 @@ def _compiled_bucket(xs: Sequence[torch.Tensor], items: Sequence[ItemTensors | N
     """`bucket_core` with every item's codec in its compiled body and the glue (header, cat,
     collectives, counters) run eagerly: bit-identical to `bucket_core` (the tests check)."""
     recv = _wait(launch(xs, items, shared, plan, compiled=True), plan)
-    headers = _headers(recv, plan)
+    headers = _headers(recv, plan, shared)
     if plan.op is Collective.REDUCE_SCATTER:
         return finish(recv, items, shared, plan, compiled=True), headers
     gathered = _wait(_regather_launch(recv, items, shared, plan), plan)
-    return gather_finish(gathered, items, plan, compiled=True), headers
+    return gather_finish(gathered, items, plan, shared=shared, compiled=True), headers
 
 
 def run_bucket(xs: Sequence[torch.Tensor], items: Sequence[ItemTensors | None], shared: Shared, plan: BucketPlan,

@@ -22,21 +22,23 @@ import torch.distributed as dist
 
 from gift_compile.codec import Nonfinite
 from gift_compile.config import GiftConfig, PlanCheck, ReduceOp
-from gift_compile.exchange.accounting import HEADER_BYTES, bucket_wire_bytes, wire_bytes_per_rank
+from gift_compile.exchange.accounting import HEADER_BYTES, bucket_hop_bytes, bucket_wire_bytes, wire_bytes_per_rank
 from gift_compile.exchange.agreement import check_plan_agreement, raise_on_bad_headers
 from gift_compile.exchange.bucket import (
-    C_BASELINE, C_CALLS, C_MISMATCH, C_MISMATCH_RANKS, C_NONFINITE, C_NONFINITE_RANKS, C_PLAIN_CALLS, C_WIRE,
-    N_COUNTERS, RANK_BITS, ItemTensors, Shared, bucket_core, finish, flagged_ranks, gather_finish, gather_launch,
+    C_BASELINE, C_CALLS, C_MISMATCH, C_MISMATCH_RANKS, C_NODE_WIRE, C_NONFINITE, C_NONFINITE_RANKS, C_PLAIN_CALLS,
+    C_WIRE, N_COUNTERS, RANK_BITS, ItemTensors, Shared, bucket_core, finish, flagged_ranks, gather_finish, gather_launch,
     group_info, launch, run_bucket,
 )
+from gift_compile.exchange.node_stage import residual_rows
 from gift_compile.exchange.plan import BucketPlan, Collective, ItemPlan, dtype_name
+from gift_compile.exchange.topology import FLAT, NodeLayout, node_layout
 from gift_compile.geometry.table import IDENTITY_KIND, Geometry
 from gift_compile.sync import process_group
 
 __all__ = [
-    "C_BASELINE", "C_CALLS", "C_MISMATCH", "C_MISMATCH_RANKS", "C_NONFINITE", "C_NONFINITE_RANKS", "C_PLAIN_CALLS",
-    "C_WIRE", "HEADER_BYTES", "N_COUNTERS", "RANK_BITS", "ItemTensors", "Segment", "Shared", "all_reduce",
-    "bucket_core", "bucket_plan", "bucket_wire_bytes", "check_plan_agreement", "finish", "flagged_ranks",
+    "C_BASELINE", "C_CALLS", "C_MISMATCH", "C_MISMATCH_RANKS", "C_NODE_WIRE", "C_NONFINITE", "C_NONFINITE_RANKS",
+    "C_PLAIN_CALLS", "C_WIRE", "HEADER_BYTES", "N_COUNTERS", "RANK_BITS", "ItemTensors", "Segment", "Shared",
+    "all_reduce", "bucket_core", "bucket_hop_bytes", "bucket_plan", "bucket_wire_bytes", "check_plan_agreement", "finish", "flagged_ranks",
     "gather_finish", "gather_launch", "group_info", "launch", "raise_on_bad_headers", "reduce_scatter", "run_bucket",
     "sync_buffer", "wire_bytes_per_rank",
 ]
@@ -62,19 +64,21 @@ class Segment(NamedTuple):
 
 
 def bucket_plan(segments: Sequence[Segment], dtype: torch.dtype, *, world: int, group_name: str | None,
-                average: bool, op: Collective | str) -> BucketPlan:
-    """The plan of a buffer cut into `segments` (see `Segment` for the two layouts)."""
+                average: bool, op: Collective | str, layout: NodeLayout = FLAT) -> BucketPlan:
+    """The plan of a buffer cut into `segments` (see `Segment` for the two layouts), on the
+    group's node `layout` (`topology.node_layout`)."""
     op = Collective.parse(op)
     per_item = world if op is Collective.REDUCE_SCATTER else 1
     items = tuple(ItemPlan.passthrough(s.name, per_item * s.rows * s.cols, dtype) if s.plan is None
                   else s.plan.with_dtype(dtype) for s in segments)
-    return BucketPlan(items, world, group_name, average, op)
+    return BucketPlan(items, world, group_name, average, op, layout)
 
 
 def sync_buffer(buffer: torch.Tensor, segments: Sequence[Segment], shared: Shared, *, op: Collective | str,
                 group: dist.ProcessGroup | str | None, average: bool, out: torch.Tensor | None = None,
                 plan_check: PlanCheck | None = None, nonfinite: Nonfinite | None = None, compiled: bool = False,
-                timing: contextlib.AbstractContextManager | None = None) -> list[torch.Tensor]:
+                timing: contextlib.AbstractContextManager | None = None,
+                ranks_per_node: int | None = None) -> list[torch.Tensor]:
     """One bucket collective over a flat buffer, the steps every eager caller shares (the
     public one-tensor API, GIFT's own sync in a weight's backward, the DDP and FSDP2 hooks):
     cut `buffer` into `segments`, build the `BucketPlan`, check it across ranks, `run_bucket`,
@@ -85,8 +89,10 @@ def sync_buffer(buffer: torch.Tensor, segments: Sequence[Segment], shared: Share
     (`GiftConfig.nonfinite`) raises on every rank for bad headers now (None: left to the
     counters, checked once per optimizer step). `out` receives the results: for an
     all-reduce at the segments' offsets (it may be `buffer` itself), for a reduce-scatter
-    this rank's shards concatenated. `timing` is entered around the collective. Returns the
-    fp32 outputs (all-reduce: full gradients; reduce-scatter: this rank's shards).
+    this rank's shards concatenated. `timing` is entered around the collective.
+    `ranks_per_node` (`GiftConfig.ranks_per_node`) decides whether the bucket runs in two
+    levels (`topology.node_layout`). Returns the fp32 outputs (all-reduce: full gradients;
+    reduce-scatter: this rank's shards).
     """
     op = Collective.parse(op)
     group_name, world, _ = group_info(group)
@@ -103,7 +109,9 @@ def sync_buffer(buffer: torch.Tensor, segments: Sequence[Segment], shared: Share
             piece = buffer[offset:offset + n]
             xs.append(piece if seg.plan is None else piece.view(seg.rows, seg.cols))
         offset += n
-    plan = bucket_plan(segments, buffer.dtype, world=world, group_name=group_name, average=average, op=op)
+    layout = node_layout(group, ranks_per_node) if group_name else FLAT
+    plan = bucket_plan(segments, buffer.dtype, world=world, group_name=group_name, average=average, op=op,
+                       layout=layout)
     if plan_check is not None:
         pg = process_group(group)
         check_plan_agreement(plan, pg if group_name else None, always=plan_check is PlanCheck.ALWAYS)
@@ -138,9 +146,14 @@ def _single(x: torch.Tensor, group: dist.ProcessGroup | str | None, config: Gift
     tensors = () if transform is None else transform.tensors
     if transform is not None and cols != transform.d_in:
         raise ValueError(f"GIFT {op}: x's last dim {cols} != transform d_in {transform.d_in}")
-    if residual is not None and residual.shape != x.shape:
-        raise ValueError(f"GIFT {op}: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
     name, world, rank = group_info(group)
+    layout = node_layout(group, config.ranks_per_node) if name else FLAT
+    if residual is not None and not layout.two_level and residual.shape != x.shape:
+        raise ValueError(f"GIFT {op}: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    chunk = (residual_rows(rows, world, layout), cols)
+    if residual is not None and layout.two_level and tuple(residual.shape) != chunk:
+        raise ValueError(f"GIFT {op}: residual shape {tuple(residual.shape)} != the node chunk {chunk} the two-level "
+                         f"exchange rounds ({layout.nodes} nodes x {layout.ranks_per_node} ranks)")
     if second_hop_residual is not None and second_hop_residual.shape != (-(-rows // world), cols):
         raise ValueError(f"GIFT {op}: second_hop_residual shape {tuple(second_hop_residual.shape)} != this rank's "
                          f"shard {(-(-rows // world), cols)} (rows {rows} padded to a multiple of {world}, / {world})")
@@ -152,13 +165,13 @@ def _single(x: torch.Tensor, group: dist.ProcessGroup | str | None, config: Gift
                     block_rotation=config.block_rotation,
                     second_hop_error_feedback=second_hop_residual is not None,
                     error_feedback_decay=config.error_feedback_decay, map_precision=config.map_precision)
-    res2 = None if residual is None else (residual.reshape(rows, cols),)
+    res2 = None if residual is None else (residual.reshape(-1, cols),)
     hop2 = None if second_hop_residual is None else (second_hop_residual,)
     seg_rows = rows // world if op is Collective.REDUCE_SCATTER else rows
     segment = Segment("x", seg_rows, cols, item, ItemTensors(tensors, res2, None, second_hop_residual=hop2))
     outs = sync_buffer(x.reshape(-1), [segment], Shared(seed, rank, None), op=op, group=group,
                        average=config.reduce_op is ReduceOp.AVG, plan_check=config.plan_check, nonfinite=config.nonfinite,
-                       compiled=compiled)
+                       compiled=compiled, ranks_per_node=config.ranks_per_node)
     return outs[0]
 
 
@@ -175,7 +188,9 @@ def reduce_scatter(
     """Low-bit reduce-scatter along dim 0: this rank's shard of the sum (or mean) of `x`.
 
     `x.shape[0]` must be divisible by the world size. `residual` (fp32, shape of `x`) is error
-    feedback in transformed coordinates, updated in place. A non-finite `x` on any rank raises
+    feedback in transformed coordinates, updated in place; where the group spans nodes
+    (`GiftConfig.ranks_per_node`) it is the node chunk's, `[rows / g, cols]`
+    (`node_stage.residual_rows`). A non-finite `x` on any rank raises
     on every rank under `nonfinite="error"`; ranks calling with different plans raise
     before any data moves. `compiled` runs the core through `torch.compile`.
 

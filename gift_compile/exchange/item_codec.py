@@ -394,7 +394,12 @@ def encode_item(x: torch.Tensor, state: ItemTensors | None, shared: Shared, item
                 scales_nonfinite(spec, scales, tscale))
     g = _to_code_axes(item, _mapped(apply_forward, item, g, state.transform, item.groups))
     if state.residual is not None:
-        g = g + _pad_rows(_decayed(item, residual_store.read(item.residual_format, state.residual, item.cols)), rows)
+        e = residual_store.read(item.residual_format, state.residual, item.cols)
+        if e.shape[0] != item.rows:  # a residual sized for another layout must not be cropped or padded silently
+            raise ValueError(f"GIFT: {item.name}: error-feedback residual has {e.shape[0]} rows, the item sends "
+                             f"{item.rows} (a two-level exchange keeps it for the node's chunk: "
+                             "node_stage.residual_rows)")
+        g = g + _pad_rows(_decayed(item, e), rows)
     seed = _rank_seed(shared, item, state) if item.stochastic_rounding else 0
     # one call: where a kernel can choose the scales while it encodes (fp8 per row or block),
     # g is read once

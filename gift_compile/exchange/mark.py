@@ -124,7 +124,8 @@ class _GiftSync(torch.autograd.Function):
         tensors, shared = unpack_mark_tensors(item, saved)
         segment = collectives.Segment(item.name, item.rows, item.cols, item, tensors)
         outs = collectives.sync_buffer(grad.reshape(-1), [segment], shared, op=Collective.ALL_REDUCE,
-                                       group=ctx.group_name, average=ctx.op is ReduceOp.AVG, plan_check=PlanCheck.FIRST)
+                                       group=ctx.group_name, average=ctx.op is ReduceOp.AVG, plan_check=PlanCheck.FIRST,
+                                       ranks_per_node=item.ranks_per_node)
         return (outs[0].to(grad.dtype).reshape(grad.shape), *nones)
 
 

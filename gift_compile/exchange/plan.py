@@ -26,6 +26,7 @@ import torch
 from gift_compile.codec import FormatSpec
 from gift_compile.config import Unrewritten
 from gift_compile.kernels.map_dispatch import MapPrecision
+from gift_compile.exchange.topology import FLAT, NodeLayout
 from gift_compile.geometry.table import IDENTITY_KIND, map_class
 
 __all__ = ["BucketPlan", "ItemPlan", "dtype_name", "replica_hop_plan"]
@@ -87,6 +88,10 @@ class ItemPlan:
     # consecutive blocks, block e mapped with its own map. The item's transform tensors are then
     # each stacked on a leading dim of `groups` (`item_codec.ItemTensors`). 1: one map.
     groups: int = 1
+    # `GiftConfig.ranks_per_node`, carried so that a traced graph's rewrite (which sees plans,
+    # not the config) puts the bucket on the same node layout as the eager hooks
+    # (`gift_compile.exchange.topology.node_layout`); None: the launcher's LOCAL_WORLD_SIZE
+    ranks_per_node: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.groups, int) or isinstance(self.groups, bool) or self.groups < 1:
@@ -133,12 +138,15 @@ class ItemPlan:
         return dataclasses.replace(self, dtype=dtype_name(dtype))
 
     def as_dict(self) -> dict:
-        """The fields as plain data, `groups` left out at its default 1: plan strings and
+        """The fields as plain data, `groups` left out at its default 1 and `ranks_per_node` at
+        None: plan strings and
         descriptions exchanged between ranks, stored in checkpoints and compared by golden tests
         read exactly as before grouped items existed (`from_str`/`__init__` default it back)."""
         d = dataclasses.asdict(self)
         if self.groups == 1:
             del d["groups"]
+        if self.ranks_per_node is None:
+            del d["ranks_per_node"]
         return d
 
     def to_str(self) -> str:
@@ -186,6 +194,13 @@ class BucketPlan:
     `op` is `Collective.REDUCE_SCATTER` (each rank receives the sum of its 1/world row block of
     every item) or `ALL_REDUCE` (every rank receives every full sum); its spelling is accepted
     and stored as the member. `average` divides by `world`.
+
+    `layout` (`gift_compile.exchange.topology.node_layout`) puts the group's ranks on nodes: a
+    two-level layout runs the node's native reduce-scatter first and GIFT's exchange on the
+    node-reduced chunk over the cross-node group (`cross`, the stage-2 plan, built here once),
+    whose headers carry each node's flags (`node_headers`, the node's rank count; 0 in a
+    one-level plan). The one-level plan's fingerprint and description are what they were
+    before layouts existed.
     """
 
     items: tuple[ItemPlan, ...]
@@ -193,6 +208,8 @@ class BucketPlan:
     group_name: str | None
     average: bool
     op: Collective = Collective.REDUCE_SCATTER
+    layout: NodeLayout = FLAT
+    node_headers: int = 0
 
     def __post_init__(self) -> None:
         try:
@@ -209,8 +226,48 @@ class BucketPlan:
         # Item names and order are in: two equally shaped layers taken in another order on
         # another rank must not pair (their seeds and transforms differ).
         text = repr((tuple(i.to_str() for i in self.items), self.world, self.average, self.op.value))
+        if self.layout.two_level or self.node_headers:  # one level: the fingerprint it always had
+            text += repr((self.layout.ranks_per_node, self.node_headers))
         digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
         object.__setattr__(self, "_fingerprint", int.from_bytes(digest, "little", signed=True))
+        object.__setattr__(self, "_cross", self._cross_plan() if self.layout.two_level else None)
+
+    @property
+    def two_level(self) -> bool:
+        """Whether this bucket runs in two levels (its `layout` spans nodes)."""
+        return self.layout.two_level
+
+    @property
+    def cross(self) -> BucketPlan:
+        """Stage 2 of a two-level plan: GIFT's exchange of the node-reduced chunks over the
+        cross-node group. Each item keeps its plan with the chunk's rows (`chunk_rows`); its
+        shards are the very rows this rank's shard of the one-level plan holds."""
+        if self._cross is None:
+            raise ValueError("BucketPlan.cross: a one-level plan has no cross-node stage")
+        return self._cross
+
+    def chunk_rows(self, item: ItemPlan) -> int:
+        """Rows of a managed item's node-reduced chunk in a two-level plan: the item's rows as
+        sent (`rows_sent`) over the node's `g` ranks; a passthrough item's elements likewise
+        (`flat_sent` / g)."""
+        g = self.layout.ranks_per_node
+        return (self.rows_sent(item) if item.managed else self.flat_sent(item)) // g
+
+    def _cross_plan(self) -> BucketPlan:
+        g, nodes = self.layout.ranks_per_node, self.layout.nodes
+        if g * nodes != self.world:
+            raise ValueError(f"BucketPlan: layout of {nodes} nodes x {g} ranks does not match the world size {self.world}")
+        items = []
+        for i in self.items:
+            if not i.managed:
+                items.append(ItemPlan.passthrough(i.name, self.chunk_rows(i), i.torch_dtype))
+            elif i.block_maps:
+                raise ValueError(f"GIFT: item {i.name} (groups={i.groups}, a map per block) cannot run the two-level "
+                                 "exchange: a node's chunk holds other ranks' blocks, whose maps this rank does not "
+                                 "slice; set GiftConfig.ranks_per_node=0 for the one-level exchange")
+            else:  # the chunk's rows; a map-free grouped item's blocks need no bookkeeping there
+                items.append(dataclasses.replace(i, rows=self.chunk_rows(i), groups=1))
+        return BucketPlan(tuple(items), nodes, self.layout.cross_group, False, self.op, FLAT, g)
 
     def rows_sent(self, item: ItemPlan) -> int:
         """Rows of a managed item as communicated: an all-reduce pads them to a multiple of
@@ -233,15 +290,25 @@ class BucketPlan:
 
     def as_dict(self) -> dict:
         """Plain-data form (what ranks exchange to name the first difference of two plans)."""
-        return {"op": self.op.value, "world": self.world, "average": self.average,
-                "items": [i.as_dict() for i in self.items]}
+        d = {"op": self.op.value, "world": self.world, "average": self.average,
+             "items": [i.as_dict() for i in self.items]}
+        if self.two_level:
+            d["ranks_per_node"] = self.layout.ranks_per_node
+        if self.node_headers:
+            d["node_headers"] = self.node_headers
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "BucketPlan":
-        return cls(tuple(ItemPlan(**i) for i in d["items"]), d["world"], None, d["average"], d["op"])
+        g = d.get("ranks_per_node", 1)
+        layout = FLAT if g == 1 else NodeLayout(g, d["world"] // g)
+        return cls(tuple(ItemPlan(**i) for i in d["items"]), d["world"], None, d["average"], d["op"], layout,
+                   d.get("node_headers", 0))
 
     def describe(self) -> str:
         head = f"{self.op} over {self.world} ranks ({'avg' if self.average else 'sum'})"
+        if self.two_level:
+            head += f" in two levels ({self.layout.nodes} nodes x {self.layout.ranks_per_node})"
         return head + ": " + "; ".join(i.describe() for i in self.items)
 
 

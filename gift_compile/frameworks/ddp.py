@@ -60,7 +60,8 @@ def _gift_hook(hs: "_HookState", bucket: dist.GradBucket) -> torch.futures.Futur
             segments.append(Segment(layer.fqn, *layer.shape, layer.plan, layer.tensors()))
     config = hs.state.config
     sync_buffer(buf, segments, hs.state.shared, op=Collective.ALL_REDUCE, group=hs.group,
-                average=config.reduce_op is ReduceOp.AVG, out=buf, plan_check=config.plan_check, compiled=hs.fuse)
+                average=config.reduce_op is ReduceOp.AVG, out=buf, plan_check=config.plan_check, compiled=hs.fuse,
+                ranks_per_node=config.ranks_per_node)
     queue_backward_check(hs.state)
     fut.set_result(buf)
     return fut

@@ -47,7 +47,9 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
 from gift_compile.exchange.collectives import ItemTensors, Segment, Shared, bucket_plan, bucket_wire_bytes, sync_buffer
+from gift_compile.exchange.node_stage import residual_rows
 from gift_compile.exchange.plan import BucketPlan, Collective, ItemPlan
+from gift_compile.exchange.topology import FLAT, node_layout
 from gift_compile.frameworks.fsdp_internals import (
     DefaultReduceScatter, ReduceScatter, check_torch, custom_reduce_scatter, fsdp_modules, packed_params, same_group,
     set_group_reduce_scatter, shard_mesh_dims, shard_process_groups,
@@ -138,9 +140,11 @@ class GiftReduceScatter(ReduceScatter):
 
     def plan(self, world: int, dtype: torch.dtype, group_name: str | None = None) -> BucketPlan:
         """The bucket this module's reduce-scatter runs: one item per parameter (managed
-        weights quantized, the others at full precision), FSDP2's order."""
+        weights quantized, the others at full precision), FSDP2's order, on the group's node
+        layout (two levels where it spans nodes)."""
+        layout = node_layout(group_name, self.state.config.ranks_per_node) if group_name else FLAT
         return bucket_plan(self._segments(), dtype, world=world, group_name=group_name, average=False,
-                           op=Collective.REDUCE_SCATTER)
+                           op=Collective.REDUCE_SCATTER, layout=layout)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: Any, async_op: bool = False) -> dist.Work | None:
@@ -163,7 +167,7 @@ class GiftReduceScatter(ReduceScatter):
         self.last_call = (world, input_tensor.dtype, group.group_name)
         sync_buffer(input_tensor, segments, self.shared, op=Collective.REDUCE_SCATTER, group=group, average=False,
                     out=output_tensor, plan_check=config.plan_check, compiled=self.compiled,
-                    timing=self.timer.timing(input_tensor.device))
+                    timing=self.timer.timing(input_tensor.device), ranks_per_node=config.ranks_per_node)
         queue_backward_check(self.state)
         return None
 
@@ -256,7 +260,10 @@ class EuclideanReduceScatter(GiftReduceScatter):
             plan = euclidean_plan(self.state, fqn, shape, self.over.size(), error_feedback=True)
             if plan is not None and plan.error_feedback:
                 self._plans[key] = fqn, plan
-                self._residuals[key] = self.state.add_outside_residual(fqn, (plan.rows, plan.cols),
+                # the rows stage 2 of a two-level exchange rounds, where the group spans nodes
+                layout = node_layout(self.over, self.state.config.ranks_per_node)
+                rows = residual_rows(plan.rows, self.over.size(), layout)
+                self._residuals[key] = self.state.add_outside_residual(fqn, (rows, plan.cols),
                                                                        self.state.counters.device)
 
     @property

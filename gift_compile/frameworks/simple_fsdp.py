@@ -44,6 +44,8 @@ import torch.nn as nn
 from gift_compile.config import GiftConfig, Unrewritten
 from gift_compile.exchange.collectives import ItemTensors, Shared
 from gift_compile.exchange.mark import _GiftTag, pack_mark_tensors
+from gift_compile.exchange.node_stage import residual_rows
+from gift_compile.exchange.topology import node_layout
 from gift_compile.exchange.plan import ItemPlan
 from gift_compile.frameworks.adapter import attach, attached
 from gift_compile.frameworks.euclidean import NO_MAP, describe, describe_items, euclidean_plan, gathered_shape
@@ -256,8 +258,9 @@ def mark_outside(model: Parts, state: GiftState, groups: list[OutsideGroup]) -> 
             if g.group not in shared:
                 rank = torch.full((), dist.get_rank(mesh.get_group(mesh.ndim - 1)), dtype=torch.int64, device=device)
                 shared[g.group] = Shared(state.seed, rank, state.counters)
-            residual = (state.add_outside_residual(fqn, (plan.rows, plan.cols), device) if plan.error_feedback
-                        else None)
+            # the rows stage 2 of a two-level exchange rounds, where the shard dim spans nodes
+            rows = residual_rows(plan.rows, shards, node_layout(mesh.get_group(mesh.ndim - 1), plan.ranks_per_node))
+            residual = state.add_outside_residual(fqn, (rows, plan.cols), device) if plan.error_feedback else None
             item = ItemTensors((), residual, probe=torch.zeros(0, plan.cols, device=device),
                                seed_offset=torch.tensor(plan.seed_offset, dtype=torch.int64, device=device))
             tensors[name] = item, shared[g.group]

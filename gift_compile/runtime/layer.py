@@ -16,7 +16,9 @@ from gift_compile.codec import residual as residual_store
 from gift_compile.config import layer_format
 from gift_compile.exchange.collectives import ItemTensors, Shared
 from gift_compile.exchange.mark import SyncMode, pack_mark_tensors
+from gift_compile.exchange.node_stage import residual_rows
 from gift_compile.exchange.plan import ItemPlan
+from gift_compile.exchange.topology import FLAT, NodeLayout
 from gift_compile.geometry.statistics import StatisticsSettings
 from gift_compile.geometry.table import IDENTITY_KIND, Geometry
 from gift_compile.runtime.selection import LayerMeasurement
@@ -65,11 +67,13 @@ class LayerState:
     `plan` is the static description the `gift::mark` op carries into graphs; the transform
     tensors, `residual`, `second_hop_residual` and `probe` are the layer's runtime tensors;
     `stats` is fed by the layer's forward pre-hook. `world` sizes the second-hop residual:
-    this rank's shard of the all-reduce, `ceil(out / world)` rows.
+    this rank's shard of the all-reduce, `ceil(out / world)` rows; the group's node `layout`
+    the first-hop residual: the whole gradient's rows, or under a two-level exchange its
+    node chunk's (`exchange.node_stage.residual_rows`), where stage 2 rounds.
     """
 
     def __init__(self, fqn: str, shape: tuple[int, int], spec: LayerSpec, device: torch.device | str,
-                 world: int = 1):
+                 world: int = 1, layout: NodeLayout = FLAT):
         self.fqn = fqn
         self.shape = (int(shape[0]), int(shape[1]))
         self.reselect = spec.reselect
@@ -84,7 +88,7 @@ class LayerState:
         self.followers: list[LayerState] = []
         self.grad_factor: torch.Tensor | None = geometry.allocate_factor(d_in, device)
         plan = spec.plan
-        self.residual = (residual_store.allocate(plan.residual_format, out, d_in, device)
+        self.residual = (residual_store.allocate(plan.residual_format, residual_rows(out, world, layout), d_in, device)
                          if plan.error_feedback else None)
         self.second_hop_residual = (residual_store.allocate(plan.residual_format, -(-out // world), d_in, device)
                                     if plan.second_hop_error_feedback else None)

@@ -33,6 +33,7 @@ from gift_compile.exchange.collectives import (C_MISMATCH, C_MISMATCH_RANKS, C_N
                                                Shared, flagged_ranks)
 from gift_compile.exchange.mark import SyncMode
 from gift_compile.exchange.plan import BucketPlan, Collective, ItemPlan
+from gift_compile.exchange.topology import FLAT, node_layout
 from gift_compile.geometry.maps import FactorSource, RowShard
 from gift_compile.geometry.statistics import StatisticsSettings
 from gift_compile.geometry.table import Geometry, geometry_class
@@ -80,7 +81,8 @@ def layer_spec(config: GiftConfig, geometry: type[Geometry]) -> LayerSpec:
                     unrewritten=config.unrewritten,
                     residual_format=config.residual_format,
                     second_hop_error_feedback=config.second_hop_error_feedback,
-                    error_feedback_decay=config.error_feedback_decay, map_precision=config.map_precision)
+                    error_feedback_decay=config.error_feedback_decay, map_precision=config.map_precision,
+                    ranks_per_node=config.ranks_per_node)
     return LayerSpec(geometry=geometry, rank=config.rank, seed=config.seed, statistics=statistics, plan=plan,
                      reselect=config.reselect_every > 0, layer_formats=config.layer_formats)
 
@@ -123,7 +125,7 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
                  "grad_source", "_health_seen", "modules", "handles", "active", "sync_mode", "dirty_params",
                  "plan_version", "selection_changes", "_sharing_checked", "adapters", "hop_counters", "backward_watch",
                  "geometry", "layer_spec", "health_group", "pending_faults", "outside", "substates", "blocks",
-                 "stepped_by_optimizer", "report")
+                 "stepped_by_optimizer", "report", "layout")
 
     def __init__(self, config: GiftConfig, group: dist.ProcessGroup | None,
                  collective: Collective | str = Collective.ALL_REDUCE):
@@ -140,6 +142,9 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         self.layers: dict[str, LayerState] = {}
         self.seed = torch.full((), config.seed, dtype=torch.int64)
         self.rank = torch.full((), group_rank(group), dtype=torch.int64)
+        # where the group's ranks sit (`exchange.topology`): a group spanning nodes runs every
+        # collective in two levels, and the layers' residuals are sized to its node chunks
+        self.layout = node_layout(group, config.ranks_per_node) if world_size(group) > 1 else FLAT
         self.counters = torch.zeros(N_COUNTERS, dtype=torch.int64)
         self.steps = 0
         self.history: list[RefreshRecord] = []
@@ -226,7 +231,7 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         if not self.layers and self.seed.device != torch.device(device):
             # graphs read these where the weights live
             self.seed, self.rank, self.counters = (t.to(device) for t in (self.seed, self.rank, self.counters))
-        layer = LayerState(fqn, shape, self.layer_spec, device, world)
+        layer = LayerState(fqn, shape, self.layer_spec, device, world, self.layout)
         self.layers[fqn] = layer
         if self._static_selection():  # decided before any graph exists: not a plan change
             chosen = fqn in decide(self.config, self.geometry, {fqn: LayerMeasurement(1.0, 1.0, 0.0, 0.0)}, {})
@@ -238,7 +243,8 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
                              device: torch.device | str) -> tuple[torch.Tensor, ...]:
         """Zero error-feedback buffers, in the config's residual format, for parameter `fqn`, a
         gradient an adapter sends on GIFT's codec outside the layers (`frameworks.euclidean`),
-        `shape` its whole local gradient as the item views it; kept here so that checkpoints
+        `shape` its whole local gradient as the item views it (under a two-level exchange the
+        node chunk's rows, `exchange.node_stage.residual_rows`); kept here so that checkpoints
         carry it (the layers' residuals' rules: `gift_compile.runtime.checkpoint`)."""
         if fqn in self.outside or fqn in self.layers:
             raise ValueError(f"GiftState.add_outside_residual: {fqn} already has a residual")
@@ -281,7 +287,7 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         """The one-layer collective this state's own sync runs for `fqn` (for accounting)."""
         group_name = self.group.group_name if self.world() > 1 else None
         return BucketPlan((self.layers[fqn].plan,), self.world(), group_name, self.config.reduce_op is ReduceOp.AVG,
-                          self.collective)
+                          self.collective, self.layout)
 
     # ---- gradient accumulation (GIFT's own sync) -----------------------------------------
     def enter_accumulate(self) -> None:

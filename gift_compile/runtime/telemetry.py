@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gift_compile.exchange.collectives import (C_BASELINE, C_CALLS, C_MISMATCH, C_NONFINITE, C_PLAIN_CALLS, C_WIRE,
+from gift_compile.exchange.collectives import (C_BASELINE, C_CALLS, C_MISMATCH, C_NODE_WIRE, C_NONFINITE, C_PLAIN_CALLS, C_WIRE,
                                                bucket_wire_bytes)
 from gift_compile.geometry.statistics import SketchStatistics
 
@@ -74,10 +74,15 @@ class Telemetry:
         parameters, `gift_compile.frameworks.plain_sync`; not in `calls`). `baseline / wire` is the
         whole gradient's compression on plain modules, DDP and FSDP2, where every gradient goes
         through these counters; on a traced SimpleFSDP graph the reduce-scatters the pass left
-        alone are its report's `untouched_bytes`, which torchtitan's telemetry adds to both."""
+        alone are its report's `untouched_bytes`, which torchtitan's telemetry adds to both. `wire` by hop:
+        `node_wire`, handed to collectives inside a node (a two-level exchange's native
+        reduce-scatter, header and result all_gathers; 0 for a one-level exchange), and
+        `cross_wire`, the rest: what the group's exchange (across nodes, where it spans them)
+        was handed."""
         c = self.counters.tolist()
         return {"wire": c[C_WIRE], "baseline": c[C_BASELINE], "calls": c[C_CALLS], "nonfinite": c[C_NONFINITE],
-                "mismatch": c[C_MISMATCH], "plain_calls": c[C_PLAIN_CALLS]}
+                "mismatch": c[C_MISMATCH], "plain_calls": c[C_PLAIN_CALLS], "node_wire": c[C_NODE_WIRE],
+                "cross_wire": c[C_WIRE] - c[C_NODE_WIRE]}
 
     def accounted_bytes_per_step(self) -> int:
         """Shape-based accounting of the managed layers' bytes per step under this state's own

@@ -1,0 +1,132 @@
+"""Where a group's ranks sit: the node layout a two-level exchange runs on.
+
+A GIFT collective over ranks on several nodes runs in two levels (`gift_compile.exchange.bucket`):
+the `g` ranks of a node reduce-scatter the bucket natively over their fast links, then GIFT's
+codec runs on that 1/g chunk and crosses the network only between the ranks of the same local
+index. This module answers, once per group, whether that applies and over which subgroups:
+
+- the node of a global rank is `rank // ranks_per_node` (torchrun numbers a node's ranks
+  consecutively); `ranks_per_node` is `GiftConfig.ranks_per_node`, or the launcher's
+  `LOCAL_WORLD_SIZE` when that is None, or one node when neither is set;
+- a group whose ranks all sit on one node, or one to a node, runs the one-level exchange
+  (`FLAT`), bit for bit today's; so does `ranks_per_node=0`;
+- otherwise every node must hold the same number of the group's ranks, consecutive in group
+  order (the layouts a device mesh gives); any other layout raises, naming the nodes, since a
+  silent one-level fallback would put g times the bytes on the network.
+
+The node and cross-node subgroups are made once per (group, setting) with
+`dist.new_group(..., use_local_synchronization=True)`: only their members meet, every rank
+makes its node's group and then its cross group in that order, so the calls pair up on every
+rank without a collective over the whole job. They are cached for the process's life
+(`_LAYOUTS`, bounded by the groups a job uses), and traced code reads only their names.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch.distributed as dist
+
+from gift_compile.sync import process_group
+
+__all__ = ["FLAT", "MAX_RANKS_PER_NODE", "NodeLayout", "TopologyError", "node_layout", "node_of_ranks"]
+
+# A stage-2 header carries a node's flags as bit masks of its local ranks in one int64 (two
+# masks of 31 bits: non-finite, plan mismatch), which bounds the ranks of one node in a group.
+MAX_RANKS_PER_NODE = 31
+
+
+class TopologyError(ValueError):
+    """A group's ranks sit on nodes in a layout the two-level exchange cannot run on."""
+
+
+class NodeLayout(NamedTuple):
+    """A group's two levels: `ranks_per_node` (g) of its ranks on each of `nodes` nodes, the
+    name of this rank's node group (its g ranks, in group order) and of its cross group (the
+    `nodes` ranks with its local index, in node order). `ranks_per_node == 1`: one level."""
+
+    ranks_per_node: int = 1
+    nodes: int = 1
+    node_group: str | None = None
+    cross_group: str | None = None
+
+    @property
+    def two_level(self) -> bool:
+        return self.ranks_per_node > 1
+
+
+FLAT = NodeLayout()  # the one-level exchange
+
+_LAYOUTS: dict[tuple[str, int], NodeLayout] = {}
+
+
+def _resolved_ranks_per_node(setting: int | None) -> int:
+    """`GiftConfig.ranks_per_node` resolved: the setting, or `LOCAL_WORLD_SIZE`, or 0 (one node)."""
+    if setting is not None:
+        return int(setting)
+    env = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if not env:
+        return 0
+    try:
+        value = int(env)
+    except ValueError:
+        raise TopologyError(f"GIFT: LOCAL_WORLD_SIZE={env!r} is not an integer; set GiftConfig.ranks_per_node") from None
+    if value < 1:
+        raise TopologyError(f"GIFT: LOCAL_WORLD_SIZE={value} must be positive; set GiftConfig.ranks_per_node")
+    return value
+
+
+def node_of_ranks(ranks: list[int], ranks_per_node: int) -> tuple[int, int]:
+    """`(g, nodes)` of a group whose global ranks are `ranks` (group order) on nodes of
+    `ranks_per_node` global ranks; `(1, len(ranks))` or `(len(ranks), 1)` mean one level.
+    Raises `TopologyError` for a layout with uneven or interleaved nodes."""
+    nodes = [r // ranks_per_node for r in ranks]
+    order: list[int] = []
+    for node in nodes:
+        if not order or order[-1] != node:
+            if node in order:
+                raise TopologyError(
+                    f"GIFT: the group's ranks {ranks} are not consecutive per node (nodes {nodes} at "
+                    f"ranks_per_node={ranks_per_node}); a two-level exchange needs each node's ranks together in "
+                    "group order (set GiftConfig.ranks_per_node=0 for the one-level exchange)")
+            order.append(node)
+    counts = {n: nodes.count(n) for n in order}
+    if len(set(counts.values())) != 1:
+        raise TopologyError(
+            f"GIFT: the group's ranks {ranks} sit unevenly on nodes ({counts} ranks per node at "
+            f"ranks_per_node={ranks_per_node}); a two-level exchange needs the same number on every node "
+            "(set GiftConfig.ranks_per_node=0 for the one-level exchange)")
+    return len(ranks) // len(order), len(order)
+
+
+def node_layout(group: dist.ProcessGroup | str | None, ranks_per_node: int | None) -> NodeLayout:
+    """The layout GIFT's collectives over `group` run on under `GiftConfig.ranks_per_node`
+    (see the module docstring); makes and caches the subgroups on the first call for a
+    group, so every rank of `group` must call it at the same point (an eager collective's
+    setup, a state's construction, a graph's rewrite: all collective already)."""
+    if group is None or not dist.is_available() or not dist.is_initialized():
+        return FLAT
+    per_node = _resolved_ranks_per_node(ranks_per_node)
+    if per_node == 0:
+        return FLAT
+    pg = process_group(group)
+    key = (pg.group_name, per_node)
+    layout = _LAYOUTS.get(key)
+    if layout is not None:
+        return layout
+    ranks = dist.get_process_group_ranks(pg)
+    g, nodes = node_of_ranks(ranks, per_node)
+    if g == 1 or nodes == 1:
+        layout = FLAT
+    else:
+        if g > MAX_RANKS_PER_NODE:
+            raise TopologyError(f"GIFT: {g} ranks of the group on one node; the two-level exchange carries at most "
+                                f"{MAX_RANKS_PER_NODE} (set GiftConfig.ranks_per_node=0 for the one-level exchange)")
+        me = dist.get_rank(pg)
+        node, local = divmod(me, g)
+        node_pg = dist.new_group(ranks[node * g:(node + 1) * g], use_local_synchronization=True)
+        cross_pg = dist.new_group(ranks[local::g], use_local_synchronization=True)
+        layout = NodeLayout(g, nodes, node_pg.group_name, cross_pg.group_name)
+    _LAYOUTS[key] = layout
+    return layout
