@@ -63,7 +63,7 @@ def test_report_figures_and_json_are_written(smoke: tuple[Path, dict]) -> None:
                     "## 4. Wire bytes per step", "## 5. Convergence", "## 6. Step-time model", "## 7. Memory per rank",
                     "### 2.5 Whitening sweep", "### 5.2 Closing the gap"):
         assert heading in report
-    assert "No GPU was lent to this task" in report
+    assert "No GPU ran these benchmarks" in report
     assert len(results["plots"]) == 8
     for name in results["plots"].values():
         assert (out / name).stat().st_size > 5000, name

@@ -5,7 +5,8 @@
 feature breaks: in-process multi-rank tests (2 gloo ranks; 4 where a layout needs them) and seven
 2-rank torchtitan launches. `make test-full` adds what repeats a fast check at scale: the 4- and
 8-rank torchtitan layout matrix, kill-and-resume per layout, the GIFT-off baselines of each
-trainer, and the Triton-interpreter sweeps of every kernel shape.
+trainer, the 8-rank two-level exchange matrix, the Triton kernels' ahead-of-time compile for
+Hopper and a 50-step training run.
 
 The tiers are chosen here and nowhere else: `tests/conftest.py` marks what `FULL_FILES` and
 `FULL_TESTS` name with the `full` marker (`make test` runs `-m "not full"`), and
@@ -29,7 +30,7 @@ FAST_FILES: frozenset[str] = frozenset({
     "test_layers.py", "test_map_precision.py", "test_map_precision_arms.py", "test_pass.py", "test_pass_hsdp.py",
     "test_recompile.py", "test_reliability.py", "test_rotation.py", "test_second_hop_ef.py",
     "test_second_moment.py", "test_selection.py", "test_statistics.py", "test_tensor_parallel.py", "test_tiers.py",
-    "test_tiny_llama.py", "test_training.py", "test_two_level.py",
+    "test_tiny_llama.py", "test_two_level.py",
     # torchtitan: the launcher's parsing, and each file's tests that launch nothing
     "test_torchtitan_launcher.py", "test_torchtitan_train.py", "test_torchtitan_hsdp.py", "test_torchtitan_pp.py",
     "test_torchtitan_cp.py", "test_torchtitan_ddp.py", "test_torchtitan_ep_graph.py",
@@ -38,6 +39,8 @@ FAST_FILES: frozenset[str] = frozenset({
 # Every test of these files runs only in `make test-full`: each is a matrix of 4- or 8-rank torchrun
 # launches of a layout whose GIFT code a fast in-process test covers (the `FEATURES` rows say which).
 FULL_FILES: dict[str, str] = {
+    "test_training.py": "a 50-step tiny-Llama run against fp32 communication (2 min; fast: the torchtitan FSDP2 and "
+                        "graph_trainer runs track GIFT off with quantized gradients, test_api trains eagerly)",
     "test_torchtitan_tp.py": "TP 2 x FSDP 2, 4 ranks, 4 launches (fast: test_tensor_parallel.py)",
     "test_torchtitan_cp_layouts.py": "CP x TP / HSDP / PP, 4 ranks, 8 launches (fast: test_context_parallel.py)",
     "test_torchtitan_ep.py": "EP 2 x FSDP 4, 4 ranks, 6 launches (fast: test_expert_layers.py, test_grouped_items.py)",
@@ -49,6 +52,8 @@ FULL_FILES: dict[str, str] = {
 # Tests of `FAST_FILES` that only `make test-full` runs (pytest node ids, or their prefix up to a
 # parametrization), each with why it is not needed in the fast tier.
 FULL_TESTS: dict[str, str] = {
+    "test_kernels.py::test_every_kernel_compiles_for_hopper":
+        "compiles every Triton kernel for sm_90 ahead of time (1.5 min; fast: the kernels run in the interpreter)",
     **{f"test_two_level.py::{name}": "the 8-rank two-level matrix (2 nodes x 4, 4 nodes x 2: core, DDP, FSDP2, graph "
                                      "pass; fast: test_core_on_four_ranks_as_two_nodes_of_two)"
        for name in ("test_fp32_two_level_equals_native_collective_bit_for_bit",
