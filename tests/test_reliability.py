@@ -586,6 +586,9 @@ def _silent_precision_body(rank: int, world: int) -> dict:
     model = NormNet()
     gift_compile.apply(model, GiftConfig(**{**CFG, "scaling": "block", "block_size": 4096}), fuse=False)
     out["block_warned"] = [m for m in records if "fp32 gradient's bytes" in m]
+    # full precision by choice (format="fp32": a header's bytes more than fp32) is not named
+    gift_compile.apply(NormNet(), GiftConfig(**{**CFG, "format": "fp32"}), fuse=False)
+    out["fp32_warned"] = [m for m in records if "fp32 gradient's bytes" in m][len(out["block_warned"]):]
     # DDP over a one-rank group: nothing to communicate, so nothing to quantize
     singles = [dist.new_group([r]) for r in range(world)]
     ddp = nn.parallel.DistributedDataParallel(NormNet(), process_group=singles[rank])
@@ -613,6 +616,7 @@ def test_configs_that_lose_precision_or_save_nothing_say_so():
     optimizer= plus gift_compile.step advanced the state twice per step."""
     for r in run_ranks(_silent_precision_body, 2, timeout=FAST):
         assert len(r["block_warned"]) == 1 and "fc1.weight" in r["block_warned"][0], r
+        assert r["fp32_warned"] == [], r
         assert r["one_rank_calls"] == 0, r
         assert "already advances" in r["double_step"] and r["steps"] == 1, r
 

@@ -327,3 +327,18 @@ def test_compression_is_the_whole_gradients_on_both_trainers() -> None:
     assert graph["gift/compression"] < 1.4  # not the 7.05x of the rewritten buckets alone
     fsdp2 = whole_gradient(step, None)
     assert fsdp2 == {"gift/untouched_bytes_per_step": 0.0, "gift/compression": 3_412_000 / 484_000}
+
+
+def test_a_runs_gift_warnings_are_its_troubles_not_the_apply_report() -> None:
+    """Every successful `apply` logs its report at WARNING on rank 0; the layout tests that require
+    a run without GIFT warnings read `RunResult.gift_warnings`, which must still see a real one."""
+    from gift_compile.runtime.report import ApplyReport
+    from gift_compile.torchtitan_ext.runs import RunResult
+
+    report = ApplyReport(path="FSDP2 custom reduce-scatter", world=4, format="nvfp4", geometry="lowrank", select="all",
+                         select_metric="euclidean", managed=("a.weight",), selected=("a.weight",), first_refresh=10,
+                         full_precision=(), unmatched=())
+    header = f"[titan] 2026-12-07 01:06:49,590 - gift_compile - WARNING - {report.lines()[0]}"
+    trouble = "[titan] 2026-12-07 01:06:50,000 - gift_compile - WARNING - GIFT: layers.0.w1 goes at full precision"
+    assert RunResult([], 0, "\n".join([header, "ok"]), 1.0).gift_warnings() == []
+    assert RunResult([], 0, "\n".join([header, trouble]), 1.0).gift_warnings() == [trouble]

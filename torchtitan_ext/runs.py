@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gift_compile.runtime.report import HEADER as REPORT_HEADER
+
 from .telemetry import read_jsonl
 
 __all__ = ["RunResult", "config_command", "run_config", "seed_checkpoint", "shared_runs"]
@@ -47,9 +49,12 @@ class RunResult:
 
     def gift_warnings(self) -> list[str]:
         """Log lines of GIFT warnings, fallbacks included (a weight sent at full precision is
-        logged so): a run that must have used GIFT everywhere has none."""
+        logged so): a run that must have used GIFT everywhere has none. The apply report's first
+        line (`gift_compile.runtime.report.HEADER`, logged at WARNING by every successful `apply`)
+        is no warning of trouble; what it lists that is (full-precision weights, unmatched globs)
+        has checks of its own."""
         return [line for line in self.output.splitlines()
-                if "GIFT" in line and ("WARNING" in line or "full precision" in line)]
+                if "GIFT" in line and ("WARNING" in line or "full precision" in line) and REPORT_HEADER not in line]
 
     def check(self) -> "RunResult":
         """Raise with the tail of the output unless the run succeeded."""

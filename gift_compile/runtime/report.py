@@ -20,9 +20,14 @@ import torch.distributed as dist
 from gift_compile.config import GiftConfig, SelectRule
 from gift_compile.runtime.state import GiftState
 
-__all__ = ["ApplyReport", "log_report", "summarize", "unmatched_globs"]
+__all__ = ["HEADER", "ApplyReport", "log_report", "summarize", "unmatched_globs"]
 
 logger = logging.getLogger("gift_compile")
+
+
+# The first line of the report as `log_report` prints it: the summary every successful `apply` logs at
+# WARNING on rank 0 (so that the default log level shows it), which log readers tell from a warning of trouble.
+HEADER = "GIFT applied ("
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +54,7 @@ class ApplyReport:
 
     def lines(self) -> list[str]:
         """The report as the log prints it."""
-        out = [f"GIFT applied ({self.path}, {self.world} ranks): format={self.format}, geometry={self.geometry}, "
+        out = [f"{HEADER}{self.path}, {self.world} ranks): format={self.format}, geometry={self.geometry}, "
                f"select={self.select}, select_metric={self.select_metric}",
                f"  managed ({len(self.managed)}): {_names(self.managed)}"]
         if not self.managed:
