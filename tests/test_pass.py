@@ -219,6 +219,23 @@ def test_nvfp4_compiled_matches_eager():
         assert max(diffs) < 1e-6, diffs
 
 
+def bucketed_step(a, b, ta: list, tb: list, world: int, group: str):
+    """What Inductor's bucketing leaves of two marked layers' and a norm's reduce-scatters: one
+    `_pre_bucket_reduce_scatter` -> reduce_scatter_tensor -> wait -> split, over the two layers'
+    mark tensors `ta`, `tb` (traced with `make_fx`; tests/test_two_level.py traces it too)."""
+
+    def step(ga, gb, norm, *state):
+        sa, sb = list(state[:len(ta)]), list(state[len(ta):])
+        ma = torch.ops.gift.mark(ga, sa, a.plan_str)
+        mb = torch.ops.gift.mark(gb, sb, b.plan_str)
+        flat = torch.ops.bucketing._pre_bucket_reduce_scatter([ma, mb, norm], world)
+        out = torch.ops._c10d_functional.wait_tensor(
+            torch.ops._c10d_functional.reduce_scatter_tensor(flat, "sum", world, group))
+        return out.split([ga.numel() // world, gb.numel() // world, norm.numel() // world])
+
+    return step
+
+
 def _bucket_graph_body(rank: int, world: int) -> dict:
     """A bucketed reduce-scatter as Inductor's bucketing pass (torchtitan's default GPU pass
     list) emits it — `_pre_bucket_reduce_scatter([marked, marked, plain])` -> one
@@ -242,14 +259,7 @@ def _bucket_graph_body(rank: int, world: int) -> dict:
     group = dist.group.WORLD.group_name
     ta, tb = a.mark_tensors(st.shared), b.mark_tensors(st.shared)
 
-    def step(ga, gb, norm, *state):
-        sa, sb = list(state[:len(ta)]), list(state[len(ta):])
-        ma = torch.ops.gift.mark(ga, sa, a.plan_str)
-        mb = torch.ops.gift.mark(gb, sb, b.plan_str)
-        flat = torch.ops.bucketing._pre_bucket_reduce_scatter([ma, mb, norm], world)
-        out = torch.ops._c10d_functional.wait_tensor(
-            torch.ops._c10d_functional.reduce_scatter_tensor(flat, "sum", world, group))
-        return out.split([ga.numel() // world, gb.numel() // world, norm.numel() // world])
+    step = bucketed_step(a, b, ta, tb, world, group)
 
     g = torch.Generator().manual_seed(10 + rank)
     xs = [torch.randn(8, 48, generator=g), torch.randn(16, 32, generator=g), torch.randn(6, generator=g)]

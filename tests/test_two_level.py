@@ -21,6 +21,7 @@ from gift_compile.config import GiftConfig, GiftConfigError
 from gift_compile.exchange.topology import TopologyError, node_of_ranks
 from multirank import run_ranks
 from mlp import MLP
+from test_pass import bucketed_step
 
 WORLD = 8
 LAYOUTS = (4, 2)  # ranks per node: 2 nodes x 4, 4 nodes x 2
@@ -229,14 +230,7 @@ def _graph(rank: int, world: int, g: int) -> dict:
     group = dist.group.WORLD.group_name
     ta, tb = a.mark_tensors(st.shared), b.mark_tensors(st.shared)
 
-    def step(ga, gb, norm, *state):
-        sa, sb = list(state[:len(ta)]), list(state[len(ta):])
-        ma = torch.ops.gift.mark(ga, sa, a.plan_str)
-        mb = torch.ops.gift.mark(gb, sb, b.plan_str)
-        flat = torch.ops.bucketing._pre_bucket_reduce_scatter([ma, mb, norm], world)
-        out = torch.ops._c10d_functional.wait_tensor(
-            torch.ops._c10d_functional.reduce_scatter_tensor(flat, "sum", world, group))
-        return out.split([ga.numel() // world, gb.numel() // world, norm.numel() // world])
+    step = bucketed_step(a, b, ta, tb, world, group)
 
     gen = torch.Generator().manual_seed(10 + rank)
     xs = [torch.randn(16, 48, generator=gen), torch.randn(32, 32, generator=gen), torch.randn(16, generator=gen)]
