@@ -22,6 +22,8 @@ from gift_compile.config import GiftConfig
 
 # short format name -> GiftConfig keyword arguments (and the order of the bit-width axis)
 FORMATS: dict[str, dict[str, object]] = {
+    # the production bar: a 16-bit wire summed in fp32 (`euclid-bf16`, and `-sr` for stochastic rounding)
+    "bf16": {"format": "bf16"},
     "fp8": {"format": "fp8_e4m3", "scaling": "row"},
     "int6": {"format": "int6", "block_size": 32},
     "nvfp4": {"format": "nvfp4"},

@@ -218,7 +218,9 @@ class GiftConfig:
             out). 1.0 is plain error feedback, 0.0 sends exactly what no error feedback sends;
             values below 1 bound how long a stale error keeps being re-sent. Needs one of the
             error feedbacks on.
-        stochastic_rounding: round fp codes stochastically (seeded, reproducible).
+        stochastic_rounding: round codes stochastically (seeded, reproducible, unbiased): every
+            format but fp32, bf16 included (the 16-bit wire with stochastic rounding that
+            production reduce-scatters use); a layer sent at fp32 is exact and is not rounded.
         layer_formats: bits allocated per layer: `"glob=format"` entries (a comma-separated
             string is split) matched against the weight's FQN as `exclude` is; the first
             match wins and layers no entry matches use `format`. Every entry's format shares
@@ -413,6 +415,10 @@ class GiftConfig:
             _fail("error_feedback_decay", self.error_feedback_decay,
                   "1.0 unless error_feedback or second_hop_error_feedback is on (it decays their residuals)")
         self._validate_layer_formats()
+        if self.stochastic_rounding and self.format == "fp32" and all(
+                e.partition("=")[2] == "fp32" for e in self.layer_formats):
+            _fail("stochastic_rounding", self.stochastic_rounding,
+                  "false when every layer is sent at fp32: an fp32 wire is exact, there is nothing to round")
         if self.block_rotation and any(FormatSpec(f, self.scaling, self.block_size).block is None
                                        for f in (self.format, *(e.partition("=")[2] for e in self.layer_formats))):
             _fail("block_rotation", self.block_rotation,

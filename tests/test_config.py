@@ -23,6 +23,7 @@ NAN, INF = float("nan"), float("inf")
     ({"map_precision": "ieee"}, "map_precision"),
     ({"format": "fp8_e4m3", "scaling": "row", "block_rotation": True}, "block_rotation"),
     ({"format": "fp8_e4m3", "replica_format": "int4", "block_size": 64}, "block_size"),
+    ({"format": "fp32", "stochastic_rounding": True}, "stochastic_rounding"),
 ])
 def test_invalid_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"GiftConfig\.{field}=.*allowed"):

@@ -58,9 +58,10 @@ def gauss() -> torch.Tensor:
     return torch.randn(256, 1024, generator=torch.Generator().manual_seed(0))
 
 
-# The same with stochastic rounding (seed 1): measured value +-4%.
+# The same with stochastic rounding (seed 1): measured value +-4% (bf16: sqrt(2) x nearest, as unbiased
+# rounding to the same grid should be: variance ulp^2/6 against ulp^2/12).
 SR_LEVELS = {
-    "bf16": 0.0017, "fp8_e4m3": 0.0376, "fp8_e5m2": 0.0748, "mxfp8": 0.0394, "nvfp4": 0.1372, "mxint4": 0.1872,
+    "bf16": 0.00235, "fp8_e4m3": 0.0376, "fp8_e5m2": 0.0748, "mxfp8": 0.0394, "nvfp4": 0.1372, "mxint4": 0.1872,
     ("int6", 16): 0.0300, ("int6", 32): 0.0337, ("int4", 16): 0.1225, ("int4", 32): 0.1383,
     ("int3", 16): 0.2839, ("int3", 32): 0.3222, ("int2", 16): 0.4338, ("int2", 32): 0.4354,
     ("ternary", 16): 0.5284, ("ternary", 32): 0.5307,
@@ -300,6 +301,36 @@ def test_stochastic_rounding_is_seeded_and_unbiased():
     assert torch.equal(a, b) and not torch.equal(a, c)
     nearest = dequantize(quantize(x, "fp8_e4m3", scaling="tensor"))
     assert abs(float(a.mean() - x.mean())) < 0.2 * abs(float(nearest.mean() - x.mean())) + 1e-4
+
+
+def test_bf16_stochastic_rounding_is_seeded_unbiased_and_on_the_grid():
+    # 1 + 3/1024 lies 3/8 of a bf16 step (1/128) above 1.0: nearest always rounds down
+    x = torch.full((8192, 8), 1.0 + 3.0 / 1024)
+    x[:, 1] = -x[:, 1]
+    x[:, 2], x[:, 3], x[:, 4] = 3.395e38, float("inf"), float("nan")  # past bf16's largest, +inf, NaN
+    x[:, 5], x[:, 6], x[:, 7] = 1e-40, -3.395e38, 0.0
+    def codes(seed: int) -> torch.Tensor:
+        return quantize(x, "bf16", stochastic_rounding=True, seed=seed, nonfinite="propagate").payload
+
+    assert torch.equal(codes(3), codes(3)) and not torch.equal(codes(3), codes(4))
+    sr = dequantize(quantize(x, "bf16", stochastic_rounding=True, seed=3, nonfinite="propagate"))
+    finite = torch.isfinite(sr)
+    assert torch.equal(sr[finite].bfloat16().float(), sr[finite])  # every value on bf16's grid
+    up = 1.0 + 1.0 / 128
+    assert set(sr[:, 0].unique().tolist()) == {1.0, up} and set((-sr[:, 1]).unique().tolist()) == {1.0, up}
+    nearest = dequantize(quantize(x[:, :2].contiguous(), "bf16"))
+    for col in (0, 1):
+        bias = abs(float(sr[:, col].mean() - x[0, col]))
+        assert bias < abs(float(nearest[0, col] - x[0, col])) / 20, (col, bias)
+    big = torch.finfo(torch.bfloat16).max
+    assert float(sr[:, 2].max()) == big and float(sr[:, 6].min()) == -big  # saturated, never +-inf
+    assert torch.isinf(sr[:, 3]).all() and torch.isnan(sr[:, 4]).all() and not sr[:, 7].any()
+    assert abs(float(sr[:, 5].mean()) - 1e-40) < 0.02e-40  # subnormals are rounded without bias too
+
+
+def test_stochastic_rounding_of_an_exact_format_is_refused():
+    with pytest.raises(ValueError, match="does not round"):
+        quantize(torch.ones(4, 4), "fp32", stochastic_rounding=True)
 
 
 @pytest.mark.parametrize("fmt", ["mxint4", "int6", "int4", "int3", "int2", "ternary"])

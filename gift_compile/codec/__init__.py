@@ -128,8 +128,11 @@ def encode(
     """Codes of `x` on the grid given by `scales` (from `choose_scales`): uint8 `[rows, payload_cols]`."""
     xr = as_rows(x).float()
     x2 = _pad_cols(xr, spec)
+    if stochastic_rounding and not spec.family.rounds:
+        raise ValueError(f"encode({spec.name}): stochastic rounding asked for a format that does not round")
     if spec.passthrough:
-        return spec.family.encode(x2, spec, scales, None, None)
+        u = _hash_uniform(x2.shape, seed, x2.device) if stochastic_rounding else None
+        return spec.family.encode(x2, spec, scales, None, u)
     expected = _expected_scales_shape(spec, x2.shape[0], xr.shape[-1])
     if tuple(scales.shape) != expected:
         raise ValueError(f"encode({spec.name}): scales has shape {tuple(scales.shape)}, expected {expected}")

@@ -77,13 +77,15 @@ class Format:
     is float8 values seen as bytes; `has_tensor_scale`: `choose_scales` also returns an fp32
     tensor scale; `block_sized`: the block length is `FormatSpec.block_size` (restricted to
     `spec.BLOCK_SIZE_CHOICES`); `residual_dtype`: a residual in this format is one tensor of
-    this dtype (None: codes plus scales, `gift_compile.codec.residual`).
+    this dtype (None: codes plus scales, `gift_compile.codec.residual`); `rounds`: encoding
+    rounds values (everything but fp32), so stochastic rounding has something to decide.
     """
 
     name: str
 
     passthrough = False
     lossless = False
+    rounds = True
     float8_codes = False
     has_tensor_scale = False
     block_sized = False
@@ -126,6 +128,22 @@ class Format:
         raise NotImplementedError
 
 
+def _stochastic_bf16(x2: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """fp32 values already on bf16's grid, each rounded up or down with probability given by
+    its distance to the two neighbours (unbiased): a uniform 16-bit integer drawn from `u` is
+    added to the fp32 bit pattern below bf16's mantissa and the low 16 bits are cleared, the
+    integer form of `floor(x / ulp + u) * ulp` on the magnitude (exact, no float division;
+    sign-magnitude bits make it the same for both signs). NaN keeps its value; a finite value
+    carried past bf16's largest is saturated by the caller, +-inf is unchanged."""
+    bits = x2.contiguous().view(torch.int32)
+    dither = (u * 65536.0).to(torch.int32)  # in [0, 65535]: u < 1 with 24-bit resolution
+    rounded = ((bits.to(torch.int64) + dither) & 0xFFFF0000).to(torch.int64)
+    # back to the int32 bit pattern (values >= 2^31 are the negative numbers' patterns)
+    rounded = torch.where(rounded >= 2**31, rounded - 2**32, rounded).to(torch.int32).view(torch.float32)
+    keep = ~torch.isfinite(x2)
+    return torch.where(keep, x2, rounded)
+
+
 @dataclass(frozen=True)
 class Passthrough(Format):
     """The values in `dtype`, no scales; `saturate` clamps finite values (bf16's largest)."""
@@ -153,11 +171,19 @@ class Passthrough(Format):
     def choose_scales(self, x2: torch.Tensor, spec: FormatSpec, agree: Agree) -> tuple[torch.Tensor, None]:
         return x2.new_zeros(0), None
 
+    @property
+    def rounds(self) -> bool:
+        """Whether the cast rounds (bf16), so stochastic rounding has something to change."""
+        return not self.lossless
+
     def encode(self, x2: torch.Tensor, spec: FormatSpec, scales: torch.Tensor, tensor_scale: torch.Tensor | None,
                u: torch.Tensor | None) -> torch.Tensor:
+        infinite = torch.isinf(x2)
+        if u is not None:
+            x2 = _stochastic_bf16(x2, u)
         if self.saturate is not None:
             # Saturate finite values that would round past the dtype's largest value; +-inf stays.
-            x2 = torch.where(torch.isinf(x2), x2, x2.clamp(-self.saturate, self.saturate))
+            x2 = torch.where(infinite, x2, x2.clamp(-self.saturate, self.saturate))
         return x2.to(self.dtype).contiguous().view(torch.uint8)
 
     def values(self, payload: torch.Tensor, cp: int) -> torch.Tensor:

@@ -400,11 +400,11 @@ def encode_item(x: torch.Tensor, state: ItemTensors | None, shared: Shared, item
                              f"{item.rows} (a two-level exchange keeps it for the node's chunk: "
                              "node_stage.residual_rows)")
         g = g + _pad_rows(_decayed(item, e), rows)
-    seed = _rank_seed(shared, item, state) if item.stochastic_rounding else 0
+    sr = item.stochastic_rounding and spec.family.rounds  # an fp32 layer (`layer_formats`) has nothing to round
+    seed = _rank_seed(shared, item, state) if sr else 0
     # one call: where a kernel can choose the scales while it encodes (fp8 per row or block),
     # g is read once
-    scales, tscale, codes = choose_scales_and_encode(g, spec, stochastic_rounding=item.stochastic_rounding,
-                                                     seed=seed)
+    scales, tscale, codes = choose_scales_and_encode(g, spec, stochastic_rounding=sr, seed=seed)
     # the flag read off the scales: a separate `all` over g would cost one more full read
     # of g (and, with a map, a materialised g)
     bad = ~torch.isfinite(g).all() if spec.passthrough else scales_nonfinite(spec, scales, tscale)
@@ -452,9 +452,9 @@ def reencode_item(shard: torch.Tensor, state: ItemTensors | None, shared: Shared
             raise ValueError(f"GIFT: {item.name}: second-hop residual {tuple(e.shape)} != this rank's shard "
                              f"{tuple(shard.shape)} (rows padded to a multiple of the world size {p.world}, / world)")
         shard = shard + _decayed(item, e)
-    seed = _rank_seed(shared, item, state, _ALL_GATHER_SEED) if item.stochastic_rounding else 0
-    scales, tscale, codes = choose_scales_and_encode(shard, spec, stochastic_rounding=item.stochastic_rounding,
-                                                     seed=seed)
+    sr = item.stochastic_rounding and spec.family.rounds
+    seed = _rank_seed(shared, item, state, _ALL_GATHER_SEED) if sr else 0
+    scales, tscale, codes = choose_scales_and_encode(shard, spec, stochastic_rounding=sr, seed=seed)
     if residual is not None:
         residual_store.write(item.residual_format, residual, shard - decode(codes, spec, scales, tscale, item.cols))
     return [_stored_codes(codes, spec).reshape(-1), *(b.reshape(-1) for b in _scale_blocks(spec, item.cols, scales,
