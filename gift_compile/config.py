@@ -256,8 +256,13 @@ class GiftConfig:
             by `apply`).
         auto_min_gain: with select="auto", the transformed path must cut the measured error
             by at least this factor to be enabled.
-        auto_max_overhead: with select="auto", the transform's FLOPs may be at most this
-            fraction of the layer's backward FLOPs.
+        auto_max_overhead: with select="auto", the map's time may be at most this fraction
+            of the time the layer costs the step without it: its backward matmuls at this
+            rank's tokens plus its gradient's exchange as a bf16 reduce-scatter over
+            `auto_network_gbps`, priced as on an H200 (`gift_compile.runtime.selection`).
+        auto_network_gbps: with select="auto", the network bandwidth per GPU, in Gb/s, at
+            which the cost side prices a layer's exchange (100: a 100 Gb/s NIC per GPU; set
+            yours: 400 for InfiniBand NDR per GPU, 12.5 for 100 GbE shared by 8 GPUs).
         unrewritten: what a managed gradient does when it reaches GIFT's `gift::mark` op
             without the pass having rewritten its collective (a backend without Inductor's
             post-grad hooks, a pass that did not run): "error" raises, "warn" logs once per
@@ -344,6 +349,7 @@ class GiftConfig:
     select_metric: SelectMetric = SelectMetric.AUTO
     auto_min_gain: float = 1.05
     auto_max_overhead: float = 0.25
+    auto_network_gbps: float = 100.0
     unrewritten: Unrewritten = Unrewritten.ERROR
     plan_check: PlanCheck = PlanCheck.FIRST
     reselect_every: int = 0
@@ -402,6 +408,8 @@ class GiftConfig:
             "auto_min_gain": _check_float("auto_min_gain", self.auto_min_gain, "a finite float >= 1",
                                           lambda v: v >= 1.0),
             "auto_max_overhead": _check_float("auto_max_overhead", self.auto_max_overhead, "a finite float > 0",
+                                              lambda v: v > 0.0),
+            "auto_network_gbps": _check_float("auto_network_gbps", self.auto_network_gbps, "a finite float > 0",
                                               lambda v: v > 0.0),
             "error_feedback_decay": _check_float("error_feedback_decay", self.error_feedback_decay,
                                                  "a finite float in [0, 1]", lambda v: 0.0 <= v <= 1.0),

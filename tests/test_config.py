@@ -46,6 +46,7 @@ BAD_TYPES = [
     ("ema", "0.9"), ("ema", True), ("ema", NAN), ("ema", INF), ("damping", "1e-3"), ("damping", NAN),
     ("damping", None), ("auto_min_gain", NAN), ("auto_min_gain", INF), ("auto_min_gain", True),
     ("auto_min_gain", "2"), ("auto_max_overhead", INF), ("auto_max_overhead", NAN), ("auto_max_overhead", False),
+    ("auto_network_gbps", 0.0), ("auto_network_gbps", INF), ("auto_network_gbps", "100"),
     ("error_feedback", 1), ("error_feedback", "false"), ("second_hop_error_feedback", 1),
     ("second_hop_error_feedback", None), ("error_feedback_decay", "0.9"), ("error_feedback_decay", NAN),
     ("error_feedback_decay", True), ("error_feedback_decay", -0.1), ("error_feedback_decay", 0.5),

@@ -290,3 +290,51 @@ def test_the_default_geometry_and_metric_follow_the_optimizer_and_explicit_ones_
             assert "select_metric='auto' without optimizer=" in caplog.text
             assert "geometry='auto' without optimizer=: using K-FAC's 'lowrank' map" in caplog.text
         gift_compile.remove(m)
+
+
+def test_the_cost_side_prices_the_map_against_the_layers_step_time() -> None:
+    """The map's time over the layer's time in the step without it (backward at this rank's
+    tokens plus a bf16 exchange at the configured network), priced as on an H200: at 256 tokens
+    per rank a rank-32 map is a quarter of a 512x512 layer's backward FLOPs, which a FLOPs-only
+    cap rejected, but a small share of its step over a 100 Gb/s link; over 400 Gb/s InfiniBand
+    the exchange is cheap and the map is rejected again until the rank sees more tokens."""
+    from gift_compile.runtime import selection
+
+    shape, rank = (512, 512), 32
+    flops_share = selection.transform_flops("lowrank", *shape, rank) / selection.backward_flops(*shape, 256)
+    assert flops_share > 0.25  # what the former rule compared with the cap
+    elements = 512 * 512
+    want_map = elements * (selection.MAP_ELEMENTWISE_SECONDS + selection.MAP_MATMUL_SECONDS)
+    want_step = 4 * 256 * elements / selection.BACKWARD_FLOPS_PER_SECOND + 2 * elements / (100e9 / 8)
+    assert selection.overhead("lowrank", shape, rank, 256, 100.0) == pytest.approx(want_map / want_step, rel=1e-12)
+    cap = 0.25
+    assert selection.overhead("lowrank", shape, rank, 256, 100.0) < cap
+    assert selection.overhead("lowrank", shape, rank, 256, 400.0) > cap
+    assert selection.overhead("lowrank", shape, rank, 8192, 400.0) < cap
+    # more tokens or a slower link: a smaller share; a smaller rank: a cheaper map
+    assert selection.overhead("lowrank", shape, rank, 512, 100.0) < selection.overhead("lowrank", shape, rank, 256, 100.0)
+    assert selection.overhead("lowrank", shape, rank, 256, 25.0) < selection.overhead("lowrank", shape, rank, 256, 100.0)
+    assert selection.overhead("lowrank", shape, 8, 256, 400.0) < selection.overhead("lowrank", shape, rank, 256, 400.0)
+
+
+def test_the_configured_network_reaches_the_refreshs_decision() -> None:
+    """`auto_network_gbps` is what a refresh prices with: the same layers, probes and gains are
+    selected over a slow link and rejected when the link is priced as free (the map then
+    competes with the backward alone, at the 8192 tokens a layer without statistics assumes)."""
+    from gift_compile.config import GiftConfig
+    from gift_compile.runtime.state import GiftState
+
+    decided = {}
+    for gbps in (12.5, 1e9):
+        st = GiftState(GiftConfig(geometry="second_moment", format="int2", select="auto", refresh_every=1,
+                                  auto_network_gbps=gbps, auto_max_overhead=0.02), None)
+        columns = torch.logspace(-3, 0, 64)
+        for i, name in enumerate(("a.weight", "b.weight")):
+            layer = st.add_layer(name, (32, 64), "cpu")
+            layer.probe.copy_(torch.randn(32, 64, generator=torch.Generator().manual_seed(i)) * columns)
+        st.grad_source = lambda name: columns.square().expand(32, 64).clone()
+        record = st.refresh()
+        assert all(record.layers[n]["gain"] > 1.05 for n in ("a.weight", "b.weight")), record.layers
+        decided[gbps] = {n: (record.layers[n]["selected"], record.layers[n]["overhead"]) for n in ("a.weight", "b.weight")}
+    assert all(sel and over < 0.02 for sel, over in decided[12.5].values()), decided
+    assert all(not sel and over > 0.02 for sel, over in decided[1e9].values()), decided

@@ -127,7 +127,11 @@ class GiftSection:
     """select=auto: minimum error reduction for a layer to take the transformed path."""
 
     auto_max_overhead: float = _DEFAULTS.auto_max_overhead
-    """select=auto: maximum transform FLOPs as a fraction of the layer's backward."""
+    """select=auto: maximum map time as a fraction of the layer's step time without it (backward
+    at this rank's tokens plus a bf16 exchange over auto_network_gbps, priced as on an H200)."""
+
+    auto_network_gbps: float = _DEFAULTS.auto_network_gbps
+    """select=auto: network bandwidth per GPU (Gb/s) the cost side prices a layer's exchange at."""
 
     unrewritten: str = _DEFAULTS.unrewritten
     """A managed gradient the pass cannot rewrite, or (FSDP2, expert parallelism) routed experts on

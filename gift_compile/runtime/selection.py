@@ -6,8 +6,8 @@ Euclidean error per layer), so the default policy measures it: at a geometry ref
 quantizes a sample of the layer's real, not yet quantized local gradient both ways (error in
 plain L2, or with `select_metric="whitened"` in the layer's whitened geometry, the one a
 preconditioned optimizer amplifies), and enables the transform only where the error drops
-by at least `auto_min_gain` and the transform's FLOPs stay below `auto_max_overhead` of the
-layer's backward FLOPs. The decision is part of the compiled graph (`GiftState.set_selected`),
+by at least `auto_min_gain` and the map's time stays below `auto_max_overhead` of the time the
+layer costs the step without it (`overhead`). The decision is part of the compiled graph (`GiftState.set_selected`),
 taken at the first refresh and again every `reselect_every` refreshes. Between decisions the
 selected layers are still measured at every refresh, and one whose transformed path has become
 worse than the Euclidean one (gain below 1, by the same metric) is deselected there
@@ -93,12 +93,54 @@ def backward_flops(rows: int, d_in: int, tokens: float) -> float:
     return 4.0 * max(tokens, 1.0) * rows * d_in
 
 
+# The prices of the cost side, measured on an H200 (torch 2.11, Triton 3.6; the repository's
+# bench/results/gpu_h200/, Llama-3-8B w1 and w2 gradients, 58.7M elements each, rank 32): the
+# low-rank map's elementwise part (projections' epilogues, the residual and the copy) took
+# 7.5-10.5 ps per element and its matmuls 5.8-5.9 ps; a bf16 weight-gradient matmul ran at
+# 7.9e14 FLOP/s. Every process prices with them, a CPU one included, so a CPU run of the
+# simulated cluster takes the decision the GPU run would.
+MAP_ELEMENTWISE_SECONDS = 9.0e-12  # per gradient element, any map
+MAP_MATMUL_SECONDS = 5.8e-12  # per gradient element, the rank-32 low-rank map's FLOPs
+BACKWARD_FLOPS_PER_SECOND = 7.9e14
+# the wire the user runs without GIFT, against which the map's time is judged: a bf16
+# reduce-scatter summed in fp32 (the production bar)
+BASELINE_WIRE_BYTES = 2.0
+_PRICED_RANK = 32
+
+
+def map_seconds(kind: str, rows: int, d_in: int, rank: int) -> float:
+    """GPU time of a `kind` map's forward and inverse on a `[rows, d_in]` gradient: the measured
+    elementwise price plus the measured rank-32 low-rank matmul price scaled by the map's FLOPs
+    against that map's."""
+    elements = float(rows * d_in)
+    priced = transform_flops("lowrank", rows, d_in, _PRICED_RANK)
+    return elements * (MAP_ELEMENTWISE_SECONDS + MAP_MATMUL_SECONDS * transform_flops(kind, rows, d_in, rank) / priced)
+
+
+def step_seconds(rows: int, d_in: int, tokens: float, network_gbps: float) -> float:
+    """GPU time a `[rows, d_in]` linear layer costs the step without GIFT's map: its backward
+    matmuls at this rank's tokens plus its gradient's exchange at the baseline wire over a
+    `network_gbps` link per GPU. The exchange is what GIFT exists to shrink, so a map is judged
+    against the step it serves: at few tokens per rank the backward is small and the exchange
+    is most of the layer's time, which a FLOPs-only ratio would miss (it switched the map off
+    exactly where a run is most communication-bound)."""
+    exchange = BASELINE_WIRE_BYTES * rows * d_in / (network_gbps * 1e9 / 8.0)
+    return backward_flops(rows, d_in, tokens) / BACKWARD_FLOPS_PER_SECOND + exchange
+
+
+def overhead(kind: str, shape: tuple[int, int], rank: int, tokens: float, network_gbps: float) -> float:
+    """The map's time as a share of the layer's time in the step (`map_seconds` over
+    `step_seconds`): the selection's cost side, compared with `auto_max_overhead`."""
+    return map_seconds(kind, shape[0], shape[1], rank) / step_seconds(shape[0], shape[1], tokens, network_gbps)
+
+
 def measure(
     sample: torch.Tensor, config: GiftConfig, kind: str, tensors: tuple[torch.Tensor, ...], shape: tuple[int, int],
     tokens: float, fqn: str
 ) -> LayerMeasurement:
     """Both paths' relative errors of the layer `fqn` at the format it is sent in
-    (`config.format_for`), the transform's FLOP share and the boundary-hit ratio."""
+    (`config.format_for`), the map's share of the layer's step time (`overhead`) and the
+    boundary-hit ratio."""
     spec = FormatSpec(config.format_for(fqn), config.scaling, config.block_size)
     g = as_rows(sample).float()
     if not bool(torch.isfinite(g).all()) or float(g.norm()) == 0.0:
@@ -110,9 +152,7 @@ def measure(
     if config.select_metric is SelectMetric.WHITENED:  # both errors seen in the candidate's geometry
         g, euclidean, transformed = (geometry.apply_forward(t, tensors) for t in (g, euclidean, transformed))
     e_euc, e_t = relative_error(euclidean, g), relative_error(transformed, g)
-    over = geometry.transform_flops(shape[0], shape[1], geometry.rank_of(tensors)) / backward_flops(
-        shape[0], shape[1], tokens
-    )
+    over = overhead(kind, shape, geometry.rank_of(tensors), tokens, config.auto_network_gbps)
     return LayerMeasurement(e_euc, e_t, over, boundary_hit_ratio(g))
 
 
