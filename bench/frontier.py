@@ -18,9 +18,12 @@ holds fp32 and the study's arms, `convergence_runs_frontier.jsonl` the frontier'
   arms judged for that optimizer (family-wise 5%), has its upper bound inside fp32's band. Only
   arms with n >= `MIN_SEEDS` are judged.
 
-Methods: Euclidean (`geometry="none"`), Euclidean + error feedback, GIFT as a user gets it
-(`-dflt`: `GiftConfig(format=F)` with `optimizer=`), GIFT + error feedback (the same defaults),
-and GIFT + a leaky residual (`error_feedback_decay=0.9`) where it was run. Writes
+Methods: Euclidean (`geometry="none"`; at bf16 the production bar, a 16-bit wire summed in fp32,
+with stochastic rounding as well), Euclidean + error feedback, Euclidean + a leaky residual
+(`error_feedback_decay=0.9`) with and without a Hadamard rotation in each scale block (the cheap
+stabilizer GIFT's map must beat), GIFT as a user gets it (`-dflt`: `GiftConfig(format=F)` with
+`optimizer=`), GIFT + error feedback, + a leaky residual, + the rotation (the same defaults), where
+each was run. `alternatives` holds GIFT's best arm to the best Euclidean arm at the same bits. Writes
 `bench/results/frontier.json` and `frontier.png`; `bench.pages_frontier` renders the tables from
 the JSON.
 """
@@ -39,30 +42,52 @@ from bench.stats import holm, paired, t_quantile
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-RUN_FILES = (RESULTS / "convergence_runs_rs.jsonl", RESULTS / "convergence_runs_frontier.jsonl")
+# the strongest cheap alternatives (`bash bench/alternatives_runs.sh`): the bf16 wire, Euclidean +
+# leaky EF (+ block rotation), GIFT's counterparts
+ALTERNATIVES_FILE = RESULTS / "convergence_runs_alternatives.jsonl"
+RUN_FILES = (RESULTS / "convergence_runs_rs.jsonl", RESULTS / "convergence_runs_frontier.jsonl", ALTERNATIVES_FILE,
+             RESULTS / "convergence_runs_techniques.jsonl")
 OUT = RESULTS / "frontier.json"
 STUDY = ("reduce-scatter", 2, 120)  # (path, ranks, steps) of every run the frontier pairs
 MIN_SEEDS = 5
 ALPHA = 0.05
 # method -> arm name pattern
 METHODS: dict[str, str] = {
+    # at bf16: the production bar, a 16-bit wire summed in fp32
     "Euclidean": "euclid-{fmt}",
+    "Euclidean + SR": "euclid-{fmt}-sr",
     "Euclidean + EF": "euclid-{fmt}-ef",
+    "Euclidean + rotation": "euclid-{fmt}-rot",
+    # error feedback whose residual decays (send g + 0.9 e): the leaky variant, and with it a
+    # Hadamard rotation inside each scale block (SDP4Bit / THC's cheap stabilizer at 2-3 bits)
+    "Euclidean + leaky EF": "euclid-{fmt}-ef-b9",
+    "Euclidean + leaky EF + rotation": "euclid-{fmt}-ef-b9-rot",
     "GIFT (defaults)": "gift-{fmt}-dflt",
     "GIFT + EF (defaults)": "gift-{fmt}-ef-dflt",
-    # error feedback whose residual decays (send g + 0.9 e): the leaky variant
     "GIFT + leaky EF (defaults)": "gift-{fmt}-ef-b9-dflt",
+    "GIFT + leaky EF + rotation (defaults)": "gift-{fmt}-ef-b9-dflt-rot",
 }
+# the bit widths at which GIFT's best arm is held to the best Euclidean one (`alternatives`)
+ALTERNATIVE_FORMATS = ("int3", "int2b16", "int2")
+# the production bar every byte count is also said against
+BAR_ARM = "euclid-bf16"
 COMMAND = "bash bench/frontier_runs.sh && python -m bench.frontier && python -m bench.readme"
+ALTERNATIVES_COMMAND = "bash bench/alternatives_runs.sh && python -m bench.frontier && python -m bench.readme"
 # 2 vs 4 ranks on the same global batch, at 2 bits: the 4-rank runs (and their fp32) against the
 # study's 2-rank ones, seed by seed (`bash bench/frontier_ranks_runs.sh`)
 RANKS_FILES = (*RUN_FILES, RESULTS / "convergence_runs_rs4.jsonl", RESULTS / "convergence_runs_frontier4.jsonl")
-RANKS_ARMS = ("euclid-int2", "gift-int2", "gift-int2-dflt")
-RANKS_COMMAND = "bash bench/frontier_ranks_runs.sh && python -m bench.frontier"
+RANKS_ARMS = ("euclid-int2", "gift-int2", "gift-int2-dflt", "gift-int2-dflt-priced")
+RANKS_COMMAND = "bash bench/frontier_ranks_runs.sh && bash bench/defaults_ranks_runs.sh && python -m bench.frontier"
+# the defaults after the selection's cost side was priced against the layer's step time
+# (`gift_compile.runtime.selection.overhead`): their runs carry the arm name `gift-int2-dflt` and
+# are read from their own file under `PRICED_ARM`, so they never mix with the runs of the former
+# FLOPs-only rule (`convergence_runs_frontier4.jsonl`)
+PRICED_FILE = RESULTS / "convergence_runs_defaults_ranks.jsonl"
+PRICED_ARM = "gift-int2-dflt-priced"
 # Techniques that could move the 2-bit point, each an arm of the frontier's design that adds one
 # technique to a frontier arm (`bash bench/frontier_techniques_runs.sh`): technique arm ->
 # (technique, the arm it modifies). Kept only if it beats that arm, paired by seed.
-TECHNIQUE_FILES = (*RUN_FILES, RESULTS / "convergence_runs_techniques.jsonl")
+TECHNIQUE_FILES = RUN_FILES
 TECHNIQUES: dict[str, tuple[str, str]] = {
     "gift-int2-ef-b9-dflt-rot": ("block rotation", "gift-int2-ef-b9-dflt"),
     "euclid-int2-rot": ("block rotation", "euclid-int2"),
@@ -154,19 +179,36 @@ def summarise(runs: list[dict]) -> dict[str, object]:
     return out
 
 
-def ranks(files: tuple[Path, ...] = RANKS_FILES, optimizer: str = "muon") -> dict[str, object]:
+def ranks(files: tuple[Path, ...] = RANKS_FILES, optimizer: str = "muon",
+          priced: Path = PRICED_FILE) -> dict[str, object]:
     """Whether the 2-bit gap shrinks with more data-parallel ranks (independent rounding
     averages down in the sum): each arm's gap to fp32 (same ranks, same seed) at 2 and at 4
     ranks, and the change `gap(4) - gap(2)` paired by seed (same global batch and data), Holm
-    over the arms compared (family-wise 5%). Arms without runs at both rank counts are left out."""
+    over the arms compared (family-wise 5%). Arms without runs at both rank counts are left out.
+    The defaults under the priced cost side (`PRICED_ARM`, from `priced`) take the former
+    defaults' 2-rank runs where their seed-0 run at 2 ranks reproduced the former one's losses bit
+    for bit (the same layers chosen: both rules keep all 28 at 512 tokens per rank), else their
+    own; `layers` lists every rank count either rule was run at, with the layers it transformed."""
     by: dict[tuple[int, str], dict[int, float]] = defaultdict(dict)
     selected: dict[tuple[int, str], list[float]] = defaultdict(list)
-    for r in load(files, tuple((STUDY[0], world, STUDY[2]) for world in (2, 4))):
-        if r["optimizer"] == optimizer:
-            world = run_key(r)[1]
-            by[(world, r["arm"])][r["seed"]] = _final(r)
-            if "selected_layers" in r:
-                selected[(world, r["arm"])].append(r["selected_layers"])
+    losses: dict[tuple[int, str], list[float]] = {}
+    designs = tuple((STUDY[0], world, STUDY[2]) for world in (2, 4, 8))
+    for arm_of, runs in ((lambda r: r["arm"], load(files, designs)),
+                         (lambda r: PRICED_ARM if r["arm"] == "gift-int2-dflt" else r["arm"], load((priced,), designs))):
+        for r in runs:
+            if r["optimizer"] == optimizer:
+                world, arm = run_key(r)[1], arm_of(r)
+                by[(world, arm)][r["seed"]] = _final(r)
+                if "selected_layers" in r:
+                    selected[(world, arm)].append(r["selected_layers"])
+                if r["seed"] == 0:
+                    losses[(world, arm)] = r["losses"]
+    reused = (2, PRICED_ARM) in losses and losses[(2, PRICED_ARM)] == losses.get((2, "gift-int2-dflt"))
+    if reused:
+        by[(2, PRICED_ARM)] = {**by[(2, "gift-int2-dflt")], **by[(2, PRICED_ARM)]}
+        selected[(2, PRICED_ARM)] = selected[(2, "gift-int2-dflt")]
+    layers = [{"arm": arm, "world": w, "n": len(v), "selected": statistics.fmean(v)}
+              for (w, arm), v in sorted(selected.items()) if arm in ("gift-int2-dflt", PRICED_ARM)]
     rows = []
     for arm in RANKS_ARMS:
         seeds = sorted(set.intersection(*(set(by[(w, a)]) for w in (2, 4) for a in (arm, "fp32"))))
@@ -179,7 +221,8 @@ def ranks(files: tuple[Path, ...] = RANKS_FILES, optimizer: str = "muon") -> dic
                      "selected4": statistics.fmean(selected[(4, arm)]) if selected[(4, arm)] else None})
     for row, rejected in zip(rows, holm([r["change"]["p"] for r in rows])):
         row["change_resolved_holm"] = rejected
-    return {"optimizer": optimizer, "arms": rows, "command": RANKS_COMMAND}
+    return {"optimizer": optimizer, "arms": rows, "layers": layers, "priced_reuses_two_rank_runs": reused,
+            "command": RANKS_COMMAND}
 
 
 def techniques(summary: dict, files: tuple[Path, ...] = TECHNIQUE_FILES, optimizer: str = "muon") -> dict[str, object]:
@@ -218,6 +261,49 @@ def techniques(summary: dict, files: tuple[Path, ...] = TECHNIQUE_FILES, optimiz
             "command": TECHNIQUES_COMMAND}
 
 
+def alternatives(summary: dict, runs: list[dict]) -> dict[str, object]:
+    """GIFT against the strongest cheap alternative at the same bits: per optimizer and format
+    of `ALTERNATIVE_FORMATS`, the GIFT arm and the Euclidean arm with the smallest mean gap to
+    fp32 among the arms with n >= `MIN_SEEDS`, their final held-out bits/byte differenced seed
+    by seed (negative: GIFT better), Holm over every comparison made (family-wise 5%). Choosing
+    each side's best on the same seeds favours both sides alike; the comparison inherits that
+    optimism, which the table says. Also each optimizer's production bar (`BAR_ARM`, the bf16
+    wire): its gap and bits, and how many times fewer bits each compared arm sends."""
+    by: dict[tuple[str, str], dict[int, float]] = defaultdict(dict)
+    for r in runs:
+        if run_key(r)[:3] == STUDY:
+            by[(r["optimizer"], r["arm"])][r["seed"]] = _final(r)
+    rows, bars = [], {}
+    for opt, o in summary["optimizers"].items():
+        judged = [a for a in o["arms"] if a["judged"]]
+        bar = next((a for a in judged if a["arm"] == BAR_ARM), None)
+        bars[opt] = None if bar is None else {"arm": bar["arm"], "bits_managed": bar["bits_managed"],
+                                              "gap": bar["gap"], "within": bar["within"]}
+        for fmt in ALTERNATIVE_FORMATS:
+            sides = {side: [a for a in judged if a["format"] == fmt and a["method"].startswith(side)]
+                     for side in ("GIFT", "Euclidean")}
+            row = {"optimizer": opt, "format": fmt,
+                   "candidates": {side: [a["arm"] for a in arms] for side, arms in sides.items()}}
+            if not all(sides.values()):
+                rows.append({**row, "compared": False})
+                continue
+            best = {side: min(arms, key=lambda a: a["gap"]["mean"]) for side, arms in sides.items()}
+            g, e = by[(opt, best["GIFT"]["arm"])], by[(opt, best["Euclidean"]["arm"])]
+            seeds = sorted(set(g) & set(e))
+            row.update({"compared": True, "gift": best["GIFT"]["arm"], "euclid": best["Euclidean"]["arm"],
+                        "bits_gift": best["GIFT"]["bits_managed"], "bits_euclid": best["Euclidean"]["bits_managed"],
+                        "gap_gift": best["GIFT"]["gap"], "gap_euclid": best["Euclidean"]["gap"],
+                        "within_gift": best["GIFT"]["within"], "within_euclid": best["Euclidean"]["within"],
+                        "difference": paired([g[s] - e[s] for s in seeds]).as_dict(),
+                        "fewer_bits_than_bar": None if bar is None else bar["bits_managed"] / best["GIFT"]["bits_managed"]})
+            rows.append(row)
+    compared = [r for r in rows if r["compared"]]
+    for row, rejected in zip(compared, holm([r["difference"]["p"] for r in compared])):
+        row["resolved_holm"] = rejected
+    return {"rows": rows, "bar": bars, "family_size": len(compared), "formats": list(ALTERNATIVE_FORMATS),
+            "command": ALTERNATIVES_COMMAND}
+
+
 def _shifts(arms: list[dict], fewest: dict[str, str | None]) -> dict[str, float | None]:
     """How many bits left of its Euclidean counterpart GIFT's fewest-within point sits (positive:
     GIFT needs fewer bits), per pair; None where either side has no point within the band."""
@@ -240,7 +326,10 @@ def plot(summary: dict, out: Path = RESULTS) -> str:
     fig, axes = plt.subplots(1, len(opts), figsize=(7 * len(opts), 4.8), squeeze=False)
     styles = {"Euclidean": ("tab:blue", "o", "-"), "Euclidean + EF": ("tab:blue", "s", "--"),
               "GIFT (defaults)": ("tab:orange", "o", "-"), "GIFT + EF (defaults)": ("tab:orange", "s", "--"),
-              "GIFT + leaky EF (defaults)": ("tab:red", "^", ":")}
+              "GIFT + leaky EF (defaults)": ("tab:red", "^", ":"),
+              "Euclidean + leaky EF": ("tab:cyan", "^", ":"),
+              "Euclidean + leaky EF + rotation": ("tab:green", "v", ":"),
+              "GIFT + leaky EF + rotation (defaults)": ("tab:purple", "v", ":")}
     for ax, opt in zip(axes[0], opts):
         o = summary["optimizers"][opt]
         ax.axhspan(-o["fp32"]["band95"], o["fp32"]["band95"], color="0.85",
@@ -272,7 +361,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--no-plot", action="store_true")
     a = p.parse_args(argv)
-    summary = summarise(load())
+    runs = load()
+    summary = summarise(runs)
+    summary["alternatives"] = alternatives(summary, runs)
     summary["ranks"] = ranks()
     summary["techniques"] = techniques(summary)
     a.out.write_text(json.dumps(summary, indent=1) + "\n")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 from bench.convergence_arms import FORMATS as RUN_FORMATS
+from bench.frontier import ALTERNATIVES_COMMAND as ALT_COMMAND
 from bench.frontier import OUT as FRONTIER
 
 
@@ -35,6 +36,10 @@ def config_kwargs(arm: dict) -> dict:
         kw["error_feedback"] = True
     if "leaky" in arm["method"]:
         kw["error_feedback_decay"] = 0.9
+    if "rotation" in arm["method"]:
+        kw["block_rotation"] = True
+    if "SR" in arm["method"]:
+        kw["stochastic_rounding"] = True
     return kw
 
 
@@ -86,7 +91,42 @@ def frontier(_: dict) -> str:
         lines.append(f"* **{opt}** (fp32 {o['fp32']['mean']:.4f} ± {o['fp32']['band95']:.4f}, n={o['fp32']['n']}; "
                      f"{o['family_size']} arms judged). Fewest bits within fp32's CI: {fewest}. GIFT's point left of "
                      f"Euclidean's: {shifts}. At 2.25 bits (int2, block 32): {at2 or 'not run'}.")
-    return "\n".join(lines + _frontier_ranks(f.get("ranks")) + _frontier_techniques(f.get("techniques")))
+    return "\n".join(lines + _alternatives(f.get("alternatives")) + _frontier_ranks(f.get("ranks"))
+                     + _frontier_techniques(f.get("techniques")))
+
+
+def _cell(g: dict) -> str:
+    return f"{g['mean']:+.4f} ± {g['ci95']:.4f}"
+
+
+def _alternatives(alt: dict | None) -> list[str]:
+    """GIFT's best arm against the best Euclidean arm at the same bits (`bench.frontier.alternatives`)."""
+    if not alt:
+        return []
+    lines = ["", "GIFT against the strongest cheap alternative at the same bits: per optimizer and format, the GIFT "
+             "arm and the Euclidean arm (plain, + EF, + leaky EF, + leaky EF + block rotation) with the smallest mean "
+             f"gap among the arms with n >= 5; difference = GIFT minus Euclidean in final held-out bits/byte, paired by "
+             f"seed, mean ± t 95% CI, Holm over the {alt['family_size']} comparisons (family-wise 5%). Each side's best "
+             "is chosen on the same seeds it is judged on, which flatters both alike. Bytes against the production bar "
+             f"(the bf16 wire summed in fp32). `{alt['command']}`:", "",
+             "| optimizer | format | GIFT's best (gap) | best Euclidean (gap) | GIFT minus Euclidean | resolved (Holm 5%) "
+             "| bits / managed element | fewer bits than bf16 |", "|---|---|---|---|---|---|---|---|"]
+    for r in alt["rows"]:
+        if not r["compared"]:
+            have = "; ".join(f"{side}: {', '.join(arms) or 'no arm with n >= 5'}" for side, arms in r["candidates"].items())
+            lines.append(f"| {r['optimizer']} | {r['format']} | not compared ({have}) | | | | | |")
+            continue
+        d = r["difference"]
+        verdict = ("**GIFT better**" if d["mean"] < 0 else "**Euclidean better**") if r["resolved_holm"] else "no"
+        bar = "" if r["fewer_bits_than_bar"] is None else f"{r['fewer_bits_than_bar']:.1f}x"
+        lines.append(f"| {r['optimizer']} | {r['format']} | {r['gift']} ({_cell(r['gap_gift'])}) | {r['euclid']} "
+                     f"({_cell(r['gap_euclid'])}) | {_cell(d)} | {verdict} (n={d['n']}) | {r['bits_gift']:.2f} | {bar} |")
+    for opt, bar in alt["bar"].items():
+        lines.append("")
+        lines.append(f"* production bar, {opt}: " + ("the bf16 wire has no run with n >= 5 yet." if bar is None else
+                     f"`{bar['arm']}` sends {bar['bits_managed']:.2f} bits per managed element, gap to fp32 "
+                     f"{_cell(bar['gap'])} (n={bar['gap']['n']}), {'within' if bar['within'] else 'outside'} fp32's CI."))
+    return lines
 
 
 def _frontier_ranks(r: dict | None) -> list[str]:
@@ -107,6 +147,13 @@ def _frontier_ranks(r: dict | None) -> list[str]:
     for a in r["arms"]:
         lines.append(f"| {a['arm']} | {cell(a['gap2'])}{kept(a['selected2'])} | {cell(a['gap4'])}{kept(a['selected4'])} "
                      f"| {cell(a['change'])} | {'yes' if a['change_resolved_holm'] else 'no'} (n={a['change']['n']}) |")
+    if r.get("layers"):
+        lines += ["", "Layers the defaults transform (of 28), by rank count: `gift-int2-dflt` under the former "
+                  "FLOPs-only cost side, `gift-int2-dflt-priced` under the cost side priced against the layer's step "
+                  "time (`auto_network_gbps` 100)" + (": the priced rule's 2-rank runs are the former's, its seed-0 "
+                  "run at 2 ranks having reproduced them bit for bit" if r.get("priced_reuses_two_rank_runs") else "")
+                  + ": " + "; ".join(f"{x['arm']} at {x['world']} ranks {x['selected']:.0f} (n={x['n']})"
+                                     for x in r["layers"]) + "."]
     return lines
 
 
@@ -132,6 +179,26 @@ def _frontier_techniques(t: dict | None) -> list[str]:
     return lines
 
 
+def _against_alternative(f: dict, opt: str, best: dict) -> str:
+    """The headline's margin of `best` against the strongest cheap alternative at its bits and
+    its bytes against the bf16 wire, from `bench.frontier.alternatives` (or why it is missing)."""
+    alt = f.get("alternatives") or {"rows": [], "bar": {}}
+    row = next((r for r in alt["rows"] if r["optimizer"] == opt and r["format"] == best["format"]), None)
+    if row is None or not row["compared"]:
+        margin = f"Not yet held to the best Euclidean arm at {best['format']} (no n >= 5 pair: `{ALT_COMMAND}`)."
+    else:
+        d = row["difference"]
+        verdict = "resolved" if row["resolved_holm"] else "not resolved"
+        margin = (f"Against the strongest cheap alternative at these bits (`{row['euclid']}`), GIFT's best "
+                  f"(`{row['gift']}`) differs by {_cell(d)} bits/byte (paired, n={d['n']}, {verdict} at Holm 5% "
+                  f"over {alt['family_size']} comparisons).")
+    bar = alt["bar"].get(opt)
+    if bar is not None:
+        margin += (f" It sends {bar['bits_managed'] / best['bits_managed']:.1f}x fewer bits than the bf16 wire "
+                   f"(gap {_cell(bar['gap'])}).")
+    return margin
+
+
 def frontier_headline(_: dict) -> str:
     """The README's recommendation: per optimizer, the fewest bits within fp32's CI and the
     configuration that sends them, from `bench/results/frontier.json`."""
@@ -147,7 +214,7 @@ def frontier_headline(_: dict) -> str:
                      f"({best['method']}): {best['bits_managed']:.3f} bits per managed element as counted at the "
                      f"collective, {best['gap']['mean']:+.4f} ± {best['gap']['ci95']:.4f} bits/byte against fp32 "
                      f"(n={best['gap']['n']}; family-wise upper bound {best['upper_adjusted']:+.4f} against fp32's own "
-                     f"95% CI ±{o['fp32']['band95']:.4f}).")
+                     f"95% CI ±{o['fp32']['band95']:.4f}). {_against_alternative(f, opt, best)}")
     return "\n".join(lines + [f"(Reduce-scatter path, {f['study']['world']} ranks, {f['study']['steps']} steps; "
                               "the fewest bits whose gap to fp32 stays inside fp32's 95% CI, family-wise 5%; "
                               "[the frontier](docs/benchmarks.md#the-frontier); `" + f["command"] + "`.)"])

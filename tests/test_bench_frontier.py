@@ -81,11 +81,66 @@ def test_ranks_pairs_each_rank_count_with_its_own_fp32_and_the_change_by_seed(tm
         lines.append({**_run("muon", "gift-int2", seed, 2.71), "world": 2})  # no 4-rank run
     f = tmp_path / "runs.jsonl"
     f.write_text("\n".join(json.dumps(r) for r in lines) + "\n")
-    out = frontier.ranks((f,))
+    out = frontier.ranks((f,), priced=tmp_path / "none.jsonl")
     assert [a["arm"] for a in out["arms"]] == ["euclid-int2"]
     a = out["arms"][0]
     assert a["gap2"]["mean"] == pytest.approx(0.0202) and a["gap4"]["mean"] == pytest.approx(0.0102)
     assert a["change"]["mean"] == pytest.approx(-0.01) and a["change_resolved_holm"] and a["selected4"] == 0
+
+
+def test_the_priced_defaults_reuse_two_rank_runs_only_where_seed_0_reproduced_them(tmp_path):
+    """The defaults under the priced cost side are read from their own file under their own
+    name; their 2-rank gap borrows the former defaults' runs only if their seed-0 run at 2 ranks
+    has the same loss curve, and the layers each rule transformed are listed per rank count."""
+    before, after = [], []
+    for seed in range(3):
+        for world, fp32 in ((2, 2.70), (4, 2.60)):
+            before.append({**_run("muon", "fp32", seed, fp32 + 0.001 * seed), "world": world})
+        before.append({**_run("muon", "gift-int2-dflt", seed, 2.72 + 0.001 * seed), "world": 2, "selected_layers": 28})
+        before.append({**_run("muon", "gift-int2-dflt", seed, 2.62 + 0.003 * seed), "world": 4, "selected_layers": 0})
+        after.append({**_run("muon", "gift-int2-dflt", seed, 2.61 + 0.0015 * seed), "world": 4, "selected_layers": 28})
+    same = {**_run("muon", "gift-int2-dflt", 0, 2.72), "world": 2, "selected_layers": 28}
+    f, g = tmp_path / "before.jsonl", tmp_path / "after.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in before) + "\n")
+    g.write_text("\n".join(json.dumps(r) for r in after) + "\n")
+    assert frontier.PRICED_ARM not in [a["arm"] for a in frontier.ranks((f,), priced=g)["arms"]]  # no 2-rank run
+    g.write_text("\n".join(json.dumps(r) for r in [*after, {**same, "losses": [1.0] * 120}]) + "\n")
+    out = frontier.ranks((f,), priced=g)
+    assert not out["priced_reuses_two_rank_runs"] and frontier.PRICED_ARM not in [a["arm"] for a in out["arms"]]
+    g.write_text("\n".join(json.dumps(r) for r in [*after, same]) + "\n")
+    out = frontier.ranks((f,), priced=g)
+    assert out["priced_reuses_two_rank_runs"]
+    rows = {a["arm"]: a for a in out["arms"]}
+    priced, former = rows[frontier.PRICED_ARM], rows["gift-int2-dflt"]
+    assert priced["gap2"] == former["gap2"] and priced["selected4"] == 28 and former["selected4"] == 0
+    assert priced["gap4"]["mean"] == pytest.approx(0.01 + 0.0005)
+    assert {(x["arm"], x["world"]): x["selected"] for x in out["layers"]} == {
+        ("gift-int2-dflt", 2): 28, ("gift-int2-dflt", 4): 0, (frontier.PRICED_ARM, 2): 28, (frontier.PRICED_ARM, 4): 28}
+
+
+def test_alternatives_hold_gifts_best_to_the_best_euclidean_arm_at_the_same_bits():
+    """Per format, each side's arm with the smallest mean gap (n >= 5) is taken, the two are
+    differenced seed by seed, Holm runs over the comparisons made, a format without both sides
+    is listed as not compared, and the bf16 bar's bits divide GIFT's."""
+    runs = _runs({
+        "euclid-int2": ([0.030, 0.031, 0.029, 0.030, 0.032], 2.25),
+        "euclid-int2-ef-b9-rot": ([0.012, 0.013, 0.011, 0.012, 0.0125], 2.25),  # the best Euclidean
+        "gift-int2-dflt": ([0.020, 0.021, 0.019, 0.020, 0.022], 2.25),
+        "gift-int2-ef-b9-dflt": ([0.006, 0.0065, 0.0055, 0.006, 0.007], 2.25),  # the best GIFT
+        "gift-int2-ef-b9-dflt-rot": ([0.001] * 3, 2.25),  # n=3: not a candidate
+        "gift-int3-dflt": ([0.004] * 5, 3.25),
+        "euclid-bf16": ([0.0, 0.0001, -0.0001, 0.0, 0.0], 16.0),
+    })
+    summary = frontier.summarise(runs)
+    alt = frontier.alternatives(summary, runs)
+    rows = {r["format"]: r for r in alt["rows"]}
+    int2 = rows["int2"]
+    assert (int2["gift"], int2["euclid"]) == ("gift-int2-ef-b9-dflt", "euclid-int2-ef-b9-rot")
+    want = [g - e for g, e in zip([0.006, 0.0065, 0.0055, 0.006, 0.007], [0.012, 0.013, 0.011, 0.012, 0.0125])]
+    assert int2["difference"]["mean"] == pytest.approx(sum(want) / 5) and int2["resolved_holm"]
+    assert int2["fewer_bits_than_bar"] == pytest.approx(16 / 2.25)
+    assert not rows["int3"]["compared"] and rows["int3"]["candidates"]["Euclidean"] == []
+    assert alt["family_size"] == 1 and alt["bar"]["muon"]["arm"] == "euclid-bf16"
 
 
 def test_techniques_pair_each_arm_with_the_arm_it_modifies(tmp_path):
