@@ -14,5 +14,9 @@ export OMP_NUM_THREADS=1
 $PY -m bench.convergence --profile full --path reduce-scatter --seeds 0,1,2,3,4 \
   --arms "muon=fp32,gift-nvfp4-dflt,gift-nvfp4-dflt-euc-nowarm,gift-nvfp4-dflt-nowarm;adamw=fp32,gift-nvfp4-dflt,gift-nvfp4-dflt-nowarm" \
   --jsonl bench/results/convergence_runs_rs.jsonl
+# the README's 4-rank row on the defaults (the selection's cost side priced against the layer's
+# step time keeps the map at 256 tokens per rank, where the FLOPs-only rule dropped every layer)
+$PY -m bench.convergence --profile full --path reduce-scatter --world 4 --seeds 0,1,2,3,4 \
+  --arms "muon=gift-nvfp4-dflt" --jsonl bench/results/convergence_runs_rs4.jsonl
 $PY -m bench.convergence --profile full --path all-reduce --seeds 0,1,2,3,4 \
   --arms "muon=fp32,gift-nvfp4-dflt" --jsonl bench/results/convergence_runs.jsonl
