@@ -15,4 +15,4 @@ OUT=${OUT:-bench/results/convergence_runs_defaults_ranks.jsonl}
 export OMP_NUM_THREADS=1
 $PY -m bench.convergence --profile full --path reduce-scatter --world 4 --seeds 0,1,2,3,4 --arms "muon=gift-int2-dflt" --jsonl "$OUT"
 $PY -m bench.convergence --profile full --path reduce-scatter --world 2 --seeds 0 --arms "muon=gift-int2-dflt" --jsonl "$OUT"
-$PY -m bench.convergence --profile full --path reduce-scatter --world 8 --seeds 0 --arms "muon=fp32,euclid-int2,gift-int2-dflt" --jsonl "$OUT"
+$PY -m bench.convergence --profile full --path reduce-scatter --world 8 --seeds 0 --arms "muon=gift-int2-dflt,fp32,euclid-int2" --jsonl "$OUT"

@@ -304,6 +304,33 @@ def alternatives(summary: dict, runs: list[dict]) -> dict[str, object]:
             "command": ALTERNATIVES_COMMAND}
 
 
+LONG_FILES = (RESULTS / "convergence_runs_long.jsonl", RESULTS / "convergence_runs_long_lowbit.jsonl")
+LONG_STEPS = 480
+LONG_ARMS = ("gift-int2b16-ef-b9-dflt", "euclid-int2b16-ef-b9-rot")
+LONG_COMMAND = "bash bench/long_lowbit_runs.sh && python -m bench.frontier"
+
+
+def long_horizon(files: tuple[Path, ...] = LONG_FILES, optimizer: str = "muon") -> dict[str, object]:
+    """The recommended 2.5-bit configuration over `LONG_STEPS` steps (4x the frontier's): each
+    of `LONG_ARMS`' gap to fp32 of the same seed and length, and GIFT minus Euclidean paired by
+    seed (mean, t 95% CI; one comparison, so no correction). Arms with fewer than two paired
+    seeds are reported with their seed count only."""
+    by: dict[str, dict[int, float]] = defaultdict(dict)
+    for r in load(files, ((STUDY[0], STUDY[1], LONG_STEPS),)):
+        if r["optimizer"] == optimizer:
+            by[r["arm"]][r["seed"]] = _final(r)
+    out: dict[str, object] = {"optimizer": optimizer, "steps": LONG_STEPS, "arms": {}, "command": LONG_COMMAND}
+    for arm in LONG_ARMS:
+        seeds = sorted(set(by[arm]) & set(by["fp32"]))
+        out["arms"][arm] = {"n": len(seeds), "gap": paired([by[arm][s] - by["fp32"][s] for s in seeds]).as_dict()
+                            if len(seeds) >= 2 else None}
+    gift, euclid = LONG_ARMS
+    seeds = sorted(set(by[gift]) & set(by[euclid]))
+    out["difference"] = paired([by[gift][s] - by[euclid][s] for s in seeds]).as_dict() if len(seeds) >= 2 else None
+    out["difference_seeds"] = seeds
+    return out
+
+
 def _shifts(arms: list[dict], fewest: dict[str, str | None]) -> dict[str, float | None]:
     """How many bits left of its Euclidean counterpart GIFT's fewest-within point sits (positive:
     GIFT needs fewer bits), per pair; None where either side has no point within the band."""
@@ -365,6 +392,7 @@ def main(argv: list[str] | None = None) -> None:
     summary = summarise(runs)
     summary["alternatives"] = alternatives(summary, runs)
     summary["ranks"] = ranks()
+    summary["long"] = long_horizon()
     summary["techniques"] = techniques(summary)
     a.out.write_text(json.dumps(summary, indent=1) + "\n")
     if not a.no_plot:

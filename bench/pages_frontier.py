@@ -91,8 +91,22 @@ def frontier(_: dict) -> str:
         lines.append(f"* **{opt}** (fp32 {o['fp32']['mean']:.4f} ± {o['fp32']['band95']:.4f}, n={o['fp32']['n']}; "
                      f"{o['family_size']} arms judged). Fewest bits within fp32's CI: {fewest}. GIFT's point left of "
                      f"Euclidean's: {shifts}. At 2.25 bits (int2, block 32): {at2 or 'not run'}.")
-    return "\n".join(lines + _alternatives(f.get("alternatives")) + _frontier_ranks(f.get("ranks"))
+    return "\n".join(lines + _alternatives(f.get("alternatives")) + _long(f.get("long")) + _frontier_ranks(f.get("ranks"))
                      + _frontier_techniques(f.get("techniques")))
+
+
+def _long(long: dict | None) -> list[str]:
+    """The 2.5-bit recommendation over 4x the steps (`bench.frontier.long_horizon`)."""
+    if not long:
+        return []
+    cells = "; ".join(f"`{arm}` " + (f"{_cell(a['gap'])} (n={a['n']})" if a["gap"] else f"{a['n']} paired seed(s) so far")
+                      for arm, a in long["arms"].items())
+    d = long["difference"]
+    diff = (f"GIFT minus Euclidean {_cell(d)} (paired, n={d['n']}, "
+            f"{'resolved' if abs(d['mean']) > d['ci95'] else 'not resolved'} at 95%)" if d else
+            "GIFT minus Euclidean: fewer than two paired seeds so far")
+    return ["", f"Longer horizon ({long['optimizer']}, {long['steps']} steps, 4x the frontier's; gap to fp32 of the same "
+            f"seed and length, mean ± t 95% CI): {cells}; {diff}. `{long['command']}`."]
 
 
 def _cell(g: dict) -> str:

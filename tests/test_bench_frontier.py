@@ -186,3 +186,22 @@ def test_recipes_are_the_committed_frontiers_fewest_bits():
         assert "GIFT" in best[RECIPES[name].optimizer]["method"]
         cfg = recipe(name, seed=3)
         assert cfg.seed == 3 and all(getattr(cfg, k) == v for k, v in fields.items())
+
+
+def test_the_long_horizon_pairs_each_arm_with_fp32_of_the_same_length(tmp_path):
+    """480-step arms are paired with the 480-step fp32 of the same seed (never the 120-step
+    one), and GIFT minus Euclidean is differenced seed by seed."""
+    gift, euclid = frontier.LONG_ARMS
+    rows = []
+    for seed in range(3):
+        rows.append({**_run("muon", "fp32", seed, 2.50 + 0.01 * seed), "steps": 480})
+        rows.append(_run("muon", "fp32", seed, 9.0))  # 120 steps: must not be paired
+        rows.append({**_run("muon", gift, seed, 2.505 + 0.01 * seed + 0.0001 * seed), "steps": 480})
+        if seed < 2:
+            rows.append({**_run("muon", euclid, seed, 2.51 + 0.01 * seed), "steps": 480})
+    f = tmp_path / "long.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = frontier.long_horizon((f,))
+    assert out["arms"][gift]["n"] == 3 and out["arms"][gift]["gap"]["mean"] == pytest.approx(0.005 + 0.0001)
+    assert out["arms"][euclid]["n"] == 2 and out["difference_seeds"] == [0, 1]
+    assert out["difference"]["mean"] == pytest.approx(-0.005 + 0.00005)
