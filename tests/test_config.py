@@ -21,6 +21,8 @@ NAN, INF = float("nan"), float("inf")
     ({"sketch_cols": -2}, "sketch_cols"), ({"residual_format": "fp16"}, "residual_format"),
     ({"replica_format": "fp16"}, "replica_format"), ({"map_precision": "fp16"}, "map_precision"),
     ({"map_precision": "ieee"}, "map_precision"),
+    ({"intra_node_format": "bfloat16"}, "intra_node_format"),
+    ({"intra_node_format": "bf16", "ranks_per_node": 0}, "intra_node_format"),
     ({"format": "fp8_e4m3", "scaling": "row", "block_rotation": True}, "block_rotation"),
     ({"format": "fp8_e4m3", "replica_format": "int4", "block_size": 64}, "block_size"),
 ])
@@ -38,6 +40,7 @@ BAD_TYPES = [
     ("reselect_every", 1.5), ("statistics", 1), ("sketch_cols", "64"), ("residual_format", None),
     ("replica_format", None), ("replica_format", 4), ("map_precision", None), ("map_precision", True),
     ("ranks_per_node", -1), ("ranks_per_node", 2.0), ("ranks_per_node", "4"), ("ranks_per_node", True),
+    ("intra_node_format", "fp16"), ("intra_node_format", None), ("intra_node_format", 16),
     ("block_size", 32.0), ("block_size", True), ("rank", True), ("rank", "8"), ("refresh_every", False), ("refresh_warmup", -1), ("refresh_warmup", 2.0),
     ("refresh_every", 10.0), ("stats_tokens", "1024"), ("min_numel", True), ("min_numel", 4096.0),
     ("min_numel", -1), ("seed", "0"), ("seed", True), ("seed", 1.5), ("seed", 2**70), ("seed", 2**63),

@@ -207,10 +207,11 @@ def _fsdp2(rank: int, world: int, g: int) -> dict:
     return {"errs": errs, "totals": st.comm_totals(), "accounted": tuple(accounted)}
 
 
-def _graph(rank: int, world: int, g: int) -> dict:
+def _graph(rank: int, world: int, g: int, node_format: str = "native") -> dict:
     """The graph pass on a bucketed reduce-scatter (graph_trainer / torch.compile's shape):
     rewritten into the node's reduce-scatter + GIFT's all_to_all across nodes, equal to the
-    eager two-level bucket bit for bit."""
+    eager two-level bucket bit for bit (`node_format`: `GiftConfig.intra_node_format`, carried
+    by the marks' plans into the rewrite)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     import torch._inductor.fx_passes.bucketing  # noqa: F401  (registers the bucketing ops)
@@ -220,8 +221,8 @@ def _graph(rank: int, world: int, g: int) -> dict:
     from gift_compile.passes import count_ops, rewrite_gradient_collectives
     from gift_compile.runtime.state import GiftState
 
-    st = GiftState(GiftConfig(**NVFP4, geometry="lowrank", rank=4, select="all", refresh_every=1, ranks_per_node=g),
-                   dist.group.WORLD, collective="reduce_scatter")
+    st = GiftState(GiftConfig(**NVFP4, geometry="lowrank", rank=4, select="all", refresh_every=1, ranks_per_node=g,
+                              intra_node_format=node_format), dist.group.WORLD, collective="reduce_scatter")
     a, b = st.add_layer("a.weight", (16, 48), "cpu"), st.add_layer("b.weight", (32, 32), "cpu")
     gen = torch.Generator().manual_seed(0)
     for layer in (a, b):
@@ -241,7 +242,7 @@ def _graph(rank: int, world: int, g: int) -> dict:
     got = [t.clone() for t in gm(*xs, *ta, *tb)]
     node_wire = int(st.counters[C.C_NODE_WIRE]) - before_wire
     items = (a.plan, b.plan, ItemPlan.passthrough("norm", 16, torch.float32))
-    plan = BucketPlan(items, world, group, False, "reduce_scatter", node_layout(group, g))
+    plan = BucketPlan(items, world, group, False, "reduce_scatter", node_layout(group, g, node_format))
     want, _ = C.run_bucket(xs, [a.tensors(), b.tensors(), None], st.shared, plan)
     one_level, _ = C.run_bucket(xs, [a.tensors(), b.tensors(), None], st.shared, BucketPlan(items, world, group, False,
                                                                                            "reduce_scatter"))
@@ -433,3 +434,79 @@ def test_core_on_four_ranks_as_two_nodes_of_two():
         assert torch.equal(c["two", "arnv"], ranks[0]["two", "arnv"])
         assert "node chunk" in c["full_residual"] and c["residual_nonzero"]
         assert "rank(s) [3]" in c["nan"] and c["nan_mask"] == 1 << 3, c["nan"]
+
+
+def _node_format(rank: int, world: int) -> dict:
+    """`intra_node_format` on 2 nodes x 2: the public API and `sync_buffer` at native and bf16
+    inside the node (bytes per hop counted and accounted, values), and the graph pass's
+    rewrite at bf16."""
+    from gift_compile.exchange import collectives as C
+    from gift_compile.exchange.plan import ItemPlan
+    from gift_compile.exchange.topology import node_layout
+
+    group = dist.group.WORLD
+    x = torch.randn(world * 4, 64, generator=torch.Generator().manual_seed(rank))  # not exact in bf16
+    exact = x.clone()
+    dist.all_reduce(exact)
+    magnitude = x.abs()
+    dist.all_reduce(magnitude)
+    out: dict = {"exact": exact, "magnitude": magnitude}
+    for fmt in ("native", "bf16"):
+        for wire in ("fp32", "nvfp4"):
+            cfg = GiftConfig(**(NVFP4 if wire == "nvfp4" else {"format": "fp32"}), ranks_per_node=2,
+                             intra_node_format=fmt, reduce_op="sum")
+            out[fmt, wire, "rs"] = C.reduce_scatter(x, group, cfg)
+            out[fmt, wire, "ar"] = C.all_reduce(x[:13], group, cfg)
+        for op, rows in (("reduce_scatter", world * 4), ("all_reduce", 13)):
+            counters = torch.zeros(C.N_COUNTERS, dtype=torch.int64)
+            item = ItemPlan(name="w", rows=rows, cols=64, **NVFP4)
+            per = rows // world if op == "reduce_scatter" else rows
+            segments = [C.Segment("w", per, 64, item, C.ItemTensors(())), C.Segment("b", 1, 8 if op == "all_reduce" else 1)]
+            buf = torch.randn(rows * 64 + (8 if op == "all_reduce" else world), generator=torch.Generator().manual_seed(rank))
+            plan = C.bucket_plan(segments, torch.float32, world=world, group_name=group.group_name, average=True,
+                                 op=op, layout=node_layout(group, 2, fmt))
+            C.sync_buffer(buf, segments, C.Shared(0, rank, counters), op=op, group=group, average=True,
+                          ranks_per_node=2, intra_node_format=fmt)
+            out[fmt, op, "counted"] = (int(counters[C.C_NODE_WIRE]), int(counters[C.C_WIRE] - counters[C.C_NODE_WIRE]))
+            out[fmt, op, "accounted"] = C.bucket_hop_bytes(plan)
+            out[fmt, op, "describe"] = plan.describe()
+            out[fmt, op, "fingerprint"] = plan.fingerprint()
+    out["graph"] = _graph(rank, world, 2, "bf16")
+    return out
+
+
+def test_bf16_inside_the_node_halves_its_bytes_within_bf16_error():
+    """`GiftConfig.intra_node_format="bf16"` on 4 ranks as 2 nodes x 2 (the fast tier): the
+    bytes handed inside the node (stage 1's reduce-scatter of an fp32 bucket, and an
+    all-reduce's stage-3 all_gather) halve, counted at the collectives and equal to the
+    accounting; the bytes across nodes do not change; fp32 GIFT differs from the native node
+    stage (bf16 really travelled) by no more than bf16's rounding of the node's sum, NVFP4
+    stays within its error, replicas of an all-reduce stay bit-identical, the plan says so
+    (description, fingerprint), and the graph pass's rewrite runs it at bf16 too."""
+    from gift_compile.exchange.accounting import HEADER_BYTES
+
+    ranks = run_ranks(_node_format, 4, timeout=300)
+    for rank, c in enumerate(ranks):
+        for op in ("reduce_scatter", "all_reduce"):
+            (node16, cross16), (node32, cross32) = c["bf16", op, "counted"], c["native", op, "counted"]
+            assert c["bf16", op, "counted"] == c["bf16", op, "accounted"], op
+            assert c["native", op, "counted"] == c["native", op, "accounted"], op
+            assert (node32 - HEADER_BYTES) == 2 * (node16 - HEADER_BYTES) and cross16 == cross32, (op, node16, node32)
+            assert "bf16 inside the node" in c["bf16", op, "describe"], c["bf16", op, "describe"]
+            assert c["bf16", op, "fingerprint"] != c["native", op, "fingerprint"]
+        shard, size = c["exact"].reshape(4, -1, 64)[rank], c["magnitude"].reshape(4, -1, 64)[rank]
+        for key, ref, mag in (("rs", shard, size), ("ar", c["exact"][:13], c["magnitude"][:13])):
+            native, bf16 = c["native", "fp32", key], c["bf16", "fp32", key]
+            assert not torch.equal(native, bf16), key  # bf16 really travelled
+            assert float((native - ref).abs().max()) < 1e-5, key
+            # each rank's gradient and the node's sum rounded to bf16 (2^-9 each), an all-reduce's
+            # result once more: |err| <= 2^-7 * sum over ranks of |x|
+            assert bool(((bf16 - ref).abs() <= mag * 2 ** -7).all()), key
+            for fmt in ("native", "bf16"):
+                err = float((c[fmt, "nvfp4", key] - ref).norm() / ref.norm())
+                assert 0 < err < 0.2, (fmt, key, err)
+            assert torch.equal(c["bf16", "nvfp4", "ar"], ranks[0]["bf16", "nvfp4", "ar"])  # replicas identical
+        q = c["graph"]
+        assert q["after"].get("_c10d_functional.reduce_scatter_tensor.default") == 1
+        assert all(torch.equal(a.reshape(-1), b.reshape(-1)) for a, b in zip(q["got"], q["want"]))
+        assert q["node_wire"] == q["accounted"][0]

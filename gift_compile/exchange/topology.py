@@ -26,8 +26,10 @@ from __future__ import annotations
 import os
 from typing import NamedTuple
 
+import torch
 import torch.distributed as dist
 
+from gift_compile.config import INTRA_NODE_FORMATS, NATIVE_NODE_FORMAT
 from gift_compile.sync import process_group
 
 __all__ = ["FLAT", "MAX_RANKS_PER_NODE", "NodeLayout", "TopologyError", "node_layout", "node_of_ranks"]
@@ -44,16 +46,30 @@ class TopologyError(ValueError):
 class NodeLayout(NamedTuple):
     """A group's two levels: `ranks_per_node` (g) of its ranks on each of `nodes` nodes, the
     name of this rank's node group (its g ranks, in group order) and of its cross group (the
-    `nodes` ranks with its local index, in node order). `ranks_per_node == 1`: one level."""
+    `nodes` ranks with its local index, in node order). `ranks_per_node == 1`: one level.
+    `node_format` (`GiftConfig.intra_node_format`) is the precision of the collectives inside
+    the node; a one-level layout has none, so it is always native there."""
 
     ranks_per_node: int = 1
     nodes: int = 1
     node_group: str | None = None
     cross_group: str | None = None
+    node_format: str = NATIVE_NODE_FORMAT
 
     @property
     def two_level(self) -> bool:
         return self.ranks_per_node > 1
+
+    def node_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a tensor of `dtype` travels at inside the node: its own, or bf16."""
+        return dtype if self.node_format == NATIVE_NODE_FORMAT else torch.bfloat16
+
+    def with_node_format(self, node_format: str) -> NodeLayout:
+        """This layout with the node's collectives at `node_format`; a one-level layout stays
+        itself (it runs no collective inside a node). Raises ValueError for an unknown name."""
+        if node_format not in INTRA_NODE_FORMATS:
+            raise ValueError(f"GIFT: intra_node_format={node_format!r}; allowed: {', '.join(INTRA_NODE_FORMATS)}")
+        return self._replace(node_format=node_format) if self.two_level else self
 
 
 FLAT = NodeLayout()  # the one-level exchange
@@ -100,11 +116,18 @@ def node_of_ranks(ranks: list[int], ranks_per_node: int) -> tuple[int, int]:
     return len(ranks) // len(order), len(order)
 
 
-def node_layout(group: dist.ProcessGroup | str | None, ranks_per_node: int | None) -> NodeLayout:
+def node_layout(group: dist.ProcessGroup | str | None, ranks_per_node: int | None,
+                intra_node_format: str = NATIVE_NODE_FORMAT) -> NodeLayout:
     """The layout GIFT's collectives over `group` run on under `GiftConfig.ranks_per_node`
-    (see the module docstring); makes and caches the subgroups on the first call for a
-    group, so every rank of `group` must call it at the same point (an eager collective's
-    setup, a state's construction, a graph's rewrite: all collective already)."""
+    and `GiftConfig.intra_node_format` (see the module docstring); makes and caches the
+    subgroups on the first call for a group, so every rank of `group` must call it at the
+    same point (an eager collective's setup, a state's construction, a graph's rewrite: all
+    collective already)."""
+    return _node_groups(group, ranks_per_node).with_node_format(intra_node_format)
+
+
+def _node_groups(group: dist.ProcessGroup | str | None, ranks_per_node: int | None) -> NodeLayout:
+    """`node_layout` at the native node format: the subgroups, made once per (group, setting)."""
     if group is None or not dist.is_available() or not dist.is_initialized():
         return FLAT
     per_node = _resolved_ranks_per_node(ranks_per_node)
