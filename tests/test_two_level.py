@@ -510,3 +510,36 @@ def test_bf16_inside_the_node_halves_its_bytes_within_bf16_error():
         assert q["after"].get("_c10d_functional.reduce_scatter_tensor.default") == 1
         assert all(torch.equal(a.reshape(-1), b.reshape(-1)) for a, b in zip(q["got"], q["want"]))
         assert q["node_wire"] == q["accounted"][0]
+
+
+def _experts(rank: int, world: int) -> dict:
+    """Grouped experts on a group of 2 nodes x 2: mapped ones refused when their layers are
+    built, map-free ones built."""
+    from gift_compile.exchange.plan import Collective
+    from gift_compile.runtime.experts import ExpertLayers
+    from gift_compile.runtime.state import GiftState
+
+    shapes = {"w1_EFD": (4, 16, 48), "w2_EDF": (4, 48, 16)}
+    inputs = {"w1_EFD": "x", "w2_EDF": "h"}
+    out = {}
+    for geometry in ("lowrank", "none"):
+        state = GiftState(GiftConfig(geometry=geometry, format="fp8_e4m3", select="all", rank=4, ranks_per_node=2),
+                          dist.group.WORLD, collective=Collective.REDUCE_SCATTER)
+        params = {n: nn.Parameter(torch.zeros(s)) for n, s in shapes.items()}
+        try:
+            experts = ExpertLayers(state, "layers.1.moe.experts", shapes, inputs, params, "cpu")
+            out[geometry] = experts.weights["w1_EFD"].plan.groups
+        except TopologyError as e:
+            out[geometry] = str(e)
+    return out
+
+
+def test_mapped_grouped_experts_are_refused_under_two_levels_when_built():
+    """Whitened (mapped) grouped experts on a group spanning nodes raise when `apply` builds
+    their layers, naming the layout and the ways out, instead of failing in the first backward
+    or falling back to one level; map-free grouped experts run in two levels (4 ranks as
+    2 nodes x 2)."""
+    for r in run_ranks(_experts, 4, timeout=300):
+        assert "2 nodes x 2 ranks" in r["lowrank"] and "layers.1.moe.experts" in r["lowrank"], r["lowrank"]
+        assert "ranks_per_node=0" in r["lowrank"] and "'lowrank'" in r["lowrank"]
+        assert r["none"] == 4
