@@ -543,3 +543,56 @@ def test_mapped_grouped_experts_are_refused_under_two_levels_when_built():
         assert "2 nodes x 2 ranks" in r["lowrank"] and "layers.1.moe.experts" in r["lowrank"], r["lowrank"]
         assert "ranks_per_node=0" in r["lowrank"] and "'lowrank'" in r["lowrank"]
         assert r["none"] == 4
+
+
+def _reports(rank: int, world: int) -> dict:
+    """The apply report's exchange lines on 4 ranks as 2 nodes x 2: a plain module (two levels
+    at bf16 inside the node, and switched off), DDP, and an FSDP2 + HSDP replica hop on a 2 x 2
+    mesh (the shard group inside a node, the replica group one rank per node)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from gift_compile.api import manage
+    from gift_compile.frameworks import fsdp2, hsdp
+    from gift_compile.frameworks.exchanges import describe_exchanges
+
+    out = {}
+    for name, kw in (("plain", dict(ranks_per_node=2, intra_node_format="bf16")), ("off", dict(ranks_per_node=0))):
+        model = MLP(64)
+        gift_compile.apply(model, GiftConfig(format="fp8_e4m3", min_numel=1024, **kw), fuse=False)
+        out[name] = gift_compile.report(model).exchanges
+        out[name, "lines"] = gift_compile.report(model).lines()
+    ddp = nn.parallel.DistributedDataParallel(MLP(64))
+    gift_compile.apply(ddp, GiftConfig(format="fp8_e4m3", min_numel=1024, ranks_per_node=2), fuse=False)
+    out["ddp"] = gift_compile.report(ddp).exchanges
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = MLP(64)
+    for layer in (model.fc1, model.fc2, model.out):
+        fully_shard(layer, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    state = manage(model, GiftConfig(format="fp8_e4m3", geometry="lowrank", min_numel=1024, exclude=(), reduce_op="sum",
+                                     ranks_per_node=2), mesh.get_group("shard"), mode="stats", split_rows=True)
+    fsdp2.install(model, state, compiled=False)
+    hsdp.install(model, state, mesh.get_group("replicate"), compiled=False)
+    out["hsdp"] = describe_exchanges(state)
+    return out
+
+
+def test_the_apply_report_names_each_paths_exchange():
+    """`gift_compile.report(model).exchanges` says, per gradient path, whether it runs in two
+    levels and why not: a plain module's managed weights in two levels (bf16 inside the node)
+    and its unmanaged parameters' native fp32 all-reduce in one; `ranks_per_node=0`; DDP's
+    buckets; HSDP's shard hop inside one node and its replica hop, one rank per node."""
+    r = run_ranks(_reports, 4, timeout=300)[0]
+    managed, unmanaged = r["plain"]
+    assert managed.startswith("managed weights: two levels, 2 nodes x 2 ranks (inside the node at bf16"), managed
+    assert unmanaged.startswith("unmanaged parameters: one native fp32 all-reduce per backward, one level"), unmanaged
+    assert any(line.startswith("  exchange of the managed weights: two levels") for line in r["plain", "lines"])
+    assert r["off"][0] == "managed weights: one level over 4 ranks (ranks_per_node=0)", r["off"]
+    assert r["ddp"] == ("managed weights and the parameters in their buckets: two levels, 2 nodes x 2 ranks (inside "
+                        "the node at native, then GIFT's codec on the 1/2 chunk across nodes)",), r["ddp"]
+    shard, replica = r["hsdp"]
+    assert shard.endswith("one level over 2 ranks (all on one node at ranks_per_node=2)"), shard
+    assert replica == ("HSDP replica hop at fp8_e4m3: GIFT's all-reduce, one level over 2 ranks (one rank per node: "
+                       "nothing to split)"), replica
+

@@ -32,7 +32,8 @@ import torch.distributed as dist
 from gift_compile.config import INTRA_NODE_FORMATS, NATIVE_NODE_FORMAT
 from gift_compile.sync import process_group
 
-__all__ = ["FLAT", "MAX_RANKS_PER_NODE", "NodeLayout", "TopologyError", "node_layout", "node_of_ranks"]
+__all__ = ["FLAT", "MAX_RANKS_PER_NODE", "NodeLayout", "TopologyError", "describe_layout", "node_layout",
+           "node_of_ranks", "resolved_ranks_per_node"]
 
 # A stage-2 header carries a node's flags as bit masks of its local ranks in one int64 (two
 # masks of 31 bits: non-finite, plan mismatch), which bounds the ranks of one node in a group.
@@ -77,7 +78,7 @@ FLAT = NodeLayout()  # the one-level exchange
 _LAYOUTS: dict[tuple[str, int], NodeLayout] = {}
 
 
-def _resolved_ranks_per_node(setting: int | None) -> int:
+def resolved_ranks_per_node(setting: int | None) -> int:
     """`GiftConfig.ranks_per_node` resolved: the setting, or `LOCAL_WORLD_SIZE`, or 0 (one node)."""
     if setting is not None:
         return int(setting)
@@ -130,7 +131,7 @@ def _node_groups(group: dist.ProcessGroup | str | None, ranks_per_node: int | No
     """`node_layout` at the native node format: the subgroups, made once per (group, setting)."""
     if group is None or not dist.is_available() or not dist.is_initialized():
         return FLAT
-    per_node = _resolved_ranks_per_node(ranks_per_node)
+    per_node = resolved_ranks_per_node(ranks_per_node)
     if per_node == 0:
         return FLAT
     pg = process_group(group)
@@ -153,3 +154,24 @@ def _node_groups(group: dist.ProcessGroup | str | None, ranks_per_node: int | No
         layout = NodeLayout(g, nodes, node_pg.group_name, cross_pg.group_name)
     _LAYOUTS[key] = layout
     return layout
+
+
+def describe_layout(layout: NodeLayout, world: int, ranks_per_node: int | None,
+                    ranks: list[int] | None = None) -> str:
+    """How a collective over a group of `world` ranks on `layout` runs, in words, and why a
+    one-level one is (`gift_compile.report`): `ranks_per_node` is the setting it was resolved
+    from; `ranks`, the group's global ranks, tells a group inside one node or one to a node
+    from one that has no node layout at all."""
+    if layout.two_level:
+        return (f"two levels, {layout.nodes} nodes x {layout.ranks_per_node} ranks (inside the node at "
+                f"{layout.node_format}, then GIFT's codec on the 1/{layout.ranks_per_node} chunk across nodes)")
+    if world <= 1:
+        return "no collective (one rank)"
+    per_node = resolved_ranks_per_node(ranks_per_node)
+    if per_node == 0:
+        why = "ranks_per_node=0" if ranks_per_node == 0 else "no node layout (ranks_per_node and LOCAL_WORLD_SIZE unset)"
+    elif ranks is not None and node_of_ranks(ranks, per_node)[0] == 1:
+        why = f"one rank per node at ranks_per_node={per_node}"
+    else:
+        why = f"all on one node at ranks_per_node={per_node}"
+    return f"one level over {world} ranks ({why})"
