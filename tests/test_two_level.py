@@ -596,3 +596,43 @@ def test_the_apply_report_names_each_paths_exchange():
     assert replica == ("HSDP replica hop at fp8_e4m3: GIFT's all-reduce, one level over 2 ranks (one rank per node: "
                        "nothing to split)"), replica
 
+
+def _resume(rank: int, world: int) -> dict:
+    """A state's checkpoint on 2 nodes x 2 loaded under other node layouts, with and without
+    error-feedback residuals."""
+    from gift_compile.runtime.state import GiftState
+
+    def state(rpn: int, error_feedback: bool) -> GiftState:
+        st = GiftState(GiftConfig(format="fp8_e4m3", geometry="lowrank", rank=4, ranks_per_node=rpn,
+                                  error_feedback=error_feedback), dist.group.WORLD, collective="reduce_scatter")
+        st.add_layer("a.weight", (16, 48), "cpu")
+        return st
+
+    out = {}
+    for ef in (True, False):
+        saved = state(2, ef).state_dict()
+        out[ef, "meta"] = saved["meta"]
+        for rpn in (2, 0, 4):
+            try:
+                state(rpn, ef).load_state_dict(saved)
+                out[ef, rpn] = "loaded"
+            except ValueError as e:
+                out[ef, rpn] = str(e)
+    return out
+
+
+def test_checkpoints_record_the_node_layout_and_refuse_its_residuals_elsewhere():
+    """A GIFT state's checkpoint records its node layout; resumed under another layout it is
+    refused by name when it holds first-hop error-feedback residuals (the node chunk's rows of
+    the old layout) and loads when it holds none (nothing else depends on the layout). 4 ranks:
+    saved as 2 nodes x 2, loaded as 2 x 2, one level (ranks_per_node=0) and one node (4)."""
+    import json
+
+    for r in run_ranks(_resume, 4, timeout=300):
+        assert json.loads(r[True, "meta"])["node_layout"] == {"ranks_per_node": 2, "nodes": 2}
+        assert r[True, 2] == "loaded" and r[False, 2] == "loaded"
+        for rpn in (0, 4):
+            msg = r[True, rpn]
+            assert "saved on two levels, 2 nodes x 2 ranks" in msg and "the one-level exchange" in msg, msg
+            assert "a.weight" in msg and "ranks_per_node=2" in msg, msg
+            assert r[False, rpn] == "loaded", r[False, rpn]
