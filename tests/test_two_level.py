@@ -636,3 +636,18 @@ def test_checkpoints_record_the_node_layout_and_refuse_its_residuals_elsewhere()
             assert "saved on two levels, 2 nodes x 2 ranks" in msg and "the one-level exchange" in msg, msg
             assert "a.weight" in msg and "ranks_per_node=2" in msg, msg
             assert r[False, rpn] == "loaded", r[False, rpn]
+
+
+def test_the_committed_hop_byte_table_is_what_its_measurement_renders():
+    """bench/results/hop_bytes.md is `bench.hop_bytes.table` of the committed hop_bytes.json
+    (regenerated, never typed), and in it two levels halve a reduce-scatter's bytes across
+    nodes (g = 2) while bf16 inside the node halves the bytes inside it."""
+    import json
+
+    from bench import hop_bytes
+
+    d = json.loads(hop_bytes.OUT.read_text())
+    assert hop_bytes.TABLE.read_text() == hop_bytes.table(d)
+    one, two, bf16 = (d["arms"][a]["one bucket, reduce_scatter (sync_buffer)"] for a in hop_bytes.ARMS)
+    assert two["cross"] * 2 == one["cross"] and bf16["cross"] == two["cross"]
+    assert (two["node"] - 16) == 2 * (bf16["node"] - 16)  # less the 16-byte header all_gather
