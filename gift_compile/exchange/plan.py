@@ -318,8 +318,8 @@ class BucketPlan:
     def describe(self) -> str:
         head = f"{self.op} over {self.world} ranks ({'avg' if self.average else 'sum'})"
         if self.two_level:
-            head += f" in two levels ({self.layout.nodes} nodes x {self.layout.ranks_per_node}"
-            head += ")" if self.layout.node_format == NATIVE_NODE_FORMAT else f", {self.layout.node_format} inside the node)"
+            node = "" if self.layout.node_format == NATIVE_NODE_FORMAT else f", {self.layout.node_format} inside the node"
+            head += f" in two levels ({self.layout.nodes} nodes x {self.layout.ranks_per_node}{node})"
         return head + ": " + "; ".join(i.describe() for i in self.items)
 
 

@@ -169,7 +169,8 @@ def describe_layout(layout: NodeLayout, world: int, ranks_per_node: int | None,
         return "no collective (one rank)"
     per_node = resolved_ranks_per_node(ranks_per_node)
     if per_node == 0:
-        why = "ranks_per_node=0" if ranks_per_node == 0 else "no node layout (ranks_per_node and LOCAL_WORLD_SIZE unset)"
+        why = ("ranks_per_node=0" if ranks_per_node == 0
+               else "no node layout (ranks_per_node and LOCAL_WORLD_SIZE unset)")
     elif ranks is not None and node_of_ranks(ranks, per_node)[0] == 1:
         why = f"one rank per node at ranks_per_node={per_node}"
     else:
