@@ -472,7 +472,49 @@ def _node_format(rank: int, world: int) -> dict:
             out[fmt, op, "describe"] = plan.describe()
             out[fmt, op, "fingerprint"] = plan.fingerprint()
     out["graph"] = _graph(rank, world, 2, "bf16")
+    out["ddp"], out["fsdp2"] = _frameworks_bf16(rank, world)
     return out
+
+
+def _frameworks_bf16(rank: int, world: int) -> tuple[dict, dict]:
+    """DDP's comm hook and FSDP2's reduce-scatter with bf16 inside the node (2 nodes x 2): DDP's
+    gradients on every rank and its bytes per hop against the accounting; FSDP2's fp32 GIFT
+    shards against the exact mean."""
+    from torch.distributed.fsdp import fully_shard
+
+    from gift_compile.exchange.collectives import bucket_hop_bytes
+    from gift_compile.exchange.plan import BucketPlan, ItemPlan
+    from gift_compile.exchange.topology import node_layout
+
+    cfg = dict(ranks_per_node=2, intra_node_format="bf16", min_numel=1024, exclude=())
+    model = MLP(64)
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=100)
+    gift_compile.apply(ddp, GiftConfig(**NVFP4, geometry="none", **cfg), fuse=False)
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(rank))
+    ddp(x).pow(2).mean().backward()
+    st = gift_compile.state(ddp)
+    items = tuple(st.layers[n].plan if n in st.layers else ItemPlan.passthrough(n, p.numel(), p.dtype)
+                  for n, p in reversed(list(model.named_parameters())))
+    plan = BucketPlan(items, world, dist.group.WORLD.group_name, True, "all_reduce",
+                      node_layout(dist.group.WORLD, 2, "bf16"))
+    totals = st.comm_totals()
+    ddp_out = {"grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+               "counted": (totals["node_wire"], totals["cross_wire"]), "accounted": bucket_hop_bytes(plan)}
+    model, ref = MLP(64), MLP(64)
+    for layer in (model.fc1, model.fc2, model.out):
+        fully_shard(layer)
+    fully_shard(model)
+    gift_compile.apply(model, GiftConfig(format="fp32", select="none", **cfg), fuse=False)
+    model(x).pow(2).mean().backward()
+    ref(x).pow(2).mean().backward()
+    errs = {}
+    got = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    for n, p in ref.named_parameters():
+        mean = p.grad.clone()
+        dist.all_reduce(mean)
+        mean /= world
+        errs[n] = float((got[n] - mean).norm() / mean.norm())
+    return ddp_out, {"errs": errs, "node_wire": gift_compile.state(model).comm_totals()["node_wire"]}
 
 
 def test_bf16_inside_the_node_halves_its_bytes_within_bf16_error():
@@ -482,7 +524,9 @@ def test_bf16_inside_the_node_halves_its_bytes_within_bf16_error():
     accounting; the bytes across nodes do not change; fp32 GIFT differs from the native node
     stage (bf16 really travelled) by no more than bf16's rounding of the node's sum, NVFP4
     stays within its error, replicas of an all-reduce stay bit-identical, the plan says so
-    (description, fingerprint), and the graph pass's rewrite runs it at bf16 too."""
+    (description, fingerprint), and the graph pass's rewrite, DDP's comm hook (bytes counted =
+    accounted, replicas identical) and FSDP2's reduce-scatter (fp32 GIFT within bf16's rounding
+    of the exact mean) run it at bf16 too."""
     from gift_compile.exchange.accounting import HEADER_BYTES
 
     ranks = run_ranks(_node_format, 4, timeout=300)
@@ -506,6 +550,11 @@ def test_bf16_inside_the_node_halves_its_bytes_within_bf16_error():
                 err = float((c[fmt, "nvfp4", key] - ref).norm() / ref.norm())
                 assert 0 < err < 0.2, (fmt, key, err)
             assert torch.equal(c["bf16", "nvfp4", "ar"], ranks[0]["bf16", "nvfp4", "ar"])  # replicas identical
+        d = c["ddp"]
+        assert d["counted"] == d["accounted"], (d["counted"], d["accounted"])
+        assert all(torch.equal(g, ranks[0]["ddp"]["grads"][n]) for n, g in d["grads"].items())  # replicas identical
+        f = c["fsdp2"]
+        assert f["node_wire"] > 0 and 0 < max(f["errs"].values()) < 2 ** -7, f["errs"]  # fp32 GIFT: bf16's rounding only
         q = c["graph"]
         assert q["after"].get("_c10d_functional.reduce_scatter_tensor.default") == 1
         assert all(torch.equal(a.reshape(-1), b.reshape(-1)) for a, b in zip(q["got"], q["want"]))
