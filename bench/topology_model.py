@@ -16,9 +16,11 @@ GPUs (torchtitan's `dp_shard = -1`; the gradient reduce-scatter of one step):
 - a flat all-to-all (Euclidean low-bit, GIFT one level): the bytes each GPU hands over
   (`bucket_wire_bytes`), the share `(W-g)/W` for other nodes at its own NIC's rate (the node's
   rate / g, times the all-to-all efficiency), the rest over NVLink, whichever is slower;
-- GIFT two levels (`gift_compile.exchange.node_stage`): the node's native reduce-scatter of the
-  fp32 gradient at NVLink's reduce-scatter bus bandwidth, then stage 2's bytes
-  (`bucket_hop_bytes`, across) at the NIC rate, `(n-1)/n` of them leaving the node;
+- GIFT two levels (`gift_compile.exchange.node_stage`): the node's reduce-scatter of the fp32
+  gradient at NVLink's reduce-scatter bus bandwidth (its bytes `bucket_hop_bytes`, inside:
+  at fp32, or at bf16 under `GiftConfig.intra_node_format="bf16"`, the arm "GIFT two-level,
+  bf16 in node"), then stage 2's bytes (`bucket_hop_bytes`, across) at the NIC rate, `(n-1)/n`
+  of them leaving the node;
 - HSDP with GIFT on the replica hop: the same node reduce-scatter, then GIFT's all-reduce of
   the 1/g shard over the n replicas (its all_to_all `(n-1)/n` and its all_gather `n-1` shards
   over the NIC), at the cost of a model replica per node.
@@ -56,7 +58,10 @@ COMMAND = "python -m bench.topology_model"
 MODELS = ("Llama-3-8B", "Llama-3-70B")
 FORMATS = {"fp8": dict(format="fp8_e4m3", scaling="row"), "nvfp4": dict(format="nvfp4", scaling="row")}
 GPUS_PER_NODE = 8
-ARM_NAMES = ("fp32 ring", "bf16 ring", "Euclidean flat", "GIFT flat", "GIFT two-level", "HSDP + GIFT replica hop")
+TWO_LEVEL_BF16 = "GIFT two-level, bf16 in node"
+ARM_NAMES = ("fp32 ring", "bf16 ring", "Euclidean flat", "GIFT flat", "GIFT two-level", TWO_LEVEL_BF16,
+             "HSDP + GIFT replica hop")
+GIFT_ARMS = ("GIFT flat", "GIFT two-level", TWO_LEVEL_BF16, "HSDP + GIFT replica hop")
 
 
 @dataclass(frozen=True)
@@ -177,13 +182,17 @@ def price(model: str, fmt: str, nodes: int, node_gbytes: float, codec: CodecPric
         out[name] = {"compute": compute, "comm": per_elem * params * (world - 1) / world / ring_bw, "codec": 0.0}
     spec = FORMATS[fmt]
     layout = NodeLayout(g, nodes, "node", "cross")
-    flat_wire = two_cross = hsdp_net = 0.0
+    layout16 = layout.with_node_format("bf16")
+    flat_wire = two_cross = hsdp_net = node32 = node16 = 0.0
     codec_flat = {"euclid": 0.0, "gift": 0.0}
     codec_chunk = 0.0
     for s in shapes:
         item = ItemPlan(name="w", rows=_padded(s.rows, world), cols=s.cols, **spec)
         flat_wire += s.count * bucket_wire_bytes(BucketPlan((item,), world, "g", False, "reduce_scatter", FLAT))
-        two_cross += s.count * bucket_hop_bytes(BucketPlan((item,), world, "g", False, "reduce_scatter", layout))[1]
+        node, cross = bucket_hop_bytes(BucketPlan((item,), world, "g", False, "reduce_scatter", layout))
+        two_cross += s.count * cross
+        node32 += s.count * node
+        node16 += s.count * bucket_hop_bytes(BucketPlan((item,), world, "g", False, "reduce_scatter", layout16))[0]
         shard = ItemPlan(name="w", rows=_padded(-(-s.rows // g), nodes), cols=s.cols, **spec)
         a2a = bucket_wire_bytes(BucketPlan((shard,), nodes, "r", False, "reduce_scatter"))
         total = bucket_wire_bytes(BucketPlan((shard,), nodes, "r", False, "all_reduce"))
@@ -191,17 +200,21 @@ def price(model: str, fmt: str, nodes: int, node_gbytes: float, codec: CodecPric
         for arm, kind in (("euclid", "identity"), ("gift", "lowrank")):
             codec_flat[arm] += s.count * codec.price(PATHS[(kind, spec["format"])], s.rows, s.cols).device_us
         codec_chunk += s.count * codec.price(PATHS[("lowrank", spec["format"])], max(1, item.rows // g), s.cols).device_us
-    # the unmanaged parameters travel raw (fp32) in the same exchanges
+    # the unmanaged parameters travel raw (fp32) in the same exchanges (bf16 inside the node under bf16)
     flat_wire += 4.0 * unmanaged
+    node32 += 4.0 * unmanaged
+    node16 += 2.0 * unmanaged
     two_cross += 4.0 * unmanaged / g
     hsdp_net += 4.0 * unmanaged / g * 2 * (nodes - 1) / nodes
     flat_comm = max(flat_wire * (world - g) / world / nic, flat_wire * (g - 1) / world / nvl_gpu)
-    node_rs = grad32 * (g - 1) / g / nvl_rs
+    node_rs = node32 * (g - 1) / g / nvl_rs
+    node_rs16 = node16 * (g - 1) / g / nvl_rs
     out["Euclidean flat"] = {"compute": compute, "comm": flat_comm, "codec": codec_flat["euclid"]}
     out["GIFT flat"] = {"compute": compute, "comm": flat_comm, "codec": codec_flat["gift"] + gift_extra}
-    out["GIFT two-level"] = {"compute": compute, "comm": node_rs + two_cross * (nodes - 1) / nodes / nic,
-                             "codec": codec_chunk + gift_extra}
-    out["HSDP + GIFT replica hop"] = {"compute": compute, "comm": node_rs + hsdp_net / nic,
+    cross = two_cross * (nodes - 1) / nodes / nic
+    out["GIFT two-level"] = {"compute": compute, "comm": node_rs + cross, "codec": codec_chunk + gift_extra}
+    out[TWO_LEVEL_BF16] = {"compute": compute, "comm": node_rs16 + cross, "codec": codec_chunk + gift_extra}
+    out["HSDP + GIFT replica hop"] = {"compute": compute, "comm": grad32 * (g - 1) / g / nvl_rs + hsdp_net / nic,
                                       "codec": codec_chunk + gift_extra}
     for v in out.values():
         v["step"] = v["compute"] + v["comm"] + v["codec"]
@@ -258,26 +271,30 @@ def plot(d: dict, out: Path = PLOT) -> None:
 
 
 def _best_gift(arms: dict) -> tuple[str, float]:
-    name = min(("GIFT flat", "GIFT two-level", "HSDP + GIFT replica hop"), key=lambda a: arms[a]["step"])
+    name = min(GIFT_ARMS, key=lambda a: arms[a]["step"])
     return name, arms[name]["step"]
 
 
 def block(_: dict | None = None, path: Path = OUT) -> str:
     """The docs/benchmarks.md block: step time per arm, regime, node count and model."""
     d = json.loads(path.read_text())
-    head = ["model", "network", "nodes", "format", *ARM_NAMES, "two-level vs bf16 ring"]
+    head = ["model", "network", "nodes", "format", *ARM_NAMES, "two-level vs bf16 ring",
+            "two-level, bf16 in node, vs bf16 ring"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in d["rows"]:
         a = r["arms"]
-        vs = a["GIFT two-level"]["step"] / a["bf16 ring"]["step"] - 1
+        vs = [a[arm]["step"] / a["bf16 ring"]["step"] - 1 for arm in ("GIFT two-level", TWO_LEVEL_BF16)]
         lines.append("| " + " | ".join([r["model"], r["regime"], str(r["nodes"]), r["format"],
-                                         *(f"{a[n]['step'] / 1e3:.0f}" for n in ARM_NAMES), f"{vs:+.1%}"]) + " |")
+                                         *(f"{a[n]['step'] / 1e3:.0f}" for n in ARM_NAMES),
+                                         *(f"{v:+.1%}" for v in vs)]) + " |")
     inputs = "; ".join(f"{k} = {v['value']:g} ({v['kind']})" for k, v in d["inputs"].items())
     return "\n".join([
         "Step time in ms per optimizer step (flat FSDP's gradient reduce-scatter plus the GEMMs and GIFT's codec, "
         "nothing overlapped), by where each collective's bytes go (`bench/topology_model.py`: the rule, and the public "
         "figure each assumed input stands for). Compute and codec from the H200 measurement, the codec at each stage's "
-        "element count (the node's 1/g chunk for two levels and HSDP).", "", *lines, "",
+        "element count (the node's 1/g chunk for two levels and HSDP). \"bf16 in node\": the same two levels with "
+        "`GiftConfig.intra_node_format=\"bf16\"` (the node's reduce-scatter at half the bytes; stage 2 unchanged).",
+        "", *lines, "",
         f"Inputs: {inputs}. Plot: [bench/results/topology_model.png](../bench/results/topology_model.png). "
         f"Regenerate: `{d['command']}` then `python -m bench.readme`."])
 
@@ -302,7 +319,8 @@ def when_it_pays(_: dict | None = None, path: Path = OUT) -> str:
     return "\n".join([
         "A step model that prices each collective where its bytes go (ring and all-to-all rates are public "
         "figures, marked assumed; compute and codec are the H200 measurement; every byte exposed, nothing "
-        "overlapped): GIFT's best arm (flat, two-level, or HSDP with GIFT on the replica hop) against the bf16 ring "
+        "overlapped): GIFT's best arm (flat, two-level with the node's reduce-scatter at fp32 or at bf16 "
+        "(`GiftConfig.intra_node_format`), or HSDP with GIFT on the replica hop) against the bf16 ring "
         "reduce-scatter, fp8 and NVFP4:", "",
         *(f"* pays: {t}." for t in pays), *(f"* pays at some node counts or formats: {t}." for t in mixed),
         *(f"* does not pay: {t}." for t in not_pays), "",

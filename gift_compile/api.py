@@ -38,6 +38,7 @@ from gift_compile.exchange import collectives
 from gift_compile.exchange.agreement import first_difference
 from gift_compile.exchange.plan import dtype_name
 from gift_compile.frameworks import table
+from gift_compile.frameworks.exchanges import describe_exchanges
 from gift_compile.frameworks.parts import Parts
 from gift_compile.frameworks.routing import (_unmanage_module, eligible_linears, linear_weight_names,  # noqa: F401
                                              manage, unmanage)
@@ -106,7 +107,7 @@ def apply(model: nn.Module, config: GiftConfig | None = None, *, group: dist.Pro
                        "step, or GIFT's geometry never refreshes (the fault checks run at the end of each backward)")
     hold_inductor_pass(model)  # installed while a model with GIFT applied is alive (see passes.inductor)
     inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model  # DDP: its module's names
-    state.report = summarize(state, adapter.kind, linear_weight_names(inner))
+    state.report = summarize(state, adapter.kind, linear_weight_names(inner), describe_exchanges(state))
     log_report(state.report)
     return model
 

@@ -31,6 +31,12 @@ from gift_compile.kernels.map_dispatch import MapPrecision
 
 # `replica_format` value meaning "the cross-replica hop uses `format` too".
 SAME_FORMAT = "same"
+# `GiftConfig.intra_node_format`: the precision of a two-level exchange's collectives inside a
+# node. "native" sends the gradient's own dtype (and an all-reduce's decoded chunks as fp32);
+# "bf16" sends both at bf16, half the node's bytes of an fp32 gradient. Only bf16 among the
+# 16-bit types: it keeps fp32's exponent range, so a node sum that is finite in fp32 stays so.
+NATIVE_NODE_FORMAT = "native"
+INTRA_NODE_FORMATS = (NATIVE_NODE_FORMAT, "bf16")
 # The names of the geometry table (`gift_compile.geometry.table.GEOMETRIES`), in its order.
 # Spelled here because the config sits below the geometry layer and validates at construction
 # (a typo fails before any process group exists); the table checks at import that its classes
@@ -322,6 +328,15 @@ class GiftConfig:
             the ranks of the same local index on the other nodes, so each node puts about
             bits/32 of the bucket on the network instead of g times that. A group inside one
             node (or with one rank per node) runs today's one-level exchange, bit for bit.
+        intra_node_format: the precision of the two-level exchange's collectives inside a node:
+            "native" (the default) sends stage 1's reduce-scatter at the gradient's dtype and
+            an all-reduce's closing all_gather of the decoded chunks at fp32; "bf16" sends
+            both at bf16 (the node's sum is then rounded to bf16 before GIFT's codec sees it,
+            and an all-reduce's result to bf16 once after it), which halves the bytes an fp32
+            gradient puts on the node's links and the time of that stage where NVLink, not the
+            network, bounds it (`python -m bench.topology_model`). Stage 2 across nodes is
+            unchanged. With ranks_per_node=0 (no two levels) anything but "native" raises,
+            since the setting would do nothing.
     """
 
     format: str = "fp8_e4m3"
@@ -359,6 +374,7 @@ class GiftConfig:
     replica_format: str = "same"
     map_precision: MapPrecision = MapPrecision.AUTO
     ranks_per_node: int | None = None
+    intra_node_format: str = NATIVE_NODE_FORMAT
 
     def __post_init__(self) -> None:
         # Types first (a str where a float belongs must not surface as a TypeError from a
@@ -392,6 +408,11 @@ class GiftConfig:
                   f"{' or '.join(map(str, BLOCK_SIZE_CHOICES))} for replica_format={self.replica_hop_format!r}")
         if self.ranks_per_node is not None and (not _is_int(self.ranks_per_node) or self.ranks_per_node < 0):
             _fail("ranks_per_node", self.ranks_per_node, "None (from LOCAL_WORLD_SIZE), 0 (one level) or a positive integer")
+        if not isinstance(self.intra_node_format, str) or self.intra_node_format not in INTRA_NODE_FORMATS:
+            _fail("intra_node_format", self.intra_node_format, ", ".join(INTRA_NODE_FORMATS))
+        if self.intra_node_format != NATIVE_NODE_FORMAT and self.ranks_per_node == 0:
+            _fail("intra_node_format", self.intra_node_format,
+                  f"{NATIVE_NODE_FORMAT!r} with ranks_per_node=0 (one level: no collective runs inside a node)")
         if not _is_int(self.min_numel) or self.min_numel < 0:
             _fail("min_numel", self.min_numel, "a non-negative integer")
         if not _is_int(self.sketch_cols) or self.sketch_cols < 0:

@@ -244,15 +244,17 @@ def rewrite_bucket(graph: fx.Graph, match: BucketMatch) -> RewriteRecord:
 
 
 def _layout(match: BucketMatch, items: list[ItemPlan]) -> NodeLayout:
-    """The node layout of the bucket's group under its managed items' `ranks_per_node` (the
-    config's, carried by each mark), as the eager hooks resolve it (`topology.node_layout`):
-    two levels where the group spans nodes. Its subgroups are made here, at the rewrite,
-    which every rank of the group runs at the same point of its compilation."""
-    settings = {item.ranks_per_node for item in items if item.managed}
+    """The node layout of the bucket's group under its managed items' `ranks_per_node` and
+    `intra_node_format` (the config's, carried by each mark), as the eager hooks resolve it
+    (`topology.node_layout`): two levels where the group spans nodes. Its subgroups are made
+    here, at the rewrite, which every rank of the group runs at the same point of its
+    compilation."""
+    settings = {(item.ranks_per_node, item.intra_node_format) for item in items if item.managed}
     if len(settings) != 1:
-        raise GiftRewriteError(f"GIFT pass: the managed gradients of one bucket carry ranks_per_node {sorted(settings, key=str)}; "
-                               "one bucket runs on one node layout")
-    return node_layout(match.group_name, settings.pop()) if match.group_size > 1 else FLAT
+        raise GiftRewriteError(f"GIFT pass: the managed gradients of one bucket carry (ranks_per_node, "
+                               f"intra_node_format) {sorted(settings, key=str)}; one bucket runs on one node layout")
+    per_node, node_format = settings.pop()
+    return node_layout(match.group_name, per_node, node_format) if match.group_size > 1 else FLAT
 
 
 def _sole_replica_hop(match: BucketMatch) -> str | None:

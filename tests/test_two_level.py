@@ -207,10 +207,11 @@ def _fsdp2(rank: int, world: int, g: int) -> dict:
     return {"errs": errs, "totals": st.comm_totals(), "accounted": tuple(accounted)}
 
 
-def _graph(rank: int, world: int, g: int) -> dict:
+def _graph(rank: int, world: int, g: int, node_format: str = "native") -> dict:
     """The graph pass on a bucketed reduce-scatter (graph_trainer / torch.compile's shape):
     rewritten into the node's reduce-scatter + GIFT's all_to_all across nodes, equal to the
-    eager two-level bucket bit for bit."""
+    eager two-level bucket bit for bit (`node_format`: `GiftConfig.intra_node_format`, carried
+    by the marks' plans into the rewrite)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     import torch._inductor.fx_passes.bucketing  # noqa: F401  (registers the bucketing ops)
@@ -220,8 +221,8 @@ def _graph(rank: int, world: int, g: int) -> dict:
     from gift_compile.passes import count_ops, rewrite_gradient_collectives
     from gift_compile.runtime.state import GiftState
 
-    st = GiftState(GiftConfig(**NVFP4, geometry="lowrank", rank=4, select="all", refresh_every=1, ranks_per_node=g),
-                   dist.group.WORLD, collective="reduce_scatter")
+    st = GiftState(GiftConfig(**NVFP4, geometry="lowrank", rank=4, select="all", refresh_every=1, ranks_per_node=g,
+                              intra_node_format=node_format), dist.group.WORLD, collective="reduce_scatter")
     a, b = st.add_layer("a.weight", (16, 48), "cpu"), st.add_layer("b.weight", (32, 32), "cpu")
     gen = torch.Generator().manual_seed(0)
     for layer in (a, b):
@@ -241,7 +242,7 @@ def _graph(rank: int, world: int, g: int) -> dict:
     got = [t.clone() for t in gm(*xs, *ta, *tb)]
     node_wire = int(st.counters[C.C_NODE_WIRE]) - before_wire
     items = (a.plan, b.plan, ItemPlan.passthrough("norm", 16, torch.float32))
-    plan = BucketPlan(items, world, group, False, "reduce_scatter", node_layout(group, g))
+    plan = BucketPlan(items, world, group, False, "reduce_scatter", node_layout(group, g, node_format))
     want, _ = C.run_bucket(xs, [a.tensors(), b.tensors(), None], st.shared, plan)
     one_level, _ = C.run_bucket(xs, [a.tensors(), b.tensors(), None], st.shared, BucketPlan(items, world, group, False,
                                                                                            "reduce_scatter"))
@@ -433,3 +434,311 @@ def test_core_on_four_ranks_as_two_nodes_of_two():
         assert torch.equal(c["two", "arnv"], ranks[0]["two", "arnv"])
         assert "node chunk" in c["full_residual"] and c["residual_nonzero"]
         assert "rank(s) [3]" in c["nan"] and c["nan_mask"] == 1 << 3, c["nan"]
+
+
+def _node_format(rank: int, world: int) -> dict:
+    """`intra_node_format` on 2 nodes x 2: the public API and `sync_buffer` at native and bf16
+    inside the node (bytes per hop counted and accounted, values), and the graph pass's
+    rewrite at bf16."""
+    from gift_compile.exchange import collectives as C
+    from gift_compile.exchange.plan import ItemPlan
+    from gift_compile.exchange.topology import node_layout
+
+    group = dist.group.WORLD
+    x = torch.randn(world * 4, 64, generator=torch.Generator().manual_seed(rank))  # not exact in bf16
+    exact = x.clone()
+    dist.all_reduce(exact)
+    magnitude = x.abs()
+    dist.all_reduce(magnitude)
+    out: dict = {"exact": exact, "magnitude": magnitude}
+    for fmt in ("native", "bf16"):
+        for wire in ("fp32", "nvfp4"):
+            cfg = GiftConfig(**(NVFP4 if wire == "nvfp4" else {"format": "fp32"}), ranks_per_node=2,
+                             intra_node_format=fmt, reduce_op="sum")
+            out[fmt, wire, "rs"] = C.reduce_scatter(x, group, cfg)
+            out[fmt, wire, "ar"] = C.all_reduce(x[:13], group, cfg)
+        for op, rows in (("reduce_scatter", world * 4), ("all_reduce", 13)):
+            counters = torch.zeros(C.N_COUNTERS, dtype=torch.int64)
+            item = ItemPlan(name="w", rows=rows, cols=64, **NVFP4)
+            per = rows // world if op == "reduce_scatter" else rows
+            segments = [C.Segment("w", per, 64, item, C.ItemTensors(())), C.Segment("b", 1, 8 if op == "all_reduce" else 1)]
+            buf = torch.randn(rows * 64 + (8 if op == "all_reduce" else world), generator=torch.Generator().manual_seed(rank))
+            plan = C.bucket_plan(segments, torch.float32, world=world, group_name=group.group_name, average=True,
+                                 op=op, layout=node_layout(group, 2, fmt))
+            C.sync_buffer(buf, segments, C.Shared(0, rank, counters), op=op, group=group, average=True,
+                          ranks_per_node=2, intra_node_format=fmt)
+            out[fmt, op, "counted"] = (int(counters[C.C_NODE_WIRE]), int(counters[C.C_WIRE] - counters[C.C_NODE_WIRE]))
+            out[fmt, op, "accounted"] = C.bucket_hop_bytes(plan)
+            out[fmt, op, "describe"] = plan.describe()
+            out[fmt, op, "fingerprint"] = plan.fingerprint()
+    out["graph"] = _graph(rank, world, 2, "bf16")
+    out["ddp"], out["fsdp2"] = _frameworks_bf16(rank, world)
+    return out
+
+
+def _frameworks_bf16(rank: int, world: int) -> tuple[dict, dict]:
+    """DDP's comm hook and FSDP2's reduce-scatter with bf16 inside the node (2 nodes x 2): DDP's
+    gradients on every rank and its bytes per hop against the accounting; FSDP2's fp32 GIFT
+    shards against the exact mean."""
+    from torch.distributed.fsdp import fully_shard
+
+    from gift_compile.exchange.collectives import bucket_hop_bytes
+    from gift_compile.exchange.plan import BucketPlan, ItemPlan
+    from gift_compile.exchange.topology import node_layout
+
+    cfg = dict(ranks_per_node=2, intra_node_format="bf16", min_numel=1024, exclude=())
+    model = MLP(64)
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=100)
+    gift_compile.apply(ddp, GiftConfig(**NVFP4, geometry="none", **cfg), fuse=False)
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(rank))
+    ddp(x).pow(2).mean().backward()
+    st = gift_compile.state(ddp)
+    items = tuple(st.layers[n].plan if n in st.layers else ItemPlan.passthrough(n, p.numel(), p.dtype)
+                  for n, p in reversed(list(model.named_parameters())))
+    plan = BucketPlan(items, world, dist.group.WORLD.group_name, True, "all_reduce",
+                      node_layout(dist.group.WORLD, 2, "bf16"))
+    totals = st.comm_totals()
+    ddp_out = {"grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+               "counted": (totals["node_wire"], totals["cross_wire"]), "accounted": bucket_hop_bytes(plan)}
+    model, ref = MLP(64), MLP(64)
+    for layer in (model.fc1, model.fc2, model.out):
+        fully_shard(layer)
+    fully_shard(model)
+    gift_compile.apply(model, GiftConfig(format="fp32", select="none", **cfg), fuse=False)
+    model(x).pow(2).mean().backward()
+    ref(x).pow(2).mean().backward()
+    errs = {}
+    got = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    for n, p in ref.named_parameters():
+        mean = p.grad.clone()
+        dist.all_reduce(mean)
+        mean /= world
+        errs[n] = float((got[n] - mean).norm() / mean.norm())
+    return ddp_out, {"errs": errs, "node_wire": gift_compile.state(model).comm_totals()["node_wire"]}
+
+
+def test_bf16_inside_the_node_halves_its_bytes_within_bf16_error():
+    """`GiftConfig.intra_node_format="bf16"` on 4 ranks as 2 nodes x 2 (the fast tier): the
+    bytes handed inside the node (stage 1's reduce-scatter of an fp32 bucket, and an
+    all-reduce's stage-3 all_gather) halve, counted at the collectives and equal to the
+    accounting; the bytes across nodes do not change; fp32 GIFT differs from the native node
+    stage (bf16 really travelled) by no more than bf16's rounding of the node's sum, NVFP4
+    stays within its error, replicas of an all-reduce stay bit-identical, the plan says so
+    (description, fingerprint), and the graph pass's rewrite, DDP's comm hook (bytes counted =
+    accounted, replicas identical) and FSDP2's reduce-scatter (fp32 GIFT within bf16's rounding
+    of the exact mean) run it at bf16 too."""
+    from gift_compile.exchange.accounting import HEADER_BYTES
+
+    ranks = run_ranks(_node_format, 4, timeout=300)
+    for rank, c in enumerate(ranks):
+        for op in ("reduce_scatter", "all_reduce"):
+            (node16, cross16), (node32, cross32) = c["bf16", op, "counted"], c["native", op, "counted"]
+            assert c["bf16", op, "counted"] == c["bf16", op, "accounted"], op
+            assert c["native", op, "counted"] == c["native", op, "accounted"], op
+            assert (node32 - HEADER_BYTES) == 2 * (node16 - HEADER_BYTES) and cross16 == cross32, (op, node16, node32)
+            assert "bf16 inside the node" in c["bf16", op, "describe"], c["bf16", op, "describe"]
+            assert c["bf16", op, "fingerprint"] != c["native", op, "fingerprint"]
+        shard, size = c["exact"].reshape(4, -1, 64)[rank], c["magnitude"].reshape(4, -1, 64)[rank]
+        for key, ref, mag in (("rs", shard, size), ("ar", c["exact"][:13], c["magnitude"][:13])):
+            native, bf16 = c["native", "fp32", key], c["bf16", "fp32", key]
+            assert not torch.equal(native, bf16), key  # bf16 really travelled
+            assert float((native - ref).abs().max()) < 1e-5, key
+            # each rank's gradient and the node's sum rounded to bf16 (2^-9 each), an all-reduce's
+            # result once more: |err| <= 2^-7 * sum over ranks of |x|
+            assert bool(((bf16 - ref).abs() <= mag * 2 ** -7).all()), key
+            for fmt in ("native", "bf16"):
+                err = float((c[fmt, "nvfp4", key] - ref).norm() / ref.norm())
+                assert 0 < err < 0.2, (fmt, key, err)
+            assert torch.equal(c["bf16", "nvfp4", "ar"], ranks[0]["bf16", "nvfp4", "ar"])  # replicas identical
+        d = c["ddp"]
+        assert d["counted"] == d["accounted"], (d["counted"], d["accounted"])
+        assert all(torch.equal(g, ranks[0]["ddp"]["grads"][n]) for n, g in d["grads"].items())  # replicas identical
+        f = c["fsdp2"]
+        assert f["node_wire"] > 0 and 0 < max(f["errs"].values()) < 2 ** -7, f["errs"]  # fp32 GIFT: bf16's rounding only
+        q = c["graph"]
+        assert q["after"].get("_c10d_functional.reduce_scatter_tensor.default") == 1
+        assert all(torch.equal(a.reshape(-1), b.reshape(-1)) for a, b in zip(q["got"], q["want"]))
+        assert q["node_wire"] == q["accounted"][0]
+
+
+def _experts(rank: int, world: int) -> dict:
+    """Grouped experts on a group of 2 nodes x 2: mapped ones refused when their layers are
+    built, map-free ones built."""
+    from gift_compile.exchange.plan import Collective
+    from gift_compile.runtime.experts import ExpertLayers
+    from gift_compile.runtime.state import GiftState
+
+    shapes = {"w1_EFD": (4, 16, 48), "w2_EDF": (4, 48, 16)}
+    inputs = {"w1_EFD": "x", "w2_EDF": "h"}
+    out = {}
+    for geometry in ("lowrank", "none"):
+        state = GiftState(GiftConfig(geometry=geometry, format="fp8_e4m3", select="all", rank=4, ranks_per_node=2),
+                          dist.group.WORLD, collective=Collective.REDUCE_SCATTER)
+        params = {n: nn.Parameter(torch.zeros(s)) for n, s in shapes.items()}
+        try:
+            experts = ExpertLayers(state, "layers.1.moe.experts", shapes, inputs, params, "cpu")
+            out[geometry] = experts.weights["w1_EFD"].plan.groups
+        except TopologyError as e:
+            out[geometry] = str(e)
+    return out
+
+
+def test_mapped_grouped_experts_are_refused_under_two_levels_when_built():
+    """Whitened (mapped) grouped experts on a group spanning nodes raise when `apply` builds
+    their layers, naming the layout and the ways out, instead of failing in the first backward
+    or falling back to one level; map-free grouped experts run in two levels (4 ranks as
+    2 nodes x 2)."""
+    for r in run_ranks(_experts, 4, timeout=300):
+        assert "2 nodes x 2 ranks" in r["lowrank"] and "layers.1.moe.experts" in r["lowrank"], r["lowrank"]
+        assert "ranks_per_node=0" in r["lowrank"] and "'lowrank'" in r["lowrank"]
+        assert r["none"] == 4
+
+
+def _reports(rank: int, world: int) -> dict:
+    """The apply report's exchange lines on 4 ranks as 2 nodes x 2: a plain module (two levels
+    at bf16 inside the node, and switched off), DDP, and an FSDP2 + HSDP replica hop on a 2 x 2
+    mesh (the shard group inside a node, the replica group one rank per node)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from gift_compile.api import manage
+    from gift_compile.frameworks import fsdp2, hsdp
+    from gift_compile.frameworks.exchanges import describe_exchanges
+
+    out = {}
+    for name, kw in (("plain", dict(ranks_per_node=2, intra_node_format="bf16")), ("off", dict(ranks_per_node=0))):
+        model = MLP(64)
+        gift_compile.apply(model, GiftConfig(format="fp8_e4m3", min_numel=1024, **kw), fuse=False)
+        out[name] = gift_compile.report(model).exchanges
+        out[name, "lines"] = gift_compile.report(model).lines()
+    ddp = nn.parallel.DistributedDataParallel(MLP(64))
+    gift_compile.apply(ddp, GiftConfig(format="fp8_e4m3", min_numel=1024, ranks_per_node=2), fuse=False)
+    out["ddp"] = gift_compile.report(ddp).exchanges
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = MLP(64)
+    for layer in (model.fc1, model.fc2, model.out):
+        fully_shard(layer, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    state = manage(model, GiftConfig(format="fp8_e4m3", geometry="lowrank", min_numel=1024, exclude=(), reduce_op="sum",
+                                     ranks_per_node=2), mesh.get_group("shard"), mode="stats", split_rows=True)
+    fsdp2.install(model, state, compiled=False)
+    hsdp.install(model, state, mesh.get_group("replicate"), compiled=False)
+    out["hsdp"] = describe_exchanges(state)
+    return out
+
+
+def test_the_apply_report_names_each_paths_exchange():
+    """`gift_compile.report(model).exchanges` says, per gradient path, whether it runs in two
+    levels and why not: a plain module's managed weights in two levels (bf16 inside the node)
+    and its unmanaged parameters' native fp32 all-reduce in one; `ranks_per_node=0`; DDP's
+    buckets; HSDP's shard hop inside one node and its replica hop, one rank per node."""
+    r = run_ranks(_reports, 4, timeout=300)[0]
+    managed, unmanaged = r["plain"]
+    assert managed.startswith("managed weights: two levels, 2 nodes x 2 ranks (inside the node at bf16"), managed
+    assert unmanaged.startswith("unmanaged parameters: one native fp32 all-reduce per backward, one level"), unmanaged
+    assert any(line.startswith("  exchange of the managed weights: two levels") for line in r["plain", "lines"])
+    assert r["off"][0] == "managed weights: one level over 4 ranks (ranks_per_node=0)", r["off"]
+    assert r["ddp"] == ("managed weights and the parameters in their buckets: two levels, 2 nodes x 2 ranks (inside "
+                        "the node at native, then GIFT's codec on the 1/2 chunk across nodes)",), r["ddp"]
+    shard, replica = r["hsdp"]
+    assert shard.endswith("one level over 2 ranks (all on one node at ranks_per_node=2)"), shard
+    assert replica == ("HSDP replica hop at fp8_e4m3: GIFT's all-reduce, one level over 2 ranks (one rank per node: "
+                       "nothing to split)"), replica
+
+
+def _resume(rank: int, world: int) -> dict:
+    """A state's checkpoint on 2 nodes x 2 loaded under other node layouts, with and without
+    error-feedback residuals."""
+    from gift_compile.runtime.state import GiftState
+
+    def state(rpn: int, error_feedback: bool) -> GiftState:
+        st = GiftState(GiftConfig(format="fp8_e4m3", geometry="lowrank", rank=4, ranks_per_node=rpn,
+                                  error_feedback=error_feedback), dist.group.WORLD, collective="reduce_scatter")
+        st.add_layer("a.weight", (16, 48), "cpu")
+        return st
+
+    out = {}
+    for ef in (True, False):
+        saved = state(2, ef).state_dict()
+        out[ef, "meta"] = saved["meta"]
+        for rpn in (2, 0, 4):
+            try:
+                state(rpn, ef).load_state_dict(saved)
+                out[ef, rpn] = "loaded"
+            except ValueError as e:
+                out[ef, rpn] = str(e)
+    return out
+
+
+def test_checkpoints_record_the_node_layout_and_refuse_its_residuals_elsewhere():
+    """A GIFT state's checkpoint records its node layout; resumed under another layout it is
+    refused by name when it holds first-hop error-feedback residuals (the node chunk's rows of
+    the old layout) and loads when it holds none (nothing else depends on the layout). 4 ranks:
+    saved as 2 nodes x 2, loaded as 2 x 2, one level (ranks_per_node=0) and one node (4)."""
+    import json
+
+    for r in run_ranks(_resume, 4, timeout=300):
+        assert json.loads(r[True, "meta"])["node_layout"] == {"ranks_per_node": 2, "nodes": 2}
+        assert r[True, 2] == "loaded" and r[False, 2] == "loaded"
+        for rpn in (0, 4):
+            msg = r[True, rpn]
+            assert "saved on two levels, 2 nodes x 2 ranks" in msg and "the one-level exchange" in msg, msg
+            assert "a.weight" in msg and "ranks_per_node=2" in msg, msg
+            assert r[False, rpn] == "loaded", r[False, rpn]
+
+
+def test_the_committed_hop_byte_table_is_what_its_measurement_renders():
+    """bench/results/hop_bytes.md is `bench.hop_bytes.table` of the committed hop_bytes.json
+    (regenerated, never typed), and in it two levels halve a reduce-scatter's bytes across
+    nodes (g = 2) while bf16 inside the node halves the bytes inside it."""
+    import json
+
+    from bench import hop_bytes
+
+    d = json.loads(hop_bytes.OUT.read_text())
+    assert hop_bytes.TABLE.read_text() == hop_bytes.table(d)
+    one, two, bf16 = (d["arms"][a]["one bucket, reduce_scatter (sync_buffer)"] for a in hop_bytes.ARMS)
+    assert two["cross"] * 2 == one["cross"] and bf16["cross"] == two["cross"]
+    assert (two["node"] - 16) == 2 * (bf16["node"] - 16)  # less the 16-byte header all_gather
+
+
+def _traced(rank: int, world: int) -> dict:
+    """`bucket_core` of a two-level plan with bf16 inside the node under
+    `torch.compile(fullgraph=True)`: the frames compiled over three calls with new data and
+    seeds, and the results against the eager core."""
+    from torch._dynamo.testing import CompileCounter
+
+    from gift_compile.exchange import collectives as C
+    from gift_compile.exchange.plan import BucketPlan, ItemPlan
+    from gift_compile.exchange.topology import node_layout
+
+    group = dist.group.WORLD.group_name
+    items = (ItemPlan(name="w", rows=32, cols=64, format="fp8_e4m3"), ItemPlan.passthrough("b", 8, torch.float32))
+    out = {}
+    for op in ("reduce_scatter", "all_reduce"):
+        plan = BucketPlan(items, world, group, True, op, node_layout(group, 2, "bf16"))
+        counter = CompileCounter()
+        counters = torch.zeros(C.N_COUNTERS, dtype=torch.int64)
+
+        def core(xs: list[torch.Tensor], seed: torch.Tensor) -> list[torch.Tensor]:
+            return C.bucket_core(xs, [C.ItemTensors(()), None], C.Shared(seed, torch.tensor(rank), counters), plan)[0]
+
+        compiled = torch.compile(core, fullgraph=True, backend=counter)
+        equal = True
+        for step in range(3):
+            gen = torch.Generator().manual_seed(100 * step + rank)
+            xs = [torch.randn(32, 64, generator=gen), torch.randn(8, generator=gen)]
+            got = compiled(xs, torch.tensor(step))
+            want = core(xs, torch.tensor(step))
+            equal = equal and all(torch.equal(a, b) for a, b in zip(got, want))
+        out[op] = {"frames": counter.frame_count, "equal": equal, "node_wire": int(counters[C.C_NODE_WIRE])}
+    return out
+
+
+def test_two_level_bucket_at_bf16_traces_fullgraph_once():
+    """The two-level bucket with bf16 inside the node traces under `torch.compile(fullgraph=True)`
+    into one frame that three calls with new data and seeds reuse (no recompile), with the eager
+    core's results (4 ranks as 2 nodes x 2; Dynamo only, no Inductor)."""
+    for r in run_ranks(_traced, 4, timeout=600):
+        for op, v in r.items():
+            assert v["frames"] == 1 and v["equal"] and v["node_wire"] > 0, (op, v)

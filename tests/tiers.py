@@ -120,7 +120,13 @@ FEATURES: dict[str, tuple[str, ...]] = {
         "test_collectives.py::test_error_feedback_shrinks_the_mean_error",
         "test_second_hop_ef.py::test_replicas_bit_identical_and_residual_is_the_owners_shard"),
     "two-level exchange (inside the node, then across nodes on 1/g)": (
-        "test_two_level.py::test_core_on_four_ranks_as_two_nodes_of_two", "test_two_level.py::test_layout_rules"),
+        "test_two_level.py::test_core_on_four_ranks_as_two_nodes_of_two", "test_two_level.py::test_layout_rules",
+        "test_two_level.py::test_bf16_inside_the_node_halves_its_bytes_within_bf16_error",
+        "test_two_level.py::test_mapped_grouped_experts_are_refused_under_two_levels_when_built",
+        "test_two_level.py::test_the_apply_report_names_each_paths_exchange",
+        "test_two_level.py::test_checkpoints_record_the_node_layout_and_refuse_its_residuals_elsewhere",
+        "test_two_level.py::test_the_committed_hop_byte_table_is_what_its_measurement_renders",
+        "test_two_level.py::test_two_level_bucket_at_bf16_traces_fullgraph_once"),
     "per-layer formats": ("test_layer_formats.py::test_each_layer_is_sent_and_counted_at_its_own_format",),
     # geometries and selection
     "every geometry (none, hadamard, dense, lowrank, gradient, momentum, second_moment)": (

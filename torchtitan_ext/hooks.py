@@ -22,6 +22,7 @@ from gift_compile.api import attach_optimizer, manage, managed_weights, resolve_
 from gift_compile.config import GiftConfig
 from gift_compile.frameworks import fsdp2
 from gift_compile.frameworks import hsdp as gift_hsdp
+from gift_compile.frameworks.exchanges import describe_exchanges
 from gift_compile.frameworks.parts import Parts
 from gift_compile.frameworks.routing import ManageMode, linear_weight_names
 from gift_compile.frameworks.simple_fsdp import SIMPLE_FSDP
@@ -171,7 +172,7 @@ def gift_post_optimizer_build(optimizers: Any, model_parts: list[nn.Module], par
              f" on pipeline rank {stage} ({len(model_parts)} model parts, data-parallel group of {world})")
     logger.info(f"GIFT: {len(state.layers)} weights managed{where} ({', '.join(state.layers) or 'none'})")
     kind = fsdp2.FSDP2.kind if trainer == "fsdp2" else SIMPLE_FSDP.kind
-    state.report = summarize(state, kind, linear_weight_names(model))
+    state.report = summarize(state, kind, linear_weight_names(model), describe_exchanges(state))
     log_report(state.report)
 
 

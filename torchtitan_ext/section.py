@@ -165,6 +165,10 @@ class GiftSection:
     ranks g to a node). Where a group spans nodes each collective runs in two levels: the node's
     native reduce-scatter, then GIFT's codec on the 1/g chunk across nodes."""
 
+    intra_node_format: str = _DEFAULTS.intra_node_format
+    """Precision of the two-level exchange inside the node: native (the gradient's dtype; an
+    all-reduce's result chunks fp32) | bf16 (both at bf16: half an fp32 gradient's NVLink bytes)."""
+
     def __post_init__(self) -> None:
         for name in _INTEGRATION_FIELDS:
             if not isinstance(getattr(self, name), bool):

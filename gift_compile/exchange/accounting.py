@@ -90,17 +90,19 @@ def bucket_hop_bytes(plan: BucketPlan) -> tuple[int, int]:
     """`(inside the node, across nodes)`: the bytes this rank hands to each level's collectives
     for one call of `plan`. A one-level plan hands everything to its group's exchange, counted
     as across (the group may span nodes; inside one node it is the only hop anyway). A
-    two-level plan (`gift_compile.exchange.node_stage`): the native reduce-scatter of the
-    whole bucket at its dtypes, the 16-byte header all_gather and, for an all-reduce, the
-    fp32 chunks' all_gather inside the node; its stage 2 (`plan.cross`) across nodes."""
+    two-level plan (`gift_compile.exchange.node_stage`): the reduce-scatter of the whole
+    bucket at its dtypes (or bf16: `plan.layout.node_format`), the 16-byte header all_gather
+    and, for an all-reduce, the decoded chunks' all_gather (fp32, or bf16) inside the node;
+    its stage 2 (`plan.cross`) across nodes."""
     if not plan.two_level:
         return 0, bucket_wire_bytes(plan)
     node = HEADER_BYTES
+    result = _itemsize(plan.layout.node_dtype(torch.float32))
     for item in plan.items:
         sent = plan.rows_sent(item) * item.cols if item.managed else plan.flat_sent(item)
-        node += sent * _itemsize(item.torch_dtype)
+        node += sent * _itemsize(plan.layout.node_dtype(item.torch_dtype))
         if plan.op is Collective.ALL_REDUCE:
-            node += plan.chunk_rows(item) * (item.cols if item.managed else 1) * 4
+            node += plan.chunk_rows(item) * (item.cols if item.managed else 1) * result
     return node, bucket_wire_bytes(plan.cross)
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from gift_compile.codec import Nonfinite
-from gift_compile.config import GiftConfig, PlanCheck, ReduceOp
+from gift_compile.config import NATIVE_NODE_FORMAT, GiftConfig, PlanCheck, ReduceOp
 from gift_compile.exchange.accounting import HEADER_BYTES, bucket_hop_bytes, bucket_wire_bytes, wire_bytes_per_rank
 from gift_compile.exchange.agreement import check_plan_agreement, raise_on_bad_headers
 from gift_compile.exchange.bucket import (
@@ -78,7 +78,7 @@ def sync_buffer(buffer: torch.Tensor, segments: Sequence[Segment], shared: Share
                 group: dist.ProcessGroup | str | None, average: bool, out: torch.Tensor | None = None,
                 plan_check: PlanCheck | None = None, nonfinite: Nonfinite | None = None, compiled: bool = False,
                 timing: contextlib.AbstractContextManager | None = None,
-                ranks_per_node: int | None = None) -> list[torch.Tensor]:
+                ranks_per_node: int | None = None, intra_node_format: str = NATIVE_NODE_FORMAT) -> list[torch.Tensor]:
     """One bucket collective over a flat buffer, the steps every eager caller shares (the
     public one-tensor API, GIFT's own sync in a weight's backward, the DDP and FSDP2 hooks):
     cut `buffer` into `segments`, build the `BucketPlan`, check it across ranks, `run_bucket`,
@@ -91,7 +91,8 @@ def sync_buffer(buffer: torch.Tensor, segments: Sequence[Segment], shared: Share
     all-reduce at the segments' offsets (it may be `buffer` itself), for a reduce-scatter
     this rank's shards concatenated. `timing` is entered around the collective.
     `ranks_per_node` (`GiftConfig.ranks_per_node`) decides whether the bucket runs in two
-    levels (`topology.node_layout`). Returns the fp32 outputs (all-reduce: full gradients;
+    levels (`topology.node_layout`), `intra_node_format` (`GiftConfig.intra_node_format`) at
+    which precision its collectives inside the node run. Returns the fp32 outputs (all-reduce: full gradients;
     reduce-scatter: this rank's shards).
     """
     op = Collective.parse(op)
@@ -109,7 +110,7 @@ def sync_buffer(buffer: torch.Tensor, segments: Sequence[Segment], shared: Share
             piece = buffer[offset:offset + n]
             xs.append(piece if seg.plan is None else piece.view(seg.rows, seg.cols))
         offset += n
-    layout = node_layout(group, ranks_per_node) if group_name else FLAT
+    layout = node_layout(group, ranks_per_node, intra_node_format) if group_name else FLAT
     plan = bucket_plan(segments, buffer.dtype, world=world, group_name=group_name, average=average, op=op,
                        layout=layout)
     if plan_check is not None:
@@ -147,7 +148,7 @@ def _single(x: torch.Tensor, group: dist.ProcessGroup | str | None, config: Gift
     if transform is not None and cols != transform.d_in:
         raise ValueError(f"GIFT {op}: x's last dim {cols} != transform d_in {transform.d_in}")
     name, world, rank = group_info(group)
-    layout = node_layout(group, config.ranks_per_node) if name else FLAT
+    layout = node_layout(group, config.ranks_per_node, config.intra_node_format) if name else FLAT
     if residual is not None and not layout.two_level and residual.shape != x.shape:
         raise ValueError(f"GIFT {op}: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
     chunk = (residual_rows(rows, world, layout), cols)
@@ -171,7 +172,8 @@ def _single(x: torch.Tensor, group: dist.ProcessGroup | str | None, config: Gift
     segment = Segment("x", seg_rows, cols, item, ItemTensors(tensors, res2, None, second_hop_residual=hop2))
     outs = sync_buffer(x.reshape(-1), [segment], Shared(seed, rank, None), op=op, group=group,
                        average=config.reduce_op is ReduceOp.AVG, plan_check=config.plan_check, nonfinite=config.nonfinite,
-                       compiled=compiled, ranks_per_node=config.ranks_per_node)
+                       compiled=compiled, ranks_per_node=config.ranks_per_node,
+                       intra_node_format=config.intra_node_format)
     return outs[0]
 
 

@@ -125,7 +125,8 @@ class _GiftSync(torch.autograd.Function):
         segment = collectives.Segment(item.name, item.rows, item.cols, item, tensors)
         outs = collectives.sync_buffer(grad.reshape(-1), [segment], shared, op=Collective.ALL_REDUCE,
                                        group=ctx.group_name, average=ctx.op is ReduceOp.AVG, plan_check=PlanCheck.FIRST,
-                                       ranks_per_node=item.ranks_per_node)
+                                       ranks_per_node=item.ranks_per_node,
+                                       intra_node_format=item.intra_node_format)
         return (outs[0].to(grad.dtype).reshape(grad.shape), *nones)
 
 

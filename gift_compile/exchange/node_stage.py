@@ -4,7 +4,9 @@ A bucket over `W = n x g` ranks (n nodes of g, `gift_compile.exchange.topology`)
 
     stage 1, inside the node (`node_reduce`): every item's rows are cut into the W shards of the
         one-level exchange; the g ranks of a node reduce-scatter them natively, at the gradient's
-        dtype, so local rank l ends with the node's sum of the shards of ranks {m * g + l : m},
+        dtype or at bf16 (`GiftConfig.intra_node_format`, `NodeLayout.node_dtype`; the chunk is
+        cast back to the gradient's dtype, so stage 2's plan and bytes do not depend on it),
+        so local rank l ends with the node's sum of the shards of ranks {m * g + l : m},
         in node order (its "chunk", 1/g of the bucket); one all_gather of the 16-byte headers
         inside the node gives every rank its node's non-finite flags and plan fingerprints;
     stage 2, across nodes (`gift_compile.exchange.bucket` on `BucketPlan.cross`): GIFT's codec
@@ -12,7 +14,9 @@ A bucket over `W = n x g` ranks (n nodes of g, `gift_compile.exchange.topology`)
         the n ranks of local index l: rank m * g + l receives exactly its one-level shard;
     stage 3, an all-reduce only (`node_gather`): the n ranks of each local index now hold the
         same full chunk (decoded from the same bytes); an all_gather inside the node of those
-        fp32 chunks puts the whole reduced tensor, bit-identical, on every rank.
+        chunks (fp32, or bf16 under `intra_node_format="bf16"`) puts the whole reduced tensor,
+        bit-identical, on every rank (each rank reads its own chunk back from the gathered
+        bytes too).
 
 Why the node's flags travel in stage 2's header: a non-finite gradient on one rank reaches, by
 the native sum, only the chunk of the rank owning those rows, so only one cross-node group would
@@ -89,18 +93,19 @@ def node_reduce(xs: Sequence[torch.Tensor], items: Sequence[ItemTensors | None],
             flat = _pad_flat(x.reshape(-1), plan.flat_sent(item))
         item_bad = ~torch.isfinite(x).all()
         bad = item_bad if bad is None else bad | item_bad
-        blocks.append(_blocks(flat, plan))
-        by_dtype.setdefault(x.dtype, []).append(i)
+        wire = layout.node_dtype(x.dtype)
+        blocks.append(_blocks(flat.to(wire), plan))
+        by_dtype.setdefault(wire, []).append(i)
     chunks: list[torch.Tensor | None] = [None] * len(blocks)
     handed = 0
-    for indices in by_dtype.values():  # one native reduce-scatter per dtype in the bucket
+    for indices in by_dtype.values():  # one reduce-scatter per dtype on the node's links
         send = torch.cat([blocks[i] for i in indices], dim=1)
         handed += send.numel() * send.element_size()
         got = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(send.reshape(-1), "sum", g, layout.node_group))
         offset = 0
         for i in indices:
             width = blocks[i].shape[1]
-            piece = got.narrow(0, offset, width)
+            piece = got.narrow(0, offset, width).to(xs[i].dtype)  # stage 2 reads the gradient's dtype
             offset += width
             item = plan.cross.items[i]
             chunks[i] = piece.view(item.rows, item.cols) if item.managed else piece
@@ -134,13 +139,14 @@ def node_rank_flags(header: torch.Tensor, shared: Shared, plan: BucketPlan) -> t
 def node_gather(chunks: Sequence[torch.Tensor], plan: BucketPlan) -> tuple[list[torch.Tensor], int]:
     """Stage 3 of a two-level all-reduce: every item's full fp32 result from the chunks stage 2
     left on the node's ranks (`chunks`: managed `[chunk rows, cols]`, passthrough flat; the
-    same bits on every rank of a local index), by one all_gather inside the node; and the
+    same bits on every rank of a local index), by one all_gather inside the node (at fp32, or
+    bf16 under `intra_node_format="bf16"`, returned as fp32); and the
     bytes handed to it. Managed items come back `[rows, cols]`, passthrough items flat, the
     padding cropped, as the one-level `gather_finish` returns them."""
     layout = plan.layout
     g, n = layout.ranks_per_node, layout.nodes
-    send = torch.cat([c.reshape(-1).float() for c in chunks])
-    got = _c10d.wait_tensor(_c10d.all_gather_into_tensor(send, g, layout.node_group)).reshape(g, -1)
+    send = torch.cat([c.reshape(-1).to(layout.node_dtype(torch.float32)) for c in chunks])
+    got = _c10d.wait_tensor(_c10d.all_gather_into_tensor(send, g, layout.node_group)).reshape(g, -1).float()
     outs = []
     offset = 0
     for chunk, item in zip(chunks, plan.items):

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from gift_compile.codec import FormatSpec
-from gift_compile.config import Unrewritten
+from gift_compile.config import NATIVE_NODE_FORMAT, Unrewritten
 from gift_compile.kernels.map_dispatch import MapPrecision
 from gift_compile.exchange.topology import FLAT, NodeLayout
 from gift_compile.geometry.table import IDENTITY_KIND, map_class
@@ -92,6 +92,9 @@ class ItemPlan:
     # not the config) puts the bucket on the same node layout as the eager hooks
     # (`gift_compile.exchange.topology.node_layout`); None: the launcher's LOCAL_WORLD_SIZE
     ranks_per_node: int | None = None
+    # `GiftConfig.intra_node_format`, carried for the same reason: the precision of the
+    # two-level exchange's collectives inside the node
+    intra_node_format: str = NATIVE_NODE_FORMAT
 
     def __post_init__(self) -> None:
         if not isinstance(self.groups, int) or isinstance(self.groups, bool) or self.groups < 1:
@@ -138,8 +141,8 @@ class ItemPlan:
         return dataclasses.replace(self, dtype=dtype_name(dtype))
 
     def as_dict(self) -> dict:
-        """The fields as plain data, `groups` left out at its default 1 and `ranks_per_node` at
-        None: plan strings and
+        """The fields as plain data, `groups` left out at its default 1, `ranks_per_node` at
+        None and `intra_node_format` at native: plan strings and
         descriptions exchanged between ranks, stored in checkpoints and compared by golden tests
         read exactly as before grouped items existed (`from_str`/`__init__` default it back)."""
         d = dataclasses.asdict(self)
@@ -147,6 +150,8 @@ class ItemPlan:
             del d["groups"]
         if self.ranks_per_node is None:
             del d["ranks_per_node"]
+        if self.intra_node_format == NATIVE_NODE_FORMAT:
+            del d["intra_node_format"]
         return d
 
     def to_str(self) -> str:
@@ -228,6 +233,8 @@ class BucketPlan:
         text = repr((tuple(i.to_str() for i in self.items), self.world, self.average, self.op.value))
         if self.layout.two_level or self.node_headers:  # one level: the fingerprint it always had
             text += repr((self.layout.ranks_per_node, self.node_headers))
+        if self.layout.node_format != NATIVE_NODE_FORMAT:  # native: the fingerprint before the setting existed
+            text += repr(self.layout.node_format)
         digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
         object.__setattr__(self, "_fingerprint", int.from_bytes(digest, "little", signed=True))
         object.__setattr__(self, "_cross", self._cross_plan() if self.layout.two_level else None)
@@ -294,6 +301,8 @@ class BucketPlan:
              "items": [i.as_dict() for i in self.items]}
         if self.two_level:
             d["ranks_per_node"] = self.layout.ranks_per_node
+        if self.layout.node_format != NATIVE_NODE_FORMAT:
+            d["intra_node_format"] = self.layout.node_format
         if self.node_headers:
             d["node_headers"] = self.node_headers
         return d
@@ -301,14 +310,16 @@ class BucketPlan:
     @classmethod
     def from_dict(cls, d: dict) -> "BucketPlan":
         g = d.get("ranks_per_node", 1)
-        layout = FLAT if g == 1 else NodeLayout(g, d["world"] // g)
+        layout = FLAT if g == 1 else NodeLayout(g, d["world"] // g, node_format=d.get("intra_node_format",
+                                                                                      NATIVE_NODE_FORMAT))
         return cls(tuple(ItemPlan(**i) for i in d["items"]), d["world"], None, d["average"], d["op"], layout,
                    d.get("node_headers", 0))
 
     def describe(self) -> str:
         head = f"{self.op} over {self.world} ranks ({'avg' if self.average else 'sum'})"
         if self.two_level:
-            head += f" in two levels ({self.layout.nodes} nodes x {self.layout.ranks_per_node})"
+            node = "" if self.layout.node_format == NATIVE_NODE_FORMAT else f", {self.layout.node_format} inside the node"
+            head += f" in two levels ({self.layout.nodes} nodes x {self.layout.ranks_per_node}{node})"
         return head + ": " + "; ".join(i.describe() for i in self.items)
 
 

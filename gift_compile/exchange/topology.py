@@ -26,11 +26,14 @@ from __future__ import annotations
 import os
 from typing import NamedTuple
 
+import torch
 import torch.distributed as dist
 
+from gift_compile.config import INTRA_NODE_FORMATS, NATIVE_NODE_FORMAT
 from gift_compile.sync import process_group
 
-__all__ = ["FLAT", "MAX_RANKS_PER_NODE", "NodeLayout", "TopologyError", "node_layout", "node_of_ranks"]
+__all__ = ["FLAT", "MAX_RANKS_PER_NODE", "NodeLayout", "TopologyError", "describe_layout", "node_layout",
+           "node_of_ranks", "resolved_ranks_per_node"]
 
 # A stage-2 header carries a node's flags as bit masks of its local ranks in one int64 (two
 # masks of 31 bits: non-finite, plan mismatch), which bounds the ranks of one node in a group.
@@ -44,16 +47,30 @@ class TopologyError(ValueError):
 class NodeLayout(NamedTuple):
     """A group's two levels: `ranks_per_node` (g) of its ranks on each of `nodes` nodes, the
     name of this rank's node group (its g ranks, in group order) and of its cross group (the
-    `nodes` ranks with its local index, in node order). `ranks_per_node == 1`: one level."""
+    `nodes` ranks with its local index, in node order). `ranks_per_node == 1`: one level.
+    `node_format` (`GiftConfig.intra_node_format`) is the precision of the collectives inside
+    the node; a one-level layout has none, so it is always native there."""
 
     ranks_per_node: int = 1
     nodes: int = 1
     node_group: str | None = None
     cross_group: str | None = None
+    node_format: str = NATIVE_NODE_FORMAT
 
     @property
     def two_level(self) -> bool:
         return self.ranks_per_node > 1
+
+    def node_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a tensor of `dtype` travels at inside the node: its own, or bf16."""
+        return dtype if self.node_format == NATIVE_NODE_FORMAT else torch.bfloat16
+
+    def with_node_format(self, node_format: str) -> NodeLayout:
+        """This layout with the node's collectives at `node_format`; a one-level layout stays
+        itself (it runs no collective inside a node). Raises ValueError for an unknown name."""
+        if node_format not in INTRA_NODE_FORMATS:
+            raise ValueError(f"GIFT: intra_node_format={node_format!r}; allowed: {', '.join(INTRA_NODE_FORMATS)}")
+        return self._replace(node_format=node_format) if self.two_level else self
 
 
 FLAT = NodeLayout()  # the one-level exchange
@@ -61,7 +78,7 @@ FLAT = NodeLayout()  # the one-level exchange
 _LAYOUTS: dict[tuple[str, int], NodeLayout] = {}
 
 
-def _resolved_ranks_per_node(setting: int | None) -> int:
+def resolved_ranks_per_node(setting: int | None) -> int:
     """`GiftConfig.ranks_per_node` resolved: the setting, or `LOCAL_WORLD_SIZE`, or 0 (one node)."""
     if setting is not None:
         return int(setting)
@@ -100,14 +117,21 @@ def node_of_ranks(ranks: list[int], ranks_per_node: int) -> tuple[int, int]:
     return len(ranks) // len(order), len(order)
 
 
-def node_layout(group: dist.ProcessGroup | str | None, ranks_per_node: int | None) -> NodeLayout:
+def node_layout(group: dist.ProcessGroup | str | None, ranks_per_node: int | None,
+                intra_node_format: str = NATIVE_NODE_FORMAT) -> NodeLayout:
     """The layout GIFT's collectives over `group` run on under `GiftConfig.ranks_per_node`
-    (see the module docstring); makes and caches the subgroups on the first call for a
-    group, so every rank of `group` must call it at the same point (an eager collective's
-    setup, a state's construction, a graph's rewrite: all collective already)."""
+    and `GiftConfig.intra_node_format` (see the module docstring); makes and caches the
+    subgroups on the first call for a group, so every rank of `group` must call it at the
+    same point (an eager collective's setup, a state's construction, a graph's rewrite: all
+    collective already)."""
+    return _node_groups(group, ranks_per_node).with_node_format(intra_node_format)
+
+
+def _node_groups(group: dist.ProcessGroup | str | None, ranks_per_node: int | None) -> NodeLayout:
+    """`node_layout` at the native node format: the subgroups, made once per (group, setting)."""
     if group is None or not dist.is_available() or not dist.is_initialized():
         return FLAT
-    per_node = _resolved_ranks_per_node(ranks_per_node)
+    per_node = resolved_ranks_per_node(ranks_per_node)
     if per_node == 0:
         return FLAT
     pg = process_group(group)
@@ -130,3 +154,25 @@ def node_layout(group: dist.ProcessGroup | str | None, ranks_per_node: int | Non
         layout = NodeLayout(g, nodes, node_pg.group_name, cross_pg.group_name)
     _LAYOUTS[key] = layout
     return layout
+
+
+def describe_layout(layout: NodeLayout, world: int, ranks_per_node: int | None,
+                    ranks: list[int] | None = None) -> str:
+    """How a collective over a group of `world` ranks on `layout` runs, in words, and why a
+    one-level one is (`gift_compile.report`): `ranks_per_node` is the setting it was resolved
+    from; `ranks`, the group's global ranks, tells a group inside one node or one to a node
+    from one that has no node layout at all."""
+    if layout.two_level:
+        return (f"two levels, {layout.nodes} nodes x {layout.ranks_per_node} ranks (inside the node at "
+                f"{layout.node_format}, then GIFT's codec on the 1/{layout.ranks_per_node} chunk across nodes)")
+    if world <= 1:
+        return "no collective (one rank)"
+    per_node = resolved_ranks_per_node(ranks_per_node)
+    if per_node == 0:
+        why = ("ranks_per_node=0" if ranks_per_node == 0
+               else "no node layout (ranks_per_node and LOCAL_WORLD_SIZE unset)")
+    elif ranks is not None and node_of_ranks(ranks, per_node)[0] == 1:
+        why = f"one rank per node at ranks_per_node={per_node}"
+    else:
+        why = f"all on one node at ranks_per_node={per_node}"
+    return f"one level over {world} ranks ({why})"

@@ -61,7 +61,7 @@ def _gift_hook(hs: "_HookState", bucket: dist.GradBucket) -> torch.futures.Futur
     config = hs.state.config
     sync_buffer(buf, segments, hs.state.shared, op=Collective.ALL_REDUCE, group=hs.group,
                 average=config.reduce_op is ReduceOp.AVG, out=buf, plan_check=config.plan_check, compiled=hs.fuse,
-                ranks_per_node=config.ranks_per_node)
+                ranks_per_node=config.ranks_per_node, intra_node_format=config.intra_node_format)
     queue_backward_check(hs.state)
     fut.set_result(buf)
     return fut

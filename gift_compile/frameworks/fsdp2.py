@@ -142,7 +142,8 @@ class GiftReduceScatter(ReduceScatter):
         """The bucket this module's reduce-scatter runs: one item per parameter (managed
         weights quantized, the others at full precision), FSDP2's order, on the group's node
         layout (two levels where it spans nodes)."""
-        layout = node_layout(group_name, self.state.config.ranks_per_node) if group_name else FLAT
+        config = self.state.config
+        layout = node_layout(group_name, config.ranks_per_node, config.intra_node_format) if group_name else FLAT
         return bucket_plan(self._segments(), dtype, world=world, group_name=group_name, average=False,
                            op=Collective.REDUCE_SCATTER, layout=layout)
 
@@ -167,7 +168,8 @@ class GiftReduceScatter(ReduceScatter):
         self.last_call = (world, input_tensor.dtype, group.group_name)
         sync_buffer(input_tensor, segments, self.shared, op=Collective.REDUCE_SCATTER, group=group, average=False,
                     out=output_tensor, plan_check=config.plan_check, compiled=self.compiled,
-                    timing=self.timer.timing(input_tensor.device), ranks_per_node=config.ranks_per_node)
+                    timing=self.timer.timing(input_tensor.device), ranks_per_node=config.ranks_per_node,
+                    intra_node_format=config.intra_node_format)
         queue_backward_check(self.state)
         return None
 

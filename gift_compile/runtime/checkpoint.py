@@ -17,6 +17,7 @@ from gift_compile.config import GiftConfig
 from gift_compile.sync import group_rank
 
 if TYPE_CHECKING:
+    from gift_compile.exchange.topology import NodeLayout
     from gift_compile.runtime.layer import LayerState, OutsideResidual
 
 __all__ = ["Checkpointing", "STATE_VERSION"]
@@ -45,6 +46,7 @@ class Checkpointing:
     seed: torch.Tensor
     steps: int
     _sharing_checked: bool
+    layout: NodeLayout
 
 
 
@@ -65,6 +67,9 @@ class Checkpointing:
             "substates": len(self.substates),
             # whose: residuals, probes and statistics accumulators are this rank's own
             "group_rank": group_rank(self.group), "world": self.world(),
+            # where the group's ranks sat (`exchange.topology`): a two-level exchange's first-hop
+            # residuals hold the node chunk's rows of that layout (`_check_node_layout`)
+            "node_layout": {"ranks_per_node": self.layout.ranks_per_node, "nodes": self.layout.nodes},
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -87,8 +92,10 @@ class Checkpointing:
 
         Accepted with a logged conversion: a different wire format, refresh cadence, EMA,
         damping or selection rule (the saved geometry stays valid), and turning error feedback
-        on (residuals start at zero). Refused: another rank's or data-parallel size's state,
-        other layers, shapes, geometry kind or rank,
+        on (residuals start at zero), another node layout when the checkpoint holds no
+        first-hop residual (nothing else in the state depends on it). Refused: another rank's
+        or data-parallel size's state, another node layout with first-hop residuals
+        (`_check_node_layout`), other layers, shapes, geometry kind or rank,
         turning error feedback off with saved residuals, and non-finite tensors. The residuals
         of gradients sent outside the layers (`GiftState.outside`) follow the same rules; one
         the checkpoint lacks starts at zero (it predates them, or error feedback was off).
@@ -105,11 +112,12 @@ class Checkpointing:
                              f"{here[0]} of {here[1]}: its error-feedback residuals, probes and statistics are that "
                              "rank's own (another rank's would be added to this rank's gradients); load each rank's "
                              "own GIFT state on the same data-parallel size")
+        converted: list[str] = []
+        self._check_node_layout(meta, mine, converted)
         saved_layers, my_layers = meta["layers"], mine["layers"]
         missing, extra = sorted(set(my_layers) - set(saved_layers)), sorted(set(saved_layers) - set(my_layers))
         if missing or extra:
             raise ValueError(f"GIFT checkpoint layers differ: missing {missing}, unexpected {extra}")
-        converted = []
         for name, want in my_layers.items():
             got = saved_layers[name]
             for key in ("shape", "kind", "rank"):
@@ -183,6 +191,38 @@ class Checkpointing:
             converted.append(f"config changed since the checkpoint: {changed}")
         for line in converted:
             logger.warning("GIFT checkpoint loaded with a conversion: %s", line)
+
+    def _check_node_layout(self, meta: dict[str, Any], mine: dict[str, Any], converted: list[str]) -> None:
+        """Refuse a checkpoint saved on another node layout (`GiftConfig.ranks_per_node` over the
+        same world) that holds first-hop error-feedback residuals: under two levels each rank's
+        residual is the rows of its node chunk, which stage 2 rounds (`node_stage.residual_rows`),
+        so another layout's rows would be added to the wrong gradient rows. Every other tensor
+        of the state (maps, statistics, probes, seeds, the second hop's residual, which is the
+        rank's one-level shard) is the same on every layout: without first-hop residuals the
+        change is accepted and logged. A checkpoint without the entry predates it: the
+        residuals' shapes (rows / g under two levels) are then what tells layouts apart."""
+        saved = meta.get("node_layout")
+        here = mine["node_layout"]
+        if saved is None or saved == here:
+            return
+
+        def words(d: dict[str, int]) -> str:
+            if d["ranks_per_node"] == 1:
+                return "the one-level exchange"
+            return f"two levels, {d['nodes']} nodes x {d['ranks_per_node']} ranks"
+
+        residuals = sorted([n for n, l in meta["layers"].items() if l.get("error_feedback", False)]
+                           + [f"{OUTSIDE}{n}" for n in meta.get("outside", {})])
+        if residuals:
+            setting = saved["ranks_per_node"] if saved["ranks_per_node"] > 1 else 0
+            raise ValueError(
+                f"GIFT checkpoint was saved on {words(saved)} and this state runs {words(here)} over the same "
+                f"{mine['world']} ranks: the error-feedback residuals of {residuals[:3]}"
+                f"{' ...' if len(residuals) > 3 else ''} hold the rows that layout's exchange rounds (a two-level "
+                "exchange's: the node chunk's), which would be added to other gradient rows here; resume with "
+                f"GiftConfig.ranks_per_node={setting}")
+        converted.append(f"node layout changed from {words(saved)} to {words(here)} (no first-hop residual in the "
+                         "checkpoint: nothing in it depends on the layout)")
 
     def _outside_plan(self, sd: dict[str, Any], saved: dict[str, Any], plan: list[tuple[torch.Tensor, torch.Tensor]],
                       converted: list[str]) -> dict[str, torch.Tensor]:

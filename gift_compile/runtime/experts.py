@@ -25,6 +25,7 @@ from gift_compile.codec import residual as residual_store
 from gift_compile.exchange.collectives import ItemTensors
 from gift_compile.exchange.item_codec import shard_tensors
 from gift_compile.exchange.plan import ItemPlan
+from gift_compile.exchange.topology import TopologyError
 from gift_compile.geometry.grouped_statistics import GroupedKFACStatistics, GroupedSketchStatistics, \
     make_grouped_statistics
 from gift_compile.runtime.layer import PROBE_ROWS, LayerState
@@ -78,6 +79,8 @@ class ExpertLayers:
 
     def __init__(self, state: GiftState, owner: str, shapes: dict[str, tuple[int, int, int]], inputs: dict[str, str],
                  params: dict[str, torch.nn.Parameter], device: torch.device | str) -> None:
+        if state.layout.two_level and not state.geometry.is_identity:
+            _refuse_two_levels(state, owner, shapes)
         self.state = state
         self.owner = owner
         self.weights: dict[str, GroupedWeight] = {}
@@ -142,3 +145,19 @@ class ExpertLayers:
         token ends) to each expert's statistics, where any expert needs them."""
         if key in self.stats:
             self.stats[key].observe(x, offsets, self.stats_gate(key))
+
+
+def _refuse_two_levels(state: GiftState, owner: str, shapes: dict[str, tuple[int, int, int]]) -> None:
+    """Raise, naming the layout, for mapped experts on a group that spans nodes: their grouped
+    item has a map per expert, and a two-level exchange's node chunk holds rows of other ranks'
+    experts, whose maps this rank does not hold sliced (`BucketPlan.cross`). Refused when the
+    layers are built (at `apply`), so no step starts and no exchange falls back to one level,
+    which would put g times the bytes on the network unannounced."""
+    layout = state.layout
+    raise TopologyError(
+        f"GIFT: the grouped experts of {owner or 'the model'} ({', '.join(shapes)}: a map per expert, geometry "
+        f"{state.config.geometry!r}) cannot run the two-level exchange: their data-parallel group spans "
+        f"{layout.nodes} nodes x {layout.ranks_per_node} ranks (GiftConfig.ranks_per_node="
+        f"{state.config.ranks_per_node!r}), and a node's chunk would hold other ranks' experts, whose maps this rank "
+        "does not slice. Keep the experts' data-parallel group inside one node, or set ranks_per_node=0 (every "
+        "collective one level), or geometry='none' (map-free experts run in two levels)")

@@ -5,8 +5,9 @@ or fp32 communication: training runs, and nothing shows that the config did not 
 author meant. So `apply` (and the torchtitan hook) build this report from the state it
 installed and the model's linear weights, keep it on the state (`gift_compile.report(model)`)
 and log it at WARNING on rank 0: the adapter, the format, the geometry and metric as "auto"
-resolved them, the layers managed and selected, the linear weights left at full precision, and
-every glob (`select`, `exclude`, `layer_formats`) that matched no weight.
+resolved them, the layers managed and selected, the linear weights left at full precision,
+every glob (`select`, `exclude`, `layer_formats`) that matched no weight, and which exchange each
+gradient path runs (one level, or two levels across nodes: on a cluster not every path does).
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ class ApplyReport:
     """Linear weights GIFT does not manage (excluded, under `min_numel`, rows that do not split)."""
     unmatched: tuple[str, ...]
     """`"<field>: <glob>"` for each glob that matched no weight."""
+    exchanges: tuple[str, ...] = ()
+    """One line per gradient path: which exchange it runs (one level, or two levels across
+    nodes: `gift_compile.frameworks.exchanges`)."""
 
     def lines(self) -> list[str]:
         """The report as the log prints it."""
@@ -69,6 +73,7 @@ class ApplyReport:
             out.append(f"  linear weights at full precision ({len(self.full_precision)}): "
                        f"{_names(self.full_precision)}")
         out.extend(f"  {entry} matched no weight" for entry in self.unmatched)
+        out.extend(f"  exchange of the {line}" for line in self.exchanges)
         return out
 
     def __str__(self) -> str:
@@ -100,9 +105,10 @@ def unmatched_globs(config: GiftConfig, managed: list[str], linear_weights: list
     return out
 
 
-def summarize(state: GiftState, path: str, linear_weights: list[str]) -> ApplyReport:
+def summarize(state: GiftState, path: str, linear_weights: list[str], exchanges: tuple[str, ...] = ()) -> ApplyReport:
     """The report of `state`, which manages some of `linear_weights` (every `nn.Linear` weight
-    FQN of the model, as `manage` names them) and sends them as `path` says."""
+    FQN of the model, as `manage` names them) and sends them as `path` says, over the
+    `exchanges` its paths run (`gift_compile.frameworks.exchanges.describe_exchanges`)."""
     config = state.config
     managed = tuple(state.layers)
     decided = all(layer.decided for layer in state.layers.values())
@@ -113,7 +119,7 @@ def summarize(state: GiftState, path: str, linear_weights: list[str]) -> ApplyRe
         path=path, world=state.world(), format=config.format, geometry=config.geometry, select=str(select),
         select_metric=str(config.select_metric), managed=managed, selected=selected, first_refresh=first,
         full_precision=tuple(n for n in linear_weights if n not in state.layers),
-        unmatched=tuple(unmatched_globs(config, list(managed), linear_weights)))
+        unmatched=tuple(unmatched_globs(config, list(managed), linear_weights)), exchanges=exchanges)
 
 
 def log_report(report: ApplyReport) -> None:

@@ -82,7 +82,7 @@ def layer_spec(config: GiftConfig, geometry: type[Geometry]) -> LayerSpec:
                     residual_format=config.residual_format,
                     second_hop_error_feedback=config.second_hop_error_feedback,
                     error_feedback_decay=config.error_feedback_decay, map_precision=config.map_precision,
-                    ranks_per_node=config.ranks_per_node)
+                    ranks_per_node=config.ranks_per_node, intra_node_format=config.intra_node_format)
     return LayerSpec(geometry=geometry, rank=config.rank, seed=config.seed, statistics=statistics, plan=plan,
                      reselect=config.reselect_every > 0, layer_formats=config.layer_formats)
 
@@ -144,7 +144,8 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         self.rank = torch.full((), group_rank(group), dtype=torch.int64)
         # where the group's ranks sit (`exchange.topology`): a group spanning nodes runs every
         # collective in two levels, and the layers' residuals are sized to its node chunks
-        self.layout = node_layout(group, config.ranks_per_node) if world_size(group) > 1 else FLAT
+        self.layout = (node_layout(group, config.ranks_per_node, config.intra_node_format) if world_size(group) > 1
+                       else FLAT)
         self.counters = torch.zeros(N_COUNTERS, dtype=torch.int64)
         self.steps = 0
         self.history: list[RefreshRecord] = []
