@@ -262,9 +262,10 @@ def _swapped_layers_body(rank: int, world: int, compiled: bool) -> str:
 @pytest.mark.parametrize("compiled", [False, True])
 def test_same_shaped_layers_in_another_order_on_one_rank_raise_on_every_rank(compiled):
     a, b = run_ranks(_swapped_layers_body, 2, compiled, timeout=FAST)
-    if compiled:  # the header fingerprint branch: every rank raises at the optimizer step
-        assert a.startswith("GiftHealthError") and "rank(s) [1] differ from rank 0" in a, a
-        assert b.startswith("GiftHealthError") and "rank(s) [0] differ from rank 1" in b, b
+    if compiled:  # the graph's plan agreement (issue 49 case 8) raises in the backward, before the data moves
+        assert a.startswith("RuntimeError: GIFT: ranks disagree on the compiled backward's plan") and \
+            "rank(s) [1] differ from rank 0" in a and "buckets[0].items[0].name: 'fc_b.weight' vs 'fc_a.weight'" in a, a
+        assert "rank(s) [0] differ from rank 1" in b, b
     else:  # eager: the fingerprint exchange raises in the backward, before the data moves
         assert "rank(s) [1] differ from rank 0" in a and "items[0].name: 'fc_b.weight' vs 'fc_a.weight'" in a, a
         assert "rank(s) [0] differ from rank 1" in b, b
@@ -708,3 +709,47 @@ def test_partly_filled_int2_and_ternary_blocks_keep_the_full_blocks_precision():
         # the error); one value per block: the grid's own error on a lone value (int2 0.375,
         # ternary 0.5 of it; before 0.94-0.95, the value decoded near 0)
         assert last8 < 1.05 * full and single < 0.6, (fmt, full, last8, single)
+
+
+class SkipNet(TwinNet):
+    """`TwinNet` whose `fc_b` is skipped when `skip_b` (a managed layer unused in that step)."""
+
+    def forward(self, x: torch.Tensor, skip_b: bool = False) -> torch.Tensor:  # type: ignore[override]
+        h = torch.relu(self.fc_a(x))
+        return h if skip_b else self.fc_b(h)
+
+
+def _skipped_layer_body(rank: int, world: int) -> dict:
+    """Compiled: four steps, rank 1 skipping `fc_b` in step 1 only. What each step did, and
+    whether the replicas agree afterwards."""
+    torch._inductor.config.fx_graph_cache = False
+    model = SkipNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gift_compile.apply(model, GiftConfig(**CFG), optimizer=opt)
+    fwd = torch.compile(model, fullgraph=True, dynamic=False)
+    steps = []
+    for step in range(4):
+        try:
+            fwd(_batch(step, rank), skip_b=rank == 1 and step == 1).pow(2).mean().backward()
+            opt.step()
+            steps.append("stepped")
+        except RuntimeError as e:
+            steps.append(f"{type(e).__name__}: {e}")
+        opt.zero_grad()
+    return {"steps": steps, "replicas_agree": _replicas_agree(model)}
+
+
+def test_a_managed_layer_skipped_on_one_rank_in_a_compiled_step_raises_on_every_rank():
+    """Issue 49 case 8: compiled, a managed layer that ran on one rank only in a step gave the
+    ranks backward graphs with different buckets; their collectives paired with the wrong
+    peers (gloo "collective mismatch", SIGABRT, or a wait for the group's timeout). Each
+    compiled backward of GIFT's own sync now agrees on its plans first: every rank raises in
+    that backward, naming the other rank, before any gradient is sent, and trains on."""
+    a, b = run_ranks(_skipped_layer_body, 2, timeout=FAST)
+    for r, other in ((a, 1), (b, 0)):
+        assert r["steps"][0] == r["steps"][2] == r["steps"][3] == "stepped", r["steps"]
+        err = r["steps"][1]
+        assert err.startswith("RuntimeError: GIFT: ranks disagree on the compiled backward's plan") and \
+            f"rank(s) [{other}] differ" in err and "fc_b.weight" in err, err
+        assert r["replicas_agree"], r
+    assert "buckets: 2 vs 1 entries" in a["steps"][1], a["steps"][1]

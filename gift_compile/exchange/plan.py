@@ -92,6 +92,10 @@ class ItemPlan:
     # not the config) puts the bucket on the same node layout as the eager hooks
     # (`gift_compile.exchange.topology.node_layout`); None: the launcher's LOCAL_WORLD_SIZE
     ranks_per_node: int | None = None
+    # GIFT's own sync sends this gradient (a plain module's `_GiftSync`, traced): no framework
+    # decides the graph's collectives, so the FX pass makes every rank agree on the graph's
+    # plans before its first exchange (`agreement.agree_plans`), as the eager calls do
+    own_sync: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.groups, int) or isinstance(self.groups, bool) or self.groups < 1:
@@ -138,8 +142,8 @@ class ItemPlan:
         return dataclasses.replace(self, dtype=dtype_name(dtype))
 
     def as_dict(self) -> dict:
-        """The fields as plain data, `groups` left out at its default 1 and `ranks_per_node` at
-        None: plan strings and
+        """The fields as plain data, `groups` left out at its default 1, `ranks_per_node` at
+        None and `own_sync` at False: plan strings and
         descriptions exchanged between ranks, stored in checkpoints and compared by golden tests
         read exactly as before grouped items existed (`from_str`/`__init__` default it back)."""
         d = dataclasses.asdict(self)
@@ -147,6 +151,8 @@ class ItemPlan:
             del d["groups"]
         if self.ranks_per_node is None:
             del d["ranks_per_node"]
+        if not self.own_sync:
+            del d["own_sync"]
         return d
 
     def to_str(self) -> str:
