@@ -753,3 +753,40 @@ def test_a_managed_layer_skipped_on_one_rank_in_a_compiled_step_raises_on_every_
             f"rank(s) [{other}] differ" in err and "fc_b.weight" in err, err
         assert r["replicas_agree"], r
     assert "buckets: 2 vs 1 entries" in a["steps"][1], a["steps"][1]
+
+
+def _tiny_damping_body(rank: int, world: int) -> dict:
+    """`geometry="lowrank"`, `damping=1e-30` on inputs of scale 1e-6: four eager steps, what each
+    did, the refresh's log and whether the replicas agree."""
+    import logging
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda rec: records.append(rec.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("gift_compile").addHandler(handler)
+    model = NormNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    gift_compile.apply(model, GiftConfig(**{**CFG, "damping": 1e-30, "refresh_every": 1}), optimizer=opt, fuse=False)
+    steps = []
+    for step in range(4):
+        try:
+            model(_batch(step, rank) * 1e-6).pow(2).mean().backward()
+            opt.step()
+            steps.append("ok")
+        except (RuntimeError, FloatingPointError) as e:
+            steps.append(f"{type(e).__name__}: {e}")
+        opt.zero_grad()
+    return {"steps": steps, "agree": _replicas_agree(model), "logged": [m for m in records if "built with damping" in m]}
+
+
+def test_a_map_singular_in_fp32_gets_more_damping_logged_instead_of_blaming_the_gradients():
+    """Issue 49 (`geometry="lowrank"`, `damping=1e-30`): on inputs of scale 1e-6 the map's
+    strongest direction came out scaled by (1 + s^2)^{-1/2} = 0 in fp32 (a singular map, its
+    inverse's gain ~1e15): the first refreshed step's gradient was rounding noise times that gain,
+    the weights blew up and every later backward raised "NaN/Inf ... Skip the step", blaming the
+    gradients. The refresh now names the map's problem and builds it at a larger damping (logged)."""
+    results = run_ranks(_tiny_damping_body, 2, timeout=FAST)
+    for r in results:
+        assert r["steps"] == ["ok"] * 4 and r["agree"], r
+    logged = [m for r in results for m in r["logged"]]
+    assert logged and all("singular in fp32" in m and "damping=1e-30" in m for m in logged), logged
