@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from gift_compile.codec import Nonfinite
 from gift_compile.exchange.plan import BucketPlan
-from gift_compile.sync import process_group
+from gift_compile.sync import all_reduce_, process_group
 
 __all__ = ["agree_plans", "check_plan_agreement", "first_difference", "graph_plans", "raise_on_bad_headers"]
 
@@ -73,7 +73,7 @@ def check_plan_agreement(plan: BucketPlan, group: dist.ProcessGroup | None, *, a
     key = (plan.group_name, plan.fingerprint())
     table = torch.zeros(world, 2, dtype=torch.int64, device=_host_device(group))
     table[me, 0], table[me, 1] = plan.fingerprint(), int(key not in _CHECKED_PLANS or always)
-    dist.all_reduce(table, group=group)
+    all_reduce_(table, group)  # keeps the table referenced past gloo's release (`gift_compile.sync`)
     rows = table.tolist()
     differ = [r for r, (fp, _) in enumerate(rows) if fp != plan.fingerprint()]
     if not differ and not any(new for _, new in rows):
@@ -148,7 +148,7 @@ def agree_plans(counters: torch.Tensor, group_name: str, fingerprint: int, plans
     world, me = dist.get_world_size(group), dist.get_rank(group)
     table = torch.zeros(world, dtype=torch.int64, device=_host_device(group))
     table[me] = fingerprint
-    dist.all_reduce(table, group=group)
+    all_reduce_(table, group)
     differ = [r for r, fp in enumerate(table.tolist()) if fp != fingerprint]
     if not differ:
         return
