@@ -245,30 +245,24 @@ class TwinNet(nn.Module):
         return second(torch.relu(first(x)))
 
 
-def _swapped_layers_body(rank: int, world: int, compiled: bool) -> str:
-    torch._inductor.config.fx_graph_cache = False
+def _swapped_layers_body(rank: int, world: int) -> str:
     model = TwinNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gift_compile.apply(model, GiftConfig(**CFG), optimizer=opt)
-    fwd = torch.compile(model, fullgraph=True, dynamic=False) if compiled else model
     try:
-        fwd(_batch(0, rank), swap=rank == 1).pow(2).mean().backward()
+        model(_batch(0, rank), swap=rank == 1).pow(2).mean().backward()
         opt.step()
         return "stepped"
     except RuntimeError as e:
         return f"{type(e).__name__}: {e}"
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_same_shaped_layers_in_another_order_on_one_rank_raise_on_every_rank(compiled):
-    a, b = run_ranks(_swapped_layers_body, 2, compiled, timeout=FAST)
-    if compiled:  # the graph's plan agreement (issue 49 case 8) raises in the backward, before the data moves
-        assert a.startswith("RuntimeError: GIFT: ranks disagree on the compiled backward's plan") and \
-            "rank(s) [1] differ from rank 0" in a and "buckets[0].items[0].name: 'fc_b.weight' vs 'fc_a.weight'" in a, a
-        assert "rank(s) [0] differ from rank 1" in b, b
-    else:  # eager: the fingerprint exchange raises in the backward, before the data moves
-        assert "rank(s) [1] differ from rank 0" in a and "items[0].name: 'fc_b.weight' vs 'fc_a.weight'" in a, a
-        assert "rank(s) [0] differ from rank 1" in b, b
+def test_same_shaped_layers_in_another_order_on_one_rank_raise_on_every_rank():
+    """Eager: the fingerprint exchange raises in the backward, before the data moves. Compiled:
+    `test_compiled_ranks_running_other_managed_layers_raise_in_the_backward_on_every_rank`."""
+    a, b = run_ranks(_swapped_layers_body, 2, timeout=FAST)
+    assert "rank(s) [1] differ from rank 0" in a and "items[0].name: 'fc_b.weight' vs 'fc_a.weight'" in a, a
+    assert "rank(s) [0] differ from rank 1" in b, b
 
 
 def _undriven_body(rank: int, world: int) -> dict[str, list[str]]:
@@ -714,14 +708,15 @@ def test_partly_filled_int2_and_ternary_blocks_keep_the_full_blocks_precision():
 class SkipNet(TwinNet):
     """`TwinNet` whose `fc_b` is skipped when `skip_b` (a managed layer unused in that step)."""
 
-    def forward(self, x: torch.Tensor, skip_b: bool = False) -> torch.Tensor:  # type: ignore[override]
-        h = torch.relu(self.fc_a(x))
-        return h if skip_b else self.fc_b(h)
+    def forward(self, x: torch.Tensor, swap: bool = False, skip_b: bool = False) -> torch.Tensor:
+        if skip_b:
+            return torch.relu(self.fc_a(x))
+        return super().forward(x, swap)
 
 
-def _skipped_layer_body(rank: int, world: int) -> dict:
-    """Compiled: four steps, rank 1 skipping `fc_b` in step 1 only. What each step did, and
-    whether the replicas agree afterwards."""
+def _other_layers_body(rank: int, world: int) -> dict:
+    """Compiled: four steps; in step 1 rank 1 skips `fc_b`, in step 2 it runs `fc_b` before
+    `fc_a`. What each step did, and whether the replicas agree afterwards."""
     torch._inductor.config.fx_graph_cache = False
     model = SkipNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -729,8 +724,9 @@ def _skipped_layer_body(rank: int, world: int) -> dict:
     fwd = torch.compile(model, fullgraph=True, dynamic=False)
     steps = []
     for step in range(4):
+        odd = rank == 1
         try:
-            fwd(_batch(step, rank), skip_b=rank == 1 and step == 1).pow(2).mean().backward()
+            fwd(_batch(step, rank), swap=odd and step == 2, skip_b=odd and step == 1).pow(2).mean().backward()
             opt.step()
             steps.append("stepped")
         except RuntimeError as e:
@@ -739,20 +735,23 @@ def _skipped_layer_body(rank: int, world: int) -> dict:
     return {"steps": steps, "replicas_agree": _replicas_agree(model)}
 
 
-def test_a_managed_layer_skipped_on_one_rank_in_a_compiled_step_raises_on_every_rank():
+def test_compiled_ranks_running_other_managed_layers_raise_in_the_backward_on_every_rank():
     """Issue 49 case 8: compiled, a managed layer that ran on one rank only in a step gave the
     ranks backward graphs with different buckets; their collectives paired with the wrong
     peers (gloo "collective mismatch", SIGABRT, or a wait for the group's timeout). Each
     compiled backward of GIFT's own sync now agrees on its plans first: every rank raises in
-    that backward, naming the other rank, before any gradient is sent, and trains on."""
-    a, b = run_ranks(_skipped_layer_body, 2, timeout=FAST)
+    that backward, naming the other rank, before any gradient is sent, and trains on. Two
+    same-shaped layers in another order on one rank (round 2, there raised at the optimizer
+    step by the header's fingerprint) now raise the same way, in the backward."""
+    a, b = run_ranks(_other_layers_body, 2, timeout=FAST)
     for r, other in ((a, 1), (b, 0)):
-        assert r["steps"][0] == r["steps"][2] == r["steps"][3] == "stepped", r["steps"]
-        err = r["steps"][1]
-        assert err.startswith("RuntimeError: GIFT: ranks disagree on the compiled backward's plan") and \
-            f"rank(s) [{other}] differ" in err and "fc_b.weight" in err, err
+        assert r["steps"][0] == r["steps"][3] == "stepped", r["steps"]
+        for err in r["steps"][1:3]:
+            assert err.startswith("RuntimeError: GIFT: ranks disagree on the compiled backward's plan") and \
+                f"rank(s) [{other}] differ" in err and "fc_b.weight" in err, err
         assert r["replicas_agree"], r
     assert "buckets: 2 vs 1 entries" in a["steps"][1], a["steps"][1]
+    assert "buckets[0].items[0].name: 'fc_b.weight' vs 'fc_a.weight'" in a["steps"][2], a["steps"][2]
 
 
 def _tiny_damping_body(rank: int, world: int) -> dict:
