@@ -33,6 +33,13 @@ efsdp mesh under EP x HSDP) SimpleFSDP traces no reduce-scatter: its replica all
 gradient's only collective, and the pass makes it the replica hop alone, GIFT's all-reduce at
 the plan's `replica_format` on the hop's rank and counters (`replica_only` records).
 
+GIFT's own sync (a plain module's managed layers, `ItemPlan.own_sync`): no framework decides
+which of these collectives a graph runs, so a rank that ran other managed layers in a step
+has a graph with other buckets. Before the group's first such bucket the pass puts one
+`gift::agree_plans` (`gift_compile.exchange.agreement`), filled in with the fingerprint and
+description of all of the graph's buckets on the group once they are rewritten: every rank
+raises there, before any exchange, when the ranks' graphs differ (`_agree_first`).
+
 A marked gradient that cannot be rewritten raises (or, where its plan says
 `unrewritten="warn"`, is logged and sent at full precision): never a silent fp32 fallback.
 """
