@@ -261,7 +261,13 @@ def _agree_first(graph: fx.Graph, match: BucketMatch,
     the group's first such bucket when this is it (its fingerprint and description are filled
     in once every bucket is rewritten). None for a framework's bucket: the framework decides
     its graph's collectives, GIFT only re-encodes them, and a host read there would stall a
-    GPU backward that GIFT's own path already reads the host in."""
+    GPU backward that GIFT's own path already reads the host in.
+
+    The agreement precedes the exchanges in the graph's order and by its declared mutation of
+    the counters, which every launch updates after it; Inductor's default scheduling keeps
+    each collective after it (the tests' compiled graphs raise before any exchange). A
+    scheduler that hoists collectives (Inductor's `reorder_for_compute_comm_overlap`) could
+    move one above it, since a launch's send buffer does not read the counters: not covered."""
     plans = [p for p in match.plans() if p is not None]
     if not any(p.own_sync for p in plans):
         return None
