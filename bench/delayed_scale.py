@@ -121,7 +121,7 @@ def block_statistic(x: torch.Tensor, spec: FormatSpec) -> torch.Tensor:
     """Each block's scale statistic `[rows, nblocks]`, as `TwoLevel.choose_scales` computes it."""
     xb = _blocks(_row_view(x, spec), spec.block)
     step = spec.family.mean_abs_step
-    return _finite_amax(xb, -1, keepdim=False) if step is None else _mean_abs(xb, step)
+    return _finite_amax(xb, -1, keepdim=False) if step is None else _mean_abs(xb, step, as_rows(x).shape[-1])
 
 
 @functools.cache

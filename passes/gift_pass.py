@@ -33,6 +33,13 @@ efsdp mesh under EP x HSDP) SimpleFSDP traces no reduce-scatter: its replica all
 gradient's only collective, and the pass makes it the replica hop alone, GIFT's all-reduce at
 the plan's `replica_format` on the hop's rank and counters (`replica_only` records).
 
+GIFT's own sync (a plain module's managed layers, `ItemPlan.own_sync`): no framework decides
+which of these collectives a graph runs, so a rank that ran other managed layers in a step
+has a graph with other buckets. Before the group's first such bucket the pass puts one
+`gift::agree_plans` (`gift_compile.exchange.agreement`), filled in with the fingerprint and
+description of all of the graph's buckets on the group once they are rewritten: every rank
+raises there, before any exchange, when the ranks' graphs differ (`_agree_first`).
+
 A marked gradient that cannot be rewritten raises (or, where its plan says
 `unrewritten="warn"`, is logged and sent at full precision): never a silent fp32 fallback.
 """
@@ -50,6 +57,7 @@ import torch
 import torch.fx as fx
 
 from gift_compile.config import ReduceOp, Unrewritten
+from gift_compile.exchange.agreement import graph_plans
 from gift_compile.exchange.collectives import (
     ItemTensors, Shared, bucket_core, bucket_wire_bytes, finish, gather_finish, gather_launch, launch,
 )
@@ -85,6 +93,9 @@ class RewriteRecord:
     # the replica hop alone (its gradients' shard group has one rank): this record's bytes are
     # all the replica hop's, whose baseline is then the fp32 all-reduce it replaced
     replica_only: bool = False
+    # the bucket's plan (its exchange's, the replica hop's when `replica_only`): a graph of
+    # GIFT's own sync agrees on these across ranks before its first exchange (`_agree_first`)
+    plan: BucketPlan | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -234,13 +245,40 @@ def rewrite_bucket(graph: fx.Graph, match: BucketMatch) -> RewriteRecord:
     layers = [i.name for i in items if i.managed]
     if sole is not None:  # the replica hop's bytes, counted in its counters
         return RewriteRecord(match.op, match.group_name, layers, sum(not i.managed for i in items), 0, 0,
-                             bucket_wire_bytes(plan), baseline, replica_only=True)
+                             bucket_wire_bytes(plan), baseline, replica_only=True, plan=plan)
     record = RewriteRecord(match.op, match.group_name, layers, sum(not i.managed for i in items),
-                           bucket_wire_bytes(plan), baseline)
+                           bucket_wire_bytes(plan), baseline, plan=plan)
     if replica_plan is not None:
         record.replica_wire_bytes = bucket_wire_bytes(replica_plan)
         record.replica_baseline_bytes = baseline // match.group_size
     return record
+
+
+def _agree_first(graph: fx.Graph, match: BucketMatch,
+                 agreements: dict[str, tuple[fx.Node, list[BucketPlan]]]) -> list[BucketPlan] | None:
+    """For a bucket of GIFT's own sync (`ItemPlan.own_sync`): the list its plan joins, of the
+    graph's agreement over the bucket's group (`agreement.agree_plans`), which is put before
+    the group's first such bucket when this is it (its fingerprint and description are filled
+    in once every bucket is rewritten). None for a framework's bucket: the framework decides
+    its graph's collectives, GIFT only re-encodes them, and a host read there would stall a
+    GPU backward that GIFT's own path already reads the host in.
+
+    The agreement precedes the exchanges in the graph's order and by its declared mutation of
+    the counters, which every launch updates after it; Inductor's default scheduling keeps
+    each collective after it (the tests' compiled graphs raise before any exchange). A
+    scheduler that hoists collectives (Inductor's `reorder_for_compute_comm_overlap`) could
+    move one above it, since a launch's send buffer does not read the counters: not covered."""
+    plans = [p for p in match.plans() if p is not None]
+    if not any(p.own_sync for p in plans):
+        return None
+    if match.group_name not in agreements:
+        first = next(m for m in match.marks if m is not None)
+        _, (_, _, counters), _ = split_mark_tensors(plans[0], list(first.args[1]))
+        with graph.inserting_before(match.collective):
+            node = graph.call_function(torch.ops.gift.agree_plans.default, (counters, match.group_name, 0, ""))
+        node.meta.update({k: match.collective.meta[k] for k in _META_KEYS if k in match.collective.meta})
+        agreements[match.group_name] = (node, [])
+    return agreements[match.group_name][1]
 
 
 def _layout(match: BucketMatch, items: list[ItemPlan]) -> NodeLayout:
@@ -373,15 +411,23 @@ def rewrite_gradient_collectives(gm: fx.GraphModule | fx.Graph) -> RewriteReport
     if not any(_is_mark(n) for n in graph.nodes):
         report.ops_after, report.groups_after = report.ops_before, report.groups_before
         return report
+    agreements: dict[str, tuple[fx.Node, list[BucketPlan]]] = {}
     for match in find_gradient_collectives(graph):
         reason = _why_not(match)
         if reason is not None:
             _fallback(report, [p for p in match.plans() if p is not None], reason)
             continue
-        report.rewritten.append(rewrite_bucket(graph, match))
+        agreement = _agree_first(graph, match, agreements)
+        record = rewrite_bucket(graph, match)
+        report.rewritten.append(record)
+        if agreement is not None:
+            assert record.plan is not None
+            agreement.append(record.plan)
         for m in match.marks:
             if m is not None:
                 m.meta["gift_rewritten"] = True
+    for node, plans in agreements.values():  # the plans are known once every bucket is rewritten
+        node.args = (node.args[0], node.args[1], *graph_plans(plans))
     _drop_marks(graph, report)
     graph.eliminate_dead_code()
     graph.lint()

@@ -194,7 +194,7 @@ def main() -> int:
             sizes = {
                 "block_stat": compile_kernel(
                     k.block_stat_kernel, {"x_ptr": "*fp32", "stat_ptr": "*fp32", **ROW},
-                    {"FACTOR": f.mean_abs_factor or 0.0, "MEAN_ABS": f.mean_abs_factor is not None, "BLOCK": f.block,
+                    {"STEP": f.mean_abs_step or 0.0, "MEAN_ABS": f.mean_abs_step is not None, "BLOCK": f.block,
                      "TILE": 1024 // f.block}),
                 "scale_codes": compile_kernel(
                     k.scale_code_kernel, {"stat_ptr": "*fp32", "tscale_ptr": "*fp32", "code_ptr": "*u8", "n": "i32"},
@@ -216,7 +216,7 @@ def main() -> int:
                 sizes["lowrank_block_stat"] = compile_kernel(
                     k.lowrank_block_stat_kernel, maps | {"stat_ptr": "*fp32", "rows": "i32", "cols": "i32",
                                                          "rank": "i32", "nblocks": "i32"},
-                    {"FACTOR": f.mean_abs_factor or 0.0, "MEAN_ABS": f.mean_abs_factor is not None, **tiles})
+                    {"STEP": f.mean_abs_step or 0.0, "MEAN_ABS": f.mean_abs_step is not None, **tiles})
                 sizes["lowrank_decode_expand"] = compile_kernel(
                     k.lowrank_decode_expand_kernel, {"payload_ptr": "*u8", "code_ptr": "*u8", "tscale_ptr": "*fp32"}
                     | {name: "*fp32" for name in ("p_ptr", "dinv_ptr", "coef_ptr", "basis_ptr", "dsq_ptr", "out_ptr")}

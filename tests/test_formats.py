@@ -536,6 +536,25 @@ def test_compiled_is_bit_identical_to_eager():
     assert torch.isnan(comp[-2][6, 32:64]).all() and torch.isfinite(comp[-2][:6]).all()
 
 
+def test_ragged_mean_abs_blocks_compile_to_the_eager_bits():
+    """int2's and ternary's block mean counts only a ragged row's real values (`_mean_abs`'s
+    `cols`): the compiled codec computes the same division, bit for bit, on widths that leave
+    8 and 1 real values in the last block of 32 and on a single column."""
+    x = torch.randn(7, 83, generator=torch.Generator().manual_seed(5))
+
+    def round_trips(x: torch.Tensor) -> list[torch.Tensor]:
+        out = []
+        for fmt in ("int2", "ternary"):
+            for t in (x[:, :72], x[:, :65], x[:, :1]):
+                q = quantize(t, fmt, scaling="block", block_size=32)
+                out += [q.scales, q.tensor_scale, q.payload, dequantize(q)]
+        return out
+
+    compiled = torch.compile(round_trips, fullgraph=True, dynamic=False)
+    for i, (a, b) in enumerate(zip(round_trips(x), compiled(x))):
+        assert torch.equal(a, b), i
+
+
 def test_mean_abs_statistic_is_order_free_within_24_binades():
     """The int2/ternary block statistic sums |x| in fp64 as a reduction: exact, hence the
     same in any order, for blocks whose magnitudes span up to 2**24 (an fp32 sum would not
@@ -547,7 +566,8 @@ def test_mean_abs_statistic_is_order_free_within_24_binades():
     xb = mant * torch.exp2(torch.randint(-12, 12, (512, 32), generator=g).float())  # 24 binades
     xb = xb * torch.where(torch.rand(512, 32, generator=g) < 0.5, -1.0, 1.0)
     perm = torch.argsort(torch.rand(512, 32, generator=g), dim=1)
-    a, b = _mean_abs(xb, 0.625), _mean_abs(torch.gather(xb, 1, perm), 0.625)
+    n = xb.numel()  # one row of 512 full blocks
+    a, b = _mean_abs(xb, 0.625, n), _mean_abs(torch.gather(xb, 1, perm), 0.625, n)
     assert torch.equal(a, b)
     ref = (xb.double().abs().sum(-1) * (0.625 / 32)).float()
     assert torch.equal(a, ref)

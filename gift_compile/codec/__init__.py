@@ -207,7 +207,8 @@ def choose_scales(
     participants (identity for a single tensor). Returns `(scales, tensor_scale)`: scales
     `[1]` (tensor), `[rows]` (row) or `[rows, nblocks]`; see `QuantizedTensor` for dtypes.
     """
-    return spec.family.choose_scales(_pad_cols(as_rows(x).float(), spec), spec, agree)
+    xr = as_rows(x).float()
+    return spec.family.choose_scales(_pad_cols(xr, spec), spec, agree, xr.shape[-1])
 
 
 def scales_nonfinite(spec: FormatSpec, scales: torch.Tensor, tensor_scale: torch.Tensor | None) -> torch.Tensor:

@@ -106,8 +106,12 @@ class Format:
         """Bytes of every scale of a `[rows, cp]` (padded) tensor."""
         raise NotImplementedError
 
-    def choose_scales(self, x2: torch.Tensor, spec: FormatSpec, agree: Agree) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`(scales, tensor_scale)` of the padded row view `x2`, statistics agreed via `agree`."""
+    def choose_scales(self, x2: torch.Tensor, spec: FormatSpec, agree: Agree,
+                      cols: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`(scales, tensor_scale)` of the padded row view `x2`, statistics agreed via `agree`.
+
+        `cols` is the row view's width before padding: the zeros past it are not the tensor's,
+        so a statistic that averages (int2's, ternary's) counts only the first `cols` columns."""
         raise NotImplementedError
 
     def encode(self, x2: torch.Tensor, spec: FormatSpec, scales: torch.Tensor, tensor_scale: torch.Tensor | None,
@@ -168,7 +172,7 @@ class Passthrough(Format):
     def scale_bytes(self, spec: FormatSpec, rows: int, cp: int) -> int:
         return 0
 
-    def choose_scales(self, x2: torch.Tensor, spec: FormatSpec, agree: Agree) -> tuple[torch.Tensor, None]:
+    def choose_scales(self, x2: torch.Tensor, spec: FormatSpec, agree: Agree, cols: int) -> tuple[torch.Tensor, None]:
         return x2.new_zeros(0), None
 
     @property
@@ -209,7 +213,7 @@ class Float8(Format):
         nscale = {Scaling.TENSOR: 1, Scaling.ROW: rows}.get(spec.scaling, rows * cp // spec.block_size)
         return 4 * nscale
 
-    def choose_scales(self, x2: torch.Tensor, spec: FormatSpec, agree: Agree) -> tuple[torch.Tensor, None]:
+    def choose_scales(self, x2: torch.Tensor, spec: FormatSpec, agree: Agree, cols: int) -> tuple[torch.Tensor, None]:
         if spec.scaling is Scaling.TENSOR:
             # The rows' maxima first, then theirs (the same value): a row reduction shares
             # the loops of a `[rows, cols]` producer such as the low-rank map's expansion, so
@@ -264,7 +268,7 @@ class _E8M0Scaled(Format):
     def scale_bytes(self, spec: FormatSpec, rows: int, cp: int) -> int:
         return rows * cp // MX_BLOCK
 
-    def choose_scales(self, x2: torch.Tensor, spec: FormatSpec, agree: Agree) -> tuple[torch.Tensor, None]:
+    def choose_scales(self, x2: torch.Tensor, spec: FormatSpec, agree: Agree, cols: int) -> tuple[torch.Tensor, None]:
         amax = _finite_amax(_blocks(x2, MX_BLOCK), -1, keepdim=False)
         return agree(_e8m0_code(amax, self.emax)), None
 
@@ -358,12 +362,13 @@ class TwoLevel(Format):
     def scale_bytes(self, spec: FormatSpec, rows: int, cp: int) -> int:
         return rows * cp // self.block(spec) + 4
 
-    def choose_scales(self, x2: torch.Tensor, spec: FormatSpec, agree: Agree) -> tuple[torch.Tensor, torch.Tensor]:
+    def choose_scales(self, x2: torch.Tensor, spec: FormatSpec, agree: Agree,
+                      cols: int) -> tuple[torch.Tensor, torch.Tensor]:
         xb = _blocks(x2, self.block(spec))
         if self.mean_abs_step is None:
             stat = _finite_amax(xb, -1, keepdim=False)
         else:
-            stat = _mean_abs(xb, self.mean_abs_step)
+            stat = _mean_abs(xb, self.mean_abs_step, cols)
         gscale = _tensor_scale(agree(_global_max(stat)), self.level)
         unit = stat * _pow2_inverse(gscale)
         if self.level != 1.0:

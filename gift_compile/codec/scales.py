@@ -44,8 +44,17 @@ def _global_max(stat: torch.Tensor) -> torch.Tensor:
     return stat.amax().reshape(1)
 
 
-def _mean_abs(xb: torch.Tensor, factor: float) -> torch.Tensor:
-    """`factor * mean(|x|)` over the last dim: fp32, +inf if non-finite.
+def _mean_abs(xb: torch.Tensor, step: float, cols: int) -> torch.Tensor:
+    """`step * mean(|x|)` of each block (the last dim of `xb`, `[..., nblocks, block]`) over the
+    block's real elements: fp32, +inf if non-finite.
+
+    `cols` is the row's width before it was zero-padded to whole blocks: a row's last block
+    holds `cols - (nblocks - 1) * block` real values, and its mean is taken over those only
+    (averaging the padding's zeros in would shrink the scale of a `[64, 40]` gradient's last
+    block by 4x under a block of 32, and a `[64, 1]` one's by 32x). The mean is
+    `(sum * step) / count` in fp64, a correctly rounded division (the explicit kernels,
+    `gift_compile.kernels.triton_codec._block_stat`, compute the same expression); for a full
+    block of 32 it has the bits of `sum * (step / 32)`.
 
     The sum is an fp64 reduction, exact wherever a block's nonzero magnitudes span at most
     29 - log2(n) binades (24 for n = 32 values): fp32 values, each a multiple of the smallest
@@ -59,8 +68,12 @@ def _mean_abs(xb: torch.Tensor, factor: float) -> torch.Tensor:
     saturates at fp32's maximum instead of becoming the non-finite marker.
     """
     t = xb.abs().double()
-    n = t.shape[-1]
-    m = t.sum(-1) * (factor / n)
+    block = t.shape[-1]
+    # real values per block: `block`, except in a ragged row's last block (at least 1: a row
+    # with columns has a value in each of its blocks)
+    starts = torch.arange(t.shape[-2], device=t.device, dtype=torch.float64) * block
+    count = (cols - starts).clamp(1, block)
+    m = t.sum(-1) * step / count
     m = torch.where(torch.isfinite(m), m.clamp(max=FP32_MAX), math.inf)
     return m.float()
 

@@ -95,6 +95,10 @@ class ItemPlan:
     # `GiftConfig.intra_node_format`, carried for the same reason: the precision of the
     # two-level exchange's collectives inside the node
     intra_node_format: str = NATIVE_NODE_FORMAT
+    # GIFT's own sync sends this gradient (a plain module's `_GiftSync`, traced): no framework
+    # decides the graph's collectives, so the FX pass makes every rank agree on the graph's
+    # plans before its first exchange (`agreement.agree_plans`), as the eager calls do
+    own_sync: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.groups, int) or isinstance(self.groups, bool) or self.groups < 1:
@@ -142,7 +146,7 @@ class ItemPlan:
 
     def as_dict(self) -> dict:
         """The fields as plain data, `groups` left out at its default 1, `ranks_per_node` at
-        None and `intra_node_format` at native: plan strings and
+        None, `intra_node_format` at native and `own_sync` at False: plan strings and
         descriptions exchanged between ranks, stored in checkpoints and compared by golden tests
         read exactly as before grouped items existed (`from_str`/`__init__` default it back)."""
         d = dataclasses.asdict(self)
@@ -152,6 +156,8 @@ class ItemPlan:
             del d["ranks_per_node"]
         if self.intra_node_format == NATIVE_NODE_FORMAT:
             del d["intra_node_format"]
+        if not self.own_sync:
+            del d["own_sync"]
         return d
 
     def to_str(self) -> str:

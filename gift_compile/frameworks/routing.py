@@ -111,6 +111,8 @@ def _routed_weight(module: nn.Module, w: torch.Tensor) -> torch.Tensor:
     if module._gift_group_name is None:
         return on_local_block(w, lambda block: _GiftTag.apply(block, plan, *tensors))
     pending = layer.pending if layer.mode is not SyncMode.SYNC else None
+    if traced:  # GIFT's own collective: the graph's ranks agree on its plans (`ItemPlan.own_sync`)
+        plan = layer.traced_sync_plan_str
     return _GiftSync.apply(w, plan, module._gift_group_name, gstate.config.reduce_op, layer.mode, pending, *tensors)
 
 

@@ -45,6 +45,11 @@ FactorSource = Callable[[str], "torch.Tensor | RowShard | None"]
 _MAX_HADAMARD_BLOCK = 1024
 # the maps' default arithmetic (`GiftConfig.map_precision`): the fixed-order fp32 map everywhere
 EXACT = MapPrecision.EXACT
+# The least fraction of a gradient a low-rank map may keep along any direction (`LowRank.fp32_problem`):
+# 2^-16 keeps 8 of fp32's 24 bits of the coefficient stored next to -1. The default damping
+# (1e-3) stays far above it: a top eigenvalue is at most d_in times the mean one, so its
+# coefficients stay above 2^-12 on layers of up to 16k inputs.
+MIN_WEAKEST = 2.0 ** -16
 
 
 def hadamard_block(d_in: int) -> int:
@@ -161,6 +166,18 @@ class Geometry:
     @torch.no_grad()
     def activate(self) -> None:
         """Undo `set_identity` for a fixed map (adaptive maps are rebuilt by `refresh_from`)."""
+
+    def fp32_problem(self) -> str | None:
+        """Why the map's finite tensors still cannot carry a gradient in fp32, or None.
+
+        A refresh checks this after the tensors' finiteness (`RefreshEngine._build_map`) and
+        retries a larger damping when it names a problem: a damping so small that the map is
+        singular in fp32 would otherwise turn every gradient into rounding noise times the
+        inverse's gain, and the collectives would blame the gradients (NaN/Inf once the
+        weights blew up). None here: the identity and the orthonormal map keep every
+        direction, and the dense and diagonal maps (one matmul or one scale, no coefficient
+        stored next to -1) are judged by their tensors' finiteness alone."""
+        return None
 
     # ---- statistics and refresh ----------------------------------------------------------
     @classmethod
@@ -412,6 +429,19 @@ class LowRank(Geometry):
     def set_identity(self) -> None:
         dinv, v, cf, ci, dsq = self.tensors
         dinv.fill_(1.0), v.zero_(), cf.zero_(), ci.zero_(), dsq.fill_(1.0)
+
+    def fp32_problem(self) -> str | None:
+        """The forward map scales each direction `v_k` by `1 + c_k = (1 + s_k^2)^{-1/2}`, stored
+        as `c_k` next to -1: in fp32 that keeps `24 - log2(1 + s_k^2) / 2` bits, none once
+        `s_k^2` passes 2^48 (the map then annihilates `v_k`, and the inverse multiplies what
+        rounding left there by `(1 + s_k^2)^{1/2}`). A problem below `MIN_WEAKEST` (8 bits
+        kept): the factor's top eigenvalue is then over 2^32 times its damped residual."""
+        weakest = float((1.0 + self.tensors[2]).min()) if self.tensors[2].numel() else 1.0
+        if weakest >= MIN_WEAKEST:
+            return None
+        return (f"the map is singular in fp32: along its strongest direction it keeps {weakest:.3g} of the "
+                f"gradient (under {MIN_WEAKEST:g}, i.e. fewer than 8 of fp32's bits; the factor's top eigenvalue "
+                "is too many times its damped residual)")
 
     @classmethod
     def make_statistics(cls, settings: StatisticsSettings, d_in: int, device: torch.device | str) -> Statistics | None:

@@ -57,8 +57,9 @@ class KernelFormat:
     `kind` (E2M1 / integer / int2 / ternary), `bits` per code (0 for ternary's base-3 digits),
     `per` codes per word and `per_p2` its next power of two (the tile's digit axis), `nbytes`
     per word (1, or 3 for 3- and 6-bit codes), `imax` the largest integer magnitude (the
-    integer formats' threshold count), `block` the scale block, `mean_abs_factor` the
-    multiplier of a mean-|x| statistic over the fp64 block sum (None for amax), `inv_level`
+    integer formats' threshold count), `block` the scale block, `mean_abs_step` the
+    multiplier of a mean-|x| statistic (`(fp64 block sum * step) / real values`; None for
+    amax), `inv_level`
     the fp32 multiplier mapping a statistic onto the grid level (1.0 where the level is 1).
     """
 
@@ -70,7 +71,7 @@ class KernelFormat:
     nbytes: int
     imax: int
     block: int
-    mean_abs_factor: float | None
+    mean_abs_step: float | None
     inv_level: float
 
 
@@ -83,14 +84,12 @@ def kernel_format(spec: FormatSpec) -> KernelFormat:
     per, nbytes = fam.grid.word_layout()
     block = spec.block
     assert block is not None
-    factor = None
-    if fam.mean_abs_step is not None:
-        factor = fam.mean_abs_step / block
-        # the kernel multiplies an fp64 sum by this constant, which Triton carries as fp32:
-        # exact for the block lengths (powers of two) and multipliers the codec has
-        assert _as_fp32(factor) == factor, factor
+    step = fam.mean_abs_step
+    # the kernel multiplies an fp64 sum by this constant, which Triton carries as fp32: exact
+    # for the steps the codec has (0.625, 1.5)
+    assert step is None or _as_fp32(step) == step, step
     return KernelFormat(spec.name, _KIND[type(fam.grid)], fam.grid.bits, per, _next_pow2(per), nbytes,
-                        fam.grid.imax, block, factor, 1.0 / fam.level)
+                        fam.grid.imax, block, step, 1.0 / fam.level)
 
 
 def _as_fp32(x: float) -> float:

@@ -95,8 +95,8 @@ def block_stat(x: torch.Tensor, fmt: str, block_size: int) -> torch.Tensor:
     if stat.numel():
         tile = min(_next_pow2(nb), max(1, ELEMENTS_PER_PROGRAM // f.block))
         wrap_triton(k.block_stat_kernel)[(rows, triton.cdiv(nb, tile))](
-            x, stat, cols, nb, x.stride(0), FACTOR=f.mean_abs_factor or 0.0,
-            MEAN_ABS=f.mean_abs_factor is not None, BLOCK=f.block, TILE=tile)
+            x, stat, cols, nb, x.stride(0), STEP=f.mean_abs_step or 0.0,
+            MEAN_ABS=f.mean_abs_step is not None, BLOCK=f.block, TILE=tile)
     return stat
 
 
@@ -336,7 +336,7 @@ def lowrank_block_stat(g: torch.Tensor, p: torch.Tensor, dinv: torch.Tensor, coe
         bm, bn = _EXPAND_TILE
         wrap_triton(k.lowrank_block_stat_kernel)[(triton.cdiv(rows, bm), triton.cdiv(cols, bn))](
             g.contiguous(), p.contiguous(), dinv, coef, basis, dsq, stat, rows, cols, basis.shape[1], nb,
-            FACTOR=f.mean_abs_factor or 0.0, MEAN_ABS=f.mean_abs_factor is not None, BLOCK=f.block, BM=bm, BN=bn,
+            STEP=f.mean_abs_step or 0.0, MEAN_ABS=f.mean_abs_step is not None, BLOCK=f.block, BM=bm, BN=bn,
             BR=_rank_tile(basis.shape[1]), PRECISION=precision)
     return stat
 

@@ -90,15 +90,24 @@ def _e4m3_code(v):
 
 
 @triton.jit
-def _block_stat(a, AXIS: tl.constexpr, FACTOR: tl.constexpr, MEAN_ABS: tl.constexpr):
+def _block_count(b, cols, BLOCK: tl.constexpr):
+    """fp64 count of real values in blocks `b` of a row of `cols` columns: BLOCK, fewer in a
+    ragged row's last block, at least 1 (a block past the row is masked out by the caller)."""
+    return tl.minimum(tl.maximum(cols - b * BLOCK, 1), BLOCK).to(tl.float64)
+
+
+@triton.jit
+def _block_stat(a, count, AXIS: tl.constexpr, STEP: tl.constexpr, MEAN_ABS: tl.constexpr):
     """The statistic of each block of `|x|` values `a`, the blocks along axis AXIS: amax, or
-    FACTOR * sum summed in fp64 (`codec.scales._mean_abs`); +inf for a block holding NaN/Inf
-    (its non-finite values are left out of the sum or max, whose result the +inf replaces)."""
+    `(sum * STEP) / count` with the sum in fp64 and `count` the block's real values
+    (`_block_count`, shaped like the result; `codec.scales._mean_abs`); +inf for a block
+    holding NaN/Inf (its non-finite values are left out of the sum or max, whose result the
+    +inf replaces). Padding reads as 0, so the sum and max are the real values' own."""
     fin = _is_finite(a)
     bad = tl.min(fin.to(tl.int32), axis=AXIS) == 0
     ok = tl.where(fin, a, 0.0)
     if MEAN_ABS:
-        m = tl.sum(ok.to(tl.float64), axis=AXIS) * FACTOR
+        m = tl.sum(ok.to(tl.float64), axis=AXIS) * STEP / count
         s = tl.minimum(m, FP32_MAX).to(tl.float32)
     else:
         s = tl.max(ok, axis=AXIS)
@@ -107,13 +116,14 @@ def _block_stat(a, AXIS: tl.constexpr, FACTOR: tl.constexpr, MEAN_ABS: tl.conste
 
 @triton.jit
 def block_stat_kernel(x_ptr, stat_ptr, cols, nblocks, row_stride,
-                      FACTOR: tl.constexpr, MEAN_ABS: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr):
+                      STEP: tl.constexpr, MEAN_ABS: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr):
     """Per-block statistic `stat[row, b]` (fp32, `_block_stat`) of one row's `TILE` blocks."""
     row = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1) * TILE + tl.arange(0, TILE)
     j = b[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     a = tl.abs(tl.load(x_ptr + row * row_stride + j, mask=(j < cols) & (b < nblocks)[:, None], other=0.0))
-    tl.store(stat_ptr + row * nblocks + b, _block_stat(a, 1, FACTOR, MEAN_ABS), mask=b < nblocks)
+    s = _block_stat(a, _block_count(b, cols, BLOCK), 1, STEP, MEAN_ABS)
+    tl.store(stat_ptr + row * nblocks + b, s, mask=b < nblocks)
 
 
 @triton.jit
@@ -380,7 +390,7 @@ def lowrank_expand_kernel(g_ptr, p_ptr, dinv_ptr, coef_ptr, basis_ptr, dsq_ptr, 
 
 @triton.jit
 def lowrank_block_stat_kernel(g_ptr, p_ptr, dinv_ptr, coef_ptr, basis_ptr, dsq_ptr, stat_ptr, rows, cols, rank,
-                              nblocks, FACTOR: tl.constexpr, MEAN_ABS: tl.constexpr, BLOCK: tl.constexpr,
+                              nblocks, STEP: tl.constexpr, MEAN_ABS: tl.constexpr, BLOCK: tl.constexpr,
                               BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, PRECISION: tl.constexpr):
     """`block_stat_kernel` of the low-rank map's expansion, computed in the tile
     (`_expand_tile`) and never written: the `[BM, BN]` tile's `BN / BLOCK` blocks of each row
@@ -389,8 +399,9 @@ def lowrank_block_stat_kernel(g_ptr, p_ptr, dinv_ptr, coef_ptr, basis_ptr, dsq_p
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     y = _expand_tile(g_ptr, p_ptr, dinv_ptr, coef_ptr, basis_ptr, dsq_ptr, m, n, rows, cols, rank, BM, BN, BR,
                      PRECISION)
-    s = _block_stat(tl.reshape(tl.abs(y), [BM, BN // BLOCK, BLOCK]), 2, FACTOR, MEAN_ABS)
     b = tl.program_id(1) * (BN // BLOCK) + tl.arange(0, BN // BLOCK)
+    s = _block_stat(tl.reshape(tl.abs(y), [BM, BN // BLOCK, BLOCK]), _block_count(b, cols, BLOCK)[None, :], 2, STEP,
+                    MEAN_ABS)
     tl.store(stat_ptr + m[:, None].to(tl.int64) * nblocks + b[None, :], s,
              mask=(m < rows)[:, None] & (b < nblocks)[None, :])
 

@@ -143,7 +143,8 @@ class LayerState:
     def _replan(self) -> None:
         """The plans of the active path: `plan` (the eager codec's: the identity when not
         selected, so a deselected layer costs no map) and `traced_plan`, which graphs carry
-        (selection independent: the map gated by `path_gate`; one graph for every selection)."""
+        (selection independent: the map gated by `path_gate`; one graph for every selection),
+        as text, and as GIFT's own sync marks it in graphs (`traced_sync_plan_str`)."""
         n = len(self.transform.tensors) if self.selected else 0
         self.plan = replace(self._full_plan, kind=self.active_kind, n_tensors=n)
         self.plan_str = self.plan.to_str()
@@ -152,6 +153,9 @@ class LayerState:
         else:
             self.traced_plan = replace(self._full_plan, n_tensors=len(self.transform.tensors) + 1, gated=True)
         self.traced_plan_str = self.traced_plan.to_str()  # precomputed: the forward passes it to traced code
+        # what a traced backward of GIFT's own sync (`_GiftSync`) marks: the FX pass then makes
+        # the ranks agree on the graph's plans before its first exchange
+        self.traced_sync_plan_str = replace(self.traced_plan, own_sync=True).to_str()
         self.path_gate.fill_(self.selected)
         self.sync_stats_gate()
 

@@ -148,28 +148,35 @@ class RefreshEngine:
     def _build_map(self, name: str, layer: LayerState, build: Callable[[float], None]) -> list[str]:
         """Build `layer`'s map with `build(damping)` at the configured damping, else at the
         larger relative dampings of `RETRY_DAMPING` (logged): a factor too ill-conditioned to
-        decompose (`linalg.cholesky` not positive-definite), or a map that comes out non-finite
-        (a damping floor so small its inverse overflows), gets a usable map instead of failing
+        decompose (`linalg.cholesky` not positive-definite), a map that comes out non-finite
+        (a damping floor so small its inverse overflows), or one singular in fp32
+        (`Geometry.fp32_problem`: it would turn the gradient into rounding noise, which the
+        collectives would then report as the user's NaN/Inf), gets a usable map instead of failing
         on the one rank that owns it. Returns `[]`, or `[why]` when no damping gave one: the
         layer then keeps its previous map and `_raise_together` raises on every rank."""
         kept = tuple(t.clone() for t in layer.transform.tensors)
-        problem = ""
+        problems: list[str] = []  # why each damping tried gave no usable map, in order
         tries = [self.config.damping, *(d for d in RETRY_DAMPING if d > self.config.damping)]
         for damping in tries:
             try:
                 build(damping)
             except RuntimeError as e:  # torch.linalg.LinAlgError is one
-                problem = str(e).splitlines()[0]
+                problems.append(str(e).splitlines()[0])
                 continue
-            if all(bool(torch.isfinite(t).all()) for t in layer.transform.tensors):
-                if damping != self.config.damping:
-                    logger.warning("GIFT refresh at step %d: %s: no usable map at damping=%g (%s); built with "
-                                   "damping=%g", self.steps, name, self.config.damping, problem, damping)
-                return []
-            problem = "the map came out non-finite"
+            if not all(bool(torch.isfinite(t).all()) for t in layer.transform.tensors):
+                problems.append("the map came out non-finite")
+                continue
+            unusable = layer.transform.fp32_problem()
+            if unusable is not None:
+                problems.append(unusable)
+                continue
+            if problems:
+                logger.warning("GIFT refresh at step %d: %s: no usable map at damping=%g (%s); built with "
+                               "damping=%g", self.steps, name, self.config.damping, problems[0], damping)
+            return []
         for dst, src in zip(layer.transform.tensors, kept):
             dst.copy_(src)
-        return [f"{name}: {problem} (damping {self.config.damping:g} up to {tries[-1]:g})"]
+        return [f"{name}: {problems[-1]} (damping {self.config.damping:g} up to {tries[-1]:g})"]
 
     def _raise_together(self, failed: list[str]) -> None:
         """Raise the same error on every rank when any rank could not build a map it owns
