@@ -287,7 +287,8 @@ def test_recipes_expand_in_toml_and_on_the_command_line(tmp_path: Path) -> None:
     path = _write(tmp_path, base.replace('recipe = "adamw-int3"', 'recipe = "adamw-int3"\nblock_size = 16'))
     assert gift_of(build_plan(path, [], None)).block_size == 16
     cli = gift_of(build_plan(path, ["--gift.recipe", "muon-int2-leaky-ef"], None))
-    assert (cli.format, cli.block_size, cli.error_feedback, cli.error_feedback_decay) == ("int2", 16, True, 0.9)
+    assert (cli.format, cli.block_size, cli.error_feedback, cli.error_feedback_decay, cli.block_rotation) == (
+        "int2", 32, True, 0.9, True)
     flag = gift_of(build_plan(path, ["--gift.recipe=muon-int2-leaky-ef", "--gift.error-feedback-decay", "0.5"], None))
     assert flag.error_feedback_decay == 0.5
     with pytest.raises(ValueError, match="no recipe named 'muon-int1'.*known: muon-nvfp4"):
