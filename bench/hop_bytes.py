@@ -396,6 +396,9 @@ def table(d: dict[str, Any]) -> str:
                   "in flat); the FSDP2 trainer's embedding and head ride in GIFT's buckets at fp32 and split in two "
                   "levels with the rest. The flat run does not depend on the layout (one launch per "
                   "trainer). Every launch's exact command is in hop_bytes.json.", "", *_titan_table(t), ""]
+        lines += ["What each launch logged about its exchange (rank 0's apply report or rewrite log):", "",
+                  *(f"- {r['trainer']}, {r['layout']}, {r['arm']}: {'; '.join(r.get('report') or ['(nothing)'])}"
+                    for r in t["runs"]), ""]
         done = {(r["trainer"], r["layout"], r["arm"]) for r in t["runs"] if r["steps"]}
         missing = [", ".join(launch[:3]) for launch in titan_launches() if launch[:3] not in done]
         if missing:
