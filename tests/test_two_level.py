@@ -689,17 +689,48 @@ def test_checkpoints_record_the_node_layout_and_refuse_its_residuals_elsewhere()
 
 def test_the_committed_hop_byte_table_is_what_its_measurement_renders():
     """bench/results/hop_bytes.md is `bench.hop_bytes.table` of the committed hop_bytes.json
-    (regenerated, never typed), and in it two levels halve a reduce-scatter's bytes across
-    nodes (g = 2) while bf16 inside the node halves the bytes inside it."""
+    (regenerated, never typed); in it, on 8 ranks as 2 nodes x 4 and 4 nodes x 2, every eager
+    row's counted bytes per hop equal the accounting, two levels cut a reduce-scatter's bytes
+    across nodes to exactly 1/g of flat's while bf16 inside the node halves the bytes inside it;
+    and each torchtitan launch that ran logged node + cross = accounted at every step, its
+    two-level runs at 1/g of the flat run's cross-node bytes."""
     import json
 
     from bench import hop_bytes
 
     d = json.loads(hop_bytes.OUT.read_text())
     assert hop_bytes.TABLE.read_text() == hop_bytes.table(d)
-    one, two, bf16 = (d["arms"][a]["one bucket, reduce_scatter (sync_buffer)"] for a in hop_bytes.ARMS)
-    assert two["cross"] * 2 == one["cross"] and bf16["cross"] == two["cross"]
-    assert (two["node"] - 16) == 2 * (bf16["node"] - 16)  # less the 16-byte header all_gather
+    assert set(d["eager"]["layouts"]) == set(hop_bytes.LAYOUTS)
+    for name, layout in d["eager"]["layouts"].items():
+        g = layout["ranks_per_node"]
+        assert g == hop_bytes.LAYOUTS[name] and list(layout["arms"]) == list(hop_bytes.ARMS)
+        for arm, rows in layout["arms"].items():
+            for path, r in rows.items():
+                assert [r["node"], r["cross"]] == r["accounted"], (name, arm, path)
+        flat, two, bf16 = (layout["arms"][a] for a in hop_bytes.ARMS)
+        for path in ("one bucket, reduce_scatter (sync_buffer)", "FSDP2"):
+            assert two[path]["cross"] * g == flat[path]["cross"] and bf16[path]["cross"] == two[path]["cross"], path
+            assert flat[path]["node"] == 0 and two[path]["node"] > 0, path
+        one = "one bucket, reduce_scatter (sync_buffer)"
+        assert (two[one]["node"] - 16) == 2 * (bf16[one]["node"] - 16)  # less the 16-byte header all_gather
+    runs = d["torchtitan"]["runs"]
+    assert runs, "no torchtitan launch recorded"
+    flat_cross = {r["trainer"]: r["steps"][-1]["cross"] for r in runs if r["arm"] == "flat" and r["steps"]}
+    for r in runs:
+        assert r["returncode"] == 0 and len(r["steps"]) == d["torchtitan"]["steps"], (r["command"], r.get("error"))
+        assert r["command"].startswith("python -m torch.distributed.run") and "--nproc-per-node=8" in r["command"]
+        assert f"--gift.ranks-per-node={r['ranks_per_node']}" in r["command"]
+        for s in r["steps"]:
+            assert s["node"] + s["cross"] == s["wire"] == s["accounted"], (r["trainer"], r["layout"], s)
+        g = r["ranks_per_node"]
+        if g and r["trainer"] in flat_cross:
+            assert r["steps"][-1]["node"] > 0
+            assert abs(r["steps"][-1]["cross"] * g / flat_cross[r["trainer"]] - 1) < 0.01, (r["trainer"], g)
+    native = {(r["trainer"], r["layout"]): r["steps"][-1] for r in runs if r["arm"] == "two levels"}
+    for r in runs:  # bf16 inside the node: about half the node's bytes, the same across nodes
+        if r["arm"] == "two levels, bf16 in node" and (r["trainer"], r["layout"]) in native:
+            two, last = native[r["trainer"], r["layout"]], r["steps"][-1]
+            assert last["cross"] == two["cross"] and abs(2 * last["node"] / two["node"] - 1) < 0.01, r["command"]
 
 
 def _traced(rank: int, world: int) -> dict:
