@@ -188,7 +188,9 @@ def ranks(files: tuple[Path, ...] = RANKS_FILES, optimizer: str = "muon",
     The defaults under the priced cost side (`PRICED_ARM`, from `priced`) take the former
     defaults' 2-rank runs where their seed-0 run at 2 ranks reproduced the former one's losses bit
     for bit (the same layers chosen: both rules keep all 28 at 512 tokens per rank), else their
-    own; `layers` lists every rank count either rule was run at, with the layers it transformed."""
+    own; `layers` lists every rank count either rule was run at, with the layers it transformed,
+    and `versus_euclid` each rule's defaults minus Euclidean int2 at the same rank count (paired,
+    Holm over those rows)."""
     by: dict[tuple[int, str], dict[int, float]] = defaultdict(dict)
     selected: dict[tuple[int, str], list[float]] = defaultdict(list)
     losses: dict[tuple[int, str], list[float]] = {}
@@ -209,6 +211,19 @@ def ranks(files: tuple[Path, ...] = RANKS_FILES, optimizer: str = "muon",
         selected[(2, PRICED_ARM)] = selected[(2, "gift-int2-dflt")]
     layers = [{"arm": arm, "world": w, "n": len(v), "selected": statistics.fmean(v)}
               for (w, arm), v in sorted(selected.items()) if arm in ("gift-int2-dflt", PRICED_ARM)]
+    # each rule's defaults against Euclidean int2 at the same rank count, paired by seed: what a
+    # user on that many ranks gets from the defaults (needs no 2-rank run)
+    versus = []
+    for arm in ("gift-int2-dflt", PRICED_ARM):
+        for world in (2, 4, 8):
+            seeds = sorted(set(by[(world, arm)]) & set(by[(world, "euclid-int2")]) & set(by[(world, "fp32")]))
+            if len(seeds) >= 2:
+                versus.append({"arm": arm, "world": world, "seeds": seeds,
+                               "gap": paired([by[(world, arm)][s] - by[(world, "fp32")][s] for s in seeds]).as_dict(),
+                               "minus_euclid": paired([by[(world, arm)][s] - by[(world, "euclid-int2")][s]
+                                                       for s in seeds]).as_dict()})
+    for row, rejected in zip(versus, holm([v["minus_euclid"]["p"] for v in versus])):
+        row["resolved_holm"] = rejected
     rows = []
     for arm in RANKS_ARMS:
         seeds = sorted(set.intersection(*(set(by[(w, a)]) for w in (2, 4) for a in (arm, "fp32"))))
@@ -221,7 +236,8 @@ def ranks(files: tuple[Path, ...] = RANKS_FILES, optimizer: str = "muon",
                      "selected4": statistics.fmean(selected[(4, arm)]) if selected[(4, arm)] else None})
     for row, rejected in zip(rows, holm([r["change"]["p"] for r in rows])):
         row["change_resolved_holm"] = rejected
-    return {"optimizer": optimizer, "arms": rows, "layers": layers, "priced_reuses_two_rank_runs": reused,
+    return {"optimizer": optimizer, "arms": rows, "layers": layers, "versus_euclid": versus,
+            "priced_reuses_two_rank_runs": reused,
             "command": RANKS_COMMAND}
 
 

@@ -168,6 +168,14 @@ def _frontier_ranks(r: dict | None) -> list[str]:
                   "run at 2 ranks having reproduced them bit for bit" if r.get("priced_reuses_two_rank_runs") else "")
                   + ": " + "; ".join(f"{x['arm']} at {x['world']} ranks {x['selected']:.0f} (n={x['n']})"
                                      for x in r["layers"]) + "."]
+    if r.get("versus_euclid"):
+        lines += ["", "The defaults against Euclidean int2 at the same rank count (paired by seed, mean ± t 95% CI, "
+                  "Holm over these rows):", "", "| arm | ranks | gap to fp32 | minus Euclidean | resolved (Holm 5%) |",
+                  "|---|---|---|---|---|"]
+        for v in r["versus_euclid"]:
+            d = v["minus_euclid"]
+            verdict = ("yes, better" if d["mean"] < 0 else "yes, worse") if v["resolved_holm"] else "no"
+            lines.append(f"| {v['arm']} | {v['world']} | {cell(v['gap'])} | {cell(d)} | {verdict} (n={d['n']}) |")
     return lines
 
 

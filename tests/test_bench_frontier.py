@@ -99,6 +99,7 @@ def test_the_priced_defaults_reuse_two_rank_runs_only_where_seed_0_reproduced_th
         before.append({**_run("muon", "gift-int2-dflt", seed, 2.72 + 0.001 * seed), "world": 2, "selected_layers": 28})
         before.append({**_run("muon", "gift-int2-dflt", seed, 2.62 + 0.003 * seed), "world": 4, "selected_layers": 0})
         after.append({**_run("muon", "gift-int2-dflt", seed, 2.61 + 0.0015 * seed), "world": 4, "selected_layers": 28})
+        before.append({**_run("muon", "euclid-int2", seed, 2.62 + 0.003 * seed), "world": 4, "selected_layers": 0})
     same = {**_run("muon", "gift-int2-dflt", 0, 2.72), "world": 2, "selected_layers": 28}
     f, g = tmp_path / "before.jsonl", tmp_path / "after.jsonl"
     f.write_text("\n".join(json.dumps(r) for r in before) + "\n")
@@ -114,6 +115,10 @@ def test_the_priced_defaults_reuse_two_rank_runs_only_where_seed_0_reproduced_th
     priced, former = rows[frontier.PRICED_ARM], rows["gift-int2-dflt"]
     assert priced["gap2"] == former["gap2"] and priced["selected4"] == 28 and former["selected4"] == 0
     assert priced["gap4"]["mean"] == pytest.approx(0.01 + 0.0005)
+    versus = {(v["arm"], v["world"]): v for v in out["versus_euclid"]}
+    assert set(versus) == {("gift-int2-dflt", 4), (frontier.PRICED_ARM, 4)}  # no Euclidean run at 2 ranks
+    assert versus[("gift-int2-dflt", 4)]["minus_euclid"]["mean"] == pytest.approx(0.0)
+    assert versus[(frontier.PRICED_ARM, 4)]["minus_euclid"]["mean"] == pytest.approx(-0.01 - 0.0015)
     assert {(x["arm"], x["world"]): x["selected"] for x in out["layers"]} == {
         ("gift-int2-dflt", 2): 28, ("gift-int2-dflt", 4): 0, (frontier.PRICED_ARM, 2): 28, (frontier.PRICED_ARM, 4): 28}
 
