@@ -148,9 +148,6 @@ def _frontier_ranks(r: dict | None) -> list[str]:
     if not r or not r["arms"]:
         return []
 
-    def cell(g: dict) -> str:
-        return f"{g['mean']:+.4f} ± {g['ci95']:.4f}"
-
     def kept(v: float | None) -> str:
         return "" if v is None else f" ({v:.0f} layers transformed)"
 
@@ -159,8 +156,8 @@ def _frontier_ranks(r: dict | None) -> list[str]:
              f"`{r['command']}`):", "",
              "| arm | 2 ranks | 4 ranks | change | resolved (Holm 5%) |", "|---|---|---|---|---|"]
     for a in r["arms"]:
-        lines.append(f"| {a['arm']} | {cell(a['gap2'])}{kept(a['selected2'])} | {cell(a['gap4'])}{kept(a['selected4'])} "
-                     f"| {cell(a['change'])} | {'yes' if a['change_resolved_holm'] else 'no'} (n={a['change']['n']}) |")
+        lines.append(f"| {a['arm']} | {_cell(a['gap2'])}{kept(a['selected2'])} | {_cell(a['gap4'])}{kept(a['selected4'])} "
+                     f"| {_cell(a['change'])} | {'yes' if a['change_resolved_holm'] else 'no'} (n={a['change']['n']}) |")
     if r.get("layers"):
         lines += ["", "Layers the defaults transform (of 28), by rank count: `gift-int2-dflt` under the former "
                   "FLOPs-only cost side, `gift-int2-dflt-priced` under the cost side priced against the layer's step "
@@ -175,7 +172,7 @@ def _frontier_ranks(r: dict | None) -> list[str]:
         for v in r["versus_euclid"]:
             d = v["minus_euclid"]
             verdict = ("yes, better" if d["mean"] < 0 else "yes, worse") if v["resolved_holm"] else "no"
-            lines.append(f"| {v['arm']} | {v['world']} | {cell(v['gap'])} | {cell(d)} | {verdict} (n={d['n']}) |")
+            lines.append(f"| {v['arm']} | {v['world']} | {_cell(v['gap'])} | {_cell(d)} | {verdict} (n={d['n']}) |")
     return lines
 
 
@@ -183,9 +180,6 @@ def _frontier_techniques(t: dict | None) -> list[str]:
     """Techniques at 2 bits (`bench.frontier.techniques`): each against the arm it modifies."""
     if not t or not t["arms"]:
         return []
-
-    def cell(g: dict) -> str:
-        return f"{g['mean']:+.4f} ± {g['ci95']:.4f}"
 
     lines = ["", f"Techniques at 2 bits ({t['optimizer']}; change = the arm with the technique minus the arm without, "
              "paired by seed, mean ± t 95% CI, Holm over the techniques' arms; kept where resolved and negative; gap "
@@ -196,8 +190,8 @@ def _frontier_techniques(t: dict | None) -> list[str]:
     for a in t["arms"]:
         verdict = "**within**" if a["within"] else "outside"
         lines.append(f"| {a['technique']} | {a['arm']} | {a['bits_managed']:.3f} ({a['base_bits_managed']:.3f}) | "
-                     f"{cell(a['change'])} | {'yes, kept' if a['kept'] else 'yes, worse' if a['change_resolved_holm'] else 'no'}"
-                     f" (n={a['change']['n']}) | {cell(a['gap'])} ({a['upper_adjusted']:+.4f}) {verdict} |")
+                     f"{_cell(a['change'])} | {'yes, kept' if a['kept'] else 'yes, worse' if a['change_resolved_holm'] else 'no'}"
+                     f" (n={a['change']['n']}) | {_cell(a['gap'])} ({a['upper_adjusted']:+.4f}) {verdict} |")
     return lines
 
 

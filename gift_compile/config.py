@@ -444,12 +444,11 @@ class GiftConfig:
             _fail("error_feedback_decay", self.error_feedback_decay,
                   "1.0 unless error_feedback or second_hop_error_feedback is on (it decays their residuals)")
         self._validate_layer_formats()
-        if self.stochastic_rounding and self.format == "fp32" and all(
-                e.partition("=")[2] == "fp32" for e in self.layer_formats):
+        sent = {self.format, *(e.partition("=")[2] for e in self.layer_formats)}  # every layer's format
+        if self.stochastic_rounding and sent == {"fp32"}:
             _fail("stochastic_rounding", self.stochastic_rounding,
                   "false when every layer is sent at fp32: an fp32 wire is exact, there is nothing to round")
-        if self.block_rotation and any(FormatSpec(f, self.scaling, self.block_size).block is None
-                                       for f in (self.format, *(e.partition("=")[2] for e in self.layer_formats))):
+        if self.block_rotation and any(FormatSpec(f, self.scaling, self.block_size).block is None for f in sent):
             _fail("block_rotation", self.block_rotation,
                   f"false for format={self.format!r} with scaling={self.scaling!r}: the rotation runs inside "
                   "a scale block, and this format has no blocks (a block-scaled format, or fp8 with "

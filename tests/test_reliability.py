@@ -23,6 +23,17 @@ FAST = 300  # seconds: a hang fails the test quickly
 CFG = dict(format="fp8_e4m3", geometry="lowrank", min_numel=1024, rank=8, refresh_every=2, select="all", exclude=())
 
 
+def _gift_log() -> list[str]:
+    """The messages gift_compile logs from now on in this (rank) process, as a list that grows."""
+    import logging
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda rec: records.append(rec.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("gift_compile").addHandler(handler)
+    return records
+
+
 class _PoisonGrad(torch.autograd.Function):
     """Identity whose backward turns the gradient into NaN when `poison` (one rank's fault)."""
 
@@ -424,12 +435,7 @@ def test_autograd_grad_of_an_unmanaged_parameter_raises_instead_of_returning_zer
 
 
 def _refresh_body(rank: int, world: int, case: str) -> dict:
-    import logging
-
-    records: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda rec: records.append(rec.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("gift_compile").addHandler(handler)
+    records = _gift_log()
     model = NormNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     geometry, damping = {"dense": ("dense", 1e-8), "broken": ("dense", 1e-3)}[case]
@@ -570,12 +576,7 @@ def test_eval_mode_forwards_with_grad_enabled_feed_no_statistics():
 
 
 def _silent_precision_body(rank: int, world: int) -> dict:
-    import logging
-
-    records: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda rec: records.append(rec.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("gift_compile").addHandler(handler)
+    records = _gift_log()
     out: dict = {}
     # fp8 block scaling whose block is longer than the layers' rows
     model = NormNet()
@@ -757,12 +758,7 @@ def test_compiled_ranks_running_other_managed_layers_raise_in_the_backward_on_ev
 def _tiny_damping_body(rank: int, world: int) -> dict:
     """`geometry="lowrank"`, `damping=1e-30` on inputs of scale 1e-6: four eager steps, what each
     did, the refresh's log and whether the replicas agree."""
-    import logging
-
-    records: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda rec: records.append(rec.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("gift_compile").addHandler(handler)
+    records = _gift_log()
     model = NormNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     gift_compile.apply(model, GiftConfig(**{**CFG, "damping": 1e-30, "refresh_every": 1}), optimizer=opt, fuse=False)

@@ -141,7 +141,7 @@ def _stochastic_bf16(x2: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     carried past bf16's largest is saturated by the caller, +-inf is unchanged."""
     bits = x2.contiguous().view(torch.int32)
     dither = (u * 65536.0).to(torch.int32)  # in [0, 65535]: u < 1 with 24-bit resolution
-    rounded = ((bits.to(torch.int64) + dither) & 0xFFFF0000).to(torch.int64)
+    rounded = (bits.to(torch.int64) + dither) & 0xFFFF0000
     # back to the int32 bit pattern (values >= 2^31 are the negative numbers' patterns)
     rounded = torch.where(rounded >= 2**31, rounded - 2**32, rounded).to(torch.int32).view(torch.float32)
     keep = ~torch.isfinite(x2)
