@@ -12,7 +12,8 @@ collectives have run, so the worker's release is never the last one.
 
 The same release can come from collectives this package does not own (the trainer's metric
 reductions, FSDP2's, a process group that outlives ``destroy_process_group`` because a device
-mesh or a GIFT state still references it). A process whose distributed work is finished and
+mesh or the trainer still references it; GIFT's own objects hold groups by name,
+:class:`GroupByName`). A process whose distributed work is finished and
 whose output is flushed therefore leaves through :func:`exit_without_finalization`, which
 skips interpreter finalization and with it the race (seen in 2 of 4 four-rank HSDP runs
 under CI load, and in the convergence workers).
@@ -29,8 +30,8 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather_object_", "all_reduce_", "broadcast_", "exit_without_finalization", "group_rank",
-           "process_group", "reduce_", "world_size"]
+__all__ = ["GroupByName", "all_gather_object_", "all_reduce_", "broadcast_", "exit_without_finalization",
+           "group_rank", "process_group", "reduce_", "world_size"]
 
 # The most recent communicated tensors (see the module docstring). Bounded so at most a few
 # refresh buffers outlive their use.
@@ -42,6 +43,38 @@ def process_group(group: dist.ProcessGroup | str) -> dist.ProcessGroup:
     group (functional collectives take names), eager code holds the object, and plans carry the
     name; this is the one place that turns a name back into the group."""
     return dist.distributed_c10d._resolve_process_group(group) if isinstance(group, str) else group
+
+
+class GroupByName:
+    """A process-group attribute kept as the group's registered name, resolved on each read.
+
+    A `ProcessGroup` object referenced from Python outlives `destroy_process_group`, and with
+    it gloo's worker and transport threads: they keep running into interpreter finalization,
+    where a worker that drops a collective's last tensor reference cannot take the GIL and the
+    process aborts ("terminate called without an active exception") after the job has finished. GIFT's states live as long as the model, so they hold no group object:
+    `destroy_process_group` then really ends the group's threads. Reading the attribute after
+    the group was destroyed raises, naming the group (it is used only where the group must
+    still exist). Traced code reads group names, never this attribute.
+    """
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+        self.slot = f"_{name}_name"
+
+    def __get__(self, obj: object, owner: type | None = None) -> dist.ProcessGroup | None:
+        if obj is None:
+            return self  # type: ignore[return-value]  # the class attribute itself
+        name = getattr(obj, self.slot)
+        if name is None:
+            return None
+        try:
+            return process_group(name)
+        except RuntimeError as e:
+            raise RuntimeError(f"GIFT: {type(obj).__name__}.{self.name}: process group {name!r} no longer exists "
+                               "(destroy_process_group was called); GIFT cannot communicate over it") from e
+
+    def __set__(self, obj: object, group: dist.ProcessGroup | str | None) -> None:
+        setattr(obj, self.slot, group if group is None or isinstance(group, str) else group.group_name)
 
 
 def world_size(group: dist.ProcessGroup | None) -> int:

@@ -26,6 +26,7 @@ from gift_compile.frameworks.adapter import attach
 from gift_compile.frameworks.routing import ManageMode, manage, unmanage
 from gift_compile.runtime.health import queue_backward_check
 from gift_compile.runtime.state import GiftState
+from gift_compile.sync import GroupByName
 
 logger = logging.getLogger("gift_compile")
 
@@ -34,6 +35,9 @@ __all__ = ["DDP", "install"]
 
 class _HookState:
     """What the comm hook needs: the GIFT state, parameter names and layers, the group."""
+
+    # held by name, so a destroyed group's threads end with it (`gift_compile.sync.GroupByName`)
+    group = GroupByName()
 
     def __init__(self, state: GiftState, model: nn.Module, group: dist.ProcessGroup, fuse: bool) -> None:
         self.state = state

@@ -67,6 +67,7 @@ from gift_compile.runtime.layer import PROBE_ROWS
 from gift_compile.runtime.selection import relative_error, round_trip
 from gift_compile.runtime.state import GiftState
 from gift_compile.runtime.telemetry import CommTimer
+from gift_compile.sync import GroupByName
 
 __all__ = ["FSDP2", "EuclideanReduceScatter", "GiftReduceScatter", "accounted_bytes", "discarded_gradients",
            "discarding", "euclidean_errors", "install", "shard_group", "uninstall"]
@@ -104,6 +105,9 @@ def discarding() -> bool:
 
 class GiftReduceScatter(ReduceScatter):
     """FSDP2 custom reduce-scatter of one FSDP module (see the module docstring)."""
+
+    # held by name, so a destroyed group's threads end with it (`gift_compile.sync.GroupByName`)
+    over = GroupByName()
 
     def __init__(self, module: FSDPModule, state: GiftState, timer: CommTimer, compiled: bool,
                  over: dist.ProcessGroup | None = None) -> None:

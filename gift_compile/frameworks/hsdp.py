@@ -78,6 +78,7 @@ from gift_compile.frameworks.parts import Parts, model_parts
 from gift_compile.frameworks import simple_fsdp
 from gift_compile.runtime.state import GiftState
 from gift_compile.runtime.telemetry import CommTimer
+from gift_compile.sync import GroupByName
 
 __all__ = ["NAME", "ReplicaAllReduce", "ReplicaHop", "accounted_bytes", "check_replicas_identical", "hop_totals",
            "install", "install_graph", "replica_hop"]
@@ -87,6 +88,9 @@ NAME = "hsdp"  # the replica hop's key in `GiftState.adapters`
 
 class ReplicaHop:
     """The replica group and what the replica hop counted (bytes handed over, calls)."""
+
+    # held by name, so a destroyed group's threads end with it (`gift_compile.sync.GroupByName`)
+    group = GroupByName()
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
         self.group = group

@@ -55,6 +55,7 @@ from gift_compile.frameworks.adapter import attach
 from gift_compile.frameworks.routing import ManageMode, manage
 from gift_compile.runtime.health import queue_backward_check
 from gift_compile.runtime.state import GiftState
+from gift_compile.sync import GroupByName
 
 __all__ = ["ARRIVED_ITEM", "PLAIN", "PlainSync"]
 
@@ -76,6 +77,9 @@ class PlainSync:
     parameters and sends the gradients they accumulated unhooked in a second all-reduce, so
     no parameter that requires a gradient ever stays unsynchronised (logged once per change).
     """
+
+    # held by name, so a destroyed group's threads end with it (`gift_compile.sync.GroupByName`)
+    group = GroupByName()
 
     def __init__(self, model: nn.Module, state: GiftState, group: dist.ProcessGroup) -> None:
         self.model = model

@@ -42,7 +42,7 @@ from gift_compile.runtime.layer import LayerSpec, LayerState, OutsideResidual
 from gift_compile.runtime.refresh import RefreshEngine, RefreshRecord
 from gift_compile.runtime.selection import LayerMeasurement, decide
 from gift_compile.runtime.telemetry import Telemetry
-from gift_compile.sync import all_gather_object_, group_rank, world_size
+from gift_compile.sync import GroupByName, all_gather_object_, group_rank, world_size
 
 
 @dataclass
@@ -121,11 +121,15 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
     the current window, the error-feedback residuals, the gradient probes and the counters.
     """
 
-    __slots__ = ("config", "group", "collective", "layers", "seed", "rank", "counters", "steps", "history",
+    __slots__ = ("config", "_group_name", "collective", "layers", "seed", "rank", "counters", "steps", "history",
                  "grad_source", "_health_seen", "modules", "handles", "active", "sync_mode", "dirty_params",
                  "plan_version", "selection_changes", "_sharing_checked", "adapters", "hop_counters", "backward_watch",
-                 "geometry", "layer_spec", "health_group", "pending_faults", "outside", "substates", "blocks",
+                 "geometry", "layer_spec", "_health_group_name", "pending_faults", "outside", "substates", "blocks",
                  "stepped_by_optimizer", "report", "layout")
+
+    # held by name, so a destroyed group's threads end with it (`gift_compile.sync.GroupByName`)
+    group = GroupByName()
+    health_group = GroupByName()
 
     def __init__(self, config: GiftConfig, group: dist.ProcessGroup | None,
                  collective: Collective | str = Collective.ALL_REDUCE):
@@ -182,7 +186,7 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         # world under pipeline or tensor parallelism, where other ranks run other GIFT states):
         # set by `gift_compile.api.attach_optimizer`, it defers the raise from each check to the
         # optimizer step, where every rank takes part (`gift_compile.runtime.health.check_health_group`).
-        self.health_group: dist.ProcessGroup | None = None
+        self.health_group = None
         self.pending_faults = Faults()
         # Error-feedback residuals of gradients sent outside the layers (`add_outside_residual`).
         self.outside: dict[str, OutsideResidual] = {}
