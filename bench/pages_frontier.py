@@ -110,6 +110,8 @@ def _long(long: dict | None) -> list[str]:
 
 
 def _cell(g: dict) -> str:
+    if g["n"] < 2:
+        return f"{g['mean']:+.4f} (one seed, no CI)"
     return f"{g['mean']:+.4f} ± {g['ci95']:.4f}"
 
 
@@ -171,7 +173,8 @@ def _frontier_ranks(r: dict | None) -> list[str]:
                   "|---|---|---|---|---|"]
         for v in r["versus_euclid"]:
             d = v["minus_euclid"]
-            verdict = ("yes, better" if d["mean"] < 0 else "yes, worse") if v["resolved_holm"] else "no"
+            verdict = (("yes, better" if d["mean"] < 0 else "yes, worse") if v["resolved_holm"]
+                       else "no" if d["n"] >= 2 else "not tested")
             lines.append(f"| {v['arm']} | {v['world']} | {_cell(v['gap'])} | {_cell(d)} | {verdict} (n={d['n']}) |")
     return lines
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from bench import frontier
+from bench import frontier, pages_frontier
 from bench.stats import t_quantile
 
 MANAGED = 1000
@@ -121,6 +121,33 @@ def test_the_priced_defaults_reuse_two_rank_runs_only_where_seed_0_reproduced_th
     assert versus[(frontier.PRICED_ARM, 4)]["minus_euclid"]["mean"] == pytest.approx(-0.01 - 0.0015)
     assert {(x["arm"], x["world"]): x["selected"] for x in out["layers"]} == {
         ("gift-int2-dflt", 2): 28, ("gift-int2-dflt", 4): 0, (frontier.PRICED_ARM, 2): 28, (frontier.PRICED_ARM, 4): 28}
+
+
+def test_a_rank_count_run_on_one_seed_is_shown_without_a_ci_and_stays_out_of_holm(tmp_path):
+    """At 8 ranks the defaults, fp32 and Euclidean int2 may have one seed: the row is listed with
+    its point estimate, is not tested, and does not enlarge the family of the tested rows (a 4-rank
+    difference with p just under 5% stays resolved, as it would alone)."""
+    runs, priced = [], []
+    for seed, spread in enumerate((0.007, -0.007, 0.007, -0.007, 0.0)):  # GIFT minus Euclidean: p = 0.033
+        runs.append({**_run("muon", "fp32", seed, 2.60), "world": 4})
+        runs.append({**_run("muon", "euclid-int2", seed, 2.62), "world": 4})
+        priced.append({**_run("muon", "gift-int2-dflt", seed, 2.61 + spread), "world": 4, "selected_layers": 28})
+    runs += [{**_run("muon", "fp32", 0, 2.50), "world": 8}, {**_run("muon", "euclid-int2", 0, 2.52), "world": 8}]
+    priced.append({**_run("muon", "gift-int2-dflt", 0, 2.515), "world": 8, "selected_layers": 28})
+    f, g = tmp_path / "runs.jsonl", tmp_path / "priced.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in runs) + "\n")
+    g.write_text("\n".join(json.dumps(r) for r in priced) + "\n")
+    versus = {v["world"]: v for v in frontier.ranks((f,), priced=g)["versus_euclid"]}
+    one = versus[8]
+    assert one["seeds"] == [0] and one["minus_euclid"]["n"] == 1 and not one["resolved_holm"]
+    assert one["minus_euclid"]["mean"] == pytest.approx(-0.005)
+    four = versus[4]["minus_euclid"]
+    assert 0.025 < four["p"] < 0.05 and versus[4]["resolved_holm"]  # alone in the family: not held to 2.5%
+    page = "\n".join(pages_frontier._frontier_ranks({**frontier.ranks((f,), priced=g), "arms": [{
+        "arm": "x", "gap2": four, "gap4": four, "change": four, "change_resolved_holm": False,
+        "selected2": None, "selected4": None}]}))
+    assert "| gift-int2-dflt-priced | 8 | +0.0150 (one seed, no CI) | -0.0050 (one seed, no CI) | not tested (n=1) |" \
+        in page, page
 
 
 def test_alternatives_hold_gifts_best_to_the_best_euclidean_arm_at_the_same_bits():
