@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Callable
 
 from bench.fidelity_sweep import ORACLES
-from bench import (delayed_scale, gpu_step_model, kernel_traffic, map_precision, map_precision_arms, pages,
-                   pages_frontier, pages_layouts, pages_selection, report, topology_model)
+from bench import (delayed_scale, exit_stress, gpu_step_model, kernel_traffic, map_precision, map_precision_arms,
+                   pages, pages_frontier, pages_layouts, pages_selection, report, topology_model)
 from bench.formatting import paired_ci, share_closed, signed_pct
 from bench.report_cost import CODEC_PAIR
 from gift_compile.geometry.table import IDENTITY_KIND
@@ -434,7 +434,7 @@ BLOCKS: dict[str, Callable[[dict], str]] = {
     "map_precision_arms": map_precision_arms.block,
     "kernel_traffic": kernel_traffic.block,
     "frontier_headline": pages_frontier.frontier_headline, "selection_churn": pages_selection.selection_churn,
-    "layouts": pages_layouts.layouts, "pays": pays,
+    "layouts": pages_layouts.layouts, "pays": pays, "exit": exit_stress.block,
     "topology_model": topology_model.block, "when_it_pays": topology_model.when_it_pays,
     **{name: pages.torchtitan_run(name) for name in pages.torchtitan_runs()},
 }
@@ -447,7 +447,7 @@ PAGES: dict[str, tuple[str, ...]] = {
                            "topology_model", "hsdp_model",
                            "memory", "second_hop",
                            "convergence", "defaults", "adamw_sweep", "closing", "frontier", "selection_churn", "layouts"),
-    "docs/reliability.md": ("faults", "plan_check", "soak", "tiers", "skips"),
+    "docs/reliability.md": ("faults", "exit", "plan_check", "soak", "tiers", "skips"),
     "docs/design.md": ("formats", "delayed_scale"),
     "docs/torchtitan.md": ("demo", *pages.torchtitan_runs()),
 }
