@@ -51,7 +51,8 @@ class GroupByName:
     A `ProcessGroup` object referenced from Python outlives `destroy_process_group`, and with
     it gloo's worker and transport threads: they keep running into interpreter finalization,
     where a worker that drops a collective's last tensor reference cannot take the GIL and the
-    process aborts ("terminate called without an active exception") after the job has finished. GIFT's states live as long as the model, so they hold no group object:
+    process aborts ("terminate called without an active exception") after the job has finished.
+    GIFT's states live as long as the model, so they hold no group object:
     `destroy_process_group` then really ends the group's threads. Reading the attribute after
     the group was destroyed raises, naming the group (it is used only where the group must
     still exist). Traced code reads group names, never this attribute.

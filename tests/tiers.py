@@ -20,9 +20,9 @@ from __future__ import annotations
 # Every test of these files runs in `make test`, except those `FULL_TESTS` names.
 FAST_FILES: frozenset[str] = frozenset({
     "test_adapters.py", "test_api.py", "test_architecture.py", "test_bench_convergence.py",
-    "test_bench_delayed_scale.py", "test_bench_exit_stress.py", "test_bench_frontier.py", "test_bench_layouts.py", "test_bench_readme.py",
-    "test_bench_smoke.py", "test_bench_stats.py", "test_bench_sweep_adamw.py", "test_ci_requirements.py",
-    "test_codec_minimum.py", "test_collectives.py", "test_config.py", "test_context_parallel.py", "test_corpus.py",
+    "test_bench_delayed_scale.py", "test_bench_exit_stress.py", "test_bench_frontier.py", "test_bench_layouts.py",
+    "test_bench_readme.py", "test_bench_smoke.py", "test_bench_stats.py", "test_bench_sweep_adamw.py",
+    "test_ci_requirements.py", "test_codec_minimum.py", "test_collectives.py", "test_config.py", "test_context_parallel.py", "test_corpus.py",
     "test_data_parallel.py", "test_euclidean_items.py", "test_expert_layers.py", "test_faults.py",
     "test_formats.py", "test_fused_receiver.py", "test_fused_sender.py", "test_geometries.py", "test_geometry.py",
     "test_gpu_check.py", "test_gpu_step_model.py", "test_grouped_items.py", "test_grouped_statistics.py",
