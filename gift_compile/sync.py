@@ -55,12 +55,13 @@ class GroupByName:
     GIFT's states live as long as the model, so they hold no group object:
     `destroy_process_group` then really ends the group's threads. Reading the attribute after
     the group was destroyed raises, naming the group (it is used only where the group must
-    still exist). Traced code reads group names, never this attribute.
+    still exist). The name itself is the public attribute `<attribute>_name` (`group_name` for
+    `group`): plans and traced code read that, without resolving the group.
     """
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
-        self.slot = f"_{name}_name"
+        self.slot = f"{name}_name"
 
     def __get__(self, obj: object, owner: type | None = None) -> dist.ProcessGroup | None:
         if obj is None:

@@ -308,7 +308,7 @@ class EuclideanReduceScatter(GiftReduceScatter):
     def describe(self) -> list[str]:
         """One line per module owning parameters of the group: its mesh, which parameters go
         quantized (and how), which raw."""
-        mesh = "x".join(shard_mesh_dims(self.module, self.over)) or self.over.group_name
+        mesh = "x".join(shard_mesh_dims(self.module, self.over)) or self.over_name
         lines = []
         for module_id, (owner, kind) in self._owners.items():
             whitened = [(name, w) for (m, name), w in self._whitened.items() if m == module_id]

@@ -154,13 +154,13 @@ class ReplicaAllReduce:
             if not self.comm.has_layers:  # no layers: the replica format, their error feedback
                 segments = [seg if seg.plan is None else seg._replace(plan=dataclasses.replace(seg.plan, format=fmt))
                             for seg in segments]
-            return bucket_plan(segments, dtype, world=self.hop.world, group_name=self.hop.group.group_name,
+            return bucket_plan(segments, dtype, world=self.hop.world, group_name=self.hop.group_name,
                                average=self.average, op=Collective.ALL_REDUCE)
         shards = [ItemPlan.passthrough(seg.name, seg.rows * seg.cols, dtype) if seg.plan is None
                   else dataclasses.replace(seg.plan.with_dtype(dtype), rows=seg.rows,
                                            groups=seg.plan.groups // self._shards() if seg.plan.block_maps else 1)
                   for seg in segments]
-        return replica_hop_plan(shards, fmt, self.hop.world, self.hop.group.group_name, self.average)
+        return replica_hop_plan(shards, fmt, self.hop.world, self.hop.group_name, self.average)
 
     def _shards(self) -> int:
         """Ranks of the shard hop before this one: a grouped item's reduced shard holds

@@ -86,7 +86,7 @@ class PlainSync:
         self.state = state
         self.group = group
         self.average = state.config.reduce_op is ReduceOp.AVG
-        self.group_name, self.world, self.me = collectives.group_info(group)
+        _, self.world, self.me = collectives.group_info(group)
         self._hooks: dict[int, Any] = {}  # id(parameter) -> its hook handle(s)
         self._layout(*self._current())
 

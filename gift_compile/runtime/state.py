@@ -121,10 +121,10 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
     the current window, the error-feedback residuals, the gradient probes and the counters.
     """
 
-    __slots__ = ("config", "_group_name", "collective", "layers", "seed", "rank", "counters", "steps", "history",
+    __slots__ = ("config", "group_name", "collective", "layers", "seed", "rank", "counters", "steps", "history",
                  "grad_source", "_health_seen", "modules", "handles", "active", "sync_mode", "dirty_params",
                  "plan_version", "selection_changes", "_sharing_checked", "adapters", "hop_counters", "backward_watch",
-                 "geometry", "layer_spec", "_health_group_name", "pending_faults", "outside", "substates", "blocks",
+                 "geometry", "layer_spec", "health_group_name", "pending_faults", "outside", "substates", "blocks",
                  "stepped_by_optimizer", "report", "layout")
 
     # held by name, so a destroyed group's threads end with it (`gift_compile.sync.GroupByName`)
@@ -290,7 +290,7 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
 
     def layer_plan(self, fqn: str) -> BucketPlan:
         """The one-layer collective this state's own sync runs for `fqn` (for accounting)."""
-        group_name = self.group.group_name if self.world() > 1 else None
+        group_name = self.group_name if self.world() > 1 else None
         return BucketPlan((self.layers[fqn].plan,), self.world(), group_name, self.config.reduce_op is ReduceOp.AVG,
                           self.collective, self.layout)
 
