@@ -198,6 +198,14 @@ def _frontier_techniques(t: dict | None) -> list[str]:
     return lines
 
 
+def _alternative_verdict(row: dict) -> str:
+    """`GIFT better`, `Euclidean better` or `not resolved`: a compared alternatives row's paired
+    difference as Holm judged it."""
+    if not row["resolved_holm"]:
+        return "not resolved"
+    return "GIFT better" if row["difference"]["mean"] < 0 else "Euclidean better"
+
+
 def _against_alternative(f: dict, opt: str, best: dict) -> str:
     """The headline's margin of `best` against the strongest cheap alternative at its bits and
     its bytes against the bf16 wire, from `bench.frontier.alternatives` (or why it is missing)."""
@@ -211,6 +219,10 @@ def _against_alternative(f: dict, opt: str, best: dict) -> str:
         margin = (f"Against the strongest cheap alternative at these bits (`{row['euclid']}`), GIFT's best "
                   f"(`{row['gift']}`) differs by {_cell(d)} bits/byte (paired, n={d['n']}, {verdict} at Holm 5% "
                   f"over {alt['family_size']} comparisons).")
+    widths = [r for r in alt["rows"] if r["optimizer"] == opt and r["compared"]]
+    if widths:
+        margin += (" Per bit width against the best Euclidean arm (same test): "
+                   + ", ".join(f"{r['format']} {_alternative_verdict(r)}" for r in widths) + ".")
     bar = alt["bar"].get(opt)
     if bar is not None:
         margin += (f" It sends {bar['bits_managed'] / best['bits_managed']:.1f}x fewer bits than the bf16 wire "

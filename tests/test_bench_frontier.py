@@ -237,3 +237,20 @@ def test_the_long_horizon_pairs_each_arm_with_fp32_of_the_same_length(tmp_path):
     assert out["arms"][gift]["n"] == 3 and out["arms"][gift]["gap"]["mean"] == pytest.approx(0.005 + 0.0001)
     assert out["arms"][euclid]["n"] == 2 and out["difference_seeds"] == [0, 1]
     assert out["difference"]["mean"] == pytest.approx(-0.005 + 0.00005)
+
+
+def test_the_headline_names_each_bit_widths_verdict_against_the_best_euclidean_arm():
+    """The README bullet's per-width clause is read off the alternatives rows' Holm verdicts
+    (better, worse, unresolved, and a width not compared is left out), not typed in."""
+    def row(fmt: str, mean: float | None, resolved: bool = False) -> dict:
+        if mean is None:
+            return {"optimizer": "muon", "format": fmt, "compared": False}
+        return {"optimizer": "muon", "format": fmt, "compared": True, "euclid": f"euclid-{fmt}-ef-b9-rot",
+                "gift": f"gift-{fmt}-dflt", "resolved_holm": resolved,
+                "difference": {"mean": mean, "ci95": 0.001, "n": 5}}
+    f = {"alternatives": {"rows": [row("int3", -0.002, True), row("int2b16", 0.003, True), row("int2", -0.001),
+                                   row("int4", None)], "bar": {}, "family_size": 3}}
+    text = pages_frontier._against_alternative(f, "muon", {"format": "int3", "bits_managed": 3.25})
+    assert ("Per bit width against the best Euclidean arm (same test): int3 GIFT better, "
+            "int2b16 Euclidean better, int2 not resolved.") in text
+    assert "int4" not in text and "resolved at Holm 5% over 3 comparisons" in text
