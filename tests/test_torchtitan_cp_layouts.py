@@ -91,8 +91,7 @@ def _streams(run: RunResult) -> list[list[dict]]:
 def _assert_gift_ran(run: RunResult, layout: str) -> None:
     assert REFUSAL not in run.output
     assert "Applied Context Parallel" in run.output
-    assert not [line for line in run.output.splitlines()
-                if "GIFT" in line and ("WARNING" in line or "full precision" in line)]
+    assert not run.gift_warnings()
     assert len(re.findall(rf"GIFT: {MANAGED[layout]} weights managed", run.output)) == 4, run.output[-3000:]
 
 
