@@ -133,7 +133,7 @@ def _alternatives(alt: dict | None) -> list[str]:
             lines.append(f"| {r['optimizer']} | {r['format']} | not compared ({have}) | | | | | |")
             continue
         d = r["difference"]
-        verdict = ("**GIFT better**" if d["mean"] < 0 else "**Euclidean better**") if r["resolved_holm"] else "no"
+        verdict = f"**{_alternative_verdict(r)}**" if r["resolved_holm"] else "no"
         bar = "" if r["fewer_bits_than_bar"] is None else f"{r['fewer_bits_than_bar']:.1f}x"
         lines.append(f"| {r['optimizer']} | {r['format']} | {r['gift']} ({_cell(r['gap_gift'])}) | {r['euclid']} "
                      f"({_cell(r['gap_euclid'])}) | {_cell(d)} | {verdict} (n={d['n']}) | {r['bits_gift']:.2f} | {bar} |")
