@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.pages import require_calls
+from bench.pages.blocks import require_calls
 from conftest import require, require_data_package
 
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from gift_compile.torchtitan_ext import corpus, language_modeling
-from bench.tiny_llama import TinyLlama, TinyLlamaConfig, loss
+from bench.lib.tiny_llama import TinyLlama, TinyLlamaConfig, loss
 from conftest import require, require_data_package
 
 require("tokenizers", "torchtitan extra not installed")

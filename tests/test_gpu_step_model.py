@@ -1,4 +1,4 @@
-"""The step model priced from the H200 measurement (`bench.gpu_pricing`, `bench.gpu_step_model`):
+"""The step model priced from the H200 measurement (`bench.step_model.pricing`, `bench.step_model.gpu`):
 the prices reproduce the measured bodies, a body that was not measured is named, the committed
 result is what its generator gives, and the committed H200 run still renders as a GPU.md."""
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import gpu_pricing, gpu_step_model
-from bench.gpu_pricing import Body, CodecPricer, GemmPricer, load_bodies, load_gemms
+from bench.step_model import pricing as gpu_pricing, gpu as gpu_step_model
+from bench.step_model.pricing import Body, CodecPricer, GemmPricer, load_bodies, load_gemms
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def committed() -> dict:
 
 def test_the_committed_result_is_what_its_generator_gives(committed: dict) -> None:
     fresh = json.loads(json.dumps(gpu_step_model.run(), sort_keys=True))
-    assert fresh == committed, "bench/results/gpu_step_model.json is stale: run python -m bench.gpu_step_model"
+    assert fresh == committed, "bench/results/step_model/gpu_step_model.json is stale: run python -m bench.step_model.gpu"
 
 
 def test_shares_and_goal_exposures_are_computed_from_the_costs(committed: dict) -> None:
@@ -100,14 +100,14 @@ def test_shares_and_goal_exposures_are_computed_from_the_costs(committed: dict) 
 
 def test_the_block_names_its_command_and_the_whole_step_share(committed: dict) -> None:
     text = gpu_step_model.block()
-    assert "`python -m bench.gpu_step_model`" in text and "**Assumed**" in text and "**Calibrated**" in text
+    assert "`python -m bench.step_model.gpu`" in text and "**Assumed**" in text and "**Calibrated**" in text
     for v in committed["formats"].values():
         assert f"**{v['total']['share']:.3f}**" in text
 
 
 def test_the_committed_h200_run_renders_as_gpu_md() -> None:
     """The run's own render crashed (`NameError: copy_bw`); today's renders it, `impl` absent."""
-    from bench.gpu_report import render
+    from bench.gpu.report import render
     md = render(json.loads(gpu_pricing.CODEC_FILE.read_text()))
     assert "## Codec kernels" in md and "8B w2 (fc2)" in md and "NVIDIA H200" in md
     assert md == (Path(gpu_pricing.GPU_DIR) / "GPU.md").read_text()

@@ -1,10 +1,10 @@
-"""`bench.hsdp_model`: the per-hop projection prices each hop at its own format."""
+"""`bench.step_model.hsdp`: the per-hop projection prices each hop at its own format."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench import hsdp_model
+from bench.step_model import hsdp as hsdp_model
 
 
 def test_each_hop_is_priced_at_its_own_format() -> None:

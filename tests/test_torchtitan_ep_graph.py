@@ -20,7 +20,7 @@ accounting, the experts' bytes at least 80% fewer than their fp32 bytes, a round
 losses within the 2-rank tests' tolerance of GIFT off); fp32 must reproduce GIFT off's losses
 exactly. A fifth run, EP x TP (dp_shard 2 x tp 2, EP 2) at nvfp4: the experts' efsdp group then
 holds the same ranks as GIFT's fsdp group but is another mesh, and its reduce-scatters must be
-rewritten as well (its losses against GIFT off are a row of `bench.layouts`). Three more, EP x HSDP
+rewritten as well (its losses against GIFT off are a row of `bench.cluster.layouts`). Three more, EP x HSDP
 (dp_replicate 2 x dp_shard 2, EP 2: efsdp has one rank, so SimpleFSDP traces no reduce-scatter
 for the experts, only their all-reduce over dp_replicate) at nvfp4, fp32 and GIFT off, with the
 default ``--gift.unrewritten error``: nothing is refused, the pass makes each expert weight's

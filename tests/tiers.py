@@ -71,7 +71,7 @@ FULL_TESTS: dict[str, str] = {
     "test_torchtitan_train.py::test_resume_restores_gift_state[llama3_debug_gift_graph]":
         "graph_trainer's kill-and-resume (the FSDP2 trainer's runs in the fast tier; the checkpoint code is shared)",
     "test_torchtitan_train.py::test_kill_and_resume_under_hsdp_pp_and_tp":
-        "4-rank kill-and-resume per layout (also `python -m bench.layouts --kill-resume`)",
+        "4-rank kill-and-resume per layout (also `python -m bench.cluster.layouts --kill-resume`)",
     "test_torchtitan_hsdp.py::test_fsdp2_hsdp_runs_both_hops_at_their_formats_and_tracks_fp32":
         "4-rank HSDP launch (fast: test_hsdp.py runs both hops in process)",
     "test_torchtitan_hsdp.py::test_fsdp2_hsdp_at_fp32_on_both_hops_is_native_hsdp": "4-rank HSDP launch",
@@ -106,7 +106,7 @@ FULL_TESTS: dict[str, str] = {
 
 # The feature table: every row (a format, geometry, framework path, layout, fault class, checkpoint
 # path) and the fast tests that cover it (node ids or prefixes; `tests/test_tiers.py` checks that
-# each names a test `make test` runs). docs/reliability.md renders it (`python -m bench.readme`).
+# each names a test `make test` runs). docs/reliability.md renders it (`python -m bench.pages.readme`).
 FEATURES: dict[str, tuple[str, ...]] = {
     # formats and codec
     "every wire format (fp32, bf16, fp8_e4m3, fp8_e5m2, mxfp8, nvfp4, mxint4, int6, int4, int3, int2, ternary)": (

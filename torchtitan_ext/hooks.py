@@ -59,7 +59,7 @@ def data_parallel_group(parallel_dims: Any, trainer: str = "graph") -> dist.Proc
     never the TP ranks: each TP rank's weight block is its own GIFT matrix
     (`gift_compile.frameworks.tensor_parallel`), and under HSDP the replica hop all-reduces the
     reduced shard of that block over the replicas holding the same TP coordinate (torchtitan's
-    ``dp_replicate`` group; 8-rank runs in `bench.layouts`). With context parallelism
+    ``dp_replicate`` group; 8-rank runs in `bench.cluster.layouts`). With context parallelism
     torchtitan's FSDP group is dp_shard x cp, the ranks FSDP2 or SimpleFSDP reduce-scatter over
     (GIFT's shard hop): the K-FAC statistics, sums over tokens, then add each CP rank's slice of
     every sequence to the others', so every CP rank builds the same transforms. That holds with

@@ -4,7 +4,7 @@ The fault a long run meets most: one worker dies (OOM killer, a node lost). torc
 fails the job; relaunched on the same dump folder it resumes from its last DCP checkpoint,
 GIFT state included. Same ranks, same data, same reduction order: nothing may differ from the
 run that was never interrupted, so the comparison is bit for bit. Used by the suite's
-kill-and-resume tests (2 and 4 ranks) and by `bench.layouts` (every layout, up to 8 ranks), which record
+kill-and-resume tests (2 and 4 ranks) and by `bench.cluster.layouts` (every layout, up to 8 ranks), which record
 what this returns instead of asserting it.
 
 torchrun's in-place restart (``--max-restarts``) cannot be used on gloo here: the restarted

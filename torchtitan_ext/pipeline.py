@@ -158,7 +158,7 @@ def gift_retrace_on_new_plan(trainer: Any) -> None:
     changes reach it as data. What it carries as structure moves once per run: the first
     refresh lets layers that read one input share a statistic (``plan_version``). Then the
     traced step is dropped and graph_trainer traces, rewrites and compiles it again at this
-    step (`bench.selection_churn graph_trainer` counts the retraces of a run whose selection
+    step (`bench.cluster.selection_churn graph_trainer` counts the retraces of a run whose selection
     changes at every refresh).
     """
     state = getattr(trainer.model_parts[0], "_gift_state", None)
