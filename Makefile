@@ -34,7 +34,7 @@ test-full: $(STAMP)
 	@start=$$(date +%s); $(PYTEST); rc=$$?; echo "make test-full: $$(( $$(date +%s) - start )) s wall"; exit $$rc
 
 demo: $(STAMP)
-	$(BIN)/python -m gift_compile.torchtitan_ext.demo --nproc $(NPROC)
+	$(BIN)/python -m gift_compile.torchtitan_ext.cpu.demo --nproc $(NPROC)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run

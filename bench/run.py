@@ -27,7 +27,7 @@ from bench.pages import plots, report
 from bench.lib import reference, wire
 from bench.step_model import cpu as step_model
 from bench.lib.settings import BenchSettings, profile
-from gift_compile.torchtitan_ext import corpus
+from gift_compile.torchtitan_ext.cpu import corpus
 from bench.lib.paths import RESULTS
 
 SECTIONS = ("wire", "fidelity", "overhead", "codec", "convergence", "step_model", "memory")

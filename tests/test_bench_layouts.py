@@ -14,7 +14,7 @@ require("torchtitan", "torchtitan extra not installed")
 from bench.cluster.layout_table import SUITE, planned  # noqa: E402
 from bench.cluster.layouts import failure, refusal, replica_only  # noqa: E402
 from gift_compile.torchtitan_ext.hooks import REFUSAL  # noqa: E402
-from gift_compile.torchtitan_ext.runs import RunResult  # noqa: E402
+from gift_compile.torchtitan_ext.cpu.runs import RunResult  # noqa: E402
 
 
 def _run(output: str) -> RunResult:

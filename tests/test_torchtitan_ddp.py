@@ -25,7 +25,7 @@ from gift_compile.config import GiftConfig  # noqa: E402
 from gift_compile.exchange.accounting import HEADER_BYTES  # noqa: E402
 from gift_compile.torchtitan_ext.hooks import REFUSAL  # noqa: E402
 from gift_compile.torchtitan_ext.hsdp import check_replicate_only  # noqa: E402
-from gift_compile.torchtitan_ext.runs import RunResult, shared_runs  # noqa: E402
+from gift_compile.torchtitan_ext.cpu.runs import RunResult, shared_runs  # noqa: E402
 from torchtitan_checks import assert_tracks_gift_off, logged_steps  # noqa: E402
 
 STEPS = 3

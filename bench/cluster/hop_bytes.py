@@ -273,7 +273,7 @@ def titan_launches() -> list[tuple[str, str, str, int, list[str]]]:
 
 def run_launch(trainer: str, overrides: list[str], folder: str, timeout_s: float) -> dict[str, Any]:
     """One 8-rank torchtitan launch: its command, outcome and per-step hop bytes (rank 0)."""
-    from gift_compile.torchtitan_ext.runs import config_command, run_config
+    from gift_compile.torchtitan_ext.cpu.runs import config_command, run_config
 
     config = TRAINERS[trainer][0]
     command = config_command(config, overrides, dump_folder=folder, nproc=WORLD)

@@ -27,7 +27,7 @@ suite checks on 2 and 4 ranks (tests/test_torchtitan_train.py): 6 steps at nvfp4
 map, error feedback and a checkpoint every 3 steps, uninterrupted; then the same command with
 rank 1 SIGKILLed after step 4, relaunched on its folder: the losses of steps 4-6 and every
 trained tensor of the final checkpoint (parameters, optimizer, GIFT state) against the
-uninterrupted run's (`gift_compile.torchtitan_ext.kill_resume`). Where they differ, the same
+uninterrupted run's (`gift_compile.torchtitan_ext.cpu.kill_resume`). Where they differ, the same
 fault runs with GIFT off too, so the row says whether the difference is GIFT's or torchtitan's
 own resume on that layout (with the tensors that differ in each).
 """
@@ -47,8 +47,8 @@ from typing import Any
 from bench.cluster.layout_table import EXTRA, LAYOUT_GIFT, LAYOUTS, configs, order, planned
 from bench.lib.provenance import commit
 from gift_compile.torchtitan_ext.hooks import REFUSAL
-from gift_compile.torchtitan_ext.kill_resume import KillResume, kill_and_resume
-from gift_compile.torchtitan_ext.runs import RunResult, run_config
+from gift_compile.torchtitan_ext.cpu.kill_resume import KillResume, kill_and_resume
+from gift_compile.torchtitan_ext.cpu.runs import RunResult, run_config
 from bench.lib.paths import RESULTS
 
 RESULTS = RESULTS / "cluster" / "layouts.json"

@@ -123,7 +123,7 @@ def fsdp2(blocks: list[int], steps: int) -> list[dict]:
 def graph_trainer(steps: int, fmt: str, folder: str) -> dict:
     """A graph_trainer run whose measured selection is re-decided at every refresh (every 2 steps):
     retraces counted from the pre-step hook's log lines, selection changes from telemetry."""
-    from gift_compile.torchtitan_ext.runs import run_config
+    from gift_compile.torchtitan_ext.cpu.runs import run_config
 
     overrides = ["--validator.no-enable", f"--training.steps={steps}", f"--gift.format={fmt}",
                  "--gift.refresh-every=2", "--gift.refresh-warmup=1", "--gift.reselect-every=1",

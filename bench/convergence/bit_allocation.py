@@ -45,7 +45,7 @@ from gift_compile.config import GiftConfig
 from gift_compile.frameworks.routing import eligible_linears
 from gift_compile.geometry.table import IDENTITY_KIND
 from gift_compile.runtime.selection import round_trip
-from gift_compile.torchtitan_ext import corpus, language_modeling
+from gift_compile.torchtitan_ext.cpu import corpus, language_modeling
 
 
 def allocate(errors: dict[str, dict[str, float]], nbytes: dict[str, dict[str, float]],

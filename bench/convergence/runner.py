@@ -60,7 +60,7 @@ from gift_compile.geometry.table import geometry_class
 from gift_compile.passes import last_reports, reports_seen
 from gift_compile.runtime.state import GiftState
 from gift_compile.sync import all_reduce_, exit_without_finalization
-from gift_compile.torchtitan_ext import corpus, language_modeling
+from gift_compile.torchtitan_ext.cpu import corpus, language_modeling
 
 Log = Callable[[str], None]
 

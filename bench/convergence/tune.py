@@ -27,7 +27,7 @@ import torch
 
 from bench.convergence import runner as convergence, arms as convergence_arms
 from bench.lib.settings import profile
-from gift_compile.torchtitan_ext import corpus
+from gift_compile.torchtitan_ext.cpu import corpus
 from bench.lib.paths import RESULTS
 
 VARIANTS = ("gift-{f}", "gift-{f}-sr", "gift-{f}-ef", "gift-{f}-dense", "gift-{f}-exact", "gift-{f}-r64",

@@ -92,7 +92,7 @@ from gift_compile.codec.scales import E4M3_MAX, _e4m3_code, _e4m3_decode, _finit
 from gift_compile.codec.spec import _pad_cols
 from gift_compile.config import GiftConfig
 from gift_compile.geometry import Transform
-from gift_compile.torchtitan_ext import corpus, language_modeling
+from gift_compile.torchtitan_ext.cpu import corpus, language_modeling
 from bench.lib.paths import RESULTS
 
 OUT = RESULTS / "fidelity" / "delayed_scale.json"

@@ -34,7 +34,7 @@ from bench.lib.settings import profile
 from gift_compile.config import GiftConfig
 from gift_compile.exchange import collectives as C
 from gift_compile.sync import exit_without_finalization
-from gift_compile.torchtitan_ext import corpus
+from gift_compile.torchtitan_ext.cpu import corpus
 from bench.lib.paths import RESULTS
 
 # arm -> (error_feedback, second_hop_error_feedback, error_feedback_decay)

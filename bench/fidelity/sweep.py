@@ -49,7 +49,7 @@ from bench.lib.settings import profile
 from gift_compile.config import GiftConfig
 from gift_compile.exchange.collectives import all_reduce
 from gift_compile.geometry import Transform, gradient_factor
-from gift_compile.torchtitan_ext import corpus
+from gift_compile.torchtitan_ext.cpu import corpus
 from bench.lib.paths import RESULTS
 
 # label -> (Transform kind, rank, source[@damping]); see `bench.fidelity.round_trip.build_transform`.

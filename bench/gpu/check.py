@@ -34,7 +34,7 @@ the others; the exit status is 1 when any section failed:
   the same input and transform: how many output elements differ (the Euclidean codec should
   match exactly, the explicit kernels by construction; GIFT's generated Triton kernels contract
   multiply-adds in the map, which can move a code at a rounding tie);
-- torchtitan: a 1-rank graph_trainer run (`gift_compile.torchtitan_ext.runs.run_config` of
+- torchtitan: a 1-rank graph_trainer run (`gift_compile.torchtitan_ext.cpu.runs.run_config` of
   `llama3_debug_gift_graph`, the GPU pass list) for a few steps. One rank has no gradient
   collective, so there is nothing for GIFT to rewrite: the run sets `--gift.unrewritten warn`
   (the managed gradients pass GIFT's marks at full precision) and checks that the traced step,
@@ -289,7 +289,7 @@ def parity_section(device: torch.device, shape: tuple[str, int, int], rank: int)
 
 def torchtitan_section(steps: int, timeout_s: float) -> dict[str, object]:
     """A 1-rank graph_trainer run with GIFT (the GPU pass list on a GPU; no collective to rewrite)."""
-    from gift_compile.torchtitan_ext.runs import run_config
+    from gift_compile.torchtitan_ext.cpu.runs import run_config
 
     with tempfile.TemporaryDirectory() as tmp:
         res = run_config("llama3_debug_gift_graph", ["--training.steps", str(steps), "--gift.unrewritten", "warn"],

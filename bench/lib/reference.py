@@ -30,7 +30,7 @@ from torch import nn
 from torch.optim import _muon
 
 from bench.lib.settings import FidelitySettings, ReferenceSettings
-from gift_compile.torchtitan_ext import corpus, language_modeling
+from gift_compile.torchtitan_ext.cpu import corpus, language_modeling
 from gift_compile.config import GiftConfig
 from gift_compile.geometry import gradient_factor
 from bench.lib.tiny_llama import TinyLlama, loss

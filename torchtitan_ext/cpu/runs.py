@@ -20,11 +20,12 @@ from typing import Any
 
 from gift_compile.runtime.report import HEADER as REPORT_HEADER
 
-from .telemetry import read_jsonl
+from ..telemetry import read_jsonl
 
 __all__ = ["RunResult", "config_command", "run_config", "seed_checkpoint", "shared_runs"]
 
-MODULE = "gift_compile.torchtitan_ext"
+MODULE = "gift_compile.torchtitan_ext.cpu"  # the config registry (`--module`)
+TRAIN = "gift_compile.torchtitan_ext.train"  # the entry point (`-m`)
 
 
 @dataclass
@@ -67,7 +68,7 @@ def config_command(config: str, overrides: Sequence[str] = (), *, dump_folder: s
     """The ``torchrun`` command of a run (callers that watch or signal the run launch it)."""
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-        "-m", f"{MODULE}.train", "--module", MODULE, "--config", config,
+        "-m", TRAIN, "--module", MODULE, "--config", config,
         "--dump-folder", dump_folder, "--metrics.disable-color-printing", *overrides,
     ]
 

@@ -5,7 +5,7 @@ torchtitan looks datasets up by name in ``torchtitan.hf_datasets.text_datasets.D
 ``sample_processor(sample) -> str``, and ``--dataloader.dataset-path`` replaces the path.
 Importing this module registers:
 
-* ``gift_shakespeare``     training split of :func:`gift_compile.torchtitan_ext.corpus.prepare`
+* ``gift_shakespeare``     training split of :func:`gift_compile.torchtitan_ext.cpu.corpus.prepare`
 * ``gift_shakespeare_val`` held-out plays (for ``validator.dataloader``)
 
 The default path of the Shakespeare entries is a ``gift-corpus:`` reference that the
@@ -34,8 +34,8 @@ CORPUS_VAL = "gift-corpus:val"
 
 
 def corpus_paths() -> Any:
-    """``gift_compile.torchtitan_ext.corpus.prepare()``: train/val jsonl and tokenizer dir (cached)."""
-    from gift_compile.torchtitan_ext.corpus import prepare
+    """``gift_compile.torchtitan_ext.cpu.corpus.prepare()``: train/val jsonl and tokenizer dir (cached)."""
+    from gift_compile.torchtitan_ext.cpu.corpus import prepare
 
     return prepare()
 

@@ -12,7 +12,7 @@ It launches exactly the torchrun command a user would (:func:`.runs.run_config`)
 the per-step JSONL records the runs write, so the numbers are torchtitan's own, not
 re-derived here.
 
-    python -m gift_compile.torchtitan_ext.demo [--nproc 2] [--steps N] [--format F] [--no-compare]
+    python -m gift_compile.torchtitan_ext.cpu.demo [--nproc 2] [--steps N] [--format F] [--no-compare]
 """
 
 from __future__ import annotations

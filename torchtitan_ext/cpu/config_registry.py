@@ -1,4 +1,4 @@
-"""Config functions for ``--module gift_compile.torchtitan_ext --config <fn>``.
+"""Config functions for ``--module gift_compile.torchtitan_ext.cpu --config <fn>``.
 
 torchtitan's ``ConfigManager`` imports ``<module>.config_registry`` and calls the
 function named by ``--config``; ``--section.key value`` then overrides fields (tyro).
@@ -44,13 +44,13 @@ from torchtitan.config.configs import DebugConfig
 from torchtitan.experiments.graph_trainer.configs import GraphTrainerCompileConfig
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 
-from .checkpoint import GiftCheckpointManager
+from ..checkpoint import GiftCheckpointManager
 from .data import corpus_paths
 from .models import gift_model_spec, gift_moe_model_spec
-from .pipeline import GIFT_PASS_PIPELINE
-from .section import GiftSection
-from .telemetry import GiftMetricsProcessor
-from .job_config import GiftGraphTrainerConfig, GiftTrainerConfig
+from ..pipeline import GIFT_PASS_PIPELINE
+from ..section import GiftSection
+from ..telemetry import GiftMetricsProcessor
+from ..job_config import GiftGraphTrainerConfig, GiftTrainerConfig
 
 __all__ = [
     "llama3_debug_gift_fsdp2",

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from .runs import RunResult, config_command, run_config, run_env
-from .telemetry import read_jsonl
+from ..telemetry import read_jsonl
 
 __all__ = ["KillResume", "checkpoint_tensors", "kill_and_resume", "run_killing_rank"]
 

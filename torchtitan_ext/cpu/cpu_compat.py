@@ -10,7 +10,7 @@ defaults alone.
 Two kinds of adjustments, preferring the first:
 
 * Choices made through torchtitan's and torch's own switches (no patching), applied by
-  the config functions in :mod:`gift_compile.torchtitan_ext.config_registry` through
+  the config functions in :mod:`gift_compile.torchtitan_ext.cpu.config_registry` through
   :func:`attention_backend` and :func:`apply_config_defaults`, and by the trainers
   through :func:`after_fsdp2`:
 
@@ -75,6 +75,7 @@ Two kinds of adjustments, preferring the first:
 
 from __future__ import annotations
 
+import functools
 import importlib
 import operator
 import importlib.util
@@ -83,9 +84,12 @@ import resource
 import sys
 import types
 from datetime import timedelta
+from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from .. import platform_hooks
 
 __all__ = [
     "CPU_DISABLED_GRAPH_PASSES",
@@ -205,7 +209,7 @@ def _unavailable_kernel(fn: Any) -> Any:
         def __call__(self, *args: Any, **kwargs: Any) -> Any:
             raise RuntimeError(
                 f"Triton kernel {name} was called, but Triton is not installed "
-                "(gift_compile.torchtitan_ext.cpu_compat imported torchtitan without it)."
+                "(gift_compile.torchtitan_ext.cpu.cpu_compat imported torchtitan without it)."
             )
 
     return _Kernel()
@@ -450,8 +454,20 @@ def activate() -> bool:
         _install_cpu_ring_attention()
         import_torchtitan()
         _rebind_device_globals()
+        platform_hooks.register_after_fsdp2(after_fsdp2)
+        platform_hooks.register_graph_pass_edit(save_attention_before_remat)
         _active = True
     return True
+
+
+def save_attention_before_remat(passes: list[Callable]) -> list[Callable]:
+    """graph_trainer's pass list with :func:`save_deterministic_sdpa_pass` just before
+    ``selective_activation_remat_pass`` (registered by :func:`activate` with the integration's
+    `platform_hooks`; the list is returned unchanged when it has no remat pass)."""
+    names = [(p.func if isinstance(p, functools.partial) else p).__name__ for p in passes]
+    if "selective_activation_remat_pass" in names:
+        passes.insert(names.index("selective_activation_remat_pass"), save_deterministic_sdpa_pass)
+    return passes
 
 
 def apply_config_defaults(config: Any) -> Any:
