@@ -63,31 +63,31 @@ def _record(arm: str, rate: str, times: list[float], losses: list[float], gift: 
          "step_times": times, "losses": losses,
          "link_bytes": [{"rx": 4_000_000, "tx": 3_000_000}, {"rx": 4_000_000, "tx": 5_000_000}]}
     if gift is not None:
-        r["gift_bytes"] = {"wire": gift, "baseline": 4 * gift}
+        r["gift_bytes"] = {"wire": 3 * gift, "baseline": 4 * gift, "node_wire": 2 * gift, "cross_wire": gift}
     return r
 
 
 def test_table_and_time_to_target_from_a_recorded_run() -> None:
-    fp32_loss = [8.0, 7.0, 6.0, 5.0, 4.0, 3.0, 2.5, 2.0, 1.5, 1.0]  # 10 steps: window 1, target = step 8's 2.0
+    fp32_loss = [8.0, 7.0, 6.0, 5.0, 4.0, 3.0, 2.5, 2.0, 1.5, 1.0]  # 10 steps: window 2, target = steps 7-8's 2.25
     records = [
         _record("fp32", "100mbit", [9.0] + [2.0] * 9, fp32_loss),
         _record("fp32", "none", [9.0] + [1.0] * 9, fp32_loss),
-        _record("gift", "100mbit", [9.0] + [1.0] * 9, [8, 7, 6, 5, 4, 3, 2.6, 2.4, 2.2, 2.1], gift=2_000_000),
+        _record("gift", "100mbit", [9.0] + [1.0] * 9, [8, 7, 6, 5, 4, 3, 2.6, 2.5, 2.4, 2.3], gift=2_000_000),
         _record("pgd", "100mbit", [9.0] + [0.5] * 9, [8, 7, 6, 5, 4, 3, 2, 1.5, 1.4, 1.3]),
     ]
     rows = {(r["arm"], r["rate"]): r for r in summarise(records)}
-    assert rows[("fp32", "100mbit")]["target_loss"] == 2.0
+    assert rows[("fp32", "100mbit")]["target_loss"] == 2.25
     assert rows[("fp32", "100mbit")]["time_to_target"] == pytest.approx(9.0 + 2.0 * 7)  # reached at step 8
-    assert rows[("gift", "100mbit")]["time_to_target"] is None  # ends at 2.1 > 2.0
-    assert rows[("pgd", "100mbit")]["time_to_target"] == pytest.approx(9.0 + 0.5 * 6)  # 2.0 at step 7
-    assert rows[("gift", "100mbit")]["gift_wire_per_step"] == pytest.approx(2_000_000 / 9)
+    assert rows[("gift", "100mbit")]["time_to_target"] is None  # its curve ends at 2.35 > 2.25
+    assert rows[("pgd", "100mbit")]["time_to_target"] == pytest.approx(9.0 + 0.5 * 7)  # 1.75 at step 8
+    assert rows[("gift", "100mbit")]["gift_cross_per_step"] == pytest.approx(2_000_000 / 9)
     assert rows[("fp32", "none")]["tx_per_step"] == pytest.approx([3e6 / 9, 5e6 / 9])
     table = render_table({"records": records}).splitlines()
     assert table[0].startswith("| path | layout | arm | step s @ 100mbit [95% CI] | step s @ none [95% CI] | vs fp32 @ 100mbit")
     by_arm = {line.split(" | ")[2]: line for line in table[2:]}
     assert "| 2.00 [2.00, 2.00] | 1.00 [1.00, 1.00] | 1.00x |" in by_arm["fp32"]
-    assert "| 1.00 [1.00, 1.00] |  | 0.50x | 0.44 | 0.22 | 2.100 | not reached |" in by_arm["gift"]
-    assert by_arm["pgd"].endswith("| 0.25x | 0.44 |  | 1.300 | 12.0 s |")
+    assert "| 1.00 [1.00, 1.00] |  | 0.50x | 0.44 | 0.22 | 2.350 | not reached |" in by_arm["gift"]
+    assert by_arm["pgd"].endswith("| 0.25x | 0.44 |  | 1.350 | 12.5 s |")
 
 
 def test_a_killed_runs_namespace_is_removed_and_a_live_runs_kept_or_the_refusal_names_root() -> None:

@@ -132,7 +132,8 @@ def median_ci(xs: Sequence[float], level: float = 0.95) -> dict[str, float | int
         if c >= level:
             j, cov = k, c
             break
-    return {"median": statistics.median(s), "lo": s[j - 1], "hi": s[n - j], "n": n, "coverage": cov,
+    return {"median": statistics.median(s), "lo": s[j - 1], "hi": s[n - j], "rank_lo": j, "rank_hi": n + 1 - j,
+            "n": n, "coverage": cov,
             "method": "order statistic (binomial)"}
 
 
@@ -141,8 +142,9 @@ def _smoothed(losses: Sequence[float], window: int) -> list[float]:
 
 
 def loss_window(total_steps: int) -> int:
-    """The trailing window the loss curves are averaged over: a tenth of the run, at least 1."""
-    return max(1, total_steps // 10)
+    """The trailing window the loss curves are averaged over: a fifth of the run, at least 2 steps
+    (every arm sees the same batches, but one step's loss still depends on its batch)."""
+    return max(2, total_steps // 5)
 
 
 def summarise(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -166,11 +168,13 @@ def summarise(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         tx = [n["tx"] / r["steps"] for n in r["link_bytes"]]
         rx = [n["rx"] / r["steps"] for n in r["link_bytes"]]
         gift = r.get("gift_bytes")
+        cross = None if gift is None else gift.get("cross_wire", gift["wire"])
         rows.append({
             "path": r["path"], "layout": r["layout"], "rate": r["rate"], "arm": r["arm"],
             "step": median_ci(timed), "tx_per_step": tx, "rx_per_step": rx,
             "gift_wire_per_step": None if gift is None else gift["wire"] / r["steps"],
             "gift_baseline_per_step": None if gift is None else gift["baseline"] / r["steps"],
+            "gift_cross_per_step": None if cross is None else cross / r["steps"],
             "final_loss": curve[-1], "target_loss": target, "time_to_target": reach,
         })
     return rows
@@ -184,14 +188,15 @@ def _rate_key(label: str) -> float:
 def render_table(results: dict[str, Any]) -> str:
     """The Markdown table of a results dict: per path and layout, each arm's median step time
     [95% CI] at each rate (slowest link first), its ratio to fp32's at the slowest shaped link,
-    the bytes the kernel counted on a node's link per step (mean over nodes, transmitted), GIFT's
-    counted bytes per step, the final loss, and the time to fp32's loss at 80% of the run at the
+    the bytes the kernel counted on a node's link per step (mean over nodes, transmitted), the bytes
+    per step and rank GIFT's counters say it handed to collectives across nodes (`cross_wire`; HSDP:
+    the replica hop), the final loss, and the time to fp32's loss at 80% of the run at the
     slowest shaped link."""
     rows = summarise(results["records"])
     rates = sorted(dict.fromkeys(r["rate"] for r in rows), key=_rate_key)
     slow = next((x for x in rates if x != "none"), rates[0])
     head = ["path", "layout", "arm", *[f"step s @ {x} [95% CI]" for x in rates], f"vs fp32 @ {slow}",
-            "link MB/step/node", "GIFT MB/step", "loss", f"time to target @ {slow}"]
+            "link MB/step/node", "GIFT cross-node MB/step/rank", "loss", f"time to target @ {slow}"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     by = {(r["path"], r["layout"], r["arm"], r["rate"]): r for r in rows}
     for path, layout, arm in dict.fromkeys((r["path"], r["layout"], r["arm"]) for r in rows):
@@ -204,7 +209,7 @@ def render_table(results: dict[str, Any]) -> str:
         ref = by.get((path, layout, "fp32", slow))
         ratio = f"{first['step']['median'] / ref['step']['median']:.2f}x" if ref and first["rate"] == slow else ""
         tx = statistics.fmean(first["tx_per_step"]) / 1e6
-        gift = "" if first["gift_wire_per_step"] is None else f"{first['gift_wire_per_step'] / 1e6:.2f}"
+        gift = "" if first["gift_cross_per_step"] is None else f"{first['gift_cross_per_step'] / 1e6:.2f}"
         reach = "" if first["target_loss"] is None else (
             "not reached" if first["time_to_target"] is None else f"{first['time_to_target']:.1f} s")
         lines.append("| " + " | ".join([path, layout, arm, *cells, ratio, f"{tx:.2f}", gift,
@@ -216,12 +221,17 @@ def block(_: dict | None = None, path: Path = OUT) -> str:
     """The README's `cluster` block: the measured table and where it comes from."""
     d = json.loads(path.read_text())
     ci = summarise(d["records"])[0]["step"]
+    words = shlex.split(d["command"])
+    if "--note" in words:  # the note is quoted beside the command
+        i = words.index("--note")
+        del words[i:i + 2]
     return "\n".join([
-        f"Measured on an emulated cluster (`{d['command']}` -> "
+        f"Measured on an emulated cluster (`{shlex.join(words)}` -> "
         f"[bench/results/cluster/emulated.json](bench/results/cluster/emulated.json); {d['note']}): "
         f"{d['model']['params'] / 1e6:.2f}M-parameter Llama ({d['model']['embedding_share']:.1%} in embedding and "
         f"head), Muon + AdamW, {d['steps']} timed steps after {d['warmup']} of warm-up; step time is the median "
-        f"over the timed steps with its {ci['method']} 95% CI (n = {ci['n']}); link bytes are the kernel's "
+        f"over the timed steps with its {ci['method']} 95% CI (n = {ci['n']}: ranks {ci['rank_lo']} and "
+        f"{ci['rank_hi']}, {ci['coverage']:.1%} coverage); link bytes are the kernel's "
         "counters on each node's interface; the target loss is fp32's at 80% of the run.", "",
         render_table(d)])
 
@@ -423,7 +433,7 @@ def _signals_end_the_run() -> Iterator[None]:
 # ---- the run ------------------------------------------------------------------------------------
 
 def run_layout(cluster: Cluster, layout: str, g: int, rates: Sequence[float | None], arms: dict[str, list[str]],
-               steps: int, warmup: int, timeout: float, nice: int, log: Any) -> list[dict[str, Any]]:
+               steps: int, warmup: int, timeout: float, nice: int, log: Any, fuse: bool = False) -> list[dict[str, Any]]:
     """Every (rate, path) of one layout on `cluster`: the worker's records, tagged."""
     records = []
     with tempfile.TemporaryDirectory(prefix="giftemu-") as tmp:
@@ -436,7 +446,7 @@ def run_layout(cluster: Cluster, layout: str, g: int, rates: Sequence[float | No
                 log(f"{layout} @ {rate_label(bps)}: {path} arms {', '.join(names)}")
                 start = time.monotonic()
                 cluster.launch(g, ["--path", path, "--arms", ",".join(names), "--steps", str(steps),
-                                   "--warmup", str(warmup), "--iface", IFACE, "--out", str(out)],
+                                   "--warmup", str(warmup), "--iface", IFACE, "--out", str(out), *(["--fuse"] if fuse else [])],
                                Path(tmp), timeout, nice)
                 for line in out.read_text().splitlines():
                     r = json.loads(line)
@@ -525,9 +535,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calibrate", action="store_true", help="only measure and propose the rates, then stop")
     p.add_argument("--nice", type=int, default=0, help="niceness of the ranks (negative: ahead of other jobs)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds one launch (a path's arms) may take")
+    p.add_argument("--fuse", action="store_true",
+                   help="GIFT's codec through torch.compile (gift_compile.apply's fuse=True; default: eager, no compile)")
     p.add_argument("--note", default="", help="recorded with the results (e.g. what else ran on the machine)")
     p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--render", action="store_true",
+                   help="run nothing: recompute the summary, plot and table of the results in --out (and --note, if given)")
     a = p.parse_args(argv)
+    if a.render:
+        results = json.loads(a.out.read_text())
+        results["summary"] = summarise(results["records"])
+        results["note"] = a.note or results["note"]
+        _write(results, a.out)
+        return 0
     try:
         paths = [x.strip() for x in a.paths.split(",")]
         arms = parse_arms(a.arms, paths)
@@ -564,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
                             continue
                         rates += [parse_rate(x) for x in c["rates"]]
                     rates += [x for x in fixed if x not in rates]
-                    records += run_layout(cluster, label, g, rates, arms, a.steps, a.warmup, a.timeout, a.nice, log)
+                    records += run_layout(cluster, label, g, rates, arms, a.steps, a.warmup, a.timeout, a.nice, log, a.fuse)
     except ClusterError as e:
         print(f"bench.cluster.emulated: {e}", file=sys.stderr)
         return 1
@@ -580,17 +600,22 @@ def main(argv: list[str] | None = None) -> int:
         "model": {"config": {k: getattr(MODEL, k) for k in ("dim", "n_layers", "n_heads", "vocab_size", "ffn_hidden")},
                   "params": params, "embedding_share": share, "local_batch": LOCAL_BATCH, "seq_len": SEQ_LEN,
                   "optimizer": "muon (hidden matrices) + adamw (embedding, norms, head)"},
-        "steps": a.steps, "warmup": a.warmup, "delay_ms": a.delay_ms,
+        "steps": a.steps, "warmup": a.warmup, "delay_ms": a.delay_ms, "gift_fuse": a.fuse,
         "link": {"shaper": "tbf " + " ".join(TBF) + " on each node's interface and its bridge port",
                  "rates": sorted(dict.fromkeys(r["rate"] for r in records), key=_rate_key)},
         "calibration": calibrations, "records": records, "summary": summarise(records),
     }
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(results, indent=1) + "\n")
-    plot(results, a.out.with_suffix(".png"))
-    print(render_table(results))
-    print(f"-> {a.out}, {a.out.with_suffix('.png')}")
+    _write(results, a.out)
     return 0
+
+
+def _write(results: dict[str, Any], out: Path) -> None:
+    """The results JSON at `out`, its plot beside it (`.png`), and the table on stdout."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1) + "\n")
+    plot(results, out.with_suffix(".png"))
+    print(render_table(results))
+    print(f"-> {out}, {out.with_suffix('.png')}")
 
 
 if __name__ == "__main__":

@@ -183,14 +183,15 @@ def _shard(model: TinyLlama, mesh: Any, arm: Arm) -> None:
     fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
-def build(arm: Arm, path: str, model: TinyLlama, warmup: int
+def build(arm: Arm, path: str, model: TinyLlama, warmup: int, fuse: bool = False
           ) -> tuple[nn.Module, list[torch.optim.Optimizer], list[float], Callable[[], dict[str, int]] | None]:
     """`model` wrapped on `path` with `arm`'s communication: the module to run forward on, the
     Muon + AdamW optimizers over the wrapped parameters (FSDP2 replaces them by sharded ones, so
     they are made after the wrap; torch's Muon orthogonalizes a sharded matrix through DTensor,
     which gathers it), their peak learning rates, and a reader of GIFT's cumulative byte counters
     (None for a native or PowerSGD arm). PowerSGD compresses from step `warmup` on (torch's
-    `start_powerSGD_iter`, at least 2), with error feedback and warm start."""
+    `start_powerSGD_iter`, at least 2), with error feedback and warm start. `fuse`: GIFT's codec
+    through torch.compile (`gift_compile.apply(fuse=True)`, compiled in the warm-up steps), else eager."""
     world = dist.get_world_size()
     g = int(os.environ["LOCAL_WORLD_SIZE"])
     config = GiftConfig(**dict(arm.fields)) if arm.kind == "gift" else None
@@ -208,7 +209,7 @@ def build(arm: Arm, path: str, model: TinyLlama, warmup: int
                                        warm_start=True, random_seed=0)
             ddp.register_comm_hook(state, psgd.powerSGD_hook)
         elif config is not None:
-            gift_compile.apply(ddp, config, optimizer=optimizers, fuse=False)
+            gift_compile.apply(ddp, config, optimizer=optimizers, fuse=fuse)
             return ddp, optimizers, peaks, gift_compile.state(ddp).comm_totals
         return ddp, optimizers, peaks, None
     from torch.distributed.device_mesh import init_device_mesh
@@ -217,7 +218,7 @@ def build(arm: Arm, path: str, model: TinyLlama, warmup: int
         _shard(model, init_device_mesh("cpu", (world,)), arm)
         optimizers, peaks = _optimizers(model, sharded=True)
         if config is not None:
-            gift_compile.apply(model, config, optimizer=optimizers, fuse=False)
+            gift_compile.apply(model, config, optimizer=optimizers, fuse=fuse)
             return model, optimizers, peaks, gift_compile.state(model).comm_totals
         return model, optimizers, peaks, None
     if path != "hsdp":
@@ -239,24 +240,25 @@ def build(arm: Arm, path: str, model: TinyLlama, warmup: int
     optimizers, peaks = _optimizers(model, sharded=True)
     config = resolve_auto(config, optimizers, managed_weights(model, config, dist.group.WORLD, split_rows=True))
     state = manage(model, config, dist.group.WORLD, mode="stats", split_rows=True)
-    fsdp2.install(model, state, compiled=False)
-    hsdp.install(model, state, mesh.get_group("replicate"), compiled=False)
+    fsdp2.install(model, state, compiled=fuse)
+    hsdp.install(model, state, mesh.get_group("replicate"), compiled=fuse)
     attach_optimizer(state, optimizers)
 
     def totals() -> dict[str, int]:
         hops = hsdp.hop_totals(state)
+        # the shard hop stays inside a node, the replica hop crosses nodes
         return {"wire": sum(h["wire"] for h in hops.values()), "baseline": sum(h["baseline"] for h in hops.values()),
-                **{f"{k}_wire": h["wire"] for k, h in hops.items()}}
+                "node_wire": hops["shard"]["wire"], "cross_wire": hops.get("replica", {"wire": 0})["wire"]}
     return model, optimizers, peaks, totals
 
 
 def run_arm(arm: Arm, path: str, steps: int, warmup: int, iface: str, seed: int,
-            tokens: torch.Tensor) -> dict[str, Any]:
+            tokens: torch.Tensor, fuse: bool = False) -> dict[str, Any]:
     """Train `arm` on `path` for `warmup + steps` steps; the record of one arm (rank 0's is complete)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     local = int(os.environ["LOCAL_RANK"])
     model = TinyLlama(MODEL, seed=seed)
-    forward, optimizers, peaks, gift_totals = build(arm, path, model, warmup)
+    forward, optimizers, peaks, gift_totals = build(arm, path, model, warmup, fuse)
     params = list(model.parameters())
     total = warmup + steps
     data = language_modeling.batches(tokens, LOCAL_BATCH * world, SEQ_LEN, seed=seed, rank=rank, world_size=world,
@@ -302,13 +304,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--iface", required=True, help="the node's link, whose kernel counters are read")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="JSON lines, one per arm (rank 0 appends)")
+    p.add_argument("--fuse", action="store_true", help="GIFT's codec through torch.compile (apply's fuse=True)")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     tokens = corpus.token_stream("train", corpus.prepare())
     try:
         for name in a.arms.split(","):
-            record = run_arm(ARMS[name], a.path, a.steps, a.warmup, a.iface, a.seed, tokens)
+            record = run_arm(ARMS[name], a.path, a.steps, a.warmup, a.iface, a.seed, tokens, a.fuse)
             if dist.get_rank() == 0:
                 with open(a.out, "a") as f:
                     f.write(json.dumps(record) + "\n")
