@@ -21,7 +21,7 @@ from __future__ import annotations
 FAST_FILES: frozenset[str] = frozenset({
     "test_adapters.py", "test_api.py", "test_architecture.py", "test_bench_convergence.py",
     "test_bench_delayed_scale.py", "test_bench_exit_stress.py", "test_bench_frontier.py", "test_bench_layouts.py",
-    "test_bench_readme.py", "test_bench_smoke.py", "test_bench_stats.py", "test_bench_sweep_adamw.py",
+    "test_bench_readme.py", "test_bench_smoke.py", "test_bench_cluster.py", "test_bench_stats.py", "test_bench_sweep_adamw.py",
     "test_ci_requirements.py", "test_codec_minimum.py", "test_collectives.py", "test_config.py",
     "test_context_parallel.py", "test_corpus.py",
     "test_data_parallel.py", "test_euclidean_items.py", "test_expert_layers.py", "test_faults.py",
@@ -40,6 +40,8 @@ FAST_FILES: frozenset[str] = frozenset({
 # Every test of these files runs only in `make test-full`: each is a matrix of 4- or 8-rank torchrun
 # launches of a layout whose GIFT code a fast in-process test covers (the `FEATURES` rows say which).
 FULL_FILES: dict[str, str] = {
+    "test_cluster_emulated.py": "the emulated cluster (network namespaces, root): 2 nodes x 2 ranks, 2 steps, and a "
+                                "run stopped by SIGTERM (fast: test_bench_cluster.py's parsing, CI, table, cleanup)",
     "test_training.py": "a 50-step tiny-Llama run against fp32 communication (2 min; fast: the torchtitan FSDP2 and "
                         "graph_trainer runs track GIFT off with quantized gradients, test_api trains eagerly)",
     "test_torchtitan_tp.py": "TP 2 x FSDP 2, 4 ranks, 4 launches (fast: test_tensor_parallel.py)",

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from bench.cluster import emulated as cluster_emulated
 from bench.fidelity.sweep import ORACLES
 from bench.fidelity import delayed_scale, kernel_traffic, map_precision
 from bench.cluster import exit_stress
@@ -440,12 +441,13 @@ BLOCKS: dict[str, Callable[[dict], str]] = {
     "frontier_headline": pages_frontier.frontier_headline, "selection_churn": pages_selection.selection_churn,
     "layouts": pages_layouts.layouts, "pays": pays, "exit": exit_stress.block,
     "topology_model": topology_model.block, "when_it_pays": topology_model.when_it_pays,
+    "cluster": cluster_emulated.block,
     **{name: pages.torchtitan_run(name) for name in pages.torchtitan_runs()},
 }
 # Which page holds each block (relative to the repository root); every block is on exactly one
 # page, and a page that lacks one of its blocks' markers, or carries a marker of another's, fails.
 PAGES: dict[str, tuple[str, ...]] = {
-    "README.md": ("pays", "headline", "frontier_headline", "when_it_pays", "demo_summary"),
+    "README.md": ("pays", "cluster", "headline", "frontier_headline", "when_it_pays", "demo_summary"),
     "docs/benchmarks.md": ("fidelity", "wire", "codec", "step_model", "gpu_step_model", "map_precision",
                            "map_precision_arms", "kernel_traffic",
                            "topology_model", "hsdp_model",
