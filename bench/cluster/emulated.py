@@ -433,7 +433,7 @@ def _signals_end_the_run() -> Iterator[None]:
 # ---- the run ------------------------------------------------------------------------------------
 
 def run_layout(cluster: Cluster, layout: str, g: int, rates: Sequence[float | None], arms: dict[str, list[str]],
-               steps: int, warmup: int, timeout: float, nice: int, log: Any, fuse: bool = False) -> list[dict[str, Any]]:
+               steps: int, warmup: int, timeout: float, nice: int, log: Any, fuse: bool = True) -> list[dict[str, Any]]:
     """Every (rate, path) of one layout on `cluster`: the worker's records, tagged."""
     records = []
     with tempfile.TemporaryDirectory(prefix="giftemu-") as tmp:
@@ -446,7 +446,7 @@ def run_layout(cluster: Cluster, layout: str, g: int, rates: Sequence[float | No
                 log(f"{layout} @ {rate_label(bps)}: {path} arms {', '.join(names)}")
                 start = time.monotonic()
                 cluster.launch(g, ["--path", path, "--arms", ",".join(names), "--steps", str(steps),
-                                   "--warmup", str(warmup), "--iface", IFACE, "--out", str(out), *(["--fuse"] if fuse else [])],
+                                   "--warmup", str(warmup), "--iface", IFACE, "--out", str(out), *([] if fuse else ["--eager"])],
                                Path(tmp), timeout, nice)
                 for line in out.read_text().splitlines():
                     r = json.loads(line)
@@ -535,8 +535,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calibrate", action="store_true", help="only measure and propose the rates, then stop")
     p.add_argument("--nice", type=int, default=0, help="niceness of the ranks (negative: ahead of other jobs)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds one launch (a path's arms) may take")
-    p.add_argument("--fuse", action="store_true",
-                   help="GIFT's codec through torch.compile (gift_compile.apply's fuse=True; default: eager, no compile)")
+    p.add_argument("--eager", dest="fuse", action="store_false",
+                   help="GIFT's codec eager (apply's fuse=False); the default is what apply gives a user: fused "
+                        "through torch.compile, compiled in the warm-up steps")
     p.add_argument("--note", default="", help="recorded with the results (e.g. what else ran on the machine)")
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--render", action="store_true",

@@ -183,7 +183,7 @@ def _shard(model: TinyLlama, mesh: Any, arm: Arm) -> None:
     fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
-def build(arm: Arm, path: str, model: TinyLlama, warmup: int, fuse: bool = False
+def build(arm: Arm, path: str, model: TinyLlama, warmup: int, fuse: bool = True
           ) -> tuple[nn.Module, list[torch.optim.Optimizer], list[float], Callable[[], dict[str, int]] | None]:
     """`model` wrapped on `path` with `arm`'s communication: the module to run forward on, the
     Muon + AdamW optimizers over the wrapped parameters (FSDP2 replaces them by sharded ones, so
@@ -253,7 +253,7 @@ def build(arm: Arm, path: str, model: TinyLlama, warmup: int, fuse: bool = False
 
 
 def run_arm(arm: Arm, path: str, steps: int, warmup: int, iface: str, seed: int,
-            tokens: torch.Tensor, fuse: bool = False) -> dict[str, Any]:
+            tokens: torch.Tensor, fuse: bool = True) -> dict[str, Any]:
     """Train `arm` on `path` for `warmup + steps` steps; the record of one arm (rank 0's is complete)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     local = int(os.environ["LOCAL_RANK"])
@@ -304,7 +304,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--iface", required=True, help="the node's link, whose kernel counters are read")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="JSON lines, one per arm (rank 0 appends)")
-    p.add_argument("--fuse", action="store_true", help="GIFT's codec through torch.compile (apply's fuse=True)")
+    p.add_argument("--eager", dest="fuse", action="store_false",
+                   help="GIFT's codec eager (apply's fuse=False; default: fused, as apply gives it)")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
