@@ -140,10 +140,11 @@ def _gift_hook(hs: "_HookState", bucket: dist.GradBucket) -> torch.futures.Futur
 
     queue_backward_check(hs.state, after_framework=True)
     fut, handle = hs.lane.submit(exchange)
-    key = (buf.dtype, *((s.name, s.rows, s.cols, s.plan) for s in segments))
-    if hs.fuse and key not in hs.warm:
-        handle.exception()  # waits without raising: the future carries any error to DDP
-        hs.warm.add(key)
+    if hs.fuse:
+        key = (buf.dtype, *((s.name, s.rows, s.cols, s.plan) for s in segments))
+        if key not in hs.warm:
+            handle.exception()  # waits without raising: the future carries any error to DDP
+            hs.warm.add(key)
     return fut
 
 
