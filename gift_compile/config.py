@@ -312,12 +312,15 @@ class GiftConfig:
             50-120x TF32's change (neither resolved after the family-wise correction), and at these
             ranks the map is memory-bound, so bf16 would buy little speed. "tf32"/"bf16" on CPU tensors run
             the exact map, logged once as a warning.
-        plan_check: eager collectives exchange every rank's plan fingerprint (item names and
-            order included) in a small fixed-size collective on every call, so a plan that
-            changes on one rank raises on every rank instead of hanging; the full description
-            is compared on the "first" call of each plan and on a mismatch, or on "always"
-            every call (debug mode). Compiled graphs always compare the fingerprint carried
-            in every collective's header, at no extra collective.
+        plan_check: the public one-tensor collectives exchange every rank's plan fingerprint
+            (item names and order included) in a small fixed-size collective on every call, so
+            a plan that changes on one rank raises on every rank instead of hanging; the full
+            description is compared on the "first" call of each plan and on a mismatch, or on
+            "always" every call (debug mode). The framework hooks (DDP, FSDP2, HSDP) compare
+            every layer's plan at apply and after each refresh, where plans change, and check
+            the fingerprint each header carries once per step: no host read per bucket; under
+            "always" they add the per-call check. Compiled graphs always compare the
+            fingerprint carried in every collective's header, at no extra collective.
         ranks_per_node: the node layout of the exchange (`gift_compile.exchange.topology`).
             None (the default) reads it from the launcher (`LOCAL_WORLD_SIZE`; unset: one
             node); an int g >= 1 says the job's global ranks sit g to a node (rank r on node

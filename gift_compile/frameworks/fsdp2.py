@@ -46,7 +46,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
-from gift_compile.exchange.collectives import ItemTensors, Segment, Shared, bucket_plan, bucket_wire_bytes, sync_buffer
+from gift_compile.exchange.collectives import (
+    ItemTensors, Segment, Shared, bucket_plan, bucket_wire_bytes, per_call_check, sync_buffer,
+)
 from gift_compile.exchange.node_stage import residual_rows
 from gift_compile.exchange.plan import BucketPlan, Collective, ItemPlan
 from gift_compile.exchange.topology import FLAT, node_layout
@@ -171,7 +173,7 @@ class GiftReduceScatter(ReduceScatter):
         config = self.state.config
         self.last_call = (world, input_tensor.dtype, group.group_name)
         sync_buffer(input_tensor, segments, self.shared, op=Collective.REDUCE_SCATTER, group=group, average=False,
-                    out=output_tensor, plan_check=config.plan_check, compiled=self.compiled,
+                    out=output_tensor, plan_check=per_call_check(config), compiled=self.compiled,
                     timing=self.timer.timing(input_tensor.device), ranks_per_node=config.ranks_per_node,
                     intra_node_format=config.intra_node_format)
         queue_backward_check(self.state)

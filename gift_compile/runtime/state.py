@@ -65,6 +65,9 @@ class BackwardWatch:
     # the other parameters GIFT's own sync synchronises, `(name, parameter)`, whose gradients
     # the replica check compares as well (`gift_compile.frameworks.plain_sync` keeps the list)
     synced_params: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    # whether the end-of-backward check has read the counters since the last backward that
+    # reached GIFT: the step then need not read them again (one host read per step)
+    checked: bool = False
 
 
 def layer_spec(config: GiftConfig, geometry: type[Geometry]) -> LayerSpec:
@@ -154,7 +157,7 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         self.steps = 0
         self.history: list[RefreshRecord] = []
         self.grad_source: FactorSource | None = None
-        self._health_seen = torch.zeros(N_COUNTERS, dtype=torch.int64)
+        self._health_seen = [0] * N_COUNTERS
         # Set by `gift_compile.api.manage` and friends.
         self.modules: dict[str, torch.nn.Module] = {}
         self.handles: list[Any] = []
@@ -205,17 +208,22 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
     def shared(self) -> Shared:
         return Shared(self.seed, self.rank, self.counters)
 
-    def _health_counts(self) -> torch.Tensor:
+    def _health_counts(self) -> list[int]:
         """The counters of every hop, summed (each hop's collectives write its health flags
-        into its own counters); the rank masks are OR-ed across hops and cleared."""
-        now = self.counters.detach().to("cpu", copy=True)
-        self.counters[C_NONFINITE_RANKS:C_MISMATCH_RANKS + 1].zero_()  # rank masks: read once, then cleared
-        for hop in self.hop_counters:
-            other = hop.detach().to("cpu", copy=True)
-            hop[C_NONFINITE_RANKS:C_MISMATCH_RANKS + 1].zero_()
-            masks = now[C_NONFINITE_RANKS:C_MISMATCH_RANKS + 1] | other[C_NONFINITE_RANKS:C_MISMATCH_RANKS + 1]
-            now += other
-            now[C_NONFINITE_RANKS:C_MISMATCH_RANKS + 1] = masks  # bit masks are OR-ed, not summed
+        into its own counters); the rank masks are OR-ed across hops and cleared. All of them
+        come to the host in one read (`tolist` of the stacked counters): the one host read of a
+        step (`runtime.health`)."""
+        masks = slice(C_NONFINITE_RANKS, C_MISMATCH_RANKS + 1)  # bit masks: OR-ed, not summed
+        hops = [self.counters, *self.hop_counters]
+        device = self.counters.device
+        rows = torch.stack([h.detach() if h.device == device else h.detach().to(device) for h in hops]).tolist()
+        for hop in hops:
+            hop[masks].zero_()  # rank masks: read once, then cleared
+        now = [sum(col) for col in zip(*rows)]
+        for i in range(masks.start, masks.stop):
+            now[i] = 0
+            for row in rows:
+                now[i] |= row[i]
         return now
 
     def add_layer(self, fqn: str, shape: tuple[int, int], device: torch.device | str, *,
@@ -372,13 +380,12 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         """The faults the counters recorded since the last call (consumed: read once); a
         non-finite gradient counts only under `nonfinite="error"`."""
         now = self._health_counts()
-        masks = C_NONFINITE_RANKS, C_MISMATCH_RANKS  # OR-ed rank masks: read, then cleared
-        nonfinite_ranks, mismatch_ranks = flagged_ranks(int(now[masks[0]])), flagged_ranks(int(now[masks[1]]))
-        now[masks[0]:masks[1] + 1] = 0
-        new = now - self._health_seen
+        nonfinite_ranks, mismatch_ranks = flagged_ranks(now[C_NONFINITE_RANKS]), flagged_ranks(now[C_MISMATCH_RANKS])
+        now[C_NONFINITE_RANKS] = now[C_MISMATCH_RANKS] = 0
+        new = [a - b for a, b in zip(now, self._health_seen)]
         self._health_seen = now
-        nonfinite = int(new[C_NONFINITE]) if self.config.nonfinite is Nonfinite.ERROR else 0
-        return Faults(int(new[C_MISMATCH]), nonfinite, set(mismatch_ranks) if int(new[C_MISMATCH]) else set(),
+        nonfinite = new[C_NONFINITE] if self.config.nonfinite is Nonfinite.ERROR else 0
+        return Faults(new[C_MISMATCH], nonfinite, set(mismatch_ranks) if new[C_MISMATCH] else set(),
                       set(nonfinite_ranks) if nonfinite else set())
 
     def step(self) -> None:
@@ -386,8 +393,13 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         (the warm-up steps, then every `refresh_every` steps).
 
         The health counters are checked again here for collectives that ran outside a checked
-        backward (a traced whole step); the backward's own checks have consumed the rest."""
-        self.check_health()
+        backward (a traced whole step); the backward's own checks have consumed the rest, and
+        where the last backward's check ran since its collectives this reads nothing (one host
+        read per step). A refresh is where plans change: the ranks compare them again after it
+        (`check_agreement`), so the hooks need no per-bucket plan check."""
+        if not self.backward_watch.checked:
+            self.check_health()
+        self.backward_watch.checked = False
         self.backward_watch.since_step, self.backward_watch.versions = 0, None
         for layer in self.layers.values():
             if layer.mode is SyncMode.SYNC_PENDING:
@@ -396,6 +408,7 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         self.seed.add_(1)
         if self.config.refresh_due(self.steps):
             self.refresh()
+            self.check_agreement()
         for sub in self.substates:
             sub.step()
 
