@@ -31,6 +31,19 @@ from gift_compile.kernels.map_dispatch import MapPrecision
 
 # `replica_format` value meaning "the cross-replica hop uses `format` too".
 SAME_FORMAT = "same"
+# `GiftConfig.tiny_format`: a tiny gradient (`is_tiny`: norms, biases, small weights) goes at
+# bf16 in its bucket's collective, or "fp32" (the opt-out: raw, at the gradient's own dtype).
+# No low-bit choice: a scale block per few elements saves next to nothing on these bytes.
+TINY_FORMATS = ("bf16", "fp32")
+# the opt-out value of `unmapped_format` / `tiny_format`: raw bytes at the gradient's own dtype
+FULL_PRECISION = "fp32"
+
+
+def is_tiny(shape: tuple[int, ...] | list[int], min_numel: int) -> bool:
+    """Whether a gradient of `shape` is tiny (`GiftConfig.tiny_format`): fewer than two dims (a
+    norm's gain, a bias) or fewer than `min_numel` elements (`GiftConfig.min_numel`, the size
+    under which a linear gets no map either)."""
+    return len(shape) < 2 or math.prod(shape) < min_numel
 # `GiftConfig.intra_node_format`: the precision of a two-level exchange's collectives inside a
 # node. "native" sends the gradient's own dtype (and an all-reduce's decoded chunks as fp32);
 # "bf16" sends both at bf16, half the node's bytes of an fp32 gradient. Only bf16 among the
@@ -208,8 +221,9 @@ class GiftConfig:
             at each refresh), "all", "none" (Euclidean low-bit everywhere),
             "boundary_hits:K" (the paper's rule: top-K layers by E5M2 saturation share), or
             a tuple of fnmatch globs over parameter FQNs (a comma-separated string is split).
-        exclude: globs of parameter FQNs that always stay at full precision (a
-            comma-separated string is split; an empty tuple excludes nothing).
+        exclude: globs of parameter FQNs that never get a map (a comma-separated string is
+            split; an empty tuple excludes nothing); their gradients travel at
+            `unmapped_format` in plain coordinates (or `tiny_format` where tiny).
         error_feedback: keep the quantization residual (in transformed coordinates) and add
             it to the next step's gradient (the first hop: each rank's own contribution).
         second_hop_error_feedback: error feedback on the all-reduce's second hop (1-bit Adam's
@@ -240,7 +254,22 @@ class GiftConfig:
             formats only (the rotation stays inside one scale); the same on every rank and
             step, so error-feedback residuals stay valid. Off by default: the frontier study
             decides where it pays (docs/benchmarks.md, "Techniques at 2 bits").
-        min_numel: 2-D weights smaller than this stay at full precision.
+        min_numel: 2-D weights smaller than this get no map; they and every gradient with
+            fewer than two dims are "tiny" and travel at `tiny_format`.
+        unmapped_format: wire format of every gradient of two or more dims and at least
+            `min_numel` elements that GIFT sends without a map (the parameters outside its
+            layers: those matching `exclude`, the embedding and output head by default, and
+            linears it does not manage): "same" (the default) is `format`, any format name
+            its own, "fp32" the opt-out (raw, at the gradient's own dtype, as all of them went
+            before this field existed). A
+            `layer_formats` entry matching the FQN wins. Such a gradient goes in plain
+            (Euclidean) coordinates in the same collective as the layers, each row with its
+            own scales, with the config's error feedback. Where its codes would take at least
+            the bytes of bf16 (a scale block longer than its rows), or its rows do not split
+            over the ranks of a reduce-scatter, it goes at `tiny_format`, logged naming it.
+        tiny_format: wire format of tiny gradients (`is_tiny`: fewer than two dims or fewer
+            than `min_numel` elements: norms, biases): "bf16" (the default, in the bucket's
+            collective, summed in fp32) or "fp32" (the opt-out, raw at the gradient's dtype).
         stats_tokens: at most this many tokens per step and layer enter the K-FAC statistics
             (a strided subsample), which bounds the hook's cost at O(stats_tokens * d_in^2).
         nonfinite: "error" raises when an eagerly called quantizer sees NaN/Inf; in compiled
@@ -357,6 +386,8 @@ class GiftConfig:
     block_rotation: bool = False
     layer_formats: tuple[str, ...] = ()
     min_numel: int = 4096
+    unmapped_format: str = SAME_FORMAT
+    tiny_format: str = "bf16"
     stats_tokens: int = 1024
     nonfinite: Nonfinite = Nonfinite.ERROR
     reduce_op: ReduceOp = ReduceOp.AVG
@@ -406,6 +437,15 @@ class GiftConfig:
         if self.replica_hop_format in BLOCK_SIZE_FORMATS and self.block_size not in BLOCK_SIZE_CHOICES:
             _fail("block_size", self.block_size,
                   f"{' or '.join(map(str, BLOCK_SIZE_CHOICES))} for replica_format={self.replica_hop_format!r}")
+        if not isinstance(self.unmapped_format, str) or self.unmapped_format not in (SAME_FORMAT, *FORMATS):
+            _fail("unmapped_format", self.unmapped_format, ", ".join((SAME_FORMAT, *FORMATS)) + " (fp32: the opt-out, "
+                  "raw at the gradient's dtype)")
+        if self.unmapped_hop_format in BLOCK_SIZE_FORMATS and self.block_size not in BLOCK_SIZE_CHOICES:
+            _fail("block_size", self.block_size,
+                  f"{' or '.join(map(str, BLOCK_SIZE_CHOICES))} for unmapped_format={self.unmapped_hop_format!r}")
+        if not isinstance(self.tiny_format, str) or self.tiny_format not in TINY_FORMATS:
+            _fail("tiny_format", self.tiny_format, ", ".join(TINY_FORMATS) + " (a tiny gradient's scale blocks would "
+                  "save next to nothing; fp32 is the opt-out)")
         if self.ranks_per_node is not None and (not _is_int(self.ranks_per_node) or self.ranks_per_node < 0):
             _fail("ranks_per_node", self.ranks_per_node, "None (from LOCAL_WORLD_SIZE), 0 (one level) or a positive integer")
         if not isinstance(self.intra_node_format, str) or self.intra_node_format not in INTRA_NODE_FORMATS:
@@ -506,6 +546,11 @@ class GiftConfig:
     def replica_hop_format(self) -> str:
         """The format of the cross-replica hop (`replica_format`, or `format` for "same")."""
         return self.format if self.replica_format == SAME_FORMAT else self.replica_format
+
+    @property
+    def unmapped_hop_format(self) -> str:
+        """The format of gradients sent without a map (`unmapped_format`, or `format` for "same")."""
+        return self.format if self.unmapped_format == SAME_FORMAT else self.unmapped_format
 
     @property
     def boundary_hits_k(self) -> int | None:

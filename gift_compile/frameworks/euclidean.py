@@ -21,15 +21,24 @@ FX pass rewrites (`gift_compile.frameworks.simple_fsdp`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Sequence
 
-from gift_compile.config import layer_format
-from gift_compile.exchange.plan import ItemPlan
+import torch
+
+from gift_compile.codec.spec import FormatSpec, wire_bytes_for
+from gift_compile.config import FULL_PRECISION, is_tiny, layer_format
+from gift_compile.exchange.collectives import ItemTensors
+from gift_compile.exchange.node_stage import residual_rows
+from gift_compile.exchange.plan import Collective, ItemPlan
+from gift_compile.exchange.topology import NodeLayout
 from gift_compile.geometry.table import IDENTITY_KIND
 from gift_compile.runtime.state import GiftState
 
-__all__ = ["NO_MAP", "describe", "describe_items", "euclidean_plan", "gathered_shape"]
+__all__ = ["NO_MAP", "describe", "describe_items", "euclidean_plan", "gathered_shape", "outside_item"]
+
+logger = logging.getLogger("gift_compile")
 
 # why graph_trainer's routed experts go with no map, for their log lines (on the FSDP2 trainer
 # each local expert is a GIFT layer of its own: `frameworks.fsdp2._whitened_experts`)
@@ -44,25 +53,78 @@ def gathered_shape(local: Sequence[int], world: int) -> tuple[int, ...]:
 
 
 def euclidean_plan(state: GiftState, fqn: str, shape: Sequence[int], world: int, *,
-                   error_feedback: bool = False) -> ItemPlan | None:
-    """The Euclidean item parameter `fqn` goes as when the tensor a collective reduces over
-    `world` ranks, then splits along dim 0 among them, has `shape` (this rank's gradient before
-    the reduce-scatter): viewed ``[prod(shape[:-1]), shape[-1]]``, at the state's format (or
-    its `layer_formats` entry), with none of a layer's own tensors (map, gate). With
-    `error_feedback` (the caller keeps the item's residual, `GiftState.add_outside_residual`) it
-    has the state's error feedback (its decay and residual format) where the config asks for
-    it; otherwise none. None where it goes raw: fewer than two dims, under `min_numel`, a dim 0
-    that does not split evenly over `world` (a rank's rows would not be whole), or excluded
-    (`GiftConfig.is_excluded`)."""
+                   error_feedback: bool = False, split_rows: bool = True) -> ItemPlan | None:
+    """The one rule for a gradient GIFT sends without a map (a parameter outside its layers):
+    the item parameter `fqn` goes as when the tensor a collective reduces over `world` ranks
+    has `shape` (this rank's whole gradient before the collective; for a reduce-scatter,
+    `split_rows`, one that splits along dim 0 among the ranks). None where it goes raw, at its
+    own dtype: the opt-outs (`GiftConfig.unmapped_format` / `tiny_format` "fp32") and a shape
+    with no element. Otherwise:
+
+    - tiny (`config.is_tiny`: fewer than two dims or `min_numel` elements: norms, biases) at
+      `tiny_format` (bf16), viewed `[numel, 1]` so that an all-reduce's row padding adds at
+      most `world` elements and a reduce-scatter's row blocks are each rank's elements;
+    - the rest viewed ``[prod(shape[:-1]), shape[-1]]`` at `unmapped_format` (or its
+      `layer_formats` entry), with none of a layer's own tensors (map, gate), every row with
+      its own scales; at `tiny_format` instead, logged naming it, where its codes would take
+      at least bf16's bytes (a scale block longer than a row) or, `split_rows`, its dim 0 does
+      not split over `world` (a rank's rows would not be whole).
+
+    With `error_feedback` (the caller keeps the item's residual, `GiftState.add_outside_residual`)
+    a low-bit item has the state's error feedback (its decay and residual format) where the
+    config asks for it; otherwise none, and a 16-bit item never (its rounding is below the
+    codes' noise)."""
     config, spec = state.config, state.layer_spec
-    if len(shape) < 2 or math.prod(shape) < config.min_numel or shape[0] % world or config.is_excluded(fqn):
+    if not shape or math.prod(shape) == 0:
         return None
-    plan = dataclasses.replace(
-        spec.plan, name=fqn, rows=math.prod(shape[:-1]), cols=shape[-1], kind=IDENTITY_KIND, n_tensors=0,
-        format=layer_format(spec.layer_formats, fqn, spec.plan.format), second_hop_error_feedback=False)
-    if error_feedback and plan.error_feedback:
-        return plan
+    numel = math.prod(shape)
+    base = dataclasses.replace(spec.plan, name=fqn, kind=IDENTITY_KIND, n_tensors=0, second_hop_error_feedback=False)
+    fmt = layer_format(spec.layer_formats, fqn, config.unmapped_hop_format)
+    why = None
+    if not is_tiny(tuple(shape), config.min_numel) and fmt != FULL_PRECISION:
+        rows, cols = math.prod(shape[:-1]), shape[-1]
+        coded = FormatSpec(fmt, config.scaling, config.block_size)
+        if split_rows and shape[0] % world:
+            why = f"its {shape[0]} rows do not split over {world} ranks"
+        elif not coded.passthrough and wire_bytes_for(coded, rows, cols) >= 2 * numel:
+            why = f"{fmt} codes of its [{rows}, {cols}] view take at least bf16's bytes (block_size {config.block_size})"
+        else:
+            plan = dataclasses.replace(base, rows=rows, cols=cols, format=fmt,
+                                       block_rotation=base.block_rotation and coded.block is not None)
+            if error_feedback and plan.error_feedback and not coded.passthrough:
+                return plan
+            return _without_feedback(plan)
+    elif not is_tiny(tuple(shape), config.min_numel):
+        return None  # the opt-out: raw at its dtype
+    if config.tiny_format == FULL_PRECISION:
+        return None
+    if why is not None:
+        logger.warning("GIFT: %s goes at %s, not %s: %s", fqn, config.tiny_format, fmt, why)
+    return _without_feedback(dataclasses.replace(base, rows=numel, cols=1, format=config.tiny_format,
+                                                 block_rotation=False))
+
+
+def _without_feedback(plan: ItemPlan) -> ItemPlan:
     return dataclasses.replace(plan, error_feedback=False, error_feedback_decay=1.0, residual_format="fp32")
+
+
+def outside_item(state: GiftState, fqn: str, shape: Sequence[int], world: int, device: torch.device, *,
+                 collective: Collective, layout: NodeLayout) -> tuple[ItemPlan | None, ItemTensors | None]:
+    """The plan and runtime tensors of a parameter outside the layers whose gradient a hook
+    sends in its bucket (`euclidean_plan`'s rule; `shape` the gradient the collective reduces):
+    a seed offset, and where the item has error feedback a residual the state keeps
+    (`GiftState.add_outside_residual`, checkpointed), `[rows, cols]` of the item or under a
+    two-level `layout` its node chunk's rows. `(None, None)`: raw. The DDP hook, FSDP2's
+    reduce-scatter and GIFT's own sync of a plain module build their items here."""
+    plan = euclidean_plan(state, fqn, shape, world, error_feedback=True,
+                          split_rows=collective is Collective.REDUCE_SCATTER)
+    if plan is None:
+        return None, None
+    residual = None
+    if plan.error_feedback:
+        residual = state.add_outside_residual(fqn, (residual_rows(plan.rows, world, layout), plan.cols), device)
+    seed = torch.tensor(plan.seed_offset, dtype=torch.int64, device=device)
+    return plan, ItemTensors((), residual, None, seed)
 
 
 def describe_items(plans: Sequence[tuple[str, ItemPlan | None]], error_feedback: bool, fmt: str | None = None) -> str:
