@@ -78,11 +78,16 @@ class Telemetry:
         `node_wire`, handed to collectives inside a node (a two-level exchange's native
         reduce-scatter, header and result all_gathers; 0 for a one-level exchange), and
         `cross_wire`, the rest: what the group's exchange (across nodes, where it spans them)
-        was handed."""
+        was handed. The refresh's own traffic (statistics, selection measurements, map
+        broadcasts; in two levels where the group spans nodes, `gift_compile.sync`) is apart
+        from the gradients': `refresh_wire`, the bytes this rank handed to send in it, and
+        `refresh_cross_wire`, those of them handed to collectives between nodes (all of them in
+        a group without two levels)."""
         c = self.counters.tolist()
         return {"wire": c[C_WIRE], "baseline": c[C_BASELINE], "calls": c[C_CALLS], "nonfinite": c[C_NONFINITE],
                 "mismatch": c[C_MISMATCH], "plain_calls": c[C_PLAIN_CALLS], "node_wire": c[C_NODE_WIRE],
-                "cross_wire": c[C_WIRE] - c[C_NODE_WIRE]}
+                "cross_wire": c[C_WIRE] - c[C_NODE_WIRE], "refresh_wire": self.refresh_traffic.wire,
+                "refresh_cross_wire": self.refresh_traffic.cross}
 
     def accounted_bytes_per_step(self) -> int:
         """Shape-based accounting of the managed layers' bytes per step under this state's own
