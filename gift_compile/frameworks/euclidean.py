@@ -115,9 +115,11 @@ def outside_item(state: GiftState, fqn: str, shape: Sequence[int], world: int, d
     a seed offset, and where the item has error feedback a residual the state keeps
     (`GiftState.add_outside_residual`, checkpointed), `[rows, cols]` of the item or under a
     two-level `layout` its node chunk's rows. `(None, None)`: raw. The DDP hook, FSDP2's
-    reduce-scatter and GIFT's own sync of a plain module build their items here."""
+    reduce-scatter and GIFT's own sync of a plain module build their items here; each is
+    recorded on the state (`GiftState.outside_items`) for the apply report."""
     plan = euclidean_plan(state, fqn, shape, world, error_feedback=True,
                           split_rows=collective is Collective.REDUCE_SCATTER)
+    state.outside_items[fqn] = plan, tuple(shape)  # what the apply report prices
     if plan is None:
         return None, None
     residual = None
