@@ -85,18 +85,17 @@ MODIFIERS: dict[str, dict[str, object]] = {
     # arm; `emulated_precision`), which otherwise runs the exact map only
     "tf32": {"map_precision": "tf32"},
     "bf16": {"map_precision": "bf16"},
-    # the whole gradient compressed (the product's default since `unmapped_format` exists): the
-    # parameters outside GIFT's layers (embedding, output head) at the arm's format in plain
-    # coordinates, the tiny ones (norms) at bf16; every arm without it sends them raw at fp32,
-    # as every study arm before it did (`STUDY_OUTSIDE`)
-    "uw": {"unmapped_format": "same", "tiny_format": "bf16"},
-    # the same with the embedding and head at bf16 instead of the arm's format
-    "ubf": {"unmapped_format": "bf16", "tiny_format": "bf16"},
+    # the whole gradient compressed: the parameters outside GIFT's layers (embedding, output
+    # head) at the arm's format in plain coordinates, the tiny ones (norms) at bf16; every arm
+    # without `-uw`/`-ubf` sends them raw at fp32, as every study arm before them did (`STUDY_OUTSIDE`)
+    "uw": {"excluded_format": "same", "unmapped_format": "same", "tiny_format": "bf16"},
+    # the same with the embedding and head at bf16 instead of the arm's format (the product's default)
+    "ubf": {"excluded_format": "bf16", "unmapped_format": "same", "tiny_format": "bf16"},
 }
 
 # what every arm without `-uw`/`-ubf` sends the parameters outside GIFT's layers at: raw fp32,
 # the only choice before `GiftConfig.unmapped_format` existed, so earlier runs keep their meaning
-STUDY_OUTSIDE: dict[str, object] = {"unmapped_format": "fp32", "tiny_format": "fp32"}
+STUDY_OUTSIDE: dict[str, object] = {"excluded_format": "fp32", "unmapped_format": "fp32", "tiny_format": "fp32"}
 
 # the modifiers whose arms run the emulated tensor-core map, and the precision each emulates
 EMULATED_PRECISIONS = {"tf32": "tf32", "bf16": "bf16"}

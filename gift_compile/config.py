@@ -35,7 +35,7 @@ SAME_FORMAT = "same"
 # bf16 in its bucket's collective, or "fp32" (the opt-out: raw, at the gradient's own dtype).
 # No low-bit choice: a scale block per few elements saves next to nothing on these bytes.
 TINY_FORMATS = ("bf16", "fp32")
-# the opt-out value of `unmapped_format` / `tiny_format`: raw bytes at the gradient's own dtype
+# the opt-out value of `unmapped_format` / `excluded_format` / `tiny_format`: raw bytes at the gradient's own dtype
 FULL_PRECISION = "fp32"
 
 
@@ -223,7 +223,7 @@ class GiftConfig:
             a tuple of fnmatch globs over parameter FQNs (a comma-separated string is split).
         exclude: globs of parameter FQNs that never get a map (a comma-separated string is
             split; an empty tuple excludes nothing); their gradients travel at
-            `unmapped_format` in plain coordinates (or `tiny_format` where tiny).
+            `excluded_format` in plain coordinates (or `tiny_format` where tiny).
         error_feedback: keep the quantization residual (in transformed coordinates) and add
             it to the next step's gradient (the first hop: each rank's own contribution).
         second_hop_error_feedback: error feedback on the all-reduce's second hop (1-bit Adam's
@@ -257,16 +257,21 @@ class GiftConfig:
         min_numel: 2-D weights smaller than this get no map; they and every gradient with
             fewer than two dims are "tiny" and travel at `tiny_format`.
         unmapped_format: wire format of every gradient of two or more dims and at least
-            `min_numel` elements that GIFT sends without a map (the parameters outside its
-            layers: those matching `exclude`, the embedding and output head by default, and
-            linears it does not manage): "same" (the default) is `format`, any format name
-            its own, "fp32" the opt-out (raw, at the gradient's own dtype, as all of them went
-            before this field existed). A
-            `layer_formats` entry matching the FQN wins. Such a gradient goes in plain
+            `min_numel` elements that GIFT sends without a map and `exclude` does not match
+            (linears it does not manage: tied, rows that do not split; other 2-D weights):
+            "same" (the default) is `format`, any format name its own, "fp32" the opt-out
+            (raw, at the gradient's own dtype, as all of them went before this field existed).
+            A `layer_formats` entry matching the FQN wins. Such a gradient goes in plain
             (Euclidean) coordinates in the same collective as the layers, each row with its
             own scales, with the config's error feedback. Where its codes would take at least
             the bytes of bf16 (a scale block longer than its rows), or its rows do not split
             over the ranks of a reduce-scatter, it goes at `tiny_format`, logged naming it.
+        excluded_format: the same for the gradients `exclude` matches (the embedding and the
+            output head by default): "bf16" (the default), "same" (`format`), any format name,
+            or "fp32" (the opt-out). bf16 is the conservative choice, not a measured one: the
+            convergence comparison of the embedding and head at the recipe's int2 against bf16
+            did not finish on the machine it was given (docs/design.md, "The whole gradient");
+            at bf16 they are ~half of a Llama-3-8B int2 step's bytes, at int2 about 1/8.
         tiny_format: wire format of tiny gradients (`is_tiny`: fewer than two dims or fewer
             than `min_numel` elements: norms, biases): "bf16" (the default, in the bucket's
             collective, summed in fp32) or "fp32" (the opt-out, raw at the gradient's dtype).
@@ -387,6 +392,7 @@ class GiftConfig:
     layer_formats: tuple[str, ...] = ()
     min_numel: int = 4096
     unmapped_format: str = SAME_FORMAT
+    excluded_format: str = "bf16"
     tiny_format: str = "bf16"
     stats_tokens: int = 1024
     nonfinite: Nonfinite = Nonfinite.ERROR
@@ -437,12 +443,13 @@ class GiftConfig:
         if self.replica_hop_format in BLOCK_SIZE_FORMATS and self.block_size not in BLOCK_SIZE_CHOICES:
             _fail("block_size", self.block_size,
                   f"{' or '.join(map(str, BLOCK_SIZE_CHOICES))} for replica_format={self.replica_hop_format!r}")
-        if not isinstance(self.unmapped_format, str) or self.unmapped_format not in (SAME_FORMAT, *FORMATS):
-            _fail("unmapped_format", self.unmapped_format, ", ".join((SAME_FORMAT, *FORMATS)) + " (fp32: the opt-out, "
-                  "raw at the gradient's dtype)")
-        if self.unmapped_hop_format in BLOCK_SIZE_FORMATS and self.block_size not in BLOCK_SIZE_CHOICES:
-            _fail("block_size", self.block_size,
-                  f"{' or '.join(map(str, BLOCK_SIZE_CHOICES))} for unmapped_format={self.unmapped_hop_format!r}")
+        for name in ("unmapped_format", "excluded_format"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or value not in (SAME_FORMAT, *FORMATS):
+                _fail(name, value, ", ".join((SAME_FORMAT, *FORMATS)) + " (fp32: the opt-out, raw at the gradient's dtype)")
+            resolved = self.format if value == SAME_FORMAT else value
+            if resolved in BLOCK_SIZE_FORMATS and self.block_size not in BLOCK_SIZE_CHOICES:
+                _fail("block_size", self.block_size, f"{' or '.join(map(str, BLOCK_SIZE_CHOICES))} for {name}={resolved!r}")
         if not isinstance(self.tiny_format, str) or self.tiny_format not in TINY_FORMATS:
             _fail("tiny_format", self.tiny_format, ", ".join(TINY_FORMATS) + " (a tiny gradient's scale blocks would "
                   "save next to nothing; fp32 is the opt-out)")
@@ -547,10 +554,12 @@ class GiftConfig:
         """The format of the cross-replica hop (`replica_format`, or `format` for "same")."""
         return self.format if self.replica_format == SAME_FORMAT else self.replica_format
 
-    @property
-    def unmapped_hop_format(self) -> str:
-        """The format of gradients sent without a map (`unmapped_format`, or `format` for "same")."""
-        return self.format if self.unmapped_format == SAME_FORMAT else self.unmapped_format
+    def unmapped_format_for(self, fqn: str) -> str:
+        """The format of the gradient of `fqn`, sent without a map and not tiny: its
+        `layer_formats` entry, else `excluded_format` where `exclude` matches it, else
+        `unmapped_format` ("same" resolved to `format`)."""
+        choice = self.excluded_format if self.is_excluded(fqn) else self.unmapped_format
+        return layer_format(self.layer_formats, fqn, self.format if choice == SAME_FORMAT else choice)
 
     @property
     def boundary_hits_k(self) -> int | None:

@@ -54,7 +54,8 @@ def test_layer_formats_apply_to_the_expert_items(state: GiftState) -> None:
     ((2048,), "blocks.1.experts.bias", ("bf16", 2048, 1), False, "one dim: tiny, at tiny_format"),
     ((2, 32, 32), "blocks.1.experts.w1_EFD", ("bf16", 2048, 1), False, "2048 elements, under min_numel 4096: tiny"),
     ((3, 64, 32), "blocks.1.experts.w1_EFD", ("bf16", 6144, 1), True, "3 experts do not split over 2 ranks"),
-    ((4, 64, 32), "tok_embeddings.w", ("nvfp4", 256, 32), False, "excluded from the map, not from the codec"),
+    ((4, 64, 32), "tok_embeddings.w", ("bf16", 256, 32), False, "excluded from the map: at excluded_format"),
+    ((4, 64, 32), "blocks.1.experts.w1_EFD", ("nvfp4", 256, 32), False, "not excluded: at unmapped_format (format)"),
     ((4096, 2), "blocks.1.experts.narrow", ("bf16", 8192, 1), True, "2 columns in a 16-element block: codes cost more"),
 ])
 def test_what_cannot_go_as_codes_goes_at_tiny_format(state: GiftState, shape: tuple[int, ...], name: str,
@@ -77,19 +78,21 @@ def test_a_shard_on_another_dim_goes_raw(state: GiftState) -> None:
     assert euclidean_plan(state, "blocks.1.experts.w1_EFD", (), world=2) is None
 
 
-@pytest.mark.parametrize("opt_out", [{"unmapped_format": "fp32"}, {"tiny_format": "fp32"}])
-def test_the_opt_outs_send_their_class_raw(opt_out: dict[str, str]) -> None:
-    config = GiftConfig(format="int2", block_size=32, geometry="lowrank", min_numel=4096, **opt_out)
+@pytest.mark.parametrize("opt_out", ["unmapped_format", "excluded_format", "tiny_format"])
+def test_the_opt_outs_send_their_class_raw(opt_out: str) -> None:
+    config = GiftConfig(format="int2", block_size=32, geometry="lowrank", min_numel=4096, **{opt_out: "fp32"})
     st = GiftState(config, None, collective=Collective.REDUCE_SCATTER)
-    big = euclidean_plan(st, "tok_embeddings.weight", (4096, 64), world=2)
-    tiny = euclidean_plan(st, "norm.weight", (64,), world=2)
-    assert (big is None) == ("unmapped_format" in opt_out) and (tiny is None) == ("tiny_format" in opt_out)
-    assert big is None or big.format == "int2"
-    assert tiny is None or tiny.format == "bf16"
+    plans = {"unmapped_format": euclidean_plan(st, "layers.0.tied.weight", (4096, 64), world=2),
+             "excluded_format": euclidean_plan(st, "tok_embeddings.weight", (4096, 64), world=2),
+             "tiny_format": euclidean_plan(st, "norm.weight", (64,), world=2)}
+    assert {field for field, plan in plans.items() if plan is None} == {opt_out}
+    defaults = {"unmapped_format": "int2", "excluded_format": "bf16", "tiny_format": "bf16"}
+    assert all(plan.format == defaults[field] for field, plan in plans.items() if plan is not None)
 
 
 @pytest.mark.parametrize("field, value, allowed", [
     ("unmapped_format", "int7", "fp32: the opt-out"), ("unmapped_format", 2, "same"),
+    ("excluded_format", "int7", "fp32: the opt-out"),
     ("tiny_format", "int2", "bf16, fp32"), ("tiny_format", "same", "bf16, fp32"),
 ])
 def test_the_formats_outside_the_layers_are_validated(field: str, value: object, allowed: str) -> None:

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 
 from gift_compile.codec.spec import FormatSpec, wire_bytes_for
-from gift_compile.config import FULL_PRECISION, is_tiny, layer_format
+from gift_compile.config import FULL_PRECISION, is_tiny
 from gift_compile.exchange.collectives import ItemTensors
 from gift_compile.exchange.node_stage import residual_rows
 from gift_compile.exchange.plan import Collective, ItemPlan
@@ -58,14 +58,15 @@ def euclidean_plan(state: GiftState, fqn: str, shape: Sequence[int], world: int,
     the item parameter `fqn` goes as when the tensor a collective reduces over `world` ranks
     has `shape` (this rank's whole gradient before the collective; for a reduce-scatter,
     `split_rows`, one that splits along dim 0 among the ranks). None where it goes raw, at its
-    own dtype: the opt-outs (`GiftConfig.unmapped_format` / `tiny_format` "fp32") and a shape
-    with no element. Otherwise:
+    own dtype: the opt-outs (`GiftConfig.unmapped_format` / `excluded_format` / `tiny_format`
+    "fp32") and a shape with no element. Otherwise:
 
     - tiny (`config.is_tiny`: fewer than two dims or `min_numel` elements: norms, biases) at
       `tiny_format` (bf16), viewed `[numel, 1]` so that an all-reduce's row padding adds at
       most `world` elements and a reduce-scatter's row blocks are each rank's elements;
-    - the rest viewed ``[prod(shape[:-1]), shape[-1]]`` at `unmapped_format` (or its
-      `layer_formats` entry), with none of a layer's own tensors (map, gate), every row with
+    - the rest viewed ``[prod(shape[:-1]), shape[-1]]`` at `unmapped_format`, or
+      `excluded_format` where `exclude` matches it (`GiftConfig.unmapped_format_for`; a
+      `layer_formats` entry wins), with none of a layer's own tensors (map, gate), every row with
       its own scales; at `tiny_format` instead, logged naming it, where its codes would take
       at least bf16's bytes (a scale block longer than a row) or, `split_rows`, its dim 0 does
       not split over `world` (a rank's rows would not be whole).
@@ -79,7 +80,7 @@ def euclidean_plan(state: GiftState, fqn: str, shape: Sequence[int], world: int,
         return None
     numel = math.prod(shape)
     base = dataclasses.replace(spec.plan, name=fqn, kind=IDENTITY_KIND, n_tensors=0, second_hop_error_feedback=False)
-    fmt = layer_format(spec.layer_formats, fqn, config.unmapped_hop_format)
+    fmt = config.unmapped_format_for(fqn)
     why = None
     if not is_tiny(tuple(shape), config.min_numel) and fmt != FULL_PRECISION:
         rows, cols = math.prod(shape[:-1]), shape[-1]
