@@ -1,5 +1,13 @@
 """The one rule for gradients GIFT sends on its codec with no map, outside its layers.
 
+Every gradient outside GIFT's layers that a hook sends in its buckets goes by `euclidean_plan`
+(`outside_item` adds its runtime tensors): the embedding and head (`exclude`) at
+`excluded_format`, other weights at `unmapped_format`, in plain coordinates; tiny ones (norms,
+biases) at `tiny_format`; raw only where the config opts out. The DDP hook, FSDP2's reduce-scatter
+(`GiftReduceScatter`), a plain module's sync (`plain_sync`) and HSDP's replica hop (which cuts the
+shard hop's segments) ask it, so a parameter goes the same way on every path
+(docs/design.md, "The whole gradient").
+
 A parameter group a framework reduce-scatters over another process group than GIFT's state
 (torchtitan's routed experts on the ``efsdp`` mesh under expert parallelism) has no GIFT layer:
 GIFT's statistics, transforms and selection belong to the state's group, and a grouped-GEMM
@@ -80,27 +88,24 @@ def euclidean_plan(state: GiftState, fqn: str, shape: Sequence[int], world: int,
         return None
     numel = math.prod(shape)
     base = dataclasses.replace(spec.plan, name=fqn, kind=IDENTITY_KIND, n_tensors=0, second_hop_error_feedback=False)
-    fmt = config.unmapped_format_for(fqn)
-    why = None
-    if not is_tiny(tuple(shape), config.min_numel) and fmt != FULL_PRECISION:
+    if not is_tiny(tuple(shape), config.min_numel):
+        fmt = config.unmapped_format_for(fqn)
+        if fmt == FULL_PRECISION:
+            return None  # the opt-out: raw at its dtype
         rows, cols = math.prod(shape[:-1]), shape[-1]
         coded = FormatSpec(fmt, config.scaling, config.block_size)
-        if split_rows and shape[0] % world:
-            why = f"its {shape[0]} rows do not split over {world} ranks"
-        elif not coded.passthrough and wire_bytes_for(coded, rows, cols) >= 2 * numel:
-            why = f"{fmt} codes of its [{rows}, {cols}] view take at least bf16's bytes (block_size {config.block_size})"
-        else:
+        why = (f"its {shape[0]} rows do not split over {world} ranks" if split_rows and shape[0] % world
+               else f"{fmt} codes of its [{rows}, {cols}] view take at least bf16's bytes (block_size "
+                    f"{config.block_size})" if not coded.passthrough and wire_bytes_for(coded, rows, cols) >= 2 * numel
+               else None)
+        if why is None:
             plan = dataclasses.replace(base, rows=rows, cols=cols, format=fmt,
                                        block_rotation=base.block_rotation and coded.block is not None)
-            if error_feedback and plan.error_feedback and not coded.passthrough:
-                return plan
-            return _without_feedback(plan)
-    elif not is_tiny(tuple(shape), config.min_numel):
-        return None  # the opt-out: raw at its dtype
+            keep = error_feedback and plan.error_feedback and not coded.passthrough
+            return plan if keep else _without_feedback(plan)
+        logger.warning("GIFT: %s goes at tiny_format=%s, not %s: %s", fqn, config.tiny_format, fmt, why)
     if config.tiny_format == FULL_PRECISION:
         return None
-    if why is not None:
-        logger.warning("GIFT: %s goes at %s, not %s: %s", fqn, config.tiny_format, fmt, why)
     return _without_feedback(dataclasses.replace(base, rows=numel, cols=1, format=config.tiny_format,
                                                  block_rotation=False))
 

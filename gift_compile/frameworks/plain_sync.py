@@ -50,7 +50,8 @@ import torch.nn as nn
 
 from gift_compile.config import GiftConfig, ReduceOp
 from gift_compile.exchange import collectives
-from gift_compile.exchange.collectives import C_NONFINITE, C_NONFINITE_RANKS, C_PLAIN_CALLS, RANK_BITS, ItemTensors, Segment
+from gift_compile.exchange.collectives import (C_CALLS, C_NONFINITE, C_NONFINITE_RANKS, C_PLAIN_CALLS, RANK_BITS,
+                                               ItemTensors, Segment)
 from gift_compile.exchange.mark import SyncMode
 from gift_compile.exchange.plan import Collective, ItemPlan
 from gift_compile.frameworks.adapter import attach
@@ -275,11 +276,13 @@ class PlainSync:
             self.flush()
 
     def _count(self, bad: list[int], counted: bool = False) -> None:
-        """The launch and the ranks whose gradients were not finite into the state's counters
-        (read by `GiftState.check_health`); the bytes the bucket counted itself. `counted`: a
+        """The launch (as a plain call, not a managed one) and the ranks whose gradients were not
+        finite into the state's counters (read by `GiftState.check_health`); the bytes the
+        bucket counted itself. `counted`: a
         coded item's header counted the non-finite collective already."""
         c = self.state.counters
         c[C_PLAIN_CALLS] += 1
+        c[C_CALLS] -= 1  # the bucket counted itself a call; `calls` stays the managed weights' collectives
         if bad:
             if not counted:
                 c[C_NONFINITE] += 1

@@ -67,10 +67,10 @@ class Telemetry:
 
     def comm_totals(self) -> dict[str, int]:
         """Cumulative counts since the state was created, as counted by the collectives when
-        they handed bytes over: `wire` (bytes handed to GIFT's collectives, and to the
-        full-precision sync of unmanaged parameters where GIFT does that sync), `baseline`
+        they handed bytes over: `wire` (bytes handed to GIFT's collectives, the sync of a
+        plain module's unmanaged parameters included), `baseline`
         (bytes the replaced collectives would have been handed), `calls`, `nonfinite`,
-        `mismatch`, and `plain_calls` (bucket collectives of the full-precision sync of unmanaged
+        `mismatch`, and `plain_calls` (bucket collectives of a plain module's unmanaged
         parameters, `gift_compile.frameworks.plain_sync`; not in `calls`). `baseline / wire` is the
         whole gradient's compression on plain modules, DDP and FSDP2, where every gradient goes
         through these counters; on a traced SimpleFSDP graph the reduce-scatters the pass left
