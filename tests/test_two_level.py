@@ -773,3 +773,41 @@ def test_two_level_bucket_at_bf16_traces_fullgraph_once():
     for r in run_ranks(_traced, 4, timeout=600):
         for op, v in r.items():
             assert v["frames"] == 1 and v["equal"] and v["node_wire"] > 0, (op, v)
+
+
+def _refresh_levels(rank: int, world: int, g: int) -> dict:
+    """A lowrank refresh (statistics reduced onto owners, maps broadcast) over 4 ranks as 2 nodes
+    x 2 (`g=2`) or flat (`g=0`), counted; and the host collectives' results in two levels."""
+    from gift_compile import sync
+
+    model = MLP(64)
+    gift_compile.apply(model, GiftConfig(**EXACT_OUTSIDE, format="fp8_e4m3", geometry="lowrank", rank=4, min_numel=1024,
+                                         select="all", exclude=(), ranks_per_node=g), fuse=False)
+    st = gift_compile.state(model)
+    model(torch.randn(32, 64, generator=torch.Generator().manual_seed(rank))).pow(2).mean().backward()
+    st.refresh()
+    out = {"totals": st.comm_totals(), "maps": [t.clone() for layer in st.layers.values() for t in layer.tensors()[0]]}
+    t, b, r = torch.full((100,), float(rank + 1)), torch.full((10,), float(rank)), torch.full((10,), float(rank + 1))
+    sync.all_reduce_(t, dist.group.WORLD)
+    sync.broadcast_(b, dist.group.WORLD, src=3)
+    sync.reduce_(r, dist.group.WORLD, dst=2)
+    out.update(all_reduce=t, broadcast=b, reduce=r if rank == 2 else None)
+    return out
+
+
+@pytest.mark.parametrize("g", [2, 0])
+def test_the_refresh_runs_in_two_levels_and_is_counted_apart(g: int) -> None:
+    runs = run_ranks(_refresh_levels, 4, g)
+    for r in runs:
+        assert torch.equal(r["all_reduce"], torch.full((100,), 10.0)) and torch.equal(r["broadcast"], torch.full((10,), 3.0))
+        assert all(torch.equal(a, b) for a, b in zip(r["maps"], runs[0]["maps"]))  # one map on every rank
+    assert torch.equal(runs[2]["reduce"], torch.full((10,), 10.0))
+    wire = sum(r["totals"]["refresh_wire"] for r in runs)
+    cross = sum(r["totals"]["refresh_cross_wire"] for r in runs)
+    assert wire > 0, runs[0]["totals"]
+    if g == 0:  # one level: every byte goes to the group's collective, which may span nodes
+        assert cross == wire
+    else:  # the statistics and maps cross between nodes once per node (the ranks of one local index)
+        assert 0 < cross < wire / 2, (cross, wire)
+    # the gradients' bytes are apart
+    assert all(r["totals"]["wire"] > 0 for r in runs)
