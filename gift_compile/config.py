@@ -31,6 +31,19 @@ from gift_compile.kernels.map_dispatch import MapPrecision
 
 # `replica_format` value meaning "the cross-replica hop uses `format` too".
 SAME_FORMAT = "same"
+# `GiftConfig.tiny_format`: a tiny gradient (`is_tiny`: norms, biases, small weights) goes at
+# bf16 in its bucket's collective, or "fp32" (the opt-out: raw, at the gradient's own dtype).
+# No low-bit choice: a scale block per few elements saves next to nothing on these bytes.
+TINY_FORMATS = ("bf16", "fp32")
+# the opt-out value of `unmapped_format` / `excluded_format` / `tiny_format`: raw bytes at the gradient's own dtype
+FULL_PRECISION = "fp32"
+
+
+def is_tiny(shape: tuple[int, ...] | list[int], min_numel: int) -> bool:
+    """Whether a gradient of `shape` is tiny (`GiftConfig.tiny_format`): fewer than two dims (a
+    norm's gain, a bias) or fewer than `min_numel` elements (`GiftConfig.min_numel`, the size
+    under which a linear gets no map either)."""
+    return len(shape) < 2 or math.prod(shape) < min_numel
 # `GiftConfig.intra_node_format`: the precision of a two-level exchange's collectives inside a
 # node. "native" sends the gradient's own dtype (and an all-reduce's decoded chunks as fp32);
 # "bf16" sends both at bf16, half the node's bytes of an fp32 gradient. Only bf16 among the
@@ -208,8 +221,9 @@ class GiftConfig:
             at each refresh), "all", "none" (Euclidean low-bit everywhere),
             "boundary_hits:K" (the paper's rule: top-K layers by E5M2 saturation share), or
             a tuple of fnmatch globs over parameter FQNs (a comma-separated string is split).
-        exclude: globs of parameter FQNs that always stay at full precision (a
-            comma-separated string is split; an empty tuple excludes nothing).
+        exclude: globs of parameter FQNs that never get a map (a comma-separated string is
+            split; an empty tuple excludes nothing); their gradients travel at
+            `excluded_format` in plain coordinates (or `tiny_format` where tiny).
         error_feedback: keep the quantization residual (in transformed coordinates) and add
             it to the next step's gradient (the first hop: each rank's own contribution).
         second_hop_error_feedback: error feedback on the all-reduce's second hop (1-bit Adam's
@@ -240,7 +254,27 @@ class GiftConfig:
             formats only (the rotation stays inside one scale); the same on every rank and
             step, so error-feedback residuals stay valid. Off by default: the frontier study
             decides where it pays (docs/benchmarks.md, "Techniques at 2 bits").
-        min_numel: 2-D weights smaller than this stay at full precision.
+        min_numel: 2-D weights smaller than this get no map; they and every gradient with
+            fewer than two dims are "tiny" and travel at `tiny_format`.
+        unmapped_format: wire format of every gradient of two or more dims and at least
+            `min_numel` elements that GIFT sends without a map and `exclude` does not match
+            (linears it does not manage: tied, rows that do not split; other 2-D weights):
+            "same" (the default) is `format`, any format name its own, "fp32" the opt-out
+            (raw, at the gradient's own dtype, as all of them went before this field existed).
+            A `layer_formats` entry matching the FQN wins. Such a gradient goes in plain
+            (Euclidean) coordinates in the same collective as the layers, each row with its
+            own scales, with the config's error feedback. Where its codes would take at least
+            the bytes of bf16 (a scale block longer than its rows), or its rows do not split
+            over the ranks of a reduce-scatter, it goes at `tiny_format`, logged naming it.
+        excluded_format: the same for the gradients `exclude` matches (the embedding and the
+            output head by default): "bf16" (the default), "same" (`format`), any format name,
+            or "fp32" (the opt-out). bf16 is the conservative choice, not a measured one: the
+            convergence comparison of the embedding and head at the recipe's int2 against bf16
+            did not finish on the machine it was given (docs/design.md, "The whole gradient");
+            at bf16 they are ~half of a Llama-3-8B int2 step's bytes, at int2 about 1/8.
+        tiny_format: wire format of tiny gradients (`is_tiny`: fewer than two dims or fewer
+            than `min_numel` elements: norms, biases): "bf16" (the default, in the bucket's
+            collective, summed in fp32) or "fp32" (the opt-out, raw at the gradient's dtype).
         stats_tokens: at most this many tokens per step and layer enter the K-FAC statistics
             (a strided subsample), which bounds the hook's cost at O(stats_tokens * d_in^2).
         nonfinite: "error" raises when an eagerly called quantizer sees NaN/Inf; in compiled
@@ -360,6 +394,9 @@ class GiftConfig:
     block_rotation: bool = False
     layer_formats: tuple[str, ...] = ()
     min_numel: int = 4096
+    unmapped_format: str = SAME_FORMAT
+    excluded_format: str = "bf16"
+    tiny_format: str = "bf16"
     stats_tokens: int = 1024
     nonfinite: Nonfinite = Nonfinite.ERROR
     reduce_op: ReduceOp = ReduceOp.AVG
@@ -409,6 +446,16 @@ class GiftConfig:
         if self.replica_hop_format in BLOCK_SIZE_FORMATS and self.block_size not in BLOCK_SIZE_CHOICES:
             _fail("block_size", self.block_size,
                   f"{' or '.join(map(str, BLOCK_SIZE_CHOICES))} for replica_format={self.replica_hop_format!r}")
+        for name in ("unmapped_format", "excluded_format"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or value not in (SAME_FORMAT, *FORMATS):
+                _fail(name, value, ", ".join((SAME_FORMAT, *FORMATS)) + " (fp32: the opt-out, raw at the gradient's dtype)")
+            resolved = self.format if value == SAME_FORMAT else value
+            if resolved in BLOCK_SIZE_FORMATS and self.block_size not in BLOCK_SIZE_CHOICES:
+                _fail("block_size", self.block_size, f"{' or '.join(map(str, BLOCK_SIZE_CHOICES))} for {name}={resolved!r}")
+        if not isinstance(self.tiny_format, str) or self.tiny_format not in TINY_FORMATS:
+            _fail("tiny_format", self.tiny_format, ", ".join(TINY_FORMATS) + " (a tiny gradient's scale blocks would "
+                  "save next to nothing; fp32 is the opt-out)")
         if self.ranks_per_node is not None and (not _is_int(self.ranks_per_node) or self.ranks_per_node < 0):
             _fail("ranks_per_node", self.ranks_per_node, "None (from LOCAL_WORLD_SIZE), 0 (one level) or a positive integer")
         if not isinstance(self.intra_node_format, str) or self.intra_node_format not in INTRA_NODE_FORMATS:
@@ -509,6 +556,13 @@ class GiftConfig:
     def replica_hop_format(self) -> str:
         """The format of the cross-replica hop (`replica_format`, or `format` for "same")."""
         return self.format if self.replica_format == SAME_FORMAT else self.replica_format
+
+    def unmapped_format_for(self, fqn: str) -> str:
+        """The format of the gradient of `fqn`, sent without a map and not tiny: its
+        `layer_formats` entry, else `excluded_format` where `exclude` matches it, else
+        `unmapped_format` ("same" resolved to `format`)."""
+        choice = self.excluded_format if self.is_excluded(fqn) else self.unmapped_format
+        return layer_format(self.layer_formats, fqn, self.format if choice == SAME_FORMAT else choice)
 
     @property
     def boundary_hits_k(self) -> int | None:

@@ -32,7 +32,7 @@ FAST_FILES: frozenset[str] = frozenset({
     "test_pass_hsdp.py",
     "test_recompile.py", "test_reliability.py", "test_rotation.py", "test_second_hop_ef.py",
     "test_second_moment.py", "test_selection.py", "test_statistics.py", "test_tensor_parallel.py", "test_tiers.py",
-    "test_tiny_llama.py", "test_two_level.py",
+    "test_tiny_llama.py", "test_two_level.py", "test_whole_gradient.py",
     # torchtitan: the launcher's parsing, and each file's tests that launch nothing
     "test_torchtitan_launcher.py", "test_torchtitan_train.py", "test_torchtitan_hsdp.py", "test_torchtitan_pp.py",
     "test_torchtitan_cp.py", "test_torchtitan_ddp.py", "test_torchtitan_ep_graph.py",

@@ -86,7 +86,17 @@ MODIFIERS: dict[str, dict[str, object]] = {
     # arm; `emulated_precision`), which otherwise runs the exact map only
     "tf32": {"map_precision": "tf32"},
     "bf16": {"map_precision": "bf16"},
+    # the whole gradient compressed: the parameters outside GIFT's layers (embedding, output
+    # head) at the arm's format in plain coordinates, the tiny ones (norms) at bf16; every arm
+    # without `-uw`/`-ubf` sends them raw at fp32, as every study arm before them did (`STUDY_OUTSIDE`)
+    "uw": {"excluded_format": "same", "unmapped_format": "same", "tiny_format": "bf16"},
+    # the same with the embedding and head at bf16 instead of the arm's format (the product's default)
+    "ubf": {"excluded_format": "bf16", "unmapped_format": "same", "tiny_format": "bf16"},
 }
+
+# what every arm without `-uw`/`-ubf` sends the parameters outside GIFT's layers at: raw fp32,
+# the only choice before `GiftConfig.unmapped_format` existed, so earlier runs keep their meaning
+STUDY_OUTSIDE: dict[str, object] = {"excluded_format": "fp32", "unmapped_format": "fp32", "tiny_format": "fp32"}
 
 # the modifiers whose arms run the emulated tensor-core map, and the precision each emulates
 EMULATED_PRECISIONS = {"tf32": "tf32", "bf16": "bf16"}
@@ -125,7 +135,8 @@ def parse_arm(arm: str) -> tuple[str, str | None, bool]:
     selection, the two-sided experiment, AdamW's second-moment column scaling, the geometry
     chosen from the optimizer, second-hop error feedback, a decaying residual, the product's
     defaults, the plain-L2 selection metric, no refresh warm-up, the block rotation, the measured
-    per-layer bit allocation, the low-rank map's operands at TF32 / bf16).
+    per-layer bit allocation, the low-rank map's operands at TF32 / bf16, the parameters outside
+    the layers at the arm's format or at bf16).
     """
     if arm == "fp32":
         return "fp32", None, False
@@ -155,7 +166,7 @@ def arm_config(arm: str, s: ConvergenceSettings, seed: int) -> GiftConfig | None
     if fmt is None:
         return None
     gift = {"geometry": "lowrank", "select": "all", "rank": s.rank} if side == "gift" else {"geometry": "none"}
-    extra = {"refresh_every": s.refresh_every, "refresh_warmup": 0}  # the study's fixed cadence
+    extra = {"refresh_every": s.refresh_every, "refresh_warmup": 0, **STUDY_OUTSIDE}  # the study's fixed cadence
     for mod in arm.split("-")[2:]:
         extra.update(MODIFIERS.get(mod, {}))
     if "alloc" in arm.split("-")[2:]:

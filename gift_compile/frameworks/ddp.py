@@ -4,7 +4,8 @@ DDP hands a comm hook one `GradBucket` at a time: a flat buffer holding the grad
 several parameters in order (the accumulated `.grad`s; under `model.no_sync()` DDP calls no
 hook and the next synchronising backward sends the accumulated gradients). The hook builds
 one bucket's segments, managed weights quantized with their layer's transform/residual/seed and
-every other parameter at full precision, and hands `gift_compile.exchange.collectives.sync_buffer`
+every other parameter by the rule for gradients outside the layers (`frameworks.euclidean`:
+in plain coordinates at `unmapped_format`, tiny ones at `tiny_format`), and hands `gift_compile.exchange.collectives.sync_buffer`
 (one all_to_all plus one all_gather per DDP bucket, the same core as the FSDP2 hook and the FX
 pass) to the model's exchange lane (`_Lane`). It returns at once a future that completes when
 that bucket's exchange has written its results into the buffer: the backward of the earlier
@@ -44,6 +45,7 @@ from gift_compile.exchange.collectives import Segment, group_info, per_call_chec
 from gift_compile.exchange.plan import Collective
 from gift_compile.exchange.topology import node_layout
 from gift_compile.frameworks.adapter import attach
+from gift_compile.frameworks.euclidean import outside_item
 from gift_compile.frameworks.routing import ManageMode, manage, unmanage
 from gift_compile.runtime.health import queue_backward_check
 from gift_compile.runtime.state import GiftState
@@ -112,6 +114,12 @@ class _HookState:
         # returns, so that no compilation runs beside the backward's own (torch.compile's state
         # is process-wide); every later one overlaps
         self.warm: set[tuple] = set()
+        # every other parameter's item (`euclidean.outside_item`), built once: plan and tensors
+        world = dist.get_world_size(group)
+        layout = node_layout(group, state.config.ranks_per_node, state.config.intra_node_format)
+        self.outside = {id(p): outside_item(state, n, tuple(p.shape), world, p.device,
+                                            collective=Collective.ALL_REDUCE, layout=layout)
+                        for n, p in model.named_parameters() if id(p) not in self.layers and p.requires_grad}
 
 
 def _gift_hook(hs: "_HookState", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -124,7 +132,9 @@ def _gift_hook(hs: "_HookState", bucket: dist.GradBucket) -> torch.futures.Futur
     for p in bucket.parameters():
         layer = hs.layers.get(id(p))
         if layer is None:
-            segments.append(Segment(hs.names.get(id(p), "param"), 1, p.numel()))
+            plan, tensors = hs.outside.get(id(p), (None, None))
+            segments.append(Segment(hs.names.get(id(p), "param"), 1, p.numel()) if plan is None
+                            else Segment(plan.name, plan.rows, plan.cols, plan, tensors))
         else:
             segments.append(Segment(layer.fqn, *layer.shape, layer.plan, layer.tensors()))
     config = hs.state.config

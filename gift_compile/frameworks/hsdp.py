@@ -152,7 +152,8 @@ class ReplicaAllReduce:
         fmt = self.state.config.replica_hop_format
         if self.sole and (self.comm.has_layers or not FormatSpec(fmt).family.lossless):
             if not self.comm.has_layers:  # no layers: the replica format, their error feedback
-                segments = [seg if seg.plan is None else seg._replace(plan=dataclasses.replace(seg.plan, format=fmt))
+                segments = [seg if seg.plan is None or seg.plan.spec.passthrough
+                            else seg._replace(plan=dataclasses.replace(seg.plan, format=fmt))
                             for seg in segments]
             return bucket_plan(segments, dtype, world=self.hop.world, group_name=self.hop.group_name,
                                average=self.average, op=Collective.ALL_REDUCE)

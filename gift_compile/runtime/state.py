@@ -42,7 +42,7 @@ from gift_compile.runtime.layer import LayerSpec, LayerState, OutsideResidual
 from gift_compile.runtime.refresh import RefreshEngine, RefreshRecord
 from gift_compile.runtime.selection import LayerMeasurement, decide
 from gift_compile.runtime.telemetry import Telemetry
-from gift_compile.sync import GroupByName, all_gather_object_, group_rank, world_size
+from gift_compile.sync import GroupByName, Traffic, all_gather_object_, group_rank, set_levels, world_size
 
 
 @dataclass
@@ -128,7 +128,7 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
                  "grad_source", "_health_seen", "modules", "handles", "active", "sync_mode", "dirty_params",
                  "plan_version", "selection_changes", "_sharing_checked", "adapters", "hop_counters", "backward_watch",
                  "geometry", "layer_spec", "health_group_name", "pending_faults", "outside", "substates", "blocks",
-                 "stepped_by_optimizer", "report", "layout")
+                 "stepped_by_optimizer", "report", "layout", "outside_items", "refresh_traffic")
 
     # held by name, so a destroyed group's threads end with it (`gift_compile.sync.GroupByName`)
     group = GroupByName()
@@ -153,6 +153,8 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         # collective in two levels, and the layers' residuals are sized to its node chunks
         self.layout = (node_layout(group, config.ranks_per_node, config.intra_node_format) if world_size(group) > 1
                        else FLAT)
+        if self.layout.two_level:  # the refresh's host collectives cross the network once per node too
+            set_levels(group, self.layout.node_group, self.layout.cross_group, self.layout.ranks_per_node)
         self.counters = torch.zeros(N_COUNTERS, dtype=torch.int64)
         self.steps = 0
         self.history: list[RefreshRecord] = []
@@ -168,6 +170,13 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         self.dirty_params: set[int] = set()
         # What `apply` installed (`gift_compile.runtime.report.ApplyReport`), set once it has.
         self.report: Any = None
+        # every parameter outside the layers that a hook sends in its buckets, by FQN: its item
+        # (None: raw) and the gradient's shape as the collective reduces it
+        # (`gift_compile.frameworks.euclidean.outside_item`), for the apply report's classes
+        self.outside_items: dict[str, tuple[ItemPlan | None, tuple[int, ...]]] = {}
+        # bytes this rank handed to the refresh's collectives (statistics, selection, map
+        # broadcast), all and across nodes (`gift_compile.sync.Traffic`)
+        self.refresh_traffic = Traffic()
         # Bumped whenever what traced graphs carry changes (which layers feed their own
         # statistics, at the first refresh): graphs with the old structure must be retraced
         # (dynamo does it through its guards; the torchtitan graph_trainer hook by dropping its

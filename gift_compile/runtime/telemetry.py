@@ -67,10 +67,10 @@ class Telemetry:
 
     def comm_totals(self) -> dict[str, int]:
         """Cumulative counts since the state was created, as counted by the collectives when
-        they handed bytes over: `wire` (bytes handed to GIFT's collectives, and to the
-        full-precision sync of unmanaged parameters where GIFT does that sync), `baseline`
+        they handed bytes over: `wire` (bytes handed to GIFT's collectives, the sync of a
+        plain module's unmanaged parameters included), `baseline`
         (bytes the replaced collectives would have been handed), `calls`, `nonfinite`,
-        `mismatch`, and `plain_calls` (bucket collectives of the full-precision sync of unmanaged
+        `mismatch`, and `plain_calls` (bucket collectives of a plain module's unmanaged
         parameters, `gift_compile.frameworks.plain_sync`; not in `calls`). `baseline / wire` is the
         whole gradient's compression on plain modules, DDP and FSDP2, where every gradient goes
         through these counters; on a traced SimpleFSDP graph the reduce-scatters the pass left
@@ -78,11 +78,16 @@ class Telemetry:
         `node_wire`, handed to collectives inside a node (a two-level exchange's native
         reduce-scatter, header and result all_gathers; 0 for a one-level exchange), and
         `cross_wire`, the rest: what the group's exchange (across nodes, where it spans them)
-        was handed."""
+        was handed. The refresh's own traffic (statistics, selection measurements, map
+        broadcasts; in two levels where the group spans nodes, `gift_compile.sync`) is apart
+        from the gradients': `refresh_wire`, the bytes this rank handed to send in it, and
+        `refresh_cross_wire`, those of them handed to collectives between nodes (all of them in
+        a group without two levels)."""
         c = self.counters.tolist()
         return {"wire": c[C_WIRE], "baseline": c[C_BASELINE], "calls": c[C_CALLS], "nonfinite": c[C_NONFINITE],
                 "mismatch": c[C_MISMATCH], "plain_calls": c[C_PLAIN_CALLS], "node_wire": c[C_NODE_WIRE],
-                "cross_wire": c[C_WIRE] - c[C_NODE_WIRE]}
+                "cross_wire": c[C_WIRE] - c[C_NODE_WIRE], "refresh_wire": self.refresh_traffic.wire,
+                "refresh_cross_wire": self.refresh_traffic.cross}
 
     def accounted_bytes_per_step(self) -> int:
         """Shape-based accounting of the managed layers' bytes per step under this state's own
