@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from multirank import run_ranks
 
-from bench.tiny_llama import TinyLlama, TinyLlamaConfig
+from bench.lib.tiny_llama import TinyLlama, TinyLlamaConfig
 from gift_compile.codec.spec import FormatSpec, wire_bytes_for
 from gift_compile.config import GiftConfig
 from gift_compile.exchange.plan import Collective

@@ -7,7 +7,7 @@ real rank count, so GIFT's two-level exchange finds the nodes by itself (the `-f
 it off with `ranks_per_node=0`). Per arm it builds the model (the same seed), wraps it on the path
 (DDP, FSDP2, or HSDP: shard inside the node, replicate across), installs the arm's communication
 (a native precision, torch's PowerSGD hook, or `gift_compile.apply` with the arm's config), trains
-`warmup + steps` steps of the bench's Muon + AdamW recipe (`bench.reference.train_step`) and
+`warmup + steps` steps of the bench's Muon + AdamW recipe (`bench.lib.reference.train_step`) and
 records: every step's wall time on every rank, the global-batch loss curve, the bytes the kernel
 counted on the node's link (`/proc/net/dev` of the namespace, read by each node's local rank 0
 between barriers around the timed steps) and GIFT's own counters of the bytes handed to its
@@ -163,7 +163,7 @@ class GatheredMuon(Fp32Muon):
 
 
 def _optimizers(model: nn.Module, sharded: bool) -> tuple[list[torch.optim.Optimizer], list[float]]:
-    """The bench's Muon + AdamW (`bench.reference.make_optimizers`) over `model`'s parameters;
+    """The bench's Muon + AdamW (`bench.lib.reference.make_optimizers`) over `model`'s parameters;
     on a sharded model its Muon is `GatheredMuon` with the same parameters and settings."""
     optimizers, peaks = make_optimizers(model, "muon", LR, MUON_LR)
     if sharded:
