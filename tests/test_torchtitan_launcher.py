@@ -299,14 +299,14 @@ def test_recipes_expand_in_toml_and_on_the_command_line(tmp_path: Path) -> None:
 
 
 def test_the_start_here_config_function_builds_a_gift_trainer_config() -> None:
-    """docs/torchtitan.md's "your own config function" (torchtitan's Llama-3-8B with a [gift]
+    """docs/torchtitan/start.md's "your own config function" (torchtitan's Llama-3-8B with a [gift]
     section), executed as written: GIFT's hook is bound and the recipe's fields are set."""
     from gift_compile.torchtitan_ext.job_config import GiftTrainerConfig
 
-    text = (REPO / "docs" / "torchtitan.md").read_text()
+    text = (REPO / "docs" / "torchtitan" / "start.md").read_text()
     code = re.search(r"```python\n(# my_configs\.py\n.*?)```", text, flags=re.S).group(1)
     scope: dict = {}
-    exec(compile(code, "docs/torchtitan.md:my_configs.py", "exec"), scope)
+    exec(compile(code, "docs/torchtitan/start.md:my_configs.py", "exec"), scope)
     config = scope["llama3_8b_gift"]()
     assert isinstance(config, GiftTrainerConfig) and config.training.seq_len == 8192
     assert config.gift.enable and (config.gift.format, config.gift.block_size) == ("int3", 32)

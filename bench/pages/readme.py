@@ -453,7 +453,9 @@ PAGES: dict[str, tuple[str, ...]] = {
                            "convergence", "defaults", "adamw_sweep", "closing", "frontier", "selection_churn", "layouts"),
     "docs/reliability.md": ("faults", "exit", "plan_check", "soak", "tiers", "skips"),
     "docs/design.md": ("formats", "delayed_scale"),
-    "docs/torchtitan.md": ("demo", *pages.torchtitan_runs()),
+    "docs/torchtitan/start.md": ("demo",),
+    "docs/torchtitan/layouts.md": ("tt_graph_hsdp", "tt_fsdp2_hsdp", "tt_pp", "tt_tp"),
+    "docs/torchtitan/telemetry.md": ("tt_early_demo",),
 }
 _MARKER = re.compile(r"<!-- bench:([\w:]+) -->")
 
