@@ -25,7 +25,8 @@ from bench.fidelity import delayed_scale, kernel_traffic, map_precision
 from bench.cluster import exit_stress
 from bench.step_model import gpu as gpu_step_model, topology as topology_model
 from bench.convergence import map_precision_arms
-from bench.pages import blocks as pages, frontier as pages_frontier, layouts as pages_layouts, selection as pages_selection, report
+from bench.pages import blocks as pages, frontier as pages_frontier, layouts as pages_layouts, report
+from bench.pages import selection as pages_selection
 from bench.lib.formatting import paired_ci, share_closed, signed_pct
 from bench.pages.report_cost import CODEC_PAIR
 from gift_compile.geometry.table import IDENTITY_KIND
