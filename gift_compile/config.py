@@ -13,6 +13,10 @@ the codec for `Nonfinite`, the kernels for `MapPrecision`): the package
 compares members, and a member equals, prints, reprs and serialises as its spelling, so TOML,
 JSON, checkpoints and messages are unchanged. `scaling` stays its spelling: `FormatSpec`
 turns it into the codec's `Scaling`.
+
+Why one module: `GiftConfig` is the one validated dataclass every layer reads; most of its length
+is each field's documentation next to its check, kept together so that a field, what it means and
+how it is validated change in one place.
 """
 
 from __future__ import annotations

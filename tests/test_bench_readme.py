@@ -149,7 +149,7 @@ def test_the_layouts_table_lists_every_planned_row_and_says_which_did_not_run(
 
 
 _ROOT = Path(__file__).resolve().parents[1]
-_PAGES = [_ROOT / "README.md", *sorted((_ROOT / "docs").glob("*.md")), _ROOT / "torchtitan_ext" / "README.md",
+_PAGES = [_ROOT / "README.md", *sorted((_ROOT / "docs").rglob("*.md")), _ROOT / "torchtitan_ext" / "README.md",
           _ROOT / "CHANGELOG.md", _ROOT / "bench" / "results" / "REPORT.md"]
 _FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})(.*)$")
 # repository paths as the pages and the configs' comments write them (the installed package's

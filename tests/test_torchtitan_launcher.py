@@ -299,14 +299,14 @@ def test_recipes_expand_in_toml_and_on_the_command_line(tmp_path: Path) -> None:
 
 
 def test_the_start_here_config_function_builds_a_gift_trainer_config() -> None:
-    """docs/torchtitan.md's "your own config function" (torchtitan's Llama-3-8B with a [gift]
+    """docs/torchtitan/start.md's "your own config function" (torchtitan's Llama-3-8B with a [gift]
     section), executed as written: GIFT's hook is bound and the recipe's fields are set."""
     from gift_compile.torchtitan_ext.job_config import GiftTrainerConfig
 
-    text = (REPO / "docs" / "torchtitan.md").read_text()
+    text = (REPO / "docs" / "torchtitan" / "start.md").read_text()
     code = re.search(r"```python\n(# my_configs\.py\n.*?)```", text, flags=re.S).group(1)
     scope: dict = {}
-    exec(compile(code, "docs/torchtitan.md:my_configs.py", "exec"), scope)
+    exec(compile(code, "docs/torchtitan/start.md:my_configs.py", "exec"), scope)
     config = scope["llama3_8b_gift"]()
     assert isinstance(config, GiftTrainerConfig) and config.training.seq_len == 8192
     assert config.gift.enable and (config.gift.format, config.gift.block_size) == ("int3", 32)
@@ -343,3 +343,23 @@ def test_a_runs_gift_warnings_are_its_troubles_not_the_apply_report() -> None:
     trouble = "[titan] 2026-12-07 01:06:50,000 - gift_compile - WARNING - GIFT: layers.0.w1 goes at full precision"
     assert RunResult([], 0, "\n".join([header, "ok"]), 1.0).gift_warnings() == []
     assert RunResult([], 0, "\n".join([header, trouble]), 1.0).gift_warnings() == [trouble]
+
+
+def test_the_cpu_stand_in_registers_its_adjustments_with_the_integration() -> None:
+    """The integration never imports `cpu_compat`: activated (above, on this CPU box), it has
+    registered FSDP2's sum reduction and the attention-saving pass edit with `platform_hooks`,
+    which the hooks and the `gift` pass pipeline call."""
+    from gift_compile.torchtitan_ext import platform_hooks
+
+    assert cpu_compat.is_active()
+    assert platform_hooks._AFTER_FSDP2 == [cpu_compat.after_fsdp2]
+
+    def first_pass(gm: Any) -> Any:
+        return gm
+
+    def selective_activation_remat_pass(gm: Any) -> Any:
+        return gm
+
+    edited = platform_hooks.edit_graph_passes([first_pass, selective_activation_remat_pass])
+    assert edited == [first_pass, cpu_compat.save_deterministic_sdpa_pass, selective_activation_remat_pass]
+    assert platform_hooks.edit_graph_passes([first_pass]) == [first_pass]  # no remat pass: unchanged

@@ -38,7 +38,7 @@ __all__ = ["REFUSAL", "bind_gift_hook", "data_parallel_group", "gift_config", "g
 # How every refusal of a layout starts (tests look for it in a run's log to show there was none)
 REFUSAL = "gift.enable does not run on this layout"
 
-# Why each layout is refused (docs/torchtitan.md, "Limits").
+# Why each layout is refused (docs/torchtitan/layouts_combined.md, "Limits").
 _UNSUPPORTED_WHY = {
     "pipeline on graph_trainer": "graph_trainer runs the registered pass pipeline (where the gift pass is) "
               "only on its whole-step trace, which it makes only without pipeline parallelism; with it, "

@@ -215,7 +215,7 @@ def gift_flags_help() -> str:
         shown = ",".join(default) if isinstance(default, list) else default
         lines.append(f"  --gift.{f.name.replace('_', '-')} {getattr(f.type, '__name__', f.type)} (default: {shown})")
         lines.extend(textwrap.wrap(docs.get(f.name, ""), 96, initial_indent=" " * 6, subsequent_indent=" " * 6))
-    lines += ["", "Named recipes: [gift] recipe tables in configs/recipes/ (docs/torchtitan.md, start here).",
+    lines += ["", "Named recipes: [gift] recipe tables in configs/recipes/ (docs/torchtitan/start.md).",
               "torchtitan's own flags (--training.*, --parallelism.*, ...): gift-train --toml FILE --help-all"]
     return "\n".join(lines)
 

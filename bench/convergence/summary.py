@@ -10,7 +10,8 @@ from __future__ import annotations
 import statistics
 from typing import Callable, Iterable
 
-from bench.convergence.arms import MAP_MODIFIERS, PATHS, arm_config, bits_per_element, parse_arm, resolve_arm_auto, study
+from bench.convergence.arms import (MAP_MODIFIERS, PATHS, arm_config, bits_per_element, parse_arm, resolve_arm_auto,
+                                     study)
 from bench.lib.reference import make_optimizers
 from bench.lib.settings import ConvergenceSettings
 from bench.lib.stats import holm, paired, ratio_ci

@@ -1,11 +1,12 @@
-"""Small-sample statistics for paired benchmark comparisons (no SciPy in the dependencies).
+"""Small-sample statistics for paired benchmark comparisons, over SciPy's Student t.
 
 A paired design (every arm of a seed shares initialisation and data order with that seed's
 reference arm) turns run-to-run noise into a per-seed difference; its mean gets a
-Student-t 95% confidence interval, a two-sided p-value, and the minimum detectable effect says
-how large a true difference the design would have resolved (80% power, two-sided 5% level).
-A claim picked from a family of comparisons ("the first bit width that costs loss") is made
-only where Holm's step-down procedure rejects, so the family's error rate stays at 5%.
+Student-t 95% confidence interval, a two-sided p-value (SciPy's one-sample t test of the
+differences, which is the paired t test), and the minimum detectable effect says how large a
+true difference the design would have resolved (80% power, two-sided 5% level). A claim picked
+from a family of comparisons ("the first bit width that costs loss") is made only where Holm's
+step-down procedure rejects, so the family's error rate stays at 5%.
 """
 
 from __future__ import annotations
@@ -14,54 +15,17 @@ import math
 import statistics
 from dataclasses import asdict, dataclass
 
-
-def _betacf(a: float, b: float, x: float) -> float:
-    """Continued fraction of the regularized incomplete beta function (modified Lentz)."""
-    tiny, qab, qap, qam = 1e-300, a + b, a + 1.0, a - 1.0
-    c, d = 1.0, 1.0 - qab * x / qap
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    h = d
-    for m in range(1, 300):
-        m2 = 2 * m
-        for num in (m * (b - m) * x / ((qam + m2) * (a + m2)), -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))):
-            d = 1.0 + num * d
-            d = 1.0 / (d if abs(d) > tiny else tiny)
-            c = 1.0 + num / c
-            c = c if abs(c) > tiny else tiny
-            h *= d * c
-        if abs(d * c - 1.0) < 1e-14:
-            break
-    return h
-
-
-def _betai(a: float, b: float, x: float) -> float:
-    if x <= 0.0:
-        return 0.0
-    if x >= 1.0:
-        return 1.0
-    lbeta = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log(1.0 - x)
-    if x < (a + 1.0) / (a + b + 2.0):
-        return math.exp(lbeta) * _betacf(a, b, x) / a
-    return 1.0 - math.exp(lbeta) * _betacf(b, a, 1.0 - x) / b
+from scipy import stats as scipy_stats
 
 
 def t_cdf(t: float, df: int) -> float:
     """P(T <= t) for Student's t with `df` degrees of freedom."""
-    x = df / (df + t * t)
-    tail = 0.5 * _betai(df / 2.0, 0.5, x)
-    return 1.0 - tail if t > 0 else tail
+    return float(scipy_stats.t.cdf(t, df))
 
 
 def t_quantile(p: float, df: int) -> float:
-    """The `p` quantile of Student's t (bisection on `t_cdf`)."""
-    lo, hi = -1e3, 1e3
-    for _ in range(200):
-        mid = 0.5 * (lo + hi)
-        if t_cdf(mid, df) < p:
-            lo = mid
-        else:
-            hi = mid
-    return 0.5 * (lo + hi)
+    """The `p` quantile of Student's t."""
+    return float(scipy_stats.t.ppf(p, df))
 
 
 @dataclass
@@ -93,7 +57,10 @@ def paired(diffs: list[float]) -> Paired:
     sd = statistics.stdev(diffs)
     se = sd / math.sqrt(n)
     half = t_quantile(0.975, n - 1) * se
-    p = 0.0 if se == 0 and mean != 0 else (1.0 if se == 0 else 2.0 * (1.0 - t_cdf(abs(mean) / se, n - 1)))
+    if se == 0:  # no spread: SciPy's t statistic is undefined; a constant nonzero difference is certain
+        p = 0.0 if mean != 0 else 1.0
+    else:
+        p = float(scipy_stats.ttest_1samp(diffs, 0.0).pvalue)
     return Paired(mean, sd, n, half, (t_quantile(0.975, n - 1) + t_quantile(0.80, n - 1)) * se, p)
 
 

@@ -26,7 +26,8 @@ from bench.fidelity import delayed_scale, kernel_traffic, map_precision
 from bench.cluster import exit_stress
 from bench.step_model import gpu as gpu_step_model, topology as topology_model
 from bench.convergence import map_precision_arms
-from bench.pages import blocks as pages, frontier as pages_frontier, layouts as pages_layouts, selection as pages_selection, report
+from bench.pages import blocks as pages, frontier as pages_frontier, layouts as pages_layouts, report
+from bench.pages import selection as pages_selection
 from bench.lib.formatting import paired_ci, share_closed, signed_pct
 from bench.pages.report_cost import CODEC_PAIR
 from gift_compile.geometry.table import IDENTITY_KIND
@@ -455,7 +456,9 @@ PAGES: dict[str, tuple[str, ...]] = {
                            "convergence", "defaults", "adamw_sweep", "closing", "frontier", "selection_churn", "layouts"),
     "docs/reliability.md": ("faults", "exit", "plan_check", "soak", "tiers", "skips"),
     "docs/design.md": ("formats", "delayed_scale"),
-    "docs/torchtitan.md": ("demo", *pages.torchtitan_runs()),
+    "docs/torchtitan/start.md": ("demo",),
+    "docs/torchtitan/layouts.md": ("tt_graph_hsdp", "tt_fsdp2_hsdp", "tt_pp", "tt_tp"),
+    "docs/torchtitan/telemetry.md": ("tt_early_demo",),
 }
 _MARKER = re.compile(r"<!-- bench:([\w:]+) -->")
 

@@ -34,6 +34,10 @@ the gathered codes instead of reading the decoded result back (`_fused_receiver`
 Every function takes its item's `ItemPlan` and a `BucketPlan` of which it reads the world
 size, op and average only, so its code depends on nothing else the bucket holds; the compiled
 stages (`encode_stage`, ...) take a single-item plan (`item_plan`), their key.
+
+Why one module: the encoders and decoders are the two ends of one per-item wire format; the byte
+layout the sender writes (`_as_bytes`, `_stored_codes`, `_scale_blocks`) is the one every receiver
+parses (`_from_bytes`, `_parse_scales`), and keeping both ends in one file defines it once.
 """
 
 from __future__ import annotations

@@ -31,6 +31,10 @@ geometry with input statistics or a fixed map, each expert through its own map a
 experts' own state (`_whitened_experts`, `gift_compile.runtime.experts`). `install` logs one line
 per such module saying what goes how; no gradient crosses ranks at full precision unless the
 config opts out (`unmapped_format` / `tiny_format` "fp32").
+
+Why one module: the adapter, its two custom reduce-scatters (GIFT's, and the Euclidean one for
+gradients outside GIFT's group) and install / uninstall all rest on FSDP2's packing rule above and
+on the same internals fence; split, each part would restate that rule.
 """
 
 from __future__ import annotations

@@ -26,6 +26,11 @@ the consumers view a tile as `[BM, BN / BLOCK, BLOCK]` blocks or `[BM, BN / PER,
 which needs BN to be a multiple of both (`ops.fused_reason`). The all-reduce's receiver
 (`lowrank_decode_expand_kernel`) takes the same tile's values from the gathered codes,
 decoded as `decode_kernel` decodes them (`_decoded_value`), instead of from memory.
+
+Why one module: every kernel here restates the reference codec operation by operation, and the
+plain and the low-rank fused kernels share the same `@triton.jit` steps (`_e4m3_code`,
+`_magnitude`, `_digit_code`, `_grid_value`, `_block_stat`); one file is the one place where that
+arithmetic is read against `gift_compile.codec`, so no copy of a step can drift from another.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ what this returns instead of asserting it.
 
 torchrun's in-place restart (``--max-restarts``) cannot be used on gloo here: the restarted
 workers read the killed attempt's gloo addresses from the agent's store and fail in
-``connectFullMesh`` (docs/torchtitan.md), so the job is relaunched as a user would.
+``connectFullMesh`` (docs/torchtitan/configuration.md), so the job is relaunched as a user would.
 """
 
 from __future__ import annotations
