@@ -1,0 +1,183 @@
+"""Reliability round 4 on 2-4 gloo ranks (issue 56, and issue 57's node-layout mismatches):
+each case is correct or raises the same error on every rank, none hangs.
+
+- the node layout is agreed over the parent group before any subgroup exists: ranks that
+  disagree (`ranks_per_node`, `LOCAL_WORLD_SIZE`) or sit on nodes of unequal size raise the same
+  `TopologyError` on every rank; a setting the launcher contradicts is warned about on every rank;
+  a process group destroyed and re-created gets a fresh layout;
+
+Every multi-rank case runs under a timeout far below gloo's (30 min), so a hang fails the test
+in seconds, and asserts what every rank saw.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import gift_compile
+from gift_compile.config import GiftConfig
+from multirank import run_ranks
+from mlp import MLP
+
+FAST = 90  # seconds: far under gloo's timeout, so a hang fails quickly
+CFG = dict(format="fp8_e4m3", geometry="lowrank", min_numel=1024, rank=8, refresh_every=2, select="all", exclude=())
+
+
+def _gift_log() -> list[str]:
+    """The messages gift_compile logs from now on in this (rank) process, as a list that grows."""
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda rec: records.append(rec.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("gift_compile").addHandler(handler)
+    return records
+
+
+def _train_step(net: nn.Module, opt: torch.optim.Optimizer, rank: int, step: int) -> dict[str, torch.Tensor]:
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(100 * step + rank))
+    net(x).pow(2).mean().backward()
+    grads = {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
+    opt.step()
+    opt.zero_grad()
+    return grads
+
+
+# ---- class 1, 2 and issue 57 item 3: the node layout agreed before it is used ----------------------
+
+
+def _layout_body(rank: int, world: int, settings: list, env: list[dict[str, str]]) -> dict:
+    """`apply` and one backward with this rank's `ranks_per_node` and launcher variables."""
+    os.environ.update(env[rank])
+    log = _gift_log()
+    out: dict = {}
+    try:
+        model = MLP(64)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        gift_compile.apply(model, GiftConfig(**CFG, ranks_per_node=settings[rank]), optimizer=opt, fuse=False)
+        _train_step(model, opt, rank, 0)
+        out["result"] = "stepped"
+        out["layout"] = gift_compile.state(model).layout
+    except Exception as e:  # what every rank raised, to be compared
+        out["result"] = f"{type(e).__name__}: {e}"
+    out["warnings"] = [m for m in log if "LOCAL_WORLD_SIZE" in m]
+    return out
+
+
+@pytest.mark.parametrize("case", ["settings 2/2/4/4", "LOCAL_WORLD_SIZE 2/2/4/4", "LOCAL_WORLD_SIZE 1/3/3/3"])
+def test_ranks_that_disagree_on_the_node_layout_raise_the_same_error_on_every_rank(case):
+    """Before: ranks waited in their node group's `new_group` until gloo's timeout (2/2/4/4), or
+    ranks 1-3 raised about a layout that did not exist while rank 0 went on (1 + 3). After: one
+    collective over the parent group, then the same `TopologyError` on every rank."""
+    if case == "settings 2/2/4/4":
+        settings, env = [2, 2, 4, 4], [{}] * 4
+    elif case == "LOCAL_WORLD_SIZE 2/2/4/4":
+        settings, env = [None] * 4, [{"LOCAL_WORLD_SIZE": v} for v in "2244"]
+    else:  # what torchrun sets on two nodes of 1 and 3 processes
+        settings = [None] * 4
+        env = [{"LOCAL_WORLD_SIZE": lws, "GROUP_RANK": node, "LOCAL_RANK": local}
+               for lws, node, local in (("1", "0", "0"), ("3", "1", "0"), ("3", "1", "1"), ("3", "1", "2"))]
+    results = run_ranks(_layout_body, 4, settings, env, timeout=FAST)
+    errors = [r["result"] for r in results]
+    assert all(e.startswith("TopologyError") for e in errors), errors
+    assert len(set(errors)) == 1, errors  # the same message on every rank
+    if case.startswith("settings"):
+        assert "disagree on GiftConfig.ranks_per_node" in errors[0] and "rank 2: ranks_per_node=4" in errors[0]
+    elif "2/2/4/4" in case:
+        assert "different node sizes" in errors[0] and "LOCAL_WORLD_SIZE='4'" in errors[0]
+    else:
+        assert "unevenly" in errors[0] and "{0: 1, 1: 3}" in errors[0] and "GROUP_RANK" in errors[0]
+
+
+def test_a_setting_the_launcher_contradicts_is_warned_about_on_every_rank():
+    """Issue 57: `ranks_per_node=4` under LOCAL_WORLD_SIZE=2 was taken silently. The setting is
+    followed (a simulated layout is legitimate) with a warning on every rank saying why it matters."""
+    results = run_ranks(_layout_body, 4, [4] * 4, [{"LOCAL_WORLD_SIZE": "2"}] * 4, timeout=FAST)
+    for r in results:
+        assert r["result"] == "stepped", r["result"]
+        assert len(r["warnings"]) == 1 and "ranks_per_node=4" in r["warnings"][0], r["warnings"]
+        assert "spans several machines" in r["warnings"][0]
+    results = run_ranks(_layout_body, 4, [2] * 4, [{"LOCAL_WORLD_SIZE": "4"}] * 4, timeout=FAST)
+    for r in results:
+        assert r["result"] == "stepped" and r["layout"].two_level, r["result"]
+        assert len(r["warnings"]) == 1 and "splits a machine" in r["warnings"][0], r["warnings"]
+
+
+def _recreated_body(rank: int, world: int, tmp: str) -> list[str]:
+    """Train, destroy the process group, make a new one, apply afresh and train again."""
+    out = []
+    for round_ in range(2):
+        if round_:
+            dist.destroy_process_group()
+            dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store2"), world), rank=rank,
+                                    world_size=world)
+        model = MLP(64)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        gift_compile.apply(model, GiftConfig(**CFG, ranks_per_node=2), optimizer=opt, fuse=False)
+        try:
+            _train_step(model, opt, rank, 0)
+            out.append("stepped" if gift_compile.state(model).layout.two_level else "one level")
+        except Exception as e:
+            out.append(f"{type(e).__name__}: {e}")
+    return out
+
+
+def test_a_recreated_process_group_gets_a_fresh_layout():
+    """Before: the process-wide layout cache kept the destroyed group's subgroups, so the new
+    group's first backward failed on every rank ("Could not resolve the process group")."""
+    with tempfile.TemporaryDirectory() as tmp:
+        results = run_ranks(_recreated_body, 4, tmp, timeout=FAST)
+    assert results == [["stepped", "stepped"]] * 4, results
+
+
+_TORCHRUN_SCRIPT = textwrap.dedent("""
+    import os, torch, torch.distributed as dist, gift_compile
+    from gift_compile.config import GiftConfig
+    dist.init_process_group("gloo")
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 64))
+    try:
+        gift_compile.apply(model, GiftConfig(format="fp8_e4m3", min_numel=1024))
+        model(torch.randn(4, 64)).sum().backward()
+        print("RESULT rank", dist.get_rank(), "stepped", flush=True)
+    except Exception as e:
+        print("RESULT rank", dist.get_rank(), type(e).__name__, str(e).replace(chr(10), " "), flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def test_two_torchrun_nodes_of_unequal_size_raise_the_same_error_on_every_rank(tmp_path):
+    """Two torchrun "nodes" on this machine, of 2 and 1 processes (issue 57: ranks 0-1 raised a
+    `TopologyError`, rank 2 a bare "Connection closed by peer"): every rank raises the same error."""
+    script = tmp_path / "uneven.py"
+    script.write_text(_TORCHRUN_SCRIPT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launches = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
+                                  str(k), "--nproc-per-node", str(n), "--master-addr", "127.0.0.1", "--master-port",
+                                  str(port), str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 text=True) for k, n in ((0, 2), (1, 1))]
+    outputs = []
+    for p in launches:
+        try:
+            outputs.append(p.communicate(timeout=FAST)[0])
+        except subprocess.TimeoutExpired:
+            for q in launches:
+                q.kill()
+            raise
+    lines = sorted(line for text in outputs for line in text.splitlines() if line.startswith("RESULT"))
+    assert len(lines) == 3, outputs
+    messages = {line.split(" ", 3)[3] for line in lines}
+    assert len(messages) == 1, lines  # the same error on every rank
+    message = messages.pop()
+    assert message.startswith("TopologyError") and "{0: 2, 1: 1}" in message, message
