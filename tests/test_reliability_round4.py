@@ -181,3 +181,51 @@ def test_two_torchrun_nodes_of_unequal_size_raise_the_same_error_on_every_rank(t
     assert len(messages) == 1, lines  # the same error on every rank
     message = messages.pop()
     assert message.startswith("TopologyError") and "{0: 2, 1: 1}" in message, message
+
+
+# ---- class 5: no silent overflow -------------------------------------------------------------------
+
+
+class _Huge(nn.Module):
+    """One managed linear whose weight gradient is 1e38 in every element on every rank (a batch
+    of one all-ones row, the output's gradient 1e38): the mean is finite, the sum over 4 ranks not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 128, bias=False)
+
+    def forward(self) -> torch.Tensor:
+        return (self.fc(torch.ones(1, 64)) * 1e38).sum()
+
+
+def _overflow_body(rank: int, world: int) -> dict:
+    out = {}
+    for fmt in ("fp32", "fp8_e4m3"):
+        for per_node in (0, 2):
+            for path in ("plain", "ddp"):
+                model = _Huge()
+                net = nn.parallel.DistributedDataParallel(model) if path == "ddp" else model
+                cfg = GiftConfig(format=fmt, geometry="none", min_numel=1024, exclude=(), ranks_per_node=per_node)
+                gift_compile.apply(net, cfg, fuse=False)
+                try:
+                    net().backward()
+                    assert gift_compile.state(net).comm_totals()["calls"] > 0  # GIFT carried it
+                    out[fmt, per_node, path] = model.fc.weight.grad.clone()
+                except Exception as e:
+                    out[fmt, per_node, path] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def test_a_finite_mean_of_huge_gradients_is_returned_not_an_overflowed_sum():
+    """Before: every rank's gradient at 1e38 came back inf (fp32) or NaN (fp8) with no error,
+    flat and two-level alike (GIFT summed, then averaged). After: 1e38, as native DDP returns."""
+    results = run_ranks(_overflow_body, 4, timeout=FAST)
+    want = torch.full((128, 64), 1e38)
+    for r in results:
+        for (fmt, per_node, path), got in r.items():
+            assert isinstance(got, torch.Tensor), (fmt, per_node, path, got)
+            assert torch.isfinite(got).all(), (fmt, per_node, path)
+            if fmt == "fp32":
+                assert torch.equal(got, want), (fmt, per_node, path, got.flatten()[:4])
+            else:
+                torch.testing.assert_close(got, want, rtol=0.07, atol=0), (fmt, per_node, path)
