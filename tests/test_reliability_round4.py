@@ -229,3 +229,50 @@ def test_a_finite_mean_of_huge_gradients_is_returned_not_an_overflowed_sum():
                 assert torch.equal(got, want), (fmt, per_node, path, got.flatten()[:4])
             else:
                 torch.testing.assert_close(got, want, rtol=0.07, atol=0), (fmt, per_node, path)
+
+
+# ---- class 6: optimizers -----------------------------------------------------------------------------
+
+
+def _reattach_body(rank: int, world: int) -> dict:
+    import gc
+    import weakref
+
+    model = MLP(64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gift_compile.apply(model, GiftConfig(**CFG), optimizer=opt, fuse=False)
+    for i in range(2):
+        _train_step(model, opt, rank, i)
+    st = gift_compile.state(model)
+    out = {"steps_before": st.steps, "refreshes_before": len(st.history)}
+    old = weakref.ref(opt)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)  # re-created, as after a restart
+    gc.collect()
+    gift_compile.apply(model, GiftConfig(**CFG), optimizer=opt, fuse=False)
+    gc.collect()
+    out["old_released"] = old() is None
+    for i in range(2, 5):
+        _train_step(model, opt, rank, i)
+    out["steps_after"], out["refreshes_after"] = st.steps, len(st.history)
+    # geometry="none": nothing is mapped, so nothing is selected; an optimizer that steps only the
+    # biases (not the managed weights) leaves select_metric nothing to choose
+    plain = MLP(64)
+    biases = torch.optim.SGD([p for n, p in plain.named_parameters() if n.endswith("bias")], lr=0.01)
+    try:
+        gift_compile.apply(plain, GiftConfig(format="fp8_e4m3", geometry="none", min_numel=1024), optimizer=biases,
+                           fuse=False)
+        out["none_geometry"] = "accepted"
+    except Exception as e:
+        out["none_geometry"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def test_a_recreated_optimizer_reattaches_and_the_old_one_is_released():
+    """Before: `apply(model, cfg, optimizer=opt2)` returned silently: `state.steps` froze at 2,
+    no refresh ran, the old optimizer stayed alive in the hooks; `geometry="none"` with an
+    optimizer lacking the managed weights was refused ("cannot choose select_metric")."""
+    for r in run_ranks(_reattach_body, 2, timeout=FAST):
+        assert r["steps_before"] == 2 and r["steps_after"] == 5, r
+        assert r["refreshes_after"] > r["refreshes_before"], r  # refresh_every=2: step 4 refreshed
+        assert r["old_released"], r
+        assert r["none_geometry"] == "accepted", r["none_geometry"]
