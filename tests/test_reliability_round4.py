@@ -276,3 +276,26 @@ def test_a_recreated_optimizer_reattaches_and_the_old_one_is_released():
         assert r["refreshes_after"] > r["refreshes_before"], r  # refresh_every=2: step 4 refreshed
         assert r["old_released"], r
         assert r["none_geometry"] == "accepted", r["none_geometry"]
+
+
+# ---- class 9: recipe overrides -----------------------------------------------------------------------
+
+
+def test_a_recipe_override_that_conflicts_names_the_recipe_and_what_the_user_typed():
+    """Before: `recipe("muon-int2-leaky-ef", error_feedback=False)` failed on
+    `error_feedback_decay`, a field the user never typed, and never named the recipe; an
+    explicit field replacing a recipe's was not logged."""
+    from gift_compile.recipes import RecipeConflict, recipe
+
+    log = _gift_log()
+    with pytest.raises(RecipeConflict) as err:
+        recipe("muon-int2-leaky-ef", error_feedback=False, seed=3)
+    message = str(err.value)
+    assert "recipe 'muon-int2-leaky-ef'" in message and "does not combine with error_feedback=False:" in message
+    assert "seed" not in message and err.value.field == "error_feedback"  # only the culprit the user typed
+    assert "Override error_feedback_decay as well" in message
+    cfg = recipe("muon-int2-leaky-ef", format="int3", seed=3)
+    assert cfg.format == "int3"
+    replaced = [m for m in log if "set explicitly" in m]
+    assert len(replaced) == 2 and "format='int3' (recipe: 'int2')" in replaced[-1], log
+    assert "seed" not in replaced[-1]  # a field the recipe does not set replaces nothing
