@@ -299,3 +299,41 @@ def test_a_recipe_override_that_conflicts_names_the_recipe_and_what_the_user_typ
     replaced = [m for m in log if "set explicitly" in m]
     assert len(replaced) == 2 and "format='int3' (recipe: 'int2')" in replaced[-1], log
     assert "seed" not in replaced[-1]  # a field the recipe does not set replaces nothing
+
+
+# ---- class 8: second-hop residuals across layouts ------------------------------------------------
+
+
+def _second_hop_body(rank: int, world: int) -> dict:
+    from gift_compile.exchange import collectives as C
+
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(rank))
+    exact = x.clone()
+    dist.all_reduce(exact)
+    exact /= world
+
+    def cfg(per_node: int) -> GiftConfig:
+        return GiftConfig(format="int2", second_hop_error_feedback=True, ranks_per_node=per_node)
+
+    residuals = {}
+    for per_node in (0, 2):
+        residual = torch.zeros(64 // world, 64)
+        for _ in range(3):
+            C.all_reduce(x, dist.group.WORLD, cfg(per_node), second_hop_residual=residual)
+        residuals[per_node] = residual
+    # resume the 2 x 2 run's residual in the same layout and flat: the next step's error
+    errors = {}
+    for per_node in (2, 0):
+        out = C.all_reduce(x, dist.group.WORLD, cfg(per_node), second_hop_residual=residuals[2].clone())
+        errors[per_node] = float((out - exact).norm() / exact.norm())
+    return {"norms": {k: float(v.norm()) for k, v in residuals.items()}, "errors": errors}
+
+
+def test_second_hop_residuals_are_kept_at_one_scale_whatever_the_layout():
+    """Before: a 2 x 2 run kept its second-hop residual at the sum's scale (stage 2 summed, the
+    mean was taken at the end), a flat run at the mean's, so a checkpoint moved between them
+    resumed with a residual `world` times off (error 1.59 against 0.56). After: both at the mean's."""
+    for r in run_ranks(_second_hop_body, 4, timeout=FAST):
+        ratio = r["norms"][2] / r["norms"][0]
+        assert 0.5 < ratio < 2, r["norms"]  # before: about 4 (the world size)
+        assert r["errors"][0] < 1.5 * r["errors"][2], r["errors"]
