@@ -337,3 +337,59 @@ def test_second_hop_residuals_are_kept_at_one_scale_whatever_the_layout():
         ratio = r["norms"][2] / r["norms"][0]
         assert 0.5 < ratio < 2, r["norms"]  # before: about 4 (the world size)
         assert r["errors"][0] < 1.5 * r["errors"][2], r["errors"]
+
+
+# ---- class 7: wrapping orders ------------------------------------------------------------------------
+
+
+def _wrapping_body(rank: int, world: int) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    out = {}
+    for order in ("sequential", "compiled"):
+        model = MLP(64)
+        gift_compile.apply(model, GiftConfig(**CFG), fuse=False)
+        outer = fully_shard(nn.Sequential(model) if order == "sequential" else torch.compile(model))
+        try:
+            outer(torch.randn(4, 64)).sum().backward()
+            out[order] = "sent twice"
+        except Exception as e:
+            out[order] = f"{type(e).__name__}: {e}"
+
+    # the valid split: DDP ignores `inner`'s parameters, GIFT syncs `inner`
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner, self.head = MLP(64), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.inner(x))
+
+    net = Outer()
+    gift_compile.apply(net.inner, GiftConfig(**CFG), fuse=False)
+    nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+        net, [f"inner.{n}" for n, _ in net.inner.named_parameters()])
+    ddp = nn.parallel.DistributedDataParallel(net)
+    try:
+        x = torch.randn(4, 64, generator=torch.Generator().manual_seed(rank))
+        ddp(x).sum().backward()
+        out["split"] = (gift_compile.state(net.inner).comm_totals()["calls"], net.inner.fc1.weight.grad.clone(),
+                        net.head.weight.grad.clone())
+    except Exception as e:
+        out["split"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def test_wrapping_after_apply_is_refused_and_the_valid_ddp_split_is_accepted():
+    """Before: `apply(m); fully_shard(nn.Sequential(m))` and `apply(m); fully_shard(torch.compile(m))`
+    ran, every gradient sent twice (GIFT's codes, then FSDP2's reduce-scatter), because the check
+    expected DTensor weights where FSDP2 swaps in unsharded ones; DDP ignoring a submodule's
+    parameters with GIFT on that submodule was refused as double sending."""
+    results = run_ranks(_wrapping_body, 2, timeout=FAST)
+    for r in results:
+        for order in ("sequential", "compiled"):
+            assert r[order].startswith("RuntimeError") and "fully_shard (FSDP2) was applied after" in r[order], \
+                (order, r[order])
+        assert not isinstance(r["split"], str), r["split"]
+    (calls0, fc0, head0), (calls1, fc1, head1) = results[0]["split"], results[1]["split"]
+    assert calls0 > 0 and torch.equal(fc0, fc1) and torch.equal(head0, head1)  # both synced, each once
