@@ -428,8 +428,8 @@ def decode_item(recv: torch.Tensor, offset: int, state: ItemTensors | None, item
     w = p.world
     if not item.managed:
         raw, offset = _take(recv, offset, p.flat_sent(item) // w * _itemsize(item.torch_dtype))
-        total = _from_bytes(raw, item.torch_dtype).float().sum(dim=0)
-        return (total / w if p.average else total), offset
+        values = _from_bytes(raw, item.torch_dtype).float()
+        return (values / w if p.average else values).sum(dim=0), offset  # each share first: no overflow
     spec, r = item.spec, p.rows_sent(item) // w
     payload, offset = _take(recv, offset, r * spec.payload_cols(item.cols))
     scales, tscale, offset = _parse_scales(recv, offset, spec, item.cols, r)

@@ -280,7 +280,10 @@ class BucketPlan:
                                  "slice; set GiftConfig.ranks_per_node=0 for the one-level exchange")
             else:  # the chunk's rows; a map-free grouped item's blocks need no bookkeeping there
                 items.append(dataclasses.replace(i, rows=self.chunk_rows(i), groups=1))
-        return BucketPlan(tuple(items), nodes, self.layout.cross_group, False, self.op, FLAT, g)
+        # averaging: stage 1 sums the node's shares (each / g), stage 2 averages over the nodes,
+        # so no partial sum exceeds the mean's scale (a mean near fp32's largest stays finite)
+        # and stage 2 (its residuals included) runs at the one-level exchange's scale
+        return BucketPlan(tuple(items), nodes, self.layout.cross_group, self.average, self.op, FLAT, g)
 
     def rows_sent(self, item: ItemPlan) -> int:
         """Rows of a managed item as communicated: an all-reduce pads them to a multiple of

@@ -344,19 +344,32 @@ def wrapped_after_apply(model: nn.Module) -> str | None:
     `DistributedDataParallel` added afterwards brings the framework's own fp32 reduction, so
     every gradient would travel twice (GIFT's codes, then FSDP2's reduce-scatter or DDP's
     bucket all-reduce) while `comm_totals()` still reports compression. FSDP2 shows as an
-    `FSDPModule` class on the model or a managed linear, or DTensor weights (a parent sharded
-    without the root); DDP as the module its forward is running (`_get_active_ddp_module`,
-    set around the wrapped module's call, also when that call is compiled)."""
+    `FSDPModule` class on the model or a managed linear, DTensor weights (a parent sharded
+    without the root), or FSDP2's mark on every module whose parameters it manages
+    (`_is_fsdp_managed_module`: a parent sharded with the root, `nn.Sequential(model)` or
+    `torch.compile(model)`, swaps unsharded tensors into the forward, so the weights read there
+    are no DTensors); DDP as the module its forward is running (`_get_active_ddp_module`, set
+    around the wrapped module's call, also when that call is compiled), unless that DDP was told
+    to ignore every parameter of `model` (the valid split: DDP for the rest, GIFT for `model`)."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
     state: GiftState = model._gift_state
-    if isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) or isinstance(m._parameters["weight"], DTensor)
-                                            for m in state.modules.values()):
+    if isinstance(model, FSDPModule) or getattr(model, "_is_fsdp_managed_module", False) or any(
+            isinstance(m, FSDPModule) or getattr(m, "_is_fsdp_managed_module", False)
+            or isinstance(m._parameters["weight"], DTensor) for m in state.modules.values()):
         return "fully_shard (FSDP2)"
-    if nn.parallel.DistributedDataParallel._get_active_ddp_module() is not None:
+    ddp = nn.parallel.DistributedDataParallel._get_active_ddp_module()
+    if ddp is not None and not _ignored_by(ddp, model):
         return "DistributedDataParallel"
     return None
+
+
+def _ignored_by(ddp: nn.parallel.DistributedDataParallel, model: nn.Module) -> bool:
+    """Whether `ddp` ignores every trainable parameter of `model` (its submodule): then DDP's
+    reducer never carries them and GIFT's sync is their only one."""
+    ignored = {id(p) for n, p in ddp.module.named_parameters() if n in ddp.parameters_to_ignore}
+    return all(id(p) in ignored for p in model.parameters() if p.requires_grad)
 
 
 def _refuse_outer_data_parallel(model: nn.Module, args: Any) -> None:

@@ -164,7 +164,7 @@ def decode(payload: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tens
            cols: int, reduce: bool, average: bool) -> torch.Tensor:
     """fp32 values of every sender's payload (`[senders, rows, payload_cols]` uint8) with its
     block codes (`[senders, rows, nblocks]`) and tensor scale (`[senders]`): their sum in rank
-    order `[rows, cols]` with `reduce` (divided by the number of senders with `average`), else
+    order `[rows, cols]` with `reduce` (each value divided by the number of senders with `average`), else
     `[senders, rows, cols]`; `codec.decode` (and its `.sum(0)`) bit for bit."""
     f = _format(fmt, block_size)
     spec = FormatSpec(fmt, block_size=block_size)

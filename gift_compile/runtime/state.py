@@ -128,7 +128,7 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
                  "grad_source", "_health_seen", "modules", "handles", "active", "sync_mode", "dirty_params",
                  "plan_version", "selection_changes", "_sharing_checked", "adapters", "hop_counters", "backward_watch",
                  "geometry", "layer_spec", "health_group_name", "pending_faults", "outside", "substates", "blocks",
-                 "stepped_by_optimizer", "report", "layout", "outside_items", "refresh_traffic")
+                 "stepped_by_optimizer", "driver", "report", "layout", "outside_items", "refresh_traffic")
 
     # held by name, so a destroyed group's threads end with it (`gift_compile.sync.GroupByName`)
     group = GroupByName()
@@ -212,6 +212,9 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         # Whether an optimizer's step hook advances the state (`gift_compile.api.attach_optimizer`):
         # `gift_compile.step` then refuses to advance it a second time per step.
         self.stepped_by_optimizer = False
+        # The optimizer(s) driving it, weakly, and their hooks' handles (`api.attach_optimizer`):
+        # `apply` with another optimizer swaps them (`api.reattach_optimizer`).
+        self.driver: tuple[tuple[Any, ...], list[Any]] | None = None
 
     @property
     def shared(self) -> Shared:
