@@ -27,10 +27,11 @@ FAST_FILES: frozenset[str] = frozenset({
     "test_data_parallel.py", "test_euclidean_items.py", "test_expert_layers.py", "test_faults.py",
     "test_formats.py", "test_fused_receiver.py", "test_fused_sender.py", "test_geometries.py", "test_geometry.py",
     "test_gpu_check.py", "test_gpu_step_model.py", "test_grouped_items.py", "test_grouped_statistics.py",
-    "test_hsdp.py", "test_hsdp_model.py", "test_kernels.py", "test_kernels_fp8.py", "test_layer_formats.py",
+    "test_hsdp.py", "test_kernels.py", "test_kernels_fp8.py", "test_layer_formats.py",
     "test_layers.py", "test_map_precision.py", "test_map_precision_arms.py", "test_pass.py", "test_pass_hsdp.py",
     "test_recompile.py", "test_reliability.py", "test_rotation.py", "test_second_hop_ef.py",
     "test_second_moment.py", "test_selection.py", "test_statistics.py", "test_tensor_parallel.py", "test_tiers.py",
+    "test_topology_model.py",
     "test_tiny_llama.py", "test_two_level.py",
     # torchtitan: the launcher's parsing, and each file's tests that launch nothing
     "test_torchtitan_launcher.py", "test_torchtitan_train.py", "test_torchtitan_hsdp.py", "test_torchtitan_pp.py",
