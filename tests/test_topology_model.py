@@ -23,9 +23,8 @@ RECORDED = {
         *({"arm": a, "path": "ddp", "nodes": 2, "ranks_per_node": 1, "rate_bps": None, "step_times": [t], "warmup": 0}
           for a, t in (("fp32", 0.46), ("powersgd-4", 0.49), ("euclid-int2", 0.48), ("muon-int2-leaky-ef", 0.61))),
         *({"arm": a, "path": "ddp", "nodes": 2, "ranks_per_node": 1, "rate_bps": 100e6, "step_times": [t], "warmup": 0,
-           "steps": 1, "link_bytes": [{"tx": b, "rx": b}, {"tx": b, "rx": b}]}
-          for a, t, b in (("fp32", 1.40, 13.4e6), ("powersgd-4", 0.43, 0.4e6), ("euclid-int2", 1.35, 10.3e6),
-                          ("muon-int2-leaky-ef", 1.47, 10.2e6))),
+           "steps": 1}
+          for a, t in (("fp32", 1.40), ("powersgd-4", 0.43), ("euclid-int2", 1.35), ("muon-int2-leaky-ef", 1.47))),
     ],
 }
 
@@ -151,21 +150,32 @@ def test_the_validation_table_from_a_recorded_run(tmp_path: Path, capsys: pytest
     fp32 = rows["fp32"]
     # DDP's fp32 all-reduce over 2 nodes: each node sends its whole fp32 gradient once
     sh = tm.shapes(tm.model_config(RECORDED), 128, 50, 32)
-    assert fp32["predicted_link_bytes"] == pytest.approx(4.0 * sh.params)
+    assert fp32["predicted_link_bytes"] == pytest.approx(4.0 * sh.params / tm.TC_FRAME_EFFICIENCY)
     rate = 100e6 / 8 * tm.TC_FRAME_EFFICIENCY
     buckets = 1 + -(-int(4.0 * sh.params - 1e6) // int(25e6))
     assert fp32["predicted_s"] == pytest.approx(0.46 / 3 + tm._phase(0.46 * 2 / 3, 4.0 * sh.params / rate, buckets),
                                                 rel=1e-3)
-    assert fp32["counted_link_bytes"] == pytest.approx(13.4e6)
+    assert fp32["counted_link_bytes"] is None  # that run counted no link bytes
     # GIFT's exchange did not overlap in that code: its whole link time is added to the backward
     gift = rows["muon-int2-leaky-ef"]
-    assert gift["predicted_s"] == pytest.approx(0.61 + gift["predicted_link_bytes"] / rate, rel=1e-6)
+    assert gift["predicted_s"] == pytest.approx(0.61 + gift["predicted_link_bytes"] * tm.TC_FRAME_EFFICIENCY / rate,
+                                                rel=1e-6)
     assert v["within"] == sum(abs(r["error"]) <= 0.15 for r in v["rows"])
     path = tmp_path / "emulated.json"
     path.write_text(json.dumps(RECORDED))
     assert tm.main(["--validate", str(path)]) == 0
     out = capsys.readouterr().out
     assert "| ddp | 2x1 | 100 | fp32 |" in out and f"{v['within']} of 4 within 15%" in out
+
+
+def test_counted_link_bytes_are_per_node_and_timed_step() -> None:
+    run = copy.deepcopy(RECORDED)
+    shaped = run["records"][4]
+    assert shaped["arm"] == "fp32" and shaped["rate_bps"]
+    shaped.update(step_times=[9.0, 1.4, 1.4, 1.4], warmup=1, steps=3,
+                  link_bytes=[{"tx": 30e6, "rx": 33e6}, {"tx": 36e6, "rx": 30e6}])  # made up: the arithmetic only
+    row = next(r for r in tm.validate(run)["rows"] if r["arm"] == "fp32")
+    assert row["counted_link_bytes"] == pytest.approx(11e6) and row["measured_s"] == 1.4
 
 
 def test_a_results_json_without_its_layout_or_model_raises() -> None:
