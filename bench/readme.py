@@ -375,14 +375,17 @@ def headline(r: dict) -> str:
 
 
 def pays(r: dict) -> str:
-    """The README's "what you pay and get" at NVFP4: bytes of the whole gradient, the projected
-    step time (its inputs named: calibrated on one GPU, assumed, taken from the code), GIFT's
+    """The README's "what you pay and get": bytes of the whole gradient at NVFP4, the modelled step
+    time (`bench.topology_model`: a cluster at the frontier's bits, and the paper's setting), GIFT's
     state memory, and which optimizers the convergence study found GIFT helps, each from its
     committed results file, next to fp32 and plain low-bit at the same format."""
     rows = r["wire"]["rows"]
     world, model = max(x["world"] for x in rows), r["wire"]["models"][-1]["name"]
     wire = next(x for x in rows if (x["model"], x["world"], x["op"], x["format"]) == (model, world, "all_reduce", "nvfp4"))
     step = topology_model.pays_row()
+    paper = json.loads(topology_model.OUT.read_text())["paper"]
+    po = paper["overlapped"]
+    pa = po["arms"]
     mem = {x["config"]: x for x in r["memory"]["rows"] if (x["model"], x["world"]) == ("Llama-600M", 8)}
     gift_mem = next(x for c, x in mem.items() if c.startswith("GIFT defaults ("))
     plain_mem = next(x for c, x in mem.items() if c.startswith("Euclidean low-bit"))
@@ -407,13 +410,20 @@ def pays(r: dict) -> str:
     def mb(b: float) -> str:
         return f"{b / 1e6:,.0f} MB"
 
-    lines = ["| at NVFP4 | fp32 | plain low-bit (`geometry=\"none\"`) | GIFT (the defaults) |", "|---|---|---|---|",
-             f"| bytes of the whole gradient per rank and step ({model}, {world} ranks, all-reduce; bytes handed to the collectives) | 1.00x | "
+    lines = ["| each row at the format it names | fp32 | plain low-bit (`geometry=\"none\"`) | GIFT (the defaults) |",
+             "|---|---|---|---|",
+             f"| bytes of the whole gradient per rank and step (NVFP4; {model}, {world} ranks, all-reduce; bytes handed to the collectives) | 1.00x | "
              f"{wire['vs_fp32']:.2f}x | {wire['vs_fp32']:.2f}x (the same codes) |",
              f"| modelled step time ({step['model']}, {step['nodes']} nodes x {step['gpus_per_node']} GPUs, "
              f"{step['network']}; FSDP with its all-gathers, overlapped with the backward; both low-bit arms at "
              f"{step['bits']:.2f} bits, the faster of their layouts: {step['euclid'][0]} / {step['gift'][0]}) | "
              f"{ms(step['fp32'])} (fp32 ring) | {ms(step['euclid'][1])} | {ms(step['gift'][1])} |",
+             f"| the paper's setting, modelled ({paper['model']}, {paper['nodes']} nodes x {paper['gpus_per_node']} GH200; "
+             f"all-reduce at FP8 E5M2, the map on 13 fc2 layers; overlapped with the backward) | "
+             f"{ms(pa['fp32 all-reduce']['step'])} | {ms(pa['Euclidean FP8']['step'])} "
+             f"({signed_pct(po['euclid_vs_fp32'])}; the paper: {signed_pct(paper['paper_euclid_vs_fp32'])}) | "
+             f"{ms(pa['GIFT FP8 (13 fc2)']['step'])} ({signed_pct(po['gift_vs_fp32'])}; the paper: "
+             f"{signed_pct(paper['paper_gift_vs_fp32'])}) |",
              f"| state memory per rank (Llama-600M, 8 ranks; FSDP's params + grads + optimizer: "
              f"{mb(gift_mem['fsdp_per_rank'])}) | 0 | {mb(plain_mem['gift_total'])} | {mb(gift_mem['gift_total'])} "
              f"({gift_mem['gift_vs_fsdp']:.2f}x FSDP's) |",
