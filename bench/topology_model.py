@@ -262,13 +262,29 @@ def bits_from_frontier(frontier: dict, optimizer: str = OPTIMIZER) -> dict[str, 
 # pricing
 
 
-def _phase(compute: float, link: float, units: int, overlapped: bool = True) -> float:
-    """A phase of `compute` seconds and `link` seconds of communication in `units` equal units:
-    overlapped, the communication of a unit starts when its compute ends (exposed: the last
-    unit's communication, or the first unit's compute when the link is the bottleneck)."""
+def _phase(compute: float, link: float, units: int | list[float], overlapped: bool = True) -> float:
+    """A phase of `compute` seconds and `link` seconds of communication in `units` (a count of
+    equal units, or each unit's share of the bytes, in the order they become ready): overlapped,
+    a unit's communication starts when its compute is done and the previous unit's has left
+    (exposed: the communication after the last compute, or the compute before the first unit)."""
     if not overlapped:
         return compute + link
-    return max(compute + link / units, link + compute / units)
+    shares = [1.0 / units] * units if isinstance(units, int) else units
+    t = done = 0.0
+    for share in shares:
+        done += share
+        t = max(t, compute * done) + link * share
+    return max(compute, t)
+
+
+def ddp_shares(nbytes: float, x: dict[str, Any]) -> list[float]:
+    """DDP's buckets of an `nbytes` fp32 gradient as shares, in the order they are ready: a first
+    bucket of 1 MB (torch's `_DEFAULT_FIRST_BUCKET_BYTES`), then `ddp_bucket_mb` each."""
+    first, cap = 1e6, _v(x["ddp_bucket_mb"]) * 1e6
+    if nbytes <= first:
+        return [1.0]
+    full, rest = divmod(nbytes - first, cap)
+    return [first / nbytes] + [cap / nbytes] * int(full) + ([rest / nbytes] if rest else [])
 
 
 def _ring(nbytes: float, net: Net, calls: int, allreduce: bool = False) -> float:
@@ -381,7 +397,7 @@ def price_arm(arm: str, sh: Shapes, net: Net, compute: tuple[float, float], extr
         ag_f = ag_b = _ring(pbytes, net, units)
     elif spec.layout == "hsdp":
         ag_f = ag_b = _ring_in_node(pbytes, net)
-    ddp_buckets = max(1, math.ceil(4.0 * sh.params / (_v(x["ddp_bucket_mb"]) * 1e6)))
+    ddp_buckets = len(ddp_shares(4.0 * sh.params, x))
     ex = spec.exchange
     if ex == "ring32":
         link = _ring(4.0 * sh.params, net, units)
@@ -401,7 +417,7 @@ def price_arm(arm: str, sh: Shapes, net: Net, compute: tuple[float, float], extr
     else:
         raise ValueError(f"step model: unknown exchange {ex!r} of arm {arm!r}")
     on_compute = sum(extra.get(k, 0.0) for k in ("codec", "stats", "psgd"))
-    b_units = units if spec.layout != "ddp" else ddp_buckets
+    b_units: int | list[float] = units if spec.layout != "ddp" else ddp_shares(4.0 * sh.params, x)
     forward = _phase(fwd_c, ag_f, units) if spec.allgathers else fwd_c
     if overlapped:
         backward = _phase(bwd_c + on_compute, ag_b + link, b_units)
@@ -522,7 +538,8 @@ def paper_setting(d: dict, pricer: CodecPricer) -> dict[str, Any]:
     stats = sum(c.stats_flops for c in gift13) / fp32_rate
     refresh = sum(c.refresh_flops for c in gift13) / (_v(x["refresh_tflops"]) * 1e12) / net.world
     bits = format_bits({"format": "fp8_e5m2", "scaling": "tensor"})
-    buckets = max(1, math.ceil(4.0 * sh.params / (_v(x["ddp_bucket_mb"]) * 1e6)))
+    shares = ddp_shares(4.0 * sh.params, x)
+    buckets = len(shares)
     variants: dict[str, dict[str, dict[str, float]]] = {}
     for variant, every_overlapped in (("overlapped", True), ("nothing overlapped", False)):
         out = variants.setdefault(variant, {})
@@ -534,7 +551,7 @@ def paper_setting(d: dict, pricer: CodecPricer) -> dict[str, Any]:
             else:  # GIFT's all-reduce: an all-to-all of the codes and an all-gather of the reduced codes
                 link = 2 * _a2a((sh.matrix_elements + sh.vector_elements) * bits / 8, net, buckets)
             on = extra.get("codec", 0.0) + extra.get("stats", 0.0)
-            backward = _phase(total - fwd + on, link, buckets, every_overlapped)
+            backward = _phase(total - fwd + on, link, shares, every_overlapped)
             out[name] = {"step": fwd + backward + extra.get("refresh", 0.0), "link": link, "on_compute": on,
                          "compute": total}
     res = {}
@@ -638,45 +655,43 @@ def emulated_arm(name: str, path: str) -> tuple[ArmSpec, dict[str, Any] | None, 
 
 
 def emulated_link(spec: ArmSpec, fields: dict | None, pbytes: float, sh: Shapes, n: int, g: int,
-                  x: dict[str, Any]) -> tuple[float, float, float, int]:
+                  x: dict[str, Any]) -> tuple[float, float, float, int | list[float]]:
     """Bytes one node sends across nodes per step for an emulated arm: (forward all-gathers,
-    backward all-gathers, gradient exchange) and the number of overlap units. The node's fast
-    link (loopback) is inside the measured compute; the same rules as `price_arm`."""
+    backward all-gathers, gradient exchange) and its overlap units (FSDP's, or DDP's bucket
+    shares). The node's fast link (loopback) is inside the measured compute; the same rules as
+    `price_arm`."""
     w = n * g
     units = sh.n_layers + 1
     ag = (w - 1) / w * pbytes * sh.params if spec.layout == "fsdp" else 0.0
     ex = spec.exchange
-    first, cap = 1e6, _v(x["ddp_bucket_mb"]) * 1e6  # DDP's first bucket is 1 MB, then bucket_cap_mb
-
-    def buckets(nbytes: float) -> int:
-        return 1 + max(0, math.ceil((nbytes - first) / cap))
-
+    buckets = ddp_shares(4.0 * sh.params, x)  # DDP buckets the fp32 gradient, whatever then travels
     if ex.startswith("ddp_ring") or ex.startswith("ring") or ex.startswith("hsdp_ring"):
         s = (4.0 if ex.endswith("32") else 2.0) * sh.params
         if ex.startswith("ddp_ring"):
-            return 0.0, 0.0, 2 * (w - 1) / w * s, buckets(s)
+            return 0.0, 0.0, 2 * (w - 1) / w * s, buckets
         if ex.startswith("ring"):
             return ag, ag, (w - 1) / w * s, units
         return 0.0, 0.0, 2 * (n - 1) / n * s, units  # HSDP: each of the g ranks all-reduces its 1/g shard
     if ex == "powersgd":
         s, _ = psgd_bytes_and_flops(sh, int(fields["rank"]), _v(x["powersgd_min_compression_rate"]))
-        return 0.0, 0.0, 2 * (w - 1) / w * s, buckets(4.0 * sh.params)
+        return 0.0, 0.0, 2 * (w - 1) / w * s, buckets
     codes = codes_bytes(sh, format_bits(fields), x)
     if ex == "a2a":
         return ag, ag, g * codes * (w - g) / w, units
     if ex == "two_level":
         return ag, ag, g * (n - 1) / n * codes / g, units
     if ex == "ddp_a2a":  # GIFT's all-reduce: all-to-all of the codes, all-gather of the reduced shard
-        return 0.0, 0.0, 2 * g * codes * (w - g) / w, buckets(4.0 * sh.params)
+        return 0.0, 0.0, 2 * g * codes * (w - g) / w, buckets
     if ex in ("ddp_two_level", "hsdp_a2a"):
-        return 0.0, 0.0, 2 * g * (n - 1) / n * codes / g, buckets(4.0 * sh.params) if ex.startswith("ddp") else units
+        return 0.0, 0.0, 2 * g * (n - 1) / n * codes / g, buckets if ex.startswith("ddp") else units
     raise ValueError(f"step model: no emulated structure for exchange {ex!r}")
 
 
 def predict_emulated(rec: dict, unshaped: dict, sh: Shapes, x: dict[str, Any], overlapped: bool) -> dict[str, Any]:
     """The model's step time for a shaped emulated-cluster run from the same arm's unshaped run
     (its whole measured step: compute, codec, statistics, loopback) and the link's rate; the
-    bytes a node sends per step as the kernel counts them (Ethernet frames: payload / 1448 x 1514)."""
+    payload a node sends per step (the kernel's count on the veth carries ~0.3% more: it counts
+    the headers of GSO segments, not of 1500-byte frames; tc's shaper counts frames)."""
     spec, fields, pbytes = emulated_arm(rec["arm"], rec["path"])
     n, g = rec["nodes"], rec["g"]
     ag_f, ag_b, grad, units = emulated_link(spec, fields, pbytes, sh, n, g, x)
@@ -684,10 +699,11 @@ def predict_emulated(rec: dict, unshaped: dict, sh: Shapes, x: dict[str, Any], o
     lat = rec["delay_ms"] * 1e-3 * (n - 1)
     compute = median_step(unshaped)
     fwd = compute * _v(x["forward_share"])
-    t_ag_f, t_ag_b = ag_f / rate + (units * lat if ag_f else 0.0), ag_b / rate + (units * lat if ag_b else 0.0)
-    t_grad = grad / rate + units * lat
+    calls = units if isinstance(units, int) else len(units)
+    t_ag_f, t_ag_b = ag_f / rate + (calls * lat if ag_f else 0.0), ag_b / rate + (calls * lat if ag_b else 0.0)
+    t_grad = grad / rate + calls * lat
     ov = overlapped or not spec.gift_code
-    forward = _phase(fwd, t_ag_f, units) if spec.allgathers else fwd
+    forward = _phase(fwd, t_ag_f, calls) if spec.allgathers else fwd
     backward = (_phase(compute - fwd, t_ag_b + t_grad, units) if ov
                 else _phase(compute - fwd, t_ag_b, units) + t_grad)
     counted = None
@@ -696,19 +712,26 @@ def predict_emulated(rec: dict, unshaped: dict, sh: Shapes, x: dict[str, Any], o
         counted = statistics.fmean(b["tx"] for b in rec["link_bytes"]) / steps
     return {"arm": rec["arm"], "path": rec["path"], "layout": f"{n}x{g}", "rate_mbit": rec["rate_mbit"],
             "unshaped_s": compute, "predicted_s": forward + backward, "measured_s": median_step(rec),
-            "predicted_link_bytes": (ag_f + ag_b + grad) / TC_FRAME_EFFICIENCY, "counted_link_bytes": counted,
+            "predicted_link_bytes": ag_f + ag_b + grad, "counted_link_bytes": counted,
             "gift_overlapped": ov if spec.gift_code else None}
 
 
-def validate(results: dict, inputs: dict | None = None, overlapped: bool | None = None) -> dict[str, Any]:
+def validate(results: dict, inputs: dict | None = None, overlapped: bool | None = None,
+             formats: dict[str, float | None] | None = None) -> dict[str, Any]:
     """Predicted vs measured step time per arm, path, layout and link rate of an emulated-cluster
     results JSON: each shaped run predicted from its arm's unshaped run. `results["model"]` gives
-    the cluster model's `TinyLlamaConfig` fields; `results["gift_overlapped"]` (else the inputs'
-    switch, else `overlapped`) whether GIFT's exchange overlapped the backward in that code."""
+    the cluster model's `TinyLlamaConfig` fields; `overlapped` (else the results JSON's
+    `gift_overlapped`, else the inputs' switch) whether GIFT's exchange overlapped the backward in
+    that code;
+    `formats` (else the results JSON's keys, else the inputs) the bytes per element the measured
+    code sent outside the map (`unmapped_matrix_bytes`, `unmanaged_bytes`)."""
     x = dict((inputs or load_inputs())["global"])
     config = model_config(results)
-    if "unmapped_matrix_bytes" in results:
-        x["unmapped_matrix_bytes"] = {"value": results["unmapped_matrix_bytes"]}
+    for key in ("unmapped_matrix_bytes", "unmanaged_bytes"):  # what the measured code sent outside the map
+        if key in results:
+            x[key] = {"value": results[key]}
+        if key in (formats or {}):
+            x[key] = {"value": formats[key]}
     if overlapped is None:
         overlapped = bool(results.get("gift_overlapped", _v(x["gift_exchange_overlapped"])))
     m = results.get("model") if isinstance(results.get("model"), dict) else {}
@@ -924,13 +947,21 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=COMMAND, description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--validate", type=Path, help="an emulated-cluster results JSON: print predicted vs measured")
+    p.add_argument("--unmapped-matrix-bytes", type=float,
+                   help="with --validate: bytes per element the measured code sent for matrices outside GIFT's map "
+                        "(4: fp32, the code before the whole-gradient compression; default: at the arm's bits)")
+    p.add_argument("--vector-bytes", type=float,
+                   help="with --validate: bytes per element of vectors (norms, biases) in the measured code "
+                        "(default: the inputs' unmanaged_bytes)")
     p.add_argument("--gift-overlapped", choices=("yes", "no"),
                    help="with --validate: whether GIFT's exchange overlapped the backward in the measured code "
                         "(default: the results JSON's gift_overlapped, else the inputs' switch)")
     a = p.parse_args(argv)
     if a.validate:
         ov = None if a.gift_overlapped is None else a.gift_overlapped == "yes"
-        v = validate(json.loads(a.validate.read_text()), overlapped=ov)
+        formats = {k: v for k, v in (("unmapped_matrix_bytes", a.unmapped_matrix_bytes),
+                                     ("unmanaged_bytes", a.vector_bytes)) if v is not None}
+        v = validate(json.loads(a.validate.read_text()), overlapped=ov, formats=formats)
         print(validation_table(v))
         return 0
     d = run()
