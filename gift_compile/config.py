@@ -230,7 +230,7 @@ class GiftConfig:
         layer_formats: bits allocated per layer: `"glob=format"` entries (a comma-separated
             string is split) matched against the weight's FQN as `exclude` is; the first
             match wins and layers no entry matches use `format`. Every entry's format shares
-            `scaling` and `block_size`. `bench.bit_allocation` measures an allocation at equal
+            `scaling` and `block_size`. `bench.convergence.bit_allocation` measures an allocation at equal
             total bytes (more bits where a layer's relative error falls most per byte). Not
             with an HSDP replica hop, which sends every layer at one `replica_format`.
         block_rotation: before the codes are chosen, rotate each scale block (after the
@@ -307,7 +307,7 @@ class GiftConfig:
             (`gift_compile.kernels.map_dispatch`); "auto" (the default) is "tf32" on CUDA and
             "exact" elsewhere. TF32 is the CUDA default because the operand rounding is
             amplified by the inverse map's gain on the factor's strong directions: on the
-            bench's real gradients (`python -m bench.map_precision`, docs/benchmarks.md) the map
+            bench's real gradients (`python -m bench.fidelity.map_precision`, docs/benchmarks.md) the map
             alone errs 8x more at bf16, and bf16 moved the decoded gradient's error by
             50-120x TF32's change (neither resolved after the family-wise correction), and at these
             ranks the map is memory-bound, so bf16 would buy little speed. "tf32"/"bf16" on CPU tensors run
@@ -334,7 +334,7 @@ class GiftConfig:
             both at bf16 (the node's sum is then rounded to bf16 before GIFT's codec sees it,
             and an all-reduce's result to bf16 once after it), which halves the bytes an fp32
             gradient puts on the node's links and the time of that stage where NVLink, not the
-            network, bounds it (`python -m bench.topology_model`). Stage 2 across nodes is
+            network, bounds it (`python -m bench.step_model.topology`). Stage 2 across nodes is
             unchanged. With ranks_per_node=0 (no two levels) anything but "native" raises,
             since the setting would do nothing.
     """

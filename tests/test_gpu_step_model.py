@@ -1,4 +1,4 @@
-"""The codec prices the step model reads off the H200 measurement (`bench.gpu_pricing`): the
+"""The codec prices the step model reads off the H200 measurement (`bench.step_model.pricing`): the
 prices reproduce the measured bodies, a body that was not measured is named, and the committed
 H200 run still renders as a GPU.md."""
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import gpu_pricing
-from bench.gpu_pricing import Body, CodecPricer, load_bodies
+from bench.step_model import pricing as gpu_pricing
+from bench.step_model.pricing import Body, CodecPricer, load_bodies
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def test_a_body_that_was_not_measured_raises_naming_it(bodies: list[Body]) -> No
 
 def test_the_committed_h200_run_renders_as_gpu_md() -> None:
     """The run's own render crashed (`NameError: copy_bw`); today's renders it, `impl` absent."""
-    from bench.gpu_report import render
+    from bench.gpu.report import render
     md = render(json.loads(gpu_pricing.CODEC_FILE.read_text()))
     assert "## Codec kernels" in md and "8B w2 (fc2)" in md and "NVIDIA H200" in md
     assert md == (Path(gpu_pricing.GPU_DIR) / "GPU.md").read_text()

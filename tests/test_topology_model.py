@@ -1,4 +1,4 @@
-"""The step model (`bench.topology_model`): the same rules for every arm (FSDP's all-gathers in
+"""The step model (`bench.step_model.topology`): the same rules for every arm (FSDP's all-gathers in
 every FSDP arm, one efficiency per network), every input marked measured or assumed, the
 frontier's bits, and the validation table computed from a recorded emulated-cluster run."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import topology_model as tm
-from bench.wire import MODEL_CONFIGS
+from bench.step_model import topology as tm
+from bench.lib.wire import MODEL_CONFIGS
 
 # the emulated cluster's first run (`bench.cluster.emulated --paths ddp --layouts 2x2 --rates 87mbit,none
 # --arms fp32,bf16,powersgd-4,muon-int2-leaky-ef,euclid-int2 --steps 8 --warmup 2`, under CPU contention;
@@ -139,7 +139,7 @@ def test_overlap_hides_communication_behind_the_backward_except_its_tail() -> No
 
 
 def test_the_bits_come_from_the_frontier() -> None:
-    frontier = json.loads((tm.ROOT / "bench" / "results" / "frontier.json").read_text())
+    frontier = json.loads((tm.RESULTS / "convergence" / "frontier.json").read_text())
     fb = tm.bits_from_frontier(frontier)
     arms = {a["arm"]: a for a in frontier["optimizers"]["muon"]["arms"]}
     for who in ("gift", "euclid"):

@@ -31,14 +31,14 @@ require("torchtitan", "torchtitan extra not installed")
 
 import torch  # noqa: E402
 
-from gift_compile.torchtitan_ext.demo import (  # noqa: E402
+from gift_compile.torchtitan_ext.cpu.demo import (  # noqa: E402
     closer_to_fp32,
     last_measured_refresh,
     resolved_choices,
     selected_errors,
 )
-from gift_compile.torchtitan_ext.kill_resume import KillResume, checkpoint_tensors, kill_and_resume  # noqa: E402
-from gift_compile.torchtitan_ext.runs import RunResult, run_config  # noqa: E402
+from gift_compile.torchtitan_ext.cpu.kill_resume import KillResume, checkpoint_tensors, kill_and_resume  # noqa: E402
+from gift_compile.torchtitan_ext.cpu.runs import RunResult, run_config  # noqa: E402
 
 STEPS = 6
 COMMON = ["--validator.no-enable", f"--training.steps={STEPS}", "--gift.refresh-every=3"]

@@ -688,7 +688,7 @@ def test_checkpoints_record_the_node_layout_and_refuse_its_residuals_elsewhere()
 
 
 def test_the_committed_hop_byte_table_is_what_its_measurement_renders():
-    """bench/results/hop_bytes.md is `bench.hop_bytes.table` of the committed hop_bytes.json
+    """bench/results/cluster/hop_bytes.md is `bench.cluster.hop_bytes.table` of the committed hop_bytes.json
     (regenerated, never typed); in it, on 8 ranks as 2 nodes x 4 and 4 nodes x 2, every eager
     row's counted bytes per hop equal the accounting, two levels cut a reduce-scatter's bytes
     across nodes to exactly 1/g of flat's while bf16 inside the node halves the bytes inside it;
@@ -696,7 +696,7 @@ def test_the_committed_hop_byte_table_is_what_its_measurement_renders():
     two-level runs at 1/g of the flat run's cross-node bytes."""
     import json
 
-    from bench import hop_bytes
+    from bench.cluster import hop_bytes
 
     d = json.loads(hop_bytes.OUT.read_text())
     assert hop_bytes.TABLE.read_text() == hop_bytes.table(d)

@@ -21,7 +21,7 @@ from __future__ import annotations
 FAST_FILES: frozenset[str] = frozenset({
     "test_adapters.py", "test_api.py", "test_architecture.py", "test_bench_convergence.py",
     "test_bench_delayed_scale.py", "test_bench_exit_stress.py", "test_bench_frontier.py", "test_bench_layouts.py",
-    "test_bench_readme.py", "test_bench_smoke.py", "test_bench_stats.py", "test_bench_sweep_adamw.py",
+    "test_bench_readme.py", "test_bench_smoke.py", "test_bench_cluster.py", "test_bench_stats.py", "test_bench_sweep_adamw.py",
     "test_ci_requirements.py", "test_codec_minimum.py", "test_collectives.py", "test_config.py",
     "test_context_parallel.py", "test_corpus.py",
     "test_data_parallel.py", "test_euclidean_items.py", "test_expert_layers.py", "test_faults.py",
@@ -41,6 +41,8 @@ FAST_FILES: frozenset[str] = frozenset({
 # Every test of these files runs only in `make test-full`: each is a matrix of 4- or 8-rank torchrun
 # launches of a layout whose GIFT code a fast in-process test covers (the `FEATURES` rows say which).
 FULL_FILES: dict[str, str] = {
+    "test_cluster_emulated.py": "the emulated cluster (network namespaces, root): 2 nodes x 2 ranks, 2 steps, and a "
+                                "run stopped by SIGTERM (fast: test_bench_cluster.py's parsing, CI, table, cleanup)",
     "test_training.py": "a 50-step tiny-Llama run against fp32 communication (2 min; fast: the torchtitan FSDP2 and "
                         "graph_trainer runs track GIFT off with quantized gradients, test_api trains eagerly)",
     "test_torchtitan_tp.py": "TP 2 x FSDP 2, 4 ranks, 4 launches (fast: test_tensor_parallel.py)",
@@ -72,7 +74,7 @@ FULL_TESTS: dict[str, str] = {
     "test_torchtitan_train.py::test_resume_restores_gift_state[llama3_debug_gift_graph]":
         "graph_trainer's kill-and-resume (the FSDP2 trainer's runs in the fast tier; the checkpoint code is shared)",
     "test_torchtitan_train.py::test_kill_and_resume_under_hsdp_pp_and_tp":
-        "4-rank kill-and-resume per layout (also `python -m bench.layouts --kill-resume`)",
+        "4-rank kill-and-resume per layout (also `python -m bench.cluster.layouts --kill-resume`)",
     "test_torchtitan_hsdp.py::test_fsdp2_hsdp_runs_both_hops_at_their_formats_and_tracks_fp32":
         "4-rank HSDP launch (fast: test_hsdp.py runs both hops in process)",
     "test_torchtitan_hsdp.py::test_fsdp2_hsdp_at_fp32_on_both_hops_is_native_hsdp": "4-rank HSDP launch",
@@ -107,7 +109,7 @@ FULL_TESTS: dict[str, str] = {
 
 # The feature table: every row (a format, geometry, framework path, layout, fault class, checkpoint
 # path) and the fast tests that cover it (node ids or prefixes; `tests/test_tiers.py` checks that
-# each names a test `make test` runs). docs/reliability.md renders it (`python -m bench.readme`).
+# each names a test `make test` runs). docs/reliability.md renders it (`python -m bench.pages.readme`).
 FEATURES: dict[str, tuple[str, ...]] = {
     # formats and codec
     "every wire format (fp32, bf16, fp8_e4m3, fp8_e5m2, mxfp8, nvfp4, mxint4, int6, int4, int3, int2, ternary)": (

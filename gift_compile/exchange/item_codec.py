@@ -229,7 +229,7 @@ def _from_bytes(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     itype = _INT_OF_SIZE[size]
     b = raw.reshape(*raw.shape[:-1], raw.shape[-1] // size, size).to(itype)
     # `select`, not `b[..., i]`: the same op in the graph, but the ellipsis index does not trace on
-    # fake CUDA tensors in a CPU-only torch (bench.kernel_traffic traces the fp32 scales' parse)
+    # fake CUDA tensors in a CPU-only torch (bench.fidelity.kernel_traffic traces the fp32 scales' parse)
     word = b.select(-1, 0)
     for i in range(1, size):
         word = word | (b.select(-1, i) << (8 * i))
@@ -324,7 +324,7 @@ def _parse_scales(recv: torch.Tensor, offset: int, spec: FormatSpec, cols: int,
         # value. Spelled as shifts, its 4 byte loads count as reads of every block scale
         # that multiplies it (and the decoded values), past Inductor's limit for a pointwise
         # value with several users, and the unit of every block is written out at fp32 and
-        # read back (0.5 B per gradient element for NVFP4; `bench.codec_minimum`).
+        # read back (0.5 B per gradient element for NVFP4; `bench.fidelity.codec_minimum`).
         tscale = raw.view(torch.float32).reshape(w, 1, 1)
     return scales, tscale, offset
 

@@ -77,7 +77,7 @@ def kernels_enabled() -> bool:
 @contextlib.contextmanager
 def use_kernels(enabled: bool) -> Iterator[None]:
     """Within the block, trace CUDA codecs with (True) or without (False) the explicit kernels;
-    `bench.gpu_check` compiles the Inductor-generated bodies beside the kernel ones this way.
+    `bench.gpu.check` compiles the Inductor-generated bodies beside the kernel ones this way.
     A graph the FX pass traced keeps its choice; a `torch.compile`d body guards on the switch,
     so calling it under the other setting retraces it (run a body under the setting it was
     compiled with)."""
