@@ -18,14 +18,13 @@ from pathlib import Path
 
 import torch
 
-from bench.lib.formatting import signed_pct
 from gift_compile.codec import FormatSpec, dequantize, quantize
 from bench.lib.paths import ROOT, RESULTS
 
 FIDELITY, CLUSTER = RESULTS / "fidelity", RESULTS / "cluster"
 
 TESTS = ROOT / "tests"
-SECOND_HOP, SOAK, HSDP_MODEL = FIDELITY / "second_hop.json", CLUSTER / "soak.json", RESULTS / "step_model" / "hsdp_step_model.json"
+SECOND_HOP, SOAK = FIDELITY / "second_hop.json", CLUSTER / "soak.json"
 MEMORY_SECOND_HOP = FIDELITY / "memory_second_hop.json"
 GIB = 2 ** 30
 # `bench.cluster.fault_table` on this checkout and on the last one before the end-of-backward checks
@@ -225,24 +224,6 @@ def soak(_: dict) -> str:
             f"the accounted bytes ({r0['accounted_bytes_per_step']:,} per step: the managed all-reduces by their plans "
             f"plus the plain bucket), {r0['totals']['plain_calls']:,} plain-sync launches on rank 0, {flags} health "
             "flags.")
-
-
-def hsdp_model(_: dict) -> str:
-    """The HSDP step-model bullet, from `bench.step_model.hsdp`'s own results file (it prices codec
-    bytes from results.json, so it is re-run after the codec section and read here)."""
-    d = json.loads(HSDP_MODEL.read_text())
-    per_model = []
-    for model, arms in d["models"].items():
-        best = min((a for a in arms if a.startswith("HSDP")), key=lambda a: arms[a]["step_s"])
-        cells = ", ".join(f"{a} {signed_pct(v['vs_fsdp_fp32'])}" for a, v in arms.items() if a != "FSDP fp32")
-        per_model.append(f"{model}: {cells} (best HSDP arm: **{best}**, {arms[best]['network_bytes'] / 1e9:.2f} GB "
-                         f"of network traffic per GPU)")
-    return ("* **HSDP, a precision per hop** (`python -m bench.step_model.hsdp` -> "
-            "[bench/results/step_model/hsdp_step_model.md](../bench/results/step_model/hsdp_step_model.md); "
-            f"{d['sources']['nodes, gpus_per_node'].split(': ')[-1]}, NVLink inside a node and a 400 Gb/s NIC per GPU "
-            "assumed, codec bytes measured from the generated kernels, the exposed share calibrated on the "
-            "paper's Euclidean FP8 figure and applied to both hops; step time against flat FSDP at fp32): "
-            + "; ".join(per_model) + ".")
 
 
 def faults(_: dict) -> str:

@@ -24,7 +24,7 @@ from bench.cluster import emulated as cluster_emulated
 from bench.fidelity.sweep import ORACLES
 from bench.fidelity import delayed_scale, kernel_traffic, map_precision
 from bench.cluster import exit_stress
-from bench.step_model import gpu as gpu_step_model, topology as topology_model
+from bench.step_model import topology as topology_model
 from bench.convergence import map_precision_arms
 from bench.pages import blocks as pages, frontier as pages_frontier, layouts as pages_layouts, report
 from bench.pages import selection as pages_selection
@@ -47,7 +47,7 @@ def _share(g: dict) -> str:
 def step_model(r: dict) -> str:
     """The step-time projection bullet (calibrated scenario, and with TF32 matmuls): a projection
     from codec bytes counted on the CPU, priced at an assumed share of HBM bandwidth (the GPU-priced
-    model is `bench.step_model.gpu`'s block)."""
+    model is `bench.step_model.topology`)."""
     sm = r["step_model"]
     cal, tf32 = sm["scenarios"]["calibrated"], sm["scenarios"]["calibrated, TF32 matmuls"]
     a = {k: v["vs_fp32"] for k, v in cal["arms"].items()}
@@ -381,16 +381,17 @@ def headline(r: dict) -> str:
 
 
 def pays(r: dict) -> str:
-    """The README's "what you pay and get" at NVFP4: bytes of the whole gradient, the projected
-    step time (its inputs named: calibrated on one GPU, assumed, taken from the code), GIFT's
+    """The README's "what you pay and get": bytes of the whole gradient at NVFP4, the modelled step
+    time (`bench.step_model.topology`: a cluster at the frontier's bits, and the paper's setting), GIFT's
     state memory, and which optimizers the convergence study found GIFT helps, each from its
     committed results file, next to fp32 and plain low-bit at the same format."""
     rows = r["wire"]["rows"]
     world, model = max(x["world"] for x in rows), r["wire"]["models"][-1]["name"]
     wire = next(x for x in rows if (x["model"], x["world"], x["op"], x["format"]) == (model, world, "all_reduce", "nvfp4"))
-    g = json.loads((paths.RESULTS / "step_model" / "gpu_step_model.json").read_text())
-    step = g["formats"]["nvfp4"]["total"]["step_us"]
-    assumed = g["assumed"]
+    step = topology_model.pays_row()
+    paper = json.loads(topology_model.OUT.read_text())["paper"]
+    po = paper["overlapped"]
+    pa = po["arms"]
     mem = {x["config"]: x for x in r["memory"]["rows"] if (x["model"], x["world"]) == ("Llama-600M", 8)}
     gift_mem = next(x for c, x in mem.items() if c.startswith("GIFT defaults ("))
     plain_mem = next(x for c, x in mem.items() if c.startswith("Euclidean low-bit"))
@@ -409,34 +410,44 @@ def pays(r: dict) -> str:
                       + (f", not resolved in {v.count('not resolved')}" if "not resolved" in v else "")
                       for opt, v in verdicts.items())
 
-    def ms(us: float) -> str:
-        return f"{us / 1e3:,.0f} ms"
+    def ms(s: float) -> str:
+        return f"{s * 1e3:,.0f} ms"
 
     def mb(b: float) -> str:
         return f"{b / 1e6:,.0f} MB"
 
-    lines = ["| at NVFP4 | fp32 | plain low-bit (`geometry=\"none\"`) | GIFT (the defaults) |", "|---|---|---|---|",
-             f"| bytes of the whole gradient per rank and step ({model}, {world} ranks, all-reduce; bytes handed to the collectives) | 1.00x | "
+    lines = ["| each row at the format it names | fp32 | plain low-bit (`geometry=\"none\"`) | GIFT (the defaults) |",
+             "|---|---|---|---|",
+             f"| bytes of the whole gradient per rank and step (NVFP4; {model}, {world} ranks, all-reduce; bytes handed to the collectives) | 1.00x | "
              f"{wire['vs_fp32']:.2f}x | {wire['vs_fp32']:.2f}x (the same codes) |",
-             f"| projected step time ({g['model']}, {assumed['gpus']['value']} GPUs; codec calibrated on one "
-             f"{g['device']['name']}, link {assumed['link_gbytes']['value']:g} GB/s x {assumed['link_efficiency']['value']:g} "
-             f"and no overlap assumed) | {ms(step['fp32'])} | {ms(step['euclid'])} | {ms(step['gift'])} |",
+             f"| modelled step time ({step['model']}, {step['nodes']} nodes x {step['gpus_per_node']} GPUs, "
+             f"{step['network']}; FSDP with its all-gathers, overlapped with the backward; both low-bit arms at "
+             f"{step['bits']:.2f} bits, the faster of their layouts: {step['euclid'][0]} / {step['gift'][0]}) | "
+             f"{ms(step['fp32'])} (fp32 ring) | {ms(step['euclid'][1])} | {ms(step['gift'][1])} |",
+             f"| the paper's setting, modelled ({paper['model']}, {paper['nodes']} nodes x {paper['gpus_per_node']} GH200; "
+             f"all-reduce at FP8 E5M2, the map on 13 fc2 layers; overlapped with the backward) | "
+             f"{ms(pa['fp32 all-reduce']['step'])} | {ms(pa['Euclidean FP8']['step'])} "
+             f"({signed_pct(po['euclid_vs_fp32'])}; the paper: {signed_pct(paper['paper_euclid_vs_fp32'])}) | "
+             f"{ms(pa['GIFT FP8 (13 fc2)']['step'])} ({signed_pct(po['gift_vs_fp32'])}; the paper: "
+             f"{signed_pct(paper['paper_gift_vs_fp32'])}) |",
              f"| state memory per rank (Llama-600M, 8 ranks; FSDP's params + grads + optimizer: "
              f"{mb(gift_mem['fsdp_per_rank'])}) | 0 | {mb(plain_mem['gift_total'])} | {mb(gift_mem['gift_total'])} "
              f"({gift_mem['gift_vs_fsdp']:.2f}x FSDP's) |",
              f"| loss against plain low-bit at the same bytes (the study below) | | | {helps} |"]
     return "\n".join(lines + ["", "Rows from `bench/results/results.json` (wire, memory, convergence) and "
-                               "`bench/results/step_model/gpu_step_model.json` (step time: every input and its source in "
-                               "[benchmarks](docs/benchmarks.md)); the study's own model is far smaller (below)."])
+                               "the step model (`python -m bench.step_model.topology`, step time: every input and its source in "
+                               "bench/results/step_model/step_model_inputs.json, per arm and network in "
+                               "[benchmarks](docs/benchmarks.md#step-time-by-topology)); the study's own model is far "
+                               "smaller (below)."])
 
 
 BLOCKS: dict[str, Callable[[dict], str]] = {
     "fidelity": fidelity, "wire": wire, "step_model": step_model, "codec": codec, "memory": pages.memory,
     "second_hop": pages.second_hop, "convergence": convergence, "closing": closing, "adamw_sweep": adamw_sweep,
-    "hsdp_model": pages.hsdp_model, "soak": pages.soak, "headline": headline, "formats": pages.formats,
+    "soak": pages.soak, "headline": headline, "formats": pages.formats,
     "plan_check": pages.plan_check, "demo": pages.demo, "demo_summary": pages.demo_summary, "skips": pages.skips, "tiers": pages.tiers,
     "defaults": defaults, "faults": pages.faults, "frontier": pages_frontier.frontier,
-    "gpu_step_model": gpu_step_model.block, "delayed_scale": delayed_scale.block, "map_precision": map_precision.block,
+    "delayed_scale": delayed_scale.block, "map_precision": map_precision.block,
     "map_precision_arms": map_precision_arms.block,
     "kernel_traffic": kernel_traffic.block,
     "frontier_headline": pages_frontier.frontier_headline, "selection_churn": pages_selection.selection_churn,
@@ -449,9 +460,9 @@ BLOCKS: dict[str, Callable[[dict], str]] = {
 # page, and a page that lacks one of its blocks' markers, or carries a marker of another's, fails.
 PAGES: dict[str, tuple[str, ...]] = {
     "README.md": ("pays", "cluster", "headline", "frontier_headline", "when_it_pays", "demo_summary"),
-    "docs/benchmarks.md": ("fidelity", "wire", "codec", "step_model", "gpu_step_model", "map_precision",
+    "docs/benchmarks.md": ("fidelity", "wire", "codec", "step_model", "map_precision",
                            "map_precision_arms", "kernel_traffic",
-                           "topology_model", "hsdp_model",
+                           "topology_model",
                            "memory", "second_hop",
                            "convergence", "defaults", "adamw_sweep", "closing", "frontier", "selection_churn", "layouts"),
     "docs/reliability.md": ("faults", "exit", "plan_check", "soak", "tiers", "skips"),

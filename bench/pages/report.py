@@ -349,7 +349,7 @@ def render(r: dict) -> str:
     lines += ["## 8. Hardware", "",
               "No GPU ran these benchmarks. Overhead times are CPU times (section 3); GPU-scale step times are "
               "projections (section 6). The codec ran once on one H200 (`bench/results/gpu/gpu_h200/`, the codec only); "
-              "`python -m bench.step_model.gpu` prices the step from those times (docs/benchmarks.md). `make gpu-check` (`bench/gpu/check.py`) is the prepared single-GPU check "
+              "`python -m bench.step_model.topology` prices the step with the codec at those times (docs/benchmarks.md). `make gpu-check` (`bench/gpu/check.py`) is the prepared single-GPU check "
               "(Triton compile of the codecs, kernel times and achieved bandwidth, a 1-rank torchtitan step); it "
               "writes `GPU.md` into `bench/results`.", ""]
     return "\n".join(lines) + "\n"

@@ -1,5 +1,6 @@
 """Prices read off the codec's first GPU measurement (one H200, `bench/results/gpu/gpu_h200/`,
-PROVENANCE.md there): the codec body's time per path and layer shape, and the bf16 GEMMs' time.
+PROVENANCE.md there): the codec body's time per path and layer shape, which the step model
+(`bench.step_model.topology`) charges at its wall time.
 
 Codec (`CodecPricer`). Measured: the compiled one-rank all-reduce body of each path
 (`euclid-fp8`, `gift-fp8`, `euclid-nvfp4`, `gift-nvfp4`: fp8 E4M3 per row or NVFP4, identity or
@@ -16,27 +17,17 @@ kernels, ~20-50 µs per kernel, is the bottleneck). The rule for any shape:
 - launch-bound wall time = max(host floor, device time), the host floor being the wall time
   measured at the smaller, launch-bound shape (the host's cost does not grow with the shape):
   the codec's cost when the host cannot run ahead of the GPU.
-
-GEMMs (`GemmPricer`). Measured: the bf16 weight-gradient (dW = dYᵀX) and input-gradient (dX = dY W)
-GEMMs of 8B w2, 8B w1 and 600M w2 at 8192 tokens. The forward GEMM (Y = X Wᵀ) has dX's FLOPs
-and operand sizes and is priced as dX. At a measured shape the measured times are used; any other
-shape is priced at the achieved FLOP rate of the nearest measured shape (by element count,
-log-distance), per GEMM.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from bench.lib.paths import RESULTS
 
 GPU_DIR = RESULTS / "gpu" / "gpu_h200"
 CODEC_FILE = GPU_DIR / "gpu_check_codec.json"
-GEMM_FILE = GPU_DIR / "gpu_lowrank_alt.json"
-GEMM_REPEAT_FILE = GPU_DIR / "gpu_lowrank_alt_tf32.json"  # a second run (TF32 only changes the fp32 mm)
-GEMM_TOKENS = 8192  # gpu_lowrank_alt.py's shape table: every GEMM at 8192 tokens
 # (map kind, wire format) -> the path name the measured bodies carry
 PATHS = {("identity", "fp8_e4m3"): "euclid-fp8", ("lowrank", "fp8_e4m3"): "gift-fp8",
          ("identity", "nvfp4"): "euclid-nvfp4", ("lowrank", "nvfp4"): "gift-nvfp4"}
@@ -75,11 +66,6 @@ def load_bodies(path: Path = CODEC_FILE) -> list[Body]:
         out.append(Body(r["shape"], r["path"], r["rows"], r["cols"], r["time_us"],
                         sum(k["us"] for k in r["per_kernel"]), r["kernels"], r["bytes_per_element"]))
     return out
-
-
-def copy_bandwidth(path: Path = CODEC_FILE) -> float:
-    """The device-to-device copy bandwidth measured in the same run (bytes read + written per s)."""
-    return float(json.loads(path.read_text())["sections"]["device"]["result"]["copy_bytes_per_s"])
 
 
 @dataclass(frozen=True)
@@ -138,74 +124,3 @@ class CodecPricer:
             how = "extrapolated"
         basis = f"{how} from {lo.shape} [{lo.rows}, {lo.cols}] and {hi.shape} [{hi.rows}, {hi.cols}]"
         return CodecPrice(path, rows, cols, device, max(floor, device), fixed, slope * 1e6, floor, basis)
-
-    def launch_cost_us(self, path: str, rows: int, cols: int) -> float:
-        """The host's cost per kernel launch at the launch-bound shape (wall time / kernels)."""
-        b = self.family(path, rows, cols)[0]
-        return b.wall_us / b.kernels
-
-
-@dataclass(frozen=True)
-class Gemm:
-    """The measured bf16 GEMMs of one layer shape."""
-
-    shape: str
-    rows: int
-    cols: int
-    dw_us: float
-    dx_us: float
-
-    @property
-    def elements(self) -> int:
-        return self.rows * self.cols
-
-
-def load_gemms(path: Path = GEMM_FILE) -> list[Gemm]:
-    return [Gemm(r["shape"], r["rows"], r["cols"], r["bf16_dW_us"], r["bf16_dX_us"])
-            for r in json.loads(path.read_text())]
-
-
-@dataclass(frozen=True)
-class GemmPrice:
-    fwd_us: float
-    dw_us: float
-    dx_us: float
-    basis: str
-
-    @property
-    def total_us(self) -> float:
-        return self.fwd_us + self.dw_us + self.dx_us
-
-
-class GemmPricer:
-    """bf16 forward + backward GEMM time of a linear layer (module docstring: the rule)."""
-
-    def __init__(self, gemms: list[Gemm], tokens: int = GEMM_TOKENS) -> None:
-        if not gemms:
-            raise ValueError("no measured bf16 GEMMs to price compute from")
-        self.gemms, self.tokens = gemms, tokens
-
-    def price(self, rows: int, cols: int, tokens: int) -> GemmPrice:
-        exact = next((g for g in self.gemms if (g.rows, g.cols) == (rows, cols)), None)
-        if exact is not None and tokens == self.tokens:
-            return GemmPrice(exact.dx_us, exact.dw_us, exact.dx_us, f"measured ({exact.shape})")
-        near = min(self.gemms, key=lambda g: abs(math.log(g.elements / (rows * cols))))
-        scale = (rows * cols * tokens) / (near.elements * self.tokens)  # FLOPs against the measured GEMM
-        return GemmPrice(near.dx_us * scale, near.dw_us * scale, near.dx_us * scale,
-                         f"at the FLOP rate of {near.shape} [{near.rows}, {near.cols}]")
-
-    def rate_tflops(self, g: Gemm) -> tuple[float, float]:
-        """Achieved (dW, dX) TFLOP/s of a measured GEMM pair."""
-        flops = 2.0 * self.tokens * g.elements
-        return flops / g.dw_us / 1e6, flops / g.dx_us / 1e6
-
-
-def repeat_spread(a: Path = GEMM_FILE, b: Path = GEMM_REPEAT_FILE) -> float:
-    """Largest relative difference of a bf16 GEMM time between the two runs of the GEMM script."""
-    ga = {g.shape: g for g in load_gemms(a)}
-    out = 0.0
-    for g in load_gemms(b):
-        if g.shape in ga:
-            for x, y in ((ga[g.shape].dw_us, g.dw_us), (ga[g.shape].dx_us, g.dx_us)):
-                out = max(out, abs(x - y) / x)
-    return out
