@@ -10,6 +10,12 @@ alone) and per arm:
   plain coordinates (`geometry="none"`) or GIFT's (`geometry="lowrank"`, every managed layer
   whitened); `-ef` adds error feedback (Euclidean + EF is the ablation the paper lacks).
   Everything else is all-reduced in fp32.
+- `fp32-ddp` / `powersgd-r<R>`: the model under torch's DistributedDataParallel, with its own
+  fp32 all-reduce or torch's PowerSGD hook at rank R (`bench.powersgd`: what a DDP user already
+  has), all-reduce path only; the record carries the bits the hook sent.
+
+`-2l` on a GIFT arm runs its exchange in two levels at 2 ranks per node (4 ranks: 2 x 2), and
+`--model x4` trains a study model about 4x larger (`bench.convergence_arms.MODELS`).
 
 Every arm of a (seed, optimizer) starts from the same initialisation and sees the same data in
 the same order, so the per-seed difference to `fp32` isolates the communication. The summary

@@ -26,6 +26,11 @@ stabilizer GIFT's map must beat), GIFT as a user gets it (`-dflt`: `GiftConfig(f
 each was run. `alternatives` holds GIFT's best arm to the best Euclidean arm at the same bits. Writes
 `bench/results/frontier.json` and `frontier.png`; `bench.pages_frontier` renders the tables from
 the JSON.
+
+Beside the frontier's own design: torch's PowerSGD against GIFT's all-reduce arms at the nearest
+bits (`powersgd`), the two-level exchange against flat at 2 x 2 (`two_level`), the 2.5-bit pair
+over 4x the steps (`long_horizon`) and on a 4x model (`larger_model`); a comparison with fewer
+than `MIN_SEEDS` paired seeds is shown with its n and never called resolved.
 """
 
 from __future__ import annotations
