@@ -421,7 +421,9 @@ def powersgd(managed: int, files: tuple[Path, ...] = (ALLREDUCE_FILE, POWERSGD_F
         gift = []
         for (o, arm), runs_ in by.items():
             seeds = sorted(set(runs_) & set(fp32))
-            if o == opt and arm.startswith("gift-") and len(seeds) >= MIN_SEEDS:
+            # GIFT's arms whose collectives counted their bytes (the two-sided experiment's did not)
+            if (o == opt and arm.startswith("gift-") and len(seeds) >= MIN_SEEDS
+                    and all("wire_bytes_per_step" in runs_[s] for s in seeds)):
                 gift.append({"arm": arm, "n": len(seeds), "gap": _gap(runs_, fp32),
                              "bits_managed": statistics.fmean(_bits(runs_[s], managed)[0] for s in seeds)})
         for rank in ranks:

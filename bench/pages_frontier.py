@@ -130,7 +130,8 @@ def _powersgd(p: dict | None) -> list[str]:
              "its all-reduce arm (n >= 5) at the nearest bits as its collectives counted them, the smallest gap among "
              "arms at those bits. GIFT minus PowerSGD in final held-out bits/byte, paired by seed, mean ± t 95% CI, "
              f"Holm over the {p['family_size']} rows with n >= 5 (family-wise 5%); rows with fewer seeds are shown "
-             f"with their n and never called resolved. `{p['command']}`:", "",
+             f"with their n and never called resolved. Time at equal loss is not measured here (CPU ranks: their "
+             f"seconds are no speed measurement). `{p['command']}`:", "",
              "| optimizer | PowerSGD rank | bits / managed element (all steps) | gap to fp32 | GIFT at the nearest bits "
              "(bits, gap) | GIFT minus PowerSGD | verdict (Holm 5%) | bits / gradient element |",
              "|---|---|---|---|---|---|---|---|"]
