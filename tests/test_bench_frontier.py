@@ -255,3 +255,69 @@ def test_the_headline_names_each_bit_widths_verdict_against_the_best_euclidean_a
     assert ("Per bit width against the best Euclidean arm (same test): int3 GIFT better, "
             "int2b16 Euclidean better, int2 not resolved.") in text
     assert "int4" not in text and "resolved at Holm 5% over 3 comparisons" in text
+
+
+def _ar(opt: str, arm: str, seed: int, bpb: float, **extra) -> dict:
+    return {**_run(opt, arm, seed, bpb), "path": "all-reduce", **extra}
+
+
+def _psgd(bits: float) -> dict:
+    return {"powersgd": {"bits_managed_compressed": bits, "bits_managed": bits + 3.0, "bits_whole_compressed": bits / 2,
+                         "start_iter": 12, "min_compression_rate": 2, "matrices": {"a": {}}}}
+
+
+def test_powersgd_pairs_each_rank_with_gifts_nearest_bits_and_judges_only_n5(tmp_path):
+    """PowerSGD rank 4 (~1 bit) and 16 (~4 bits) against GIFT's all-reduce arms: each paired with the
+    arm at the nearest bits (int2 at 3.4 for both: nvfp4 at 6.8 is farther), GIFT minus PowerSGD by
+    seed; the rank run on 3 seeds is shown with its n and never resolved; fp32-ddp's check."""
+    runs = [_ar("muon", "fp32", s, v) for s, v in enumerate(FP32)]
+    runs += [_ar("muon", "fp32-ddp", 0, FP32[0])]
+    for arm, bits, cost in (("gift-int2", 3.4, 0.010), ("gift-int2-ef", 3.4, 0.012), ("gift-nvfp4", 6.8, 0.002)):
+        runs += [{**_run("muon", arm, s, FP32[s] + cost + 0.0001 * s, bits), "path": "all-reduce"} for s in range(5)]
+    runs += [_ar("muon", "powersgd-r4", s, FP32[s] + 0.03 + 0.0002 * (s % 2), **_psgd(1.08)) for s in range(5)]
+    runs += [_ar("muon", "powersgd-r16", s, FP32[s] + 0.005, **_psgd(4.3)) for s in range(3)]
+    f = tmp_path / "runs.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in runs))
+    p = frontier.powersgd(MANAGED, (f,))
+    rows = {r["rank"]: r for r in p["rows"]}
+    assert rows[4]["gift"]["arm"] == "gift-int2" and rows[16]["gift"]["arm"] == "gift-int2"  # nearest, smallest gap
+    assert rows[4]["bits_managed"] == pytest.approx(1.08) and rows[4]["bits_all_steps"] == pytest.approx(4.08)
+    assert rows[4]["difference"]["mean"] == pytest.approx(0.010 + 0.0002 - 0.03 - 0.0002 * 2 / 5, abs=1e-4)
+    assert rows[4]["judged"] and rows[4]["resolved_holm"]
+    assert rows[16]["difference"]["n"] == 3 and not rows[16]["judged"] and not rows[16]["resolved_holm"]
+    assert p["family_size"] == 1
+    assert p["optimizers"]["muon"]["ddp_check"][0]["losses_identical"]
+    text = "\n".join(pages_frontier._powersgd(p))
+    assert "**GIFT better** (n=5)" in text and "not judged (n=3 < 5)" in text
+    verdict = pages_frontier.powersgd_verdict(p)
+    assert "Of 1 rows with n >= 5 (Holm 5%), GIFT better in 1, PowerSGD better in 0" in verdict
+
+
+def test_two_level_and_larger_model_pair_within_their_own_designs(tmp_path):
+    """Two levels: flat and `-2l` from their own file, fp32 from the 4-rank file, the change by seed;
+    the larger model: only runs recorded with `model: x4`, resolved only with n >= 5."""
+    def four(arm: str, s: int, bpb: float) -> dict:
+        r = {**_run("muon", arm, s, bpb), "world": 4}
+        if arm.endswith("-2l"):
+            r["node_layout"] = {"nodes": 2, "ranks_per_node": 2}
+        return r
+
+    fp32 = tmp_path / "rs4.jsonl"
+    fp32.write_text("".join(json.dumps(four("fp32", s, v)) + "\n" for s, v in enumerate(FP32)))
+    mine = tmp_path / "two.jsonl"
+    mine.write_text("".join(json.dumps(four(a, s, FP32[s] + c + 0.0001 * s * (a[-1] == "l"))) + "\n"
+                            for s in range(5) for a, c in (("gift-int2-dflt", 0.010), ("gift-int2-dflt-2l", 0.012))))
+    t = frontier.two_level(mine, fp32, tmp_path / "none.jsonl")
+    (row,) = t["arms"]
+    assert row["gap_flat"]["mean"] == pytest.approx(0.010) and row["change"]["mean"] == pytest.approx(0.0022)
+    assert row["judged"] and row["resolved_holm"] and row["two_level_layouts"] == [(2, 2)]
+    assert "**two levels cost loss** (n=5)" in "\n".join(pages_frontier._two_level(t))
+
+    x4 = tmp_path / "x4.jsonl"
+    recs = [{**_run("muon", a, s, FP32[s] + c + 0.001 * s * (a == "fp32")), "model": "x4", "model_params": 13_767_552}
+            for s in range(4) for a, c in (("fp32", 0.0), *zip(frontier.LONG_ARMS, (0.001, 0.003)))]
+    recs.append({**_run("muon", frontier.LONG_ARMS[0], 4, 9.0)})  # the small model's run: never read here
+    x4.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    x = frontier.larger_model(x4)
+    assert x["difference"]["n"] == 4 and x["difference"]["mean"] == pytest.approx(-0.002) and not x["resolved"]
+    assert "not judged (n=4 < 5)" in "\n".join(pages_frontier._larger(x))

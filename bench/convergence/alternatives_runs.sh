@@ -9,7 +9,7 @@
 # README's recommendation), the bf16 bar, then int3 and AdamW. Then:
 #   python -m bench.convergence.frontier && python -m bench.pages.readme
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-bench/results/convergence/convergence_runs_alternatives.jsonl}
 export OMP_NUM_THREADS=1

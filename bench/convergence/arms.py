@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from bench.lib.settings import ConvergenceSettings
+from bench.lib.tiny_llama import TinyLlamaConfig
 from gift_compile.api import managed_weights, resolve_auto
 from gift_compile.codec import FormatSpec
 from gift_compile.config import GiftConfig
@@ -92,6 +94,10 @@ MODIFIERS: dict[str, dict[str, object]] = {
     "uw": {"excluded_format": "same", "unmapped_format": "same", "tiny_format": "bf16"},
     # the same with the embedding and head at bf16 instead of the arm's format (the product's default)
     "ubf": {"excluded_format": "bf16", "unmapped_format": "same", "tiny_format": "bf16"},
+    # the two-level exchange at 2 ranks per node (4 ranks: 2 x 2): each node reduce-scatters natively,
+    # GIFT's codec runs once on the node's sum (`gift_compile.exchange.topology`); the arm without it
+    # is its one-level (flat) twin
+    "2l": {"ranks_per_node": 2},
 }
 
 # what every arm without `-uw`/`-ubf` sends the parameters outside GIFT's layers at: raw fp32,
@@ -123,6 +129,31 @@ def allocated_formats(fmt: str, path: Path = ALLOCATION) -> tuple[str, ...]:
 MAP_MODIFIERS = frozenset({"dense", "exact", "r64", "rf5", "grad", "mom", "d2", "auto", "vsq", "geo", "two", "dflt",
                            "euc", "nowarm", *EMULATED_PRECISIONS})
 assert MAP_MODIFIERS <= MODIFIERS.keys()
+
+
+# the DDP arms (`bench.convergence.powersgd`): torch's DistributedDataParallel, plain or with torch's PowerSGD hook
+DDP_FP32 = "fp32-ddp"
+POWERSGD_RANKS = (1, 2, 4, 8, 16)
+_POWERSGD = re.compile(r"powersgd-r([1-9][0-9]*)")
+
+
+def powersgd_rank(arm: str) -> int | None:
+    """The `matrix_approximation_rank` of a `powersgd-r<R>` arm, None for any other arm."""
+    match = _POWERSGD.fullmatch(arm)
+    return int(match.group(1)) if match else None
+
+
+def is_ddp_arm(arm: str) -> bool:
+    """True for the arms that run under torch's DDP (`fp32-ddp`, `powersgd-r<R>`)."""
+    return arm == DDP_FP32 or powersgd_rank(arm) is not None
+
+
+# the study models by name (`--model`): the bench's small Llama and one of the same family about 4x
+# its parameters (width 2x, depth 1.5x: 13.7M against 3.3M), for whether a margin holds with size
+MODELS: dict[str, TinyLlamaConfig] = {
+    "small": TinyLlamaConfig.small(),
+    "x4": TinyLlamaConfig(dim=384, n_layers=6, n_heads=6, multiple_of=64, max_seq_len=256),
+}
 
 
 def parse_arm(arm: str) -> tuple[str, str | None, bool]:
@@ -243,8 +274,20 @@ def check_settings(s: ConvergenceSettings) -> None:
         raise ValueError(f"unknown convergence path {s.path!r}; allowed: {', '.join(PATHS)}")
     for _, arms in s.arms:
         for arm in arms:
+            if is_ddp_arm(arm):
+                if s.path != "all-reduce" or s.compile:
+                    raise ValueError(f"arm {arm!r} runs under torch's DDP: all-reduce path, eager only (got path "
+                                     f"{s.path!r}, compile={s.compile})")
+                if powersgd_rank(arm) is not None and s.warmup < 2:
+                    raise ValueError(f"arm {arm!r}: PowerSGD with error feedback starts at step 2 at the earliest "
+                                     f"(torch's rule); the warm-up of {s.warmup} steps is shorter")
+                continue
             parse_arm(arm)
             mods = arm.split("-")[2:]
+            if "2l" in mods and (s.world <= 2 or s.world % 2):
+                raise ValueError(f"arm {arm!r} asks for two levels at 2 ranks per node, but {s.world} ranks make "
+                                 "one node or an uneven split (the arm would be its flat twin under another name); "
+                                 "run it with --world 4 (2 x 2) or another even count above 2")
             if s.path == "reduce-scatter" and ("two" in mods or "mom" in mods):
                 raise ValueError(f"arm {arm!r} cannot run on the reduce-scatter path: the optimizer steps the plain "
                                  "model (`ShardedTwin`), so a map built from the optimizer's momentum or the two-sided "

@@ -10,7 +10,7 @@
 # arms it pairs with are in convergence_runs_rs4.jsonl / convergence_runs_frontier4.jsonl. Then:
 #   python -m bench.convergence.frontier && python -m bench.pages.readme
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-bench/results/convergence/convergence_runs_defaults_ranks.jsonl}
 export OMP_NUM_THREADS=1

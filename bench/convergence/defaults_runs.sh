@@ -8,7 +8,7 @@
 #     bench/results/convergence/convergence_runs.jsonl bench/results/convergence/convergence_runs_rs.jsonl \
 #     bench/results/convergence/convergence_runs_rs4.jsonl bench/results/convergence/convergence_runs_long.jsonl --sweep ... && python -m bench.pages.readme
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
 export OMP_NUM_THREADS=1
 $PY -m bench.convergence.runner --profile full --path reduce-scatter --seeds 0,1,2,3,4 \

@@ -26,6 +26,11 @@ stabilizer GIFT's map must beat), GIFT as a user gets it (`-dflt`: `GiftConfig(f
 each was run. `alternatives` holds GIFT's best arm to the best Euclidean arm at the same bits. Writes
 `bench/results/convergence/frontier.json` and `frontier.png`; `bench.pages.frontier` renders the tables from
 the JSON.
+
+Beside the frontier's own design: torch's PowerSGD against GIFT's all-reduce arms at the nearest
+bits (`powersgd`), the two-level exchange against flat at 2 x 2 (`two_level`), the 2.5-bit pair
+over 4x the steps (`long_horizon`) and on a 4x model (`larger_model`); a comparison with fewer
+than `MIN_SEEDS` paired seeds is shown with its n and never called resolved.
 """
 
 from __future__ import annotations
@@ -348,7 +353,169 @@ def long_horizon(files: tuple[Path, ...] = LONG_FILES, optimizer: str = "muon") 
     seeds = sorted(set(by[gift]) & set(by[euclid]))
     out["difference"] = paired([by[gift][s] - by[euclid][s] for s in seeds]).as_dict() if len(seeds) >= 2 else None
     out["difference_seeds"] = seeds
+    d = out["difference"]
+    out["resolved"] = bool(d and d["n"] >= MIN_SEEDS and abs(d["mean"]) > d["ci95"])  # n < 5: never resolved
     return out
+
+
+# torch's PowerSGD (DDP + `powerSGD_hook`, `bash bench/powersgd_runs.sh`) against GIFT's all-reduce
+# arms and the fp32 all-reduce of the study (convergence_runs.jsonl): the all-reduce path, 2 ranks,
+# 120 steps
+ALLREDUCE_FILE = RESULTS / "convergence_runs.jsonl"
+POWERSGD_FILE = RESULTS / "convergence_runs_powersgd.jsonl"
+POWERSGD_STUDY = ("all-reduce", 2, 120)
+POWERSGD_COMMAND = "bash bench/convergence/powersgd_runs.sh && python -m bench.convergence.frontier && python -m bench.pages.readme"
+
+
+def _by_arm(runs: list[dict]) -> dict[tuple[str, str], dict[int, dict]]:
+    by: dict[tuple[str, str], dict[int, dict]] = defaultdict(dict)
+    for r in runs:
+        by[(r["optimizer"], r["arm"])][r["seed"]] = r
+    return by
+
+
+def _gap(arm: dict[int, dict], ref: dict[int, dict]) -> dict | None:
+    """`arm` minus `ref` in final held-out bits/byte over their common seeds (None: no common seed)."""
+    seeds = sorted(set(arm) & set(ref))
+    return paired([_final(arm[s]) - _final(ref[s]) for s in seeds]).as_dict() if seeds else None
+
+
+def _holm_rows(rows: list[dict], key: str) -> None:
+    """`resolved_holm` on each row: Holm (family-wise `ALPHA`) over the rows whose `key`
+    difference has n >= `MIN_SEEDS`; a row with fewer seeds is shown with its n, never resolved."""
+    for r in rows:
+        r["judged"] = r[key] is not None and r[key]["n"] >= MIN_SEEDS
+        r["resolved_holm"] = False
+    judged = [r for r in rows if r["judged"]]
+    for r, rejected in zip(judged, holm([r[key]["p"] for r in judged], ALPHA)):
+        r["resolved_holm"] = rejected
+
+
+def powersgd(managed: int, files: tuple[Path, ...] = (ALLREDUCE_FILE, POWERSGD_FILE)) -> dict[str, object]:
+    """torch's PowerSGD at each rank against fp32 and against GIFT's all-reduce arm at the nearest
+    bits, per optimizer (the all-reduce path: DDP and GIFT's quantized all-reduce both send every
+    gradient to an all-reduce).
+
+    PowerSGD's bits per managed element are those its runs counted from the tensors the hook
+    sent (`bench.convergence.powersgd`), over the compressed steps (r (m + n) 32 / (m n) per matrix; the
+    steps before `start_powerSGD_iter` send fp32, counted in `bits_all_steps`); GIFT's are its
+    collectives' counters (`_bits`, `managed` elements). The GIFT arm paired with a PowerSGD
+    rank is, among GIFT's all-reduce arms with n >= `MIN_SEEDS`, the one whose bits are nearest,
+    and among arms at those bits the one with the smallest mean gap (chosen on the seeds it is
+    judged on: flatters GIFT). GIFT minus PowerSGD is paired by seed, Holm over every row with
+    n >= `MIN_SEEDS` (both optimizers). `ddp_check`: the plain DDP arm (`fp32-ddp`) against the
+    study's fp32 all-reduce, seed by seed, to show the two paths train alike."""
+    by = _by_arm(load(files, (POWERSGD_STUDY,)))
+    out: dict[str, object] = {"study": {"path": POWERSGD_STUDY[0], "world": POWERSGD_STUDY[1],
+                                        "steps": POWERSGD_STUDY[2]},
+                              "min_seeds": MIN_SEEDS, "command": POWERSGD_COMMAND, "optimizers": {}}
+    rows: list[dict] = []
+    for opt in sorted({o for o, _ in by}):
+        fp32, ddp = by.get((opt, "fp32"), {}), by.get((opt, "fp32-ddp"), {})
+        ranks = sorted(int(a.removeprefix("powersgd-r")) for o, a in by if o == opt and a.startswith("powersgd-r"))
+        if not fp32 or not ranks:
+            continue
+        check = [{"seed": s, "losses_identical": ddp[s]["losses"] == fp32[s]["losses"],
+                  "max_loss_difference": max(abs(a - b) for a, b in zip(ddp[s]["losses"], fp32[s]["losses"])),
+                  "final_difference": _final(ddp[s]) - _final(fp32[s])} for s in sorted(set(ddp) & set(fp32))]
+        gift = []
+        for (o, arm), runs_ in by.items():
+            seeds = sorted(set(runs_) & set(fp32))
+            # GIFT's arms whose collectives counted their bytes (the two-sided experiment's did not)
+            if (o == opt and arm.startswith("gift-") and len(seeds) >= MIN_SEEDS
+                    and all("wire_bytes_per_step" in runs_[s] for s in seeds)):
+                gift.append({"arm": arm, "n": len(seeds), "gap": _gap(runs_, fp32),
+                             "bits_managed": statistics.fmean(_bits(runs_[s], managed)[0] for s in seeds)})
+        for rank in ranks:
+            arm = f"powersgd-r{rank}"
+            runs_ = by[(opt, arm)]
+            seeds = sorted(runs_)
+            info = [runs_[s]["powersgd"] for s in seeds]
+            row = {"optimizer": opt, "rank": rank, "arm": arm, "n": len(seeds), "seeds": seeds,
+                   "gap": _gap(runs_, fp32),
+                   "bits_managed": statistics.fmean(i["bits_managed_compressed"] for i in info),
+                   "bits_all_steps": statistics.fmean(i["bits_managed"] for i in info),
+                   "bits_whole": statistics.fmean(i["bits_whole_compressed"] for i in info),
+                   "start_iter": info[0]["start_iter"], "min_compression_rate": info[0]["min_compression_rate"],
+                   "compressed_matrices": len(info[0]["matrices"]),
+                   "gift": None, "difference": None}
+            if gift:
+                near = min(abs(g["bits_managed"] - row["bits_managed"]) for g in gift)
+                best = min((g for g in gift if abs(g["bits_managed"] - row["bits_managed"]) <= near + 1e-9),
+                           key=lambda g: g["gap"]["mean"])
+                row["gift"] = best
+                row["difference"] = _gap(by[(opt, best["arm"])], runs_)
+            rows.append(row)
+        out["optimizers"][opt] = {"fp32_n": len(fp32), "ddp_check": check, "gift_candidates": gift}
+    _holm_rows(rows, "difference")
+    out["rows"] = rows
+    out["family_size"] = sum(r["judged"] for r in rows)
+    return out
+
+
+# two levels at 2 x 2 (`bash bench/two_level_runs.sh`): each arm flat and with `-2l`, 4 ranks, the
+# reduce-scatter path, 120 steps; fp32 at 4 ranks from convergence_runs_rs4.jsonl
+TWO_LEVEL_FILE = RESULTS / "convergence_runs_two_level.jsonl"
+TWO_LEVEL_FP32_FILE = RESULTS / "convergence_runs_rs4.jsonl"
+TWO_LEVEL_STUDY = ("reduce-scatter", 4, 120)
+TWO_LEVEL_ARMS = ("gift-int2-dflt", "gift-nvfp4-dflt", "gift-int2-ef-b9-dflt-rot")
+TWO_LEVEL_COMMAND = "bash bench/convergence/two_level_runs.sh && python -m bench.convergence.frontier && python -m bench.pages.readme"
+
+
+def two_level(file: Path = TWO_LEVEL_FILE, fp32_file: Path = TWO_LEVEL_FP32_FILE,
+              reproduce_file: Path = PRICED_FILE, optimizer: str = "muon") -> dict[str, object]:
+    """Each of `TWO_LEVEL_ARMS` flat and two-level (`-2l`, 2 nodes x 2 ranks): gap to fp32 at 4
+    ranks (same seed) and two-level minus flat paired by seed, Holm over the arms with n >=
+    `MIN_SEEDS`. GIFT's runs come from `file` only (flat and two-level from the same code); fp32
+    from `fp32_file`. `reproduced`: the flat defaults' runs against the committed 4-rank runs of
+    the same arm (`reproduce_file`), seed by seed: where they agree bit for bit, the training
+    pipeline did not change since fp32's runs either."""
+    fp32 = {r["seed"]: r for r in load((fp32_file,), (TWO_LEVEL_STUDY,))
+            if r["optimizer"] == optimizer and r["arm"] == "fp32"}
+    mine = {k: v for k, v in _by_arm(load((file,), (TWO_LEVEL_STUDY,))).items() if k[0] == optimizer}
+    rows = []
+    for arm in TWO_LEVEL_ARMS:
+        flat, two = mine.get((optimizer, arm), {}), mine.get((optimizer, f"{arm}-2l"), {})
+        if not flat and not two:
+            continue
+        layouts = sorted({(r["node_layout"]["nodes"], r["node_layout"]["ranks_per_node"]) for r in two.values()})
+        rows.append({"arm": arm, "n_flat": len(flat), "n_two_level": len(two), "gap_flat": _gap(flat, fp32),
+                     "gap_two_level": _gap(two, fp32), "change": _gap(two, flat), "two_level_layouts": layouts})
+    _holm_rows(rows, "change")
+    earlier = {r["seed"]: r for r in load((reproduce_file,), (TWO_LEVEL_STUDY,))
+               if r["optimizer"] == optimizer and r["arm"] == TWO_LEVEL_ARMS[0]}
+    flat = mine.get((optimizer, TWO_LEVEL_ARMS[0]), {})
+    reproduced = [{"seed": s, "identical": flat[s]["losses"] == earlier[s]["losses"],
+                   "final_difference": _final(flat[s]) - _final(earlier[s])} for s in sorted(set(flat) & set(earlier))]
+    return {"optimizer": optimizer, "world": TWO_LEVEL_STUDY[1], "ranks_per_node": 2, "fp32_n": len(fp32),
+            "arms": rows, "family_size": sum(r["judged"] for r in rows), "reproduced": reproduced,
+            "command": TWO_LEVEL_COMMAND}
+
+
+# the 2.5-bit pair on the 4x model (`bash bench/larger_model_runs.sh`)
+LARGER_FILE = RESULTS / "convergence_runs_x4.jsonl"
+LARGER_MODEL = "x4"
+LARGER_COMMAND = "bash bench/convergence/larger_model_runs.sh && python -m bench.convergence.frontier && python -m bench.pages.readme"
+
+
+def _pair(by: dict[str, dict[int, dict]], arms: tuple[str, str]) -> dict[str, object]:
+    """Each of `arms`' gap to fp32 and the first minus the second, paired by seed; the
+    difference is called resolved (95% CI excludes 0; one comparison) only with n >= `MIN_SEEDS`."""
+    out: dict[str, object] = {"arms": {arm: {"n": len(set(by.get(arm, {})) & set(by.get("fp32", {}))),
+                                              "gap": _gap(by.get(arm, {}), by.get("fp32", {}))} for arm in arms}}
+    d = _gap(by.get(arms[0], {}), by.get(arms[1], {}))
+    out["difference"] = d
+    out["resolved"] = bool(d and d["n"] >= MIN_SEEDS and abs(d["mean"]) > d["ci95"])
+    return out
+
+
+def larger_model(file: Path = LARGER_FILE, optimizer: str = "muon") -> dict[str, object]:
+    """`LONG_ARMS` (the 2.5-bit pair) on the 4x model at the frontier's design (`_pair`)."""
+    runs = [r for r in load((file,)) if r.get("model") == LARGER_MODEL and r["optimizer"] == optimizer]
+    by = {arm: seeds for (_, arm), seeds in _by_arm(runs).items()}
+    params = sorted({r["model_params"] for r in runs})
+    return {"optimizer": optimizer, "model": LARGER_MODEL, "model_params": params, "steps": STUDY[2],
+            **_pair(by, LONG_ARMS), "command": LARGER_COMMAND}
 
 
 def _shifts(arms: list[dict], fewest: dict[str, str | None]) -> dict[str, float | None]:
@@ -414,6 +581,9 @@ def main(argv: list[str] | None = None) -> None:
     summary["ranks"] = ranks()
     summary["long"] = long_horizon()
     summary["techniques"] = techniques(summary)
+    summary["powersgd"] = powersgd(summary["managed_elements"])
+    summary["two_level"] = two_level()
+    summary["larger_model"] = larger_model()
     a.out.write_text(json.dumps(summary, indent=1) + "\n")
     if not a.no_plot:
         plot(summary, a.out.parent)

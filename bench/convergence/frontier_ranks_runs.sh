@@ -12,7 +12,7 @@
 # bit-identical to Euclidean). Then:
 #   python -m bench.convergence.frontier && python -m bench.pages.readme
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-bench/results/convergence/convergence_runs_frontier4.jsonl}
 export OMP_NUM_THREADS=1

@@ -11,7 +11,7 @@
 # bits: the goal's bit budget spent on finer scales rather than a wider code). Then:
 #   python -m bench.convergence.frontier && python -m bench.pages.readme
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-bench/results/convergence/convergence_runs_frontier.jsonl}
 export OMP_NUM_THREADS=1

@@ -7,7 +7,7 @@
 # allocation `python -m bench.convergence.bit_allocation` measured (bench/results/convergence/bit_allocation.json). Then:
 #   python -m bench.convergence.frontier && python -m bench.pages.readme
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-bench/results/convergence/convergence_runs_techniques.jsonl}
 export OMP_NUM_THREADS=1

@@ -13,7 +13,7 @@
 # (the default format) before int2, bf16 last. Then:
 #   python -m bench.pages.readme
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-bench/results/convergence/convergence_runs_map_precision.jsonl}
 export OMP_NUM_THREADS=1

@@ -10,6 +10,12 @@ alone) and per arm:
   plain coordinates (`geometry="none"`) or GIFT's (`geometry="lowrank"`, every managed layer
   whitened); `-ef` adds error feedback (Euclidean + EF is the ablation the paper lacks).
   Everything else is all-reduced in fp32.
+- `fp32-ddp` / `powersgd-r<R>`: the model under torch's DistributedDataParallel, with its own
+  fp32 all-reduce or torch's PowerSGD hook at rank R (`bench.convergence.powersgd`: what a DDP user already
+  has), all-reduce path only; the record carries the bits the hook sent.
+
+`-2l` on a GIFT arm runs its exchange in two levels at 2 ranks per node (4 ranks: 2 x 2), and
+`--model x4` trains a study model about 4x larger (`bench.convergence.arms.MODELS`).
 
 Every arm of a (seed, optimizer) starts from the same initialisation and sees the same data in
 the same order, so the per-seed difference to `fp32` isolates the communication. The summary
@@ -44,8 +50,9 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import gift_compile
-from bench.convergence.arms import (PATHS, RunKey, arm_config, check_settings, emulated_precision, rescaled,
-                                    resolve_arm_auto, run_key, settings_key)
+from bench.convergence.arms import (MODELS, PATHS, RunKey, arm_config, check_settings, emulated_precision,
+                                    is_ddp_arm, powersgd_rank, rescaled, resolve_arm_auto, run_key, settings_key)
+from bench.convergence.powersgd import CountedPowerSGD, ddp_model, managed_names
 from bench.convergence.summary import summarise
 from bench.fidelity.round_trip import two_sided_round_trip
 from bench.fidelity.map_emulation import MANTISSA_BITS, tensor_core_map
@@ -194,7 +201,7 @@ def _train(opt_name: str, arm: str, seed: int, s: ConvergenceSettings, paths: co
     """One run of `arm`; an arm with `-tf32` / `-bf16` runs inside the tensor-core map
     emulation (`bench.fidelity.map_emulation`) and records how many maps ran emulated, raising if none
     did (the arm would have been the exact map under another name)."""
-    precision = emulated_precision(arm)
+    precision = None if is_ddp_arm(arm) else emulated_precision(arm)
     if precision is None:
         return _train_run(opt_name, arm, seed, s, paths, rank, world)
     with tensor_core_map(precision) as emulation:
@@ -210,7 +217,8 @@ def _train(opt_name: str, arm: str, seed: int, s: ConvergenceSettings, paths: co
 def _train_run(opt_name: str, arm: str, seed: int, s: ConvergenceSettings, paths: corpus.CorpusPaths,
                rank: int, world: int) -> dict[str, object]:
     model = TinyLlama(s.model, seed=seed)
-    config = arm_config(arm, s, seed)
+    ddp = is_ddp_arm(arm)
+    config = None if ddp else arm_config(arm, s, seed)
     optimizers, peaks = make_optimizers(model, opt_name, s.lr, s.muon_lr)
     reports_before = reports_seen()
     two_sided = TwoSided(model, config, optimizers[0], world) if "two" in arm.split("-")[2:] else None
@@ -223,6 +231,13 @@ def _train_run(opt_name: str, arm: str, seed: int, s: ConvergenceSettings, paths
         if sharded is not None:
             sharded.read_optimizer_state(gift_compile.state(gift_model), optimizers[0])
     forward = sharded.module if sharded is not None else (torch.compile(model) if s.compile else model)
+    powersgd: CountedPowerSGD | None = None
+    if ddp:  # torch's DDP averages the gradients in the backward (its all-reduce, or the PowerSGD hook)
+        forward = ddp_model(model, dist.group.WORLD)
+        rank_r = powersgd_rank(arm)
+        if rank_r is not None:  # compression starts when the learning-rate warm-up ends
+            powersgd = CountedPowerSGD(model, rank_r, start_iter=s.warmup, seed=seed, group=dist.group.WORLD)
+            forward.register_comm_hook(powersgd.state, powersgd.hook)
     tokens = corpus.token_stream("train", paths)
     losses: list[float] = []
     evals: list[tuple[int, float]] = []
@@ -231,7 +246,9 @@ def _train_run(opt_name: str, arm: str, seed: int, s: ConvergenceSettings, paths
                           steps=s.steps)
     params = list(model.parameters())
     sync: Callable[[], None] | None = None  # None: GIFT's backward hooks all-reduce the gradients
-    if sharded is not None:
+    if ddp:
+        sync = None  # DDP's reducer has averaged them by the end of the backward
+    elif sharded is not None:
         sync = sharded.gather_grads
     elif two_sided is not None:
         sync = two_sided.sync
@@ -254,7 +271,16 @@ def _train_run(opt_name: str, arm: str, seed: int, s: ConvergenceSettings, paths
         "losses": losses, "evals": evals,
         "optimizer_classes": [type(o).__name__ for o in optimizers],
         "seconds": time.perf_counter() - start, "replicas_identical": _replicas_identical(model),
+        "model_params": sum(p.numel() for p in model.parameters()),
     }
+    if s.model_name is not None:
+        result["model"] = s.model_name
+    if ddp:
+        result["ddp"] = True
+        managed = managed_names(model, world)
+        result["managed_elements"] = sum(dict(model.named_parameters())[n].numel() for n in managed)
+        if powersgd is not None:
+            result["powersgd"] = powersgd.bits(managed, s.steps)
     if config is not None and two_sided is None:
         state = gift_compile.state(gift_model)
         totals = state.comm_totals()
@@ -266,6 +292,7 @@ def _train_run(opt_name: str, arm: str, seed: int, s: ConvergenceSettings, paths
         result["selected_layers"] = sum(layer.selected for layer in state.layers.values())
         result["geometry"] = state.config.geometry  # as resolved (`-geo`: chosen from the optimizer)
         result["select_metric"] = state.config.select_metric
+        result["node_layout"] = {"nodes": state.layout.nodes, "ranks_per_node": state.layout.ranks_per_node}
         if s.compile:  # what the FX pass did to this arm's graphs
             reports = last_reports(since=reports_before)
             result["pass_rewritten"] = sum(len(r.layers) for r in reports)
@@ -341,14 +368,20 @@ def main(argv: list[str] | None = None) -> None:
                         "trains on the same data per step")
     p.add_argument("--steps", type=int, default=None,
                    help="steps (default: the profile's); warmup and evaluation interval scale with them")
+    p.add_argument("--model", choices=sorted(MODELS), default=None,
+                   help="the study model (default: the profile's); recorded in each run, and only runs of the same "
+                        "model in --jsonl count as done")
     args = p.parse_args(argv)
     arms = tuple((opt, tuple(a.split(","))) for opt, a in (part.split("=") for part in args.arms.split(";")))
     s = dataclasses.replace(profile(args.profile).convergence, path=args.path, arms=arms,
                             seeds=tuple(int(x) for x in args.seeds.split(",")))
+    if args.model is not None:
+        s = dataclasses.replace(s, model=MODELS[args.model], model_name=args.model)
     s = rescaled(s, world=args.world or s.world, steps=args.steps or s.steps)
     check_settings(s)
-    done = frozenset(run_key(json.loads(line)) for line in args.jsonl.read_text().splitlines() if line.strip()) \
-        if args.jsonl.exists() else frozenset()
+    records = [json.loads(line) for line in args.jsonl.read_text().splitlines() if line.strip()] \
+        if args.jsonl.exists() else []
+    done = frozenset(run_key(r) for r in records if r.get("model") == s.model_name)
     paths = corpus.prepare()
     todo = len(s.seeds) * sum(len(a) for _, a in s.arms) - sum(
         settings_key(s, o, seed, a) in done for seed in s.seeds for o, arms_ in s.arms for a in arms_)

@@ -160,6 +160,10 @@ class ConvergenceSettings:
     # twin (`bench.convergence.runner.ShardedTwin`), one quantization. Runs recorded before the field
     # existed are all-reduce runs.
     path: str = "all-reduce"
+    # the study model's name where `python -m bench.convergence --model` chose one of
+    # `bench.convergence_arms.MODELS` (recorded in each run; None: the profile's own model, the
+    # runs recorded before the option existed)
+    model_name: str | None = None
 
 
 @dataclass(frozen=True)

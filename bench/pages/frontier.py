@@ -9,6 +9,7 @@ import json
 from bench.convergence.arms import FORMATS as RUN_FORMATS
 from bench.convergence.frontier import ALTERNATIVES_COMMAND as ALT_COMMAND
 from bench.convergence.frontier import OUT as FRONTIER
+from bench.convergence.frontier import POWERSGD_COMMAND
 
 
 def _frontier() -> dict:
@@ -91,8 +92,105 @@ def frontier(_: dict) -> str:
         lines.append(f"* **{opt}** (fp32 {o['fp32']['mean']:.4f} ± {o['fp32']['band95']:.4f}, n={o['fp32']['n']}; "
                      f"{o['family_size']} arms judged). Fewest bits within fp32's CI: {fewest}. GIFT's point left of "
                      f"Euclidean's: {shifts}. At 2.25 bits (int2, block 32): {at2 or 'not run'}.")
-    return "\n".join(lines + _alternatives(f.get("alternatives")) + _long(f.get("long")) + _frontier_ranks(f.get("ranks"))
-                     + _frontier_techniques(f.get("techniques")))
+    return "\n".join(lines + _alternatives(f.get("alternatives")) + _powersgd(f.get("powersgd"))
+                     + _long(f.get("long")) + _larger(f.get("larger_model")) + _frontier_ranks(f.get("ranks"))
+                     + _two_level(f.get("two_level")) + _frontier_techniques(f.get("techniques")))
+
+
+def _n_cell(g: dict | None) -> str:
+    """A paired difference with its n (`not run` where there is none)."""
+    return "not run" if g is None else f"{_cell(g)} (n={g['n']})"
+
+
+def _verdict(row: dict, key: str, better: str, worse: str) -> str:
+    """A Holm-judged row's verdict: resolved one way or the other, not resolved, or (n < 5)
+    shown with its n and never called resolved."""
+    d = row[key]
+    if d is None:
+        return "not compared"
+    if not row["judged"]:
+        return f"not judged (n={d['n']} < 5)"
+    if not row["resolved_holm"]:
+        return f"not resolved (n={d['n']})"
+    return f"**{better if d['mean'] < 0 else worse}** (n={d['n']})"
+
+
+def _powersgd(p: dict | None) -> list[str]:
+    """torch's PowerSGD against fp32 and GIFT at the nearest bits (`bench.convergence.frontier.powersgd`)."""
+    if not p or not p["rows"]:
+        return ["", f"Against torch's PowerSGD: no runs yet (`{POWERSGD_COMMAND}`)."]
+    s = p["study"]
+    lines = ["", f"Against torch's PowerSGD (what a DDP user already has): torch's `DistributedDataParallel` with "
+             "torch's `powerSGD_hook`, error feedback and warm start on, torch's default `min_compression_rate` (2), "
+             f"compression from step {p['rows'][0]['start_iter']} (the end of the learning-rate warm-up; fp32 before), "
+             f"on the {s['path']} path, {s['world']} ranks, {s['steps']} steps, the study's model, data and optimizers. "
+             "Bits per managed element: counted from the tensors the hook sent, r (m + n) 32 / (m n) per compressed "
+             "matrix, over the compressed steps (over all steps, the fp32 warm-up included, in brackets; PowerSGD also "
+             "compresses the embedding and the head, which GIFT sends in fp32: whole gradient in the last column). GIFT: "
+             "its all-reduce arm (n >= 5) at the nearest bits as its collectives counted them, the smallest gap among "
+             "arms at those bits. GIFT minus PowerSGD in final held-out bits/byte, paired by seed, mean ± t 95% CI, "
+             f"Holm over the {p['family_size']} rows with n >= 5 (family-wise 5%); rows with fewer seeds are shown "
+             f"with their n and never called resolved. Time at equal loss is not measured here (CPU ranks: their "
+             f"seconds are no speed measurement). `{p['command']}`:", "",
+             "| optimizer | PowerSGD rank | bits / managed element (all steps) | gap to fp32 | GIFT at the nearest bits "
+             "(bits, gap) | GIFT minus PowerSGD | verdict (Holm 5%) | bits / gradient element |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in p["rows"]:
+        g = r["gift"]
+        gift = "no GIFT arm with n >= 5" if g is None else f"`{g['arm']}` ({g['bits_managed']:.2f}, {_n_cell(g['gap'])})"
+        lines.append(f"| {r['optimizer']} | {r['rank']} | {r['bits_managed']:.3f} ({r['bits_all_steps']:.2f}) | "
+                     f"{_n_cell(r['gap'])} | {gift} | {_n_cell(r['difference'])} | "
+                     f"{_verdict(r, 'difference', 'GIFT better', 'PowerSGD better')} | {r['bits_whole']:.3f} |")
+    for opt, o in p["optimizers"].items():
+        check = o["ddp_check"]
+        if check:
+            same = sum(c["losses_identical"] for c in check)
+            worst = max(abs(c["max_loss_difference"]) for c in check)
+            final = max(abs(c["final_difference"]) for c in check)
+            lines += ["", f"* DDP's own fp32 path (`fp32-ddp`) against the study's fp32 all-reduce, {opt}, seed(s) "
+                      f"{', '.join(str(c['seed']) for c in check)}: largest per-step training-loss difference "
+                      f"{worst:.1e}, final held-out bits/byte {final:.1e} apart (bit-identical curves on {same} of "
+                      f"{len(check)}); the PowerSGD rows pair with the study's fp32 runs."]
+    return lines
+
+
+def _larger(x: dict | None) -> list[str]:
+    """The 2.5-bit pair on the 4x model (`bench.convergence.frontier.larger_model`)."""
+    if not x:
+        return []
+    if not x["model_params"]:
+        return ["", f"A larger model (the `{x['model']}` study model): no runs yet (`{x['command']}`)."]
+    params = ", ".join(f"{n / 1e6:.1f}M" for n in x["model_params"])
+    cells = "; ".join(f"`{arm}` {_n_cell(a['gap'])}" for arm, a in x["arms"].items())
+    d = x["difference"]
+    verdict = ("not compared" if d is None else f"not judged (n={d['n']} < 5)" if d["n"] < 5
+               else "resolved" if x["resolved"] else "not resolved")
+    return ["", f"A larger model ({x['optimizer']}, the `{x['model']}` study model, {params} parameters against the "
+            f"small model's 3.3M, {x['steps']} steps, the frontier's design; gap to fp32 of the same seed, mean ± t 95% "
+            f"CI): {cells}; GIFT minus Euclidean {_n_cell(d)}, {verdict} at 95%. `{x['command']}`."]
+
+
+def _two_level(t: dict | None) -> list[str]:
+    """Flat against two levels at 2 x 2 (`bench.convergence.frontier.two_level`)."""
+    if not t:
+        return []
+    if not t["arms"]:
+        return ["", f"Two levels at 2 x 2: no runs yet (`{t['command']}`)."]
+    lines = ["", f"Two levels at 2 x 2 ({t['optimizer']}, {t['world']} ranks as 2 nodes x {t['ranks_per_node']} "
+             "(`ranks_per_node=2`): each node reduce-scatters natively, GIFT's codec runs once on the node's sum), "
+             "against the same arm flat (one level) and fp32 at 4 ranks (n="
+             f"{t['fp32_n']}); gap to fp32 of the same seed, mean ± t 95% CI; change = two-level minus flat, paired "
+             f"by seed, Holm over the {t['family_size']} arms with n >= 5; rows with fewer seeds are shown with "
+             f"their n and never called resolved. `{t['command']}`:", "",
+             "| arm | flat gap | two-level gap | two-level minus flat | verdict (Holm 5%) |", "|---|---|---|---|---|"]
+    for r in t["arms"]:
+        lines.append(f"| {r['arm']} | {_n_cell(r['gap_flat'])} | {_n_cell(r['gap_two_level'])} | "
+                     f"{_n_cell(r['change'])} | {_verdict(r, 'change', 'two levels better', 'two levels cost loss')} |")
+    if t["reproduced"]:
+        same = sum(x["identical"] for x in t["reproduced"])
+        lines += ["", f"* The flat `gift-int2-dflt` runs reproduce the committed 4-rank ones on {same} of "
+                  f"{len(t['reproduced'])} seeds bit for bit (the pipeline fp32's 4-rank runs came from)."]
+    return lines
 
 
 def _long(long: dict | None) -> list[str]:
@@ -102,8 +200,9 @@ def _long(long: dict | None) -> list[str]:
     cells = "; ".join(f"`{arm}` " + (f"{_cell(a['gap'])} (n={a['n']})" if a["gap"] else f"{a['n']} paired seed(s) so far")
                       for arm, a in long["arms"].items())
     d = long["difference"]
-    diff = (f"GIFT minus Euclidean {_cell(d)} (paired, n={d['n']}, "
-            f"{'resolved' if abs(d['mean']) > d['ci95'] else 'not resolved'} at 95%)" if d else
+    verdict = (("resolved" if long.get("resolved") else "not resolved") + " at 95%") if d and d["n"] >= 5 \
+        else "n < 5: not judged"
+    diff = (f"GIFT minus Euclidean {_cell(d)} (paired, n={d['n']}, {verdict})" if d else
             "GIFT minus Euclidean: fewer than two paired seeds so far")
     return ["", f"Longer horizon ({long['optimizer']}, {long['steps']} steps, 4x the frontier's; gap to fp32 of the same "
             f"seed and length, mean ± t 95% CI): {cells}; {diff}. `{long['command']}`."]
@@ -230,6 +329,31 @@ def _against_alternative(f: dict, opt: str, best: dict) -> str:
     return margin
 
 
+def powersgd_verdict(p: dict | None) -> str:
+    """The README's verdict against torch's PowerSGD, per optimizer, from the Holm-judged rows of
+    `bench.convergence.frontier.powersgd` (rows with n < 5 named with their n, never called resolved)."""
+    head = "* **against torch's PowerSGD** (DDP + `powerSGD_hook`, all-reduce path, 2 ranks, 120 steps; GIFT's all-reduce arm at the nearest bits; [the table](docs/benchmarks.md#the-frontier)): "
+    if not p or not p["rows"]:
+        return head + f"not measured yet (`{POWERSGD_COMMAND}`)."
+    parts = []
+    for opt in dict.fromkeys(r["optimizer"] for r in p["rows"]):
+        cells = []
+        for r in (r for r in p["rows"] if r["optimizer"] == opt):
+            d = r["difference"]
+            what = (f"rank {r['rank']} ({r['bits_managed']:.2f} bits): " +
+                    ("no GIFT arm to pair" if d is None else
+                     f"GIFT (`{r['gift']['arm']}`, {r['gift']['bits_managed']:.2f} bits) minus PowerSGD {_cell(d)}, "
+                     + _verdict(r, "difference", "GIFT better", "PowerSGD better").replace("**", "")))
+            cells.append(what)
+        parts.append(f"{opt}: " + "; ".join(cells))
+    judged = [r for r in p["rows"] if r["judged"]]
+    wins = sum(r["resolved_holm"] and r["difference"]["mean"] < 0 for r in judged)
+    losses = sum(r["resolved_holm"] and r["difference"]["mean"] > 0 for r in judged)
+    tally = (f"Of {len(judged)} rows with n >= 5 (Holm 5%), GIFT better in {wins}, PowerSGD better in {losses}, "
+             f"not resolved in {len(judged) - wins - losses}" if judged else "No row has n >= 5 yet, so none is judged")
+    return head + f"{tally}. " + ". ".join(parts) + "."
+
+
 def frontier_headline(_: dict) -> str:
     """The README's recommendation: per optimizer, the fewest bits within fp32's CI and the
     configuration that sends them, from `bench/results/convergence/frontier.json`."""
@@ -246,6 +370,7 @@ def frontier_headline(_: dict) -> str:
                      f"collective, {best['gap']['mean']:+.4f} ± {best['gap']['ci95']:.4f} bits/byte against fp32 "
                      f"(n={best['gap']['n']}; family-wise upper bound {best['upper_adjusted']:+.4f} against fp32's own "
                      f"95% CI ±{o['fp32']['band95']:.4f}). {_against_alternative(f, opt, best)}")
+    lines.append(powersgd_verdict(f.get("powersgd")))
     return "\n".join(lines + [f"(Reduce-scatter path, {f['study']['world']} ranks, {f['study']['steps']} steps; "
                               "the fewest bits whose gap to fp32 stays inside fp32's 95% CI, family-wise 5%; "
                               "[the frontier](docs/benchmarks.md#the-frontier); `" + f["command"] + "`.)"])
