@@ -65,8 +65,13 @@ def _core(rank: int, world: int, g: int) -> dict:
     """The public API and `sync_buffer` on one layout: values, bytes per hop, codec work."""
     from gift_compile.exchange import collectives as C
     from gift_compile.exchange.plan import ItemPlan
-    from gift_compile.exchange.topology import FLAT, node_layout
+    import os
 
+    from gift_compile.exchange.topology import NodeLayout, node_layout
+
+    # the launcher's node size: the flat arm (ranks_per_node=0) runs one level over the same
+    # nodes, so its bytes are counted as crossing them
+    os.environ["LOCAL_WORLD_SIZE"] = str(g)
     group = dist.group.WORLD
     out: dict = {}
     x = _ints(rank, (world * 4, 64))
@@ -97,7 +102,7 @@ def _core(rank: int, world: int, g: int) -> dict:
             out[name, op, "accounted"] = C.bucket_hop_bytes(plan)
             out[name, op, "work"] = (count.mapped, count.encoded)
             out[name, op, "two_level"] = plan.two_level
-    out["flat_layout"] = node_layout(group, 0) == FLAT
+    out["flat_layout"] = node_layout(group, 0) == NodeLayout(1, world // g)  # one level, across world // g nodes
     # error feedback lives on stage 2's chunk: a full-size residual is refused, the chunk's kept
     ef = GiftConfig(**NVFP4, ranks_per_node=g)
     try:

@@ -280,7 +280,7 @@ class BucketPlan:
                                  "slice; set GiftConfig.ranks_per_node=0 for the one-level exchange")
             else:  # the chunk's rows; a map-free grouped item's blocks need no bookkeeping there
                 items.append(dataclasses.replace(i, rows=self.chunk_rows(i), groups=1))
-        return BucketPlan(tuple(items), nodes, self.layout.cross_group, False, self.op, FLAT, g)
+        return BucketPlan(tuple(items), nodes, self.layout.cross_group, False, self.op, NodeLayout(1, nodes), g)
 
     def rows_sent(self, item: ItemPlan) -> int:
         """Rows of a managed item as communicated: an all-reduce pads them to a multiple of
@@ -307,6 +307,8 @@ class BucketPlan:
              "items": [i.as_dict() for i in self.items]}
         if self.two_level:
             d["ranks_per_node"] = self.layout.ranks_per_node
+        elif self.layout.spans_nodes:
+            d["nodes"] = self.layout.nodes
         if self.layout.node_format != NATIVE_NODE_FORMAT:
             d["intra_node_format"] = self.layout.node_format
         if self.node_headers:
@@ -316,7 +318,7 @@ class BucketPlan:
     @classmethod
     def from_dict(cls, d: dict) -> "BucketPlan":
         g = d.get("ranks_per_node", 1)
-        layout = FLAT if g == 1 else NodeLayout(g, d["world"] // g, node_format=d.get("intra_node_format",
+        layout = NodeLayout(1, d.get("nodes", 1)) if g == 1 else NodeLayout(g, d["world"] // g, node_format=d.get("intra_node_format",
                                                                                       NATIVE_NODE_FORMAT))
         return cls(tuple(ItemPlan(**i) for i in d["items"]), d["world"], None, d["average"], d["op"], layout,
                    d.get("node_headers", 0))

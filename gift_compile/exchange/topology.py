@@ -49,7 +49,9 @@ class NodeLayout(NamedTuple):
     name of this rank's node group (its g ranks, in group order) and of its cross group (the
     `nodes` ranks with its local index, in node order). `ranks_per_node == 1`: one level.
     `node_format` (`GiftConfig.intra_node_format`) is the precision of the collectives inside
-    the node; a one-level layout has none, so it is always native there."""
+    the node; a one-level layout has none, so it is always native there. A one-level layout's
+    `nodes` is the number of nodes its group spans (1: all inside one node, or no node layout
+    known), which decides whether its bytes are counted as crossing nodes (`spans_nodes`)."""
 
     ranks_per_node: int = 1
     nodes: int = 1
@@ -60,6 +62,12 @@ class NodeLayout(NamedTuple):
     @property
     def two_level(self) -> bool:
         return self.ranks_per_node > 1
+
+    @property
+    def spans_nodes(self) -> bool:
+        """Whether the group's collectives cross nodes (the network): a two-level layout's
+        stage 2, or a one-level group with ranks on several nodes."""
+        return self.nodes > 1
 
     def node_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype a tensor of `dtype` travels at inside the node: its own, or bf16."""
@@ -133,7 +141,7 @@ def _node_groups(group: dist.ProcessGroup | str | None, ranks_per_node: int | No
         return FLAT
     per_node = resolved_ranks_per_node(ranks_per_node)
     if per_node == 0:
-        return FLAT
+        return _spanned(group)
     pg = process_group(group)
     key = (pg.group_name, per_node)
     layout = _LAYOUTS.get(key)
@@ -142,7 +150,7 @@ def _node_groups(group: dist.ProcessGroup | str | None, ranks_per_node: int | No
     ranks = dist.get_process_group_ranks(pg)
     g, nodes = node_of_ranks(ranks, per_node)
     if g == 1 or nodes == 1:
-        layout = FLAT
+        layout = FLAT if nodes == 1 else NodeLayout(1, nodes)
     else:
         if g > MAX_RANKS_PER_NODE:
             raise TopologyError(f"GIFT: {g} ranks of the group on one node; the two-level exchange carries at most "
@@ -154,6 +162,17 @@ def _node_groups(group: dist.ProcessGroup | str | None, ranks_per_node: int | No
         layout = NodeLayout(g, nodes, node_pg.group_name, cross_pg.group_name)
     _LAYOUTS[key] = layout
     return layout
+
+
+def _spanned(group: dist.ProcessGroup | str) -> NodeLayout:
+    """The one-level layout of a group whose two levels are off (`ranks_per_node=0`, or no node
+    layout): over the nodes the launcher's `LOCAL_WORLD_SIZE` puts its ranks on, so that its
+    bytes are counted as crossing nodes where they do; without it, one node."""
+    per_node = resolved_ranks_per_node(None)
+    if per_node == 0:
+        return FLAT
+    nodes = len({r // per_node for r in dist.get_process_group_ranks(process_group(group))})
+    return FLAT if nodes == 1 else NodeLayout(1, nodes)
 
 
 def describe_layout(layout: NodeLayout, world: int, ranks_per_node: int | None,

@@ -47,8 +47,8 @@ import torch.nn as nn
 
 from gift_compile.config import GiftConfig, ReduceOp
 from gift_compile.exchange import collectives
-from gift_compile.exchange.collectives import (C_BASELINE, C_NONFINITE, C_NONFINITE_RANKS, C_PLAIN_CALLS, C_WIRE,
-                                               RANK_BITS)
+from gift_compile.exchange.collectives import (C_BASELINE, C_CROSS_BASELINE, C_NODE_WIRE, C_NONFINITE, C_NONFINITE_RANKS,
+                                               C_PLAIN_CALLS, C_WIRE, RANK_BITS)
 from gift_compile.exchange.mark import SyncMode
 from gift_compile.exchange.plan import BucketPlan, Collective, ItemPlan
 from gift_compile.frameworks.adapter import attach
@@ -261,8 +261,13 @@ class PlainSync:
         """Bytes handed to the all-reduce, the launch, and the ranks whose gradients were not
         finite, into the state's counters (read by `GiftState.check_health`)."""
         c = self.state.counters
-        c[C_WIRE] += self.flat.numel() * self.flat.element_size()
+        handed = self.flat.numel() * self.flat.element_size()
+        c[C_WIRE] += handed
         c[C_BASELINE] += self.baseline_bytes
+        if self.state.layout.spans_nodes:  # one level over the whole group: across nodes where it spans them
+            c[C_CROSS_BASELINE] += self.baseline_bytes
+        else:
+            c[C_NODE_WIRE] += handed
         c[C_PLAIN_CALLS] += 1
         if bad:
             c[C_NONFINITE] += 1
