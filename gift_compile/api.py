@@ -47,7 +47,7 @@ from gift_compile.geometry.optimizers import geometry_for, select_metric_for
 from gift_compile.geometry.table import Geometry, geometry_class
 from gift_compile.passes.inductor import hold_inductor_pass, release_inductor_pass
 from gift_compile.runtime.health import check_health_group
-from gift_compile.runtime.report import ApplyReport, log_report, summarize
+from gift_compile.runtime.report import ApplyReport, current, log_report, summarize
 from gift_compile.runtime.state import GiftState
 
 logger = logging.getLogger("gift_compile")
@@ -113,10 +113,12 @@ def apply(model: nn.Module, config: GiftConfig | None = None, *, group: dist.Pro
 
 
 def report(model: nn.Module) -> ApplyReport:
-    """What `apply` installed on `model`: the path, format, geometry and metric as resolved, the
-    layers managed and mapped, the linear weights at full precision, the globs that matched
+    """What `apply` installed on `model`, current now: the path, format, geometry and metric as
+    resolved, the layers managed and those mapped at this step, the last refresh's outcome and
+    the next refresh's step, the linear weights at full precision, the globs that matched
     nothing (`gift_compile.runtime.report`; logged at WARNING on rank 0 by `apply`)."""
-    return state(model).report
+    st = state(model)
+    return current(st.report, st)
 
 
 def check_optimizer(optimizer: Any) -> None:

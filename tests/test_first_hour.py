@@ -57,3 +57,60 @@ def test_network_compression_counts_what_crosses_nodes_and_the_total_is_named_ap
         assert t1["cross_wire"] == 0 and t1["cross_baseline"] == 0 and t1["node_wire"] == t1["wire"] > 0, t1
         assert c1["network"] is None and c1["total"] > 4.0, c1
 
+
+def _report_run(rank: int, world: int) -> dict[str, object]:
+    """The docs' small model under Muon + AdamW at int2 on 2 ranks, through the first refresh: the
+    report before it, after it, and the rank's `gift_compile` INFO lines about refreshes."""
+    import logging
+
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    log = logging.getLogger("gift_compile")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256), nn.GELU(), nn.Linear(256, 256))
+    # Muon for the matrices, AdamW for the rest: the map (lowrank) pays on these low-rank gradients
+    opts = [torch.optim.Muon([p for p in model.parameters() if p.ndim == 2], lr=0.02),
+            torch.optim.AdamW([p for p in model.parameters() if p.ndim < 2], lr=1e-3)]
+    gift_compile.apply(model, GiftConfig(**INT2), optimizer=opts, fuse=False)
+    out: dict[str, object] = {}
+    first = gift_compile.report(model).first_refresh
+    for step in range(first):
+        if step == 3:
+            out["before"] = gift_compile.report(model)
+        x = torch.randn(32, 256, generator=torch.Generator().manual_seed(1000 * rank + step))
+        model(x).pow(2).mean().backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    out["after"] = gift_compile.report(model)
+    out["mapped"] = sorted(n for n, layer in gift_compile.state(model).layers.items() if layer.selected)
+    out["refresh_lines"] = [m for m in lines if m.startswith("GIFT refresh at step")]
+    log.removeHandler(handler)
+    return out
+
+
+def test_the_report_is_current_before_and_after_the_first_refresh() -> None:
+    """Before the first refresh the report says when it comes and that no layer is mapped yet;
+    after it, the mapped layers (what the state runs), the refresh's step and the next one's; the
+    rank-0 log line at the refresh says the same, and no other rank logs it."""
+    ranks = run_ranks(_report_run, 2)
+    for rank, r in enumerate(ranks):
+        before, after = r["before"], r["after"]
+        assert before.selected is None and before.step == 3 and before.last_refresh is None
+        assert any(f"first refresh (optimizer step {before.first_refresh}; now after step 3)" in line
+                   for line in before.lines()), before.lines()
+        assert r["mapped"], "the measured selection mapped no layer: the test cannot tell a stale report"
+        assert after.selected == tuple(r["mapped"]) and after.step == before.first_refresh
+        text = str(after)
+        assert f"mapped ({len(r['mapped'])} of 3): {', '.join(r['mapped'])}" in text, text
+        assert f"last refresh: optimizer step {before.first_refresh}: {len(r['mapped'])} of 3 managed layers" in text
+        assert f"next refresh at optimizer step {after.next_refresh}" in text and after.next_refresh > after.step
+        if rank == 0:
+            assert len(r["refresh_lines"]) == 1, r["refresh_lines"]
+            line = r["refresh_lines"][0]
+            assert f"mapped: {', '.join(r['mapped'])}; next refresh at optimizer step {after.next_refresh}" in line
+        else:
+            assert r["refresh_lines"] == [], r["refresh_lines"]

@@ -19,9 +19,10 @@ import logging
 import torch.distributed as dist
 
 from gift_compile.config import GiftConfig, SelectRule
+from gift_compile.runtime.refresh import next_refresh, refresh_words
 from gift_compile.runtime.state import GiftState
 
-__all__ = ["HEADER", "ApplyReport", "log_report", "summarize", "unmatched_globs"]
+__all__ = ["HEADER", "ApplyReport", "current", "log_report", "summarize", "unmatched_globs"]
 
 logger = logging.getLogger("gift_compile")
 
@@ -55,6 +56,13 @@ class ApplyReport:
     exchanges: tuple[str, ...] = ()
     """One line per gradient path: which exchange it runs (one level, or two levels across
     nodes: `gift_compile.frameworks.exchanges`)."""
+    step: int = 0
+    """Optimizer steps taken when the report was made (0: at `apply`)."""
+    last_refresh: str | None = None
+    """What the last refresh left (`refresh.refresh_words`: layers mapped, the next refresh),
+    None before the first."""
+    next_refresh: int = 0
+    """The optimizer step of the next refresh."""
 
     def lines(self) -> list[str]:
         """The report as the log prints it."""
@@ -66,9 +74,14 @@ class ApplyReport:
                        "weight: see min_numel and exclude)")
         if self.selected is None:
             out.append(f"  mapped: decided by the measured selection at the first refresh (optimizer step "
-                       f"{self.first_refresh}); until then every managed layer is plain low-bit")
+                       f"{self.first_refresh}; now after step {self.step}); until then every managed layer is "
+                       "plain low-bit")
         else:
             out.append(f"  mapped ({len(self.selected)} of {len(self.managed)}): {_names(self.selected)}")
+        if self.last_refresh is not None:
+            out.append(f"  last refresh: {self.last_refresh}")
+        elif self.selected is not None and self.managed:
+            out.append(f"  first refresh (maps built) at optimizer step {self.next_refresh}; now after step {self.step}")
         if self.full_precision:
             out.append(f"  linear weights at full precision ({len(self.full_precision)}): "
                        f"{_names(self.full_precision)}")
@@ -105,6 +118,17 @@ def unmatched_globs(config: GiftConfig, managed: list[str], linear_weights: list
     return out
 
 
+def current(report: ApplyReport, state: GiftState) -> ApplyReport:
+    """`report` (what `apply` installed) brought up to `state` now: the layers mapped, the
+    last refresh's outcome and the next refresh's step (`gift_compile.report`)."""
+    decided = all(layer.decided for layer in state.layers.values())
+    selected = tuple(n for n, layer in state.layers.items() if layer.selected) if decided else None
+    last = (f"optimizer step {state.history[-1].step}: "
+            f"{refresh_words(state.config, state.layers, state.history[-1].step, shown=0)}") if state.history else None
+    return dataclasses.replace(report, selected=selected, step=state.steps, last_refresh=last,
+                               next_refresh=next_refresh(state.config, state.steps))
+
+
 def summarize(state: GiftState, path: str, linear_weights: list[str], exchanges: tuple[str, ...] = ()) -> ApplyReport:
     """The report of `state`, which manages some of `linear_weights` (every `nn.Linear` weight
     FQN of the model, as `manage` names them) and sends them as `path` says, over the
@@ -113,13 +137,14 @@ def summarize(state: GiftState, path: str, linear_weights: list[str], exchanges:
     managed = tuple(state.layers)
     decided = all(layer.decided for layer in state.layers.values())
     selected = tuple(n for n, layer in state.layers.items() if layer.selected) if decided else None
-    first = next(s for s in range(1, 10 * config.refresh_every + 2) if config.refresh_due(s))
+    first = next_refresh(config, 0)
     select = config.select if isinstance(config.select, (SelectRule, str)) else ",".join(config.select)
     return ApplyReport(
         path=path, world=state.world(), format=config.format, geometry=config.geometry, select=str(select),
         select_metric=str(config.select_metric), managed=managed, selected=selected, first_refresh=first,
         full_precision=tuple(n for n in linear_weights if n not in state.layers),
-        unmatched=tuple(unmatched_globs(config, list(managed), linear_weights)), exchanges=exchanges)
+        unmatched=tuple(unmatched_globs(config, list(managed), linear_weights)), exchanges=exchanges,
+        step=state.steps, next_refresh=first)
 
 
 def log_report(report: ApplyReport) -> None:
