@@ -35,7 +35,7 @@ def _int2_ddp_run(rank: int, world: int) -> dict[str, object]:
             opt.step()
             opt.zero_grad()
         st = gift_compile.state(ddp)
-        out[name] = {"totals": st.comm_totals(), "compression": st.compression()}
+        out[name] = {"totals": st.comm_totals(), "compression": st.compression(), "report": str(gift_compile.report(ddp))}
         gift_compile.remove(ddp)
     return out
 
@@ -56,6 +56,10 @@ def test_network_compression_counts_what_crosses_nodes_and_the_total_is_named_ap
         t1, c1 = one["totals"], one["compression"]
         assert t1["cross_wire"] == 0 and t1["cross_baseline"] == 0 and t1["node_wire"] == t1["wire"] > 0, t1
         assert c1["network"] is None and c1["total"] > 4.0, c1
+        # the report says the same figures under the same names
+        assert f"{c['network']:.2f}x fewer across nodes (the network)" in two["report"], two["report"]
+        assert f"in total, inside nodes and across, {c['total']:.2f}x fewer than fp32" in two["report"]
+        assert f"nothing crossed a network; {c1['total']:.2f}x fewer than fp32 in total" in one["report"], one["report"]
 
 
 def _report_run(rank: int, world: int) -> dict[str, object]:

@@ -63,6 +63,8 @@ class ApplyReport:
     None before the first."""
     next_refresh: int = 0
     """The optimizer step of the next refresh."""
+    compression: dict[str, float | None] | None = None
+    """`GiftState.compression()` when the report was made (None at `apply`: nothing sent yet)."""
 
     def lines(self) -> list[str]:
         """The report as the log prints it."""
@@ -87,6 +89,14 @@ class ApplyReport:
                        f"{_names(self.full_precision)}")
         out.extend(f"  {entry} matched no weight" for entry in self.unmatched)
         out.extend(f"  exchange of the {line}" for line in self.exchanges)
+        c = self.compression
+        if c is not None and c["total"] == c["total"]:  # not NaN: something was sent
+            if c["network"] is None:
+                out.append(f"  bytes so far: inside one node, nothing crossed a network; {c['total']:.2f}x fewer than "
+                           "fp32 in total")
+            else:
+                out.append(f"  bytes so far: {c['network']:.2f}x fewer across nodes (the network) than an fp32 exchange "
+                           f"over the same layout; in total, inside nodes and across, {c['total']:.2f}x fewer than fp32")
         return out
 
     def __str__(self) -> str:
@@ -126,7 +136,7 @@ def current(report: ApplyReport, state: GiftState) -> ApplyReport:
     last = (f"optimizer step {state.history[-1].step}: "
             f"{refresh_words(state.config, state.layers, state.history[-1].step, shown=0)}") if state.history else None
     return dataclasses.replace(report, selected=selected, step=state.steps, last_refresh=last,
-                               next_refresh=next_refresh(state.config, state.steps))
+                               next_refresh=next_refresh(state.config, state.steps), compression=state.compression())
 
 
 def summarize(state: GiftState, path: str, linear_weights: list[str], exchanges: tuple[str, ...] = ()) -> ApplyReport:
