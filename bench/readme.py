@@ -409,19 +409,32 @@ def pays(r: dict) -> str:
     def mb(b: float) -> str:
         return f"{b / 1e6:,.0f} MB"
 
-    lines = ["| at NVFP4 | fp32 | plain low-bit (`geometry=\"none\"`) | GIFT (the defaults) |", "|---|---|---|---|",
-             f"| bytes of the whole gradient per rank and step ({model}, {world} ranks, all-reduce; bytes handed to the collectives) | 1.00x | "
-             f"{wire['vs_fp32']:.2f}x | {wire['vs_fp32']:.2f}x (the same codes) |",
-             f"| projected step time ({g['model']}, {assumed['gpus']['value']} GPUs; codec calibrated on one "
-             f"{g['device']['name']}, link {assumed['link_gbytes']['value']:g} GB/s x {assumed['link_efficiency']['value']:g} "
-             f"and no overlap assumed) | {ms(step['fp32'])} | {ms(step['euclid'])} | {ms(step['gift'])} |",
-             f"| state memory per rank (Llama-600M, 8 ranks; FSDP's params + grads + optimizer: "
-             f"{mb(gift_mem['fsdp_per_rank'])}) | 0 | {mb(plain_mem['gift_total'])} | {mb(gift_mem['gift_total'])} "
+    scaling = sorted((x for x in r["memory"]["rows"] if x["config"] == gift_mem["config"]),
+                     key=lambda x: (x["gift_total"], x["world"]))
+    by_model: dict[str, list[dict]] = {}
+    for x in scaling:
+        by_model.setdefault(x["model"], []).append(x)
+    grows = "; ".join(f"{m} {mb(xs[0]['gift_total'])} ("
+                      + ", ".join(f"{x['gift_vs_fsdp']:.2f}x FSDP's at {x['world']} ranks" for x in xs) + ")"
+                      for m, xs in by_model.items())
+    lines = ["| at NVFP4 | setup | fp32 | plain low-bit (`geometry=\"none\"`) | GIFT (the defaults) |",
+             "|---|---|---|---|---|",
+             f"| bytes of the whole gradient per rank and step | {model}, {world} ranks, all-reduce; bytes handed to the "
+             f"collectives | 1.00x | {wire['vs_fp32']:.2f}x | {wire['vs_fp32']:.2f}x (the same codes) |",
+             f"| projected step time | {g['model']}, {assumed['gpus']['value']} GPUs; codec calibrated on one "
+             f"{g['device']['name']}, link {assumed['link_gbytes']['value']:g} GB/s x {assumed['link_efficiency']['value']:g}"
+             f", no overlap assumed | {ms(step['fp32'])} | {ms(step['euclid'])} | {ms(step['gift'])} |",
+             f"| state memory per rank | Llama-600M, 8 ranks; FSDP's params + grads + optimizer: "
+             f"{mb(gift_mem['fsdp_per_rank'])} | 0 | {mb(plain_mem['gift_total'])} | {mb(gift_mem['gift_total'])} "
              f"({gift_mem['gift_vs_fsdp']:.2f}x FSDP's) |",
-             f"| loss against plain low-bit at the same bytes (the study below) | | | {helps} |"]
-    return "\n".join(lines + ["", "Rows from `bench/results/results.json` (wire, memory, convergence) and "
+             f"| loss against plain low-bit at the same bytes | the convergence study below (its own small model) | | | "
+             f"{helps} |"]
+    return "\n".join(lines + ["", "How GIFT's state grows (`GiftConfig()` defaults: each rank keeps every managed "
+                               "layer's map and statistics, so it does not shrink with more ranks as FSDP's shards "
+                               f"do; it grows far more slowly than the parameters, with width and depth): {grows}. Rows from "
+                               "`bench/results/results.json` (wire, memory, convergence) and "
                                "`bench/results/gpu_step_model.json` (step time: every input and its source in "
-                               "[benchmarks](docs/benchmarks.md)); the study's own model is far smaller (below)."])
+                               "[benchmarks](docs/benchmarks.md))."])
 
 
 BLOCKS: dict[str, Callable[[dict], str]] = {

@@ -43,9 +43,10 @@ from gift_compile.frameworks.parts import Parts
 from gift_compile.frameworks.routing import (_unmanage_module, eligible_linears, linear_weight_names,  # noqa: F401
                                              manage, unmanage)
 from gift_compile.geometry.optimizer_maps import leaf_optimizers
-from gift_compile.geometry.optimizers import geometry_for, select_metric_for
+from gift_compile.geometry.optimizers import geometry_for, optimizer_family, select_metric_for
 from gift_compile.geometry.table import Geometry, geometry_class
 from gift_compile.passes.inductor import hold_inductor_pass, release_inductor_pass
+from gift_compile.recipes import check_recipe_optimizer
 from gift_compile.runtime.health import check_health_group
 from gift_compile.runtime.report import ApplyReport, current, log_report, summarize
 from gift_compile.runtime.state import GiftState
@@ -156,6 +157,9 @@ def resolve_auto(config: GiftConfig, optimizer: Any | None, weights: list[torch.
     model the optimizer steps (`managed_weights`); what it chose is logged as
     ``GIFT: geometry='auto' -> '<name>', select_metric='auto' -> '<name>'`` (the demo reads it).
     """
+    if optimizer is not None and weights:  # a recipe measured under another optimizer: said on every rank
+        check_recipe_optimizer(config, optimizer_family(optimizer, weights),
+                               ", ".join(type(o).__name__ for o in leaf_optimizers(optimizer)))
     geometry_auto, metric_auto = config.geometry == AUTO_GEOMETRY, config.select_metric is SelectMetric.AUTO
     if not (geometry_auto or metric_auto):
         return config
@@ -200,11 +204,12 @@ def managed_weights(model: Parts, config: GiftConfig, group: dist.ProcessGroup |
                     split_rows: bool) -> list[torch.Tensor]:
     """The weights `manage` will take from `model` on the data-parallel `group` (`split_rows`:
     a reduce-scatter path), what `resolve_auto` inspects the optimizer for. Eligibility reads
-    neither the geometry nor the metric, so it is computed before "auto" is resolved."""
+    neither the geometry nor the metric, so it is computed before "auto" is resolved; the weights
+    it leaves out are logged by `manage`, once."""
     world = collectives.group_info(group)[1]
     return [m._parameters["weight"] for _, m in eligible_linears(model, world, min_numel=config.min_numel,
                                                                  excluded=config.is_excluded,
-                                                                 split_rows=split_rows, group=group)]
+                                                                 split_rows=split_rows, group=group, quiet=True)]
 
 
 def attach_optimizer(state: GiftState, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer], *,

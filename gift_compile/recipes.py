@@ -21,12 +21,15 @@ the map closed 40-43% of plain NVFP4's gap on both paths.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from types import MappingProxyType
 from typing import Any
 
 from gift_compile.config import GiftConfig
 
-__all__ = ["RECIPES", "Recipe", "recipe", "recipe_fields"]
+__all__ = ["RECIPES", "Recipe", "check_recipe_optimizer", "recipe", "recipe_fields"]
+
+logger = logging.getLogger("gift_compile")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +64,24 @@ def recipe_fields(name: str) -> dict[str, Any]:
     return dict(RECIPES[name].fields)
 
 
+def check_recipe_optimizer(config: GiftConfig, family: str, optimizers: str) -> None:
+    """Warn (on the calling rank: every rank calls it) when `config` came from a recipe measured
+    under another optimizer family than `family` ("muon", "adamw" or another name), which the
+    optimizers `optimizers` (their class names, for the message) belong to: "auto" follows the
+    optimizer given, so the recipe's measured map is not what runs. Raises for an unknown name."""
+    if not config.recipe:
+        return
+    if config.recipe not in RECIPES:
+        raise ValueError(f"GIFT: GiftConfig.recipe={config.recipe!r} names no recipe; known: {', '.join(RECIPES)}")
+    measured = RECIPES[config.recipe].optimizer
+    if measured != family:
+        logger.warning("GIFT: recipe %r was measured under %s, but the optimizer given is %s (%s): geometry='auto' "
+                       "follows the optimizer, so this run gets %s's map, not the recipe's measured one; pick a "
+                       "%s recipe (%s) or pass the optimizer the recipe names", config.recipe, measured, optimizers,
+                       family, family, family,
+                       ", ".join(n for n, r in RECIPES.items() if r.optimizer == family) or "none yet")
+
+
 def recipe(name: str, **overrides: Any) -> GiftConfig:
     """The `GiftConfig` of recipe `name`, with `overrides` (any `GiftConfig` field) on top."""
-    return GiftConfig(**{**recipe_fields(name), **overrides})
+    return GiftConfig(**{**recipe_fields(name), "recipe": name, **overrides})

@@ -140,9 +140,11 @@ def test_gift_section_covers_gift_config() -> None:
     config = {f.name for f in dataclasses.fields(GiftConfig)}
     # reduce_op is fixed to "sum": torchtitan normalises the loss by the global token count;
     # its gradient paths are reduce-scatters, which have no second hop to compensate.
-    assert config - section == {"reduce_op", "second_hop_error_feedback"}
+    # progress_every is fixed to 0: torchtitan's metrics print their own progress lines
+    assert config - section == {"reduce_op", "second_hop_error_feedback", "progress_every"}
     assert section - config == {"enable", "fuse"}
     assert GiftSection().to_gift_config().reduce_op == "sum"
+    assert GiftSection().to_gift_config().progress_every == 0
 
 
 _JOB = '[job]\nmodule = "gift_compile.torchtitan_ext"\nconfig = "llama3_debug_gift_fsdp2"\n'

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import logging
+import math
 
 import torch.distributed as dist
 
@@ -64,7 +65,7 @@ class ApplyReport:
     next_refresh: int = 0
     """The optimizer step of the next refresh."""
     compression: dict[str, float | None] | None = None
-    """`GiftState.compression()` when the report was made (None at `apply`: nothing sent yet)."""
+    """`GiftState.compression()` when the report was made (None until something was sent)."""
 
     def lines(self) -> list[str]:
         """The report as the log prints it."""
@@ -80,6 +81,10 @@ class ApplyReport:
                        "plain low-bit")
         else:
             out.append(f"  mapped ({len(self.selected)} of {len(self.managed)}): {_names(self.selected)}")
+        if self.managed and self.step == 0:
+            out.append(f"  one-time stalls: the first step compiles the codec (and torch.compile the model), the step "
+                       f"after the first refresh (step {self.first_refresh}) the mapped path: a minute or two each on "
+                       "a CPU, logged when they start")
         if self.last_refresh is not None:
             out.append(f"  last refresh: {self.last_refresh}")
         elif self.selected is not None and self.managed:
@@ -90,7 +95,7 @@ class ApplyReport:
         out.extend(f"  {entry} matched no weight" for entry in self.unmatched)
         out.extend(f"  exchange of the {line}" for line in self.exchanges)
         c = self.compression
-        if c is not None and c["total"] == c["total"]:  # not NaN: something was sent
+        if c is not None:
             if c["network"] is None:
                 out.append(f"  bytes so far: inside one node, nothing crossed a network; {c['total']:.2f}x fewer than "
                            "fp32 in total")
@@ -133,10 +138,12 @@ def current(report: ApplyReport, state: GiftState) -> ApplyReport:
     last refresh's outcome and the next refresh's step (`gift_compile.report`)."""
     decided = all(layer.decided for layer in state.layers.values())
     selected = tuple(n for n, layer in state.layers.items() if layer.selected) if decided else None
+    sent = state.compression()
     last = (f"optimizer step {state.history[-1].step}: "
             f"{refresh_words(state.config, state.layers, state.history[-1].step, shown=0)}") if state.history else None
     return dataclasses.replace(report, selected=selected, step=state.steps, last_refresh=last,
-                               next_refresh=next_refresh(state.config, state.steps), compression=state.compression())
+                               next_refresh=next_refresh(state.config, state.steps),
+                               compression=None if math.isnan(sent["total"]) else sent)
 
 
 def summarize(state: GiftState, path: str, linear_weights: list[str], exchanges: tuple[str, ...] = ()) -> ApplyReport:
