@@ -108,7 +108,8 @@ def apply(model: nn.Module, config: GiftConfig | None = None, *, group: dist.Pro
                        "step, or GIFT's geometry never refreshes (the fault checks run at the end of each backward)")
     hold_inductor_pass(model)  # installed while a model with GIFT applied is alive (see passes.inductor)
     inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model  # DDP: its module's names
-    state.report = summarize(state, adapter.kind, linear_weight_names(inner), describe_exchanges(state))
+    state.report = dataclasses.replace(summarize(state, adapter.kind, linear_weight_names(inner),
+                                                 describe_exchanges(state)), fused=fuse)
     log_report(state.report)
     return model
 

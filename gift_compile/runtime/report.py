@@ -64,6 +64,8 @@ class ApplyReport:
     None before the first."""
     next_refresh: int = 0
     """The optimizer step of the next refresh."""
+    fused: bool = True
+    """`apply(fuse=...)`: the framework hooks run GIFT's codec through compiled bodies."""
     compression: dict[str, float | None] | None = None
     """`GiftState.compression()` when the report was made (None until something was sent)."""
 
@@ -82,9 +84,11 @@ class ApplyReport:
         else:
             out.append(f"  mapped ({len(self.selected)} of {len(self.managed)}): {_names(self.selected)}")
         if self.managed and self.step == 0:
-            out.append(f"  one-time stalls: the first step compiles the codec (and torch.compile the model), the step "
-                       f"after the first refresh (step {self.first_refresh}) the mapped path: a minute or two each on "
-                       "a CPU, logged when they start")
+            hooks = (f"with fuse=True the DDP/FSDP2 hooks compile GIFT's codec at the first step and its mapped path "
+                     f"at the step after the first refresh (step {self.first_refresh}), logged when it starts; "
+                     if self.fused else "")
+            out.append(f"  one-time stalls (a minute or two each on a CPU): {hooks}a torch.compile'd model compiles "
+                       "GIFT's pass with it")
         if self.last_refresh is not None:
             out.append(f"  last refresh: {self.last_refresh}")
         elif self.selected is not None and self.managed:
