@@ -171,8 +171,13 @@ def _spanned(group: dist.ProcessGroup | str) -> NodeLayout:
     per_node = resolved_ranks_per_node(None)
     if per_node == 0:
         return FLAT
-    nodes = len({r // per_node for r in dist.get_process_group_ranks(process_group(group))})
-    return FLAT if nodes == 1 else NodeLayout(1, nodes)
+    pg = process_group(group)
+    key = (pg.group_name, -per_node)  # cached apart from the two-level layouts (keyed by a positive g)
+    layout = _LAYOUTS.get(key)
+    if layout is None:
+        nodes = len({r // per_node for r in dist.get_process_group_ranks(pg)})
+        layout = _LAYOUTS[key] = FLAT if nodes == 1 else NodeLayout(1, nodes)
+    return layout
 
 
 def describe_layout(layout: NodeLayout, world: int, ranks_per_node: int | None,
