@@ -34,7 +34,7 @@ test-full: $(STAMP)
 	@start=$$(date +%s); $(PYTEST); rc=$$?; echo "make test-full: $$(( $$(date +%s) - start )) s wall"; exit $$rc
 
 demo: $(STAMP)
-	$(BIN)/python -m gift_compile.torchtitan_ext.demo --nproc $(NPROC)
+	$(BIN)/python -m gift_compile.torchtitan_ext.cpu.demo --nproc $(NPROC)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run
@@ -42,16 +42,16 @@ bench: $(STAMP)
 bench-quick: $(STAMP)
 	$(BIN)/python -m bench.run --quick
 
-# `make gpu-check`: the prepared single-GPU check (bench/gpu_check.py, under 8 minutes,
+# `make gpu-check`: the prepared single-GPU check (bench/gpu/check.py, under 8 minutes,
 # unattended) on a machine with one CUDA GPU and its own PyTorch + Triton. It installs this
 # package there without dependencies (never the CPU torch wheel), then writes
-# bench/results/GPU.md and gpu_check.json. GPU_PY picks that machine's interpreter.
+# bench/results/gpu/GPU.md and gpu_check.json. GPU_PY picks that machine's interpreter.
 GPU_PY ?= python3
 
 gpu-check:
 	$(GPU_PY) -m pip install -q --no-deps --no-build-isolation -e .
-	$(GPU_PY) -m bench.gpu_check --out bench/results
+	$(GPU_PY) -m bench.gpu.check --out bench/results/gpu
 
-# the same code paths on this CPU with small shapes (writes bench/results/dry_run/GPU.md)
+# the same code paths on this CPU with small shapes (writes bench/results/gpu/dry_run/GPU.md)
 gpu-check-dry: $(STAMP)
-	$(BIN)/python -m bench.gpu_check --dry-run
+	$(BIN)/python -m bench.gpu.check --dry-run

@@ -21,15 +21,19 @@ from pathlib import Path
 
 import torch
 
-from bench import (codec_minimum, convergence, convergence_arms, convergence_summary, fidelity, memory, overhead, plots,
-                   reference, report, step_model, wire)
-from bench.settings import BenchSettings, profile
-from gift_compile.torchtitan_ext import corpus
+from bench.fidelity import codec_minimum, round_trip as fidelity, memory, overhead
+from bench.convergence import runner as convergence, arms as convergence_arms, summary as convergence_summary
+from bench.pages import plots, report
+from bench.lib import reference, wire
+from bench.step_model import cpu as step_model
+from bench.lib.settings import BenchSettings, profile
+from gift_compile.torchtitan_ext.cpu import corpus
+from bench.lib.paths import RESULTS
 
 SECTIONS = ("wire", "fidelity", "overhead", "codec", "convergence", "step_model", "memory")
 # the codec measurement of the code before the codec work, shown beside every later run
-CODEC_BEFORE = Path(__file__).resolve().parent / "results" / "codec_before.json"
-DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+CODEC_BEFORE = RESULTS / "fidelity" / "codec_before.json"
+DEFAULT_OUT = RESULTS
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -46,9 +50,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--merge", action="store_true",
                    help="start from --out/results.json and replace only the sections that run (its meta records both)")
     p.add_argument("--tuning", type=Path, nargs="+", default=[],
-                   help="JSON files of `python -m bench.tune` runs to include in the report (section 5.2)")
+                   help="JSON files of `python -m bench.convergence.tune` runs to include in the report (section 5.2)")
     p.add_argument("--sweep", type=Path, nargs="+", default=[],
-                   help="JSON files of `python -m bench.fidelity_sweep` to include in the report (section 2.5)")
+                   help="JSON files of `python -m bench.fidelity.sweep` to include in the report (section 2.5)")
     p.add_argument("--conv-seeds", default=None, help="comma-separated seeds of the convergence section (default: the profile's)")
     p.add_argument("--conv-arms", default=None,
                    help="convergence arms instead of the profile's: 'muon=fp32,euclid-int2;adamw=fp32,gift-int2'")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any
@@ -88,6 +89,8 @@ def apply(model: nn.Module, config: GiftConfig | None = None, *, group: dist.Pro
     existing: GiftState | None = getattr(model, "_gift_state", None)
     if existing is not None:
         if existing.config == config:
+            if optimizer is not None and not _driven_by(existing, optimizer):
+                reattach_optimizer(existing, optimizer)
             return model
         diff = first_difference(dataclasses.asdict(existing.config), dataclasses.asdict(config))
         raise ValueError(f"gift_compile.apply: model already has GIFT with a different config ({diff}: applied vs "
@@ -158,10 +161,12 @@ def resolve_auto(config: GiftConfig, optimizer: Any | None, weights: list[torch.
     model the optimizer steps (`managed_weights`); what it chose is logged as
     ``GIFT: geometry='auto' -> '<name>', select_metric='auto' -> '<name>'`` (the demo reads it).
     """
-    if optimizer is not None and weights:  # a recipe measured under another optimizer: said on every rank
+    geometry_auto, metric_auto = config.geometry == AUTO_GEOMETRY, config.select_metric is SelectMetric.AUTO
+    # a recipe measured under another optimizer: said on every rank, where "auto" follows the
+    # optimizer (a named geometry consults no optimizer: geometry="none" takes any)
+    if config.recipe and geometry_auto and optimizer is not None and weights:
         check_recipe_optimizer(config, optimizer_family(optimizer, weights),
                                ", ".join(type(o).__name__ for o in leaf_optimizers(optimizer)))
-    geometry_auto, metric_auto = config.geometry == AUTO_GEOMETRY, config.select_metric is SelectMetric.AUTO
     if not (geometry_auto or metric_auto):
         return config
     if optimizer is None:
@@ -179,6 +184,9 @@ def resolve_auto(config: GiftConfig, optimizer: Any | None, weights: list[torch.
     if not weights:  # nothing managed: nothing mapped or selected
         return dataclasses.replace(config, geometry=Geometry.name if geometry_auto else config.geometry,
                                    select_metric=SelectMetric.EUCLIDEAN)
+    if not geometry_auto and geometry_class(config.geometry).is_identity:
+        # no map, so nothing is selected: the metric is moot, whichever optimizer steps what
+        return dataclasses.replace(config, select_metric=SelectMetric.EUCLIDEAN)
     chosen = dataclasses.replace(config, geometry=geometry_for(optimizer, weights)) if geometry_auto else config
     if metric_auto:
         chosen = dataclasses.replace(chosen, select_metric=select_metric_for(optimizer, weights, chosen.geometry))
@@ -231,6 +239,7 @@ def attach_optimizer(state: GiftState, optimizer: torch.optim.Optimizer | Sequen
     (`gift_compile.runtime.health.check_health_group`)."""
     state.health_group = health_group
     state.stepped_by_optimizer = True
+    first = len(state.handles)
 
     def before(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         check_health_group(state)  # first: a collective every rank of the group takes part in
@@ -244,8 +253,32 @@ def attach_optimizer(state: GiftState, optimizer: torch.optim.Optimizer | Sequen
     for opt in optimizer if isinstance(optimizer, (list, tuple)) else (optimizer,):
         state.handles.append(opt.register_step_pre_hook(before))
         state.handles.append(opt.register_step_post_hook(after))
+    # weakly: a driver the user dropped is not kept alive (nor its state) by GIFT
+    state.driver = (tuple(weakref.ref(o) for o in leaf_optimizers(optimizer)), state.handles[first:])
     for st in (state, *state.substates):
         st.grad_source = st.factor_source(optimizer)
+
+
+def _driven_by(state: GiftState, optimizer: Any) -> bool:
+    """Whether `optimizer` (or the list) is what drives `state` now (`attach_optimizer`)."""
+    if state.driver is None:
+        return False
+    return [r() for r in state.driver[0]] == list(leaf_optimizers(optimizer))
+
+
+def reattach_optimizer(state: GiftState, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer]) -> None:
+    """`apply` again with another optimizer (one re-created after a restart, a new schedule):
+    drive `state` from it instead. The old driver's hooks are removed and its state released
+    (the refreshes read the new optimizer's), so steps are counted once, by the new one; a
+    silent no-op would freeze `state.steps` and the refreshes with the old optimizer gone."""
+    if state.driver is not None:
+        for handle in state.driver[1]:
+            handle.remove()
+        state.handles = [h for h in state.handles if all(h is not d for d in state.driver[1])]
+        state.driver = None
+    attach_optimizer(state, optimizer, health_group=state.health_group)
+    logger.info("GIFT: apply with a new optimizer (%s): it drives GIFT's state from now on, the previous one is "
+                "released", ", ".join(type(o).__name__ for o in leaf_optimizers(optimizer)))
 
 
 def _one_step_per_round(optimizers: list[torch.optim.Optimizer], before: Any, after: Any) -> tuple[Any, Any]:

@@ -13,6 +13,10 @@ the codec for `Nonfinite`, the kernels for `MapPrecision`): the package
 compares members, and a member equals, prints, reprs and serialises as its spelling, so TOML,
 JSON, checkpoints and messages are unchanged. `scaling` stays its spelling: `FormatSpec`
 turns it into the codec's `Scaling`.
+
+Why one module: `GiftConfig` is the one validated dataclass every layer reads; most of its length
+is each field's documentation next to its check, kept together so that a field, what it means and
+how it is validated change in one place.
 """
 
 from __future__ import annotations
@@ -31,6 +35,19 @@ from gift_compile.kernels.map_dispatch import MapPrecision
 
 # `replica_format` value meaning "the cross-replica hop uses `format` too".
 SAME_FORMAT = "same"
+# `GiftConfig.tiny_format`: a tiny gradient (`is_tiny`: norms, biases, small weights) goes at
+# bf16 in its bucket's collective, or "fp32" (the opt-out: raw, at the gradient's own dtype).
+# No low-bit choice: a scale block per few elements saves next to nothing on these bytes.
+TINY_FORMATS = ("bf16", "fp32")
+# the opt-out value of `unmapped_format` / `excluded_format` / `tiny_format`: raw bytes at the gradient's own dtype
+FULL_PRECISION = "fp32"
+
+
+def is_tiny(shape: tuple[int, ...] | list[int], min_numel: int) -> bool:
+    """Whether a gradient of `shape` is tiny (`GiftConfig.tiny_format`): fewer than two dims (a
+    norm's gain, a bias) or fewer than `min_numel` elements (`GiftConfig.min_numel`, the size
+    under which a linear gets no map either)."""
+    return len(shape) < 2 or math.prod(shape) < min_numel
 # `GiftConfig.intra_node_format`: the precision of a two-level exchange's collectives inside a
 # node. "native" sends the gradient's own dtype (and an all-reduce's decoded chunks as fp32);
 # "bf16" sends both at bf16, half the node's bytes of an fp32 gradient. Only bf16 among the
@@ -208,8 +225,9 @@ class GiftConfig:
             at each refresh), "all", "none" (Euclidean low-bit everywhere),
             "boundary_hits:K" (the paper's rule: top-K layers by E5M2 saturation share), or
             a tuple of fnmatch globs over parameter FQNs (a comma-separated string is split).
-        exclude: globs of parameter FQNs that always stay at full precision (a
-            comma-separated string is split; an empty tuple excludes nothing).
+        exclude: globs of parameter FQNs that never get a map (a comma-separated string is
+            split; an empty tuple excludes nothing); their gradients travel at
+            `excluded_format` in plain coordinates (or `tiny_format` where tiny).
         error_feedback: keep the quantization residual (in transformed coordinates) and add
             it to the next step's gradient (the first hop: each rank's own contribution).
         second_hop_error_feedback: error feedback on the all-reduce's second hop (1-bit Adam's
@@ -230,7 +248,7 @@ class GiftConfig:
         layer_formats: bits allocated per layer: `"glob=format"` entries (a comma-separated
             string is split) matched against the weight's FQN as `exclude` is; the first
             match wins and layers no entry matches use `format`. Every entry's format shares
-            `scaling` and `block_size`. `bench.bit_allocation` measures an allocation at equal
+            `scaling` and `block_size`. `bench.convergence.bit_allocation` measures an allocation at equal
             total bytes (more bits where a layer's relative error falls most per byte). Not
             with an HSDP replica hop, which sends every layer at one `replica_format`.
         block_rotation: before the codes are chosen, rotate each scale block (after the
@@ -240,7 +258,27 @@ class GiftConfig:
             formats only (the rotation stays inside one scale); the same on every rank and
             step, so error-feedback residuals stay valid. Off by default: the frontier study
             decides where it pays (docs/benchmarks.md, "Techniques at 2 bits").
-        min_numel: 2-D weights smaller than this stay at full precision.
+        min_numel: 2-D weights smaller than this get no map; they and every gradient with
+            fewer than two dims are "tiny" and travel at `tiny_format`.
+        unmapped_format: wire format of every gradient of two or more dims and at least
+            `min_numel` elements that GIFT sends without a map and `exclude` does not match
+            (linears it does not manage: tied, rows that do not split; other 2-D weights):
+            "same" (the default) is `format`, any format name its own, "fp32" the opt-out
+            (raw, at the gradient's own dtype, as all of them went before this field existed).
+            A `layer_formats` entry matching the FQN wins. Such a gradient goes in plain
+            (Euclidean) coordinates in the same collective as the layers, each row with its
+            own scales, with the config's error feedback. Where its codes would take at least
+            the bytes of bf16 (a scale block longer than its rows), or its rows do not split
+            over the ranks of a reduce-scatter, it goes at `tiny_format`, logged naming it.
+        excluded_format: the same for the gradients `exclude` matches (the embedding and the
+            output head by default): "bf16" (the default), "same" (`format`), any format name,
+            or "fp32" (the opt-out). bf16 is the conservative choice, not a measured one: the
+            convergence comparison of the embedding and head at the recipe's int2 against bf16
+            did not finish on the machine it was given (docs/design.md, "The whole gradient");
+            at bf16 they are ~half of a Llama-3-8B int2 step's bytes, at int2 about 1/8.
+        tiny_format: wire format of tiny gradients (`is_tiny`: fewer than two dims or fewer
+            than `min_numel` elements: norms, biases): "bf16" (the default, in the bucket's
+            collective, summed in fp32) or "fp32" (the opt-out, raw at the gradient's dtype).
         stats_tokens: at most this many tokens per step and layer enter the K-FAC statistics
             (a strided subsample), which bounds the hook's cost at O(stats_tokens * d_in^2).
         nonfinite: "error" raises when an eagerly called quantizer sees NaN/Inf; in compiled
@@ -307,17 +345,20 @@ class GiftConfig:
             (`gift_compile.kernels.map_dispatch`); "auto" (the default) is "tf32" on CUDA and
             "exact" elsewhere. TF32 is the CUDA default because the operand rounding is
             amplified by the inverse map's gain on the factor's strong directions: on the
-            bench's real gradients (`python -m bench.map_precision`, docs/benchmarks.md) the map
+            bench's real gradients (`python -m bench.fidelity.map_precision`, docs/benchmarks.md) the map
             alone errs 8x more at bf16, and bf16 moved the decoded gradient's error by
             50-120x TF32's change (neither resolved after the family-wise correction), and at these
             ranks the map is memory-bound, so bf16 would buy little speed. "tf32"/"bf16" on CPU tensors run
             the exact map, logged once as a warning.
-        plan_check: eager collectives exchange every rank's plan fingerprint (item names and
-            order included) in a small fixed-size collective on every call, so a plan that
-            changes on one rank raises on every rank instead of hanging; the full description
-            is compared on the "first" call of each plan and on a mismatch, or on "always"
-            every call (debug mode). Compiled graphs always compare the fingerprint carried
-            in every collective's header, at no extra collective.
+        plan_check: the public one-tensor collectives exchange every rank's plan fingerprint
+            (item names and order included) in a small fixed-size collective on every call, so
+            a plan that changes on one rank raises on every rank instead of hanging; the full
+            description is compared on the "first" call of each plan and on a mismatch, or on
+            "always" every call (debug mode). The framework hooks (DDP, FSDP2, HSDP) compare
+            every layer's plan at apply and after each refresh, where plans change, and check
+            the fingerprint each header carries once per step: no host read per bucket; under
+            "always" they add the per-call check. Compiled graphs always compare the
+            fingerprint carried in every collective's header, at no extra collective.
         ranks_per_node: the node layout of the exchange (`gift_compile.exchange.topology`).
             None (the default) reads it from the launcher (`LOCAL_WORLD_SIZE`; unset: one
             node); an int g >= 1 says the job's global ranks sit g to a node (rank r on node
@@ -334,7 +375,7 @@ class GiftConfig:
             both at bf16 (the node's sum is then rounded to bf16 before GIFT's codec sees it,
             and an all-reduce's result to bf16 once after it), which halves the bytes an fp32
             gradient puts on the node's links and the time of that stage where NVLink, not the
-            network, bounds it (`python -m bench.topology_model`). Stage 2 across nodes is
+            network, bounds it (`python -m bench.step_model.topology`). Stage 2 across nodes is
             unchanged. With ranks_per_node=0 (no two levels) anything but "native" raises,
             since the setting would do nothing.
         recipe: the named recipe (`gift_compile.recipes`) these fields came from, "" for
@@ -364,6 +405,9 @@ class GiftConfig:
     block_rotation: bool = False
     layer_formats: tuple[str, ...] = ()
     min_numel: int = 4096
+    unmapped_format: str = SAME_FORMAT
+    excluded_format: str = "bf16"
+    tiny_format: str = "bf16"
     stats_tokens: int = 1024
     nonfinite: Nonfinite = Nonfinite.ERROR
     reduce_op: ReduceOp = ReduceOp.AVG
@@ -419,6 +463,16 @@ class GiftConfig:
             _fail("recipe", self.recipe, "a recipe name (gift_compile.recipes.RECIPES) or \"\"")
         if not _is_int(self.progress_every) or self.progress_every < 0:
             _fail("progress_every", self.progress_every, "a non-negative integer (0: no progress lines)")
+        for name in ("unmapped_format", "excluded_format"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or value not in (SAME_FORMAT, *FORMATS):
+                _fail(name, value, ", ".join((SAME_FORMAT, *FORMATS)) + " (fp32: the opt-out, raw at the gradient's dtype)")
+            resolved = self.format if value == SAME_FORMAT else value
+            if resolved in BLOCK_SIZE_FORMATS and self.block_size not in BLOCK_SIZE_CHOICES:
+                _fail("block_size", self.block_size, f"{' or '.join(map(str, BLOCK_SIZE_CHOICES))} for {name}={resolved!r}")
+        if not isinstance(self.tiny_format, str) or self.tiny_format not in TINY_FORMATS:
+            _fail("tiny_format", self.tiny_format, ", ".join(TINY_FORMATS) + " (a tiny gradient's scale blocks would "
+                  "save next to nothing; fp32 is the opt-out)")
         if self.ranks_per_node is not None and (not _is_int(self.ranks_per_node) or self.ranks_per_node < 0):
             _fail("ranks_per_node", self.ranks_per_node, "None (from LOCAL_WORLD_SIZE), 0 (one level) or a positive integer")
         if not isinstance(self.intra_node_format, str) or self.intra_node_format not in INTRA_NODE_FORMATS:
@@ -464,7 +518,8 @@ class GiftConfig:
         # A block size no format reads would be dropped without a word (nvfp4's blocks are 16,
         # mxfp8's 32, whatever block_size says); the default (32) is what a config gets unasked.
         default_block = GiftConfig.__dataclass_fields__["block_size"].default
-        readers = sent | {self.replica_hop_format}
+        readers = sent | {self.replica_hop_format} | {
+            self.format if v == SAME_FORMAT else v for v in (self.unmapped_format, self.excluded_format)}
         if self.block_size != default_block and not any(
                 FormatSpec(f, self.scaling, self.block_size).block == self.block_size for f in readers):
             blocks = ", ".join(f"{f}: {FormatSpec(f, self.scaling, self.block_size).block or 'no blocks'}"
@@ -532,6 +587,13 @@ class GiftConfig:
     def replica_hop_format(self) -> str:
         """The format of the cross-replica hop (`replica_format`, or `format` for "same")."""
         return self.format if self.replica_format == SAME_FORMAT else self.replica_format
+
+    def unmapped_format_for(self, fqn: str) -> str:
+        """The format of the gradient of `fqn`, sent without a map and not tiny: its
+        `layer_formats` entry, else `excluded_format` where `exclude` matches it, else
+        `unmapped_format` ("same" resolved to `format`)."""
+        choice = self.excluded_format if self.is_excluded(fqn) else self.unmapped_format
+        return layer_format(self.layer_formats, fqn, self.format if choice == SAME_FORMAT else choice)
 
     @property
     def boundary_hits_k(self) -> int | None:

@@ -25,9 +25,9 @@ import logging
 from types import MappingProxyType
 from typing import Any
 
-from gift_compile.config import GiftConfig
+from gift_compile.config import GiftConfig, GiftConfigError
 
-__all__ = ["RECIPES", "Recipe", "check_recipe_optimizer", "recipe", "recipe_fields"]
+__all__ = ["RECIPES", "Recipe", "RecipeConflict", "check_recipe_optimizer", "recipe", "recipe_fields"]
 
 logger = logging.getLogger("gift_compile")
 
@@ -57,6 +57,20 @@ RECIPES: MappingProxyType[str, Recipe] = MappingProxyType({
 """Every recipe by name."""
 
 
+class RecipeConflict(GiftConfigError):
+    """Overrides the user typed that a recipe's own fields do not admit. `field` is the first of
+    them (a front end points at the flag the user typed), `recipe` the recipe's name."""
+
+    def __init__(self, recipe: str, typed: dict[str, Any], err: GiftConfigError) -> None:
+        first = next(iter(typed))
+        super().__init__(first, typed[first], err.allowed)
+        self.recipe = recipe
+        given = ", ".join(f"{k}={v!r}" for k, v in typed.items())
+        self.args = (f"GIFT: recipe {recipe!r} does not combine with {given}: the recipe sets {err.field}="
+                     f"{err.value!r} (allowed: {err.allowed}). Override {err.field} as well, or start from a "
+                     "GiftConfig without the recipe",)
+
+
 def recipe_fields(name: str) -> dict[str, Any]:
     """The `GiftConfig` fields recipe `name` sets (raises naming the known recipes)."""
     if name not in RECIPES:
@@ -83,5 +97,30 @@ def check_recipe_optimizer(config: GiftConfig, family: str, optimizers: str) -> 
 
 
 def recipe(name: str, **overrides: Any) -> GiftConfig:
-    """The `GiftConfig` of recipe `name`, with `overrides` (any `GiftConfig` field) on top."""
-    return GiftConfig(**{**recipe_fields(name), "recipe": name, **overrides})
+    """The `GiftConfig` of recipe `name`, with `overrides` (any `GiftConfig` field) on top.
+
+    An override that replaces a field the recipe sets is logged (the result is no longer what
+    the recipe measured). An override the recipe's other fields do not admit (`error_feedback=False`
+    on a recipe with a decaying residual) raises `GiftConfigError` naming the recipe and the
+    overrides the user typed that cause it, not a recipe field as if the user had set it."""
+    fields = recipe_fields(name)
+    replaced = [f"{k}={v!r} (recipe: {fields[k]!r})" for k, v in overrides.items() if k in fields and fields[k] != v]
+    if replaced:
+        logger.warning("GIFT: recipe %r with %s set explicitly: the explicit value%s win%s over the recipe's", name,
+                       ", ".join(replaced), "s" if len(replaced) > 1 else "", "" if len(replaced) > 1 else "s")
+    try:
+        return GiftConfig(**{**fields, "recipe": name, **overrides})
+    except GiftConfigError as err:
+        if err.field in overrides:  # the user's own value is bad: say so, with the recipe it was given to
+            raise GiftConfigError(err.field, err.value, f"{err.allowed} (given to recipe {name!r})") from None
+        culprits = [k for k, v in overrides.items() if not _admits(fields, k, v)] or list(overrides)
+        raise RecipeConflict(name, {k: overrides[k] for k in culprits}, err) from None
+
+
+def _admits(fields: dict[str, Any], key: str, value: Any) -> bool:
+    """Whether the recipe's `fields` with `key=value` alone on top make a valid `GiftConfig`."""
+    try:
+        GiftConfig(**{**fields, key: value})
+    except GiftConfigError:
+        return False
+    return True

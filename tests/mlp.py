@@ -5,6 +5,12 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+# The opt-out of compressing the gradients outside GIFT's layers (`GiftConfig.unmapped_format`,
+# `excluded_format`, `tiny_format`): they travel raw, exactly. Tests of the managed weights'
+# exchange (pairing, accounting, replicas) keep them exact so that any error they measure there
+# is a bug, not bf16's rounding; tests/test_whole_gradient.py tests the defaults.
+EXACT_OUTSIDE: dict[str, str] = {"unmapped_format": "fp32", "excluded_format": "fp32", "tiny_format": "fp32"}
+
 
 class MLP(nn.Module):
     """`fc1` (`width -> hidden`), `fc2` (back to `width`), optionally a `side` linear added on

@@ -3,6 +3,7 @@ grows or outlives its owner, one bucket helper for every eager path."""
 
 from __future__ import annotations
 
+import ast
 import gc
 import subprocess
 import sys
@@ -196,3 +197,158 @@ def test_the_replica_hop_plan_has_one_rule():
     assert raw == other and (plan.op, plan.world, plan.average) == ("all_reduce", 2, False)
     exact = replica_hop_plan([managed, other], "fp32", 2, None, True).items
     assert [i.managed for i in exact] == [False, False] and exact[0].numel == managed.numel
+
+
+# --- the rooms of bench/ and the two sides of torchtitan_ext/ (docs/architecture.md) -------------
+
+# bench's rooms, lowest first, as each room's `__init__` docstring declares them: a room imports
+# only rooms of a lower level (never one beside it); `bench.run` and the package sit on top.
+BENCH_ROOMS: dict[str, int] = {"bench.lib": 0, "bench.fidelity": 1, "bench.convergence": 2, "bench.step_model": 2,
+                               "bench.cluster": 2, "bench.gpu": 2, "bench.pages": 3, "bench.run": 4, "bench": 4}
+MAX_ROOM_MODULES = 15
+STAND_INS = "gift_compile.torchtitan_ext.cpu"
+# The integration's only way to a stand-in: a process entry point activating the CPU shims
+# before torchtitan is imported, inside its `main` (each module's docstring says why).
+LAUNCHER_SIDE = {("gift_compile.torchtitan_ext.train", f"{STAND_INS}.cpu_compat"),
+                 ("gift_compile.torchtitan_ext.launcher", f"{STAND_INS}.cpu_compat")}
+
+
+def _modules_under(folder: Path, package: str) -> dict[str, Path]:
+    """Dotted name -> file of every module under `folder` (imported as `package`)."""
+    modules = {}
+    for path in sorted(folder.rglob("*.py")):
+        parts = list(path.relative_to(folder).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        modules[".".join([package, *parts])] = path
+    return modules
+
+
+def bench_modules(root: Path = ROOT) -> dict[str, Path]:
+    """The bench's modules (its results folder holds measurement scripts as records, not code)."""
+    return {m: p for m, p in _modules_under(root / "bench", "bench").items() if not m.startswith("bench.results")}
+
+
+def room_of(module: str, rooms: dict[str, int]) -> str:
+    """The room (longest listed prefix) of `module`; raises for a module in no room."""
+    found = [r for r in rooms if module == r or module.startswith(r + ".")]
+    if not found:
+        raise KeyError(f"{module} is in no room of tests/test_architecture.py's BENCH_ROOMS")
+    return max(found, key=len)
+
+
+def room_violations(graph: dict[str, dict[str, int]], rooms: dict[str, int]) -> list[str]:
+    """Every import from a room into one of the same or a higher level (other than its own)."""
+    problems = []
+    for a, edges in sorted(graph.items()):
+        for b, line in sorted(edges.items()):
+            ra, rb = room_of(a, rooms), room_of(b, rooms)
+            if ra != rb and rooms[rb] >= rooms[ra]:
+                problems.append(f"{a} (room {ra}) imports {b} (room {rb}, not below it), line {line}")
+    return problems
+
+
+def oversized_rooms(root: Path, limit: int = MAX_ROOM_MODULES) -> list[str]:
+    """Each room folder of `root` (a folder with an `__init__.py`) holding more than `limit` modules."""
+    return [f"{d.name}: {n} modules" for d in sorted(root.iterdir()) if (d / "__init__.py").is_file()
+            for n in [sum(1 for p in d.glob("*.py") if p.name != "__init__.py")] if n > limit]
+
+
+def stand_in_imports(modules: dict[str, Path], stand_ins: str = STAND_INS,
+                     allowed: set[tuple[str, str]] = LAUNCHER_SIDE) -> list[str]:
+    """Every import of a stand-in by an integration module, except an `allowed` (module, target)
+    pair written inside a function."""
+    from tests.test_layers import _imported
+
+    problems = []
+    for module, path in sorted(modules.items()):
+        if module == stand_ins or module.startswith(stand_ins + "."):
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        in_function = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                       for n in ast.walk(f)}
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            names = _imported(node, module, path.name == "__init__.py")
+            if isinstance(node, ast.ImportFrom) and any(n in modules for n in names[:-1]):
+                names = names[:-1]  # `from pkg import submodule`: the submodule, not pkg
+            targets = set()
+            for name in names:
+                while name and name not in modules:  # a name inside a module: that module
+                    name = name.rpartition(".")[0]
+                targets.add(name)
+            for target in sorted(t for t in targets if t == stand_ins or t.startswith(stand_ins + ".")):
+                if (module, target) in allowed and id(node) in in_function:
+                    continue
+                problems.append(f"{module} imports the stand-in {target} (line {node.lineno})")
+    return problems
+
+
+def test_bench_rooms_import_only_downward_and_close_no_cycle():
+    from tests.test_layers import cycles, import_graph
+
+    graph = import_graph(bench_modules())
+    assert not room_violations(graph, BENCH_ROOMS), "\n".join(room_violations(graph, BENCH_ROOMS))
+    assert not cycles(graph)
+    # every room folder is in the table and says in its docstring what lives there
+    folders = {f"bench.{d.name}" for d in (ROOT / "bench").iterdir() if (d / "__init__.py").is_file()}
+    assert folders == {r for r in BENCH_ROOMS if r.count(".") == 1 and r != "bench.run"}
+    for room in folders:
+        doc = ast.get_docstring(ast.parse((ROOT / room.replace(".", "/") / "__init__.py").read_text()))
+        assert doc and len(doc) > 200, f"{room}'s __init__ says what lives there and what it may import"
+
+
+def test_no_bench_room_is_over_the_limit():
+    assert not oversized_rooms(ROOT / "bench")
+
+
+def test_no_cycle_in_the_package_or_torchtitan_ext():
+    from tests.test_layers import cycles, import_graph, package_modules
+
+    assert not cycles(import_graph(package_modules()))
+
+
+def test_the_integration_never_imports_a_stand_in():
+    from tests.test_layers import package_modules
+
+    modules = {m: p for m, p in package_modules().items() if m.startswith("gift_compile.torchtitan_ext")}
+    assert f"{STAND_INS}.cpu_compat" in modules and "gift_compile.torchtitan_ext.hooks" in modules
+    assert not stand_in_imports(modules), "\n".join(stand_in_imports(modules))
+
+
+def test_the_room_checkers_report_violations(tmp_path):
+    """Synthetic rooms and packages: an upward and a sideways import between rooms, a room over
+    the limit, and an integration importing a stand-in at module level, at function level from a
+    module not allowed, and from an allowed one at module level; the allowed function-level
+    import passes."""
+    rooms = {"b.low": 0, "b.mid": 1, "b.side": 1, "b.top": 2}
+    graph = {"b.low.x": {"b.top.y": 3}, "b.mid.m": {"b.side.s": 4, "b.low.x": 1}, "b.top.y": {"b.mid.m": 2},
+             "b.side.s": {}}
+    assert room_violations(graph, rooms) == ["b.low.x (room b.low) imports b.top.y (room b.top, not below it), line 3",
+                                             "b.mid.m (room b.mid) imports b.side.s (room b.side, not below it), line 4"]
+    with pytest.raises(KeyError, match="in no room"):
+        room_of("elsewhere.z", rooms)
+    big = tmp_path / "bench" / "big"
+    big.mkdir(parents=True)
+    for i in range(MAX_ROOM_MODULES + 1):
+        (big / f"m{i}.py").write_text("")
+    (big / "__init__.py").write_text("")
+    assert oversized_rooms(tmp_path / "bench") == [f"big: {MAX_ROOM_MODULES + 1} modules"]
+    (big / "m0.py").unlink()
+    assert oversized_rooms(tmp_path / "bench") == []
+    files = {"ext/__init__.py": "", "ext/cpu/__init__.py": "", "ext/cpu/shim.py": "from ext import hooks\n",
+             "ext/hooks.py": "from ext.cpu import shim\n",
+             "ext/telemetry.py": "def f():\n    from .cpu import shim\n",
+             "ext/train.py": "def main():\n    from .cpu import shim\n",
+             "ext/launcher.py": "from ext.cpu.shim import x\n"}
+    modules = {}
+    for rel, text in files.items():
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        modules[".".join(Path(rel).with_suffix("").parts).removesuffix(".__init__")] = path
+    allowed = {("ext.train", "ext.cpu.shim"), ("ext.launcher", "ext.cpu.shim")}
+    assert stand_in_imports(modules, "ext.cpu", allowed) == [
+        "ext.hooks imports the stand-in ext.cpu.shim (line 1)", "ext.launcher imports the stand-in ext.cpu.shim (line 1)",
+        "ext.telemetry imports the stand-in ext.cpu.shim (line 2)"]

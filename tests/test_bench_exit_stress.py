@@ -1,4 +1,4 @@
-"""bench.exit_stress counts what the jobs' exits were: an abort is counted, a clean exit is not.
+"""bench.cluster.exit_stress counts what the jobs' exits were: an abort is counted, a clean exit is not.
 
 The abort is stood in for by an "interpreter" that prints gloo's message and raises SIGABRT, so
 the counting is checked without waiting on a race; one real 2-rank job checks the clean path.
@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench import exit_stress
+from bench.cluster import exit_stress
 
 
 def test_an_abort_is_counted_with_its_message_and_a_clean_job_is_not(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""bench.frontier: the judgement "within fp32's CI" and the bits axis, on synthetic run records
+"""bench.convergence.frontier: the judgement "within fp32's CI" and the bits axis, on synthetic run records
 whose answers are known (the committed tables themselves are checked by test_bench_readme)."""
 
 import json
@@ -6,15 +6,16 @@ import math
 
 import pytest
 
-from bench import frontier, pages_frontier
-from bench.stats import t_quantile
+from bench.convergence import frontier
+from bench.pages import frontier as pages_frontier
+from bench.lib.stats import t_quantile
 
 MANAGED = 1000
 FP32 = [2.70, 2.71, 2.72, 2.73, 2.74]  # fp32's spread: band = t(0.975, 4) * sd / sqrt(5)
 
 
 def _run(opt: str, arm: str, seed: int, bpb: float, bits: float = 32.0) -> dict:
-    """A record as bench.convergence writes it; unmanaged gradient: 500 fp32 elements."""
+    """A record as bench.convergence.runner writes it; unmanaged gradient: 500 fp32 elements."""
     base = 4.0 * (MANAGED + 500)
     wire = 4.0 * 500 + bits * MANAGED / 8.0
     rec = {"optimizer": opt, "arm": arm, "seed": seed, "path": "reduce-scatter", "world": 2, "steps": 120,
@@ -203,11 +204,11 @@ def test_techniques_pair_each_arm_with_the_arm_it_modifies(tmp_path):
 
 def test_recipes_are_the_committed_frontiers_fewest_bits():
     """`adamw-int3` and `muon-int2-leaky-ef` name the configuration the README's frontier
-    headline recommends per optimizer (the committed `bench/results/frontier.json`): a re-run
+    headline recommends per optimizer (the committed `bench/results/convergence/frontier.json`): a re-run
     that moves the frontier fails here until the recipe follows."""
     import json
 
-    from bench.pages_frontier import FRONTIER, best_arms, config_kwargs
+    from bench.pages.frontier import FRONTIER, best_arms, config_kwargs
     from gift_compile.recipes import RECIPES, recipe, recipe_fields
 
     best = best_arms(json.loads(FRONTIER.read_text()))

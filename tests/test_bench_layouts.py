@@ -1,4 +1,4 @@
-"""`bench.layouts` records a run that fails without GIFT's refusal as a failed row with its
+"""`bench.cluster.layouts` records a run that fails without GIFT's refusal as a failed row with its
 error (the layout table on docs/benchmarks.md shows it), so the error must be the one that
 stopped the run: the first exception any rank printed, not torchrun's wrapper around it."""
 
@@ -11,10 +11,10 @@ from conftest import require
 
 require("torchtitan", "torchtitan extra not installed")
 
-from bench.layout_table import SUITE, planned  # noqa: E402
-from bench.layouts import failure, refusal, replica_only  # noqa: E402
+from bench.cluster.layout_table import SUITE, planned  # noqa: E402
+from bench.cluster.layouts import failure, refusal, replica_only  # noqa: E402
 from gift_compile.torchtitan_ext.hooks import REFUSAL  # noqa: E402
-from gift_compile.torchtitan_ext.runs import RunResult  # noqa: E402
+from gift_compile.torchtitan_ext.cpu.runs import RunResult  # noqa: E402
 
 
 def _run(output: str) -> RunResult:
@@ -64,7 +64,7 @@ def test_every_suite_test_the_layout_table_names_exists() -> None:
 
 
 def test_a_resume_that_differs_says_whether_gift_off_differs_too() -> None:
-    from bench.pages_layouts import _kill_resume
+    from bench.pages.layouts import _kill_resume
 
     base = {"bit_identical": False, "differing_tensors": 268, "replayed_steps": [4, 5, 6], "max_abs_loss_diff": 3.8e-6,
             "trained_tensors_compared": 758}

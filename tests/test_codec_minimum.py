@@ -1,12 +1,12 @@
-"""bench.codec_minimum: the minimum traffic of a codec body, by hand for one case, and the
+"""bench.fidelity.codec_minimum: the minimum traffic of a codec body, by hand for one case, and the
 generated kernels of a tiny body never beating it."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.codec_minimum import measure, minimum_bytes, unfused
-from bench.settings import CodecMinimumSettings
+from bench.fidelity.codec_minimum import measure, minimum_bytes, unfused
+from bench.lib.settings import CodecMinimumSettings
 
 
 def test_euclidean_fp8_reduce_scatter_minimum_by_hand() -> None:
@@ -65,7 +65,7 @@ def _kernels(fmt: str, scaling: str, kind: str) -> list:
     """The generated kernels of a tiny 2-rank reduce-scatter body (rank 8), in schedule order."""
     import torch
 
-    from bench.overhead import codec_body, fake_group, generated_traffic
+    from bench.fidelity.overhead import codec_body, fake_group, generated_traffic
 
     with fake_group(WORLD) as group:
         body = codec_body(fmt, scaling, kind, ROWS, COLS, 8, world=WORLD, group_name=group, op="reduce_scatter",

@@ -43,6 +43,8 @@ BAD_TYPES = [
     ("ranks_per_node", -1), ("ranks_per_node", 2.0), ("ranks_per_node", "4"), ("ranks_per_node", True),
     ("intra_node_format", "fp16"), ("intra_node_format", None), ("intra_node_format", 16),
     ("recipe", 3), ("recipe", None), ("progress_every", -1), ("progress_every", 2.5), ("progress_every", "10"),
+    ("unmapped_format", None), ("unmapped_format", "int7"), ("tiny_format", "int2"), ("tiny_format", None),
+    ("excluded_format", None), ("excluded_format", "fp64"),
     ("block_size", 32.0), ("block_size", True), ("rank", True), ("rank", "8"), ("refresh_every", False), ("refresh_warmup", -1), ("refresh_warmup", 2.0),
     ("refresh_every", 10.0), ("stats_tokens", "1024"), ("min_numel", True), ("min_numel", 4096.0),
     ("min_numel", -1), ("seed", "0"), ("seed", True), ("seed", 1.5), ("seed", 2**70), ("seed", 2**63),

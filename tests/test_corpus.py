@@ -1,4 +1,4 @@
-"""Tests of gift_compile.torchtitan_ext.corpus: split, cleaning, tokenizer, batches, bits per byte.
+"""Tests of gift_compile.torchtitan_ext.cpu.corpus: split, cleaning, tokenizer, batches, bits per byte.
 
 The corpus is prepared once in the default cache (``$GIFT_CACHE_DIR`` or
 ``~/.cache/gift_compile``); the first run trains the tokenizer (a few seconds), later runs reuse
@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-from gift_compile.torchtitan_ext import corpus, language_modeling
-from bench.tiny_llama import TinyLlama, TinyLlamaConfig, loss
+from gift_compile.torchtitan_ext.cpu import corpus, language_modeling
+from bench.lib.tiny_llama import TinyLlama, TinyLlamaConfig, loss
 from conftest import require, require_data_package
 
 require("tokenizers", "torchtitan extra not installed")

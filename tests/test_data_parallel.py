@@ -21,9 +21,10 @@ from gift_compile.config import GiftConfig
 from gift_compile.exchange.collectives import bucket_wire_bytes
 from gift_compile.exchange.plan import BucketPlan, ItemPlan
 from multirank import run_ranks
-from mlp import MLP as _MLP
+from mlp import EXACT_OUTSIDE, MLP as _MLP
 
-CFG = dict(format="fp8_e4m3", geometry="lowrank", min_numel=1024, rank=8, refresh_every=2, select="all", exclude=())
+CFG = dict(format="fp8_e4m3", geometry="lowrank", min_numel=1024, rank=8, refresh_every=2, select="all", exclude=(),
+           **EXACT_OUTSIDE)
 
 
 def MLP() -> nn.Module:

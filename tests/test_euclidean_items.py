@@ -4,7 +4,9 @@
 `world` ranks, a grouped expert weight `[experts, out, in]`, is one item `[experts x out, in]` at
 the state's format (or its `layer_formats` entry), with no map and none of a layer's runtime
 tensors, and error feedback where the caller keeps a residual for it, which the state then
-checkpoints; anything else goes raw (None)."""
+checkpoints. The same rule carries every gradient outside the layers (embedding, head, norms):
+tiny ones at `tiny_format`, the rest at `unmapped_format`; raw (None) only where the config
+opts out."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import pytest
 import torch
 
 from gift_compile.codec import residual as residual_store
-from gift_compile.config import GiftConfig
+from gift_compile.config import GiftConfig, GiftConfigError
 from gift_compile.exchange.plan import Collective
 from gift_compile.frameworks.euclidean import euclidean_plan
 from gift_compile.geometry.table import IDENTITY_KIND
@@ -48,15 +50,55 @@ def test_layer_formats_apply_to_the_expert_items(state: GiftState) -> None:
     assert plan is not None and plan.format == "fp8_e4m3"
 
 
-@pytest.mark.parametrize("shape, name, why", [
-    ((), "blocks.1.experts.w1_EFD", "sharded on another dim: no dim-0 rows to split (FSDP2 passes no shape)"),
-    ((2048,), "blocks.1.experts.bias", "one dim"),
-    ((2, 32, 32), "blocks.1.experts.w1_EFD", "2048 elements, under min_numel 4096"),
-    ((3, 64, 32), "blocks.1.experts.w1_EFD", "3 experts do not split over 2 ranks"),
-    ((4, 64, 32), "tok_embeddings.w", "excluded by the default globs"),
+@pytest.mark.parametrize("shape, name, expected, logged, why", [
+    ((2048,), "blocks.1.experts.bias", ("bf16", 2048, 1), False, "one dim: tiny, at tiny_format"),
+    ((2, 32, 32), "blocks.1.experts.w1_EFD", ("bf16", 2048, 1), False, "2048 elements, under min_numel 4096: tiny"),
+    ((3, 64, 32), "blocks.1.experts.w1_EFD", ("bf16", 6144, 1), True, "3 experts do not split over 2 ranks"),
+    ((4, 64, 32), "tok_embeddings.w", ("bf16", 256, 32), False, "excluded from the map: at excluded_format"),
+    ((4, 64, 32), "blocks.1.experts.w1_EFD", ("nvfp4", 256, 32), False, "not excluded: at unmapped_format (format)"),
+    ((4096, 2), "blocks.1.experts.narrow", ("bf16", 8192, 1), True, "2 columns in a 16-element block: codes cost more"),
 ])
-def test_what_cannot_go_as_an_item_goes_raw(state: GiftState, shape: tuple[int, ...], name: str, why: str) -> None:
-    assert euclidean_plan(state, name, shape, world=2) is None, why
+def test_what_cannot_go_as_codes_goes_at_tiny_format(state: GiftState, shape: tuple[int, ...], name: str,
+                                                    expected: tuple[str, int, int], logged: bool, why: str,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """The one rule for gradients outside the layers: every gradient crosses in a low-bit or
+    16-bit format; tiny ones (and those codes cannot carry) as a `[numel, 1]` bf16 item, with no
+    error feedback (the 16-bit rounding is below the codes' noise); a fallback from the
+    configured format is logged naming the parameter."""
+    with caplog.at_level("WARNING", logger="gift_compile"):
+        plan = euclidean_plan(state, name, shape, world=2, error_feedback=True)
+    assert plan is not None and (plan.format, plan.rows, plan.cols) == expected, why
+    assert plan.kind == IDENTITY_KIND and plan.n_tensors == 0
+    assert plan.error_feedback == (plan.format != "bf16") and not plan.block_rotation
+    assert (name in caplog.text) == logged, caplog.text
+
+
+def test_a_shard_on_another_dim_goes_raw(state: GiftState) -> None:
+    # FSDP2 passes no shape for a parameter sharded on another dim than 0: no rows to split
+    assert euclidean_plan(state, "blocks.1.experts.w1_EFD", (), world=2) is None
+
+
+@pytest.mark.parametrize("opt_out", ["unmapped_format", "excluded_format", "tiny_format"])
+def test_the_opt_outs_send_their_class_raw(opt_out: str) -> None:
+    config = GiftConfig(format="int2", block_size=32, geometry="lowrank", min_numel=4096, **{opt_out: "fp32"})
+    st = GiftState(config, None, collective=Collective.REDUCE_SCATTER)
+    plans = {"unmapped_format": euclidean_plan(st, "layers.0.tied.weight", (4096, 64), world=2),
+             "excluded_format": euclidean_plan(st, "tok_embeddings.weight", (4096, 64), world=2),
+             "tiny_format": euclidean_plan(st, "norm.weight", (64,), world=2)}
+    assert {field for field, plan in plans.items() if plan is None} == {opt_out}
+    defaults = {"unmapped_format": "int2", "excluded_format": "bf16", "tiny_format": "bf16"}
+    assert all(plan.format == defaults[field] for field, plan in plans.items() if plan is not None)
+
+
+@pytest.mark.parametrize("field, value, allowed", [
+    ("unmapped_format", "int7", "fp32: the opt-out"), ("unmapped_format", 2, "same"),
+    ("excluded_format", "int7", "fp32: the opt-out"),
+    ("tiny_format", "int2", "bf16, fp32"), ("tiny_format", "same", "bf16, fp32"),
+])
+def test_the_formats_outside_the_layers_are_validated(field: str, value: object, allowed: str) -> None:
+    with pytest.raises(GiftConfigError, match=allowed) as err:
+        GiftConfig(**{field: value})
+    assert err.value.field == field
 
 
 def test_error_feedback_where_the_caller_keeps_the_residual(state: GiftState) -> None:

@@ -22,7 +22,7 @@ ALL = [("fp32", "row", 32), ("bf16", "row", 32),
        ("ternary", "row", 16), ("ternary", "row", 32)]
 LOSSY = [c for c in ALL if c[0] != "fp32"]
 # Relative L2 error of one round trip of standard Gaussian data (256 x 1024, seed 0):
-# (lo, hi) around the measured value (docs/design.md, the formats table of bench.pages.formats).
+# (lo, hi) around the measured value (docs/design.md, the formats table of bench.pages.blocks.formats).
 LEVELS = {
     ("bf16", 32): (0.001, 0.003), ("fp8_e4m3", 32): (0.024, 0.029), ("fp8_e4m3", 16): (0.024, 0.029),
     ("fp8_e5m2", 32): (0.049, 0.057), ("fp8_e5m2", 16): (0.049, 0.057), ("mxfp8", 32): (0.026, 0.034),

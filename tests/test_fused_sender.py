@@ -215,7 +215,7 @@ def _sender_ops(item: ItemPlan, rank: int = 4) -> list[str]:
 
 def test_the_fused_sender_traces_as_its_operators() -> None:
     """Traced as the FX pass traces it (`make_fx` on fake CUDA tensors), a low-rank item's
-    sender is the four operators, which Inductor keeps as kernels (`bench.kernel_traffic` counts
+    sender is the four operators, which Inductor keeps as kernels (`bench.fidelity.kernel_traffic` counts
     their bytes from these nodes)."""
     item = ItemPlan(name="w", rows=8, cols=40, format="int4", kind="lowrank", n_tensors=5)
     p = BucketPlan((item,), 2, None, True, "all_reduce")
@@ -351,7 +351,7 @@ def test_encode_lowrank_is_the_map_then_the_fp8_kernel_codec(fmt: str, scaling: 
 def test_the_fused_fp8_sender_traces_as_its_operators() -> None:
     """Traced as the FX pass traces it, a low-rank item of the default format (fp8_e4m3, row
     scaling) sends through three operators: the projection, the fused scales, the fused encode
-    (no expansion written; `bench.kernel_traffic` counts their bytes from these nodes)."""
+    (no expansion written; `bench.fidelity.kernel_traffic` counts their bytes from these nodes)."""
     item = ItemPlan(name="w", rows=8, cols=40, format="fp8_e4m3", kind="lowrank", n_tensors=5)
     p = BucketPlan((item,), 2, None, True, "all_reduce")
     mode = FakeTensorMode()

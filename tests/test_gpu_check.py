@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import gpu_check
+from bench.gpu import check as gpu_check
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +193,7 @@ def test_gift_bodies_count_the_map_kernels_on_both_sides_and_no_matmul_outside_t
     decode, and no torch matmul is left outside the kernels (`measure` raises on one). Over the
     Euclidean send side that costs exactly the projection's read of G and the map's small
     operands (basis, projection, diagonals, coefficients) as each kernel reads or writes them."""
-    from bench import kernel_traffic
+    from bench.fidelity import kernel_traffic
 
     rows, cols, r = 64, 192, 8
     euclid = kernel_traffic.measure("nvfp4", "reduce_scatter", rows, cols)
@@ -216,18 +216,18 @@ def test_gift_bodies_count_the_map_kernels_on_both_sides_and_no_matmul_outside_t
 
 
 def test_kernel_traffic_block_judges_each_map_against_the_goal_from_the_results(tmp_path: Path) -> None:
-    from bench import kernel_traffic
+    from bench.fidelity import kernel_traffic
 
     def body(kind: str, ratio: float) -> dict:
         return {"rows": 8, "cols": 8, "format": "nvfp4", "op": "reduce_scatter", "map": kind,
                 "kernel_bytes_per_element": 10 * ratio, "floor_bytes_per_element": 10.0, "kernel_over_floor": ratio}
 
     path = tmp_path / "kernel_traffic.json"
-    path.write_text(json.dumps({"command": "python -m bench.kernel_traffic", "world": 8, "rank": 32,
+    path.write_text(json.dumps({"command": "python -m bench.fidelity.kernel_traffic", "world": 8, "rank": 32,
                                 "results": [body("identity", 1.05), body("lowrank", 1.2), body("lowrank", 1.25)]}))
     text = kernel_traffic.block(path=path)
     assert "identity bodies at most 1.05x their floor (within 1.3x); lowrank bodies at most 1.25x" in text
-    path.write_text(json.dumps({"command": "python -m bench.kernel_traffic", "world": 8, "rank": 32,
+    path.write_text(json.dumps({"command": "python -m bench.fidelity.kernel_traffic", "world": 8, "rank": 32,
                                 "results": [body("identity", 1.05), body("lowrank", 1.5)]}))
     assert "lowrank bodies at most 1.50x their floor (above 1.3x)" in kernel_traffic.block(path=path)
 
@@ -235,7 +235,7 @@ def test_kernel_traffic_block_judges_each_map_against_the_goal_from_the_results(
 def test_kernel_traffic_carries_each_bodys_bytes_before_the_fused_sender(tmp_path: Path) -> None:
     """`carry_before`: a body's `before_fused_sender` is the replaced results file's own where it
     has one (kept across re-runs), else that file's kernel bytes; the block then shows both."""
-    from bench import kernel_traffic
+    from bench.fidelity import kernel_traffic
 
     def body(kind: str, kernel: float, **extra: float) -> dict:
         return {"rows": 8, "cols": 8, "format": "nvfp4", "op": "reduce_scatter", "map": kind, "rank": 4, "world": 8,
@@ -247,7 +247,7 @@ def test_kernel_traffic_carries_each_bodys_bytes_before_the_fused_sender(tmp_pat
     new = [body("identity", 10.5), body("lowrank", 11.0)]
     kernel_traffic.carry_before(new, path)
     assert [r[kernel_traffic.BEFORE] for r in new] == [10.5, 15.0]
-    path.write_text(json.dumps({"command": "python -m bench.kernel_traffic", "world": 8, "rank": 4, "results": new}))
+    path.write_text(json.dumps({"command": "python -m bench.fidelity.kernel_traffic", "world": 8, "rank": 4, "results": new}))
     again = [body("identity", 10.5), body("lowrank", 11.0)]
     kernel_traffic.carry_before(again, path)
     assert [r[kernel_traffic.BEFORE] for r in again] == [10.5, 15.0]

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from mlp import EXACT_OUTSIDE
 from multirank import run_ranks
 
 # (format, replica_format, geometry, error_feedback): each hop alone quantized, both, both exact,
@@ -53,7 +54,7 @@ def _hsdp_worker(rank: int, world: int) -> list[dict]:
         fully_shard(model.up, mesh=mesh["shard"])
         fully_shard([model.norm, model.down], mesh=mesh["shard"])
         fully_shard(model, mesh=mesh["shard"])
-        config = GiftConfig(format=fmt, replica_format=replica_fmt, geometry=geometry, select="all",
+        config = GiftConfig(**EXACT_OUTSIDE, format=fmt, replica_format=replica_fmt, geometry=geometry, select="all",
                             min_numel=1024, exclude=(), reduce_op="sum", error_feedback=error_feedback)
         state = manage(model, config, dist.group.WORLD, mode="stats", split_rows=True)
         fsdp2.install(model, state, compiled=False)
@@ -98,7 +99,7 @@ def _refusals(rank: int, mesh, replica_group) -> list[str]:
     from gift_compile.config import GiftConfig
 
     errors = []
-    config = GiftConfig(format="fp8_e4m3", geometry="none", min_numel=1024, exclude=(), reduce_op="sum")
+    config = GiftConfig(**EXACT_OUTSIDE, format="fp8_e4m3", geometry="none", min_numel=1024, exclude=(), reduce_op="sum")
     for native, seed in ((True, 0), (False, rank // 2)):  # replica rank differs: rank // 2 seeds differ
         torch.manual_seed(seed)
         model = _Net()
@@ -197,7 +198,7 @@ def _one_shard_worker(rank: int, world: int) -> dict:
     local_ref = reference.up.weight.grad
     twice = float((plain.up.weight.grad.full_tensor() - local_ref / 4).norm() / local_ref.norm())
 
-    config = GiftConfig(format="fp8_e4m3", geometry="lowrank", select="auto", refresh_every=1, min_numel=1024,
+    config = GiftConfig(**EXACT_OUTSIDE, format="fp8_e4m3", geometry="lowrank", select="auto", refresh_every=1, min_numel=1024,
                         exclude=(), error_feedback=True)
     reference, model = build(None)
     state = manage(model, config, dist.group.WORLD, mode="stats", split_rows=True)
@@ -217,7 +218,7 @@ def _one_shard_worker(rank: int, world: int) -> dict:
     refusals = []
     for kwargs, factor in (({"replica_format": "int4"}, None), ({}, 2.0)):
         _, other = build(None, factor)
-        other_state = manage(other, GiftConfig(geometry="lowrank", min_numel=1024, exclude=(), **kwargs),
+        other_state = manage(other, GiftConfig(**EXACT_OUTSIDE, geometry="lowrank", min_numel=1024, exclude=(), **kwargs),
                              dist.group.WORLD, mode="stats", split_rows=True)
         fsdp2.install(other, other_state, compiled=False)
         try:
@@ -229,7 +230,7 @@ def _one_shard_worker(rank: int, world: int) -> dict:
 
     _, alone = build(None)
     try:
-        gift_compile.apply(alone, GiftConfig(min_numel=1024, exclude=()))
+        gift_compile.apply(alone, GiftConfig(**EXACT_OUTSIDE, min_numel=1024, exclude=()))
         refusals.append("")
     except ValueError as e:
         refusals.append(str(e))

@@ -176,10 +176,10 @@ def test_decode_and_sum_over_senders_match_the_reference(fmt: str, block: int) -
     assert same_bits(each, ref)
     assert torch.isnan(each[1]).all() and not torch.isnan(each[0]).any()
     assert same_bits(ops.decode(*args, True, False).cpu(), ref.sum(dim=0))
-    assert same_bits(ops.decode(*args, True, True).cpu(), ref.sum(dim=0) / 3)
+    assert same_bits(ops.decode(*args, True, True).cpu(), (ref / 3).sum(dim=0))  # each sender's share first
     finite = ops.decode(p[[0, 2]].to(DEVICE), s[[0, 2]].to(DEVICE), ts[[0, 2]].to(DEVICE), fmt, block, cols,
                         True, True).cpu()
-    assert same_bits(finite, ref[[0, 2]].sum(dim=0) / 2) and torch.isfinite(finite).all()
+    assert same_bits(finite, (ref[[0, 2]] / 2).sum(dim=0)) and torch.isfinite(finite).all()
     assert (finite != 0).float().mean() > 0.3  # real values were compared, not a zero sum
 
 

@@ -204,9 +204,9 @@ def test_decode_and_sum_over_senders_match_the_reference(fmt: str, scaling: str,
     assert same_bits(each, ref)
     assert torch.isnan(each[1]).any() and not torch.isnan(each[0]).any()
     assert same_bits(_decode(p, ks, spec, cols, True), ref.sum(dim=0))
-    assert same_bits(_decode(p, ks, spec, cols, True, True), ref.sum(dim=0) / 3)
+    assert same_bits(_decode(p, ks, spec, cols, True, True), (ref / 3).sum(dim=0))  # each sender's share first
     finite = _decode(p[[0, 2]], ks[[0, 2]], spec, cols, True, True)
-    assert same_bits(finite, ref[[0, 2]].sum(dim=0) / 2) and torch.isfinite(finite).all()
+    assert same_bits(finite, (ref[[0, 2]] / 2).sum(dim=0)) and torch.isfinite(finite).all()
     assert (finite != 0).float().mean() > 0.3  # real values were compared, not a zero sum
 
 

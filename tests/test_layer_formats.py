@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import gift_compile
-from bench.bit_allocation import allocate
+from bench.convergence.bit_allocation import allocate
 from gift_compile.config import GiftConfig, GiftConfigError
 from mlp import MLP as _MLP
 from multirank import run_ranks

@@ -1,4 +1,4 @@
-"""`bench.map_precision`'s emulation of the tensor-core map: the operand rounding and its error size.
+"""`bench.fidelity.map_precision`'s emulation of the tensor-core map: the operand rounding and its error size.
 
 The bench's numbers (what TF32 / bf16 operands do to the codec's error) are only as good as
 its emulation, so: the mantissa rounding is round-to-nearest-even at the right width (bf16's
@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.map_emulation import emulated_map, round_mantissa
-from bench.map_precision import maps
+from bench.fidelity.map_emulation import emulated_map, round_mantissa
+from bench.fidelity.map_precision import maps
 from gift_compile.geometry.maps import LowRank
 
 
@@ -71,7 +71,7 @@ def test_the_block_resolves_a_difference_only_after_the_family_wise_correction(t
     table (Holm needs p <= 0.005 for the smallest); one at p = 1e-6 is."""
     import json
 
-    from bench.map_precision import block
+    from bench.fidelity.map_precision import block
 
     def diff(mean: float, p: float) -> dict:
         return {"mean": mean, "std": 1.0, "n": 56, "ci95": 0.5 * abs(mean), "mde80": 0.0, "p": p, "resolved": p < 0.05}
@@ -80,7 +80,7 @@ def test_the_block_resolves_a_difference_only_after_the_family_wise_correction(t
               "bf16": {"mean": 0.11, "minus_exact": diff(1e-2, 0.04)}}
     summary = {"map_forward": {**metric, "bf16": {"mean": 1e-3, "minus_exact": diff(1e-3, 1e-6)}},
                "map_round_trip": metric, "nvfp4": metric, "int4": metric, "int2": metric}
-    results = {"command": "python -m bench.map_precision", "mantissa_bits": {"tf32": 10, "bf16": 7}, "layers": 28,
+    results = {"command": "python -m bench.fidelity.map_precision", "mantissa_bits": {"tf32": 10, "bf16": 7}, "layers": 28,
                "batches": 2, "widths": [192, 512], "rank": 32, "formats": [["nvfp4", "nvfp4", 16], ["int4", "int4", 32], ["int2", "int2", 32]],
                "summary": summary}
     path = tmp_path / "map_precision.json"

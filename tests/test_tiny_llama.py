@@ -1,4 +1,4 @@
-"""Tests of bench.tiny_llama: naming, init determinism, causality, one fullgraph compile."""
+"""Tests of bench.lib.tiny_llama: naming, init determinism, causality, one fullgraph compile."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from bench.tiny_llama import TinyLlama, TinyLlamaConfig, loss
+from bench.lib.tiny_llama import TinyLlama, TinyLlamaConfig, loss
 
 
 def test_parameter_names_follow_llama_fqns() -> None:

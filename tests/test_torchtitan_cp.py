@@ -30,7 +30,7 @@ from multirank import run_ranks
 require("torchtitan", "torchtitan extra not installed")
 
 from gift_compile.torchtitan_ext.hooks import REFUSAL, data_parallel_group  # noqa: E402
-from gift_compile.torchtitan_ext.runs import RunResult, seed_checkpoint, shared_runs  # noqa: E402
+from gift_compile.torchtitan_ext.cpu.runs import RunResult, seed_checkpoint, shared_runs  # noqa: E402
 from torchtitan_checks import assert_tracks_gift_off, logged_steps  # noqa: E402
 
 STEPS = 4
@@ -163,7 +163,7 @@ def _ring_attention(rank: int, world: int) -> dict[str, float]:
         _HeadTailLoadBalancer,
     )
 
-    from gift_compile.torchtitan_ext import cpu_compat
+    from gift_compile.torchtitan_ext.cpu import cpu_compat
 
     cpu_compat.activate()
     _enable_context_parallel_dispatcher()  # what torchtitan's apply_cp_to_forward calls

@@ -42,8 +42,8 @@ from conftest import require
 require("torchtitan", "torchtitan extra not installed")
 
 from gift_compile.torchtitan_ext.hooks import REFUSAL  # noqa: E402
-from gift_compile.torchtitan_ext.runs import RunResult, seed_checkpoint, shared_runs  # noqa: E402
-from gift_compile.torchtitan_ext.kill_resume import checkpoint_tensors  # noqa: E402
+from gift_compile.torchtitan_ext.cpu.runs import RunResult, seed_checkpoint, shared_runs  # noqa: E402
+from gift_compile.torchtitan_ext.cpu.kill_resume import checkpoint_tensors  # noqa: E402
 from torchtitan_checks import assert_tracks_gift_off  # noqa: E402
 
 STEPS = 3

@@ -6,7 +6,7 @@ that layer's own plan (its format, error feedback and gradient probe: there is n
 as on any torch.compile'd DDP-style graph. Three runs, same seed, init and data: GIFT at nvfp4 (a
 refresh after step 2), GIFT at fp32 (every item raw: must reproduce GIFT off's losses exactly)
 and GIFT off. The FSDP2 trainer's DDP (HSDP with one shard: GIFT's replica hop is the only one)
-is a row of `bench.layouts`. Measured 2026-12-05 on 2 cores shared with other jobs: 70 s per run
+is a row of `bench.cluster.layouts`. Measured 2026-12-05 on 2 cores shared with other jobs: 70 s per run
 at load 15-20 (``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_torchtitan_ddp.py``).
 """
 
@@ -25,7 +25,7 @@ from gift_compile.config import GiftConfig  # noqa: E402
 from gift_compile.exchange.accounting import HEADER_BYTES  # noqa: E402
 from gift_compile.torchtitan_ext.hooks import REFUSAL  # noqa: E402
 from gift_compile.torchtitan_ext.hsdp import check_replicate_only  # noqa: E402
-from gift_compile.torchtitan_ext.runs import RunResult, shared_runs  # noqa: E402
+from gift_compile.torchtitan_ext.cpu.runs import RunResult, shared_runs  # noqa: E402
 from torchtitan_checks import assert_tracks_gift_off, logged_steps  # noqa: E402
 
 STEPS = 3

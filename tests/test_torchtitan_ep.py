@@ -1,7 +1,7 @@
 """Expert parallelism with GIFT on the stock FSDP2 trainer, 4 gloo ranks (FSDP 4, EP 2).
 
 The ``gift_moe_debug`` DeepSeek-V3 MoE (one dense block, two MoE blocks of 4 grouped-GEMM routed
-experts, top-2, and a shared expert; see `gift_compile.torchtitan_ext.models`) under torchtitan's
+experts, top-2, and a shared expert; see `gift_compile.torchtitan_ext.cpu.models`) under torchtitan's
 ``apply_fsdp_to_decoder`` with EP 2: every MoE block is one FSDP module with two parameter groups,
 the routed experts on the 2-rank ``efsdp`` mesh, the rest (attention, router and shared expert)
 on the 4-rank ``fsdp`` mesh. GIFT's reduce-scatter goes on the fsdp group of each MoE block (and
@@ -40,9 +40,9 @@ from conftest import require
 require("torchtitan", "torchtitan extra not installed")
 
 from gift_compile.torchtitan_ext.hooks import REFUSAL  # noqa: E402
-from gift_compile.torchtitan_ext.kill_resume import checkpoint_tensors  # noqa: E402
-from gift_compile.torchtitan_ext.models import MOE_FLAVORS  # noqa: E402
-from gift_compile.torchtitan_ext.runs import RunResult, shared_runs  # noqa: E402
+from gift_compile.torchtitan_ext.cpu.kill_resume import checkpoint_tensors  # noqa: E402
+from gift_compile.torchtitan_ext.cpu.models import MOE_FLAVORS  # noqa: E402
+from gift_compile.torchtitan_ext.cpu.runs import RunResult, shared_runs  # noqa: E402
 from torchtitan_checks import assert_expert_residuals_checkpointed, assert_tracks_gift_off, logged_steps  # noqa: E402
 
 STEPS = 3

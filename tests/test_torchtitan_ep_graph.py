@@ -1,6 +1,6 @@
 """Expert parallelism with GIFT on torchtitan's graph_trainer, 4 gloo ranks (FSDP 4, EP 2).
 
-The ``gift_moe_debug`` DeepSeek-V3 MoE (see `gift_compile.torchtitan_ext.models`) under graph_trainer's
+The ``gift_moe_debug`` DeepSeek-V3 MoE (see `gift_compile.torchtitan_ext.cpu.models`) under graph_trainer's
 ``apply_simple_fsdp`` with EP 2: the routed experts (grouped-GEMM 3-D weights) are wrapped on the
 2-rank ``efsdp`` mesh, everything else on the 4-rank ``fsdp`` mesh. The GIFT pass rewrites the
 fsdp-mesh bucketed reduce-scatters that carry the marked dense linears (attention, shared experts,
@@ -20,7 +20,7 @@ accounting, the experts' bytes at least 80% fewer than their fp32 bytes, a round
 losses within the 2-rank tests' tolerance of GIFT off); fp32 must reproduce GIFT off's losses
 exactly. A fifth run, EP x TP (dp_shard 2 x tp 2, EP 2) at nvfp4: the experts' efsdp group then
 holds the same ranks as GIFT's fsdp group but is another mesh, and its reduce-scatters must be
-rewritten as well (its losses against GIFT off are a row of `bench.layouts`). Three more, EP x HSDP
+rewritten as well (its losses against GIFT off are a row of `bench.cluster.layouts`). Three more, EP x HSDP
 (dp_replicate 2 x dp_shard 2, EP 2: efsdp has one rank, so SimpleFSDP traces no reduce-scatter
 for the experts, only their all-reduce over dp_replicate) at nvfp4, fp32 and GIFT off, with the
 default ``--gift.unrewritten error``: nothing is refused, the pass makes each expert weight's
@@ -47,8 +47,8 @@ from torch.distributed.tensor import Replicate, Shard  # noqa: E402
 
 from gift_compile.frameworks.simple_fsdp import OutsideGroup, _why_not_carried, refuse_outside  # noqa: E402
 from gift_compile.torchtitan_ext.hooks import REFUSAL  # noqa: E402
-from gift_compile.torchtitan_ext.models import MOE_FLAVORS  # noqa: E402
-from gift_compile.torchtitan_ext.runs import RunResult, shared_runs  # noqa: E402
+from gift_compile.torchtitan_ext.cpu.models import MOE_FLAVORS  # noqa: E402
+from gift_compile.torchtitan_ext.cpu.runs import RunResult, shared_runs  # noqa: E402
 from torchtitan_checks import assert_expert_residuals_checkpointed, assert_tracks_gift_off, logged_steps  # noqa: E402
 
 STEPS = 3

@@ -36,7 +36,7 @@ from conftest import require
 
 require("torchtitan", "torchtitan extra not installed")
 
-from gift_compile.torchtitan_ext.runs import RunResult, shared_runs  # noqa: E402
+from gift_compile.torchtitan_ext.cpu.runs import RunResult, shared_runs  # noqa: E402
 from gift_compile.torchtitan_ext.hooks import REFUSAL  # noqa: E402
 from test_torchtitan_ep import (GIFT, STEPS, TOLERANCE, _assert_experts_on_gift, _assert_experts_whitened,  # noqa: E402
                                 _elements)

@@ -24,7 +24,7 @@ from conftest import require
 require("torchtitan", "torchtitan extra not installed")
 
 from gift_compile.torchtitan_ext.hooks import REFUSAL, data_parallel_group  # noqa: E402
-from gift_compile.torchtitan_ext.runs import RunResult, shared_runs  # noqa: E402
+from gift_compile.torchtitan_ext.cpu.runs import RunResult, shared_runs  # noqa: E402
 
 STEPS = 3
 HSDP = ["--parallelism.data-parallel-replicate-degree=2", "--parallelism.data-parallel-shard-degree=2",
@@ -135,7 +135,7 @@ def test_shard_only_mesh_follows_the_final_gift_enable(flag: str, shard_only: bo
 
     from gift_compile.torchtitan_ext.hsdp import ShardOnlyDims, shard_only_parallelize
 
-    config = ConfigManager().parse_args(["--module", "gift_compile.torchtitan_ext", "--config",
+    config = ConfigManager().parse_args(["--module", "gift_compile.torchtitan_ext.cpu", "--config",
                                          "llama3_debug_gift_fsdp2", flag])
     fn = config.model_spec.parallelize_fn
     assert fn.func is shard_only_parallelize

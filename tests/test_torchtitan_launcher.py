@@ -14,7 +14,7 @@ from conftest import require
 require("torchtitan", "torchtitan extra not installed")
 
 from gift_compile.config import GiftConfig  # noqa: E402
-from gift_compile.torchtitan_ext import cpu_compat  # noqa: E402
+from gift_compile.torchtitan_ext.cpu import cpu_compat  # noqa: E402
 
 cpu_compat.activate()
 
@@ -40,7 +40,7 @@ def _write(tmp_path: Path, text: str) -> str:
 def test_toml_keys_map_to_torchtitan_options_and_cli_wins() -> None:
     plan = build_plan(str(GIFT_TOML), ["--gift.format", "fp8_e5m2", "--training.steps=5", "--gift.no-enable"], None)
     assert plan.nproc == 2
-    assert plan.args[:4] == ["--module", "gift_compile.torchtitan_ext", "--config", "llama3_debug_gift_graph"]
+    assert plan.args[:4] == ["--module", "gift_compile.torchtitan_ext.cpu", "--config", "llama3_debug_gift_graph"]
     # Keys given on the command line are dropped from the TOML part, not duplicated.
     assert "--gift.enable" not in plan.args and "--training.steps" not in plan.args
     assert plan.args.count("--gift.format") == 1
@@ -60,7 +60,7 @@ def test_nested_tables_lists_and_job_overrides(tmp_path: Path) -> None:
         tmp_path,
         """
 [job]
-module = "gift_compile.torchtitan_ext"
+module = "gift_compile.torchtitan_ext.cpu"
 config = "llama3_debug_nogift_fsdp2"
 nproc = 2
 
@@ -95,20 +95,20 @@ dataset = "gift_shakespeare"
 )
 def test_unknown_keys_are_errors_naming_the_key(tmp_path: Path, body: str, message: str) -> None:
     # [job] last: top-level keys must come before the first table.
-    toml = _write(tmp_path, body + '[job]\nmodule = "gift_compile.torchtitan_ext"\nconfig = "llama3_debug_gift_fsdp2"\n')
+    toml = _write(tmp_path, body + '[job]\nmodule = "gift_compile.torchtitan_ext.cpu"\nconfig = "llama3_debug_gift_fsdp2"\n')
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         build_plan(toml, [], None)
 
 
 def test_job_section_is_checked(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown key 'job.nprocs'"):
-        build_plan(_write(tmp_path, '[job]\nmodule = "gift_compile.torchtitan_ext"\nconfig = "x"\nnprocs = 2\n'), [], None)
+        build_plan(_write(tmp_path, '[job]\nmodule = "gift_compile.torchtitan_ext.cpu"\nconfig = "x"\nnprocs = 2\n'), [], None)
     with pytest.raises(ValueError, match=r"\[job\] must name 'module' and 'config'"):
         build_plan(_write(tmp_path, "[training]\nsteps = 3\n"), [], None)
 
 
 def test_invalid_gift_value_fails_at_parse_time(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    toml = _write(tmp_path, '[job]\nmodule = "gift_compile.torchtitan_ext"\nconfig = "llama3_debug_gift_fsdp2"\n[gift]\nformat = "fp9"\n')
+    toml = _write(tmp_path, '[job]\nmodule = "gift_compile.torchtitan_ext.cpu"\nconfig = "llama3_debug_gift_fsdp2"\n[gift]\nformat = "fp9"\n')
     with pytest.raises(SystemExit):
         main(["--toml", toml, "--dry-run"])
     assert "GiftConfig.format='fp9' is invalid" in capsys.readouterr().err
@@ -147,7 +147,7 @@ def test_gift_section_covers_gift_config() -> None:
     assert GiftSection().to_gift_config().progress_every == 0
 
 
-_JOB = '[job]\nmodule = "gift_compile.torchtitan_ext"\nconfig = "llama3_debug_gift_fsdp2"\n'
+_JOB = '[job]\nmodule = "gift_compile.torchtitan_ext.cpu"\nconfig = "llama3_debug_gift_fsdp2"\n'
 
 
 @pytest.mark.parametrize(
@@ -301,14 +301,14 @@ def test_recipes_expand_in_toml_and_on_the_command_line(tmp_path: Path) -> None:
 
 
 def test_the_start_here_config_function_builds_a_gift_trainer_config() -> None:
-    """docs/torchtitan.md's "your own config function" (torchtitan's Llama-3-8B with a [gift]
+    """docs/torchtitan/start.md's "your own config function" (torchtitan's Llama-3-8B with a [gift]
     section), executed as written: GIFT's hook is bound and the recipe's fields are set."""
     from gift_compile.torchtitan_ext.job_config import GiftTrainerConfig
 
-    text = (REPO / "docs" / "torchtitan.md").read_text()
+    text = (REPO / "docs" / "torchtitan" / "start.md").read_text()
     code = re.search(r"```python\n(# my_configs\.py\n.*?)```", text, flags=re.S).group(1)
     scope: dict = {}
-    exec(compile(code, "docs/torchtitan.md:my_configs.py", "exec"), scope)
+    exec(compile(code, "docs/torchtitan/start.md:my_configs.py", "exec"), scope)
     config = scope["llama3_8b_gift"]()
     assert isinstance(config, GiftTrainerConfig) and config.training.seq_len == 8192
     assert config.gift.enable and (config.gift.format, config.gift.block_size) == ("int3", 32)
@@ -345,7 +345,7 @@ def test_a_runs_gift_warnings_are_its_troubles_not_the_apply_report() -> None:
     """Every successful `apply` logs its report at WARNING on rank 0; the layout tests that require
     a run without GIFT warnings read `RunResult.gift_warnings`, which must still see a real one."""
     from gift_compile.runtime.report import ApplyReport
-    from gift_compile.torchtitan_ext.runs import RunResult
+    from gift_compile.torchtitan_ext.cpu.runs import RunResult
 
     report = ApplyReport(path="FSDP2 custom reduce-scatter", world=4, format="nvfp4", geometry="lowrank", select="all",
                          select_metric="euclidean", managed=("a.weight",), selected=("a.weight",), first_refresh=10,
@@ -354,3 +354,23 @@ def test_a_runs_gift_warnings_are_its_troubles_not_the_apply_report() -> None:
     trouble = "[titan] 2026-12-07 01:06:50,000 - gift_compile - WARNING - GIFT: layers.0.w1 goes at full precision"
     assert RunResult([], 0, "\n".join([header, "ok"]), 1.0).gift_warnings() == []
     assert RunResult([], 0, "\n".join([header, trouble]), 1.0).gift_warnings() == [trouble]
+
+
+def test_the_cpu_stand_in_registers_its_adjustments_with_the_integration() -> None:
+    """The integration never imports `cpu_compat`: activated (above, on this CPU box), it has
+    registered FSDP2's sum reduction and the attention-saving pass edit with `platform_hooks`,
+    which the hooks and the `gift` pass pipeline call."""
+    from gift_compile.torchtitan_ext import platform_hooks
+
+    assert cpu_compat.is_active()
+    assert platform_hooks._AFTER_FSDP2 == [cpu_compat.after_fsdp2]
+
+    def first_pass(gm: Any) -> Any:
+        return gm
+
+    def selective_activation_remat_pass(gm: Any) -> Any:
+        return gm
+
+    edited = platform_hooks.edit_graph_passes([first_pass, selective_activation_remat_pass])
+    assert edited == [first_pass, cpu_compat.save_deterministic_sdpa_pass, selective_activation_remat_pass]
+    assert platform_hooks.edit_graph_passes([first_pass]) == [first_pass]  # no remat pass: unchanged

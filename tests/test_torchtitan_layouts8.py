@@ -10,7 +10,7 @@ PP each stage manages its own layers; every hop hands its collective exactly the
 account for; nvfp4 quantizes (round-trip error > 0, fewer bytes than fp32, losses moved) and
 stays within the 2-rank tests' loss tolerance of GIFT off; fp32 reproduces GIFT off's losses
 exactly. graph_trainer's HSDP x TP run (~4 min: it traces and compiles the step) and every
-row's numbers are in `bench.layouts` (bench/results/layouts.json).
+row's numbers are in `bench.cluster.layouts` (bench/results/cluster/layouts.json).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from conftest import require
 require("torchtitan", "torchtitan extra not installed")
 
 from gift_compile.torchtitan_ext.hooks import REFUSAL  # noqa: E402
-from gift_compile.torchtitan_ext.runs import RunResult, shared_runs  # noqa: E402
+from gift_compile.torchtitan_ext.cpu.runs import RunResult, shared_runs  # noqa: E402
 from torchtitan_checks import assert_tracks_gift_off  # noqa: E402
 
 STEPS = 3

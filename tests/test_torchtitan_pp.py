@@ -36,7 +36,7 @@ require("torchtitan", "torchtitan extra not installed")
 from gift_compile.config import GiftConfig  # noqa: E402
 from gift_compile.frameworks.routing import manage, statistics_paused  # noqa: E402
 from gift_compile.torchtitan_ext.hooks import REFUSAL, data_parallel_group  # noqa: E402
-from gift_compile.torchtitan_ext.runs import RunResult, config_command, run_env, shared_runs  # noqa: E402
+from gift_compile.torchtitan_ext.cpu.runs import RunResult, config_command, run_env, shared_runs  # noqa: E402
 
 STEPS = 3
 PP = ["--parallelism.pipeline-parallel-degree=2", "--parallelism.data-parallel-shard-degree=2",

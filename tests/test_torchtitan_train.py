@@ -31,14 +31,14 @@ require("torchtitan", "torchtitan extra not installed")
 
 import torch  # noqa: E402
 
-from gift_compile.torchtitan_ext.demo import (  # noqa: E402
+from gift_compile.torchtitan_ext.cpu.demo import (  # noqa: E402
     closer_to_fp32,
     last_measured_refresh,
     resolved_choices,
     selected_errors,
 )
-from gift_compile.torchtitan_ext.kill_resume import KillResume, checkpoint_tensors, kill_and_resume  # noqa: E402
-from gift_compile.torchtitan_ext.runs import RunResult, run_config  # noqa: E402
+from gift_compile.torchtitan_ext.cpu.kill_resume import KillResume, checkpoint_tensors, kill_and_resume  # noqa: E402
+from gift_compile.torchtitan_ext.cpu.runs import RunResult, run_config  # noqa: E402
 
 STEPS = 6
 COMMON = ["--validator.no-enable", f"--training.steps={STEPS}", "--gift.refresh-every=3"]
@@ -224,7 +224,7 @@ def test_resume_restores_gift_state(config: str, tmp_path: Path) -> None:
     # resumes from the step-3 checkpoint and ends with the uninterrupted run's parameters,
     # optimizer and GIFT state, bit for bit. (torchrun's in-place restart, --max-restarts=1,
     # cannot be used on gloo here: the restarted workers read the killed attempt's gloo
-    # addresses from the agent's store and fail in connectFullMesh; see docs/torchtitan.md.)
+    # addresses from the agent's store and fail in connectFullMesh; see docs/torchtitan/configuration.md.)
     found = _kill_relaunch_and_compare(config, args, tmp_path / "killed", full, tmp_path / "full")
     first = next(r for r in found.relaunched.records if r.get("step") == 4)
     expected = next(r for r in full.records if r.get("step") == 4)

@@ -6,8 +6,8 @@ import torch.distributed as dist
 
 import gift_compile
 from gift_compile.codec import FormatSpec, choose_scales, decode, encode
-from gift_compile.torchtitan_ext import corpus, language_modeling
-from bench.tiny_llama import TinyLlama, TinyLlamaConfig, loss
+from gift_compile.torchtitan_ext.cpu import corpus, language_modeling
+from bench.lib.tiny_llama import TinyLlama, TinyLlamaConfig, loss
 from conftest import require, require_data_package
 from multirank import run_ranks
 

@@ -20,7 +20,7 @@ import gift_compile
 from gift_compile.config import GiftConfig, GiftConfigError
 from gift_compile.exchange.topology import TopologyError, node_of_ranks
 from multirank import run_ranks
-from mlp import MLP
+from mlp import EXACT_OUTSIDE, MLP
 from test_pass import bucketed_step
 
 WORLD = 8
@@ -137,7 +137,7 @@ def _ddp(rank: int, world: int, g: int) -> dict:
     from gift_compile.exchange.plan import BucketPlan, ItemPlan
     from gift_compile.exchange.topology import FLAT, node_layout
 
-    cfg = GiftConfig(**NVFP4, geometry="lowrank", rank=4, min_numel=1024, select="all", exclude=(),
+    cfg = GiftConfig(**EXACT_OUTSIDE, **NVFP4, geometry="lowrank", rank=4, min_numel=1024, select="all", exclude=(),
                      refresh_every=1, error_feedback=True, ranks_per_node=g)
 
     def make():
@@ -191,7 +191,7 @@ def _fsdp2(rank: int, world: int, g: int) -> dict:
         fully_shard(layer)
     fully_shard(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    gift_compile.apply(model, GiftConfig(format="fp32", min_numel=1024, exclude=(), ranks_per_node=g, select="none"),
+    gift_compile.apply(model, GiftConfig(**EXACT_OUTSIDE, format="fp32", min_numel=1024, exclude=(), ranks_per_node=g, select="none"),
                        optimizer=opt, fuse=False)
     x = torch.randn(16, 64, generator=torch.Generator().manual_seed(rank))
     model(x).pow(2).mean().backward()
@@ -494,7 +494,7 @@ def _frameworks_bf16(rank: int, world: int) -> tuple[dict, dict]:
     cfg = dict(ranks_per_node=2, intra_node_format="bf16", min_numel=1024, exclude=())
     model = MLP(64)
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=100)
-    gift_compile.apply(ddp, GiftConfig(**NVFP4, geometry="none", **cfg), fuse=False)
+    gift_compile.apply(ddp, GiftConfig(**EXACT_OUTSIDE, **NVFP4, geometry="none", **cfg), fuse=False)
     x = torch.randn(16, 64, generator=torch.Generator().manual_seed(rank))
     ddp(x).pow(2).mean().backward()
     st = gift_compile.state(ddp)
@@ -509,7 +509,7 @@ def _frameworks_bf16(rank: int, world: int) -> tuple[dict, dict]:
     for layer in (model.fc1, model.fc2, model.out):
         fully_shard(layer)
     fully_shard(model)
-    gift_compile.apply(model, GiftConfig(format="fp32", select="none", **cfg), fuse=False)
+    gift_compile.apply(model, GiftConfig(**EXACT_OUTSIDE, format="fp32", select="none", **cfg), fuse=False)
     model(x).pow(2).mean().backward()
     ref(x).pow(2).mean().backward()
     errs = {}
@@ -613,18 +613,18 @@ def _reports(rank: int, world: int) -> dict:
     out = {}
     for name, kw in (("plain", dict(ranks_per_node=2, intra_node_format="bf16")), ("off", dict(ranks_per_node=0))):
         model = MLP(64)
-        gift_compile.apply(model, GiftConfig(format="fp8_e4m3", min_numel=1024, **kw), fuse=False)
+        gift_compile.apply(model, GiftConfig(**EXACT_OUTSIDE, format="fp8_e4m3", min_numel=1024, **kw), fuse=False)
         out[name] = gift_compile.report(model).exchanges
         out[name, "lines"] = gift_compile.report(model).lines()
     ddp = nn.parallel.DistributedDataParallel(MLP(64))
-    gift_compile.apply(ddp, GiftConfig(format="fp8_e4m3", min_numel=1024, ranks_per_node=2), fuse=False)
+    gift_compile.apply(ddp, GiftConfig(**EXACT_OUTSIDE, format="fp8_e4m3", min_numel=1024, ranks_per_node=2), fuse=False)
     out["ddp"] = gift_compile.report(ddp).exchanges
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     model = MLP(64)
     for layer in (model.fc1, model.fc2, model.out):
         fully_shard(layer, mesh=mesh["shard"])
     fully_shard(model, mesh=mesh["shard"])
-    state = manage(model, GiftConfig(format="fp8_e4m3", geometry="lowrank", min_numel=1024, exclude=(), reduce_op="sum",
+    state = manage(model, GiftConfig(**EXACT_OUTSIDE, format="fp8_e4m3", geometry="lowrank", min_numel=1024, exclude=(), reduce_op="sum",
                                      ranks_per_node=2), mesh.get_group("shard"), mode="stats", split_rows=True)
     fsdp2.install(model, state, compiled=False)
     hsdp.install(model, state, mesh.get_group("replicate"), compiled=False)
@@ -640,7 +640,9 @@ def test_the_apply_report_names_each_paths_exchange():
     r = run_ranks(_reports, 4, timeout=300)[0]
     managed, unmanaged = r["plain"]
     assert managed.startswith("managed weights: two levels, 2 nodes x 2 ranks (inside the node at bf16"), managed
-    assert unmanaged.startswith("unmanaged parameters: one native fp32 all-reduce per backward, one level"), unmanaged
+    # a plain module's unmanaged parameters go on GIFT's exchange, in the same two levels
+    assert unmanaged.startswith("unmanaged parameters: one bucket per backward at unmapped_format / tiny_format, "
+                                "two levels, 2 nodes x 2 ranks (inside the node at bf16"), unmanaged
     assert any(line.startswith("  exchange of the managed weights: two levels") for line in r["plain", "lines"])
     assert r["off"][0] == "managed weights: one level over 4 ranks (ranks_per_node=0)", r["off"]
     assert r["ddp"] == ("managed weights and the parameters in their buckets: two levels, 2 nodes x 2 ranks (inside "
@@ -693,7 +695,7 @@ def test_checkpoints_record_the_node_layout_and_refuse_its_residuals_elsewhere()
 
 
 def test_the_committed_hop_byte_table_is_what_its_measurement_renders():
-    """bench/results/hop_bytes.md is `bench.hop_bytes.table` of the committed hop_bytes.json
+    """bench/results/cluster/hop_bytes.md is `bench.cluster.hop_bytes.table` of the committed hop_bytes.json
     (regenerated, never typed); in it, on 8 ranks as 2 nodes x 4 and 4 nodes x 2, every eager
     row's counted bytes per hop equal the accounting, two levels cut a reduce-scatter's bytes
     across nodes to exactly 1/g of flat's while bf16 inside the node halves the bytes inside it;
@@ -701,7 +703,7 @@ def test_the_committed_hop_byte_table_is_what_its_measurement_renders():
     two-level runs at 1/g of the flat run's cross-node bytes."""
     import json
 
-    from bench import hop_bytes
+    from bench.cluster import hop_bytes
 
     d = json.loads(hop_bytes.OUT.read_text())
     assert hop_bytes.TABLE.read_text() == hop_bytes.table(d)
@@ -778,3 +780,50 @@ def test_two_level_bucket_at_bf16_traces_fullgraph_once():
     for r in run_ranks(_traced, 4, timeout=600):
         for op, v in r.items():
             assert v["frames"] == 1 and v["equal"] and v["node_wire"] > 0, (op, v)
+
+
+def _refresh_levels(rank: int, world: int, g: int, local_world: str) -> dict:
+    """A lowrank refresh (statistics reduced onto owners, maps broadcast) over 4 ranks as 2 nodes
+    x 2 (`g=2`) or flat (`g=0`) under the launcher's `LOCAL_WORLD_SIZE=local_world` ("" unset),
+    counted; and the host collectives' results in two levels."""
+    import os
+
+    from gift_compile import sync
+
+    if local_world:
+        os.environ["LOCAL_WORLD_SIZE"] = local_world
+    else:
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
+    model = MLP(64)
+    gift_compile.apply(model, GiftConfig(**EXACT_OUTSIDE, format="fp8_e4m3", geometry="lowrank", rank=4, min_numel=1024,
+                                         select="all", exclude=(), ranks_per_node=g), fuse=False)
+    st = gift_compile.state(model)
+    model(torch.randn(32, 64, generator=torch.Generator().manual_seed(rank))).pow(2).mean().backward()
+    st.refresh()
+    out = {"totals": st.comm_totals(), "maps": [t.clone() for layer in st.layers.values() for t in layer.tensors()[0]]}
+    t, b, r = torch.full((100,), float(rank + 1)), torch.full((10,), float(rank)), torch.full((10,), float(rank + 1))
+    sync.all_reduce_(t, dist.group.WORLD)
+    sync.broadcast_(b, dist.group.WORLD, src=3)
+    sync.reduce_(r, dist.group.WORLD, dst=2)
+    out.update(all_reduce=t, broadcast=b, reduce=r if rank == 2 else None)
+    return out
+
+
+@pytest.mark.parametrize("g, local_world", [(2, ""), (0, "2"), (0, "")])
+def test_the_refresh_runs_in_two_levels_and_is_counted_apart(g: int, local_world: str) -> None:
+    runs = run_ranks(_refresh_levels, 4, g, local_world)
+    for r in runs:
+        assert torch.equal(r["all_reduce"], torch.full((100,), 10.0)) and torch.equal(r["broadcast"], torch.full((10,), 3.0))
+        assert all(torch.equal(a, b) for a, b in zip(r["maps"], runs[0]["maps"]))  # one map on every rank
+    assert torch.equal(runs[2]["reduce"], torch.full((10,), 10.0))
+    wire = sum(r["totals"]["refresh_wire"] for r in runs)
+    cross = sum(r["totals"]["refresh_cross_wire"] for r in runs)
+    assert wire > 0, runs[0]["totals"]
+    if g == 0 and local_world:  # one level over 2 nodes (the launcher's): every byte crosses them
+        assert cross == wire
+    elif g == 0:  # one level, no node layout known: one node, nothing crosses a network (as the gradients')
+        assert cross == 0 and all(r["totals"]["cross_wire"] == 0 for r in runs), runs[0]["totals"]
+    else:  # the statistics and maps cross between nodes once per node (the ranks of one local index)
+        assert 0 < cross < wire / 2, (cross, wire)
+    # the gradients' bytes are apart
+    assert all(r["totals"]["wire"] > 0 for r in runs)

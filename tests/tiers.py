@@ -21,18 +21,19 @@ from __future__ import annotations
 FAST_FILES: frozenset[str] = frozenset({
     "test_adapters.py", "test_api.py", "test_architecture.py", "test_bench_convergence.py",
     "test_bench_delayed_scale.py", "test_bench_exit_stress.py", "test_bench_frontier.py", "test_bench_layouts.py",
-    "test_bench_readme.py", "test_bench_smoke.py", "test_bench_stats.py", "test_bench_sweep_adamw.py",
+    "test_bench_readme.py", "test_bench_smoke.py", "test_bench_cluster.py", "test_bench_stats.py", "test_bench_sweep_adamw.py",
     "test_ci_requirements.py", "test_codec_minimum.py", "test_collectives.py", "test_config.py",
     "test_context_parallel.py", "test_corpus.py",
     "test_data_parallel.py", "test_euclidean_items.py", "test_expert_layers.py", "test_faults.py",
     "test_first_hour.py",
     "test_formats.py", "test_fused_receiver.py", "test_fused_sender.py", "test_geometries.py", "test_geometry.py",
     "test_gpu_check.py", "test_gpu_step_model.py", "test_grouped_items.py", "test_grouped_statistics.py",
-    "test_hsdp.py", "test_hsdp_model.py", "test_kernels.py", "test_kernels_fp8.py", "test_layer_formats.py",
-    "test_layers.py", "test_map_precision.py", "test_map_precision_arms.py", "test_pass.py", "test_pass_hsdp.py",
-    "test_recompile.py", "test_reliability.py", "test_rotation.py", "test_second_hop_ef.py",
-    "test_second_moment.py", "test_selection.py", "test_statistics.py", "test_tensor_parallel.py", "test_tiers.py",
-    "test_tiny_llama.py", "test_two_level.py",
+    "test_hsdp.py", "test_kernels.py", "test_kernels_fp8.py", "test_layer_formats.py",
+    "test_layers.py", "test_map_precision.py", "test_map_precision_arms.py", "test_overlap.py", "test_pass.py",
+    "test_pass_hsdp.py", "test_recompile.py", "test_reliability.py", "test_reliability_round4.py", "test_rotation.py",
+    "test_second_hop_ef.py", "test_second_moment.py", "test_selection.py", "test_statistics.py",
+    "test_tensor_parallel.py", "test_tiers.py", "test_tiny_llama.py", "test_topology_model.py", "test_two_level.py",
+    "test_whole_gradient.py",
     # torchtitan: the launcher's parsing, and each file's tests that launch nothing
     "test_torchtitan_launcher.py", "test_torchtitan_train.py", "test_torchtitan_hsdp.py", "test_torchtitan_pp.py",
     "test_torchtitan_cp.py", "test_torchtitan_ddp.py", "test_torchtitan_ep_graph.py",
@@ -41,6 +42,8 @@ FAST_FILES: frozenset[str] = frozenset({
 # Every test of these files runs only in `make test-full`: each is a matrix of 4- or 8-rank torchrun
 # launches of a layout whose GIFT code a fast in-process test covers (the `FEATURES` rows say which).
 FULL_FILES: dict[str, str] = {
+    "test_cluster_emulated.py": "the emulated cluster (network namespaces, root): 2 nodes x 2 ranks, 2 steps, and a "
+                                "run stopped by SIGTERM (fast: test_bench_cluster.py's parsing, CI, table, cleanup)",
     "test_training.py": "a 50-step tiny-Llama run against fp32 communication (2 min; fast: the torchtitan FSDP2 and "
                         "graph_trainer runs track GIFT off with quantized gradients, test_api trains eagerly)",
     "test_torchtitan_tp.py": "TP 2 x FSDP 2, 4 ranks, 4 launches (fast: test_tensor_parallel.py)",
@@ -65,6 +68,9 @@ FULL_TESTS: dict[str, str] = {
                     "test_error_feedback_lives_on_the_chunk_and_nan_raises_on_every_rank",
                     "test_ddp_two_level_replicas_identical_bytes_accounted_resume_exact",
                     "test_fsdp2_two_level_shards_and_bytes", "test_graph_pass_rewrites_into_two_levels")},
+    "test_reliability_round4.py::test_two_torchrun_nodes_of_unequal_size_raise_the_same_error_on_every_rank":
+        "two torchrun launches of 2 + 1 processes (45 s; fast: the same layout from torchrun's variables in process, "
+        "test_ranks_that_disagree_on_the_node_layout_raise_the_same_error_on_every_rank)",
     "test_two_level.py::test_compiled_bodies_equal_eager_in_two_levels":
         "4 ranks compiling the two-level bodies (fast: the eager core in test_core_on_four_ranks_as_two_nodes_of_two)",
     "test_torchtitan_train.py::test_graph_trainer_and_fsdp2_train_identically_without_gift":
@@ -72,7 +78,7 @@ FULL_TESTS: dict[str, str] = {
     "test_torchtitan_train.py::test_resume_restores_gift_state[llama3_debug_gift_graph]":
         "graph_trainer's kill-and-resume (the FSDP2 trainer's runs in the fast tier; the checkpoint code is shared)",
     "test_torchtitan_train.py::test_kill_and_resume_under_hsdp_pp_and_tp":
-        "4-rank kill-and-resume per layout (also `python -m bench.layouts --kill-resume`)",
+        "4-rank kill-and-resume per layout (also `python -m bench.cluster.layouts --kill-resume`)",
     "test_torchtitan_hsdp.py::test_fsdp2_hsdp_runs_both_hops_at_their_formats_and_tracks_fp32":
         "4-rank HSDP launch (fast: test_hsdp.py runs both hops in process)",
     "test_torchtitan_hsdp.py::test_fsdp2_hsdp_at_fp32_on_both_hops_is_native_hsdp": "4-rank HSDP launch",
@@ -107,7 +113,7 @@ FULL_TESTS: dict[str, str] = {
 
 # The feature table: every row (a format, geometry, framework path, layout, fault class, checkpoint
 # path) and the fast tests that cover it (node ids or prefixes; `tests/test_tiers.py` checks that
-# each names a test `make test` runs). docs/reliability.md renders it (`python -m bench.readme`).
+# each names a test `make test` runs). docs/reliability.md renders it (`python -m bench.pages.readme`).
 FEATURES: dict[str, tuple[str, ...]] = {
     # formats and codec
     "every wire format (fp32, bf16, fp8_e4m3, fp8_e5m2, mxfp8, nvfp4, mxint4, int6, int4, int3, int2, ternary)": (

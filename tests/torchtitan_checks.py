@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from gift_compile.torchtitan_ext.kill_resume import checkpoint_tensors
-from gift_compile.torchtitan_ext.runs import RunResult
+from gift_compile.torchtitan_ext.cpu.kill_resume import checkpoint_tensors
+from gift_compile.torchtitan_ext.cpu.runs import RunResult
 
 __all__ = ["assert_tracks_gift_off", "logged_steps"]
 

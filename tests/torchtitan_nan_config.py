@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from gift_compile.torchtitan_ext.config_registry import llama3_debug_gift_fsdp2
+from gift_compile.torchtitan_ext.cpu.config_registry import llama3_debug_gift_fsdp2
 from gift_compile.torchtitan_ext.hooks import bind_gift_hook
 from gift_compile.torchtitan_ext.job_config import GiftTrainerConfig
 

@@ -29,7 +29,7 @@ from gift_compile.frameworks.simple_fsdp import SIMPLE_FSDP
 from gift_compile.frameworks.tensor_parallel import describe_blocks
 from gift_compile.runtime.report import log_report, summarize
 
-from . import cpu_compat, hsdp, pipeline_parallel
+from . import hsdp, pipeline_parallel, platform_hooks
 from .section import GiftSection
 
 __all__ = ["REFUSAL", "bind_gift_hook", "data_parallel_group", "gift_config", "gift_post_optimizer_build"]
@@ -38,7 +38,7 @@ __all__ = ["REFUSAL", "bind_gift_hook", "data_parallel_group", "gift_config", "g
 # How every refusal of a layout starts (tests look for it in a run's log to show there was none)
 REFUSAL = "gift.enable does not run on this layout"
 
-# Why each layout is refused (docs/torchtitan.md, "Limits").
+# Why each layout is refused (docs/torchtitan/layouts_combined.md, "Limits").
 _UNSUPPORTED_WHY = {
     "pipeline on graph_trainer": "graph_trainer runs the registered pass pipeline (where the gift pass is) "
               "only on its whole-step trace, which it makes only without pipeline parallelism; with it, "
@@ -59,7 +59,7 @@ def data_parallel_group(parallel_dims: Any, trainer: str = "graph") -> dist.Proc
     never the TP ranks: each TP rank's weight block is its own GIFT matrix
     (`gift_compile.frameworks.tensor_parallel`), and under HSDP the replica hop all-reduces the
     reduced shard of that block over the replicas holding the same TP coordinate (torchtitan's
-    ``dp_replicate`` group; 8-rank runs in `bench.layouts`). With context parallelism
+    ``dp_replicate`` group; 8-rank runs in `bench.cluster.layouts`). With context parallelism
     torchtitan's FSDP group is dp_shard x cp, the ranks FSDP2 or SimpleFSDP reduce-scatter over
     (GIFT's shard hop): the K-FAC statistics, sums over tokens, then add each CP rank's slice of
     every sequence to the others', so every CP rank builds the same transforms. That holds with
@@ -129,7 +129,7 @@ def gift_post_optimizer_build(optimizers: Any, model_parts: list[nn.Module], par
         inner(optimizers, model_parts, parallel_dims)
     if trainer == "fsdp2":
         for model in model_parts:
-            cpu_compat.after_fsdp2(model)
+            platform_hooks.after_fsdp2(model)
     if not section.enable:
         return
     model = model_parts  # pipeline parallelism: the rank's stages, one state over them (.pipeline_parallel)

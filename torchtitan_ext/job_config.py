@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from torchtitan.experiments.graph_trainer.trainer import GraphTrainer
 from torchtitan.trainer import Trainer
 
-from . import cpu_compat
 from .hooks import bind_gift_hook
 from .hsdp import bind_shard_only_parallelize
 from .pipeline import GIFT_PASS_PIPELINE
@@ -51,7 +51,7 @@ class GiftGraphTrainerConfig(GraphTrainer.Config):
                 )
             if not (self.compile.enable and self.compile.mode == "aot_fx_trace"):
                 raise ValueError("gift.enable on graph_trainer needs --compile.enable with compile.mode aot_fx_trace")
-            if self.compile.inductor_compilation == "full" and not cpu_compat.accelerator_available():
+            if self.compile.inductor_compilation == "full" and not torch.accelerator.is_available():
                 # full_inductor_compilation_pass moves every CPU graph constant to CUDA
                 # (_migrate_cpu_get_attrs_to_cuda); GIFT's state tensors are such constants.
                 raise ValueError(

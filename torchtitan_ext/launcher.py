@@ -19,6 +19,9 @@ torchtitan's own ``ConfigManager`` (tyro), as every rank will parse it, so whate
 checks here cannot judge (union-of-section fields, multi-token lists) still fails here, not
 in N ranks. ``--nproc 1`` trains in this process; ``--nproc N`` runs
 ``torchrun --standalone --nproc-per-node N -m gift_compile.torchtitan_ext.train``.
+
+Like :mod:`.train`, the launcher imports the CPU stand-in ``.cpu.cpu_compat`` inside `main` and
+nowhere else: a process entry point applies the platform shims before torchtitan is imported.
 """
 
 from __future__ import annotations
@@ -217,7 +220,7 @@ def gift_flags_help() -> str:
     from gift_compile.recipes import RECIPES
 
     lines += ["", f"Named recipes (--gift.recipe NAME, or recipe = \"NAME\" under [gift]): "
-              + "; ".join(f"{n} ({r.optimizer})" for n, r in RECIPES.items()) + " (docs/torchtitan.md).",
+              + "; ".join(f"{n} ({r.optimizer})" for n, r in RECIPES.items()) + " (docs/torchtitan/start.md).",
               "torchtitan's own flags (--training.*, --parallelism.*, ...): gift-train --toml FILE --help-all"]
     return "\n".join(lines)
 
@@ -246,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if known.help_all:
         overrides = [*overrides, "--help"]
 
-    from . import cpu_compat
+    from .cpu import cpu_compat  # launcher side, like .train: the shims precede torchtitan's import
 
     cpu_compat.activate()
     try:

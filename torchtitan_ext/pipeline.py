@@ -25,7 +25,7 @@ import torch
 from gift_compile.frameworks.hsdp import check_replicas_identical, replica_hop
 from gift_compile.passes import rewrite_gradient_collectives
 
-from . import cpu_compat
+from . import platform_hooks
 from torchtitan.experiments.graph_trainer.passes import (
     construct_default_graph_passes,
     final_inductor_compile_passes,
@@ -110,10 +110,7 @@ def gift_rewrite_pass(gm: torch.fx.GraphModule, example_inputs: Any, *, fuse: bo
 def gift_pass_pipeline(traced_result: Any, config: Any, *, parallel_dims: Any = None) -> list[Callable]:
     """Default graph_trainer passes, plus the GIFT rewrite when ``config.gift.enable``."""
     passes = construct_default_graph_passes(traced_result, config, parallel_dims=parallel_dims)
-    if cpu_compat.is_active():
-        remat = next((i for i, p in enumerate(passes) if _pass_name(p) == "selective_activation_remat_pass"), None)
-        if remat is not None:
-            passes.insert(remat, cpu_compat.save_deterministic_sdpa_pass)
+    passes = platform_hooks.edit_graph_passes(passes)
     if not config.gift.enable:
         return passes
     if config.compile.precompile_artifact_dir:
@@ -158,7 +155,7 @@ def gift_retrace_on_new_plan(trainer: Any) -> None:
     changes reach it as data. What it carries as structure moves once per run: the first
     refresh lets layers that read one input share a statistic (``plan_version``). Then the
     traced step is dropped and graph_trainer traces, rewrites and compiles it again at this
-    step (`bench.selection_churn graph_trainer` counts the retraces of a run whose selection
+    step (`bench.cluster.selection_churn graph_trainer` counts the retraces of a run whose selection
     changes at every refresh).
     """
     state = getattr(trainer.model_parts[0], "_gift_state", None)

@@ -107,7 +107,18 @@ class GiftSection:
     """Per-layer wire formats, comma-separated "glob=format" entries (first match wins; others use format)."""
 
     min_numel: int = _DEFAULTS.min_numel
-    """2-D weights with fewer elements stay at full precision."""
+    """2-D weights with fewer elements get no map; they and 1-D tensors travel at tiny_format."""
+
+    unmapped_format: str = _DEFAULTS.unmapped_format
+    """Gradients outside GIFT's layers that exclude does not match: same (= format) | a wire format |
+    fp32 (the opt-out), in plain coordinates in the same collective (FSDP2 trainer)."""
+
+    excluded_format: str = _DEFAULTS.excluded_format
+    """Gradients exclude matches (embedding, output head): bf16 | same (= format) | a wire format |
+    fp32 (the opt-out), in plain coordinates in the same collective (FSDP2 trainer)."""
+
+    tiny_format: str = _DEFAULTS.tiny_format
+    """Tiny gradients (norms, biases: < 2 dims or < min_numel elements): bf16 | fp32 (the opt-out)."""
 
     stats_tokens: int = _DEFAULTS.stats_tokens
     """Tokens per step and layer that enter the K-FAC statistics."""

@@ -72,6 +72,10 @@ def gift_metrics(state: GiftState, last: dict[str, Any]) -> dict[str, float]:
         "gift/cross_wire_bytes_per_step": delta["cross_wire"] / steps,
         "gift/baseline_bytes_per_step": delta["baseline"] / steps,
         "gift/cross_baseline_bytes_per_step": delta["cross_baseline"] / steps,
+        # the refresh's own traffic (statistics, selection, map broadcasts), apart from the
+        # gradients': all of it, and its part between nodes (two levels where the group spans them)
+        "gift/refresh_wire_bytes_per_step": delta["refresh_wire"] / steps,
+        "gift/refresh_cross_wire_bytes_per_step": delta["refresh_cross_wire"] / steps,
         "gift/collectives_per_step": delta["calls"] / steps,
         "gift/plan_version": float(state.plan_version),
         "gift/selection_changes": float(state.selection_changes),

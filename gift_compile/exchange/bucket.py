@@ -9,8 +9,9 @@ or a single weight) becomes ONE all_to_all of bytes:
     + a 16-byte header to every rank: the bucket plan's fingerprint and a non-finite flag
       (set when any item of the bucket, managed or passed through, holds NaN/Inf)
     -> all_to_all_single (uint8)
-    -> per item: decode every sender's block with that sender's scales, sum in fp32 in rank
-       order, (average), inverse transform
+    -> per item: decode every sender's block with that sender's scales, (each / world when
+       averaging: a finite mean never overflows in the sum), sum in fp32 in rank order,
+       inverse transform
 
 Where the group spans nodes (`BucketPlan.layout`, `gift_compile.exchange.topology`) the same
 functions run it in two levels (`gift_compile.exchange.node_stage`): `launch` first
@@ -260,8 +261,7 @@ def finish(recv: torch.Tensor, items: Sequence[ItemTensors | None], shared: Shar
         raise ValueError("finish: the compiled bodies decode to original coordinates (the all-reduce's compiled "
                          "path re-encodes in the same body: run_bucket)")
     if plan.two_level:  # stage 2's decode: the chunk's shard is this rank's one-level shard
-        outs = finish(recv, items, shared, plan.cross, transformed=transformed, compiled=compiled)
-        return outs if transformed else _averaged(outs, plan)
+        return finish(recv, items, shared, plan.cross, transformed=transformed, compiled=compiled)
     recv = _read_headers(recv, shared, plan)
     offset = HEADER_BYTES
     outs = []
@@ -273,12 +273,6 @@ def finish(recv: torch.Tensor, items: Sequence[ItemTensors | None], shared: Shar
             out, offset = decode_item(recv, offset, state, item, plan, transformed)
             outs.append(out)
     return outs
-
-
-def _averaged(outs: list[torch.Tensor], plan: BucketPlan) -> list[torch.Tensor]:
-    """A two-level plan's results divided by the world size when it averages: its stage 2
-    sums (it spans the nodes only), so the mean over all ranks is taken once, at the end."""
-    return [o / plan.world for o in outs] if plan.average else outs
 
 
 def _gather_send(pieces: list[torch.Tensor], shared: Shared, plan: BucketPlan) -> torch.Tensor:
@@ -328,7 +322,7 @@ def gather_finish(gathered: torch.Tensor, items: Sequence[ItemTensors | None], p
     decodes its node's chunks (stage 2) and gathers them inside the node (stage 3,
     `node_stage.node_gather`, counted in `shared`'s counters)."""
     if plan.two_level:
-        chunks = _averaged(gather_finish(gathered, items, plan.cross, shared=shared, compiled=compiled), plan)
+        chunks = gather_finish(gathered, items, plan.cross, shared=shared, compiled=compiled)
         outs, handed = node_gather(chunks, plan)
         _count(shared, handed, 0, 0, node=handed)
         return outs

@@ -39,8 +39,8 @@ __all__ = [
     "C_BASELINE", "C_CALLS", "C_CROSS_BASELINE", "C_MISMATCH", "C_MISMATCH_RANKS", "C_NODE_WIRE", "C_NONFINITE", "C_NONFINITE_RANKS",
     "C_PLAIN_CALLS", "C_WIRE", "HEADER_BYTES", "N_COUNTERS", "RANK_BITS", "ItemTensors", "Segment", "Shared",
     "all_reduce", "bucket_core", "bucket_hop_bytes", "bucket_plan", "bucket_wire_bytes", "check_plan_agreement", "finish", "flagged_ranks",
-    "gather_finish", "gather_launch", "group_info", "launch", "raise_on_bad_headers", "reduce_scatter", "run_bucket",
-    "sync_buffer", "wire_bytes_per_rank",
+    "gather_finish", "gather_launch", "group_info", "launch", "per_call_check", "raise_on_bad_headers", "reduce_scatter",
+    "run_bucket", "sync_buffer", "wire_bytes_per_rank",
 ]
 
 
@@ -72,6 +72,16 @@ def bucket_plan(segments: Sequence[Segment], dtype: torch.dtype, *, world: int, 
     items = tuple(ItemPlan.passthrough(s.name, per_item * s.rows * s.cols, dtype) if s.plan is None
                   else s.plan.with_dtype(dtype) for s in segments)
     return BucketPlan(items, world, group_name, average, op, layout)
+
+
+def per_call_check(config: GiftConfig) -> PlanCheck | None:
+    """The `plan_check` a framework hook of a `GiftState` passes to `sync_buffer`: None, except
+    in the debug mode `plan_check="always"`. The state's ranks compare every layer's plan and the
+    config when it is set up and after every refresh (`GiftState.check_agreement`), the only
+    points where a plan changes, and each collective's header carries its bucket plan's
+    fingerprint into the counters; a per-call check would add a small all-reduce and a host
+    read to every bucket, inside the backward, where the framework overlaps its collectives."""
+    return PlanCheck.ALWAYS if config.plan_check is PlanCheck.ALWAYS else None
 
 
 def sync_buffer(buffer: torch.Tensor, segments: Sequence[Segment], shared: Shared, *, op: Collective | str,

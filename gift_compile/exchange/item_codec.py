@@ -34,6 +34,10 @@ the gathered codes instead of reading the decoded result back (`_fused_receiver`
 Every function takes its item's `ItemPlan` and a `BucketPlan` of which it reads the world
 size, op and average only, so its code depends on nothing else the bucket holds; the compiled
 stages (`encode_stage`, ...) take a single-item plan (`item_plan`), their key.
+
+Why one module: the encoders and decoders are the two ends of one per-item wire format; the byte
+layout the sender writes (`_as_bytes`, `_stored_codes`, `_scale_blocks`) is the one every receiver
+parses (`_from_bytes`, `_parse_scales`), and keeping both ends in one file defines it once.
 """
 
 from __future__ import annotations
@@ -229,7 +233,7 @@ def _from_bytes(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     itype = _INT_OF_SIZE[size]
     b = raw.reshape(*raw.shape[:-1], raw.shape[-1] // size, size).to(itype)
     # `select`, not `b[..., i]`: the same op in the graph, but the ellipsis index does not trace on
-    # fake CUDA tensors in a CPU-only torch (bench.kernel_traffic traces the fp32 scales' parse)
+    # fake CUDA tensors in a CPU-only torch (bench.fidelity.kernel_traffic traces the fp32 scales' parse)
     word = b.select(-1, 0)
     for i in range(1, size):
         word = word | (b.select(-1, i) << (8 * i))
@@ -324,7 +328,7 @@ def _parse_scales(recv: torch.Tensor, offset: int, spec: FormatSpec, cols: int,
         # value. Spelled as shifts, its 4 byte loads count as reads of every block scale
         # that multiplies it (and the decoded values), past Inductor's limit for a pointwise
         # value with several users, and the unit of every block is written out at fp32 and
-        # read back (0.5 B per gradient element for NVFP4; `bench.codec_minimum`).
+        # read back (0.5 B per gradient element for NVFP4; `bench.fidelity.codec_minimum`).
         tscale = raw.view(torch.float32).reshape(w, 1, 1)
     return scales, tscale, offset
 
@@ -424,8 +428,8 @@ def decode_item(recv: torch.Tensor, offset: int, state: ItemTensors | None, item
     w = p.world
     if not item.managed:
         raw, offset = _take(recv, offset, p.flat_sent(item) // w * _itemsize(item.torch_dtype))
-        total = _from_bytes(raw, item.torch_dtype).float().sum(dim=0)
-        return (total / w if p.average else total), offset
+        values = _from_bytes(raw, item.torch_dtype).float()
+        return (values / w if p.average else values).sum(dim=0), offset  # each share first: no overflow
     spec, r = item.spec, p.rows_sent(item) // w
     payload, offset = _take(recv, offset, r * spec.payload_cols(item.cols))
     scales, tscale, offset = _parse_scales(recv, offset, spec, item.cols, r)

@@ -94,7 +94,9 @@ def node_reduce(xs: Sequence[torch.Tensor], items: Sequence[ItemTensors | None],
         item_bad = ~torch.isfinite(x).all()
         bad = item_bad if bad is None else bad | item_bad
         wire = layout.node_dtype(x.dtype)
-        blocks.append(_blocks(flat.to(wire), plan))
+        # averaging: each rank's share (/ g) before the node's sum, whose values must not
+        # overflow where their mean does not; stage 2 averages over the nodes (`BucketPlan.cross`)
+        blocks.append(_blocks((flat / g if plan.average else flat).to(wire), plan))
         by_dtype.setdefault(wire, []).append(i)
     chunks: list[torch.Tensor | None] = [None] * len(blocks)
     handed = 0

@@ -280,7 +280,10 @@ class BucketPlan:
                                  "slice; set GiftConfig.ranks_per_node=0 for the one-level exchange")
             else:  # the chunk's rows; a map-free grouped item's blocks need no bookkeeping there
                 items.append(dataclasses.replace(i, rows=self.chunk_rows(i), groups=1))
-        return BucketPlan(tuple(items), nodes, self.layout.cross_group, False, self.op, NodeLayout(1, nodes), g)
+        # averaging: stage 1 sums the node's shares (each / g), stage 2 averages over the nodes,
+        # so no partial sum exceeds the mean's scale (a mean near fp32's largest stays finite)
+        # and stage 2 (its residuals included) runs at the one-level exchange's scale
+        return BucketPlan(tuple(items), nodes, self.layout.cross_group, self.average, self.op, NodeLayout(1, nodes), g)
 
     def rows_sent(self, item: ItemPlan) -> int:
         """Rows of a managed item as communicated: an all-reduce pads them to a multiple of
@@ -336,10 +339,12 @@ def replica_hop_plan(shards: Sequence[ItemPlan], fmt: str, world: int, group_nam
     """HSDP's replica hop: the all-reduce over the replica group of the row shards the shard hop
     left on this rank, whose items (`shards`: managed ones with their layer's plan, rows those
     of the shard) it sends in one bucket. A managed shard goes at `fmt` without error feedback
-    (the residual belongs to the shard hop); a lossless `fmt` (fp32) sends it raw, like every other item.
+    (the residual belongs to the shard hop), a 16-bit one (bf16: a tiny gradient,
+    `GiftConfig.tiny_format`) at its own format; a lossless `fmt` (fp32) sends it raw, like every other item.
     The one rule for both places that run the hop: FSDP2's all-reduce hook
     (`gift_compile.frameworks.hsdp`) and the FX pass's rewrite of a traced HSDP step."""
     items = tuple(ItemPlan.passthrough(i.name, i.numel, i.torch_dtype) if not i.managed or FormatSpec(fmt).family.lossless
+                  else i if i.spec.passthrough  # a 16-bit item (a tiny gradient at bf16) keeps its format
                   else dataclasses.replace(i, format=fmt, error_feedback=False, second_hop_error_feedback=False,
                                            error_feedback_decay=1.0, residual_format="fp32")
                   for i in shards)

@@ -4,11 +4,10 @@ A job spanning nodes runs GIFT's collectives in two levels where their group spa
 (`gift_compile.exchange.topology`), but not every path does, so the apply report names each:
 
 - the managed weights' collectives (and, under DDP, FSDP2 and SimpleFSDP, the unmanaged
-  parameters that share their buckets at full precision) over the state's group;
-- a plain module's unmanaged parameters (`plain_sync`): one native all-reduce of an fp32
-  buffer per backward, always one level: it is the backend's own collective (NCCL's ring or
-  tree already crosses each node boundary once per channel), so a split would not cut its
-  network bytes, and its per-rank flags must reach every rank in that one call;
+  parameters that share their buckets) over the state's group;
+- a plain module's unmanaged parameters (`plain_sync`): one bucket per backward on GIFT's
+  exchange (`unmapped_format` / `tiny_format`, its per-rank flags as exact fp32 sums), on the
+  same node layout as the managed weights;
 - the routed experts' layers over their own data-parallel group (`runtime.experts`);
 - HSDP's replica hop (`hsdp`): GIFT's all-reduce over the replica group, always one level.
   In the layouts it is for (a shard group per node) the replica group has one rank per node,
@@ -41,8 +40,8 @@ def describe_exchanges(state: GiftState) -> tuple[str, ...]:
     managed = "managed weights" if plain else "managed weights and the parameters in their buckets"
     out = [f"{managed}: {describe_layout(state.layout, state.world(), config.ranks_per_node, _ranks(state.group))}"]
     if plain and state.world() > 1:
-        out.append("unmanaged parameters: one native fp32 all-reduce per backward, one level (the backend's own "
-                   "collective: a two-level split would not cut its network bytes)")
+        out.append("unmanaged parameters: one bucket per backward at unmapped_format / tiny_format, "
+                   f"{describe_layout(state.layout, state.world(), config.ranks_per_node, _ranks(state.group))}")
     for sub in state.substates:
         line = describe_layout(sub.layout, sub.world(), config.ranks_per_node, _ranks(sub.group))
         out.append(f"routed experts ({len(sub.layers)} layers, their data-parallel group): {line}")

@@ -12,7 +12,8 @@ exactly a bucket: `GiftReduceScatter` cuts the buffer into one item per paramete
 weight is `input.view(world, N)[:, off_i:off_i + c_i*cols_i]` reshaped to `[world*c_i, cols_i]`,
 its full gradient) and runs `gift_compile.exchange.collectives.sync_buffer` on them: one all_to_all per
 FSDP module, managed weights quantized with their transform/residual/seed, every other
-parameter at full precision in the same collective. The graph path (a bucketed reduce-scatter
+parameter in the same collective by the rule for gradients outside the layers
+(`frameworks.euclidean`: plain coordinates at `unmapped_format`, tiny ones at `tiny_format`). The graph path (a bucketed reduce-scatter
 rewritten by the pass) runs the same functions on the same layout.
 
 `install` also asks FSDP2 to reduce-scatter unused parameters (zeros,
@@ -28,8 +29,12 @@ others `EuclideanReduceScatter`, GIFT's codec over their own group (the grouped 
 as stacks of matrices, each rank receiving its own experts' rows): with no map, or, under a
 geometry with input statistics or a fixed map, each expert through its own map as a layer of the
 experts' own state (`_whitened_experts`, `gift_compile.runtime.experts`). `install` logs one line
-per such module saying what goes how; no gradient crosses ranks at full precision unless it is
-one GIFT sends raw anyway (norms, biases, small or excluded tensors).
+per such module saying what goes how; no gradient crosses ranks at full precision unless the
+config opts out (`unmapped_format` / `tiny_format` "fp32").
+
+Why one module: the adapter, its two custom reduce-scatters (GIFT's, and the Euclidean one for
+gradients outside GIFT's group) and install / uninstall all rest on FSDP2's packing rule above and
+on the same internals fence; split, each part would restate that rule.
 """
 
 from __future__ import annotations
@@ -46,7 +51,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
-from gift_compile.exchange.collectives import ItemTensors, Segment, Shared, bucket_plan, bucket_wire_bytes, sync_buffer
+from gift_compile.exchange.collectives import (
+    ItemTensors, Segment, Shared, bucket_plan, bucket_wire_bytes, per_call_check, sync_buffer,
+)
 from gift_compile.exchange.node_stage import residual_rows
 from gift_compile.exchange.plan import BucketPlan, Collective, ItemPlan
 from gift_compile.exchange.topology import FLAT, node_layout
@@ -56,7 +63,7 @@ from gift_compile.frameworks.fsdp_internals import (
 )
 from gift_compile.config import GiftConfig
 from gift_compile.frameworks.adapter import attach, attached
-from gift_compile.frameworks.euclidean import describe, describe_items, euclidean_plan, gathered_shape
+from gift_compile.frameworks.euclidean import describe, describe_items, euclidean_plan, gathered_shape, outside_item
 from gift_compile.frameworks.grouped_experts import INPUTS, expert_layers, is_grouped_experts
 from gift_compile.frameworks.parts import Parts, model_parts
 from gift_compile.frameworks.routing import ManageMode, manage
@@ -110,7 +117,7 @@ class GiftReduceScatter(ReduceScatter):
     over = GroupByName()
 
     def __init__(self, module: FSDPModule, state: GiftState, timer: CommTimer, compiled: bool,
-                 over: dist.ProcessGroup | None = None) -> None:
+                 over: dist.ProcessGroup | None = None, names: dict[int, str] | None = None) -> None:
         self.module = module
         self.over = over  # the process group of the module's parameter group this comm serves (None: its only one)
         self.state = state
@@ -118,6 +125,22 @@ class GiftReduceScatter(ReduceScatter):
         self.compiled = compiled
         # (world, dtype, group name) of the last call: what `accounted_bytes` prices
         self.last_call: tuple[int, torch.dtype, str] | None = None
+        # the items of the parameters outside the layers (`euclidean.outside_item`), by (owner
+        # module, name): the buffer's layout, `[world * rows, cols]` of each rank's padded
+        # shard, is what the reduce-scatter reduces, so uneven dim-0 shards split whole
+        self._outside: dict[tuple[int, str], tuple[ItemPlan | None, ItemTensors | None]] = {}
+        self._world = state.world()
+        if names is not None:  # (`EuclideanReduceScatter` plans its own)
+            world = self._world
+            for p in packed_params(module, over):
+                layer = getattr(p.module, "_gift_layer", None) if p.param_name == "weight" else None
+                if layer is not None and p.dim0 and p.cols == layer.shape[1]:
+                    continue
+                owner = names.get(id(p.module), "")
+                fqn = f"{owner}.{p.param_name}" if owner else p.param_name
+                self._outside[id(p.module), p.param_name] = outside_item(
+                    state, fqn, (world * p.rows, *p.local[1:]), world, state.counters.device,
+                    collective=Collective.REDUCE_SCATTER, layout=state.layout)
 
     # whether its managed items are the state's layers (selection, maps, the layers' residuals)
     has_layers = True
@@ -138,8 +161,12 @@ class GiftReduceScatter(ReduceScatter):
             layer = getattr(p.module, "_gift_layer", None) if p.param_name == "weight" else None
             if layer is not None and (not p.dim0 or p.cols != layer.shape[1]):
                 layer = None
-            out.append(Segment(p.fqn, p.rows, p.cols) if layer is None
-                       else Segment(p.fqn, p.rows, p.cols, layer.plan, layer.tensors()))
+            if layer is not None:
+                out.append(Segment(p.fqn, p.rows, p.cols, layer.plan, layer.tensors()))
+                continue
+            plan, tensors = self._outside.get((id(p.module), p.param_name), (None, None))
+            out.append(Segment(p.fqn, p.rows, p.cols) if plan is None
+                       else Segment(plan.name, plan.rows // self._world, plan.cols, plan, tensors))
         return out
 
     def plan(self, world: int, dtype: torch.dtype, group_name: str | None = None) -> BucketPlan:
@@ -171,7 +198,7 @@ class GiftReduceScatter(ReduceScatter):
         config = self.state.config
         self.last_call = (world, input_tensor.dtype, group.group_name)
         sync_buffer(input_tensor, segments, self.shared, op=Collective.REDUCE_SCATTER, group=group, average=False,
-                    out=output_tensor, plan_check=config.plan_check, compiled=self.compiled,
+                    out=output_tensor, plan_check=per_call_check(config), compiled=self.compiled,
                     timing=self.timer.timing(input_tensor.device), ranks_per_node=config.ranks_per_node,
                     intra_node_format=config.intra_node_format)
         queue_backward_check(self.state)
@@ -365,7 +392,7 @@ def install(model: Parts, state: GiftState, *, compiled: bool = True) -> CommTim
         for group in groups:
             if same_group(group, pg):
                 set_group_reduce_scatter(module, pg, GiftReduceScatter(module, state, timer, compiled,
-                                                                       pg if len(groups) > 1 else None))
+                                                                       pg if len(groups) > 1 else None, names))
                 continue
             experts = _whitened_experts(state, module, group, names, experts_states)
             comm = EuclideanReduceScatter(module, state, timer, compiled, group, names, experts)

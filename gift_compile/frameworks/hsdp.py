@@ -64,9 +64,9 @@ import torch
 import torch.distributed as dist
 
 from gift_compile.codec import FormatSpec
-from gift_compile.config import PlanCheck
 from gift_compile.exchange.collectives import (C_WIRE, C_BASELINE, C_CALLS, N_COUNTERS, ItemTensors, Shared,
-                                      bucket_plan, bucket_wire_bytes, check_plan_agreement, run_bucket)
+                                      bucket_plan, bucket_wire_bytes, check_plan_agreement, per_call_check,
+                                      run_bucket)
 from gift_compile.exchange.plan import BucketPlan, Collective, ItemPlan, replica_hop_plan
 from gift_compile.frameworks.adapter import attach, attached
 from gift_compile.frameworks.fsdp2 import GiftReduceScatter, discarding
@@ -152,7 +152,8 @@ class ReplicaAllReduce:
         fmt = self.state.config.replica_hop_format
         if self.sole and (self.comm.has_layers or not FormatSpec(fmt).family.lossless):
             if not self.comm.has_layers:  # no layers: the replica format, their error feedback
-                segments = [seg if seg.plan is None else seg._replace(plan=dataclasses.replace(seg.plan, format=fmt))
+                segments = [seg if seg.plan is None or seg.plan.spec.passthrough
+                            else seg._replace(plan=dataclasses.replace(seg.plan, format=fmt))
                             for seg in segments]
             return bucket_plan(segments, dtype, world=self.hop.world, group_name=self.hop.group_name,
                                average=self.average, op=Collective.ALL_REDUCE)
@@ -199,7 +200,8 @@ class ReplicaAllReduce:
             tensors.append(None if not item.managed else seg.tensors if self.sole
                            else ItemTensors(own if own is not None else seg.tensors.transform, None, None,
                                             seg.tensors.seed_offset))
-        check_plan_agreement(plan, self.hop.group, always=self.state.config.plan_check is PlanCheck.ALWAYS)
+        if per_call_check(self.state.config) is not None:  # debug mode: the ranks agreed at apply and refresh
+            check_plan_agreement(plan, self.hop.group, always=True)
         managed = [i for i, seg in enumerate(segments) if seg.plan is not None]
         exact = None
         if managed and self.hop.measuring(self.state.steps):

@@ -1,11 +1,14 @@
-"""Full-precision sync of the parameters GIFT does not manage, for `apply` on a plain module.
+"""The sync of the parameters GIFT does not manage, for `apply` on a plain module.
 
 GIFT synchronises a plain (non-DDP, non-FSDP) module itself: managed weights through their
 quantized collective in the backward, every other parameter (biases, norms, embeddings,
 excluded or small weights) here. Those gradients are packed in a FIXED order, the model's
 parameter order, into ONE flat fp32 buffer (one slot per parameter, an arrival flag per
 parameter, a non-finite flag per rank) and all-reduced once per synchronising backward, at its
-end, when every gradient has arrived (DDP's reducer with a single bucket). So:
+end, when every gradient has arrived (DDP's reducer with a single bucket), on GIFT's bucket
+exchange: each parameter by the rule for gradients outside the layers
+(`gift_compile.frameworks.euclidean`: plain coordinates at `unmapped_format`, tiny ones at
+`tiny_format`, raw fp32 where the config opts out), the flags as exact fp32 sums. So:
 
 * a rank whose backward produces gradients in another order cannot pair the wrong tensors
   (each parameter has its slot; item names and order are in the plan fingerprint);
@@ -47,11 +50,12 @@ import torch.nn as nn
 
 from gift_compile.config import GiftConfig, ReduceOp
 from gift_compile.exchange import collectives
-from gift_compile.exchange.collectives import (C_BASELINE, C_CROSS_BASELINE, C_NODE_WIRE, C_NONFINITE, C_NONFINITE_RANKS,
-                                               C_PLAIN_CALLS, C_WIRE, RANK_BITS)
+from gift_compile.exchange.collectives import (C_CALLS, C_NONFINITE, C_NONFINITE_RANKS, C_PLAIN_CALLS, RANK_BITS,
+                                               ItemTensors, Segment)
 from gift_compile.exchange.mark import SyncMode
-from gift_compile.exchange.plan import BucketPlan, Collective, ItemPlan
+from gift_compile.exchange.plan import Collective, ItemPlan
 from gift_compile.frameworks.adapter import attach
+from gift_compile.frameworks.euclidean import outside_item
 from gift_compile.frameworks.routing import ManageMode, manage
 from gift_compile.runtime.health import queue_backward_check
 from gift_compile.runtime.state import GiftState
@@ -88,6 +92,8 @@ class PlainSync:
         self.average = state.config.reduce_op is ReduceOp.AVG
         _, self.world, self.me = collectives.group_info(group)
         self._hooks: dict[int, Any] = {}  # id(parameter) -> its hook handle(s)
+        # each parameter's item by name (`euclidean.outside_item`): plan and runtime tensors
+        self._items: dict[str, tuple[ItemPlan | None, ItemTensors | None]] = {}
         self._layout(*self._current())
 
     def _current(self) -> tuple[list[tuple[str, torch.Tensor]], list[torch.Tensor]]:
@@ -106,11 +112,19 @@ class PlainSync:
         self.state.backward_watch.synced_params = list(params)  # the replica check compares them too
         self.index = {id(p): i for i, (_, p) in enumerate(params)}
         self.key = tuple(id(p) for _, p in params) + (-1,) + tuple(id(w) for w in watched)
-        items = [ItemPlan.passthrough(n, p.numel(), p.dtype) for n, p in params]
-        items.append(ItemPlan.passthrough(ARRIVED_ITEM, len(params), torch.float32))
-        self.plan = BucketPlan(tuple(items), self.world, self.group_name, self.average, Collective.ALL_REDUCE)
-        self.n_values = sum(p.numel() for _, p in params)
         device = params[0][1].device if params else self.state.counters.device
+        layout = self.state.layout
+        for n, p in params:  # each name's item once: its residual lives in the state (checkpointed)
+            if n not in self._items:
+                self._items[n] = outside_item(self.state, n, tuple(p.shape), self.world, device,
+                                              collective=Collective.ALL_REDUCE, layout=layout)
+        self.segments = [Segment(n, 1, p.numel()) if self._items[n][0] is None
+                         else Segment(n, self._items[n][0].rows, self._items[n][0].cols, *self._items[n])
+                         for n, p in params]
+        self.segments.append(Segment(ARRIVED_ITEM, 1, len(params) + 2 * self.world))  # flags: exact fp32 sums
+        self.plan = collectives.bucket_plan(self.segments, torch.float32, world=self.world, group_name=self.group_name,
+                                            average=False, op=Collective.ALL_REDUCE, layout=layout)
+        self.n_values = sum(p.numel() for _, p in params)
         self.flat = torch.zeros(self.n_values + len(params) + 2 * self.world, device=device)
         self.slots, offset = [], 0
         for _, p in params:
@@ -119,7 +133,6 @@ class PlainSync:
         self.arrived = self.flat[offset:offset + len(params)]
         self.flags = self.flat[offset + len(params):offset + len(params) + self.world]
         self.changed = self.flat[offset + len(params) + self.world:]
-        self.baseline_bytes = sum(p.numel() * p.element_size() for _, p in params)
 
     def install(self) -> list[Any]:
         """Agree on the bucket's plan across ranks (names, order, sizes) and register the
@@ -187,7 +200,7 @@ class PlainSync:
                 st.backward_watch.queued = False  # the failed backward runs no end-of-backward callback
                 raise RuntimeError(
                     f"GIFT: torch.autograd.grad asked for the gradient of {self._name(key)}, a parameter GIFT "
-                    "synchronises at full precision at the end of a backward into .grad (one all-reduce for all "
+                    "synchronises at the end of a backward into .grad (one all-reduce for all "
                     "of them, in a fixed order); autograd.grad would return its local gradient unsynchronised. "
                     "Call loss.backward() (or torch.autograd.backward(loss, inputs=...)) and read .grad") from None
             if st.sync_mode is not SyncMode.SYNC:
@@ -225,9 +238,14 @@ class PlainSync:
         values = self.flat[: self.n_values]
         self.flags[self.me] = 0.0 if bool(torch.isfinite(values).all()) else 1.0
         self.changed[self.me] = float(key != self.key)
-        dist.all_reduce(self.flat, group=self.group)
+        counted = int(st.counters[C_NONFINITE])
+        config = st.config
+        collectives.sync_buffer(self.flat, self.segments, st.shared, op=Collective.ALL_REDUCE, group=self.group,
+                                average=False, out=self.flat, ranks_per_node=config.ranks_per_node,
+                                intra_node_format=config.intra_node_format)
         bad = [r for r, f in enumerate(self.flags.tolist()) if f > 0]
-        self._count(bad)
+        # a coded item's header already counted its non-finite collective: the ranks are still ours
+        self._count(bad, counted=int(st.counters[C_NONFINITE]) > counted)
         for (_, p), slot, arrived in zip(self.params, self.slots, self.arrived.tolist()):
             if arrived > 0:
                 synced = (slot / self.world if self.average else slot).to(p.dtype)
@@ -250,27 +268,24 @@ class PlainSync:
         collectives.check_plan_agreement(self.plan, self.group, always=True)
         new = self._rehook()
         self.state.dirty_params.update(id(p) for n, p in params if n in new and p.grad is not None)
-        logger.warning("GIFT: the model's trainable parameters changed after apply (rank(s) %s): now synchronised at "
-                       "full precision: %d unmanaged parameter(s)%s. Parameters added, unfrozen or replaced after "
+        logger.warning("GIFT: the model's trainable parameters changed after apply (rank(s) %s): now synchronised "
+                       "outside the layers (unmapped_format / tiny_format): %d unmanaged parameter(s)%s. Parameters added, unfrozen or replaced after "
                        "apply are not quantized; gift_compile.remove + apply to manage new linears.", changed,
                        len(params), f", newly: {', '.join(new)}" if new else "")
         if new:
             self.flush()
 
-    def _count(self, bad: list[int]) -> None:
-        """Bytes handed to the all-reduce, the launch, and the ranks whose gradients were not
-        finite, into the state's counters (read by `GiftState.check_health`)."""
+    def _count(self, bad: list[int], counted: bool = False) -> None:
+        """The launch (as a plain call, not a managed one) and the ranks whose gradients were not
+        finite into the state's counters (read by `GiftState.check_health`); the bytes the
+        bucket counted itself. `counted`: a
+        coded item's header counted the non-finite collective already."""
         c = self.state.counters
-        handed = self.flat.numel() * self.flat.element_size()
-        c[C_WIRE] += handed
-        c[C_BASELINE] += self.baseline_bytes
-        if self.state.layout.spans_nodes:  # one level over the whole group: across nodes where it spans them
-            c[C_CROSS_BASELINE] += self.baseline_bytes
-        else:
-            c[C_NODE_WIRE] += handed
         c[C_PLAIN_CALLS] += 1
+        c[C_CALLS] -= 1  # the bucket counted itself a call; `calls` stays the managed weights' collectives
         if bad:
-            c[C_NONFINITE] += 1
+            if not counted:
+                c[C_NONFINITE] += 1
             mask = 0
             for r in bad:
                 mask |= 1 << min(r, RANK_BITS)
@@ -329,19 +344,32 @@ def wrapped_after_apply(model: nn.Module) -> str | None:
     `DistributedDataParallel` added afterwards brings the framework's own fp32 reduction, so
     every gradient would travel twice (GIFT's codes, then FSDP2's reduce-scatter or DDP's
     bucket all-reduce) while `comm_totals()` still reports compression. FSDP2 shows as an
-    `FSDPModule` class on the model or a managed linear, or DTensor weights (a parent sharded
-    without the root); DDP as the module its forward is running (`_get_active_ddp_module`,
-    set around the wrapped module's call, also when that call is compiled)."""
+    `FSDPModule` class on the model or a managed linear, DTensor weights (a parent sharded
+    without the root), or FSDP2's mark on every module whose parameters it manages
+    (`_is_fsdp_managed_module`: a parent sharded with the root, `nn.Sequential(model)` or
+    `torch.compile(model)`, swaps unsharded tensors into the forward, so the weights read there
+    are no DTensors); DDP as the module its forward is running (`_get_active_ddp_module`, set
+    around the wrapped module's call, also when that call is compiled), unless that DDP was told
+    to ignore every parameter of `model` (the valid split: DDP for the rest, GIFT for `model`)."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
     state: GiftState = model._gift_state
-    if isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) or isinstance(m._parameters["weight"], DTensor)
-                                            for m in state.modules.values()):
+    if isinstance(model, FSDPModule) or getattr(model, "_is_fsdp_managed_module", False) or any(
+            isinstance(m, FSDPModule) or getattr(m, "_is_fsdp_managed_module", False)
+            or isinstance(m._parameters["weight"], DTensor) for m in state.modules.values()):
         return "fully_shard (FSDP2)"
-    if nn.parallel.DistributedDataParallel._get_active_ddp_module() is not None:
+    ddp = nn.parallel.DistributedDataParallel._get_active_ddp_module()
+    if ddp is not None and not _ignored_by(ddp, model):
         return "DistributedDataParallel"
     return None
+
+
+def _ignored_by(ddp: nn.parallel.DistributedDataParallel, model: nn.Module) -> bool:
+    """Whether `ddp` ignores every trainable parameter of `model` (its submodule): then DDP's
+    reducer never carries them and GIFT's sync is their only one."""
+    ignored = {id(p) for n, p in ddp.module.named_parameters() if n in ddp.parameters_to_ignore}
+    return all(id(p) in ignored for p in model.parameters() if p.requires_grad)
 
 
 def _refuse_outer_data_parallel(model: nn.Module, args: Any) -> None:

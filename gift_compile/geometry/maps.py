@@ -5,6 +5,10 @@ with the traced kernels they share (the block Walsh-Hadamard butterfly, the low-
 They live apart from `gift_compile.geometry.table`, which holds the one name -> class table and
 re-exports every class, so that the table module stays small and the maps whose factor comes
 from the optimizer (`gift_compile.geometry.optimizer_maps`) can derive from these.
+
+Why one module: the five classes are one hierarchy over shared private traced kernels (`_traced`,
+`_low_rank_sum`, `_map_path`, `_rows`), and `Geometry`'s base methods are best read next to the
+overrides that change them; the name table and the optimizer-fed maps already live apart.
 """
 
 from __future__ import annotations

@@ -77,7 +77,7 @@ def kernels_enabled() -> bool:
 @contextlib.contextmanager
 def use_kernels(enabled: bool) -> Iterator[None]:
     """Within the block, trace CUDA codecs with (True) or without (False) the explicit kernels;
-    `bench.gpu_check` compiles the Inductor-generated bodies beside the kernel ones this way.
+    `bench.gpu.check` compiles the Inductor-generated bodies beside the kernel ones this way.
     A graph the FX pass traced keeps its choice; a `torch.compile`d body guards on the switch,
     so calling it under the other setting retraces it (run a body under the setting it was
     compiled with)."""
@@ -197,12 +197,13 @@ def decode(payload: torch.Tensor, spec: FormatSpec, scales: torch.Tensor, tensor
 
 def decode_sum(payload: torch.Tensor, spec: FormatSpec, scales: torch.Tensor, tensor_scale: torch.Tensor | None,
                cols: int, average: bool) -> torch.Tensor:
-    """The fp32 sum over senders (dim 0, in rank order) of `decode`, divided by their number with
-    `average`: on the kernel path in the decoding kernel itself, so the per-sender values are
-    never written out."""
+    """The fp32 sum over senders (dim 0, in rank order) of `decode`, with `average` of each
+    sender's value divided by their number (the mean of finite values near fp32's largest is
+    finite, their sum is not): on the kernel path in the decoding kernel itself, so the
+    per-sender values are never written out."""
     if not _path(spec, payload).kernels:
-        total = codec.decode(payload, spec, scales, tensor_scale, cols).sum(dim=0)
-        return total / payload.shape[0] if average else total
+        values = codec.decode(payload, spec, scales, tensor_scale, cols)
+        return (values / payload.shape[0] if average else values).sum(dim=0)
     if spec.name in FP8_KERNEL_FORMATS:
         return _fp8_decode(payload, spec, scales, cols, True, average)
     assert tensor_scale is not None, f"{spec.name}: a two-level format has a tensor scale"

@@ -7,7 +7,7 @@ the output). Here the expansion takes the gathered codes instead of Z and decode
 with the decode kernels' own helpers (`ops.lowrank_decode_expand`;
 `ops_fp8.lowrank_fp8_decode_expand` for the fp8 formats), so its second look at the values
 costs the codes' bytes (0.5-1 per element) instead of Z's 4; the projection still reads Z, as
-the byte floor's receiver does (`bench.codec_minimum`). The output is decode -> expand's bit for
+the byte floor's receiver does (`bench.fidelity.codec_minimum`). The output is decode -> expand's bit for
 bit: the same decoded values, the same tile arithmetic (`triton_codec._expand_values`).
 
 `receiver_path` is the static choice: fused where the map runs as kernels

@@ -5,7 +5,7 @@ G, writes the mapped gradient Y), `block_stat` (reads Y) and `encode` (reads Y):
 G, is written once and read twice. Here the expansion is recomputed inside the two kernels that
 consume it (`ops.lowrank_block_stat`, `ops.lowrank_encode`, sharing `lowrank_expand`'s tile
 arithmetic), so the sender reads G three times and writes only the projection, the block
-statistics and the codes (issue 26's byte goal; `python -m bench.kernel_traffic` counts it).
+statistics and the codes (issue 26's byte goal; `python -m bench.fidelity.kernel_traffic` counts it).
 The fp8 formats' sender is the same three reads: `lowrank_expand`, `fp8_scale_encode` (or
 `fp8_scales`, then `fp8_encode`) become `ops_fp8.lowrank_fp8_scales` (the per-row or per-block
 scales, or per tensor the rows' amax, of the expansion's tiles) and `ops_fp8.lowrank_fp8_encode`.

@@ -17,11 +17,11 @@ arithmetic of `geometry.maps.LowRank`'s projection `P = G U` and expansion `(P C
 - `auto` (the default): `tf32` on CUDA, `exact` elsewhere. TF32 rather than bf16: the map's
   operand rounding reaches the delivered gradient through the inverse map, whose gain on the
   factor's strong directions grows with the whitening's conditioning; on real gradients
-  (`python -m bench.map_precision`, docs/benchmarks.md) bf16's 8x coarser operands made the map
+  (`python -m bench.fidelity.map_precision`, docs/benchmarks.md) bf16's 8x coarser operands made the map
   alone err 8x more and moved the codec's error 50-120x more than TF32's (neither change to
   the codec's error resolved after the family-wise correction). Speed should not separate them: at rank
   <= 128 each matmul does about 4r FLOPs per 8 bytes of gradient it moves, far below either
-  precision's tensor-core rate (an estimate; `bench.gpu_check`'s map section times both).
+  precision's tensor-core rate (an estimate; `bench.gpu.check`'s map section times both).
 
 The choice depends only on the plan's precision, the device and the kernel switch
 (`dispatch.use_kernels`), all static, so a traced body never branches on data and a plan's

@@ -164,7 +164,7 @@ def decode(payload: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tens
            cols: int, reduce: bool, average: bool) -> torch.Tensor:
     """fp32 values of every sender's payload (`[senders, rows, payload_cols]` uint8) with its
     block codes (`[senders, rows, nblocks]`) and tensor scale (`[senders]`): their sum in rank
-    order `[rows, cols]` with `reduce` (divided by the number of senders with `average`), else
+    order `[rows, cols]` with `reduce` (each value divided by the number of senders with `average`), else
     `[senders, rows, cols]`; `codec.decode` (and its `.sum(0)`) bit for bit."""
     f = _format(fmt, block_size)
     spec = FormatSpec(fmt, block_size=block_size)
@@ -268,7 +268,7 @@ def lowrank_expand(g: torch.Tensor, p: torch.Tensor, dinv: torch.Tensor, coef: t
     `(I+S^2)^{-1/2} - I`, `basis` `U` `[cols, rank]`; `apply_inverse`: `dinv = dsq = D^{1/2}`,
     `coef` the `C'`, `basis` `V`), with the rank-r product as a tensor-core matmul accumulating in fp32
     with `precision` operands. Not bitwise the reference's fixed-order chain of multiply-adds:
-    a preconditioner's rounding (`python -m bench.map_precision` measures what it does to the
+    a preconditioner's rounding (`python -m bench.fidelity.map_precision` measures what it does to the
     codec's error)."""
     _check_precision("lowrank_expand", precision)
     basis = basis.contiguous()

@@ -171,7 +171,7 @@ def fp8_decode(payload: torch.Tensor, scales: torch.Tensor, fmt: str, scaling: s
                reduce: bool, average: bool) -> torch.Tensor:
     """fp32 values of every sender's payload (`[senders, rows, padded cols]` uint8) with its
     scales (`[senders]`, `[senders, rows]` or `[senders, rows, nblocks]` for tensor, row, block
-    scaling): their sum in rank order `[rows, cols]` with `reduce` (divided by the number of
+    scaling): their sum in rank order `[rows, cols]` with `reduce` (each divided by the number of
     senders with `average`), else `[senders, rows, cols]`; `codec.decode` (and its `.sum(0)`)
     bit for bit."""
     spec, f = _format("fp8_decode", fmt, scaling, block_size)

@@ -8,9 +8,9 @@ rank]` projection by every tile that shares them, both a few MB at most) come fr
 after their first load, not from memory. So a kernel's bytes are the sizes of its tensor
 arguments plus its output, fixed by the shapes and dtypes the exchange hands it, whichever
 torch or Inductor compiles the code around it. `op_traffic` applies that rule to an operator
-call (a traced graph's node, or the tensors themselves); `bench.kernel_traffic` sums it over
+call (a traced graph's node, or the tensors themselves); `bench.fidelity.kernel_traffic` sums it over
 the operators a codec body emits and sets it beside the body's floor
-(`bench.codec_minimum.minimum_bytes`).
+(`bench.fidelity.codec_minimum.minimum_bytes`).
 """
 
 from __future__ import annotations

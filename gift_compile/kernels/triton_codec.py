@@ -26,6 +26,11 @@ the consumers view a tile as `[BM, BN / BLOCK, BLOCK]` blocks or `[BM, BN / PER,
 which needs BN to be a multiple of both (`ops.fused_reason`). The all-reduce's receiver
 (`lowrank_decode_expand_kernel`) takes the same tile's values from the gathered codes,
 decoded as `decode_kernel` decodes them (`_decoded_value`), instead of from memory.
+
+Why one module: every kernel here restates the reference codec operation by operation, and the
+plain and the low-rank fused kernels share the same `@triton.jit` steps (`_e4m3_code`,
+`_magnitude`, `_digit_code`, `_grid_value`, `_block_stat`); one file is the one place where that
+arithmetic is read against `gift_compile.codec`, so no copy of a step can drift from another.
 """
 
 from __future__ import annotations
@@ -266,9 +271,9 @@ def decode_kernel(payload_ptr, code_ptr, tscale_ptr, out_ptr, rows, cols, nblock
     """Decode every sender's `[rows, pcols]` payload (SENDERS of them, a plan constant) with its
     own block codes and tensor scale (`codec.decode`: code value times block scale times tensor
     scale, NaN for a non-finite scale, saturated at fp32's largest value). SUM: one fp32 sum over
-    the senders in rank order, starting from 0 (then divided by their count with AVERAGE, a
-    correctly rounded division), stored `[rows, cols]`; otherwise each sender's values, stored
-    `[senders, rows, cols]`."""
+    the senders in rank order, starting from 0 (with AVERAGE of each value divided by their count,
+    a correctly rounded division, so the mean of values near fp32's largest does not overflow),
+    stored `[rows, cols]`; otherwise each sender's values, stored `[senders, rows, cols]`."""
     row = tl.program_id(0).to(tl.int64)
     w = tl.program_id(1) * TILE + tl.arange(0, TILE)
     i = tl.arange(0, PER_P2)
@@ -292,12 +297,12 @@ def decode_kernel(payload_ptr, code_ptr, tscale_ptr, out_ptr, rows, cols, nblock
         sc = tl.load(code_ptr + at * nblocks + j // BLOCK, mask=valid, other=0).to(tl.int32)
         v = _decoded_value(code, sc, tl.load(tscale_ptr + s), KIND, BITS)
         if SUM:
+            if AVERAGE:  # each sender's share first: a sum of finite values must not overflow
+                v = tl.math.div_rn(v, tl.full([TILE, PER_P2], SENDERS, tl.float32))
             acc += v
         else:
             tl.store(out_ptr + at * cols + j, v, mask=valid)
     if SUM:
-        if AVERAGE:
-            acc = tl.math.div_rn(acc, tl.full([TILE, PER_P2], SENDERS, tl.float32))
         tl.store(out_ptr + row * cols + j, acc, mask=valid)
 
 

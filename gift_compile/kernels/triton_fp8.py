@@ -254,8 +254,9 @@ def fp8_decode_kernel(payload_ptr, scale_ptr, out_ptr, rows, cols, cp, nblocks, 
     """Decode every sender's `[rows, cp]` payload (SENDERS of them, a plan constant) with its own
     scales (`codec.decode`: the code's value times the scale, NaN for a +inf scale, saturated at
     fp32's largest value). SUM: one fp32 sum over the senders in rank order, starting from 0
-    (then divided by their count with AVERAGE, a correctly rounded division), stored
-    `[rows, cols]`; otherwise each sender's values, stored `[senders, rows, cols]`."""
+    (with AVERAGE of each value divided by their count, a correctly rounded division, so the mean
+    of values near fp32's largest does not overflow), stored `[rows, cols]`; otherwise each
+    sender's values, stored `[senders, rows, cols]`."""
     row = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * TILE + tl.arange(0, TILE)
     valid = j < cols
@@ -266,12 +267,12 @@ def fp8_decode_kernel(payload_ptr, scale_ptr, out_ptr, rows, cols, cp, nblocks, 
         v = _fp8_decoded(code, _scale_at(scale_ptr, s, at, j, nblocks, SCALING, BLOCK, valid), MBITS, EMIN,
                          IEEE_SPECIALS)
         if SUM:
+            if AVERAGE:  # each sender's share first: a sum of finite values must not overflow
+                v = tl.math.div_rn(v, tl.full([TILE], SENDERS, tl.float32))
             acc += v
         else:
             tl.store(out_ptr + at * cols + j, v, mask=valid)
     if SUM:
-        if AVERAGE:
-            acc = tl.math.div_rn(acc, tl.full([TILE], SENDERS, tl.float32))
         tl.store(out_ptr + row * cols + j, acc, mask=valid)
 
 

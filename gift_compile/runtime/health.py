@@ -113,18 +113,29 @@ def check_replicas(state: GiftState) -> None:
         )
 
 
-def queue_backward_check(state: GiftState) -> None:
+def queue_backward_check(state: GiftState, *, after_framework: bool = False) -> None:
     """Run `end_of_backward(state)` once when the running backward completes (called by every
     hook through which a backward reaches GIFT's collectives; later calls in the same backward
-    are no-ops). Outside a backward (a collective called directly) the checks run now."""
+    are no-ops). Outside a backward (a collective called directly) the checks run now.
+
+    `after_framework`: the framework queues its own end-of-backward callback after this call
+    (DDP's reducer queues its finalisation once the last bucket is handed over, and waits
+    there for every bucket's future), so the check is queued from a first callback and runs
+    after the framework's: it then reads counters every exchange has written, and an error it
+    raises does not cut the framework's finalisation short (which left DDP's reducer expecting
+    the abandoned step's buckets: every later backward failed an internal assert)."""
     watch = state.backward_watch
     if watch.queued or not state.active:
         return
     if torch._C._current_graph_task_id() == -1:
         end_of_backward(state)
         return
-    watch.queued = True
-    torch.autograd.Variable._execution_engine.queue_callback(lambda: end_of_backward(state))
+    watch.queued, watch.checked = True, False
+    engine = torch.autograd.Variable._execution_engine
+    if after_framework:
+        engine.queue_callback(lambda: engine.queue_callback(lambda: end_of_backward(state)))
+    else:
+        engine.queue_callback(lambda: end_of_backward(state))
 
 
 def end_of_backward(state: GiftState) -> None:
@@ -152,6 +163,7 @@ def end_of_backward(state: GiftState) -> None:
             "GIFT: %d optimizer steps and the GIFT state has not advanced: its geometry never "
             "refreshes and stochastic-rounding seeds repeat. Pass optimizer= to gift_compile.apply, or call "
             "gift_compile.step(model) after every optimizer step.", watch.since_step)
+    watch.checked = True  # set first: the check consumes the counters whether or not it raises
     state.check_health()
     if syncing:
         check_replicas(state)

@@ -24,7 +24,7 @@ from gift_compile.geometry import apply_forward, apply_inverse
 from gift_compile.geometry.maps import FactorSource, RowShard
 from gift_compile.geometry.statistics import KFACStatistics, SketchStatistics
 from gift_compile.runtime.selection import LayerMeasurement, decide, harmful, measure, rests_on_gain
-from gift_compile.sync import all_gather_object_, all_reduce_, broadcast_, group_rank
+from gift_compile.sync import all_gather_object_, all_reduce_, broadcast_, counting, group_rank
 
 if TYPE_CHECKING:
     from gift_compile.runtime.layer import LayerState
@@ -100,7 +100,12 @@ class RefreshEngine:
     @torch.no_grad()
     def refresh(self) -> RefreshRecord:
         """Rebuild the geometry of the layers that use (or may use) it, then the selection;
-        identical on all ranks."""
+        identical on all ranks. The bytes its collectives are handed count into
+        `refresh_traffic` (`comm_totals()["refresh_wire"]`)."""
+        with counting(self.refresh_traffic):
+            return self._refresh()
+
+    def _refresh(self) -> RefreshRecord:
         cfg = self.config
         start = time.perf_counter()
         number = len(self.history) + 1  # this refresh's ordinal

@@ -5,7 +5,8 @@ or fp32 communication: training runs, and nothing shows that the config did not 
 author meant. So `apply` (and the torchtitan hook) build this report from the state it
 installed and the model's linear weights, keep it on the state (`gift_compile.report(model)`)
 and log it at WARNING on rank 0: the adapter, the format, the geometry and metric as "auto"
-resolved them, the layers managed and selected, the linear weights left at full precision,
+resolved them, the layers managed and selected, the linear weights without a layer, what
+travels how (per class of gradient: format and bytes per step),
 every glob (`select`, `exclude`, `layer_formats`) that matched no weight, and which exchange each
 gradient path runs (one level, or two levels across nodes: on a cluster not every path does).
 """
@@ -17,13 +18,16 @@ import fnmatch
 import logging
 import math
 
+import torch
 import torch.distributed as dist
 
-from gift_compile.config import GiftConfig, SelectRule
+from gift_compile.config import GiftConfig, SelectRule, is_tiny
+from gift_compile.exchange.accounting import bucket_wire_bytes
+from gift_compile.exchange.plan import BucketPlan, ItemPlan
 from gift_compile.runtime.refresh import next_refresh, refresh_words
 from gift_compile.runtime.state import GiftState
 
-__all__ = ["HEADER", "ApplyReport", "current", "log_report", "summarize", "unmatched_globs"]
+__all__ = ["HEADER", "ApplyReport", "current", "log_report", "summarize", "traffic", "unmatched_globs"]
 
 logger = logging.getLogger("gift_compile")
 
@@ -68,6 +72,9 @@ class ApplyReport:
     """`apply(fuse=...)`: the framework hooks run GIFT's codec through compiled bodies."""
     compression: dict[str, float | None] | None = None
     """`GiftState.compression()` when the report was made (None until something was sent)."""
+    traffic: tuple[str, ...] = ()
+    """What travels how: one line per class of gradient (`traffic`): its count, format(s) and
+    bytes per step on this rank."""
 
     def lines(self) -> list[str]:
         """The report as the log prints it."""
@@ -94,8 +101,9 @@ class ApplyReport:
         elif self.selected is not None and self.managed:
             out.append(f"  first refresh (maps built) at optimizer step {self.next_refresh}; now after step {self.step}")
         if self.full_precision:
-            out.append(f"  linear weights at full precision ({len(self.full_precision)}): "
+            out.append(f"  linear weights without a layer ({len(self.full_precision)}): "
                        f"{_names(self.full_precision)}")
+        out.extend(f"  {line}" for line in self.traffic)
         out.extend(f"  {entry} matched no weight" for entry in self.unmatched)
         out.extend(f"  exchange of the {line}" for line in self.exchanges)
         c = self.compression
@@ -147,7 +155,55 @@ def current(report: ApplyReport, state: GiftState) -> ApplyReport:
             f"{refresh_words(state.config, state.layers, state.history[-1].step, shown=0)}") if state.history else None
     return dataclasses.replace(report, selected=selected, step=state.steps, last_refresh=last,
                                next_refresh=next_refresh(state.config, state.steps),
-                               compression=None if math.isnan(sent["total"]) else sent)
+                               compression=None if math.isnan(sent["total"]) else sent,
+                               traffic=tuple(traffic(state)))
+
+
+def _item_bytes(plan: ItemPlan, state: GiftState) -> int:
+    """Bytes one rank hands to the state's collective for `plan` once (the bucket's header left out)."""
+    world, op = state.world(), state.collective
+    if world <= 1:
+        return 0
+    twice = (plan, dataclasses.replace(plan, name=f"{plan.name} (again)"))  # the marginal item: no header
+    return (bucket_wire_bytes(BucketPlan(twice, world, None, False, op, state.layout))
+            - bucket_wire_bytes(BucketPlan(twice[:1], world, None, False, op, state.layout)))
+
+
+def traffic(state: GiftState) -> list[str]:
+    """What travels how, per class of gradient: GIFT's mapped layers, its layers and the
+    parameters outside them in plain low-bit coordinates, the embedding and head (those
+    `exclude` matches), tiny tensors (`GiftConfig.tiny_format`) and what goes raw at full
+    precision (the opt-outs). Each with its count, format(s) and bytes one rank hands to the
+    collectives per step (`_item_bytes`, the accounting of the bucket exchange: codes, scales,
+    padding; an fp32 gradient assumed for raw items). The outside parameters are those a hook
+    sends in its buckets (`GiftState.outside_items`); a path whose framework sends them itself
+    (a traced SimpleFSDP graph) has none, and says so by their absence."""
+    config = state.config
+    classes: dict[str, list[tuple[str, int]]] = {}  # label -> [(format, bytes)]
+
+    def add(label: str, fmt: str, nbytes: int) -> None:
+        classes.setdefault(label, []).append((fmt, nbytes))
+
+    for name, layer in state.layers.items():
+        plan = state.layer_plan(name).items[0]
+        label = ("GIFT's layers, map decided at the first refresh" if not layer.decided
+                 else "mapped layers" if layer.selected and not state.geometry.is_identity
+                 else "GIFT's layers in plain coordinates")
+        add(label, plan.format, _item_bytes(plan, state))
+    for name, (plan, shape) in state.outside_items.items():
+        if plan is None:
+            add("full precision (opt-out)", "fp32",
+                _item_bytes(ItemPlan.passthrough(name, math.prod(shape), torch.float32), state))
+        elif is_tiny(shape, config.min_numel):
+            add("tiny tensors (norms, biases)", plan.format, _item_bytes(plan, state))
+        elif plan.cols == 1 and shape[-1] != 1:  # `euclidean_plan`'s logged fallback
+            add("at tiny_format (codes would not pay, or rows do not split)", plan.format, _item_bytes(plan, state))
+        elif config.is_excluded(name):
+            add("embedding/head (exclude)", plan.format, _item_bytes(plan, state))
+        else:
+            add("other parameters in plain coordinates", plan.format, _item_bytes(plan, state))
+    return [f"{label} ({len(rows)}): {'/'.join(sorted({f for f, _ in rows}))}, {sum(b for _, b in rows):,} bytes "
+            "per step" for label, rows in classes.items()]
 
 
 def summarize(state: GiftState, path: str, linear_weights: list[str], exchanges: tuple[str, ...] = ()) -> ApplyReport:
@@ -165,7 +221,7 @@ def summarize(state: GiftState, path: str, linear_weights: list[str], exchanges:
         select_metric=str(config.select_metric), managed=managed, selected=selected, first_refresh=first,
         full_precision=tuple(n for n in linear_weights if n not in state.layers),
         unmatched=tuple(unmatched_globs(config, list(managed), linear_weights)), exchanges=exchanges,
-        step=state.steps, next_refresh=first)
+        step=state.steps, next_refresh=first, traffic=tuple(traffic(state)))
 
 
 def log_report(report: ApplyReport) -> None:

@@ -94,7 +94,7 @@ def backward_flops(rows: int, d_in: int, tokens: float) -> float:
 
 
 # The prices of the cost side, measured on an H200 (torch 2.11, Triton 3.6; the repository's
-# bench/results/gpu_h200/, Llama-3-8B w1 and w2 gradients, 58.7M elements each, rank 32): the
+# bench/results/gpu/gpu_h200/, Llama-3-8B w1 and w2 gradients, 58.7M elements each, rank 32): the
 # low-rank map's elementwise part (projections' epilogues, the residual and the copy) took
 # 7.5-10.5 ps per element and its matmuls 5.8-5.9 ps; a bf16 weight-gradient matmul ran at
 # 7.9e14 FLOP/s. Every process prices with them, a CPU one included, so a CPU run of the

@@ -42,7 +42,7 @@ from gift_compile.runtime.layer import LayerSpec, LayerState, OutsideResidual
 from gift_compile.runtime.refresh import RefreshEngine, RefreshRecord, next_refresh
 from gift_compile.runtime.selection import LayerMeasurement, decide
 from gift_compile.runtime.telemetry import Telemetry, compression_of
-from gift_compile.sync import GroupByName, all_gather_object_, group_rank, world_size
+from gift_compile.sync import GroupByName, Traffic, all_gather_object_, group_rank, set_in_node, set_levels, world_size
 
 
 @dataclass
@@ -65,6 +65,9 @@ class BackwardWatch:
     # the other parameters GIFT's own sync synchronises, `(name, parameter)`, whose gradients
     # the replica check compares as well (`gift_compile.frameworks.plain_sync` keeps the list)
     synced_params: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    # whether the end-of-backward check has read the counters since the last backward that
+    # reached GIFT: the step then need not read them again (one host read per step)
+    checked: bool = False
 
 
 def layer_spec(config: GiftConfig, geometry: type[Geometry]) -> LayerSpec:
@@ -125,7 +128,8 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
                  "grad_source", "_health_seen", "modules", "handles", "active", "sync_mode", "dirty_params",
                  "plan_version", "selection_changes", "_sharing_checked", "adapters", "hop_counters", "backward_watch",
                  "geometry", "layer_spec", "health_group_name", "pending_faults", "outside", "substates", "blocks",
-                 "stepped_by_optimizer", "report", "layout", "_progress_last")
+                 "stepped_by_optimizer", "driver", "report", "layout", "outside_items", "refresh_traffic",
+                 "_progress_last")
 
     # held by name, so a destroyed group's threads end with it (`gift_compile.sync.GroupByName`)
     group = GroupByName()
@@ -150,11 +154,15 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         # collective in two levels, and the layers' residuals are sized to its node chunks
         self.layout = (node_layout(group, config.ranks_per_node, config.intra_node_format) if world_size(group) > 1
                        else FLAT)
+        if self.layout.two_level:  # the refresh's host collectives cross the network once per node too
+            set_levels(group, self.layout.node_group, self.layout.cross_group, self.layout.ranks_per_node)
+        elif world_size(group) > 1:  # one level: the refresh crosses the network where the group spans nodes
+            set_in_node(group, not self.layout.spans_nodes)
         self.counters = torch.zeros(N_COUNTERS, dtype=torch.int64)
         self.steps = 0
         self.history: list[RefreshRecord] = []
         self.grad_source: FactorSource | None = None
-        self._health_seen = torch.zeros(N_COUNTERS, dtype=torch.int64)
+        self._health_seen = [0] * N_COUNTERS
         # Set by `gift_compile.api.manage` and friends.
         self.modules: dict[str, torch.nn.Module] = {}
         self.handles: list[Any] = []
@@ -165,6 +173,13 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         self.dirty_params: set[int] = set()
         # What `apply` installed (`gift_compile.runtime.report.ApplyReport`), set once it has.
         self.report: Any = None
+        # every parameter outside the layers that a hook sends in its buckets, by FQN: its item
+        # (None: raw) and the gradient's shape as the collective reduces it
+        # (`gift_compile.frameworks.euclidean.outside_item`), for the apply report's classes
+        self.outside_items: dict[str, tuple[ItemPlan | None, tuple[int, ...]]] = {}
+        # bytes this rank handed to the refresh's collectives (statistics, selection, map
+        # broadcast), all and across nodes (`gift_compile.sync.Traffic`)
+        self.refresh_traffic = Traffic()
         # Bumped whenever what traced graphs carry changes (which layers feed their own
         # statistics, at the first refresh): graphs with the old structure must be retraced
         # (dynamo does it through its guards; the torchtitan graph_trainer hook by dropping its
@@ -202,22 +217,30 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         self.stepped_by_optimizer = False
         # `comm_totals()` at the last progress line (`GiftConfig.progress_every`)
         self._progress_last: dict[str, int] | None = None
+        # The optimizer(s) driving it, weakly, and their hooks' handles (`api.attach_optimizer`):
+        # `apply` with another optimizer swaps them (`api.reattach_optimizer`).
+        self.driver: tuple[tuple[Any, ...], list[Any]] | None = None
 
     @property
     def shared(self) -> Shared:
         return Shared(self.seed, self.rank, self.counters)
 
-    def _health_counts(self) -> torch.Tensor:
+    def _health_counts(self) -> list[int]:
         """The counters of every hop, summed (each hop's collectives write its health flags
-        into its own counters); the rank masks are OR-ed across hops and cleared."""
-        now = self.counters.detach().to("cpu", copy=True)
-        self.counters[C_NONFINITE_RANKS:C_MISMATCH_RANKS + 1].zero_()  # rank masks: read once, then cleared
-        for hop in self.hop_counters:
-            other = hop.detach().to("cpu", copy=True)
-            hop[C_NONFINITE_RANKS:C_MISMATCH_RANKS + 1].zero_()
-            masks = now[C_NONFINITE_RANKS:C_MISMATCH_RANKS + 1] | other[C_NONFINITE_RANKS:C_MISMATCH_RANKS + 1]
-            now += other
-            now[C_NONFINITE_RANKS:C_MISMATCH_RANKS + 1] = masks  # bit masks are OR-ed, not summed
+        into its own counters); the rank masks are OR-ed across hops and cleared. All of them
+        come to the host in one read (`tolist` of the stacked counters): the one host read of a
+        step (`runtime.health`)."""
+        masks = slice(C_NONFINITE_RANKS, C_MISMATCH_RANKS + 1)  # bit masks: OR-ed, not summed
+        hops = [self.counters, *self.hop_counters]
+        device = self.counters.device
+        rows = torch.stack([h.detach() if h.device == device else h.detach().to(device) for h in hops]).tolist()
+        for hop in hops:
+            hop[masks].zero_()  # rank masks: read once, then cleared
+        now = [sum(col) for col in zip(*rows)]
+        for i in range(masks.start, masks.stop):
+            now[i] = 0
+            for row in rows:
+                now[i] |= row[i]
         return now
 
     def add_layer(self, fqn: str, shape: tuple[int, int], device: torch.device | str, *,
@@ -374,13 +397,12 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         """The faults the counters recorded since the last call (consumed: read once); a
         non-finite gradient counts only under `nonfinite="error"`."""
         now = self._health_counts()
-        masks = C_NONFINITE_RANKS, C_MISMATCH_RANKS  # OR-ed rank masks: read, then cleared
-        nonfinite_ranks, mismatch_ranks = flagged_ranks(int(now[masks[0]])), flagged_ranks(int(now[masks[1]]))
-        now[masks[0]:masks[1] + 1] = 0
-        new = now - self._health_seen
+        nonfinite_ranks, mismatch_ranks = flagged_ranks(now[C_NONFINITE_RANKS]), flagged_ranks(now[C_MISMATCH_RANKS])
+        now[C_NONFINITE_RANKS] = now[C_MISMATCH_RANKS] = 0
+        new = [a - b for a, b in zip(now, self._health_seen)]
         self._health_seen = now
-        nonfinite = int(new[C_NONFINITE]) if self.config.nonfinite is Nonfinite.ERROR else 0
-        return Faults(int(new[C_MISMATCH]), nonfinite, set(mismatch_ranks) if int(new[C_MISMATCH]) else set(),
+        nonfinite = new[C_NONFINITE] if self.config.nonfinite is Nonfinite.ERROR else 0
+        return Faults(new[C_MISMATCH], nonfinite, set(mismatch_ranks) if new[C_MISMATCH] else set(),
                       set(nonfinite_ranks) if nonfinite else set())
 
     def step(self) -> None:
@@ -388,8 +410,13 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         (the warm-up steps, then every `refresh_every` steps).
 
         The health counters are checked again here for collectives that ran outside a checked
-        backward (a traced whole step); the backward's own checks have consumed the rest."""
-        self.check_health()
+        backward (a traced whole step); the backward's own checks have consumed the rest, and
+        where the last backward's check ran since its collectives this reads nothing (one host
+        read per step). A refresh is where plans change: the ranks compare them again after it
+        (`check_agreement`), so the hooks need no per-bucket plan check."""
+        if not self.backward_watch.checked:
+            self.check_health()
+        self.backward_watch.checked = False
         self.backward_watch.since_step, self.backward_watch.versions = 0, None
         for layer in self.layers.values():
             if layer.mode is SyncMode.SYNC_PENDING:
@@ -398,6 +425,7 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         self.seed.add_(1)
         if self.config.refresh_due(self.steps):
             self.refresh()
+            self.check_agreement()
         for sub in self.substates:
             sub.step()
         self._progress()

@@ -85,11 +85,14 @@ class Telemetry:
     def comm_totals(self) -> dict[str, int]:
         """Cumulative counts since the state was created, as counted by the collectives when
         they handed bytes over: `wire` (every byte handed to GIFT's collectives, inside nodes
-        and across them, and to the full-precision sync of unmanaged parameters where GIFT
-        does that sync), `baseline` (bytes the replaced one-level collectives would have been
-        handed, at the gradients' dtype), `calls`, `nonfinite`, `mismatch`, and `plain_calls`
-        (bucket collectives of the full-precision sync of unmanaged parameters,
-        `gift_compile.frameworks.plain_sync`; not in `calls`).
+        and across them, the sync of a plain module's unmanaged parameters included),
+        `baseline` (bytes the replaced one-level collectives would have been handed, at the
+        gradients' dtype), `calls`, `nonfinite`, `mismatch`, and `plain_calls` (bucket
+        collectives of a plain module's unmanaged parameters,
+        `gift_compile.frameworks.plain_sync`; not in `calls`). Every gradient goes through
+        these counters on plain modules, DDP and FSDP2; on a traced SimpleFSDP graph the
+        reduce-scatters the pass left alone are its report's `untouched_bytes`, which
+        torchtitan's telemetry adds to both.
 
         `wire` by where it goes: `cross_wire`, handed to collectives that cross nodes (the
         network: a two-level exchange's stage 2, a one-level group spanning nodes; 0 when the
@@ -97,11 +100,18 @@ class Telemetry:
         reduce-scatter, header and result all_gathers, and every collective of a group inside
         one node). `cross_baseline`: what an exchange at the gradients' dtype over the same
         node layout would have handed across nodes (a two-level stage 2's node-reduced chunks,
-        1/g of the gradient). `compression()` turns these into the two reported figures."""
+        1/g of the gradient). `compression()` turns these into the two reported figures.
+
+        The refresh's own traffic (statistics, selection measurements, map broadcasts; in two
+        levels where the group spans nodes, `gift_compile.sync`) is apart from the gradients':
+        `refresh_wire`, the bytes this rank handed to send in it, and `refresh_cross_wire`,
+        those of them handed to collectives between nodes (by the same rule: all of them in a
+        one-level group spanning nodes, none in a group inside one node)."""
         c = self.counters.tolist()
         return {"wire": c[C_WIRE], "baseline": c[C_BASELINE], "calls": c[C_CALLS], "nonfinite": c[C_NONFINITE],
                 "mismatch": c[C_MISMATCH], "plain_calls": c[C_PLAIN_CALLS], "node_wire": c[C_NODE_WIRE],
-                "cross_wire": c[C_WIRE] - c[C_NODE_WIRE], "cross_baseline": c[C_CROSS_BASELINE]}
+                "cross_wire": c[C_WIRE] - c[C_NODE_WIRE], "cross_baseline": c[C_CROSS_BASELINE],
+                "refresh_wire": self.refresh_traffic.wire, "refresh_cross_wire": self.refresh_traffic.cross}
 
     def compression(self) -> dict[str, float | None]:
         """The two compression figures of `comm_totals()` (`compression_of` says how)."""
