@@ -44,11 +44,12 @@ from gift_compile.frameworks.parts import Parts
 from gift_compile.frameworks.routing import (_unmanage_module, eligible_linears, linear_weight_names,  # noqa: F401
                                              manage, unmanage)
 from gift_compile.geometry.optimizer_maps import leaf_optimizers
-from gift_compile.geometry.optimizers import geometry_for, select_metric_for
+from gift_compile.geometry.optimizers import geometry_for, optimizer_family, select_metric_for
 from gift_compile.geometry.table import Geometry, geometry_class
 from gift_compile.passes.inductor import hold_inductor_pass, release_inductor_pass
+from gift_compile.recipes import check_recipe_optimizer
 from gift_compile.runtime.health import check_health_group
-from gift_compile.runtime.report import ApplyReport, log_report, summarize
+from gift_compile.runtime.report import ApplyReport, current, log_report, summarize
 from gift_compile.runtime.state import GiftState
 
 logger = logging.getLogger("gift_compile")
@@ -110,16 +111,19 @@ def apply(model: nn.Module, config: GiftConfig | None = None, *, group: dist.Pro
                        "step, or GIFT's geometry never refreshes (the fault checks run at the end of each backward)")
     hold_inductor_pass(model)  # installed while a model with GIFT applied is alive (see passes.inductor)
     inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model  # DDP: its module's names
-    state.report = summarize(state, adapter.kind, linear_weight_names(inner), describe_exchanges(state))
+    state.report = dataclasses.replace(summarize(state, adapter.kind, linear_weight_names(inner),
+                                                 describe_exchanges(state)), fused=fuse)
     log_report(state.report)
     return model
 
 
 def report(model: nn.Module) -> ApplyReport:
-    """What `apply` installed on `model`: the path, format, geometry and metric as resolved, the
-    layers managed and mapped, the linear weights at full precision, the globs that matched
+    """What `apply` installed on `model`, current now: the path, format, geometry and metric as
+    resolved, the layers managed and those mapped at this step, the last refresh's outcome and
+    the next refresh's step, the linear weights at full precision, the globs that matched
     nothing (`gift_compile.runtime.report`; logged at WARNING on rank 0 by `apply`)."""
-    return state(model).report
+    st = state(model)
+    return current(st.report, st)
 
 
 def check_optimizer(optimizer: Any) -> None:
@@ -158,6 +162,11 @@ def resolve_auto(config: GiftConfig, optimizer: Any | None, weights: list[torch.
     ``GIFT: geometry='auto' -> '<name>', select_metric='auto' -> '<name>'`` (the demo reads it).
     """
     geometry_auto, metric_auto = config.geometry == AUTO_GEOMETRY, config.select_metric is SelectMetric.AUTO
+    # a recipe measured under another optimizer: said on every rank, where "auto" follows the
+    # optimizer (a named geometry consults no optimizer: geometry="none" takes any)
+    if config.recipe and geometry_auto and optimizer is not None and weights:
+        check_recipe_optimizer(config, optimizer_family(optimizer, weights),
+                               ", ".join(type(o).__name__ for o in leaf_optimizers(optimizer)))
     if not (geometry_auto or metric_auto):
         return config
     if optimizer is None:
@@ -204,11 +213,12 @@ def managed_weights(model: Parts, config: GiftConfig, group: dist.ProcessGroup |
                     split_rows: bool) -> list[torch.Tensor]:
     """The weights `manage` will take from `model` on the data-parallel `group` (`split_rows`:
     a reduce-scatter path), what `resolve_auto` inspects the optimizer for. Eligibility reads
-    neither the geometry nor the metric, so it is computed before "auto" is resolved."""
+    neither the geometry nor the metric, so it is computed before "auto" is resolved; the weights
+    it leaves out are logged by `manage`, once."""
     world = collectives.group_info(group)[1]
     return [m._parameters["weight"] for _, m in eligible_linears(model, world, min_numel=config.min_numel,
                                                                  excluded=config.is_excluded,
-                                                                 split_rows=split_rows, group=group)]
+                                                                 split_rows=split_rows, group=group, quiet=True)]
 
 
 def attach_optimizer(state: GiftState, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer], *,

@@ -378,6 +378,13 @@ class GiftConfig:
             network, bounds it (`python -m bench.step_model.topology`). Stage 2 across nodes is
             unchanged. With ranks_per_node=0 (no two levels) anything but "native" raises,
             since the setting would do nothing.
+        recipe: the named recipe (`gift_compile.recipes`) these fields came from, "" for
+            none; set by `recipe()`. Each recipe was measured under one optimizer family, and
+            `apply` warns on every rank, naming both, when the optimizer it is given is another
+            (a Muon recipe under AdamW gets AdamW's map, not what was measured).
+        progress_every: print one progress line on rank 0 every this many optimizer steps
+            (step, bytes per step, the network and total compression, layers mapped); 0 turns
+            it off (the torchtitan integration does: its metrics print their own).
     """
 
     format: str = "fp8_e4m3"
@@ -419,6 +426,8 @@ class GiftConfig:
     map_precision: MapPrecision = MapPrecision.AUTO
     ranks_per_node: int | None = None
     intra_node_format: str = NATIVE_NODE_FORMAT
+    recipe: str = ""
+    progress_every: int = 10
 
     def __post_init__(self) -> None:
         # Types first (a str where a float belongs must not surface as a TypeError from a
@@ -450,6 +459,10 @@ class GiftConfig:
         if self.replica_hop_format in BLOCK_SIZE_FORMATS and self.block_size not in BLOCK_SIZE_CHOICES:
             _fail("block_size", self.block_size,
                   f"{' or '.join(map(str, BLOCK_SIZE_CHOICES))} for replica_format={self.replica_hop_format!r}")
+        if not isinstance(self.recipe, str):
+            _fail("recipe", self.recipe, "a recipe name (gift_compile.recipes.RECIPES) or \"\"")
+        if not _is_int(self.progress_every) or self.progress_every < 0:
+            _fail("progress_every", self.progress_every, "a non-negative integer (0: no progress lines)")
         for name in ("unmapped_format", "excluded_format"):
             value = getattr(self, name)
             if not isinstance(value, str) or value not in (SAME_FORMAT, *FORMATS):
@@ -502,6 +515,20 @@ class GiftConfig:
         if self.stochastic_rounding and sent == {"fp32"}:
             _fail("stochastic_rounding", self.stochastic_rounding,
                   "false when every layer is sent at fp32: an fp32 wire is exact, there is nothing to round")
+        # A block size no format reads would be dropped without a word (nvfp4's blocks are 16,
+        # mxfp8's 32, whatever block_size says); the default (32) is what a config gets unasked.
+        default_block = GiftConfig.__dataclass_fields__["block_size"].default
+        readers = sent | {self.replica_hop_format} | {
+            self.format if v == SAME_FORMAT else v for v in (self.unmapped_format, self.excluded_format)}
+        if self.block_size != default_block and not any(
+                FormatSpec(f, self.scaling, self.block_size).block == self.block_size for f in readers):
+            blocks = ", ".join(f"{f}: {FormatSpec(f, self.scaling, self.block_size).block or 'no blocks'}"
+                               for f in sorted(readers))
+            _fail("block_size", self.block_size,
+                  f"a block size the format uses; format={self.format!r} does not read block_size ({blocks}), so "
+                  f"{self.block_size} would be ignored: leave block_size out, or set it for a format whose blocks "
+                  f"it sets ({', '.join(BLOCK_SIZE_FORMATS)}: {' or '.join(map(str, BLOCK_SIZE_CHOICES))}; fp8 "
+                  "with scaling='block': any even size)")
         if self.block_rotation and any(FormatSpec(f, self.scaling, self.block_size).block is None for f in sent):
             _fail("block_rotation", self.block_rotation,
                   f"false for format={self.format!r} with scaling={self.scaling!r}: the rotation runs inside "

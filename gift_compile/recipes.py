@@ -27,9 +27,9 @@ from typing import Any
 
 from gift_compile.config import GiftConfig, GiftConfigError
 
-logger = logging.getLogger("gift_compile")
+__all__ = ["RECIPES", "Recipe", "RecipeConflict", "check_recipe_optimizer", "recipe", "recipe_fields"]
 
-__all__ = ["RECIPES", "Recipe", "RecipeConflict", "recipe", "recipe_fields"]
+logger = logging.getLogger("gift_compile")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +78,24 @@ def recipe_fields(name: str) -> dict[str, Any]:
     return dict(RECIPES[name].fields)
 
 
+def check_recipe_optimizer(config: GiftConfig, family: str, optimizers: str) -> None:
+    """Warn (on the calling rank: every rank calls it) when `config` came from a recipe measured
+    under another optimizer family than `family` ("muon", "adamw" or another name), which the
+    optimizers `optimizers` (their class names, for the message) belong to: "auto" follows the
+    optimizer given, so the recipe's measured map is not what runs. Raises for an unknown name."""
+    if not config.recipe:
+        return
+    if config.recipe not in RECIPES:
+        raise ValueError(f"GIFT: GiftConfig.recipe={config.recipe!r} names no recipe; known: {', '.join(RECIPES)}")
+    measured = RECIPES[config.recipe].optimizer
+    if measured != family:
+        logger.warning("GIFT: recipe %r was measured under %s, but the optimizer given is %s (%s): geometry='auto' "
+                       "follows the optimizer, so this run gets %s's map, not the recipe's measured one; pick a "
+                       "%s recipe (%s) or pass the optimizer the recipe names", config.recipe, measured, optimizers,
+                       family, family, family,
+                       ", ".join(n for n, r in RECIPES.items() if r.optimizer == family) or "none yet")
+
+
 def recipe(name: str, **overrides: Any) -> GiftConfig:
     """The `GiftConfig` of recipe `name`, with `overrides` (any `GiftConfig` field) on top.
 
@@ -91,7 +109,7 @@ def recipe(name: str, **overrides: Any) -> GiftConfig:
         logger.warning("GIFT: recipe %r with %s set explicitly: the explicit value%s win%s over the recipe's", name,
                        ", ".join(replaced), "s" if len(replaced) > 1 else "", "" if len(replaced) > 1 else "s")
     try:
-        return GiftConfig(**{**fields, **overrides})
+        return GiftConfig(**{**fields, "recipe": name, **overrides})
     except GiftConfigError as err:
         if err.field in overrides:  # the user's own value is bad: say so, with the recipe it was given to
             raise GiftConfigError(err.field, err.value, f"{err.allowed} (given to recipe {name!r})") from None

@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["GroupByName", "Traffic", "all_gather_object_", "all_reduce_", "broadcast_", "counting",
-           "exit_without_finalization", "group_rank", "process_group", "reduce_", "set_levels", "world_size"]
+           "exit_without_finalization", "group_rank", "process_group", "reduce_", "set_in_node", "set_levels",
+           "world_size"]
 
 # The most recent communicated tensors (see the module docstring). Bounded so at most a few
 # refresh buffers outlive their use.
@@ -101,7 +102,8 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
 class Traffic:
     """Bytes this rank handed to send in the host collectives below while counted (`counting`):
     `wire` in all, `cross` of them to collectives between nodes (every byte of a group without
-    two levels, which may span nodes; only the cross-node step of one with `set_levels`).
+    two levels that may span nodes; none of a group `set_in_node` put inside one node; only the
+    cross-node step of one with `set_levels`).
     A broadcast counts at the rank that sends, a reduction at every rank that contributes."""
 
     wire: int = 0
@@ -143,7 +145,32 @@ def set_levels(group: dist.ProcessGroup | str, node_group: str, cross_group: str
     owner (`GiftState`) registers it. Each collective then crosses the network once per
     node instead of once per rank: a reduction reduces inside the node first, then across
     nodes between the ranks of one local index, then (an all-reduce) broadcasts inside the node."""
-    _LEVELS[process_group(group).group_name] = (node_group, cross_group, int(ranks_per_node))
+    name = process_group(group).group_name
+    _IN_NODE.discard(name)
+    _LEVELS[name] = (node_group, cross_group, int(ranks_per_node))
+
+
+# names of the one-level groups whose ranks all sit on one node (`set_in_node`)
+_IN_NODE: set[str] = set()
+
+
+def set_in_node(group: dist.ProcessGroup | str, inside: bool) -> None:
+    """Run the host collectives over `group` in one level from now on, counted as inside one
+    node (`inside`: none of their bytes in `Traffic.cross`) or as crossing nodes: the one-level
+    layout `gift_compile.exchange.topology.node_layout` made (`NodeLayout.spans_nodes`), which
+    its owner (`GiftState`) registers, so the refresh's bytes are told apart by the same rule
+    as the gradients' (`comm_totals()`)."""
+    name = process_group(group).group_name
+    _LEVELS.pop(name, None)
+    if inside:
+        _IN_NODE.add(name)
+    else:
+        _IN_NODE.discard(name)
+
+
+def _crosses(group: dist.ProcessGroup | None) -> bool:
+    """Whether a one-level host collective over `group` may cross nodes (not `set_in_node`)."""
+    return (group if group is not None else dist.group.WORLD).group_name not in _IN_NODE
 
 
 def _levels(group: dist.ProcessGroup) -> tuple[dist.ProcessGroup, dist.ProcessGroup, int] | None:
@@ -163,7 +190,7 @@ def all_reduce_(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tenso
         levels = _levels(group)
         if levels is None:
             dist.all_reduce(t, group=group)
-            _count(t, cross=True)
+            _count(t, cross=_crosses(group))
             return t
         node, cross, _ = levels
         leader = dist.get_global_rank(node, 0)
@@ -192,7 +219,7 @@ def reduce_(t: torch.Tensor, group: dist.ProcessGroup | None, dst: int = 0) -> t
         levels = _levels(group)
         if levels is None:
             dist.reduce(t, dst=dist.get_global_rank(group, dst), group=group)
-            _count(t, cross=True)
+            _count(t, cross=_crosses(group))
             return t
         node, cross, g = levels
         dst_node, dst_local = divmod(dst, g)
@@ -214,7 +241,7 @@ def broadcast_(t: torch.Tensor, group: dist.ProcessGroup | None, src: int = 0) -
         if levels is None:
             dist.broadcast(t, src=dist.get_global_rank(group, src), group=group)
             if dist.get_rank(group) == src:
-                _count(t, cross=True)
+                _count(t, cross=_crosses(group))
             return t
         node, cross, g = levels
         src_node, src_local = divmod(src, g)

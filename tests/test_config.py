@@ -42,6 +42,7 @@ BAD_TYPES = [
     ("replica_format", None), ("replica_format", 4), ("map_precision", None), ("map_precision", True),
     ("ranks_per_node", -1), ("ranks_per_node", 2.0), ("ranks_per_node", "4"), ("ranks_per_node", True),
     ("intra_node_format", "fp16"), ("intra_node_format", None), ("intra_node_format", 16),
+    ("recipe", 3), ("recipe", None), ("progress_every", -1), ("progress_every", 2.5), ("progress_every", "10"),
     ("unmapped_format", None), ("unmapped_format", "int7"), ("tiny_format", "int2"), ("tiny_format", None),
     ("excluded_format", None), ("excluded_format", "fp64"),
     ("block_size", 32.0), ("block_size", True), ("rank", True), ("rank", "8"), ("refresh_every", False), ("refresh_warmup", -1), ("refresh_warmup", 2.0),

@@ -140,9 +140,11 @@ def test_gift_section_covers_gift_config() -> None:
     config = {f.name for f in dataclasses.fields(GiftConfig)}
     # reduce_op is fixed to "sum": torchtitan normalises the loss by the global token count;
     # its gradient paths are reduce-scatters, which have no second hop to compensate.
-    assert config - section == {"reduce_op", "second_hop_error_feedback"}
+    # progress_every is fixed to 0: torchtitan's metrics print their own progress lines
+    assert config - section == {"reduce_op", "second_hop_error_feedback", "progress_every"}
     assert section - config == {"enable", "fuse"}
     assert GiftSection().to_gift_config().reduce_op == "sum"
+    assert GiftSection().to_gift_config().progress_every == 0
 
 
 _JOB = '[job]\nmodule = "gift_compile.torchtitan_ext.cpu"\nconfig = "llama3_debug_gift_fsdp2"\n'
@@ -314,20 +316,29 @@ def test_the_start_here_config_function_builds_a_gift_trainer_config() -> None:
 
 
 def test_compression_is_the_whole_gradients_on_both_trainers() -> None:
-    """One definition of `gift/compression`: fp32 bytes of every gradient collective of the
-    step over what they all handed over. graph_trainer's untouched buckets (embedding, head)
-    enter both sides, scaled by the graph's runs per step; FSDP2 leaves nothing untouched."""
+    """One definition of `gift/total_compression`: fp32 bytes of every gradient collective of
+    the step over what they all handed over. graph_trainer's untouched buckets (embedding, head)
+    enter both sides, scaled by the graph's runs per step; FSDP2 leaves nothing untouched.
+    `gift/network_compression` counts what crossed nodes only, and is absent on one node."""
     from gift_compile.torchtitan_ext.telemetry import whole_gradient
 
     step = {"gift/wire_bytes_per_step": 484_000.0, "gift/baseline_bytes_per_step": 3_412_000.0,
-            "gift/collectives_per_step": 8.0}
+            "gift/collectives_per_step": 8.0, "gift/cross_wire_bytes_per_step": 0.0,
+            "gift/cross_baseline_bytes_per_step": 0.0}
     # graph_trainer: 4 GIFT collectives per run of the step's graph, 2 runs (2 micro-batches) per step
     graph = whole_gradient(step, (4_194_304, 4))
     assert graph["gift/untouched_bytes_per_step"] == 2 * 4_194_304
-    assert graph["gift/compression"] == pytest.approx((3_412_000 + 2 * 4_194_304) / (484_000 + 2 * 4_194_304))
-    assert graph["gift/compression"] < 1.4  # not the 7.05x of the rewritten buckets alone
+    assert graph["gift/total_compression"] == pytest.approx((3_412_000 + 2 * 4_194_304) / (484_000 + 2 * 4_194_304))
+    assert graph["gift/total_compression"] < 1.4  # not the 7.05x of the rewritten buckets alone
     fsdp2 = whole_gradient(step, None)
-    assert fsdp2 == {"gift/untouched_bytes_per_step": 0.0, "gift/compression": 3_412_000 / 484_000}
+    assert fsdp2 == {"gift/untouched_bytes_per_step": 0.0, "gift/total_compression": 3_412_000 / 484_000}
+    # two levels: 400,000 of the 484,000 bytes stayed inside the node; across nodes GIFT sent
+    # 84,000 where fp32 over the same layout sends the node-reduced half, 1,706,000
+    two = {**step, "gift/cross_wire_bytes_per_step": 84_000.0, "gift/cross_baseline_bytes_per_step": 1_706_000.0}
+    assert whole_gradient(two, None)["gift/network_compression"] == pytest.approx(1_706_000 / 84_000)
+    # graph_trainer's untouched collectives cross nodes at full size where the group spans them
+    spanning = whole_gradient(two, (4_194_304, 4), spans_nodes=True)
+    assert spanning["gift/network_compression"] == pytest.approx((1_706_000 + 2 * 4_194_304) / (84_000 + 2 * 4_194_304))
 
 
 def test_a_runs_gift_warnings_are_its_troubles_not_the_apply_report() -> None:

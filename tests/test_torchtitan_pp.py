@@ -73,7 +73,7 @@ def _check_stages(run: RunResult, which: str, parts: int) -> None:
             # FSDP module per optimizer step (4 microbatches; the first step's shape inference not counted)
             assert r["gift/wire_bytes_per_step"] == r["gift/accounted_bytes_per_backward"] > 0, (stage, r)
             assert r["gift/collectives_per_step"] == 3, (stage, r)
-            assert r["gift/compression"] > 1.5, (stage, r)
+            assert r["gift/total_compression"] > 1.5, (stage, r)
             assert r["gift/managed_layers"] == 10
         # the step driver ran once per optimizer step (per part or per microbatch, refresh_every=2 would come earlier)
         refresh = [r for r in steps if "gift/refresh_step" in r]

@@ -65,8 +65,13 @@ def _core(rank: int, world: int, g: int) -> dict:
     """The public API and `sync_buffer` on one layout: values, bytes per hop, codec work."""
     from gift_compile.exchange import collectives as C
     from gift_compile.exchange.plan import ItemPlan
-    from gift_compile.exchange.topology import FLAT, node_layout
+    import os
 
+    from gift_compile.exchange.topology import NodeLayout, node_layout
+
+    # the launcher's node size: the flat arm (ranks_per_node=0) runs one level over the same
+    # nodes, so its bytes are counted as crossing them
+    os.environ["LOCAL_WORLD_SIZE"] = str(g)
     group = dist.group.WORLD
     out: dict = {}
     x = _ints(rank, (world * 4, 64))
@@ -97,7 +102,7 @@ def _core(rank: int, world: int, g: int) -> dict:
             out[name, op, "accounted"] = C.bucket_hop_bytes(plan)
             out[name, op, "work"] = (count.mapped, count.encoded)
             out[name, op, "two_level"] = plan.two_level
-    out["flat_layout"] = node_layout(group, 0) == FLAT
+    out["flat_layout"] = node_layout(group, 0) == NodeLayout(1, world // g)  # one level, across world // g nodes
     # error feedback lives on stage 2's chunk: a full-size residual is refused, the chunk's kept
     ef = GiftConfig(**NVFP4, ranks_per_node=g)
     try:
@@ -635,7 +640,9 @@ def test_the_apply_report_names_each_paths_exchange():
     r = run_ranks(_reports, 4, timeout=300)[0]
     managed, unmanaged = r["plain"]
     assert managed.startswith("managed weights: two levels, 2 nodes x 2 ranks (inside the node at bf16"), managed
-    assert unmanaged.startswith("unmanaged parameters: one native fp32 all-reduce per backward, one level"), unmanaged
+    # a plain module's unmanaged parameters go on GIFT's exchange, in the same two levels
+    assert unmanaged.startswith("unmanaged parameters: one bucket per backward at unmapped_format / tiny_format, "
+                                "two levels, 2 nodes x 2 ranks (inside the node at bf16"), unmanaged
     assert any(line.startswith("  exchange of the managed weights: two levels") for line in r["plain", "lines"])
     assert r["off"][0] == "managed weights: one level over 4 ranks (ranks_per_node=0)", r["off"]
     assert r["ddp"] == ("managed weights and the parameters in their buckets: two levels, 2 nodes x 2 ranks (inside "
@@ -775,11 +782,18 @@ def test_two_level_bucket_at_bf16_traces_fullgraph_once():
             assert v["frames"] == 1 and v["equal"] and v["node_wire"] > 0, (op, v)
 
 
-def _refresh_levels(rank: int, world: int, g: int) -> dict:
+def _refresh_levels(rank: int, world: int, g: int, local_world: str) -> dict:
     """A lowrank refresh (statistics reduced onto owners, maps broadcast) over 4 ranks as 2 nodes
-    x 2 (`g=2`) or flat (`g=0`), counted; and the host collectives' results in two levels."""
+    x 2 (`g=2`) or flat (`g=0`) under the launcher's `LOCAL_WORLD_SIZE=local_world` ("" unset),
+    counted; and the host collectives' results in two levels."""
+    import os
+
     from gift_compile import sync
 
+    if local_world:
+        os.environ["LOCAL_WORLD_SIZE"] = local_world
+    else:
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
     model = MLP(64)
     gift_compile.apply(model, GiftConfig(**EXACT_OUTSIDE, format="fp8_e4m3", geometry="lowrank", rank=4, min_numel=1024,
                                          select="all", exclude=(), ranks_per_node=g), fuse=False)
@@ -795,9 +809,9 @@ def _refresh_levels(rank: int, world: int, g: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("g", [2, 0])
-def test_the_refresh_runs_in_two_levels_and_is_counted_apart(g: int) -> None:
-    runs = run_ranks(_refresh_levels, 4, g)
+@pytest.mark.parametrize("g, local_world", [(2, ""), (0, "2"), (0, "")])
+def test_the_refresh_runs_in_two_levels_and_is_counted_apart(g: int, local_world: str) -> None:
+    runs = run_ranks(_refresh_levels, 4, g, local_world)
     for r in runs:
         assert torch.equal(r["all_reduce"], torch.full((100,), 10.0)) and torch.equal(r["broadcast"], torch.full((10,), 3.0))
         assert all(torch.equal(a, b) for a, b in zip(r["maps"], runs[0]["maps"]))  # one map on every rank
@@ -805,8 +819,10 @@ def test_the_refresh_runs_in_two_levels_and_is_counted_apart(g: int) -> None:
     wire = sum(r["totals"]["refresh_wire"] for r in runs)
     cross = sum(r["totals"]["refresh_cross_wire"] for r in runs)
     assert wire > 0, runs[0]["totals"]
-    if g == 0:  # one level: every byte goes to the group's collective, which may span nodes
+    if g == 0 and local_world:  # one level over 2 nodes (the launcher's): every byte crosses them
         assert cross == wire
+    elif g == 0:  # one level, no node layout known: one node, nothing crosses a network (as the gradients')
+        assert cross == 0 and all(r["totals"]["cross_wire"] == 0 for r in runs), runs[0]["totals"]
     else:  # the statistics and maps cross between nodes once per node (the ranks of one local index)
         assert 0 < cross < wire / 2, (cross, wire)
     # the gradients' bytes are apart

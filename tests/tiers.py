@@ -25,6 +25,7 @@ FAST_FILES: frozenset[str] = frozenset({
     "test_ci_requirements.py", "test_codec_minimum.py", "test_collectives.py", "test_config.py",
     "test_context_parallel.py", "test_corpus.py",
     "test_data_parallel.py", "test_euclidean_items.py", "test_expert_layers.py", "test_faults.py",
+    "test_first_hour.py",
     "test_formats.py", "test_fused_receiver.py", "test_fused_sender.py", "test_geometries.py", "test_geometry.py",
     "test_gpu_check.py", "test_gpu_step_model.py", "test_grouped_items.py", "test_grouped_statistics.py",
     "test_hsdp.py", "test_kernels.py", "test_kernels_fp8.py", "test_layer_formats.py",

@@ -158,6 +158,8 @@ def expand_recipe(table: dict[str, Any], overrides: list[str], toml_path: str) -
             gift.update(recipe_fields(name))
     except ValueError as err:
         raise ValueError(f"{toml_path if name is None else 'command line'}: {err}") from None
+    if name or in_toml:  # kept by name: the run checks the recipe's optimizer against its own
+        gift["recipe"] = name or in_toml
     return rest
 
 
@@ -215,7 +217,10 @@ def gift_flags_help() -> str:
         shown = ",".join(default) if isinstance(default, list) else default
         lines.append(f"  --gift.{f.name.replace('_', '-')} {getattr(f.type, '__name__', f.type)} (default: {shown})")
         lines.extend(textwrap.wrap(docs.get(f.name, ""), 96, initial_indent=" " * 6, subsequent_indent=" " * 6))
-    lines += ["", "Named recipes: [gift] recipe tables in configs/recipes/ (docs/torchtitan/start.md).",
+    from gift_compile.recipes import RECIPES
+
+    lines += ["", f"Named recipes (--gift.recipe NAME, or recipe = \"NAME\" under [gift]): "
+              + "; ".join(f"{n} ({r.optimizer})" for n, r in RECIPES.items()) + " (docs/torchtitan/start.md).",
               "torchtitan's own flags (--training.*, --parallelism.*, ...): gift-train --toml FILE --help-all"]
     return "\n".join(lines)
 

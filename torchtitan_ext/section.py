@@ -180,6 +180,11 @@ class GiftSection:
     """Precision of the two-level exchange inside the node: native (the gradient's dtype; an
     all-reduce's result chunks fp32) | bf16 (both at bf16: half an fp32 gradient's NVLink bytes)."""
 
+    recipe: str = _DEFAULTS.recipe
+    """A named recipe: muon-nvfp4, muon-int2-leaky-ef (Muon), adamw-int3 (AdamW); it sets the [gift]
+    keys the TOML leaves out (on the command line it overrides the TOML's; other --gift.* flags win),
+    and a recipe measured under another optimizer than the run's is warned about on every rank."""
+
     def __post_init__(self) -> None:
         for name in _INTEGRATION_FIELDS:
             if not isinstance(getattr(self, name), bool):
@@ -197,7 +202,8 @@ class GiftSection:
         # command line says "exclude nothing"; any other empty glob is an error in GiftConfig.
         values["exclude"] = () if values["exclude"] == [""] else values["exclude"]
         try:
-            return GiftConfig(reduce_op="sum", **values)
+            # torchtitan's metrics print their own progress (`telemetry`): no GIFT progress lines
+            return GiftConfig(reduce_op="sum", progress_every=0, **values)
         except GiftConfigError as err:
             if err.field in _AUTO:  # the section also accepts the alias
                 raise GiftConfigError(err.field, err.value, f"{err.allowed}, {AUTO_ALIAS}") from None

@@ -17,10 +17,12 @@ accounting of the same reduce-scatters (FSDP2: each module's plan as last called
 the GIFT pass's report of the step it rewrote), which the counted figure must equal. Collectives GIFT does not touch (buckets without a managed weight) are
 not counted in those two; ``gift/untouched_bytes_per_step`` is what they handed over (graph_trainer's
 buckets without a managed weight: embedding, head; 0 on FSDP2, whose every parameter group is
-GIFT's), and ``gift/compression`` is the whole gradient's: fp32 bytes of every gradient
-collective of the step over the bytes they all handed over (`whole_gradient`), the same
-definition on both trainers and in `GiftState.comm_totals()`'s ratio on FSDP2, DDP and plain
-modules. Under HSDP those figures are the shard hop's (the reduce-scatter), and the
+GIFT's). The two compression figures are `GiftState.compression()`'s on both trainers
+(`whole_gradient`): ``gift/network_compression``, the headline, is the bytes an fp32 exchange
+over the same node layout would have sent across nodes over the bytes sent across them (absent
+when the group sits inside one node: nothing crosses the network), and
+``gift/total_compression`` the whole gradient's: fp32 bytes of every gradient collective of the
+step over every byte they handed over, inside nodes and across them. Under HSDP those figures are the shard hop's (the reduce-scatter), and the
 ``gift/replica_*`` keys (:func:`.hsdp.replica_metrics`) are the replica hop's. With expert
 parallelism the routed experts' reduce-scatters over their efsdp mesh go on GIFT's codec with
 no map, inside those figures (FSDP2: `gift_compile.frameworks.fsdp2.EuclideanReduceScatter`;
@@ -64,11 +66,12 @@ def gift_metrics(state: GiftState, last: dict[str, Any]) -> dict[str, float]:
         "gift/managed_layers": float(len(state.layers)),
         "gift/selected_layers": float(sum(layer.selected for layer in state.layers.values())),
         "gift/wire_bytes_per_step": delta["wire"] / steps,
-        # by hop: inside the node (a two-level exchange's native stage; 0 in one level) and the
-        # group's exchange (across nodes where the group spans them)
+        # by where the bytes go: collectives inside a node (a two-level exchange's node stage, or
+        # every collective of a group inside one node) and collectives across nodes (the network)
         "gift/node_wire_bytes_per_step": delta["node_wire"] / steps,
         "gift/cross_wire_bytes_per_step": delta["cross_wire"] / steps,
         "gift/baseline_bytes_per_step": delta["baseline"] / steps,
+        "gift/cross_baseline_bytes_per_step": delta["cross_baseline"] / steps,
         # the refresh's own traffic (statistics, selection, map broadcasts), apart from the
         # gradients': all of it, and its part between nodes (two levels where the group spans them)
         "gift/refresh_wire_bytes_per_step": delta["refresh_wire"] / steps,
@@ -166,7 +169,7 @@ class GiftMetricsProcessor(MetricsProcessor):
                 accounted = _graph_accounted_bytes()
             if accounted is not None:  # what the wire counter should grow by per backward
                 gift["gift/accounted_bytes_per_backward"] = float(accounted)
-            gift.update(whole_gradient(gift, _graph_untouched_bytes()))
+            gift.update(whole_gradient(gift, _graph_untouched_bytes(), state.layout.spans_nodes))
             # expert parallelism on the FSDP2 trainer: the routed experts' round-trip error at their format
             experts = {k: v for k, v in fsdp2.euclidean_errors(self.model_parts).items() if math.isfinite(v)}
             if experts:
@@ -190,20 +193,30 @@ class GiftMetricsProcessor(MetricsProcessor):
         self._write({"step": step, "validation_loss": loss, **(extra_metrics or {})})
 
 
-def whole_gradient(gift: dict[str, float], untouched: tuple[int, int] | None) -> dict[str, float]:
-    """``gift/compression``, the one definition on both trainers: the whole gradient's bytes in
-    fp32 over the bytes every gradient collective of the step handed over, GIFT's and those left
-    as they were. FSDP2 puts every parameter group on GIFT's reduce-scatter (nothing is left);
-    graph_trainer leaves the buckets without a managed weight (embedding, head) as traced, so
-    `untouched` = (their bytes per run of the step's graph, GIFT collectives per run), and the
-    runs per step are GIFT's collectives per step over the latter. Also
-    ``gift/untouched_bytes_per_step``: what those collectives handed over."""
+def whole_gradient(gift: dict[str, float], untouched: tuple[int, int] | None,
+                   spans_nodes: bool = False) -> dict[str, float]:
+    """The two compression figures, one definition on both trainers (`GiftState.compression()`'s):
+    ``gift/total_compression``, the whole gradient's bytes in fp32 over the bytes every gradient
+    collective of the step handed over, GIFT's and those left as they were, inside nodes and
+    across them; and, where bytes crossed nodes, ``gift/network_compression``, the headline:
+    what an fp32 exchange over the same node layout would have sent across nodes over what was
+    sent across them. FSDP2 puts every parameter group on GIFT's reduce-scatter (nothing is
+    left); graph_trainer leaves the buckets without a managed weight (embedding, head) as traced,
+    so `untouched` = (their bytes per run of the step's graph, GIFT collectives per run), and the
+    runs per step are GIFT's collectives per step over the latter; they run in one level over
+    the group, so they cross nodes at full size where the group spans nodes (`spans_nodes`).
+    Also ``gift/untouched_bytes_per_step``: what those collectives handed over."""
     per_step = 0.0
     if untouched is not None and untouched[1]:
         per_step = untouched[0] * gift["gift/collectives_per_step"] / untouched[1]
     wire = gift["gift/wire_bytes_per_step"] + per_step
-    return {"gift/untouched_bytes_per_step": per_step,
-            "gift/compression": (gift["gift/baseline_bytes_per_step"] + per_step) / wire if wire else float("nan")}
+    out = {"gift/untouched_bytes_per_step": per_step,
+           "gift/total_compression": (gift["gift/baseline_bytes_per_step"] + per_step) / wire if wire else float("nan")}
+    crossing = per_step if spans_nodes else 0.0
+    cross = gift.get("gift/cross_wire_bytes_per_step", 0.0) + crossing
+    if cross:
+        out["gift/network_compression"] = (gift.get("gift/cross_baseline_bytes_per_step", 0.0) + crossing) / cross
+    return out
 
 
 def _graph_untouched_bytes() -> tuple[int, int] | None:

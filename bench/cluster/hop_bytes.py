@@ -255,7 +255,7 @@ def run_eager() -> dict[str, Any]:
 _KEYS = {"node": "gift/node_wire_bytes_per_step", "cross": "gift/cross_wire_bytes_per_step",
          "wire": "gift/wire_bytes_per_step", "baseline": "gift/baseline_bytes_per_step",
          "accounted": "gift/accounted_bytes_per_backward", "untouched": "gift/untouched_bytes_per_step",
-         "compression": "gift/compression"}
+         "compression": "gift/total_compression"}
 
 
 def titan_launches() -> list[tuple[str, str, str, int, list[str]]]:

@@ -416,29 +416,40 @@ def pays(r: dict) -> str:
     def mb(b: float) -> str:
         return f"{b / 1e6:,.0f} MB"
 
-    lines = ["| each row at the format it names | fp32 | plain low-bit (`geometry=\"none\"`) | GIFT (the defaults) |",
-             "|---|---|---|---|",
-             f"| bytes of the whole gradient per rank and step (NVFP4; {model}, {world} ranks, all-reduce; bytes handed to the collectives) | 1.00x | "
-             f"{wire['vs_fp32']:.2f}x | {wire['vs_fp32']:.2f}x (the same codes) |",
-             f"| modelled step time ({step['model']}, {step['nodes']} nodes x {step['gpus_per_node']} GPUs, "
-             f"{step['network']}; FSDP with its all-gathers, overlapped with the backward; both low-bit arms at "
-             f"{step['bits']:.2f} bits, the faster of their layouts: {step['euclid'][0]} / {step['gift'][0]}) | "
+    scaling = sorted((x for x in r["memory"]["rows"] if x["config"] == gift_mem["config"]),
+                     key=lambda x: (x["gift_total"], x["world"]))
+    by_model: dict[str, list[dict]] = {}
+    for x in scaling:
+        by_model.setdefault(x["model"], []).append(x)
+    grows = "; ".join(f"{m} {mb(xs[0]['gift_total'])} ("
+                      + ", ".join(f"{x['gift_vs_fsdp']:.2f}x FSDP's at {x['world']} ranks" for x in xs) + ")"
+                      for m, xs in by_model.items())
+    lines = ["| each row at the format it names | setup | fp32 | plain low-bit (`geometry=\"none\"`) | GIFT (the defaults) |",
+             "|---|---|---|---|---|",
+             f"| bytes of the whole gradient per rank and step (NVFP4) | {model}, {world} ranks, all-reduce; bytes handed "
+             f"to the collectives | 1.00x | {wire['vs_fp32']:.2f}x | {wire['vs_fp32']:.2f}x (the same codes) |",
+             f"| modelled step time (both low-bit arms at {step['bits']:.2f} bits) | {step['model']}, {step['nodes']} "
+             f"nodes x {step['gpus_per_node']} GPUs, {step['network']}; FSDP with its all-gathers, overlapped with the "
+             f"backward; the faster of each arm's layouts: {step['euclid'][0]} / {step['gift'][0]} | "
              f"{ms(step['fp32'])} (fp32 ring) | {ms(step['euclid'][1])} | {ms(step['gift'][1])} |",
-             f"| the paper's setting, modelled ({paper['model']}, {paper['nodes']} nodes x {paper['gpus_per_node']} GH200; "
-             f"all-reduce at FP8 E5M2, the map on 13 fc2 layers; overlapped with the backward) | "
+             f"| the paper's setting, modelled (FP8 E5M2) | {paper['model']}, {paper['nodes']} nodes x "
+             f"{paper['gpus_per_node']} GH200; all-reduce, the map on 13 fc2 layers; overlapped with the backward | "
              f"{ms(pa['fp32 all-reduce']['step'])} | {ms(pa['Euclidean FP8']['step'])} "
              f"({signed_pct(po['euclid_vs_fp32'])}; the paper: {signed_pct(paper['paper_euclid_vs_fp32'])}) | "
              f"{ms(pa['GIFT FP8 (13 fc2)']['step'])} ({signed_pct(po['gift_vs_fp32'])}; the paper: "
              f"{signed_pct(paper['paper_gift_vs_fp32'])}) |",
-             f"| state memory per rank (Llama-600M, 8 ranks; FSDP's params + grads + optimizer: "
-             f"{mb(gift_mem['fsdp_per_rank'])}) | 0 | {mb(plain_mem['gift_total'])} | {mb(gift_mem['gift_total'])} "
+             f"| state memory per rank | Llama-600M, 8 ranks; FSDP's params + grads + optimizer: "
+             f"{mb(gift_mem['fsdp_per_rank'])} | 0 | {mb(plain_mem['gift_total'])} | {mb(gift_mem['gift_total'])} "
              f"({gift_mem['gift_vs_fsdp']:.2f}x FSDP's) |",
-             f"| loss against plain low-bit at the same bytes (the study below) | | | {helps} |"]
-    return "\n".join(lines + ["", "Rows from `bench/results/results.json` (wire, memory, convergence) and "
+             f"| loss against plain low-bit at the same bytes | the convergence study below (its own small model) | | | "
+             f"{helps} |"]
+    return "\n".join(lines + ["", "How GIFT's state grows (`GiftConfig()` defaults: each rank keeps every managed "
+                               "layer's map and statistics, so it does not shrink with more ranks as FSDP's shards "
+                               f"do; it grows far more slowly than the parameters, with width and depth): {grows}. Rows from "
+                               "`bench/results/results.json` (wire, memory, convergence) and "
                                "the step model (`python -m bench.step_model.topology`, step time: every input and its source in "
                                "bench/results/step_model/step_model_inputs.json, per arm and network in "
-                               "[benchmarks](docs/benchmarks.md#step-time-by-topology)); the study's own model is far "
-                               "smaller (below)."])
+                               "[benchmarks](docs/benchmarks.md#step-time-by-topology))."])
 
 
 BLOCKS: dict[str, Callable[[dict], str]] = {

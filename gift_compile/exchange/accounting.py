@@ -88,14 +88,14 @@ def bucket_wire_bytes(plan: BucketPlan) -> int:
 
 def bucket_hop_bytes(plan: BucketPlan) -> tuple[int, int]:
     """`(inside the node, across nodes)`: the bytes this rank hands to each level's collectives
-    for one call of `plan`. A one-level plan hands everything to its group's exchange, counted
-    as across (the group may span nodes; inside one node it is the only hop anyway). A
+    for one call of `plan`. A one-level plan hands everything to its group's exchange: across
+    nodes where its group spans them (`plan.layout.spans_nodes`), else inside its one node. A
     two-level plan (`gift_compile.exchange.node_stage`): the reduce-scatter of the whole
     bucket at its dtypes (or bf16: `plan.layout.node_format`), the 16-byte header all_gather
     and, for an all-reduce, the decoded chunks' all_gather (fp32, or bf16) inside the node;
     its stage 2 (`plan.cross`) across nodes."""
     if not plan.two_level:
-        return 0, bucket_wire_bytes(plan)
+        return (0, bucket_wire_bytes(plan)) if plan.layout.spans_nodes else (bucket_wire_bytes(plan), 0)
     node = HEADER_BYTES
     result = _itemsize(plan.layout.node_dtype(torch.float32))
     for item in plan.items:

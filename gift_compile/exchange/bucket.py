@@ -91,14 +91,18 @@ C_NONFINITE_RANKS = 5  # ranks whose header flagged a non-finite gradient
 C_MISMATCH_RANKS = 6  # ranks whose plan fingerprint differed from this rank's
 C_PLAIN_CALLS = 7  # bucket collectives of the full-precision sync of unmanaged parameters
 # bytes of C_WIRE handed to collectives inside a node: a two-level exchange's native
-# reduce-scatter, header all_gather and (all-reduce) result all_gather; C_WIRE minus this is
-# what crossed between nodes (a one-level exchange counts nothing here)
+# reduce-scatter, header all_gather and (all-reduce) result all_gather, and every collective of
+# a group inside one node; C_WIRE minus this is what crossed nodes (the network)
 C_NODE_WIRE = 8
-N_COUNTERS = 9
+# bytes the same layout's exchange at the gradients' own dtype (fp32) would have handed to
+# collectives that cross nodes: a two-level stage 2's node-reduced chunks, a one-level group
+# spanning nodes' gradients; 0 inside one node (the network compression's denominator side)
+C_CROSS_BASELINE = 9
+N_COUNTERS = 10
 RANK_BITS = 62
 
 __all__ = [
-    "C_BASELINE", "C_CALLS", "C_MISMATCH", "C_MISMATCH_RANKS", "C_NONFINITE", "C_NONFINITE_RANKS", "C_NODE_WIRE",
+    "C_BASELINE", "C_CALLS", "C_CROSS_BASELINE", "C_MISMATCH", "C_MISMATCH_RANKS", "C_NONFINITE", "C_NONFINITE_RANKS", "C_NODE_WIRE",
     "C_PLAIN_CALLS", "C_WIRE", "N_COUNTERS", "RANK_BITS", "ItemTensors", "Shared", "bucket_core", "finish", "flagged_ranks",
     "gather_finish", "gather_launch", "group_info", "launch", "run_bucket",
 ]
@@ -116,15 +120,17 @@ def group_info(group: dist.ProcessGroup | str | None) -> tuple[str | None, int, 
 
 
 def _count(shared: Shared, wire: int, baseline: int, calls: int, nonfinite: torch.Tensor | int = 0,
-           mismatch: torch.Tensor | int = 0, node: int = 0) -> None:
+           mismatch: torch.Tensor | int = 0, node: int = 0, cross_baseline: int = 0) -> None:
     """Add to the counters in one in-place op (no tensor constants: graph-spliceable); `node`
-    of the `wire` bytes went to collectives inside a node."""
+    of the `wire` bytes went to collectives inside a node; `cross_baseline`: what the same
+    layout's exchange at the gradients' dtype would have handed across nodes."""
     c = shared.counters
     if c is None:
         return
     idx = torch.arange(c.shape[0], device=c.device)
     delta = ((idx == C_WIRE) * wire + (idx == C_BASELINE) * baseline + (idx == C_CALLS) * calls
-             + (idx == C_NONFINITE) * nonfinite + (idx == C_MISMATCH) * mismatch + (idx == C_NODE_WIRE) * node)
+             + (idx == C_NONFINITE) * nonfinite + (idx == C_MISMATCH) * mismatch + (idx == C_NODE_WIRE) * node
+             + (idx == C_CROSS_BASELINE) * cross_baseline)
     c.add_(delta.to(c.dtype))
 
 
@@ -215,10 +221,15 @@ def _launch(xs: Sequence[torch.Tensor], items: Sequence[ItemTensors | None], sha
     header = torch.stack([torch.full_like(flag, plan.fingerprint()), flag])
     blocks.insert(0, _as_bytes(header).reshape(1, -1).expand(w, -1))
     send = torch.cat(blocks, dim=1)
+    # a stage 2 (`plan.cross`) always crosses nodes; its inputs are the node-reduced chunks an
+    # fp32 exchange over the same layout would have sent across
+    crossing = plan.layout.spans_nodes
+    cross_baseline = baseline if crossing else 0
+    node = 0 if crossing else send.numel()
     if node_flag is None:
-        _count(shared, send.numel(), baseline, 1)
+        _count(shared, send.numel(), baseline, 1, node=node, cross_baseline=cross_baseline)
     else:
-        _count(shared, send.numel(), 0, 0)
+        _count(shared, send.numel(), 0, 0, node=node, cross_baseline=cross_baseline)
     if plan.group_name is None:
         return send.reshape(-1)
     n = send.shape[1]
@@ -266,7 +277,7 @@ def finish(recv: torch.Tensor, items: Sequence[ItemTensors | None], shared: Shar
 
 def _gather_send(pieces: list[torch.Tensor], shared: Shared, plan: BucketPlan) -> torch.Tensor:
     buf = torch.cat(pieces)
-    _count(shared, buf.numel(), 0, 0)
+    _count(shared, buf.numel(), 0, 0, node=0 if plan.layout.spans_nodes else buf.numel())
     if plan.group_name is None:
         return buf
     return _c10d.all_gather_into_tensor(buf, plan.world, plan.group_name)

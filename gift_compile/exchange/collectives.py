@@ -25,7 +25,7 @@ from gift_compile.config import NATIVE_NODE_FORMAT, GiftConfig, PlanCheck, Reduc
 from gift_compile.exchange.accounting import HEADER_BYTES, bucket_hop_bytes, bucket_wire_bytes, wire_bytes_per_rank
 from gift_compile.exchange.agreement import check_plan_agreement, raise_on_bad_headers
 from gift_compile.exchange.bucket import (
-    C_BASELINE, C_CALLS, C_MISMATCH, C_MISMATCH_RANKS, C_NODE_WIRE, C_NONFINITE, C_NONFINITE_RANKS, C_PLAIN_CALLS,
+    C_BASELINE, C_CALLS, C_CROSS_BASELINE, C_MISMATCH, C_MISMATCH_RANKS, C_NODE_WIRE, C_NONFINITE, C_NONFINITE_RANKS, C_PLAIN_CALLS,
     C_WIRE, N_COUNTERS, RANK_BITS, ItemTensors, Shared, bucket_core, finish, flagged_ranks, gather_finish, gather_launch,
     group_info, launch, run_bucket,
 )
@@ -36,7 +36,7 @@ from gift_compile.geometry.table import IDENTITY_KIND, Geometry
 from gift_compile.sync import process_group
 
 __all__ = [
-    "C_BASELINE", "C_CALLS", "C_MISMATCH", "C_MISMATCH_RANKS", "C_NODE_WIRE", "C_NONFINITE", "C_NONFINITE_RANKS",
+    "C_BASELINE", "C_CALLS", "C_CROSS_BASELINE", "C_MISMATCH", "C_MISMATCH_RANKS", "C_NODE_WIRE", "C_NONFINITE", "C_NONFINITE_RANKS",
     "C_PLAIN_CALLS", "C_WIRE", "HEADER_BYTES", "N_COUNTERS", "RANK_BITS", "ItemTensors", "Segment", "Shared",
     "all_reduce", "bucket_core", "bucket_hop_bytes", "bucket_plan", "bucket_wire_bytes", "check_plan_agreement", "finish", "flagged_ranks",
     "gather_finish", "gather_launch", "group_info", "launch", "per_call_check", "raise_on_bad_headers", "reduce_scatter",

@@ -32,6 +32,7 @@ cycles through more keys recompiles, it never dies.
 from __future__ import annotations
 
 import logging
+import time
 import types
 from collections import OrderedDict
 from typing import Callable
@@ -52,6 +53,10 @@ _evicted = 0
 _evicted_graphs = 0
 _evicted_recompiles = 0
 _warned_eviction = False
+# When the last body was created (monotonic seconds): bodies created less than `_BURST_S`
+# apart belong to one step's compilation, announced once when it starts.
+_last_created = -1e9
+_BURST_S = 30.0
 
 
 def _entries(code: types.CodeType) -> int:
@@ -83,6 +88,13 @@ def body(stage: str, fn: Callable[..., object], key: BucketPlan) -> Callable[...
     if hit is not None:
         _bodies.move_to_end(k)
         return hit[0]
+    global _last_created
+    now = time.monotonic()
+    if now - _last_created > _BURST_S:  # the first body of a burst: the step stalls while they compile
+        logger.info("GIFT: compiling the codec's bodies (%s of %s, and the others this step uses: once per layer "
+                    "shape, stage and path; on a CPU this step stalls for a minute or two, again at the step after "
+                    "the first refresh, whose mapped path is new)", stage, key.items[0].describe())
+    _last_created = now
     f, code = _fresh(stage, fn, key)
     compiled = torch.compile(f, fullgraph=True, dynamic=False)
     _bodies[k] = (compiled, code)

@@ -283,7 +283,7 @@ class BucketPlan:
         # averaging: stage 1 sums the node's shares (each / g), stage 2 averages over the nodes,
         # so no partial sum exceeds the mean's scale (a mean near fp32's largest stays finite)
         # and stage 2 (its residuals included) runs at the one-level exchange's scale
-        return BucketPlan(tuple(items), nodes, self.layout.cross_group, self.average, self.op, FLAT, g)
+        return BucketPlan(tuple(items), nodes, self.layout.cross_group, self.average, self.op, NodeLayout(1, nodes), g)
 
     def rows_sent(self, item: ItemPlan) -> int:
         """Rows of a managed item as communicated: an all-reduce pads them to a multiple of
@@ -310,6 +310,8 @@ class BucketPlan:
              "items": [i.as_dict() for i in self.items]}
         if self.two_level:
             d["ranks_per_node"] = self.layout.ranks_per_node
+        elif self.layout.spans_nodes:
+            d["nodes"] = self.layout.nodes
         if self.layout.node_format != NATIVE_NODE_FORMAT:
             d["intra_node_format"] = self.layout.node_format
         if self.node_headers:
@@ -319,7 +321,7 @@ class BucketPlan:
     @classmethod
     def from_dict(cls, d: dict) -> "BucketPlan":
         g = d.get("ranks_per_node", 1)
-        layout = FLAT if g == 1 else NodeLayout(g, d["world"] // g, node_format=d.get("intra_node_format",
+        layout = NodeLayout(1, d.get("nodes", 1)) if g == 1 else NodeLayout(g, d["world"] // g, node_format=d.get("intra_node_format",
                                                                                       NATIVE_NODE_FORMAT))
         return cls(tuple(ItemPlan(**i) for i in d["items"]), d["world"], None, d["average"], d["op"], layout,
                    d.get("node_headers", 0))

@@ -64,7 +64,9 @@ class NodeLayout(NamedTuple):
     name of this rank's node group (its g ranks, in group order) and of its cross group (the
     `nodes` ranks with its local index, in node order). `ranks_per_node == 1`: one level.
     `node_format` (`GiftConfig.intra_node_format`) is the precision of the collectives inside
-    the node; a one-level layout has none, so it is always native there."""
+    the node; a one-level layout has none, so it is always native there. A one-level layout's
+    `nodes` is the number of nodes its group spans (1: all inside one node, or no node layout
+    known), which decides whether its bytes are counted as crossing nodes (`spans_nodes`)."""
 
     ranks_per_node: int = 1
     nodes: int = 1
@@ -75,6 +77,12 @@ class NodeLayout(NamedTuple):
     @property
     def two_level(self) -> bool:
         return self.ranks_per_node > 1
+
+    @property
+    def spans_nodes(self) -> bool:
+        """Whether the group's collectives cross nodes (the network): a two-level layout's
+        stage 2, or a one-level group with ranks on several nodes."""
+        return self.nodes > 1
 
     def node_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype a tensor of `dtype` travels at inside the node: its own, or bf16."""
@@ -173,7 +181,7 @@ def _node_groups(group: dist.ProcessGroup | str | None, ranks_per_node: int | No
     dist.all_gather_object(reports, (ranks_per_node, *launcher), group=pg)
     g, nodes = agree_layout(ranks, [r for r in reports if r is not None])
     if g == 1 or nodes == 1:
-        layout = FLAT
+        layout = FLAT if nodes == 1 else NodeLayout(1, nodes)
     else:
         node, local = divmod(me, g)
         node_pg = dist.new_group(ranks[node * g:(node + 1) * g], use_local_synchronization=True)
@@ -189,6 +197,22 @@ def _drop_destroyed() -> None:
     live = dist.distributed_c10d._world.pg_map
     for key in [k for k, (ref, _) in _LAYOUTS.items() if ref() is None or ref() not in live]:
         del _LAYOUTS[key]
+
+
+def _launcher_span(ranks: list[int], reports: list[tuple]) -> tuple[int, int]:
+    """`(1, nodes)` of a one-level group (`ranks_per_node=0`) over the nodes the launcher puts its
+    ranks on (its `GROUP_RANK`s, else `LOCAL_WORLD_SIZE` consecutive ranks to a node), so that
+    its bytes are counted as crossing nodes where they do; `(len(ranks), 1)` where they all sit
+    on one node or the launcher says nothing usable (the same on every rank: the same reports)."""
+    node_ids = [r[2] for r in reports]
+    lws = [r[1] for r in reports]
+    if all(node_ids):
+        nodes = len(set(node_ids))
+    elif all(v.isdigit() and int(v) > 0 for v in lws):
+        nodes = len({rank // int(v) for rank, v in zip(ranks, lws)})
+    else:
+        nodes = 1
+    return (1, nodes) if nodes > 1 else (len(ranks), 1)
 
 
 def agree_layout(ranks: list[int], reports: list[tuple]) -> tuple[int, int]:
@@ -228,10 +252,10 @@ def agree_layout(ranks: list[int], reports: list[tuple]) -> tuple[int, int]:
                 if any(int(v) < setting for v in contradicted if v.isdigit())
                 else "splits a machine, so GIFT's codec runs between ranks that share one")
         if setting == 0:
-            return 1, len(ranks)
+            return _launcher_span(ranks, reports)
         g, nodes = node_of_ranks(ranks, setting)
-    elif not any(lws):
-        return 1, len(ranks)
+    elif not any(lws):  # no node layout known: one node
+        return len(ranks), 1
     elif all(r[2] for r in reports):  # the launcher says which node each rank is on: believe it
         node_ids = [int(r[2]) if r[2].isdigit() else r[2] for r in reports]
         g, nodes = _count_nodes(ranks, node_ids, f"the launcher's GROUP_RANK, with {table(lws, 'LOCAL_WORLD_SIZE')}")

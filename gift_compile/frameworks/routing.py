@@ -164,7 +164,7 @@ def linear_weight_names(model: Parts) -> list[str]:
 
 
 def eligible_linears(model: Parts, world: int, *, min_numel: int, excluded: Callable[[str], bool], split_rows: bool,
-                     group: dist.ProcessGroup | None = None) -> Iterator[tuple[str, nn.Module]]:
+                     group: dist.ProcessGroup | None = None, quiet: bool = False) -> Iterator[tuple[str, nn.Module]]:
     """`(fqn of the weight, module)` of every linear GIFT manages in `model` (each of its parts).
 
     Eligible: weights of `nn.Linear` (sub)class modules, 2-D, floating point, at least
@@ -174,8 +174,13 @@ def eligible_linears(model: Parts, world: int, *, min_numel: int, excluded: Call
     reduce-scatter paths) a row count divisible by the world size. Sizes are those of the
     matrix one rank of the data-parallel `group` holds (`local_matrix_shape`: a tensor-parallel
     rank's block). Ineligible weights that are big enough are logged with the reason: they
-    travel at full precision.
+    travel at full precision (`quiet`: not logged, for a caller that only looks ahead at what
+    `manage` will take, so that each weight is said once).
     """
+    def say(msg: str, *args: object) -> None:
+        if not quiet:
+            logger.warning(msg, *args)
+
     holders: dict[int, list[str]] = {}  # id(parameter) -> every "module.name" it is registered as
     for part in model_parts(model):
         for fqn, module in part.named_modules(remove_duplicate=False):
@@ -193,17 +198,17 @@ def eligible_linears(model: Parts, world: int, *, min_numel: int, excluded: Call
         if tied:
             # the other module's use reaches the gradient outside this linear's forward: the
             # frameworks file the gradient under one name, plain sync would see a partial one
-            logger.warning("GIFT: %s stays at full precision: it is tied to %s (one parameter, several modules)",
+            say("GIFT: %s stays at full precision: it is tied to %s (one parameter, several modules)",
                            name, ", ".join(tied))
             continue
         rows, cols = local_matrix_shape(w, group)
         if rows * cols < min_numel:
             continue
         if not w.is_floating_point():
-            logger.warning("GIFT: %s stays at full precision: dtype %s is not floating point", name, w.dtype)
+            say("GIFT: %s stays at full precision: dtype %s is not floating point", name, w.dtype)
             continue
         if split_rows and rows % world:
-            logger.warning("GIFT: %s stays at full precision: %d rows do not split over %d ranks", name, rows, world)
+            say("GIFT: %s stays at full precision: %d rows do not split over %d ranks", name, rows, world)
             continue
         yield name, module
 

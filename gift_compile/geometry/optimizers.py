@@ -17,8 +17,8 @@ from gift_compile.config import SelectMetric
 from gift_compile.geometry.optimizer_maps import leaf_optimizers
 from gift_compile.geometry.table import geometry_class
 
-__all__ = ["MATRIX_PRECONDITIONERS", "SECOND_MOMENT_OPTIMIZERS", "geometry_for", "preconditions_matrices",
-           "select_metric_for"]
+__all__ = ["MATRIX_PRECONDITIONERS", "SECOND_MOMENT_OPTIMIZERS", "geometry_for", "optimizer_family",
+           "preconditions_matrices", "select_metric_for"]
 
 # Optimizers that precondition each weight matrix as a whole (orthogonalize it or whiten it
 # with curvature factors), recognised by a lower-case fragment of their class name or of a
@@ -89,6 +89,17 @@ def select_metric_for(optimizer: object, weights: list[torch.Tensor], geometry: 
 def _second_moment(opt: torch.optim.Optimizer) -> bool:
     """Whether `opt` keeps Adam's second moment (`SECOND_MOMENT_OPTIMIZERS`)."""
     return isinstance(opt, SECOND_MOMENT_OPTIMIZERS)
+
+
+def optimizer_family(optimizer: object, weights: list[torch.Tensor]) -> str:
+    """The family of the optimizer(s) stepping most managed elements, as the recipes name them:
+    "muon" (a matrix preconditioner), "adamw" (a second moment), else the class names."""
+    stepped = _stepped(optimizer, weights, "the optimizer family")
+    if _mostly(stepped, preconditions_matrices):
+        return "muon"
+    if _mostly(stepped, _second_moment):
+        return "adamw"
+    return "/".join(sorted({type(o).__name__ for _, o in stepped}))
 
 
 def geometry_for(optimizer: object, weights: list[torch.Tensor]) -> str:

@@ -69,7 +69,8 @@ class Checkpointing:
             "group_rank": group_rank(self.group), "world": self.world(),
             # where the group's ranks sat (`exchange.topology`): a two-level exchange's first-hop
             # residuals hold the node chunk's rows of that layout (`_check_node_layout`)
-            "node_layout": {"ranks_per_node": self.layout.ranks_per_node, "nodes": self.layout.nodes},
+            "node_layout": {"ranks_per_node": self.layout.ranks_per_node,
+                            "nodes": self.layout.nodes if self.layout.two_level else 1},
         }
 
     def state_dict(self) -> dict[str, Any]:

@@ -47,6 +47,21 @@ class RefreshRecord:
     seconds: float = 0.0  # wall time of the whole refresh on this rank (host-synchronous work)
 
 
+def next_refresh(config: GiftConfig, step: int) -> int:
+    """The optimizer step (1-based) of the first refresh after `step` steps."""
+    return next(s for s in range(step + 1, step + 10 * config.refresh_every + 2) if config.refresh_due(s))
+
+
+def refresh_words(config: GiftConfig, layers: dict[str, LayerState], step: int, shown: int = 8) -> str:
+    """What a refresh at optimizer step `step` left, in the words of the rank-0 log line and of
+    `gift_compile.report`: the layers mapped now (of those managed, the first `shown` named)
+    and when the next refresh is."""
+    mapped = [n for n, l in layers.items() if l.selected]
+    names = ", ".join(mapped[:shown]) + (f", ... ({len(mapped) - shown} more)" if len(mapped) > shown else "")
+    return (f"{len(mapped)} of {len(layers)} managed layers mapped{': ' + names if mapped and shown else ''}; "
+            f"next refresh at optimizer step {next_refresh(config, step)}")
+
+
 class RefreshEngine:
     """Refresh, selection and statistics sharing of a `GiftState` (a mixin: no fields of its own)."""
 
@@ -256,8 +271,8 @@ class RefreshEngine:
                 "selected": layer.selected, "err_euclidean": m.err_euclidean, "err_transformed": m.err_transformed,
                 "gain": m.gain, "overhead": m.overhead, "boundary_hits": m.boundary_hits,
             }
-        logger.info("GIFT refresh at step %d: %d/%d layers on the transformed path", self.steps,
-                    sum(l.selected for l in self.layers.values()), len(self.layers))
+        if not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0:
+            logger.info("GIFT refresh at step %d: %s", self.steps, refresh_words(self.config, self.layers, self.steps))
         return record
 
     def share_statistics(self, names: list[str]) -> None:

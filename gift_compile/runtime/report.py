@@ -24,9 +24,10 @@ import torch.distributed as dist
 from gift_compile.config import GiftConfig, SelectRule, is_tiny
 from gift_compile.exchange.accounting import bucket_wire_bytes
 from gift_compile.exchange.plan import BucketPlan, ItemPlan
+from gift_compile.runtime.refresh import next_refresh, refresh_words
 from gift_compile.runtime.state import GiftState
 
-__all__ = ["HEADER", "ApplyReport", "log_report", "summarize", "traffic", "unmatched_globs"]
+__all__ = ["HEADER", "ApplyReport", "current", "log_report", "summarize", "traffic", "unmatched_globs"]
 
 logger = logging.getLogger("gift_compile")
 
@@ -60,6 +61,17 @@ class ApplyReport:
     exchanges: tuple[str, ...] = ()
     """One line per gradient path: which exchange it runs (one level, or two levels across
     nodes: `gift_compile.frameworks.exchanges`)."""
+    step: int = 0
+    """Optimizer steps taken when the report was made (0: at `apply`)."""
+    last_refresh: str | None = None
+    """What the last refresh left (`refresh.refresh_words`: layers mapped, the next refresh),
+    None before the first."""
+    next_refresh: int = 0
+    """The optimizer step of the next refresh."""
+    fused: bool = True
+    """`apply(fuse=...)`: the framework hooks run GIFT's codec through compiled bodies."""
+    compression: dict[str, float | None] | None = None
+    """`GiftState.compression()` when the report was made (None until something was sent)."""
     traffic: tuple[str, ...] = ()
     """What travels how: one line per class of gradient (`traffic`): its count, format(s) and
     bytes per step on this rank."""
@@ -74,15 +86,34 @@ class ApplyReport:
                        "weight: see min_numel and exclude)")
         if self.selected is None:
             out.append(f"  mapped: decided by the measured selection at the first refresh (optimizer step "
-                       f"{self.first_refresh}); until then every managed layer is plain low-bit")
+                       f"{self.first_refresh}; now after step {self.step}); until then every managed layer is "
+                       "plain low-bit")
         else:
             out.append(f"  mapped ({len(self.selected)} of {len(self.managed)}): {_names(self.selected)}")
+        if self.managed and self.step == 0:
+            hooks = (f"with fuse=True the DDP/FSDP2 hooks compile GIFT's codec at the first step and its mapped path "
+                     f"at the step after the first refresh (step {self.first_refresh}), logged when it starts; "
+                     if self.fused else "")
+            out.append(f"  one-time stalls (a minute or two each on a CPU): {hooks}a torch.compile'd model compiles "
+                       "GIFT's pass with it")
+        if self.last_refresh is not None:
+            out.append(f"  last refresh: {self.last_refresh}")
+        elif self.selected is not None and self.managed:
+            out.append(f"  first refresh (maps built) at optimizer step {self.next_refresh}; now after step {self.step}")
         if self.full_precision:
             out.append(f"  linear weights without a layer ({len(self.full_precision)}): "
                        f"{_names(self.full_precision)}")
         out.extend(f"  {line}" for line in self.traffic)
         out.extend(f"  {entry} matched no weight" for entry in self.unmatched)
         out.extend(f"  exchange of the {line}" for line in self.exchanges)
+        c = self.compression
+        if c is not None:
+            if c["network"] is None:
+                out.append(f"  bytes so far: inside one node, nothing crossed a network; {c['total']:.2f}x fewer than "
+                           "fp32 in total")
+            else:
+                out.append(f"  bytes so far: {c['network']:.2f}x fewer across nodes (the network) than an fp32 exchange "
+                           f"over the same layout; in total, inside nodes and across, {c['total']:.2f}x fewer than fp32")
         return out
 
     def __str__(self) -> str:
@@ -112,6 +143,20 @@ def unmatched_globs(config: GiftConfig, managed: list[str], linear_weights: list
         if not any(fnmatch.fnmatch(n, glob) for n in managed):
             out.append(f"layer_formats: {entry!r}")
     return out
+
+
+def current(report: ApplyReport, state: GiftState) -> ApplyReport:
+    """`report` (what `apply` installed) brought up to `state` now: the layers mapped, the
+    last refresh's outcome and the next refresh's step (`gift_compile.report`)."""
+    decided = all(layer.decided for layer in state.layers.values())
+    selected = tuple(n for n, layer in state.layers.items() if layer.selected) if decided else None
+    sent = state.compression()
+    last = (f"optimizer step {state.history[-1].step}: "
+            f"{refresh_words(state.config, state.layers, state.history[-1].step, shown=0)}") if state.history else None
+    return dataclasses.replace(report, selected=selected, step=state.steps, last_refresh=last,
+                               next_refresh=next_refresh(state.config, state.steps),
+                               compression=None if math.isnan(sent["total"]) else sent,
+                               traffic=tuple(traffic(state)))
 
 
 def _item_bytes(plan: ItemPlan, state: GiftState) -> int:
@@ -169,14 +214,14 @@ def summarize(state: GiftState, path: str, linear_weights: list[str], exchanges:
     managed = tuple(state.layers)
     decided = all(layer.decided for layer in state.layers.values())
     selected = tuple(n for n, layer in state.layers.items() if layer.selected) if decided else None
-    first = next(s for s in range(1, 10 * config.refresh_every + 2) if config.refresh_due(s))
+    first = next_refresh(config, 0)
     select = config.select if isinstance(config.select, (SelectRule, str)) else ",".join(config.select)
     return ApplyReport(
         path=path, world=state.world(), format=config.format, geometry=config.geometry, select=str(select),
         select_metric=str(config.select_metric), managed=managed, selected=selected, first_refresh=first,
         full_precision=tuple(n for n in linear_weights if n not in state.layers),
         unmatched=tuple(unmatched_globs(config, list(managed), linear_weights)), exchanges=exchanges,
-        traffic=tuple(traffic(state)))
+        step=state.steps, next_refresh=first, traffic=tuple(traffic(state)))
 
 
 def log_report(report: ApplyReport) -> None:

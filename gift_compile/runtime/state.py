@@ -39,10 +39,10 @@ from gift_compile.geometry.statistics import StatisticsSettings
 from gift_compile.geometry.table import Geometry, geometry_class
 from gift_compile.runtime.checkpoint import Checkpointing
 from gift_compile.runtime.layer import LayerSpec, LayerState, OutsideResidual
-from gift_compile.runtime.refresh import RefreshEngine, RefreshRecord
+from gift_compile.runtime.refresh import RefreshEngine, RefreshRecord, next_refresh
 from gift_compile.runtime.selection import LayerMeasurement, decide
-from gift_compile.runtime.telemetry import Telemetry
-from gift_compile.sync import GroupByName, Traffic, all_gather_object_, group_rank, set_levels, world_size
+from gift_compile.runtime.telemetry import Telemetry, compression_of
+from gift_compile.sync import GroupByName, Traffic, all_gather_object_, group_rank, set_in_node, set_levels, world_size
 
 
 @dataclass
@@ -128,7 +128,8 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
                  "grad_source", "_health_seen", "modules", "handles", "active", "sync_mode", "dirty_params",
                  "plan_version", "selection_changes", "_sharing_checked", "adapters", "hop_counters", "backward_watch",
                  "geometry", "layer_spec", "health_group_name", "pending_faults", "outside", "substates", "blocks",
-                 "stepped_by_optimizer", "driver", "report", "layout", "outside_items", "refresh_traffic")
+                 "stepped_by_optimizer", "driver", "report", "layout", "outside_items", "refresh_traffic",
+                 "_progress_last")
 
     # held by name, so a destroyed group's threads end with it (`gift_compile.sync.GroupByName`)
     group = GroupByName()
@@ -155,6 +156,8 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
                        else FLAT)
         if self.layout.two_level:  # the refresh's host collectives cross the network once per node too
             set_levels(group, self.layout.node_group, self.layout.cross_group, self.layout.ranks_per_node)
+        elif world_size(group) > 1:  # one level: the refresh crosses the network where the group spans nodes
+            set_in_node(group, not self.layout.spans_nodes)
         self.counters = torch.zeros(N_COUNTERS, dtype=torch.int64)
         self.steps = 0
         self.history: list[RefreshRecord] = []
@@ -212,6 +215,8 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
         # Whether an optimizer's step hook advances the state (`gift_compile.api.attach_optimizer`):
         # `gift_compile.step` then refuses to advance it a second time per step.
         self.stepped_by_optimizer = False
+        # `comm_totals()` at the last progress line (`GiftConfig.progress_every`)
+        self._progress_last: dict[str, int] | None = None
         # The optimizer(s) driving it, weakly, and their hooks' handles (`api.attach_optimizer`):
         # `apply` with another optimizer swaps them (`api.reattach_optimizer`).
         self.driver: tuple[tuple[Any, ...], list[Any]] | None = None
@@ -423,6 +428,31 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
             self.check_agreement()
         for sub in self.substates:
             sub.step()
+        self._progress()
+
+    def _progress(self) -> None:
+        """Every `config.progress_every` optimizer steps, one line on the job's rank 0 (stdout,
+        so that a script shows it without logging set up): the step, the bytes per step since the
+        last line, the compression (`compression_of`: the network's, or on one node the total)
+        and the layers mapped. Only the state `apply` reported on prints (not its substates)."""
+        every = self.config.progress_every
+        if not every or self.steps % every or self.report is None:
+            return
+        totals = self.comm_totals()
+        last, self._progress_last = self._progress_last or dict.fromkeys(totals, 0), totals
+        if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+            return
+        delta = {k: totals[k] - last[k] for k in totals}
+        c = compression_of(delta)
+        if c["network"] is not None:
+            ratio = f"{c['network']:.2f}x fewer bytes across nodes than fp32 ({c['total']:.2f}x in total)"
+        else:
+            ratio = f"{c['total']:.2f}x fewer bytes than fp32 (one node)"
+        mapped = sum(layer.selected for layer in self.layers.values())
+        decided = all(layer.decided for layer in self.layers.values())
+        print(f"GIFT step {self.steps}: {delta['wire'] / every / 1e6:.3f} MB/step sent, {ratio}; "
+              + (f"{mapped} of {len(self.layers)} layers mapped" if decided
+                 else f"mapping decided at step {next_refresh(self.config, self.steps)}"), flush=True)
 
 
 def block_rows(name: str, full: torch.Tensor, block: int, count: int,

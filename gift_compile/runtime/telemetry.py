@@ -15,14 +15,31 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gift_compile.exchange.collectives import (C_BASELINE, C_CALLS, C_MISMATCH, C_NODE_WIRE, C_NONFINITE, C_PLAIN_CALLS, C_WIRE,
-                                               bucket_wire_bytes)
+from gift_compile.exchange.collectives import (C_BASELINE, C_CALLS, C_CROSS_BASELINE, C_MISMATCH, C_NODE_WIRE, C_NONFINITE,
+                                               C_PLAIN_CALLS, C_WIRE, bucket_wire_bytes)
 from gift_compile.geometry.statistics import SketchStatistics
 
 if TYPE_CHECKING:
     from gift_compile.runtime.layer import LayerState, OutsideResidual
 
-__all__ = ["CommTimer", "Telemetry"]
+__all__ = ["CommTimer", "Telemetry", "compression_of"]
+
+
+def compression_of(totals: dict[str, int]) -> dict[str, float | None]:
+    """`{"network": ..., "total": ...}` from `comm_totals()`-style byte counts (or their
+    per-step differences).
+
+    `network`, the headline ("x fewer bytes"): bytes an exchange at the gradients' dtype over
+    the same node layout would have sent across nodes over the bytes GIFT sent across them
+    (`cross_baseline / cross_wire`): what the network carries, the cost GIFT exists to cut.
+    None when nothing crossed a node (a group inside one node has no network bytes; its
+    figure is `total`). `total`: every byte, inside nodes and across them, against the
+    replaced one-level collectives (`baseline / wire`); under two levels it also counts the
+    node's fast full-precision reduce-scatter, so it can be below 1 while the network's is
+    several times above. NaN before anything was handed over."""
+    cross, wire = totals["cross_wire"], totals["wire"]
+    return {"network": totals["cross_baseline"] / cross if cross else None,
+            "total": totals["baseline"] / wire if wire else math.nan}
 
 
 class CommTimer:
@@ -67,27 +84,38 @@ class Telemetry:
 
     def comm_totals(self) -> dict[str, int]:
         """Cumulative counts since the state was created, as counted by the collectives when
-        they handed bytes over: `wire` (bytes handed to GIFT's collectives, the sync of a
-        plain module's unmanaged parameters included), `baseline`
-        (bytes the replaced collectives would have been handed), `calls`, `nonfinite`,
-        `mismatch`, and `plain_calls` (bucket collectives of a plain module's unmanaged
-        parameters, `gift_compile.frameworks.plain_sync`; not in `calls`). `baseline / wire` is the
-        whole gradient's compression on plain modules, DDP and FSDP2, where every gradient goes
-        through these counters; on a traced SimpleFSDP graph the reduce-scatters the pass left
-        alone are its report's `untouched_bytes`, which torchtitan's telemetry adds to both. `wire` by hop:
-        `node_wire`, handed to collectives inside a node (a two-level exchange's native
-        reduce-scatter, header and result all_gathers; 0 for a one-level exchange), and
-        `cross_wire`, the rest: what the group's exchange (across nodes, where it spans them)
-        was handed. The refresh's own traffic (statistics, selection measurements, map
-        broadcasts; in two levels where the group spans nodes, `gift_compile.sync`) is apart
-        from the gradients': `refresh_wire`, the bytes this rank handed to send in it, and
-        `refresh_cross_wire`, those of them handed to collectives between nodes (all of them in
-        a group without two levels)."""
+        they handed bytes over: `wire` (every byte handed to GIFT's collectives, inside nodes
+        and across them, the sync of a plain module's unmanaged parameters included),
+        `baseline` (bytes the replaced one-level collectives would have been handed, at the
+        gradients' dtype), `calls`, `nonfinite`, `mismatch`, and `plain_calls` (bucket
+        collectives of a plain module's unmanaged parameters,
+        `gift_compile.frameworks.plain_sync`; not in `calls`). Every gradient goes through
+        these counters on plain modules, DDP and FSDP2; on a traced SimpleFSDP graph the
+        reduce-scatters the pass left alone are its report's `untouched_bytes`, which
+        torchtitan's telemetry adds to both.
+
+        `wire` by where it goes: `cross_wire`, handed to collectives that cross nodes (the
+        network: a two-level exchange's stage 2, a one-level group spanning nodes; 0 when the
+        group sits inside one node), and `node_wire`, the rest (a two-level exchange's native
+        reduce-scatter, header and result all_gathers, and every collective of a group inside
+        one node). `cross_baseline`: what an exchange at the gradients' dtype over the same
+        node layout would have handed across nodes (a two-level stage 2's node-reduced chunks,
+        1/g of the gradient). `compression()` turns these into the two reported figures.
+
+        The refresh's own traffic (statistics, selection measurements, map broadcasts; in two
+        levels where the group spans nodes, `gift_compile.sync`) is apart from the gradients':
+        `refresh_wire`, the bytes this rank handed to send in it, and `refresh_cross_wire`,
+        those of them handed to collectives between nodes (by the same rule: all of them in a
+        one-level group spanning nodes, none in a group inside one node)."""
         c = self.counters.tolist()
         return {"wire": c[C_WIRE], "baseline": c[C_BASELINE], "calls": c[C_CALLS], "nonfinite": c[C_NONFINITE],
                 "mismatch": c[C_MISMATCH], "plain_calls": c[C_PLAIN_CALLS], "node_wire": c[C_NODE_WIRE],
-                "cross_wire": c[C_WIRE] - c[C_NODE_WIRE], "refresh_wire": self.refresh_traffic.wire,
-                "refresh_cross_wire": self.refresh_traffic.cross}
+                "cross_wire": c[C_WIRE] - c[C_NODE_WIRE], "cross_baseline": c[C_CROSS_BASELINE],
+                "refresh_wire": self.refresh_traffic.wire, "refresh_cross_wire": self.refresh_traffic.cross}
+
+    def compression(self) -> dict[str, float | None]:
+        """The two compression figures of `comm_totals()` (`compression_of` says how)."""
+        return compression_of(self.comm_totals())
 
     def accounted_bytes_per_step(self) -> int:
         """Shape-based accounting of the managed layers' bytes per step under this state's own
