@@ -267,10 +267,13 @@ def test_marked_gradient_without_the_pass_raises_unless_allowed():
 
 def _collectives(fn: Any) -> list[tuple[str, int]]:
     """`(c10d op, elements of its first input)` of every collective `fn` issues (the profiler
-    sees each c10d call, FSDP2's and DDP's own included)."""
+    sees each c10d call, FSDP2's and DDP's own included, on every thread: GIFT's DDP hook
+    exchanges on its lane's worker thread)."""
+    from torch._C._profiler import _ExperimentalConfig
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+    every_thread = _ExperimentalConfig(profile_all_threads=True)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, experimental_config=every_thread) as prof:
         fn()
     out = []
     for e in prof.events():

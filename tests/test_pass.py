@@ -10,6 +10,7 @@ import torch.nn as nn
 
 import gift_compile
 from multirank import run_ranks
+from mlp import EXACT_OUTSIDE
 
 _c10d = torch.ops._c10d_functional
 
@@ -45,7 +46,8 @@ class Net(nn.Module):
         return self.head(h)
 
 
-CFG = dict(format="fp8_e4m3", geometry="lowrank", rank=8, refresh_every=3, min_numel=1024, exclude=())
+# the parameters outside the layers go raw (`EXACT_OUTSIDE`): the tests read them as exact
+CFG = dict(format="fp8_e4m3", geometry="lowrank", rank=8, refresh_every=3, min_numel=1024, exclude=(), **EXACT_OUTSIDE)
 
 
 def _batch(step: int, rank: int):

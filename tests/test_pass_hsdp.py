@@ -145,7 +145,8 @@ def _sole_replica_hop(replica: dist.ProcessGroup) -> dict:
 
     out: dict = {}
     for fmt in ("fp32", "nvfp4"):
-        config = GiftConfig(format=fmt, geometry="hadamard", select="all", min_numel=1024, exclude=())
+        config = GiftConfig(format=fmt, geometry="hadamard", select="all", min_numel=1024, exclude=(),
+                            unmapped_format="int4")  # the shard hop (one rank) has a plan; the replica hop is `fmt`
         state = manage(nn.Sequential(nn.Linear(64, 128)), config, dist.group.WORLD, mode="tag", split_rows=True)
         hop = hsdp.install_graph(state, replica)
         plan = dataclasses.replace(euclidean_plan(state, "experts.w1", g.shape, 1), replica_format=fmt)

@@ -52,11 +52,11 @@ RECIPE_FOR_EUCLID = "muon-int2-leaky-ef"  # the frontier's fewest bits: the Eucl
 
 @dataclass(frozen=True)
 class Arm:
-    """One arm: its name, the paths it runs on, and its communication (`kind`: "native" with a
+    """One arm: its name, the paths it runs on, and its communication (`comm`: "native" with a
     gradient dtype, "powersgd" with a rank, or "gift" with a `GiftConfig`'s fields)."""
 
     name: str
-    kind: str
+    comm: str
     paths: tuple[str, ...]
     reduce_dtype: str = "fp32"
     rank: int = 0
@@ -86,7 +86,7 @@ def _arms() -> dict[str, Arm]:
     # FSDP2 / HSDP with the parameters all-gathered (and computed) at bf16
     for base in ("fp32", "bf16", "muon-int2-leaky-ef"):
         a = out[base]
-        out[f"{base}-bf16p"] = Arm(f"{base}-bf16p", a.kind, _SHARDED, a.reduce_dtype, a.rank, a.fields, True)
+        out[f"{base}-bf16p"] = Arm(f"{base}-bf16p", a.comm, _SHARDED, a.reduce_dtype, a.rank, a.fields, True)
     return out
 
 
@@ -177,7 +177,7 @@ def _shard(model: TinyLlama, mesh: Any, arm: Arm) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if arm.bf16_params else None,
-                                  reduce_dtype=_dtype(arm.reduce_dtype) if arm.kind == "native" else None)
+                                  reduce_dtype=_dtype(arm.reduce_dtype) if arm.comm == "native" else None)
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
@@ -194,15 +194,15 @@ def build(arm: Arm, path: str, model: TinyLlama, warmup: int, fuse: bool = True
     through torch.compile (`gift_compile.apply(fuse=True)`, compiled in the warm-up steps), else eager."""
     world = dist.get_world_size()
     g = int(os.environ["LOCAL_WORLD_SIZE"])
-    config = GiftConfig(**dict(arm.fields)) if arm.kind == "gift" else None
+    config = GiftConfig(**dict(arm.fields)) if arm.comm == "gift" else None
     if path == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         ddp = DDP(model)
         optimizers, peaks = _optimizers(model, sharded=False)
-        if arm.kind == "native" and arm.reduce_dtype == "bf16":
+        if arm.comm == "native" and arm.reduce_dtype == "bf16":
             ddp.register_comm_hook(None, bf16_hook)
-        elif arm.kind == "powersgd":
+        elif arm.comm == "powersgd":
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
             state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=arm.rank,
                                        start_powerSGD_iter=max(2, warmup), use_error_feedback=True,

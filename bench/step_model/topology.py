@@ -548,10 +548,10 @@ def paper_setting(d: dict, pricer: CodecPricer) -> dict[str, Any]:
     variants: dict[str, dict[str, dict[str, float]]] = {}
     for variant, every_overlapped in (("overlapped", True), ("nothing overlapped", False)):
         out = variants.setdefault(variant, {})
-        for name, kind, extra in (("fp32 all-reduce", "ring", {}), ("Euclidean FP8", "a2a", {"codec": euclid_codec}),
+        for name, collective, extra in (("fp32 all-reduce", "ring", {}), ("Euclidean FP8", "a2a", {"codec": euclid_codec}),
                                   ("GIFT FP8 (13 fc2)", "a2a", {"codec": euclid_codec + gift_extra, "stats": stats,
                                                                 "refresh": refresh})):
-            if kind == "ring":
+            if collective == "ring":
                 link = _ring(4.0 * sh.params, net, buckets, allreduce=True)
             else:  # GIFT's all-reduce: an all-to-all of the codes and an all-gather of the reduced codes
                 link = 2 * _a2a((sh.matrix_elements + sh.vector_elements) * bits / 8, net, buckets)

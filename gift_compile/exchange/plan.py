@@ -340,11 +340,13 @@ def replica_hop_plan(shards: Sequence[ItemPlan], fmt: str, world: int, group_nam
     left on this rank, whose items (`shards`: managed ones with their layer's plan, rows those
     of the shard) it sends in one bucket. A managed shard goes at `fmt` without error feedback
     (the residual belongs to the shard hop), a 16-bit one (bf16: a tiny gradient,
-    `GiftConfig.tiny_format`) at its own format; a lossless `fmt` (fp32) sends it raw, like every other item.
+    `GiftConfig.tiny_format`, or a layer at bf16) at its own format; a managed one at fp32
+    goes at `fmt` like a coded one. A lossless `fmt` (fp32) sends it raw, like
+    every other item.
     The one rule for both places that run the hop: FSDP2's all-reduce hook
     (`gift_compile.frameworks.hsdp`) and the FX pass's rewrite of a traced HSDP step."""
     items = tuple(ItemPlan.passthrough(i.name, i.numel, i.torch_dtype) if not i.managed or FormatSpec(fmt).family.lossless
-                  else i if i.spec.passthrough  # a 16-bit item (a tiny gradient at bf16) keeps its format
+                  else i if i.spec.passthrough and not i.spec.family.lossless  # 16-bit: keeps its format
                   else dataclasses.replace(i, format=fmt, error_feedback=False, second_hop_error_feedback=False,
                                            error_feedback_decay=1.0, residual_format="fp32")
                   for i in shards)

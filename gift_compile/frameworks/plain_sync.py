@@ -50,8 +50,8 @@ import torch.nn as nn
 
 from gift_compile.config import GiftConfig, ReduceOp
 from gift_compile.exchange import collectives
-from gift_compile.exchange.collectives import (C_CALLS, C_NONFINITE, C_NONFINITE_RANKS, C_PLAIN_CALLS, RANK_BITS,
-                                               ItemTensors, Segment)
+from gift_compile.exchange.collectives import (C_BASELINE, C_CALLS, C_CROSS_BASELINE, C_NODE_WIRE, C_NONFINITE,
+                                               C_NONFINITE_RANKS, C_PLAIN_CALLS, C_WIRE, RANK_BITS, ItemTensors, Segment)
 from gift_compile.exchange.mark import SyncMode
 from gift_compile.exchange.plan import Collective, ItemPlan
 from gift_compile.frameworks.adapter import attach
@@ -125,6 +125,10 @@ class PlainSync:
         self.plan = collectives.bucket_plan(self.segments, torch.float32, world=self.world, group_name=self.group_name,
                                             average=False, op=Collective.ALL_REDUCE, layout=layout)
         self.n_values = sum(p.numel() for _, p in params)
+        # nothing coded (the fp32 opt-outs): one native all-reduce, whose ring costs what the
+        # bucket's all_to_all + all_gather would at fp32 in fewer steps and one launch
+        self.raw = all(self._items[n][0] is None for n, _ in params)
+        self.baseline_bytes = sum(p.numel() * p.element_size() for _, p in params)
         self.flat = torch.zeros(self.n_values + len(params) + 2 * self.world, device=device)
         self.slots, offset = [], 0
         for _, p in params:
@@ -240,9 +244,13 @@ class PlainSync:
         self.changed[self.me] = float(key != self.key)
         counted = int(st.counters[C_NONFINITE])
         config = st.config
-        collectives.sync_buffer(self.flat, self.segments, st.shared, op=Collective.ALL_REDUCE, group=self.group,
-                                average=False, out=self.flat, ranks_per_node=config.ranks_per_node,
-                                intra_node_format=config.intra_node_format)
+        if self.raw:
+            dist.all_reduce(self.flat, group=self.group)
+            self._count_raw()
+        else:
+            collectives.sync_buffer(self.flat, self.segments, st.shared, op=Collective.ALL_REDUCE, group=self.group,
+                                    average=False, out=self.flat, ranks_per_node=config.ranks_per_node,
+                                    intra_node_format=config.intra_node_format)
         bad = [r for r, f in enumerate(self.flags.tolist()) if f > 0]
         # a coded item's header already counted its non-finite collective: the ranks are still ours
         self._count(bad, counted=int(st.counters[C_NONFINITE]) > counted)
@@ -275,6 +283,17 @@ class PlainSync:
         if new:
             self.flush()
 
+    def _count_raw(self) -> None:
+        """The native all-reduce's bytes: the flat buffer handed (flags included) against the
+        parameters' own bytes, all across nodes where the group spans them."""
+        c, layout = self.state.counters, self.state.layout
+        wire = self.flat.numel() * self.flat.element_size()
+        crossing = layout.two_level or layout.spans_nodes
+        c[C_WIRE] += wire
+        c[C_BASELINE] += self.baseline_bytes
+        c[C_NODE_WIRE] += 0 if crossing else wire
+        c[C_CROSS_BASELINE] += self.baseline_bytes if crossing else 0
+
     def _count(self, bad: list[int], counted: bool = False) -> None:
         """The launch (as a plain call, not a managed one) and the ranks whose gradients were not
         finite into the state's counters (read by `GiftState.check_health`); the bytes the
@@ -282,7 +301,8 @@ class PlainSync:
         coded item's header counted the non-finite collective already."""
         c = self.state.counters
         c[C_PLAIN_CALLS] += 1
-        c[C_CALLS] -= 1  # the bucket counted itself a call; `calls` stays the managed weights' collectives
+        if not self.raw:
+            c[C_CALLS] -= 1  # the bucket counted itself a call; `calls` stays the managed weights' collectives
         if bad:
             if not counted:
                 c[C_NONFINITE] += 1
