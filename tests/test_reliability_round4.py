@@ -393,3 +393,53 @@ def test_wrapping_after_apply_is_refused_and_the_valid_ddp_split_is_accepted():
         assert not isinstance(r["split"], str), r["split"]
     (calls0, fc0, head0), (calls1, fc1, head1) = results[0]["split"], results[1]["split"]
     assert calls0 > 0 and torch.equal(fc0, fc1) and torch.equal(head0, head1)  # both synced, each once
+
+
+def _partly_sharded_body(rank: int, world: int) -> dict:
+    """`fully_shard` on some submodules only, then `apply`; then the way out the error names."""
+    from torch.distributed.fsdp import fully_shard
+
+    out: dict = {}
+    cfg = GiftConfig(format="fp8_e4m3", geometry="none", min_numel=1024, exclude=())
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(rank))
+    model = MLP(64)
+    fully_shard(model.fc1)  # fc2 (managed) and out lie in no FSDP module
+    try:
+        gift_compile.apply(model, cfg, fuse=False)
+        out["some"] = "applied"
+    except Exception as e:
+        out["some"] = f"{type(e).__name__}: {e}"
+    out["left_clean"] = getattr(model, "_gift_state", None) is None
+    fully_shard(model)  # the way out: the root covers every parameter left over
+    gift_compile.apply(model, cfg, fuse=False)
+    model(x).sum().backward()
+    out["root"] = (gift_compile.report(model).managed, model.fc2.weight.grad.full_tensor())
+    # only the small head outside: accepted (no managed weight there), the head named
+    log = _gift_log()
+    model = MLP(64)
+    fully_shard(model.fc1)
+    fully_shard(model.fc2)
+    gift_compile.apply(model, cfg, fuse=False)
+    model(x).sum().backward()
+    out["head_warnings"] = [m for m in log if "lie in no FSDP module" in m]
+    out["head"] = (gift_compile.report(model).managed, model.fc2.weight.grad.full_tensor(), model.out.weight.grad.clone())
+    return out
+
+
+def test_a_weight_in_no_fsdp_module_is_refused_not_reported_managed():
+    """Before: with `fully_shard` on `fc1` only, `apply` listed `fc2.weight` as managed (and its
+    bytes as compressed traffic) though no collective carried its gradient: the ranks' gradients
+    differed. After: `apply` raises on every rank naming the weight and the way out (fully_shard
+    on the root), and leaves the model as it was; parameters outside that GIFT does not manage
+    (a small head) are accepted and named in a warning."""
+    results = run_ranks(_partly_sharded_body, 2, timeout=FAST)
+    for r in results:
+        assert r["some"].startswith("ValueError") and "fc2.weight lie in no FSDP module" in r["some"], r["some"]
+        assert "fully_shard(model) on the root" in r["some"] and "fc1.weight" not in r["some"], r["some"]
+        assert r["left_clean"]
+        assert r["root"][0] == ("fc1.weight", "fc2.weight"), r["root"][0]
+        assert r["head"][0] == ("fc1.weight", "fc2.weight"), r["head"][0]
+        assert len(r["head_warnings"]) == 1 and "out.weight, out.bias" in r["head_warnings"][0], r["head_warnings"]
+    assert torch.equal(results[0]["root"][1], results[1]["root"][1])  # carried: the same on both ranks
+    assert torch.equal(results[0]["head"][1], results[1]["head"][1])
+    assert not torch.equal(results[0]["head"][2], results[1]["head"][2])  # FSDP2's own: the head stays per rank

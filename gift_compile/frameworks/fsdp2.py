@@ -59,7 +59,7 @@ from gift_compile.exchange.plan import BucketPlan, Collective, ItemPlan
 from gift_compile.exchange.topology import FLAT, node_layout
 from gift_compile.frameworks.fsdp_internals import (
     DefaultReduceScatter, ReduceScatter, check_torch, custom_reduce_scatter, fsdp_modules, packed_params, same_group,
-    set_group_reduce_scatter, shard_mesh_dims, shard_process_groups,
+    set_group_reduce_scatter, shard_mesh_dims, shard_process_groups, sharded_params,
 )
 from gift_compile.config import GiftConfig
 from gift_compile.frameworks.adapter import attach, attached
@@ -371,11 +371,13 @@ def install(model: Parts, state: GiftState, *, compiled: bool = True) -> CommTim
     The groups over `shard_group` get `GiftReduceScatter`; a group over another mesh (a
     per-parameter mesh: torchtitan's routed experts on ``efsdp``) gets `EuclideanReduceScatter`,
     logged once per module (a warning where the state's geometry has a map those parameters go
-    without), and a managed linear weight in such a group raises. A group over one rank carries no
-    gradient collective (FSDP2 copies its gradient; under HSDP the replica hop then carries it).
+    without), and a managed linear weight in such a group raises, as does one that lies in no FSDP
+    module (`_refuse_weights_outside_fsdp`). A group over one rank carries no gradient collective
+    (FSDP2 copies its gradient; under HSDP the replica hop then carries it).
     """
     check_torch()
     pg = shard_group(model, None)
+    _refuse_weights_outside_fsdp(model)
     managed_outside = [p.fqn for module in fsdp_modules(model) for other in shard_process_groups(module)
                        if not same_group(other, pg) for p in packed_params(module, other)
                        if p.param_name == "weight" and getattr(p.module, "_gift_layer", None) is not None]
@@ -404,6 +406,40 @@ def install(model: Parts, state: GiftState, *, compiled: bool = True) -> CommTim
         sub.check_agreement()
     attach(state, FSDP2.name, timer)
     return timer
+
+
+def _refuse_weights_outside_fsdp(model: Parts) -> None:
+    """Raise naming every managed weight that lies in no FSDP module, and warn naming the other
+    trainable parameters there.
+
+    `fully_shard` on some submodules only leaves the parameters of the rest as plain tensors:
+    FSDP2 runs no collective for their gradients, and GIFT's only hook on this path is FSDP2's
+    reduce-scatter, so each rank would keep its own gradient while the report, the traffic
+    lines and `comm_totals` counted such a weight as managed and compressed. A managed weight
+    is GIFT's claim, so it is refused; another parameter there is FSDP2's own behaviour (a user
+    may sync it by hand, as `fully_shard(ignored_params=...)` intends), so it is only named.
+    Every rank holds the same module structure, so every rank raises the same error."""
+    sharded = sharded_params(model)
+    managed, others = [], []
+    for part in model_parts(model):
+        for fqn, module in part.named_modules():
+            for pname, p in module._parameters.items():
+                if p is None or not p.requires_grad or (id(module), pname) in sharded:
+                    continue
+                name = f"{fqn}.{pname}" if fqn else pname
+                is_layer = pname == "weight" and getattr(module, "_gift_layer", None) is not None
+                (managed if is_layer else others).append(name)
+    if managed:
+        raise ValueError(
+            f"gift_compile: managed weight(s) {', '.join(managed)} lie in no FSDP module: fully_shard was applied to "
+            "submodules that do not contain them, so FSDP2 runs no collective for their gradients and GIFT (which "
+            "hooks FSDP2's reduce-scatter) would not either: every rank would keep its own gradient. Apply fully_shard "
+            "to the modules holding them too (fully_shard(model) on the root, after the submodules, covers every "
+            "parameter left over) before gift_compile.apply")
+    if others:
+        logger.warning("GIFT: %d trainable parameter(s) lie in no FSDP module, so neither FSDP2 nor GIFT reduces "
+                       "their gradients (each rank keeps its own unless you sync them): %s; fully_shard(model) on the "
+                       "root covers them", len(others), ", ".join(others))
 
 
 def _whitened_experts(state: GiftState, module: FSDPModule, group: dist.ProcessGroup, names: dict[int, str],

@@ -39,7 +39,7 @@ from gift_compile.torch_release import require_tested_torch
 __all__ = ["DefaultReduceScatter", "PackedParam", "ReduceScatter", "TESTED_TORCH", "all_reduce_hook", "check_torch",
            "custom_reduce_scatter", "fsdp_modules", "gradient_divide_factor", "is_native_hsdp", "packed_params",
            "param_group_id", "same_group", "set_group_all_reduce_hook", "set_group_divide_factor",
-           "set_group_reduce_scatter", "shard_mesh_dims", "shard_process_group", "shard_process_groups"]
+           "set_group_reduce_scatter", "shard_mesh_dims", "shard_process_group", "shard_process_groups", "sharded_params"]
 
 # (major, minor) releases whose FSDP2 internals match what this module reads.
 TESTED_TORCH = ((2, 13), (2, 14))
@@ -158,6 +158,21 @@ def packed_params(module: FSDPModule, over: dist.ProcessGroup | None = None) -> 
         info = fsdp_param._module_info
         out.append(PackedParam(fsdp_param._param_fqn or info.param_name, info.module, info.param_name,
                                fsdp_param.fsdp_placement.dim == 0, tuple(int(d) for d in size)))
+    return out
+
+
+def sharded_params(model: Parts) -> set[tuple[int, str]]:
+    """`(id(owning module), name)` of every parameter some FSDP module of `model` (of each of
+    its parts) shards, in any of its parameter groups, requiring a gradient or not, under each
+    module it is registered on (a tied parameter's every registration): a parameter not in this
+    set lies in no FSDP module, so FSDP2 runs no collective for its gradient."""
+    out = set()
+    for module in fsdp_modules(model):
+        for group in _param_groups(module):
+            for fsdp_param in group.fsdp_params:
+                info = fsdp_param._module_info
+                out.add((id(info.module), info.param_name))
+                out.update((id(m), n) for m, n in zip(info.shared_modules, info.shared_param_names))
     return out
 
 
