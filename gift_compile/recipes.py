@@ -23,13 +23,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 from types import MappingProxyType
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from gift_compile.config import GiftConfig, GiftConfigError
 
-__all__ = ["RECIPES", "Recipe", "RecipeConflict", "check_recipe_optimizer", "recipe", "recipe_fields"]
+__all__ = ["RECIPES", "Recipe", "RecipeConflict", "check_recipe_optimizer", "recipe", "recipe_fields",
+           "with_overrides"]
 
 logger = logging.getLogger("gift_compile")
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,14 +65,15 @@ class RecipeConflict(GiftConfigError):
     """Overrides the user typed that a recipe's own fields do not admit. `field` is the first of
     them (a front end points at the flag the user typed), `recipe` the recipe's name."""
 
-    def __init__(self, recipe: str, typed: dict[str, Any], err: GiftConfigError) -> None:
+    def __init__(self, recipe: str, typed: dict[str, Any], err: GiftConfigError,
+                 sources: dict[str, str] | None = None) -> None:
         first = next(iter(typed))
         super().__init__(first, typed[first], err.allowed)
         self.recipe = recipe
-        given = ", ".join(f"{k}={v!r}" for k, v in typed.items())
+        given = ", ".join(_said(k, v, sources) for k, v in typed.items())
         self.args = (f"GIFT: recipe {recipe!r} does not combine with {given}: the recipe sets {err.field}="
-                     f"{err.value!r} (allowed: {err.allowed}). Override {err.field} as well, or start from a "
-                     "GiftConfig without the recipe",)
+                     f"{err.value!r} (allowed: {err.allowed}). Override {err.field} as well, or leave the recipe out "
+                     "and set the fields yourself",)
 
 
 def recipe_fields(name: str) -> dict[str, Any]:
@@ -97,30 +102,53 @@ def check_recipe_optimizer(config: GiftConfig, family: str, optimizers: str) -> 
 
 
 def recipe(name: str, **overrides: Any) -> GiftConfig:
-    """The `GiftConfig` of recipe `name`, with `overrides` (any `GiftConfig` field) on top.
+    """The `GiftConfig` of recipe `name`, with `overrides` (any `GiftConfig` field) on top
+    (`with_overrides`: replaced fields logged, a conflict raised naming the recipe)."""
+    return with_overrides(name, overrides, lambda values: GiftConfig(**values))
+
+
+def with_overrides(name: str, overrides: dict[str, Any], build: Callable[[dict[str, Any]], T],
+                   sources: dict[str, str] | None = None) -> T:
+    """`build` of recipe `name`'s fields with `overrides` on top: the one place a recipe meets
+    the fields a user typed, so the Python API (`recipe`) and torchtitan's launcher (TOML keys
+    and ``--gift.*`` flags next to a recipe, `build` then making its ``[gift]`` section) log and
+    refuse alike. `build` takes `GiftConfig` keyword arguments (plus ``recipe``) and raises
+    `GiftConfigError` naming the field it refuses; `sources` says where each override was typed
+    ("--gift.format on the command line"), for the messages.
 
     An override that replaces a field the recipe sets is logged (the result is no longer what
     the recipe measured). An override the recipe's other fields do not admit (`error_feedback=False`
-    on a recipe with a decaying residual) raises `GiftConfigError` naming the recipe and the
+    on a recipe with a decaying residual) raises `RecipeConflict` naming the recipe and the
     overrides the user typed that cause it, not a recipe field as if the user had set it."""
     fields = recipe_fields(name)
-    replaced = [f"{k}={v!r} (recipe: {fields[k]!r})" for k, v in overrides.items() if k in fields and fields[k] != v]
+    where = sources or {}
+    replaced = [f"{k}={v!r} (recipe: {fields[k]!r}" + (f"; {where[k]})" if k in where else ")")
+                for k, v in overrides.items() if k in fields and fields[k] != v]
     if replaced:
         logger.warning("GIFT: recipe %r with %s set explicitly: the explicit value%s win%s over the recipe's", name,
                        ", ".join(replaced), "s" if len(replaced) > 1 else "", "" if len(replaced) > 1 else "s")
     try:
-        return GiftConfig(**{**fields, "recipe": name, **overrides})
+        return build({**fields, "recipe": name, **overrides})
     except GiftConfigError as err:
         if err.field in overrides:  # the user's own value is bad: say so, with the recipe it was given to
             raise GiftConfigError(err.field, err.value, f"{err.allowed} (given to recipe {name!r})") from None
-        culprits = [k for k, v in overrides.items() if not _admits(fields, k, v)] or list(overrides)
-        raise RecipeConflict(name, {k: overrides[k] for k in culprits}, err) from None
+        culprits = [k for k, v in overrides.items() if not _admits(build, fields, k, v)] or list(overrides)
+        if not culprits:  # nothing typed: what the recipe meets is the caller's base (a config function's values)
+            raise GiftConfigError(err.field, err.value, f"{err.allowed} (set by recipe {name!r}, which does not "
+                                  "combine with the values it is applied to)") from None
+        raise RecipeConflict(name, {k: overrides[k] for k in culprits}, err, sources) from None
 
 
-def _admits(fields: dict[str, Any], key: str, value: Any) -> bool:
-    """Whether the recipe's `fields` with `key=value` alone on top make a valid `GiftConfig`."""
+def _said(key: str, value: Any, sources: dict[str, str] | None) -> str:
+    """``key=value``, with where the user typed it when that is known."""
+    where = (sources or {}).get(key)
+    return f"{key}={value!r}" + (f" ({where})" if where else "")
+
+
+def _admits(build: Callable[[dict[str, Any]], object], fields: dict[str, Any], key: str, value: Any) -> bool:
+    """Whether the recipe's `fields` with `key=value` alone on top make a valid object of `build`."""
     try:
-        GiftConfig(**{**fields, key: value})
+        build({**fields, key: value})
     except GiftConfigError:
         return False
     return True

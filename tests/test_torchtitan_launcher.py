@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -298,6 +299,53 @@ def test_recipes_expand_in_toml_and_on_the_command_line(tmp_path: Path) -> None:
     for name in RECIPES:  # Python and TOML give the same config
         section = gift_of(build_plan(str(GIFT_TOML), ["--gift.recipe", name], None)).to_gift_config()
         assert all(getattr(section, k) == getattr(recipe(name, reduce_op="sum"), k) for k in recipe_fields(name)), name
+
+
+def test_a_recipe_conflict_on_the_command_line_or_in_the_toml_names_the_recipe_and_overrides_are_logged(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 56, class 9, in gift-train: `recipe = "muon-int2-leaky-ef"` with `--gift.no-error-feedback`
+    failed on the TOML's `gift.error_feedback_decay = 0.9`, a key the user never wrote, without
+    naming the recipe, and a flag or TOML key replacing a recipe's field was not logged. Now the
+    launcher holds the recipe against what was typed as `gift_compile.recipes.recipe` does."""
+    from gift_compile.recipes import RecipeConflict
+
+    base = GIFT_TOML.read_text().replace('recipe = "adamw-int3"', 'recipe = "muon-int2-leaky-ef"')
+    path = str(tmp_path / "recipe.toml")
+    Path(path).write_text(base)
+    with pytest.raises(RecipeConflict) as err:
+        build_plan(path, ["--gift.no-error-feedback", "--gift.seed", "3"], None)
+    message = str(err.value)
+    assert "recipe 'muon-int2-leaky-ef' does not combine with error_feedback=False (--gift.no-error-feedback on the " \
+           "command line)" in message, message
+    assert "Override error_feedback_decay as well" in message and "seed" not in message, message
+    assert err.value.field == "error_feedback"
+    # the same conflict typed next to the recipe in the TOML (a key there wins over the TOML's recipe)
+    toml = str(tmp_path / "key.toml")
+    Path(toml).write_text(base.replace('recipe = "muon-int2-leaky-ef"',
+                                       'recipe = "muon-int2-leaky-ef"\nerror_feedback = false'))
+    with pytest.raises(RecipeConflict, match=r"recipe 'muon-int2-leaky-ef' does not combine with error_feedback=False "
+                                             rf"\(in {re.escape(toml)}\)"):
+        build_plan(toml, [], None)
+    # a value the recipe refuses on its own: its key, where it was set, and the recipe
+    with pytest.raises(ValueError, match=r"command line: key 'gift.block_size' = 64: .*given to recipe "
+                                         r"'muon-int2-leaky-ef'"):
+        build_plan(path, ["--gift.block-size", "64"], None)
+    # explicit values replacing the recipe's are logged with both values and where they were typed
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="gift_compile"):
+        plan = build_plan(path, ["--gift.format", "int3", "--gift.seed", "3"], None)
+    assert _parse(plan.args).gift.format == "int3"
+    logged = [r.getMessage() for r in caplog.records if "set explicitly" in r.getMessage()]
+    assert len(logged) == 1 and "format='int3' (recipe: 'int2'; --gift.format on the command line)" in logged[0], logged
+    assert "seed" not in logged[0]  # a field the recipe does not set replaces nothing
+    # a command-line recipe replacing the TOML's keys says which
+    caplog.clear()
+    with_key = str(tmp_path / "block.toml")
+    Path(with_key).write_text(GIFT_TOML.read_text().replace('recipe = "adamw-int3"', "block_size = 16"))
+    with caplog.at_level(logging.WARNING, logger="gift_compile"):
+        assert _parse(build_plan(with_key, ["--gift.recipe", "muon-int2-leaky-ef"], None).args).gift.block_size == 32
+    assert any("--gift.recipe 'muon-int2-leaky-ef' replaces block_size=16 (recipe: 32)" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
 
 
 def test_the_start_here_config_function_builds_a_gift_trainer_config() -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import socket
 import subprocess
@@ -42,7 +43,9 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10: the same parser, packaged as tomli
     import tomli as tomllib
 
-__all__ = ["LaunchPlan", "build_plan", "main"]
+__all__ = ["LaunchPlan", "RecipeUse", "build_plan", "check_recipe", "expand_recipe", "main"]
+
+logger = logging.getLogger("gift_compile")
 
 _JOB_KEYS = {"module", "config", "nproc"}
 
@@ -82,7 +85,7 @@ def build_plan(toml_path: str, overrides: Sequence[str], nproc: int | None) -> L
     if unknown:
         raise ValueError(f"{toml_path}: unknown key 'job.{unknown[0]}'; [job] knows {sorted(_JOB_KEYS)}")
 
-    overrides = expand_recipe(table, list(overrides), toml_path)
+    overrides, recipe = expand_recipe(table, list(overrides), toml_path)
     module, config_fn = job.get("module"), job.get("config")
     passthrough: list[str] = []
     i = 0
@@ -112,6 +115,8 @@ def build_plan(toml_path: str, overrides: Sequence[str], nproc: int | None) -> L
         found = cli_key(arg, config)
         if found is not None:
             from_toml.pop(found[0], None)
+    if recipe is not None:
+        check_recipe(recipe, config, cli_values, toml_path)
     merged = {key: (value, toml_path) for key, (value, _) in checked_toml.items()}
     merged.update({key: (value, CLI) for key, value in cli_values.items()})
     check_ranges(config, merged, f"config function {module}.{config_fn}")
@@ -126,11 +131,23 @@ def build_plan(toml_path: str, overrides: Sequence[str], nproc: int | None) -> L
     return LaunchPlan(args=args, nproc=ranks)
 
 
-def expand_recipe(table: dict[str, Any], overrides: list[str], toml_path: str) -> list[str]:
+@dataclasses.dataclass(frozen=True)
+class RecipeUse:
+    """The recipe a launch expands and the ``[gift]`` keys its TOML set that stand next to it
+    (what `check_recipe` holds the recipe against, with the ``--gift.*`` flags)."""
+
+    name: str
+    toml_keys: dict[str, Any]
+    """``[gift]`` keys the TOML file sets, other than ``recipe``, that the recipe did not replace."""
+
+
+def expand_recipe(table: dict[str, Any], overrides: list[str], toml_path: str) -> tuple[list[str], RecipeUse | None]:
     """Replace a named recipe (`gift_compile.recipes`) by the ``[gift]`` keys it sets; returns
-    `overrides` without ``--gift.recipe``. Precedence as everywhere: a recipe in the TOML fills
-    the ``[gift]`` keys the TOML does not set; one on the command line overrides the TOML's, and
-    the other ``--gift.*`` flags beat either."""
+    `overrides` without ``--gift.recipe``, and the recipe used (None: none). Precedence as
+    everywhere: a recipe in the TOML fills the ``[gift]`` keys the TOML does not set; one on the
+    command line replaces the TOML's recipe and the TOML's keys it sets (each replaced key
+    logged, as it is no longer what the file says), and the other ``--gift.*`` flags beat
+    either (`check_recipe`)."""
     from gift_compile.recipes import recipe_fields
 
     gift = table.setdefault("gift", {})
@@ -150,17 +167,56 @@ def expand_recipe(table: dict[str, Any], overrides: list[str], toml_path: str) -
     in_toml = gift.pop("recipe", None)
     if in_toml is not None and not isinstance(in_toml, str):
         raise ValueError(f"{toml_path}: gift.recipe must be a string, got {in_toml!r}")
+    for given, source in ((in_toml, toml_path), (name, CLI)):
+        if given:
+            try:  # each name checked, also the TOML's that the command line's replaces
+                recipe_fields(given)
+            except ValueError as err:
+                raise ValueError(f"{source}: {err}") from None
+    chosen = name if name is not None else in_toml
+    if not chosen:
+        return rest, None
+    fields = recipe_fields(chosen)
+    typed = dict(gift)
+    if name is not None:  # the command line's recipe beats the TOML's keys
+        replaced = [f"{k}={v!r} (recipe: {fields[k]!r})" for k, v in typed.items() if k in fields and fields[k] != v]
+        if replaced:
+            logger.warning("GIFT: --gift.recipe %r replaces %s from %s (a --gift.* flag would beat the recipe)",
+                           name, ", ".join(replaced), toml_path)
+        typed = {k: v for k, v in typed.items() if k not in fields}
+    gift.clear()
+    gift.update({**fields, **typed, "recipe": chosen})  # kept by name: the run checks the recipe's optimizer
+    return rest, RecipeUse(chosen, typed)
+
+
+def check_recipe(use: RecipeUse, config: Any, cli_values: dict[str, Any], toml_path: str) -> None:
+    """Hold recipe `use` against what the user set next to it, as `gift_compile.recipes.recipe`
+    does in Python (`with_overrides`), before the section's own checks (`check_ranges`) would
+    blame a recipe field the user never typed: a TOML key or ``--gift.*`` flag (`cli_values`,
+    the checked settings by key) replacing a field of the recipe is logged with both values and
+    where it was typed; values the recipe's fields do not admit raise `RecipeConflict` naming the
+    recipe and those values; a value the recipe refuses on its own raises naming its key, where
+    it was set and the recipe. The rest of the section is the config function's (`config.gift`)."""
+    from gift_compile.config import GiftConfigError
+    from gift_compile.recipes import RecipeConflict, with_overrides
+
+    from .section import GiftSection
+
+    flags = {key.removeprefix("gift."): value for key, value in cli_values.items() if key.startswith("gift.")}
+    typed = {**use.toml_keys, **flags}  # a flag beats the TOML's key
+    sources = {k: f"in {toml_path}" for k in use.toml_keys}
+    sources.update({k: f"--gift.{'no-' if v is False else ''}{k.replace('_', '-')} on the {CLI}"
+                    for k, v in flags.items()})
+    base = {f.name: getattr(config.gift, f.name) for f in dataclasses.fields(GiftSection)}
     try:
-        if in_toml is not None:
-            for key, value in recipe_fields(in_toml).items():
-                gift.setdefault(key, value)
-        if name is not None:
-            gift.update(recipe_fields(name))
-    except ValueError as err:
-        raise ValueError(f"{toml_path if name is None else 'command line'}: {err}") from None
-    if name or in_toml:  # kept by name: the run checks the recipe's optimizer against its own
-        gift["recipe"] = name or in_toml
-    return rest
+        with_overrides(use.name, typed, lambda values: GiftSection(**{**base, **values}), sources)
+    except RecipeConflict:
+        raise
+    except GiftConfigError as err:
+        if err.field not in typed:
+            raise
+        source = CLI if err.field in flags else toml_path
+        raise ValueError(f"{source}: key 'gift.{err.field}' = {typed[err.field]!r}: {err}") from err
 
 
 def _validate(plan: LaunchPlan) -> None:

@@ -182,8 +182,9 @@ class GiftSection:
 
     recipe: str = _DEFAULTS.recipe
     """A named recipe: muon-nvfp4, muon-int2-leaky-ef (Muon), adamw-int3 (AdamW); it sets the [gift]
-    keys the TOML leaves out (on the command line it overrides the TOML's; other --gift.* flags win),
-    and a recipe measured under another optimizer than the run's is warned about on every rank."""
+    keys the TOML leaves out (on the command line it replaces the TOML's recipe and keys; other --gift.* flags
+    win); gift-train logs each key or flag that replaces a recipe's value and names the recipe when one does
+    not combine with it, and a recipe measured under another optimizer than the run's is warned about on every rank."""
 
     def __post_init__(self) -> None:
         for name in _INTEGRATION_FIELDS:
