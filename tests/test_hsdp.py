@@ -262,3 +262,81 @@ def test_hsdp_with_one_shard_runs_the_replica_hop_as_the_only_collective():
         assert "reduce-scatters over a one-rank group" in apply, apply
         assert "there is no shard hop" in replica_format and "replica_format='int4'" in replica_format
         assert "by factor squared" in factor
+
+
+
+def _two_nodes_worker(rank: int, world: int) -> dict:
+    """HSDP as torchrun starts it on 2 nodes x 2 ranks (`LOCAL_WORLD_SIZE=2`), the state over all 4
+    ranks (two levels: 2 nodes x 2) with the int2 recipe's error feedback, two steps on each mesh:
+    2 replicas x 2 shards (the shard group inside one node, the replica group one rank per node: each
+    hop one level) and 4 replicas x 1 shard (the replica hop, one level, carries the residual)."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from gift_compile.api import manage
+    from gift_compile.config import GiftConfig
+    from gift_compile.frameworks import fsdp2, hsdp
+
+    # what torchrun sets on 2 nodes x 2 ranks, before GIFT reads the node layout
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    os.environ["LOCAL_RANK"] = str(rank % 2)
+    out = {}
+    for replicas in (2, 4):
+        mesh = init_device_mesh("cpu", (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
+        replica_group = mesh.get_group("replicate")
+        torch.manual_seed(0)
+        reference, model = _Net(), _Net()
+        model.load_state_dict(reference.state_dict())
+        fully_shard(model.up, mesh=mesh["shard"])
+        fully_shard([model.norm, model.down], mesh=mesh["shard"])
+        fully_shard(model, mesh=mesh["shard"])
+        # muon-int2-leaky-ef's codec and residual (no map: its geometry "auto" asks for Muon); the
+        # gradients outside the layers at their default formats (the norm at bf16)
+        config = GiftConfig(format="int2", block_size=32, error_feedback=True, error_feedback_decay=0.9,
+                            block_rotation=True, geometry="none", select="all", min_numel=1024, exclude=(),
+                            reduce_op="sum" if replicas == 2 else "avg")
+        state = manage(model, config, dist.group.WORLD, mode="stats", split_rows=True)
+        fsdp2.install(model, state, compiled=False)
+        hsdp.install(model, state, replica_group, compiled=False)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        errs: dict[str, float] = {}
+        for step in range(2):
+            x = torch.randn(8, 64, generator=torch.Generator().manual_seed(100 * step + rank))
+            model(x).square().sum().backward()
+            if step == 0:  # against the fp32 all-reduce of every rank's full gradient (the mean)
+                reference(x).square().sum().backward()
+                for name in ("up.weight", "down.weight", "norm.weight"):
+                    ref = dict(reference.named_parameters())[name].grad.clone()
+                    dist.all_reduce(ref)
+                    ref /= world
+                    got = dict(model.named_parameters())[name].grad.full_tensor()
+                    errs[name] = float((got - ref).norm() / ref.norm())
+            state.check_health()
+            opt.step()
+            opt.zero_grad()
+        params = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+        others: list = [None] * replicas
+        dist.all_gather_object(others, params, group=replica_group)
+        out[replicas] = {"two_level": state.layout.two_level, "errs": errs,
+                         "identical": all(torch.equal(o[k], params[k]) for o in others for k in params),
+                         "residual_moved": all(bool(l.residual[0].abs().sum() > 0) for l in state.layers.values())}
+    return out
+
+
+def test_hsdp_on_two_nodes_with_error_feedback_sizes_each_hop_by_its_own_layout():
+    """Before: under LOCAL_WORLD_SIZE=2 the state over all 4 ranks sized each layer's residual
+    for a node's chunk of its two-level layout (`down`: 32 rows) while the hop that carries it,
+    one level, sends the whole gradient (64 rows): the first backward raised; and the shard
+    hop's items outside the layers were planned for 4 ranks, not the shard group's 2."""
+    for r in run_ranks(_two_nodes_worker, 4):
+        for replicas, case in r.items():
+            assert case["two_level"], case  # the premise: the state's own group spans 2 nodes x 2 ranks
+            assert case["identical"], f"{replicas} replicas differ"
+            assert case["residual_moved"], case
+            # the managed weights went at int2 (really quantized), the norm at bf16: the mean, at its level
+            for name in ("up.weight", "down.weight"):
+                assert 0.05 < case["errs"][name] < 0.8, (replicas, name, case["errs"])
+            assert case["errs"]["norm.weight"] < 0.01, (replicas, case["errs"])

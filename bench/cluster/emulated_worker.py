@@ -17,7 +17,6 @@ collectives. Rank 0 appends one JSON line per arm to `--out`.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -233,10 +232,6 @@ def build(arm: Arm, path: str, model: TinyLlama, warmup: int, fuse: bool = True
     from gift_compile.frameworks.routing import manage
 
     _shard(model, mesh["shard"], arm)  # shard-only mesh: GIFT's replica hop replaces FSDP2's all-reduce
-    # Each hop's group is one level by itself (the shard group inside a node, the replica group one rank per
-    # node), but a state over the whole group would take LOCAL_WORLD_SIZE's two levels and size the
-    # error-feedback residual for a node's chunk, which the shard hop's items do not send (it raises).
-    config = dataclasses.replace(config, ranks_per_node=0)
     optimizers, peaks = _optimizers(model, sharded=True)
     config = resolve_auto(config, optimizers, managed_weights(model, config, dist.group.WORLD, split_rows=True))
     state = manage(model, config, dist.group.WORLD, mode="stats", split_rows=True)

@@ -129,7 +129,9 @@ class GiftReduceScatter(ReduceScatter):
         # module, name): the buffer's layout, `[world * rows, cols]` of each rank's padded
         # shard, is what the reduce-scatter reduces, so uneven dim-0 shards split whole
         self._outside: dict[tuple[int, str], tuple[ItemPlan | None, ItemTensors | None]] = {}
-        self._world = state.world()
+        # the ranks and node layout of the collective the layers' gradients cross (HSDP: the
+        # shard group's, `GiftState.exchange_over`), which the outside items are sized for too
+        self._world, layout = state.exchange
         if names is not None:  # (`EuclideanReduceScatter` plans its own)
             world = self._world
             for p in packed_params(module, over):
@@ -140,7 +142,7 @@ class GiftReduceScatter(ReduceScatter):
                 fqn = f"{owner}.{p.param_name}" if owner else p.param_name
                 self._outside[id(p.module), p.param_name] = outside_item(
                     state, fqn, (world * p.rows, *p.local[1:]), world, state.counters.device,
-                    collective=Collective.REDUCE_SCATTER, layout=state.layout)
+                    collective=Collective.REDUCE_SCATTER, layout=layout)
 
     # whether its managed items are the state's layers (selection, maps, the layers' residuals)
     has_layers = True
@@ -384,6 +386,9 @@ def install(model: Parts, state: GiftState, *, compiled: bool = True) -> CommTim
     if managed_outside:
         raise ValueError(f"GIFT: managed weights {managed_outside} reduce-scatter over another process group than "
                          f"GIFT's ({pg.group_name!r}); exclude them (GiftConfig.exclude)")
+    # HSDP: the state spans shards x replicas, the reduce-scatter only the shard group, which
+    # may be one level where the state's group is two (its residuals then have other rows)
+    state.exchange_over(pg)
     names = {id(m): n for part in model_parts(model) for n, m in part.named_modules()}
     timer = CommTimer()
     experts_states: dict[str, GiftState] = {}  # the experts' own state per group (`_whitened_experts`)

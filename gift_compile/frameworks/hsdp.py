@@ -38,7 +38,11 @@ the norm over the shard mesh, which is the global norm because the gradients are
 every replica after the hook; the optimizer steps identical shards with identical gradients;
 checkpoints (DCP) see each shard once per replica and deduplicate equal entries. The GIFT state
 itself must be built on the whole data-parallel group (shards x replicas): statistics, transforms
-and selection are then the same on every rank, which the replica hop's decode requires.
+and selection are then the same on every rank, which the replica hop's decode requires. That
+group may span nodes in two levels (torchrun's `LOCAL_WORLD_SIZE`) where neither hop's group
+does (a shard group inside one node, a replica group with one rank per node): each hop's items
+and residuals follow its own group's layout (`fsdp2.install` puts the layers' residuals on the
+shard group's, `GiftState.exchange_over`; this hop runs one level).
 A module sharded on a per-parameter mesh (torchtitan's MoE blocks under expert parallelism:
 routed experts on ``efsdp``, the rest on ``fsdp``) has one parameter group per mesh, each with its
 own all-reduce hook (`fsdp_internals.set_group_all_reduce_hook`; FSDP2's public setter refuses

@@ -46,12 +46,13 @@ class Checkpointing:
     seed: torch.Tensor
     steps: int
     _sharing_checked: bool
-    layout: NodeLayout
+    exchange: tuple[int, NodeLayout]
 
 
 
     # ---- checkpointing -----------------------------------------------------------------
     def _meta(self) -> dict[str, Any]:
+        layout = self.exchange[1]
         return {
             "version": STATE_VERSION,
             "config": self.config.to_dict(),
@@ -67,10 +68,10 @@ class Checkpointing:
             "substates": len(self.substates),
             # whose: residuals, probes and statistics accumulators are this rank's own
             "group_rank": group_rank(self.group), "world": self.world(),
-            # where the group's ranks sat (`exchange.topology`): a two-level exchange's first-hop
+            # where the ranks of the layers' collective sat (`exchange.topology`; the state's group,
+            # or HSDP's shard group, `GiftState.exchange`): a two-level exchange's first-hop
             # residuals hold the node chunk's rows of that layout (`_check_node_layout`)
-            "node_layout": {"ranks_per_node": self.layout.ranks_per_node,
-                            "nodes": self.layout.nodes if self.layout.two_level else 1},
+            "node_layout": {"ranks_per_node": layout.ranks_per_node, "nodes": layout.nodes if layout.two_level else 1},
         }
 
     def state_dict(self) -> dict[str, Any]:

@@ -88,8 +88,6 @@ class LayerState:
         self.followers: list[LayerState] = []
         self.grad_factor: torch.Tensor | None = geometry.allocate_factor(d_in, device)
         plan = spec.plan
-        self.residual = (residual_store.allocate(plan.residual_format, residual_rows(out, world, layout), d_in, device)
-                         if plan.error_feedback else None)
         self.second_hop_residual = (residual_store.allocate(plan.residual_format, -(-out // world), d_in, device)
                                     if plan.second_hop_error_feedback else None)
         self.probe = torch.zeros(min(out, PROBE_ROWS), d_in, device=device)
@@ -97,6 +95,8 @@ class LayerState:
                                   n_tensors=len(self.transform.tensors),
                                   format=layer_format(spec.layer_formats, fqn, plan.format))
         self.seed_offset = torch.tensor(self._full_plan.seed_offset, dtype=torch.int64, device=device)
+        self.residual: tuple[torch.Tensor, ...] | None = None
+        self.size_residual(world, layout)
         # GIFT's own sync (`SyncMode`); `pending` is allocated when `gift_compile.no_sync` is first entered.
         self.mode = SyncMode.SYNC
         self.pending: torch.Tensor | None = None
@@ -139,6 +139,16 @@ class LayerState:
         """Whether this layer's forward feeds statistics: it or a follower needs them, and it
         is not itself a follower."""
         return self.leader is None and (self.needs_stats or any(f.needs_stats for f in self.followers))
+
+    def size_residual(self, world: int, layout: NodeLayout) -> None:
+        """Allocate the first-hop residual, zero, for an exchange over `world` ranks on `layout`
+        (`exchange.node_stage.residual_rows`), where the plan has error feedback. Besides the
+        constructor, `GiftState.exchange_over` calls it when an adapter's collective runs over
+        another group than the state's (HSDP's shard group), whose own layout decides the rows
+        its items send."""
+        plan = self._full_plan
+        self.residual = (residual_store.allocate(plan.residual_format, residual_rows(self.shape[0], world, layout),
+                                                 self.shape[1], self.probe.device) if plan.error_feedback else None)
 
     def _replan(self) -> None:
         """The plans of the active path: `plan` (the eager codec's: the identity when not

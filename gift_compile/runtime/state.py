@@ -33,7 +33,7 @@ from gift_compile.exchange.collectives import (C_MISMATCH, C_MISMATCH_RANKS, C_N
                                                Shared, flagged_ranks)
 from gift_compile.exchange.mark import SyncMode
 from gift_compile.exchange.plan import BucketPlan, Collective, ItemPlan
-from gift_compile.exchange.topology import FLAT, node_layout
+from gift_compile.exchange.topology import FLAT, NodeLayout, node_layout
 from gift_compile.geometry.maps import FactorSource, RowShard
 from gift_compile.geometry.statistics import StatisticsSettings
 from gift_compile.geometry.table import Geometry, geometry_class
@@ -129,7 +129,7 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
                  "plan_version", "selection_changes", "_sharing_checked", "adapters", "hop_counters", "backward_watch",
                  "geometry", "layer_spec", "health_group_name", "pending_faults", "outside", "substates", "blocks",
                  "stepped_by_optimizer", "driver", "report", "layout", "outside_items", "refresh_traffic",
-                 "_progress_last")
+                 "_progress_last", "_exchange")
 
     # held by name, so a destroyed group's threads end with it (`gift_compile.sync.GroupByName`)
     group = GroupByName()
@@ -158,6 +158,9 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
             set_levels(group, self.layout.node_group, self.layout.cross_group, self.layout.ranks_per_node)
         elif world_size(group) > 1:  # one level: the refresh crosses the network where the group spans nodes
             set_in_node(group, not self.layout.spans_nodes)
+        # (ranks, node layout) of the collective the layers' gradients cross, where an adapter put
+        # it on another group than the state's (`exchange_over`); None: the state's group
+        self._exchange: tuple[int, NodeLayout] | None = None
         self.counters = torch.zeros(N_COUNTERS, dtype=torch.int64)
         self.steps = 0
         self.history: list[RefreshRecord] = []
@@ -262,12 +265,46 @@ class GiftState(RefreshEngine, Checkpointing, Telemetry):
             # graphs read these where the weights live
             self.seed, self.rank, self.counters = (t.to(device) for t in (self.seed, self.rank, self.counters))
         layer = LayerState(fqn, shape, self.layer_spec, device, world, self.layout)
+        if self._exchange is not None:  # its gradient crosses an adapter's group (`exchange_over`)
+            layer.size_residual(*self._exchange)
         self.layers[fqn] = layer
         if self._static_selection():  # decided before any graph exists: not a plan change
             chosen = fqn in decide(self.config, self.geometry, {fqn: LayerMeasurement(1.0, 1.0, 0.0, 0.0)}, {})
             layer.selected, layer.decided = chosen and not layer.transform.is_identity, True
             layer._replan()
         return layer
+
+    @property
+    def exchange(self) -> tuple[int, NodeLayout]:
+        """`(ranks, node layout)` of the collective the layers' gradients cross, which their
+        first-hop residuals are sized for: the state's group, or the group an adapter exchanges
+        them over (`exchange_over`)."""
+        return self._exchange if self._exchange is not None else (self.world(), self.layout)
+
+    def exchange_over(self, group: dist.ProcessGroup) -> None:
+        """The layers' gradients cross `group`, not the state's group: HSDP's shard hop, whose
+        state spans shards x replicas (statistics, maps and selection must agree on every
+        replica) while the reduce-scatter that carries the error feedback runs over the shard
+        group. That group's own node layout (`exchange.topology.node_layout`, from its ranks'
+        nodes: a group inside one node or with one rank per node is one level) decides the rows
+        its items send, so the first-hop residuals are re-sized for it (zero). A two-level
+        state's layout would give a node chunk's rows that the one-level hop does not send (a
+        one-rank shard group is one level too: HSDP's replica hop, one level, then carries the
+        whole gradient and its residual). Called
+        by every rank of `group` (the layout is agreed over it) before any gradient crossed it:
+        raises once the state has stepped or a residual outside the layers was sized already."""
+        world = group.size()
+        exchange = world, node_layout(group, self.config.ranks_per_node, self.config.intra_node_format)
+        if exchange == self.exchange:
+            return
+        if self.steps or self.outside:
+            raise RuntimeError(
+                f"GIFT: GiftState.exchange_over({group.group_name!r}) after the state has stepped ({self.steps} steps) "
+                f"or sized residuals outside its layers ({sorted(self.outside)[:3]}): those residuals hold the rows "
+                "of the state's own layout; install the adapter before the first step")
+        self._exchange = exchange
+        for layer in self.layers.values():
+            layer.size_residual(*exchange)
 
     def add_outside_residual(self, fqn: str, shape: tuple[int, int],
                              device: torch.device | str) -> tuple[torch.Tensor, ...]:
