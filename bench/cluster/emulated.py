@@ -49,6 +49,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from bench.cluster.emulated_worker import LOCAL_BATCH, SEQ_LEN
+
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "bench" / "results" / "cluster" / "emulated.json"
 PREFIX = "giftemu-"
@@ -217,10 +219,37 @@ def render_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# The unshaped overhead's parts, each the difference of two arms' medians (arm, the arm below it):
+# the codes with error feedback, the block rotation on top, the map with its statistics on top.
+OVERHEAD_PARTS = (("codec (int2 + error feedback)", "euclid-int2-norot", "fp32"),
+                  ("block rotation", "euclid-int2", "euclid-int2-norot"),
+                  ("map and statistics", "muon-int2-leaky-ef", "euclid-int2"))
+
+
+def attribute_overhead(rows: list[dict[str, Any]]) -> list[str]:
+    """Per path and layout run unshaped: the recipe's median step over fp32's, and its parts
+    (`OVERHEAD_PARTS`) where both arms of a part ran; differences of medians, so a part can come
+    out negative within the steps' noise (each arm's CI is in the table)."""
+    unshaped = {(r["path"], r["layout"], r["arm"]): r["step"]["median"] for r in rows if r["rate"] == "none"}
+    lines = []
+    for path, layout in dict.fromkeys((p, l) for p, l, _ in unshaped):
+        fp32, recipe = unshaped.get((path, layout, "fp32")), unshaped.get((path, layout, "muon-int2-leaky-ef"))
+        if fp32 is None or recipe is None:
+            continue
+        parts = [f"{name} {unshaped[(path, layout, a)] - unshaped[(path, layout, b)]:+.2f} s"
+                 for name, a, b in OVERHEAD_PARTS if (path, layout, a) in unshaped and (path, layout, b) in unshaped]
+        lines.append(f"{path} {layout}, unshaped: muon-int2-leaky-ef {recipe:.2f} s against fp32's {fp32:.2f} s "
+                     f"({recipe / fp32 - 1:+.0%}){': ' + ', '.join(parts) if parts else ''}")
+    return lines
+
+
 def block(_: dict | None = None, path: Path = OUT) -> str:
     """The README's `cluster` block: the measured table and where it comes from."""
     d = json.loads(path.read_text())
-    ci = summarise(d["records"])[0]["step"]
+    rows = summarise(d["records"])
+    ci = rows[0]["step"]
+    parts = attribute_overhead(rows)
+    overhead = ["", *("- " + line for line in parts)] if parts else []
     words = shlex.split(d["command"])
     if "--note" in words:  # the note is quoted beside the command
         i = words.index("--note")
@@ -232,8 +261,9 @@ def block(_: dict | None = None, path: Path = OUT) -> str:
         f"head), Muon + AdamW, {d['steps']} timed steps after {d['warmup']} of warm-up; step time is the median "
         f"over the timed steps with its {ci['method']} 95% CI (n = {ci['n']}: ranks {ci['rank_lo']} and "
         f"{ci['rank_hi']}, {ci['coverage']:.1%} coverage); link bytes are the kernel's "
-        "counters on each node's interface; the target loss is fp32's at 80% of the run.", "",
-        render_table(d)])
+        f"counters on each node's interface; the target loss is fp32's at 80% of the run; "
+        f"{d['model']['local_batch']} x {d['model']['seq_len']} tokens per rank and step.", "",
+        render_table(d), *overhead])
 
 
 # ---- the cluster ----------------------------------------------------------------------------
@@ -433,8 +463,10 @@ def _signals_end_the_run() -> Iterator[None]:
 # ---- the run ------------------------------------------------------------------------------------
 
 def run_layout(cluster: Cluster, layout: str, g: int, rates: Sequence[float | None], arms: dict[str, list[str]],
-               steps: int, warmup: int, timeout: float, nice: int, log: Any, fuse: bool = True) -> list[dict[str, Any]]:
-    """Every (rate, path) of one layout on `cluster`: the worker's records, tagged."""
+               steps: int, warmup: int, timeout: float, nice: int, log: Any, fuse: bool = True,
+               batch: int = LOCAL_BATCH) -> list[dict[str, Any]]:
+    """Every (rate, path) of one layout on `cluster`: the worker's records, tagged; `batch`
+    sequences per rank per step."""
     records = []
     with tempfile.TemporaryDirectory(prefix="giftemu-") as tmp:
         for bps in rates:
@@ -446,7 +478,8 @@ def run_layout(cluster: Cluster, layout: str, g: int, rates: Sequence[float | No
                 log(f"{layout} @ {rate_label(bps)}: {path} arms {', '.join(names)}")
                 start = time.monotonic()
                 cluster.launch(g, ["--path", path, "--arms", ",".join(names), "--steps", str(steps),
-                                   "--warmup", str(warmup), "--iface", IFACE, "--out", str(out), *([] if fuse else ["--eager"])],
+                                   "--warmup", str(warmup), "--batch", str(batch), "--iface", IFACE, "--out", str(out),
+                                   *([] if fuse else ["--eager"])],
                                Path(tmp), timeout, nice)
                 for line in out.read_text().splitlines():
                     r = json.loads(line)
@@ -460,10 +493,10 @@ def run_layout(cluster: Cluster, layout: str, g: int, rates: Sequence[float | No
 
 
 def calibrate(cluster: Cluster, layout: str, g: int, steps: int, warmup: int, timeout: float, nice: int,
-              log: Any) -> dict[str, Any]:
+              log: Any, batch: int = LOCAL_BATCH) -> dict[str, Any]:
     """fp32 on DDP, unshaped: its median step (the compute, the link being fast) and the bytes a
     node sends per step; the rate at which sending them takes as long as that step, and 4x slower."""
-    r = run_layout(cluster, layout, g, [None], {"ddp": ["fp32"]}, steps, warmup, timeout, nice, log)[0]
+    r = run_layout(cluster, layout, g, [None], {"ddp": ["fp32"]}, steps, warmup, timeout, nice, log, batch=batch)[0]
     row = summarise([r])[0]
     sent = max(row["tx_per_step"])
     balanced = sent * 8 / row["step"]["median"]
@@ -532,6 +565,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay added on each link (netem)")
     p.add_argument("--steps", type=int, default=20, help="timed steps per arm")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per arm before them")
+    p.add_argument("--batch", type=int, default=LOCAL_BATCH,
+                   help=f"sequences per rank per step (default {LOCAL_BATCH}: {LOCAL_BATCH} x {SEQ_LEN} tokens)")
     p.add_argument("--calibrate", action="store_true", help="only measure and propose the rates, then stop")
     p.add_argument("--nice", type=int, default=0, help="niceness of the ranks (negative: ahead of other jobs)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds one launch (a path's arms) may take")
@@ -579,27 +614,28 @@ def main(argv: list[str] | None = None) -> int:
                 with Cluster(nodes, a.delay_ms) as cluster:
                     rates: list[float | None] = []
                     if a.calibrate or "auto" in rate_texts:
-                        c = calibrate(cluster, label, g, a.steps, a.warmup, a.timeout, a.nice, log)
+                        c = calibrate(cluster, label, g, a.steps, a.warmup, a.timeout, a.nice, log, a.batch)
                         calibrations.append(c)
                         if a.calibrate:
                             continue
                         rates += [parse_rate(x) for x in c["rates"]]
                     rates += [x for x in fixed if x not in rates]
-                    records += run_layout(cluster, label, g, rates, arms, a.steps, a.warmup, a.timeout, a.nice, log, a.fuse)
+                    records += run_layout(cluster, label, g, rates, arms, a.steps, a.warmup, a.timeout, a.nice, log, a.fuse,
+                                          a.batch)
     except ClusterError as e:
         print(f"bench.cluster.emulated: {e}", file=sys.stderr)
         return 1
     if a.calibrate:
         print(json.dumps(calibrations, indent=1))
         return 0
-    from bench.cluster.emulated_worker import LOCAL_BATCH, MODEL, SEQ_LEN, embedding_share
+    from bench.cluster.emulated_worker import MODEL, embedding_share
 
     params, share = embedding_share()
     results = {
         "command": command, "note": a.note or "a run", "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
         "seconds": time.time() - started, "host": {**host, "load_average_end": os.getloadavg()},
         "model": {"config": {k: getattr(MODEL, k) for k in ("dim", "n_layers", "n_heads", "vocab_size", "ffn_hidden")},
-                  "params": params, "embedding_share": share, "local_batch": LOCAL_BATCH, "seq_len": SEQ_LEN,
+                  "params": params, "embedding_share": share, "local_batch": a.batch, "seq_len": SEQ_LEN,
                   "optimizer": "muon (hidden matrices) + adamw (embedding, norms, head)"},
         "steps": a.steps, "warmup": a.warmup, "delay_ms": a.delay_ms, "gift_fuse": a.fuse,
         "link": {"shaper": "tbf " + " ".join(TBF) + " on each node's interface and its bridge port",

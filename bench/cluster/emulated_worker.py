@@ -43,7 +43,10 @@ from gift_compile.torchtitan_ext.cpu import corpus, language_modeling
 # parameters, as in Llama-3-8B (`embedding_share` computes the exact share).
 MODEL = TinyLlamaConfig(dim=96, n_layers=42, n_heads=4, vocab_size=corpus.VOCAB_SIZE, multiple_of=32,
                         max_seq_len=64)
-LOCAL_BATCH = 2  # sequences per rank per step
+# Sequences per rank per step (`--batch`): 16 x 64 = 1024 tokens, nearer an LLM's per-GPU batch
+# (thousands of tokens) than a toy's. The compute per step grows with it and the gradient's bytes
+# and GIFT's codec do not, so the ratio of the two, not the model alone, sets where a step stands.
+LOCAL_BATCH = 16
 SEQ_LEN = 64
 LR, MUON_LR = 3e-3, 2e-2
 RECIPE_FOR_EUCLID = "muon-int2-leaky-ef"  # the frontier's fewest bits: the Euclidean arm runs its format and EF
@@ -77,6 +80,10 @@ def _arms() -> dict[str, Arm]:
     out["euclid-int2"] = Arm("euclid-int2", "gift", PATHS, fields=tuple(euclid.items()))
     out["euclid-int2-flat"] = Arm("euclid-int2-flat", "gift", ("ddp", "fsdp2"),
                                   fields=tuple({**euclid, "ranks_per_node": 0}.items()))
+    # the same codes without the block rotation: with euclid-int2 and the recipe, the unshaped
+    # overhead splits into the codec's, the rotation's and the map's with its statistics
+    out["euclid-int2-norot"] = Arm("euclid-int2-norot", "gift", PATHS,
+                                   fields=tuple({**euclid, "block_rotation": False}.items()))
     for name in ("muon-nvfp4", "muon-int2-leaky-ef"):
         fields = recipes.recipe_fields(name)
         out[name] = Arm(name, "gift", PATHS, fields=tuple(fields.items()))
@@ -248,7 +255,7 @@ def build(arm: Arm, path: str, model: TinyLlama, warmup: int, fuse: bool = True
 
 
 def run_arm(arm: Arm, path: str, steps: int, warmup: int, iface: str, seed: int,
-            tokens: torch.Tensor, fuse: bool = True) -> dict[str, Any]:
+            tokens: torch.Tensor, fuse: bool = True, batch: int = LOCAL_BATCH) -> dict[str, Any]:
     """Train `arm` on `path` for `warmup + steps` steps; the record of one arm (rank 0's is complete)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     local = int(os.environ["LOCAL_RANK"])
@@ -256,7 +263,7 @@ def run_arm(arm: Arm, path: str, steps: int, warmup: int, iface: str, seed: int,
     forward, optimizers, peaks, gift_totals = build(arm, path, model, warmup, fuse)
     params = list(model.parameters())
     total = warmup + steps
-    data = language_modeling.batches(tokens, LOCAL_BATCH * world, SEQ_LEN, seed=seed, rank=rank, world_size=world,
+    data = language_modeling.batches(tokens, batch * world, SEQ_LEN, seed=seed, rank=rank, world_size=world,
                                      steps=total)
     times: list[float] = []
     losses: list[float] = []
@@ -298,6 +305,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, required=True)
     p.add_argument("--iface", required=True, help="the node's link, whose kernel counters are read")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch", type=int, default=LOCAL_BATCH, help="sequences per rank per step")
     p.add_argument("--out", required=True, help="JSON lines, one per arm (rank 0 appends)")
     p.add_argument("--eager", dest="fuse", action="store_false",
                    help="GIFT's codec eager (apply's fuse=False; default: fused, as apply gives it)")
@@ -307,7 +315,7 @@ def main(argv: list[str] | None = None) -> None:
     tokens = corpus.token_stream("train", corpus.prepare())
     try:
         for name in a.arms.split(","):
-            record = run_arm(ARMS[name], a.path, a.steps, a.warmup, a.iface, a.seed, tokens, a.fuse)
+            record = run_arm(ARMS[name], a.path, a.steps, a.warmup, a.iface, a.seed, tokens, a.fuse, a.batch)
             if dist.get_rank() == 0:
                 with open(a.out, "a") as f:
                     f.write(json.dumps(record) + "\n")
