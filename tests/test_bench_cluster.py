@@ -90,6 +90,18 @@ def test_table_and_time_to_target_from_a_recorded_run() -> None:
     assert by_arm["pgd"].endswith("| 0.25x | 0.44 |  | 1.350 | 12.5 s |")
 
 
+def test_the_unshaped_overhead_splits_into_the_arms_differences() -> None:
+    loss = [3.0] * 4
+    arms = {"fp32": 1.0, "euclid-int2-norot": 1.5, "euclid-int2": 1.75, "muon-int2-leaky-ef": 2.5}
+    records = [_record(arm, "none", [9.0] + [t] * 3, loss) for arm, t in arms.items()]
+    records.append(_record("fp32", "50mbit", [9.0] + [4.0] * 3, loss))  # shaped runs are not attributed
+    (line,) = emulated.attribute_overhead(summarise(records))
+    assert line == ("ddp 2x2, unshaped: muon-int2-leaky-ef 2.50 s against fp32's 1.00 s (+150%): codec (int2 + error "
+                    "feedback) +0.50 s, block rotation +0.25 s, map and statistics +0.75 s")
+    # without the recipe's unshaped run there is nothing to attribute
+    assert emulated.attribute_overhead(summarise([r for r in records if r["arm"] != "muon-int2-leaky-ef"])) == []
+
+
 def test_a_killed_runs_namespace_is_removed_and_a_live_runs_kept_or_the_refusal_names_root() -> None:
     try:
         emulated.check_privilege()
