@@ -158,7 +158,7 @@ def _unmanage_module(module: nn.Module) -> None:
 
 def linear_weight_names(model: Parts) -> list[str]:
     """The FQN of every `nn.Linear` (subclass) weight in `model`'s parts, named as `manage`
-    names them: what the apply report lists as managed or left at full precision."""
+    names them: what the apply report lists as managed or left out of the layers."""
     return [f"{fqn}.weight" if fqn else "weight" for part in model_parts(model) for fqn, m in part.named_modules()
             if isinstance(m, nn.Linear) and m._parameters.get("weight") is not None]
 
@@ -174,7 +174,8 @@ def eligible_linears(model: Parts, world: int, *, min_numel: int, excluded: Call
     reduce-scatter paths) a row count divisible by the world size. Sizes are those of the
     matrix one rank of the data-parallel `group` holds (`local_matrix_shape`: a tensor-parallel
     rank's block). Ineligible weights that are big enough are logged with the reason: they
-    travel at full precision (`quiet`: not logged, for a caller that only looks ahead at what
+    travel with the gradients outside the layers (`frameworks.euclidean`: `unmapped_format`,
+    `tiny_format`; `quiet`: not logged, for a caller that only looks ahead at what
     `manage` will take, so that each weight is said once).
     """
     def say(msg: str, *args: object) -> None:
@@ -198,17 +199,18 @@ def eligible_linears(model: Parts, world: int, *, min_numel: int, excluded: Call
         if tied:
             # the other module's use reaches the gradient outside this linear's forward: the
             # frameworks file the gradient under one name, plain sync would see a partial one
-            say("GIFT: %s stays at full precision: it is tied to %s (one parameter, several modules)",
-                           name, ", ".join(tied))
+            say("GIFT: %s is not one of GIFT's layers: it is tied to %s (one parameter, several modules); it "
+                "travels with the gradients outside them", name, ", ".join(tied))
             continue
         rows, cols = local_matrix_shape(w, group)
         if rows * cols < min_numel:
             continue
         if not w.is_floating_point():
-            say("GIFT: %s stays at full precision: dtype %s is not floating point", name, w.dtype)
+            say("GIFT: %s is not one of GIFT's layers: dtype %s is not floating point", name, w.dtype)
             continue
         if split_rows and rows % world:
-            say("GIFT: %s stays at full precision: %d rows do not split over %d ranks", name, rows, world)
+            say("GIFT: %s is not one of GIFT's layers: %d rows do not split over %d ranks; it travels with the "
+                "gradients outside them", name, rows, world)
             continue
         yield name, module
 
