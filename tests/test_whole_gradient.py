@@ -80,10 +80,14 @@ def test_no_embedding_or_head_gradient_crosses_at_fp32_by_default(path: str) -> 
     reduce-scatter, 3 of 4 bytes per element on the all-reduce (a 16-bit item's second hop is
     half its size at 2 ranks): against the opt-out run, the default saves at least 40% of both
     gradients' fp32 bytes. One of them at fp32 would save at most 3/8 (all-reduce) or 1/4
-    (reduce-scatter) of them; both, nothing."""
+    (reduce-scatter) of them; both, nothing. A plain module's opt-out sends everything outside
+    the layers raw, by one native all-reduce that hands 4 of 4 bytes (GIFT's exchange would hand
+    6: an all_to_all and an all_gather), so there the default saves a quarter; one of the two at
+    fp32 would put both in GIFT's bucket and save nothing."""
     fp32_both = 2 * VOCAB * DIM * 4  # one rank's fp32 gradient of the embedding and of the head
     default, opted_out = (run_ranks(_wire_per_step, 2, path, extra)[0] for extra in ({}, OPT_OUT))
-    assert opted_out["wire"] - default["wire"] > 0.4 * fp32_both, (default, opted_out)
+    saved = 0.2 if path == "plain" else 0.4
+    assert opted_out["wire"] - default["wire"] > saved * fp32_both, (default, opted_out)
     # the opt-out hands over at least both fp32 gradients (the counters see them)
     assert opted_out["wire"] >= fp32_both, opted_out
     assert "embedding/head (exclude) (2): bf16" in default["report"], default["report"]
