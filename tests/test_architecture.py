@@ -213,20 +213,11 @@ LAUNCHER_SIDE = {("gift_compile.torchtitan_ext.train", f"{STAND_INS}.cpu_compat"
                  ("gift_compile.torchtitan_ext.launcher", f"{STAND_INS}.cpu_compat")}
 
 
-def _modules_under(folder: Path, package: str) -> dict[str, Path]:
-    """Dotted name -> file of every module under `folder` (imported as `package`)."""
-    modules = {}
-    for path in sorted(folder.rglob("*.py")):
-        parts = list(path.relative_to(folder).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        modules[".".join([package, *parts])] = path
-    return modules
-
-
 def bench_modules(root: Path = ROOT) -> dict[str, Path]:
     """The bench's modules (its results folder holds measurement scripts as records, not code)."""
-    return {m: p for m, p in _modules_under(root / "bench", "bench").items() if not m.startswith("bench.results")}
+    from tests.test_layers import modules_under
+
+    return {m: p for m, p in modules_under(root / "bench", "bench").items() if not m.startswith("bench.results")}
 
 
 def room_of(module: str, rooms: dict[str, int]) -> str:

@@ -51,16 +51,20 @@ def layer_index(module: str) -> int:
     return best[1]
 
 
+def modules_under(folder: Path, package: str) -> dict[str, Path]:
+    """Dotted name -> file of every module under `folder` (imported as `package`)."""
+    modules = {}
+    for path in sorted(folder.rglob("*.py")):
+        parts = list(path.relative_to(folder).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        modules[".".join([package, *parts])] = path
+    return modules
+
+
 def package_modules() -> dict[str, Path]:
     """Every module of the three packages: dotted name -> file."""
-    modules = {}
-    for package, folder in PACKAGES.items():
-        for path in sorted(folder.rglob("*.py")):
-            parts = list(path.relative_to(folder).with_suffix("").parts)
-            if parts[-1] == "__init__":
-                parts.pop()
-            modules[".".join([package, *parts])] = path
-    return modules
+    return {m: p for package, folder in PACKAGES.items() for m, p in modules_under(folder, package).items()}
 
 
 def _imported(node: ast.Import | ast.ImportFrom, module: str, is_package: bool) -> list[str]:

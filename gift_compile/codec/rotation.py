@@ -36,11 +36,37 @@ _SIGN_HASH = 2654435761
 _SIGN_BIT = 17
 
 
+# On a CPU, blocks up to this length are transformed as one product with the block's Hadamard
+# matrix (`_hadamard`): 2 x block multiply-adds per element through BLAS. Compiled, one thread,
+# a [4096, 384] gradient rotated and unrotated at block 32 with a pointwise producer: 4.5 ns per
+# element against the butterfly's 12.4 (eager 14.6 against 41.1), whose generated code writes a
+# stack per stage.
+_MATMUL_BLOCK = 64
+
+
+def _hadamard(block: int, device: torch.device) -> torch.Tensor:
+    """The `block x block` Sylvester Hadamard matrix (+-1, fp32), built from indices in the
+    graph (no constant tensor to carry into a trace): entry (i, j) is -1 where the popcount of
+    `i & j` is odd."""
+    idx = torch.arange(block, device=device, dtype=torch.int64)
+    both = idx[:, None] & idx[None, :]
+    parity = torch.zeros_like(both)
+    for bit in range(block.bit_length() - 1):
+        parity = parity ^ ((both >> bit) & 1)
+    return (1 - 2 * parity).to(torch.float32)
+
+
 def fwht(x: torch.Tensor, block: int) -> torch.Tensor:
     """Orthonormal Walsh-Hadamard transform over consecutive blocks of `block` (a power of two
-    dividing the last dim) along the last dim: log2(block) butterfly stages, each a pointwise
-    expression, so a traced call fuses with what produces and consumes it. Self-inverse."""
+    dividing the last dim) along the last dim. Self-inverse. On a CPU a block of at most
+    `_MATMUL_BLOCK` goes as one product with the block's Hadamard matrix; elsewhere (and for
+    longer blocks) as log2(block) butterfly stages, each a pointwise expression, so a traced call
+    fuses with what produces and consumes it (on a GPU a product would also run at TF32 where a
+    user allows it, and the rotation must stay exact to fp32 rounding)."""
     shape = x.shape
+    if x.device.type == "cpu" and block <= _MATMUL_BLOCK:
+        y = x.reshape(-1, block) @ _hadamard(block, x.device)
+        return y.reshape(shape) * (1.0 / math.sqrt(block))
     y = x.reshape(-1, shape[-1] // block, block)
     h = 1
     while h < block:
