@@ -652,7 +652,7 @@ def emulated_arm(name: str, path: str) -> tuple[ArmSpec, dict[str, Any] | None, 
         return ArmSpec(layout, ex), None, pbytes
     if base.startswith("powersgd-"):
         return ArmSpec("ddp", "powersgd"), {"rank": int(base.split("-")[1])}, pbytes
-    fields = recipes.recipe_fields("muon-int2-leaky-ef" if base == "euclid-int2" else base)
+    fields = recipes.recipe_fields("muon-int2-leaky-ef" if base.startswith("euclid-int2") else base)
     codec = "euclid" if base.startswith("euclid") else "gift"
     ex = {"ddp": "ddp_a2a" if flat else "ddp_two_level", "fsdp": "a2a" if flat else "two_level",
           "hsdp": "hsdp_a2a"}[layout]
