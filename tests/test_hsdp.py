@@ -33,10 +33,35 @@ class _Net(nn.Module):
         return self.down(torch.relu(self.norm(self.up(x))))
 
 
+def _sharded_pair(shard_mesh) -> tuple[nn.Module, nn.Module]:
+    """A reference `_Net` and a copy of it under FSDP2 on `shard_mesh`: `up`, then `norm` and
+    `down` together, then the root (seeded: every rank builds the same weights)."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    reference, model = _Net(), _Net()
+    model.load_state_dict(reference.state_dict())
+    fully_shard(model.up, mesh=shard_mesh)
+    fully_shard([model.norm, model.down], mesh=shard_mesh)
+    fully_shard(model, mesh=shard_mesh)
+    return reference, model
+
+
+def _grad_error(model: nn.Module, reference: nn.Module, name: str, divisor: float) -> float:
+    """Relative error of `model`'s gradient `name` against the all-reduced reference's, divided
+    by `divisor`."""
+    import torch.distributed as dist
+
+    ref = dict(reference.named_parameters())[name].grad.clone()
+    dist.all_reduce(ref)
+    ref /= divisor
+    got = dict(model.named_parameters())[name].grad.full_tensor()
+    return float((got - ref).norm() / ref.norm())
+
+
 def _hsdp_worker(rank: int, world: int) -> list[dict]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     from gift_compile.frameworks import fsdp2, hsdp
     from gift_compile.api import manage
@@ -46,14 +71,8 @@ def _hsdp_worker(rank: int, world: int) -> list[dict]:
     replica_group = mesh.get_group("replicate")
     out = []
     for fmt, replica_fmt, geometry, error_feedback in CASES:
-        torch.manual_seed(0)
-        reference = _Net()
-        model = _Net()
-        model.load_state_dict(reference.state_dict())
         # two modules in one FSDP group (as torchtitan shards [norm, output]): one bucket per hop
-        fully_shard(model.up, mesh=mesh["shard"])
-        fully_shard([model.norm, model.down], mesh=mesh["shard"])
-        fully_shard(model, mesh=mesh["shard"])
+        reference, model = _sharded_pair(mesh["shard"])
         config = GiftConfig(**EXACT_OUTSIDE, format=fmt, replica_format=replica_fmt, geometry=geometry, select="all",
                             min_numel=1024, exclude=(), reduce_op="sum", error_feedback=error_feedback)
         state = manage(model, config, dist.group.WORLD, mode="stats", split_rows=True)
@@ -159,7 +178,6 @@ def _one_shard_worker(rank: int, world: int) -> dict:
     the only collective; one backward, then a refresh that measures every layer's probe."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     from gift_compile.frameworks import fsdp2, hsdp
     from gift_compile.api import manage
@@ -170,23 +188,11 @@ def _one_shard_worker(rank: int, world: int) -> dict:
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(100 + rank))
 
     def build(config: GiftConfig | None, factor: float | None = None) -> tuple[nn.Module, nn.Module]:
-        torch.manual_seed(0)
-        reference, model = _Net(), _Net()
-        model.load_state_dict(reference.state_dict())
-        fully_shard(model.up, mesh=mesh["shard"])
-        fully_shard([model.norm, model.down], mesh=mesh["shard"])
-        fully_shard(model, mesh=mesh["shard"])
+        reference, model = _sharded_pair(mesh["shard"])
         if factor is not None:
             for m in (model, model.up, model.norm):
                 m.set_gradient_divide_factor(factor)
         return reference, model
-
-    def rel_err(model: nn.Module, reference: nn.Module, name: str, divisor: float) -> float:
-        ref = dict(reference.named_parameters())[name].grad.clone()
-        dist.all_reduce(ref)
-        ref /= divisor
-        got = dict(model.named_parameters())[name].grad.full_tensor()
-        return float((got - ref).norm() / ref.norm())
 
     # the premise of the refused explicit factor: FSDP2 at one shard, with the SUM reductions
     # GIFT's install forces, divides by it twice (no GIFT here: FSDP2's own one-rank copy)
@@ -207,7 +213,7 @@ def _one_shard_worker(rank: int, world: int) -> dict:
     hop.measure_every = 1
     model(x).square().sum().backward()
     reference(x).square().sum().backward()
-    errs = {n: rel_err(model, reference, n, 2.0) for n in ("up.weight", "down.weight", "norm.weight")}
+    errs = {n: _grad_error(model, reference, n, 2.0) for n in ("up.weight", "down.weight", "norm.weight")}
     probes = {n: float(l.probe.norm()) for n, l in state.layers.items()}
     residuals = {n: float(l.residual[0].abs().sum()) for n, l in state.layers.items()}
     totals, accounted, probe_err = hsdp.hop_totals(state), hsdp.accounted_bytes(model), hop.take_error()
@@ -274,7 +280,6 @@ def _two_nodes_worker(rank: int, world: int) -> dict:
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     from gift_compile.api import manage
     from gift_compile.config import GiftConfig
@@ -287,12 +292,7 @@ def _two_nodes_worker(rank: int, world: int) -> dict:
     for replicas in (2, 4):
         mesh = init_device_mesh("cpu", (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
         replica_group = mesh.get_group("replicate")
-        torch.manual_seed(0)
-        reference, model = _Net(), _Net()
-        model.load_state_dict(reference.state_dict())
-        fully_shard(model.up, mesh=mesh["shard"])
-        fully_shard([model.norm, model.down], mesh=mesh["shard"])
-        fully_shard(model, mesh=mesh["shard"])
+        reference, model = _sharded_pair(mesh["shard"])
         # muon-int2-leaky-ef's codec and residual (no map: its geometry "auto" asks for Muon); the
         # gradients outside the layers at their default formats (the norm at bf16)
         config = GiftConfig(format="int2", block_size=32, error_feedback=True, error_feedback_decay=0.9,
@@ -302,18 +302,13 @@ def _two_nodes_worker(rank: int, world: int) -> dict:
         fsdp2.install(model, state, compiled=False)
         hsdp.install(model, state, replica_group, compiled=False)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        errs: dict[str, float] = {}
         for step in range(2):
             x = torch.randn(8, 64, generator=torch.Generator().manual_seed(100 * step + rank))
             model(x).square().sum().backward()
             if step == 0:  # against the fp32 all-reduce of every rank's full gradient (the mean)
                 reference(x).square().sum().backward()
-                for name in ("up.weight", "down.weight", "norm.weight"):
-                    ref = dict(reference.named_parameters())[name].grad.clone()
-                    dist.all_reduce(ref)
-                    ref /= world
-                    got = dict(model.named_parameters())[name].grad.full_tensor()
-                    errs[name] = float((got - ref).norm() / ref.norm())
+                errs = {name: _grad_error(model, reference, name, world)
+                        for name in ("up.weight", "down.weight", "norm.weight")}
             state.check_health()
             opt.step()
             opt.zero_grad()

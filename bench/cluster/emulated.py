@@ -49,7 +49,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from bench.cluster.emulated_worker import LOCAL_BATCH, SEQ_LEN
+from bench.cluster.emulated_worker import ARMS, LOCAL_BATCH, MODEL, PATHS, SEQ_LEN, embedding_share
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "bench" / "results" / "cluster" / "emulated.json"
@@ -104,7 +104,6 @@ def parse_arms(text: str | None, paths: Sequence[str]) -> dict[str, list[str]]:
     """The arms each of `paths` runs: `text` (comma-separated names of the worker's `ARMS`, or
     None for `DEFAULT_ARMS` plus the sharded paths' bf16-parameter arms), each on the paths it
     exists for. An unknown name, or one that runs on none of `paths`, raises."""
-    from bench.cluster.emulated_worker import ARMS, PATHS
 
     for path in paths:
         if path not in PATHS:
@@ -628,8 +627,6 @@ def main(argv: list[str] | None = None) -> int:
     if a.calibrate:
         print(json.dumps(calibrations, indent=1))
         return 0
-    from bench.cluster.emulated_worker import MODEL, embedding_share
-
     params, share = embedding_share()
     results = {
         "command": command, "note": a.note or "a run", "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
