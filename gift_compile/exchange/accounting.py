@@ -48,7 +48,7 @@ _cached_scale_layout = functools.cache(_read_scale_layout)
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def _item_bytes_per_dest(spec: FormatSpec, rows_per_dest: int, cols: int) -> int:

@@ -14,6 +14,7 @@ the core.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -67,10 +68,19 @@ def bucket_plan(segments: Sequence[Segment], dtype: torch.dtype, *, world: int, 
                 average: bool, op: Collective | str, layout: NodeLayout = FLAT) -> BucketPlan:
     """The plan of a buffer cut into `segments` (see `Segment` for the two layouts), on the
     group's node `layout` (`topology.node_layout`)."""
-    op = Collective.parse(op)
+    return _bucket_plan(tuple((s.name, s.rows, s.cols, s.plan) for s in segments), dtype, world, group_name, average,
+                        Collective.parse(op), layout)
+
+
+@functools.lru_cache(maxsize=1024)
+def _bucket_plan(segments: tuple[tuple[str, int, int, ItemPlan | None], ...], dtype: torch.dtype, world: int,
+                 group_name: str | None, average: bool, op: Collective, layout: NodeLayout) -> BucketPlan:
+    """`bucket_plan` memoised on what the plan is made of (the segments' names, shapes and
+    plans, not their tensors): an eager hook asks for the same few plans every step, and a
+    `BucketPlan` fingerprints its items (and builds its cross-node stage) when it is made."""
     per_item = world if op is Collective.REDUCE_SCATTER else 1
-    items = tuple(ItemPlan.passthrough(s.name, per_item * s.rows * s.cols, dtype) if s.plan is None
-                  else s.plan.with_dtype(dtype) for s in segments)
+    items = tuple(ItemPlan.passthrough(name, per_item * rows * cols, dtype) if plan is None
+                  else plan.with_dtype(dtype) for name, rows, cols, plan in segments)
     return BucketPlan(items, world, group_name, average, op, layout)
 
 
