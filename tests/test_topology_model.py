@@ -179,6 +179,31 @@ def test_the_validation_table_from_a_recorded_run(tmp_path: Path, capsys: pytest
     assert "| ddp | 2x2 | 87 | fp32 |" in out and f"{v['within']} of 5 within 15%" in out
 
 
+def test_fsdp_paths_block_on_the_emulated_cluster_and_the_refresh_bytes_are_gifts_counted_ones() -> None:
+    """HSDP on a CPU: FSDP2's exchange blocks the backward for every arm (EMULATED_OVERLAP), so a
+    shaped run is its unshaped step plus its whole link time; a GIFT arm's refresh bytes come
+    from its own counter (per rank, handed to cross-node collectives) and travel exposed."""
+    sh = tm.shapes(tm.model_config(RECORDED), 128, 50, 32)
+    x = tm.load_inputs()["global"]
+    base = {"path": "hsdp", "nodes": 2, "g": 2, "delay_ms": 0.0, "warmup": 1, "steps": 4}
+    unshaped = {**base, "arm": "fp32", "rate_mbit": None, "step_times": [9.0, 5.0, 5.0, 5.0, 5.0]}
+    shaped = {**base, "arm": "fp32", "rate_mbit": 100, "step_times": [9.0, 6.0, 6.0, 6.0, 6.0]}
+    rate = 100e6 / 8 * tm.TC_FRAME_EFFICIENCY
+    p = tm.predict_emulated(shaped, unshaped, sh, x, overlapped=True)
+    assert p["overlapped"] is False
+    assert p["predicted_link_bytes"] == pytest.approx(4.0 * sh.params)  # each rank's 1/2 shard, 2 (n-1)/n
+    assert p["predicted_s"] == pytest.approx(5.0 + p["predicted_link_bytes"] / rate)
+    ddp = tm.predict_emulated({**shaped, "path": "ddp"}, {**unshaped, "path": "ddp"}, sh, x, overlapped=True)
+    assert ddp["overlapped"] is True and ddp["predicted_s"] < 5.0 + ddp["predicted_link_bytes"] / rate
+    gift = {**base, "arm": "euclid-int2", "rate_mbit": 100, "step_times": [9.0] + [6.0] * 4,
+            "gift_bytes": {"refresh_cross_wire": 8e6}}
+    with_refresh = tm.predict_emulated(gift, {**gift, "rate_mbit": None}, sh, x, overlapped=True)
+    without = tm.predict_emulated({**gift, "gift_bytes": {}}, {**gift, "rate_mbit": None}, sh, x, overlapped=True)
+    assert tm.refresh_link_bytes(gift) == pytest.approx(2 * 8e6 / 2 / 4)  # g ranks, (n-1)/n, per timed step
+    assert with_refresh["predicted_link_bytes"] - without["predicted_link_bytes"] == pytest.approx(2e6)
+    assert with_refresh["predicted_s"] - without["predicted_s"] == pytest.approx(2e6 / rate)
+
+
 def test_counted_link_bytes_are_per_node_and_timed_step() -> None:
     run = copy.deepcopy(RECORDED)
     shaped = run["records"][0]

@@ -692,14 +692,41 @@ def emulated_link(spec: ArmSpec, fields: dict | None, pbytes: float, sh: Shapes,
     raise ValueError(f"step model: no emulated structure for exchange {ex!r}")
 
 
+# Whether a path's collectives overlap the backward on the emulated cluster (a CPU device). DDP's
+# reducer launches each bucket's all-reduce asynchronously (gloo work, a comm hook's future) and
+# GIFT's DDP hook exchanges on its lane. FSDP2 (torch 2.13, `_fsdp_collectives.foreach_reduce`)
+# calls its reduce-scatter without `async_op` and HSDP's all-reduce (or the all-reduce hook) in
+# line, inside a stream context that is a no-op on a CPU: each FSDP unit's exchange blocks the
+# backward, for every arm, native or GIFT. On GPUs FSDP2 runs them on their own streams (the
+# regime tables' overlap).
+EMULATED_OVERLAP = {"ddp": True, "fsdp2": False, "hsdp": False}
+
+
+def refresh_link_bytes(rec: dict) -> float:
+    """Bytes one node sends across nodes per timed step for GIFT's refresh (statistics, selection,
+    map broadcast), from GIFT's own counter (`comm_totals()["refresh_cross_wire"]`, this rank's
+    bytes handed to cross-node collectives over the timed steps): each of the node's g ranks hands
+    them over, and (n-1)/n of what a rank hands to a collective over n nodes leaves its node. 0 for
+    a run without the counter (native and PowerSGD arms, older results)."""
+    gift = rec.get("gift_bytes") or {}
+    handed = float(gift.get("refresh_cross_wire", 0.0))
+    steps = int(rec.get("steps") or len(rec["step_times"]) - int(rec.get("warmup", 0)))
+    n, g = rec["nodes"], rec["g"]
+    return g * handed * (n - 1) / n / steps
+
+
 def predict_emulated(rec: dict, unshaped: dict, sh: Shapes, x: dict[str, Any], overlapped: bool) -> dict[str, Any]:
     """The model's step time for a shaped emulated-cluster run from the same arm's unshaped run
     (its whole measured step: compute, codec, statistics, loopback) and the link's rate; the
     payload a node sends per step (the kernel's count on the veth carries ~0.3% more: it counts
-    the headers of GSO segments, not of 1500-byte frames; tc's shaper counts frames)."""
+    the headers of GSO segments, not of 1500-byte frames; tc's shaper counts frames). The
+    exchange overlaps the backward where the path does (`EMULATED_OVERLAP`; GIFT's only where
+    `overlapped` too); the refresh's bytes (`refresh_link_bytes`) travel at the optimizer step,
+    exposed."""
     spec, fields, pbytes = emulated_arm(rec["arm"], rec["path"])
     n, g = rec["nodes"], rec["g"]
     ag_f, ag_b, grad, units = emulated_link(spec, fields, pbytes, sh, n, g, x)
+    refresh = refresh_link_bytes(rec)
     rate = float(rec["rate_mbit"]) * 1e6 / 8 * TC_FRAME_EFFICIENCY  # bytes/s per node, each direction
     lat = rec["delay_ms"] * 1e-3 * (n - 1)
     compute = median_step(unshaped)
@@ -707,18 +734,18 @@ def predict_emulated(rec: dict, unshaped: dict, sh: Shapes, x: dict[str, Any], o
     calls = units if isinstance(units, int) else len(units)
     t_ag_f, t_ag_b = ag_f / rate + (calls * lat if ag_f else 0.0), ag_b / rate + (calls * lat if ag_b else 0.0)
     t_grad = grad / rate + calls * lat
-    ov = overlapped or not spec.gift_code
-    forward = _phase(fwd, t_ag_f, calls) if spec.allgathers else fwd
+    ov = EMULATED_OVERLAP[rec["path"]] and (overlapped or not spec.gift_code)
+    forward = _phase(fwd, t_ag_f, calls, EMULATED_OVERLAP[rec["path"]]) if spec.allgathers else fwd
     backward = (_phase(compute - fwd, t_ag_b + t_grad, units) if ov
-                else _phase(compute - fwd, t_ag_b, units) + t_grad)
+                else _phase(compute - fwd, t_ag_b, units, EMULATED_OVERLAP[rec["path"]]) + t_grad)
     counted = None
     if rec.get("link_bytes") and all(isinstance(b, dict) for b in rec["link_bytes"]):
         steps = int(rec.get("steps") or len(rec["step_times"]) - int(rec.get("warmup", 0)))
         counted = statistics.fmean(b["tx"] for b in rec["link_bytes"]) / steps
     return {"arm": rec["arm"], "path": rec["path"], "layout": f"{n}x{g}", "rate_mbit": rec["rate_mbit"],
-            "unshaped_s": compute, "predicted_s": forward + backward, "measured_s": median_step(rec),
-            "predicted_link_bytes": ag_f + ag_b + grad, "counted_link_bytes": counted,
-            "gift_overlapped": ov if spec.gift_code else None}
+            "unshaped_s": compute, "predicted_s": forward + backward + refresh / rate, "measured_s": median_step(rec),
+            "predicted_link_bytes": ag_f + ag_b + grad + refresh, "counted_link_bytes": counted,
+            "overlapped": ov}
 
 
 def validate(results: dict, inputs: dict | None = None, overlapped: bool | None = None,
@@ -762,7 +789,9 @@ def validate(results: dict, inputs: dict | None = None, overlapped: bool | None 
             "tolerance": TOLERANCE, "gift_overlapped": overlapped,
             "rule": "each shaped run predicted from the same arm's unshaped median step (compute, codec, statistics, "
                     "loopback), the tc rate x 1448/1514 (TCP payload per Ethernet frame), forward share "
-                    f"{_v(x['forward_share']):.3f}, the overlap and collective structure of bench/step_model/topology.py"}
+                    f"{_v(x['forward_share']):.3f}, the refresh's bytes from GIFT's counter (exposed), the exchange "
+                    "overlapped on DDP only (FSDP2 blocks in its backward on a CPU: EMULATED_OVERLAP), the "
+                    "collective structure of bench/step_model/topology.py"}
 
 
 def validation_table(v: dict) -> str:
