@@ -321,3 +321,25 @@ def test_two_level_and_larger_model_pair_within_their_own_designs(tmp_path):
     x = frontier.larger_model(x4)
     assert x["difference"]["n"] == 4 and x["difference"]["mean"] == pytest.approx(-0.002) and not x["resolved"]
     assert "not judged (n=4 < 5)" in "\n".join(pages_frontier._larger(x))
+
+
+def test_whole_gradient_pairs_the_embeddings_format_with_bf16_and_bf16_with_raw(tmp_path):
+    """The embedding and head at the layers' format (`-uw`), at bf16 (`-ubf`) and raw: gaps to fp32
+    and both differences by seed, Holm over the two; bytes per step from the runs' counters."""
+    base = frontier.WHOLE_BASE
+    study = tmp_path / "study.jsonl"
+    study.write_text("".join(json.dumps(r) + "\n" for r in _runs({base: ([0.004 + 0.0001 * s for s in range(5)], 2.25)})))
+    mine = tmp_path / "whole.jsonl"
+    mine.write_text("".join(json.dumps(_run("muon", a, s, FP32[s] + c + 0.0002 * s * (a[-1] == "w"), bits)) + "\n"
+                            for s in range(5) for a, c, bits in ((f"{base}-uw", 0.010, 2.25), (f"{base}-ubf", 0.004, 4.0))))
+    w = frontier.whole_gradient(mine, (study,))
+    assert {k: a["n"] for k, a in w["arms"].items()} == {"format": 5, "bf16": 5, "fp32": 5}
+    assert w["arms"]["format"]["gap"]["mean"] == pytest.approx(0.0104)
+    fmt, bf16 = w["rows"]
+    assert fmt["difference"]["mean"] == pytest.approx(0.0104 - 0.004) and fmt["judged"] and fmt["resolved_holm"]
+    assert bf16["difference"]["mean"] == pytest.approx(-0.0002) and w["family_size"] == 2
+    assert w["arms"]["bf16"]["wire_mb_per_step"] == pytest.approx((4.0 * 500 + 4.0 * MANAGED / 8) / 1e6)
+    text = "\n".join(pages_frontier._whole_gradient(w))
+    assert "| format minus bf16 | +0.0064" in text and "**the first costs loss** (n=5)" in text
+    empty = frontier.whole_gradient(tmp_path / "none.jsonl", (study,))
+    assert "no runs yet" in "\n".join(pages_frontier._whole_gradient(empty))

@@ -492,6 +492,40 @@ def two_level(file: Path = TWO_LEVEL_FILE, fp32_file: Path = TWO_LEVEL_FP32_FILE
             "command": TWO_LEVEL_COMMAND}
 
 
+# the whole gradient (`bash bench/convergence/whole_gradient_runs.sh`): the recipe-like arm with the
+# embedding and the output head at its own format (`-uw`) and at bf16 (`-ubf`, the product's
+# default `excluded_format`), against the same arm with them raw at fp32 (the study's arms,
+# convergence_runs_techniques.jsonl) and fp32; the frontier's design
+WHOLE_FILE = RESULTS / "convergence_runs_whole_gradient.jsonl"
+WHOLE_BASE = "gift-int2-ef-b9-dflt-rot"
+WHOLE_COMMAND = ("bash bench/convergence/whole_gradient_runs.sh && python -m bench.convergence.frontier && "
+                 "python -m bench.pages.readme")
+
+
+def whole_gradient(file: Path = WHOLE_FILE, study_files: tuple[Path, ...] = RUN_FILES,
+                   optimizer: str = "muon") -> dict[str, object]:
+    """The embedding and head at the arm's format, at bf16 and at fp32 (`WHOLE_BASE` with `-uw`,
+    `-ubf`, and without): each one's gap to fp32 and bytes per step (the collectives' counters), and
+    two comparisons paired by seed, Holm over those with n >= `MIN_SEEDS`: the arm's format minus
+    bf16 (what `excluded_format="same"` costs against the default) and bf16 minus fp32 (what the
+    default costs against raw). fp32 and the raw arm come from `study_files`, the others from `file`."""
+    runs = [r for r in load((*study_files, file)) if r["optimizer"] == optimizer]
+    by = {arm: seeds for (_, arm), seeds in _by_arm(runs).items()}
+    fp32 = by.get("fp32", {})
+    names = {"format": f"{WHOLE_BASE}-uw", "bf16": f"{WHOLE_BASE}-ubf", "fp32": WHOLE_BASE}
+    arms = {}
+    for outside, arm in names.items():
+        seeds = by.get(arm, {})
+        arms[outside] = {"arm": arm, "n": len(seeds), "gap": _gap(seeds, fp32),
+                         "wire_mb_per_step": (statistics.fmean(r["wire_bytes_per_step"] for r in seeds.values()) / 1e6
+                                              if seeds else None)}
+    rows = [{"comparison": f"{a} minus {b}", "difference": _gap(by.get(names[a], {}), by.get(names[b], {}))}
+            for a, b in (("format", "bf16"), ("bf16", "fp32"))]
+    _holm_rows(rows, "difference")
+    return {"optimizer": optimizer, "base": WHOLE_BASE, "fp32_n": len(fp32), "arms": arms, "rows": rows,
+            "family_size": sum(r["judged"] for r in rows), "command": WHOLE_COMMAND}
+
+
 # the 2.5-bit pair on the 4x model (`bash bench/larger_model_runs.sh`)
 LARGER_FILE = RESULTS / "convergence_runs_x4.jsonl"
 LARGER_MODEL = "x4"
@@ -584,6 +618,7 @@ def main(argv: list[str] | None = None) -> None:
     summary["powersgd"] = powersgd(summary["managed_elements"])
     summary["two_level"] = two_level()
     summary["larger_model"] = larger_model()
+    summary["whole_gradient"] = whole_gradient()
     a.out.write_text(json.dumps(summary, indent=1) + "\n")
     if not a.no_plot:
         plot(summary, a.out.parent)

@@ -94,7 +94,8 @@ def frontier(_: dict) -> str:
                      f"Euclidean's: {shifts}. At 2.25 bits (int2, block 32): {at2 or 'not run'}.")
     return "\n".join(lines + _alternatives(f.get("alternatives")) + _powersgd(f.get("powersgd"))
                      + _long(f.get("long")) + _larger(f.get("larger_model")) + _frontier_ranks(f.get("ranks"))
-                     + _two_level(f.get("two_level")) + _frontier_techniques(f.get("techniques")))
+                     + _two_level(f.get("two_level")) + _whole_gradient(f.get("whole_gradient"))
+                     + _frontier_techniques(f.get("techniques")))
 
 
 def _n_cell(g: dict | None) -> str:
@@ -190,6 +191,30 @@ def _two_level(t: dict | None) -> list[str]:
         same = sum(x["identical"] for x in t["reproduced"])
         lines += ["", f"* The flat `gift-int2-dflt` runs reproduce the committed 4-rank ones on {same} of "
                   f"{len(t['reproduced'])} seeds bit for bit (the pipeline fp32's 4-rank runs came from)."]
+    return lines
+
+
+def _whole_gradient(w: dict | None) -> list[str]:
+    """The embedding and head at the arm's format, bf16 and fp32 (`bench.convergence.frontier.whole_gradient`)."""
+    if not w:
+        return []
+    if not any(a["n"] for outside, a in w["arms"].items() if outside != "fp32"):
+        return ["", f"The whole gradient (the embedding and the head at the layers' format or at bf16): no runs yet "
+                f"(`{w['command']}`)."]
+    lines = ["", f"The whole gradient ({w['optimizer']}, `{w['base']}`: the recipe `muon-int2-leaky-ef`'s codec with "
+             "the product's defaults, the frontier's design): the embedding and the output head at the layers' "
+             "format (int2, `excluded_format=\"same\"`), at bf16 (the default) and raw at fp32 (the study's arms), "
+             "the norms at bf16 in the first two; gap to fp32 of the same seed (mean ± t 95% CI), bytes handed to "
+             f"collectives per step and rank (counted), and the differences paired by seed, Holm over the "
+             f"{w['family_size']} comparisons with n >= 5. `{w['command']}`:", "",
+             "| embedding and head at | arm | gap to fp32 | MB per step |", "|---|---|---|---|"]
+    for outside, a in w["arms"].items():
+        mb = "" if a["wire_mb_per_step"] is None else f"{a['wire_mb_per_step']:.2f}"
+        lines.append(f"| {outside} | `{a['arm']}` | {_n_cell(a['gap'])} | {mb} |")
+    lines += ["", "| comparison | difference | verdict (Holm 5%) |", "|---|---|---|"]
+    for r in w["rows"]:
+        lines.append(f"| {r['comparison']} | {_n_cell(r['difference'])} | "
+                     f"{_verdict(r, 'difference', 'the first better', 'the first costs loss')} |")
     return lines
 
 
