@@ -177,6 +177,12 @@ def test_the_validation_table_from_a_recorded_run(tmp_path: Path, capsys: pytest
     assert tm.main(["--validate", str(path)]) == 0
     out = capsys.readouterr().out
     assert "| ddp | 2x2 | 87 | fp32 |" in out and f"{v['within']} of 5 within 15%" in out
+    # each measured median with its order-statistic CI over the timed steps, and whether the prediction is inside
+    for r in v["rows"]:
+        timed = sorted(next(x for x in RECORDED["records"] if x["arm"] == r["arm"] and x["rate_bps"])["step_times"][2:])
+        assert (r["measured_lo"], r["measured_hi"]) == (timed[0], timed[-1])  # n = 8: the range (99.2% coverage)
+        assert r["inside_ci"] == (timed[0] <= r["predicted_s"] <= timed[-1])
+    assert f"{v['inside_ci']} of 5 inside the measured median's 95% CI" in out
 
 
 def test_fsdp_paths_block_on_the_emulated_cluster_and_the_refresh_bytes_are_gifts_counted_ones() -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from scipy import stats as scipy_stats
@@ -109,3 +110,23 @@ def ratio_ci(num: list[float], den: list[float]) -> tuple[float, float] | None:
         return None
     root = math.sqrt(disc)
     return ((-b - root) / (2.0 * a), (-b + root) / (2.0 * a))
+
+
+def median_ci(xs: Sequence[float], level: float = 0.95) -> dict[str, float | int | str]:
+    """The median of `xs` and its distribution-free confidence interval from order statistics:
+    the narrowest symmetric pair of ranks (j, n+1-j) whose binomial(n, 1/2) coverage is at
+    least `level`. Below n = 6 no pair reaches 95%: the interval is then the range and
+    `coverage` says what it covers (1 - 2^(1-n))."""
+    s = sorted(xs)
+    n = len(s)
+    if n == 0:
+        raise ValueError("median_ci: no samples")
+    j, cov = 1, 1 - 2 * 0.5 ** n  # the range (ranks 1 and n)
+    for k in range(n // 2, 0, -1):  # widen from the middle until the coverage reaches `level`
+        c = sum(math.comb(n, i) for i in range(k, n - k + 1)) / 2 ** n
+        if c >= level:
+            j, cov = k, c
+            break
+    return {"median": statistics.median(s), "lo": s[j - 1], "hi": s[n - j], "rank_lo": j, "rank_hi": n + 1 - j,
+            "n": n, "coverage": cov,
+            "method": "order statistic (binomial)"}

@@ -65,6 +65,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.lib.paths import RESULTS, ROOT
+from bench.lib.stats import median_ci
 from bench.lib.tiny_llama import TinyLlamaConfig
 from bench.lib.wire import MODEL_CONFIGS, meta_model
 from bench.step_model.cpu import StepModelInputs, arm_layers
@@ -742,8 +743,10 @@ def predict_emulated(rec: dict, unshaped: dict, sh: Shapes, x: dict[str, Any], o
     if rec.get("link_bytes") and all(isinstance(b, dict) for b in rec["link_bytes"]):
         steps = int(rec.get("steps") or len(rec["step_times"]) - int(rec.get("warmup", 0)))
         counted = statistics.fmean(b["tx"] for b in rec["link_bytes"]) / steps
+    ci = median_ci(rec["step_times"][int(rec.get("warmup", 0)):])
     return {"arm": rec["arm"], "path": rec["path"], "layout": f"{n}x{g}", "rate_mbit": rec["rate_mbit"],
             "unshaped_s": compute, "predicted_s": forward + backward + refresh / rate, "measured_s": median_step(rec),
+            "measured_lo": ci["lo"], "measured_hi": ci["hi"],
             "predicted_link_bytes": ag_f + ag_b + grad + refresh, "counted_link_bytes": counted,
             "overlapped": ov}
 
@@ -785,7 +788,10 @@ def validate(results: dict, inputs: dict | None = None, overlapped: bool | None 
         p["error"] = p["predicted_s"] / p["measured_s"] - 1
         rows.append(p)
     scored = [r for r in rows if r.get("predicted_s") is not None]
+    for r in scored:  # a prediction inside the measurement's own CI cannot be told apart from it
+        r["inside_ci"] = r["measured_lo"] <= r["predicted_s"] <= r["measured_hi"]
     return {"rows": rows, "within": sum(abs(r["error"]) <= TOLERANCE for r in scored), "scored": len(scored),
+            "inside_ci": sum(r["inside_ci"] for r in scored),
             "tolerance": TOLERANCE, "gift_overlapped": overlapped,
             "rule": "each shaped run predicted from the same arm's unshaped median step (compute, codec, statistics, "
                     "loopback), the tc rate x 1448/1514 (TCP payload per Ethernet frame), forward share "
@@ -796,7 +802,7 @@ def validate(results: dict, inputs: dict | None = None, overlapped: bool | None 
 
 def validation_table(v: dict) -> str:
     """The markdown table of `validate`'s result."""
-    head = ["path", "layout", "link Mbit/s", "arm", "unshaped s", "predicted s", "measured s", "error",
+    head = ["path", "layout", "link Mbit/s", "arm", "unshaped s", "predicted s", "measured s [95% CI]", "error",
             "predicted MB/node", "counted MB/node (kernel)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in sorted(v["rows"], key=lambda r: (r["path"], r["layout"], float(r["rate_mbit"]), r["arm"])):
@@ -806,9 +812,12 @@ def validation_table(v: dict) -> str:
             continue
         counted = "" if r["counted_link_bytes"] is None else f"{r['counted_link_bytes'] / 1e6:.2f}"
         lines.append(f"| {r['path']} | {r['layout']} | {r['rate_mbit']:g} | {r['arm']} | {r['unshaped_s']:.3f} | "
-                     f"{r['predicted_s']:.3f} | {r['measured_s']:.3f} | {r['error']:+.0%} | "
+                     f"{r['predicted_s']:.3f} | {r['measured_s']:.3f} [{r['measured_lo']:.3f}, {r['measured_hi']:.3f}]"
+                     f"{'' if r['inside_ci'] else ' (outside)'} | {r['error']:+.0%} | "
                      f"{r['predicted_link_bytes'] / 1e6:.2f} | {counted} |")
-    return "\n".join(lines + ["", f"{v['within']} of {v['scored']} within {v['tolerance']:.0%}; GIFT's exchange "
+    return "\n".join(lines + ["", f"{v['within']} of {v['scored']} within {v['tolerance']:.0%}, {v['inside_ci']} of "
+                              f"{v['scored']} inside the measured median's 95% CI (order statistics over the timed "
+                              f"steps); GIFT's exchange "
                               f"{'overlapped' if v['gift_overlapped'] else 'not overlapped'}; {v['rule']}."])
 
 
