@@ -6,9 +6,11 @@ refusal with its reason otherwise). The cluster itself runs in the slower tier
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -90,6 +92,33 @@ def test_table_and_time_to_target_from_a_recorded_run() -> None:
     assert by_arm["pgd"].endswith("| 0.25x | 0.44 |  | 1.350 | 12.5 s |")
 
 
+def test_every_shaped_rate_gets_its_ratio_and_the_block_renders_each_results_file(tmp_path: Path,
+                                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    loss = [3.0, 2.0, 1.0, 0.5]
+    records = [_record("fp32", "25mbit", [9.0, 8.0, 8.0, 8.0], loss), _record("gift", "25mbit", [9.0, 2.0, 2.0, 2.0], loss),
+               _record("fp32", "100mbit", [9.0, 4.0, 4.0, 4.0], loss), _record("gift", "100mbit", [9.0, 3.0, 3.0, 3.0], loss)]
+    table = render_table({"records": records}).splitlines()
+    assert table[0].split(" | ")[4:8] == ["step s @ 100mbit [95% CI]", "vs fp32 @ 25mbit", "vs fp32 @ 100mbit",
+                                           "link MB/step/node"]
+    assert "| 0.25x | 0.75x |" in next(line for line in table if " gift " in line)
+    assert table[0].endswith("| time to target @ 25mbit |")  # the slowest shaped link's
+    model = {"params": 2e6, "embedding_share": 0.1, "local_batch": 4, "seq_len": 8}
+    paths = []
+    for name, path in (("ddp", "ddp"), ("hsdp", "hsdp")):
+        out = tmp_path / f"{name}.json"
+        recs = [{**r, "path": path} for r in records]
+        out.write_text(json.dumps({"command": f"python -m bench.cluster.emulated --paths {path} --note 'busy box' "
+                                              f"--out /elsewhere/{name}.json",
+                                   "note": f"{name} note", "model": model, "steps": 3, "warmup": 1, "records": recs}))
+        paths.append(out)
+    monkeypatch.setattr(emulated, "ROOT", tmp_path)
+    text = emulated.block(None, paths)
+    assert text.count("Measured on an emulated cluster") == 2
+    assert "`python -m bench.cluster.emulated --paths ddp` -> [ddp.json](ddp.json); ddp note" in text
+    assert "| hsdp | 2x2 | gift |" in text and "| ddp | 2x2 | gift |" in text
+    assert "busy box" not in text and "elsewhere" not in text
+
+
 def test_the_unshaped_overhead_splits_into_the_arms_differences() -> None:
     loss = [3.0] * 4
     arms = {"fp32": 1.0, "euclid-int2-norot": 1.5, "euclid-int2": 1.75, "muon-int2-leaky-ef": 2.5}
@@ -100,6 +129,23 @@ def test_the_unshaped_overhead_splits_into_the_arms_differences() -> None:
                     "feedback) +0.50 s, block rotation +0.25 s, map and statistics +0.75 s")
     # without the recipe's unshaped run there is nothing to attribute
     assert emulated.attribute_overhead(summarise([r for r in records if r["arm"] != "muon-int2-leaky-ef"])) == []
+
+
+def test_the_recipes_step_is_read_against_fp32_bf16_and_euclidean_at_each_shaped_rate() -> None:
+    loss = [3.0] * 4
+    steps = {("fp32", "100mbit"): 4.0, ("bf16", "100mbit"): 3.0, ("euclid-int2", "100mbit"): 2.0,
+             ("muon-int2-leaky-ef", "100mbit"): 2.1, ("fp32", "25mbit"): 10.0, ("muon-int2-leaky-ef", "25mbit"): 3.0,
+             ("fp32", "none"): 1.0, ("muon-int2-leaky-ef", "none"): 2.0}
+    rows = summarise([_record(arm, rate, [9.0] + [t] * 3, loss) for (arm, rate), t in steps.items()])
+    assert emulated.verdicts(rows) == [
+        "ddp 2x2 @ 100mbit: muon-int2-leaky-ef 2.10 s, 0.53x fp32's (meets the 0.6x target; fp32 unshaped: 0.25x), "
+        "0.70x bf16's (faster), "
+        "+5% against euclid-int2 (within 10%)",
+        "ddp 2x2 @ 25mbit: muon-int2-leaky-ef 3.00 s, 0.30x fp32's (meets the 0.6x target; fp32 unshaped: 0.10x)"]
+    slow = summarise([_record(arm, "100mbit", [9.0] + [t] * 3, loss)
+                      for arm, t in (("fp32", 4.0), ("euclid-int2", 2.0), ("muon-int2-leaky-ef", 3.0))])
+    assert emulated.verdicts(slow) == ["ddp 2x2 @ 100mbit: muon-int2-leaky-ef 3.00 s, 0.75x fp32's (misses the 0.6x "
+                                       "target), +50% against euclid-int2 (outside 10%)"]
 
 
 def test_a_killed_runs_namespace_is_removed_and_a_live_runs_kept_or_the_refusal_names_root() -> None:

@@ -50,9 +50,12 @@ from pathlib import Path
 from typing import Any
 
 from bench.cluster.emulated_worker import ARMS, LOCAL_BATCH, MODEL, PATHS, SEQ_LEN, embedding_share
+from bench.lib.stats import median_ci
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "bench" / "results" / "cluster" / "emulated.json"
+# the results the README's `cluster` block renders: one file per command (DDP, HSDP)
+README_RESULTS = (OUT, OUT.with_name("emulated_hsdp.json"))
 PREFIX = "giftemu-"
 SUBNET = "10.201.0"  # the nodes' addresses: SUBNET.1 .. SUBNET.N, /24, only inside our namespaces
 IFACE = "eth0"  # each node's link (inside its namespace)
@@ -62,6 +65,10 @@ TBF = ("burst", "256kb", "latency", "100ms")  # the token bucket's depth and que
 DEFAULT_ARMS = ("fp32", "bf16", "powersgd-4", "euclid-int2", "muon-int2-leaky-ef", "muon-int2-leaky-ef-flat",
                 "muon-nvfp4")
 TARGET_AT = 0.8  # the target loss: fp32's at this share of the run
+# the targets a measured step is read against (at each shaped rate): the recipe's median step at
+# most this share of fp32's, and within this share of the Euclidean arm at the same bits
+RECIPE, EUCLID = "muon-int2-leaky-ef", "euclid-int2"
+TARGET_VS_FP32, TARGET_VS_EUCLID = 0.6, 0.10
 
 
 class ClusterError(RuntimeError):
@@ -118,26 +125,6 @@ def parse_arms(text: str | None, paths: Sequence[str]) -> dict[str, list[str]]:
     return {path: [n for n in dict.fromkeys(names) if path in ARMS[n].paths] for path in paths}
 
 
-def median_ci(xs: Sequence[float], level: float = 0.95) -> dict[str, float | int | str]:
-    """The median of `xs` and its distribution-free confidence interval from order statistics:
-    the narrowest symmetric pair of ranks (j, n+1-j) whose binomial(n, 1/2) coverage is at
-    least `level`. Below n = 6 no pair reaches 95%: the interval is then the range and
-    `coverage` says what it covers (1 - 2^(1-n))."""
-    s = sorted(xs)
-    n = len(s)
-    if n == 0:
-        raise ValueError("median_ci: no samples")
-    j, cov = 1, 1 - 2 * 0.5 ** n  # the range (ranks 1 and n)
-    for k in range(n // 2, 0, -1):  # widen from the middle until the coverage reaches `level`
-        c = sum(math.comb(n, i) for i in range(k, n - k + 1)) / 2 ** n
-        if c >= level:
-            j, cov = k, c
-            break
-    return {"median": statistics.median(s), "lo": s[j - 1], "hi": s[n - j], "rank_lo": j, "rank_hi": n + 1 - j,
-            "n": n, "coverage": cov,
-            "method": "order statistic (binomial)"}
-
-
 def _smoothed(losses: Sequence[float], window: int) -> list[float]:
     return [statistics.fmean(losses[max(0, i - window + 1):i + 1]) for i in range(len(losses))]
 
@@ -188,15 +175,16 @@ def _rate_key(label: str) -> float:
 
 def render_table(results: dict[str, Any]) -> str:
     """The Markdown table of a results dict: per path and layout, each arm's median step time
-    [95% CI] at each rate (slowest link first), its ratio to fp32's at the slowest shaped link,
-    the bytes the kernel counted on a node's link per step (mean over nodes, transmitted), the bytes
-    per step and rank GIFT's counters say it handed to collectives across nodes (`cross_wire`; HSDP:
-    the replica hop), the final loss, and the time to fp32's loss at 80% of the run at the
-    slowest shaped link."""
+    [95% CI] at each rate (slowest link first), its ratio to fp32's at each shaped rate, the bytes
+    the kernel counted on a node's link per step (mean over nodes, transmitted), the bytes per step
+    and rank GIFT's counters say it handed to collectives across nodes (`cross_wire`; HSDP: the
+    replica hop), the final loss, and the time to fp32's loss at 80% of the run at the slowest
+    shaped link."""
     rows = summarise(results["records"])
     rates = sorted(dict.fromkeys(r["rate"] for r in rows), key=_rate_key)
-    slow = next((x for x in rates if x != "none"), rates[0])
-    head = ["path", "layout", "arm", *[f"step s @ {x} [95% CI]" for x in rates], f"vs fp32 @ {slow}",
+    shaped = [x for x in rates if x != "none"]
+    slow = shaped[0] if shaped else rates[0]
+    head = ["path", "layout", "arm", *[f"step s @ {x} [95% CI]" for x in rates], *[f"vs fp32 @ {x}" for x in shaped],
             "link MB/step/node", "GIFT cross-node MB/step/rank", "loss", f"time to target @ {slow}"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     by = {(r["path"], r["layout"], r["arm"], r["rate"]): r for r in rows}
@@ -206,14 +194,16 @@ def render_table(results: dict[str, Any]) -> str:
             r = by.get((path, layout, arm, x))
             cells.append("" if r is None else
                          f"{r['step']['median']:.2f} [{r['step']['lo']:.2f}, {r['step']['hi']:.2f}]")
+        ratios = []
+        for x in shaped:
+            r, ref = by.get((path, layout, arm, x)), by.get((path, layout, "fp32", x))
+            ratios.append(f"{r['step']['median'] / ref['step']['median']:.2f}x" if r and ref else "")
         first = by.get((path, layout, arm, slow)) or next(by[k] for k in by if k[:3] == (path, layout, arm))
-        ref = by.get((path, layout, "fp32", slow))
-        ratio = f"{first['step']['median'] / ref['step']['median']:.2f}x" if ref and first["rate"] == slow else ""
         tx = statistics.fmean(first["tx_per_step"]) / 1e6
         gift = "" if first["gift_cross_per_step"] is None else f"{first['gift_cross_per_step'] / 1e6:.2f}"
-        reach = "" if first["target_loss"] is None else (
+        reach = "" if first["target_loss"] is None or first["rate"] != slow else (
             "not reached" if first["time_to_target"] is None else f"{first['time_to_target']:.1f} s")
-        lines.append("| " + " | ".join([path, layout, arm, *cells, ratio, f"{tx:.2f}", gift,
+        lines.append("| " + " | ".join([path, layout, arm, *cells, *ratios, f"{tx:.2f}", gift,
                                         f"{first['final_loss']:.3f}", reach]) + " |")
     return "\n".join(lines)
 
@@ -221,8 +211,8 @@ def render_table(results: dict[str, Any]) -> str:
 # The unshaped overhead's parts, each the difference of two arms' medians (arm, the arm below it):
 # the codes with error feedback, the block rotation on top, the map with its statistics on top.
 OVERHEAD_PARTS = (("codec (int2 + error feedback)", "euclid-int2-norot", "fp32"),
-                  ("block rotation", "euclid-int2", "euclid-int2-norot"),
-                  ("map and statistics", "muon-int2-leaky-ef", "euclid-int2"))
+                  ("block rotation", EUCLID, "euclid-int2-norot"),
+                  ("map and statistics", RECIPE, EUCLID))
 
 
 def attribute_overhead(rows: list[dict[str, Any]]) -> list[str]:
@@ -232,37 +222,68 @@ def attribute_overhead(rows: list[dict[str, Any]]) -> list[str]:
     unshaped = {(r["path"], r["layout"], r["arm"]): r["step"]["median"] for r in rows if r["rate"] == "none"}
     lines = []
     for path, layout in dict.fromkeys((p, l) for p, l, _ in unshaped):
-        fp32, recipe = unshaped.get((path, layout, "fp32")), unshaped.get((path, layout, "muon-int2-leaky-ef"))
+        fp32, recipe = unshaped.get((path, layout, "fp32")), unshaped.get((path, layout, RECIPE))
         if fp32 is None or recipe is None:
             continue
         parts = [f"{name} {unshaped[(path, layout, a)] - unshaped[(path, layout, b)]:+.2f} s"
                  for name, a, b in OVERHEAD_PARTS if (path, layout, a) in unshaped and (path, layout, b) in unshaped]
-        lines.append(f"{path} {layout}, unshaped: muon-int2-leaky-ef {recipe:.2f} s against fp32's {fp32:.2f} s "
+        lines.append(f"{path} {layout}, unshaped: {RECIPE} {recipe:.2f} s against fp32's {fp32:.2f} s "
                      f"({recipe / fp32 - 1:+.0%}){': ' + ', '.join(parts) if parts else ''}")
     return lines
 
 
-def block(_: dict | None = None, path: Path = OUT) -> str:
-    """The README's `cluster` block: the measured table and where it comes from."""
-    d = json.loads(path.read_text())
-    rows = summarise(d["records"])
-    ci = rows[0]["step"]
-    parts = attribute_overhead(rows)
-    overhead = ["", *("- " + line for line in parts)] if parts else []
-    words = shlex.split(d["command"])
-    if "--note" in words:  # the note is quoted beside the command
-        i = words.index("--note")
-        del words[i:i + 2]
-    return "\n".join([
-        f"Measured on an emulated cluster (`{shlex.join(words)}` -> "
-        f"[bench/results/cluster/emulated.json](bench/results/cluster/emulated.json); {d['note']}): "
-        f"{d['model']['params'] / 1e6:.2f}M-parameter Llama ({d['model']['embedding_share']:.1%} in embedding and "
-        f"head), Muon + AdamW, {d['steps']} timed steps after {d['warmup']} of warm-up; step time is the median "
-        f"over the timed steps with its {ci['method']} 95% CI (n = {ci['n']}: ranks {ci['rank_lo']} and "
-        f"{ci['rank_hi']}, {ci['coverage']:.1%} coverage); link bytes are the kernel's "
-        f"counters on each node's interface; the target loss is fp32's at 80% of the run; "
-        f"{d['model']['local_batch']} x {d['model']['seq_len']} tokens per rank and step.", "",
-        render_table(d), *overhead])
+def verdicts(rows: list[dict[str, Any]]) -> list[str]:
+    """Per path, layout and shaped rate where the recipe and fp32 ran: the recipe's median step
+    against fp32's and bf16's (and the Euclidean arm's at the same bits, where it ran), each
+    against its target (`TARGET_VS_FP32`, `TARGET_VS_EUCLID`), computed from the medians; and,
+    where fp32 also ran unshaped, the floor: fp32's unshaped step over its shaped one, what an
+    arm that sent nothing and cost nothing would reach on this machine."""
+    med = {(r["path"], r["layout"], r["rate"], r["arm"]): r["step"]["median"] for r in rows}
+    lines = []
+    for path, layout, rate in dict.fromkeys((r["path"], r["layout"], r["rate"]) for r in rows):
+        if rate == "none" or (path, layout, rate, RECIPE) not in med or (path, layout, rate, "fp32") not in med:
+            continue
+        recipe, fp32 = med[(path, layout, rate, RECIPE)], med[(path, layout, rate, "fp32")]
+        vs = recipe / fp32
+        parts = [f"{vs:.2f}x fp32's ({'meets' if vs <= TARGET_VS_FP32 else 'misses'} the {TARGET_VS_FP32:.1f}x target"
+                 + (f"; fp32 unshaped: {med[(path, layout, 'none', 'fp32')] / fp32:.2f}x)"
+                    if (path, layout, "none", "fp32") in med else ")")]
+        if (path, layout, rate, "bf16") in med:
+            b = recipe / med[(path, layout, rate, "bf16")]
+            parts.append(f"{b:.2f}x bf16's ({'faster' if b < 1 else 'not faster'})")
+        if (path, layout, rate, EUCLID) in med:
+            e = recipe / med[(path, layout, rate, EUCLID)] - 1
+            parts.append(f"{e:+.0%} against {EUCLID} ({'within' if abs(e) <= TARGET_VS_EUCLID else 'outside'} "
+                         f"{TARGET_VS_EUCLID:.0%})")
+        lines.append(f"{path} {layout} @ {rate}: {RECIPE} {recipe:.2f} s, " + ", ".join(parts))
+    return lines
+
+
+def block(_: dict | None = None, paths: Sequence[Path] = README_RESULTS) -> str:
+    """The README's `cluster` block: per results file (one command each), where it comes from,
+    the measured table and the unshaped overhead's parts."""
+    parts = []
+    for path in paths:
+        d = json.loads(path.read_text())
+        rows = summarise(d["records"])
+        ci = rows[0]["step"]
+        overhead = verdicts(rows) + attribute_overhead(rows)
+        words = shlex.split(d["command"])
+        for flag in ("--note", "--out"):  # the note is quoted beside the command, the file is linked
+            if flag in words:
+                i = words.index(flag)
+                del words[i:i + 2]
+        rel = path.relative_to(ROOT).as_posix()
+        parts += [
+            f"Measured on an emulated cluster (`{shlex.join(words)}` -> [{rel}]({rel}); {d['note']}): "
+            f"{d['model']['params'] / 1e6:.2f}M-parameter Llama ({d['model']['embedding_share']:.1%} in embedding and "
+            f"head), Muon + AdamW, {d['steps']} timed steps after {d['warmup']} of warm-up; step time is the median "
+            f"over the timed steps with its {ci['method']} 95% CI (n = {ci['n']}: ranks {ci['rank_lo']} and "
+            f"{ci['rank_hi']}, {ci['coverage']:.1%} coverage); link bytes are the kernel's "
+            f"counters on each node's interface; the target loss is fp32's at 80% of the run; "
+            f"{d['model']['local_batch']} x {d['model']['seq_len']} tokens per rank and step.", "",
+            render_table(d), *(["", *("- " + line for line in overhead)] if overhead else []), ""]
+    return "\n".join(parts).rstrip("\n")
 
 
 # ---- the cluster ----------------------------------------------------------------------------

@@ -248,9 +248,10 @@ def build(arm: Arm, path: str, model: TinyLlama, warmup: int, fuse: bool = True
 
     def totals() -> dict[str, int]:
         hops = hsdp.hop_totals(state)
-        # the shard hop stays inside a node, the replica hop crosses nodes
+        refresh = {k: v for k, v in state.comm_totals().items() if k.startswith("refresh_")}
+        # the shard hop stays inside a node, the replica hop crosses nodes; the refresh's own keys
         return {"wire": sum(h["wire"] for h in hops.values()), "baseline": sum(h["baseline"] for h in hops.values()),
-                "node_wire": hops["shard"]["wire"], "cross_wire": hops.get("replica", {"wire": 0})["wire"]}
+                "node_wire": hops["shard"]["wire"], "cross_wire": hops.get("replica", {"wire": 0})["wire"], **refresh}
     return model, optimizers, peaks, totals
 
 
