@@ -8,11 +8,8 @@
 # (resumable: runs already there are skipped). Order: Muon's 2.5-bit and 2-bit points first (the
 # README's recommendation), the bf16 bar, then int3 and AdamW. Then:
 #   python -m bench.convergence.frontier && python -m bench.pages.readme
-set -euo pipefail
-cd "$(dirname "$0")/../.."
-PY=${PY:-.venv/bin/python}
+source "$(dirname "$0")/runs_env.sh"
 OUT=${OUT:-bench/results/convergence/convergence_runs_alternatives.jsonl}
-export OMP_NUM_THREADS=1
 for spec in \
   "muon=euclid-int2b16-ef-b9,euclid-int2b16-ef-b9-rot" \
   "muon=euclid-int2-ef-b9,euclid-int2-ef-b9-rot" \

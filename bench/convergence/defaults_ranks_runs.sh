@@ -9,11 +9,8 @@
 # bench/results/convergence/convergence_runs_defaults_ranks.jsonl (resumable). The 4-rank fp32 and Euclidean
 # arms it pairs with are in convergence_runs_rs4.jsonl / convergence_runs_frontier4.jsonl. Then:
 #   python -m bench.convergence.frontier && python -m bench.pages.readme
-set -euo pipefail
-cd "$(dirname "$0")/../.."
-PY=${PY:-.venv/bin/python}
+source "$(dirname "$0")/runs_env.sh"
 OUT=${OUT:-bench/results/convergence/convergence_runs_defaults_ranks.jsonl}
-export OMP_NUM_THREADS=1
 $PY -m bench.convergence.runner --profile full --path reduce-scatter --world 4 --seeds 0,1,2,3,4 --arms "muon=gift-int2-dflt" --jsonl "$OUT"
 $PY -m bench.convergence.runner --profile full --path reduce-scatter --world 2 --seeds 0,1,2,3,4 --arms "muon=gift-int2-dflt" --jsonl "$OUT"
 $PY -m bench.convergence.runner --profile full --path reduce-scatter --world 8 --seeds 0,1,2,3,4 --arms "muon=gift-int2-dflt,fp32,euclid-int2" --jsonl "$OUT"

@@ -7,10 +7,7 @@
 #   python -m bench.run --profile full --only convergence --merge --convergence-runs \
 #     bench/results/convergence/convergence_runs.jsonl bench/results/convergence/convergence_runs_rs.jsonl \
 #     bench/results/convergence/convergence_runs_rs4.jsonl bench/results/convergence/convergence_runs_long.jsonl --sweep ... && python -m bench.pages.readme
-set -euo pipefail
-cd "$(dirname "$0")/../.."
-PY=${PY:-.venv/bin/python}
-export OMP_NUM_THREADS=1
+source "$(dirname "$0")/runs_env.sh"
 $PY -m bench.convergence.runner --profile full --path reduce-scatter --seeds 0,1,2,3,4 \
   --arms "muon=fp32,gift-nvfp4-dflt,gift-nvfp4-dflt-euc-nowarm,gift-nvfp4-dflt-nowarm;adamw=fp32,gift-nvfp4-dflt,gift-nvfp4-dflt-nowarm" \
   --jsonl bench/results/convergence/convergence_runs_rs.jsonl

@@ -11,10 +11,7 @@
 # (`auto_max_overhead` = 0.25) and `gift-int2-dflt` kept no layer (seed 0, recorded in the file:
 # bit-identical to Euclidean). Then:
 #   python -m bench.convergence.frontier && python -m bench.pages.readme
-set -euo pipefail
-cd "$(dirname "$0")/../.."
-PY=${PY:-.venv/bin/python}
+source "$(dirname "$0")/runs_env.sh"
 OUT=${OUT:-bench/results/convergence/convergence_runs_frontier4.jsonl}
-export OMP_NUM_THREADS=1
 $PY -m bench.convergence.runner --profile full --path reduce-scatter --world 4 --seeds 0,1,2,3,4 \
   --arms "muon=euclid-int2,gift-int2" --jsonl "$OUT"

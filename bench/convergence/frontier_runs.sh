@@ -10,11 +10,8 @@
 # likely to move the 2-bit point. Last, 2-bit codes with a scale per 16 elements (`int2b16`, 2.5
 # bits: the goal's bit budget spent on finer scales rather than a wider code). Then:
 #   python -m bench.convergence.frontier && python -m bench.pages.readme
-set -euo pipefail
-cd "$(dirname "$0")/../.."
-PY=${PY:-.venv/bin/python}
+source "$(dirname "$0")/runs_env.sh"
 OUT=${OUT:-bench/results/convergence/convergence_runs_frontier.jsonl}
-export OMP_NUM_THREADS=1
 for arms in \
   "euclid-int3,gift-int3-dflt" \
   "gift-int2-dflt,gift-int2-ef-dflt" \

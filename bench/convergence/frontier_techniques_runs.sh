@@ -6,11 +6,8 @@
 # (convergence_runs_frontier.jsonl, convergence_runs_rs.jsonl). The per-layer-bits arms read the
 # allocation `python -m bench.convergence.bit_allocation` measured (bench/results/convergence/bit_allocation.json). Then:
 #   python -m bench.convergence.frontier && python -m bench.pages.readme
-set -euo pipefail
-cd "$(dirname "$0")/../.."
-PY=${PY:-.venv/bin/python}
+source "$(dirname "$0")/runs_env.sh"
 OUT=${OUT:-bench/results/convergence/convergence_runs_techniques.jsonl}
-export OMP_NUM_THREADS=1
 # block rotation (`block_rotation=True`) on GIFT with leaky EF (the frontier's best 2-bit method) and
 # on Euclidean; per-layer bits at int2's bytes (`layer_formats`) on the same two
 for arms in \

@@ -6,10 +6,7 @@
 # reduce-scatter path, 2 ranks, 120 steps, paired seeds 0-4. Appended to
 # bench/results/convergence/convergence_runs_x4.jsonl (resumable; ~12 minutes per run on 2 free cores). Then:
 #   python -m bench.convergence.frontier && python -m bench.pages.readme
-set -euo pipefail
-cd "$(dirname "$0")/../.."
-PY=${PY:-.venv/bin/python}
+source "$(dirname "$0")/runs_env.sh"
 OUT=${OUT:-bench/results/convergence/convergence_runs_x4.jsonl}
-export OMP_NUM_THREADS=1
 $PY -m bench.convergence.runner --profile full --model x4 --path reduce-scatter --seeds 0,1,2,3,4 \
   --arms "muon=fp32,gift-int2b16-ef-b9-dflt,euclid-int2b16-ef-b9-rot" --jsonl "$OUT"

@@ -7,12 +7,9 @@
 # convergence_runs_long.jsonl. Appended to bench/results/convergence/convergence_runs_long_lowbit.jsonl
 # (resumable; about 10 minutes per run on 2 cores). Then:
 #   python -m bench.convergence.frontier && python -m bench.pages.readme
-set -euo pipefail
-cd "$(dirname "$0")/../.."
-PY=${PY:-.venv/bin/python}
+source "$(dirname "$0")/runs_env.sh"
 OUT=${OUT:-bench/results/convergence/convergence_runs_long_lowbit.jsonl}
 LONG_OUT=${LONG_OUT:-bench/results/convergence/convergence_runs_long.jsonl}
-export OMP_NUM_THREADS=1
 $PY -m bench.convergence.runner --profile full --path reduce-scatter --steps 480 --seeds 0,1,2,3,4 \
   --arms "muon=gift-int2b16-ef-b9-dflt,euclid-int2b16-ef-b9-rot" --jsonl "$OUT"
 $PY -m bench.convergence.runner --profile full --path reduce-scatter --steps 480 --seeds 0,1,2,3,4 \

@@ -12,11 +12,8 @@
 # stopped and restarted); seeds outermost within each pair, TF32 first (the GPU default), nvfp4
 # (the default format) before int2, bf16 last. Then:
 #   python -m bench.pages.readme
-set -euo pipefail
-cd "$(dirname "$0")/../.."
-PY=${PY:-.venv/bin/python}
+source "$(dirname "$0")/runs_env.sh"
 OUT=${OUT:-bench/results/convergence/convergence_runs_map_precision.jsonl}
-export OMP_NUM_THREADS=1
 for arms in gift-nvfp4-dflt-tf32,gift-nvfp4-dflt gift-int2-dflt-tf32,gift-int2-dflt gift-nvfp4-dflt-bf16 \
   gift-int2-dflt-bf16; do
   $PY -m bench.convergence.runner --profile full --path reduce-scatter --seeds 0,1,2,3,4 --arms "muon=$arms" --jsonl "$OUT"

@@ -9,12 +9,9 @@
 # all-reduce arm does. Usage: bash bench/powersgd_runs.sh [muon|adamw|both] (default both, Muon
 # first). Appended to bench/results/convergence/convergence_runs_powersgd.jsonl (resumable; ~3 minutes per run
 # on 2 free cores). Then: python -m bench.convergence.frontier && python -m bench.pages.readme
-set -euo pipefail
-cd "$(dirname "$0")/../.."
-PY=${PY:-.venv/bin/python}
+source "$(dirname "$0")/runs_env.sh"
 OUT=${OUT:-bench/results/convergence/convergence_runs_powersgd.jsonl}
 WHICH=${1:-both}
-export OMP_NUM_THREADS=1
 ARMS=powersgd-r4,powersgd-r2,powersgd-r8,powersgd-r1,powersgd-r16
 for opt in muon adamw; do
   if [ "$WHICH" != both ] && [ "$WHICH" != "$opt" ]; then continue; fi

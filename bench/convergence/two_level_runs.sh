@@ -7,11 +7,8 @@
 # the fp32 path has no GIFT code). Appended to bench/results/convergence/convergence_runs_two_level.jsonl
 # (resumable; ~10 minutes per 4-rank run on 2 free cores). Then:
 #   python -m bench.convergence.frontier && python -m bench.pages.readme
-set -euo pipefail
-cd "$(dirname "$0")/../.."
-PY=${PY:-.venv/bin/python}
+source "$(dirname "$0")/runs_env.sh"
 OUT=${OUT:-bench/results/convergence/convergence_runs_two_level.jsonl}
-export OMP_NUM_THREADS=1
 $PY -m bench.convergence.runner --profile full --path reduce-scatter --world 4 --seeds 0,1,2,3,4 \
   --arms "muon=gift-int2-dflt-2l,gift-int2-dflt,gift-nvfp4-dflt-2l,gift-nvfp4-dflt,gift-int2-ef-b9-dflt-rot-2l,gift-int2-ef-b9-dflt-rot" \
   --jsonl "$OUT"

@@ -7,10 +7,7 @@
 # convergence_runs_rs.jsonl). Appended to bench/results/convergence/convergence_runs_whole_gradient.jsonl
 # (resumable; ~3 minutes per run on 2 free cores). Then:
 #   python -m bench.convergence.frontier && python -m bench.pages.readme
-set -euo pipefail
-cd "$(dirname "$0")/../.."
-PY=${PY:-.venv/bin/python}
+source "$(dirname "$0")/runs_env.sh"
 OUT=${OUT:-bench/results/convergence/convergence_runs_whole_gradient.jsonl}
-export OMP_NUM_THREADS=1
 $PY -m bench.convergence.runner --profile full --path reduce-scatter --seeds 0,1,2,3,4 \
   --arms "muon=gift-int2-ef-b9-dflt-rot-uw,gift-int2-ef-b9-dflt-rot-ubf" --jsonl "$OUT"
