@@ -4,7 +4,6 @@ the reduced shard over the replica group at `replica_format` (`gift_compile.fram
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn as nn
 

@@ -301,6 +301,33 @@ def test_recipes_expand_in_toml_and_on_the_command_line(tmp_path: Path) -> None:
         assert all(getattr(section, k) == getattr(recipe(name, reduce_op="sum"), k) for k in recipe_fields(name)), name
 
 
+def test_a_recipe_typed_to_the_trainer_directly_sets_its_fields_and_gift_trains_lines_come_back_unchanged(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """`python -m gift_compile.torchtitan_ext.train ... --gift.recipe NAME` (no gift-train) recorded the
+    recipe's name while its fields kept the config function's values; the entry point now expands it
+    as gift-train does (a flag typed beside it wins), and a gift-train command line, which carries
+    every field as a flag, is left as it is."""
+    from gift_compile.recipes import recipe_fields
+    from gift_compile.torchtitan_ext.keys import expand_argv_recipe
+
+    base = ["--module", "gift_compile.torchtitan_ext.cpu", "--config", "llama3_debug_gift_fsdp2"]
+    direct = [*base, "--gift.recipe", "muon-int2-leaky-ef", "--gift.no-block-rotation"]
+    assert _parse(direct).gift.format != "int2"  # what a direct launch ran before: the recipe's name only
+    with caplog.at_level("WARNING", logger="gift_compile"):
+        expanded = expand_argv_recipe(direct)
+    gift = _parse(expanded).gift
+    assert (gift.recipe, gift.format, gift.block_size, gift.error_feedback, gift.error_feedback_decay) == (
+        "muon-int2-leaky-ef", "int2", 32, True, 0.9)
+    assert gift.block_rotation is False  # the typed flag beats the recipe
+    assert "sets format='int2'" in caplog.text and "block_rotation" not in caplog.text
+    plan = build_plan(str(GIFT_TOML), ["--gift.recipe", "muon-int2-leaky-ef"], None)
+    assert expand_argv_recipe(plan.args) == list(plan.args)
+    assert expand_argv_recipe(base) == base
+    with pytest.raises(ValueError, match="no recipe named 'muon-int1'"):
+        expand_argv_recipe([*base, "--gift.recipe=muon-int1"])
+    assert set(recipe_fields("muon-int2-leaky-ef")) >= {"format", "block_size", "error_feedback"}
+
+
 def test_a_recipe_conflict_on_the_command_line_or_in_the_toml_names_the_recipe_and_overrides_are_logged(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Issue 56, class 9, in gift-train: `recipe = "muon-int2-leaky-ef"` with `--gift.no-error-feedback`

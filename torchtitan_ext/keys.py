@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 import types
 import typing
@@ -22,7 +23,9 @@ from gift_compile.config import GiftConfigError
 
 from .section import GiftSection
 
-__all__ = ["CLI", "check_ranges", "cli_key", "cli_settings", "toml_settings", "toml_to_args"]
+__all__ = ["CLI", "check_ranges", "cli_key", "cli_settings", "expand_argv_recipe", "toml_settings", "toml_to_args"]
+
+logger = logging.getLogger("gift_compile")
 
 CLI = "command line"  # the source an override's errors name
 # Integer fields that torchtitan accepts at parse time but that cannot run: checked on the
@@ -324,3 +327,37 @@ def check_ranges(config: Any, settings: dict[str, tuple[Any, str]], defaults_sou
         key = f"gift.{err.field}"
         value, source = merged(key)
         raise ValueError(f"{source}: key '{key}' = {value!r}: {err}") from err
+
+
+def expand_argv_recipe(argv: Sequence[str]) -> list[str]:
+    """`argv` of the trainer's entry point (`gift_compile.torchtitan_ext.train`, started without
+    gift-train) with a ``--gift.recipe NAME`` expanded as gift-train expands a command line's
+    recipe: each field of the recipe that no ``--gift.*`` flag sets gets its flag (a flag the
+    user typed beats the recipe), logged once. Without this a direct launch recorded the recipe's
+    name while its fields kept the config function's values. gift-train passes every field of
+    its recipe as a flag, so its command lines come back unchanged."""
+    from gift_compile.recipes import recipe_fields
+
+    name, typed = None, set()
+    for i, arg in enumerate(argv):
+        flag, eq, inline = arg.partition("=")
+        if flag == "--gift.recipe":
+            if not eq and i + 1 >= len(argv):
+                raise ValueError("--gift.recipe requires a value")
+            name = inline if eq else argv[i + 1]
+        elif flag.startswith("--gift."):
+            leaf = flag.removeprefix("--gift.").replace("-", "_")
+            typed.add(leaf.removeprefix("no_") if leaf.startswith("no_") and leaf != "no_" else leaf)
+    if not name:
+        return list(argv)
+    try:
+        fields = recipe_fields(name)
+    except ValueError as err:
+        raise ValueError(f"{CLI}: {err}") from None
+    missing = {k: v for k, v in fields.items() if k not in typed}
+    if not missing:
+        return list(argv)
+    added = [a for k, v in missing.items() for a in _value_args(f"gift.{k}", list(v) if isinstance(v, tuple) else v, CLI)]
+    logger.warning("GIFT: --gift.recipe %r on the trainer's command line sets %s (the --gift.* flags typed beside it "
+                   "win)", name, ", ".join(f"{k}={v!r}" for k, v in missing.items()))
+    return [*argv, *added]

@@ -275,7 +275,7 @@ def gift_flags_help() -> str:
         lines.extend(textwrap.wrap(docs.get(f.name, ""), 96, initial_indent=" " * 6, subsequent_indent=" " * 6))
     from gift_compile.recipes import RECIPES
 
-    lines += ["", f"Named recipes (--gift.recipe NAME, or recipe = \"NAME\" under [gift]): "
+    lines += ["", "Named recipes (--gift.recipe NAME, or recipe = \"NAME\" under [gift]): "
               + "; ".join(f"{n} ({r.optimizer})" for n, r in RECIPES.items()) + " (docs/torchtitan/start.md).",
               "torchtitan's own flags (--training.*, --parallelism.*, ...): gift-train --toml FILE --help-all"]
     return "\n".join(lines)

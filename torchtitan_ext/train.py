@@ -23,9 +23,15 @@ from __future__ import annotations
 
 
 def main() -> None:
-    """Apply the CPU shims (no-op on an accelerator box) and run torchtitan's trainer."""
-    from .cpu import cpu_compat  # launcher side: the shims must precede torchtitan's import (see above)
+    """Apply the CPU shims (no-op on an accelerator box), expand a ``--gift.recipe`` typed on this
+    command line (`keys.expand_argv_recipe`: gift-train expands it before it launches, a
+    direct launch here) and run torchtitan's trainer."""
+    import sys
 
+    from .cpu import cpu_compat  # launcher side: the shims must precede torchtitan's import (see above)
+    from .keys import expand_argv_recipe
+
+    sys.argv[1:] = expand_argv_recipe(sys.argv[1:])
     cpu_compat.activate()
     from torchtitan.train import main as torchtitan_main
 
