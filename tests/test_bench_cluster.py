@@ -174,3 +174,21 @@ def test_a_killed_runs_namespace_is_removed_and_a_live_runs_kept_or_the_refusal_
     finally:
         for name in made:
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def test_the_readmes_measured_step_row_reads_the_ddp_run(tmp_path: Path) -> None:
+    """The first screen's step-time row: fp32, the Euclidean arm and the recipe at each shaped rate of
+    the DDP results file (slowest first), each low-bit arm with its ratio to fp32's."""
+    from bench.pages.readme import measured_step_row
+
+    loss = [3.0] * 4
+    steps = {("fp32", "25mbit"): 8.0, ("euclid-int2", "25mbit"): 2.0, ("muon-int2-leaky-ef", "25mbit"): 3.0,
+             ("fp32", "100mbit"): 4.0, ("euclid-int2", "100mbit"): 3.0, ("muon-int2-leaky-ef", "100mbit"): 3.5,
+             ("fp32", "none"): 1.0}
+    out = tmp_path / "emulated.json"
+    out.write_text(json.dumps({"model": {"params": 5.44e6}, "steps": 3,
+                               "records": [_record(arm, rate, [9.0] + [t] * 3, loss) for (arm, rate), t in steps.items()]}))
+    row = measured_step_row(out)
+    assert "DDP, 2 nodes x 2 ranks, 5.44M-parameter Llama, at 25mbit / 100mbit per node; median of 3 steps" in row
+    assert row.endswith("| 8.00 s / 4.00 s | 2.00 s (0.25x) / 3.00 s (0.75x) | 3.00 s (0.38x) / 3.50 s (0.88x) "
+                        "(`muon-int2-leaky-ef`) |")

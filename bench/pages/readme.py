@@ -380,15 +380,35 @@ def headline(r: dict) -> str:
                                                                     for f in ("fp8 row", "nvfp4") if f in by) + "."])
 
 
+def measured_step_row(path: Path = cluster_emulated.OUT) -> str:
+    """The "what you pay" step-time row, measured: the emulated cluster's DDP run
+    (`bench/results/cluster/emulated.json`), fp32 against the Euclidean int2 arm and GIFT's
+    recipe at each shaped rate, slowest first, median step with its ratio to fp32's."""
+    d = json.loads(path.read_text())
+    rows = cluster_emulated.summarise(d["records"])
+    rates = sorted({x["rate"] for x in rows if x["rate"] != "none"}, key=cluster_emulated._rate_key)
+    med = {(x["arm"], x["rate"]): x["step"]["median"] for x in rows if x["path"] == "ddp"}
+    layout = next(x["layout"] for x in rows if x["path"] == "ddp")
+
+    def cell(arm: str) -> str:
+        return " / ".join(f"{med[(arm, x)]:.2f} s" + ("" if arm == "fp32" else f" ({med[(arm, x)] / med[('fp32', x)]:.2f}x)")
+                          for x in rates)
+    nodes, g = layout.split("x")
+    return (f"| measured step time (both low-bit arms: int2, leaky error feedback, block rotation) | the emulated "
+            f"cluster below: DDP, {nodes} nodes x {g} ranks, {d['model']['params'] / 1e6:.2f}M-parameter Llama, at "
+            f"{' / '.join(rates)} per node; median of {d['steps']} steps | {cell('fp32')} | "
+            f"{cell(cluster_emulated.EUCLID)} | {cell(cluster_emulated.RECIPE)} (`{cluster_emulated.RECIPE}`) |")
+
+
 def pays(r: dict) -> str:
-    """The README's "what you pay and get": bytes of the whole gradient at NVFP4, the modelled step
-    time (`bench.step_model.topology`: a cluster at the frontier's bits, and the paper's setting), GIFT's
-    state memory, and which optimizers the convergence study found GIFT helps, each from its
-    committed results file, next to fp32 and plain low-bit at the same format."""
+    """The README's "what you pay and get": bytes of the whole gradient at NVFP4, the measured step
+    time (the emulated cluster, `measured_step_row`), the paper's setting as the step model prices it
+    (`bench.step_model.topology`), GIFT's state memory, and which optimizers the convergence study
+    found GIFT helps, each from its committed results file, next to fp32 and plain low-bit at the
+    same format."""
     rows = r["wire"]["rows"]
     world, model = max(x["world"] for x in rows), r["wire"]["models"][-1]["name"]
     wire = next(x for x in rows if (x["model"], x["world"], x["op"], x["format"]) == (model, world, "all_reduce", "nvfp4"))
-    step = topology_model.pays_row()
     paper = json.loads(topology_model.OUT.read_text())["paper"]
     po = paper["overlapped"]
     pa = po["arms"]
@@ -428,10 +448,7 @@ def pays(r: dict) -> str:
              "|---|---|---|---|---|",
              f"| bytes of the whole gradient per rank and step (NVFP4) | {model}, {world} ranks, all-reduce; bytes handed "
              f"to the collectives | 1.00x | {wire['vs_fp32']:.2f}x | {wire['vs_fp32']:.2f}x (the same codes) |",
-             f"| modelled step time (both low-bit arms at {step['bits']:.2f} bits) | {step['model']}, {step['nodes']} "
-             f"nodes x {step['gpus_per_node']} GPUs, {step['network']}; FSDP with its all-gathers, overlapped with the "
-             f"backward; the faster of each arm's layouts: {step['euclid'][0]} / {step['gift'][0]} | "
-             f"{ms(step['fp32'])} (fp32 ring) | {ms(step['euclid'][1])} | {ms(step['gift'][1])} |",
+             measured_step_row(),
              f"| the paper's setting, modelled (FP8 E5M2) | {paper['model']}, {paper['nodes']} nodes x "
              f"{paper['gpus_per_node']} GH200; all-reduce, the map on 13 fc2 layers; overlapped with the backward | "
              f"{ms(pa['fp32 all-reduce']['step'])} | {ms(pa['Euclidean FP8']['step'])} "
@@ -446,8 +463,9 @@ def pays(r: dict) -> str:
     return "\n".join(lines + ["", "How GIFT's state grows (`GiftConfig()` defaults: each rank keeps every managed "
                                "layer's map and statistics, so it does not shrink with more ranks as FSDP's shards "
                                f"do; it grows far more slowly than the parameters, with width and depth): {grows}. Rows from "
-                               "`bench/results/results.json` (wire, memory, convergence) and "
-                               "the step model (`python -m bench.step_model.topology`, step time: every input and its source in "
+                               "`bench/results/results.json` (wire, memory, convergence), the emulated cluster "
+                               "(`bench/results/cluster/emulated.json`, measured step time) and the step model "
+                               "(`python -m bench.step_model.topology`, the paper's setting: every input and its source in "
                                "bench/results/step_model/step_model_inputs.json, per arm and network in "
                                "[benchmarks](docs/benchmarks.md#step-time-by-topology))."])
 

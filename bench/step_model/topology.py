@@ -939,18 +939,6 @@ def when_it_pays(_: dict | None = None, path: Path = OUT) -> str:
         f"`{d['command']} && python -m bench.pages.readme`."])
 
 
-def pays_row(path: Path = OUT, model: str = "Llama-3-8B", network_name: str = "InfiniBand/RoCE 400 Gb/s per GPU",
-             nodes: int = 8) -> dict[str, Any]:
-    """The README's "What you pay" step-time row: fp32 ring, the best Euclidean arm and the best
-    GIFT arm at equal bits, GIFT's exchange overlapped."""
-    d = json.loads(path.read_text())
-    r = next(r for r in _rows(d, "equal bits") if (r["model"], r["network"], r["nodes"]) == (model, network_name, nodes))
-    a = r["arms"]
-    return {"model": model, "network": network_name, "nodes": nodes, "gpus_per_node": r["gpus_per_node"],
-            "bits": r["bits"]["gift"], "fp32": a["fp32 ring"]["step"], "euclid": _best(a, EUCLID_ARMS),
-            "gift": _best(a, GIFT_ARMS)}
-
-
 def plot(d: dict, out: Path = PLOT) -> None:
     """Step time per arm against node count on each network, Llama-3-8B, equal quality."""
     import matplotlib
