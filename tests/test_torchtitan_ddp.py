@@ -25,7 +25,7 @@ from gift_compile.config import GiftConfig  # noqa: E402
 from gift_compile.exchange.accounting import HEADER_BYTES  # noqa: E402
 from gift_compile.torchtitan_ext.hooks import REFUSAL  # noqa: E402
 from gift_compile.torchtitan_ext.hsdp import check_replicate_only  # noqa: E402
-from gift_compile.torchtitan_ext.cpu.runs import RunResult, shared_runs  # noqa: E402
+from gift_compile.torchtitan_ext.cpu.runs import EXACT_FP32, RunResult, shared_runs  # noqa: E402
 from torchtitan_checks import assert_tracks_gift_off, logged_steps  # noqa: E402
 
 STEPS = 3
@@ -40,7 +40,7 @@ MANAGED = 20  # the debug Llama's linears: 4 blocks x (wqkv, wo, w1, w2, w3)
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], RunResult]:
     return shared_runs({
         "nvfp4": ("llama3_debug_gift_graph", [*DDP, *GIFT, "--gift.format=nvfp4"]),
-        "fp32": ("llama3_debug_gift_graph", [*DDP, *GIFT, "--gift.format=fp32"]),
+        "fp32": ("llama3_debug_gift_graph", [*DDP, *GIFT, *EXACT_FP32]),
         "off": ("llama3_debug_nogift_graph", DDP),
     }, lambda name: str(tmp_path_factory.mktemp(name)), nproc=2)
 

@@ -42,7 +42,7 @@ require("torchtitan", "torchtitan extra not installed")
 from gift_compile.torchtitan_ext.hooks import REFUSAL  # noqa: E402
 from gift_compile.torchtitan_ext.cpu.kill_resume import checkpoint_tensors  # noqa: E402
 from gift_compile.torchtitan_ext.cpu.models import MOE_FLAVORS  # noqa: E402
-from gift_compile.torchtitan_ext.cpu.runs import RunResult, shared_runs  # noqa: E402
+from gift_compile.torchtitan_ext.cpu.runs import EXACT_FP32, RunResult, shared_runs  # noqa: E402
 from torchtitan_checks import assert_expert_residuals_checkpointed, assert_tracks_gift_off, logged_steps  # noqa: E402
 
 STEPS = 3
@@ -63,7 +63,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], RunResult]
         "plain": ("moe_debug_gift_fsdp2", [*EP, *GIFT, "--gift.format=nvfp4", "--gift.geometry=none",
                                            "--gift.error-feedback", "--checkpoint.enable",
                                            f"--checkpoint.interval={STEPS}"]),
-        "fp32": ("moe_debug_gift_fsdp2", [*EP, *GIFT, "--gift.format=fp32"]),
+        "fp32": ("moe_debug_gift_fsdp2", [*EP, *GIFT, *EXACT_FP32]),
         # the routed experts excluded (GiftConfig.exclude): sent raw in their efsdp bucket
         "raw_experts": ("moe_debug_gift_fsdp2", [*EP, *GIFT, "--gift.format=nvfp4",
                                                  "--gift.exclude=*embed*,*output*,*lm_head*,*routed_experts*"]),

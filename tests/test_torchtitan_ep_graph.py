@@ -48,7 +48,7 @@ from torch.distributed.tensor import Replicate, Shard  # noqa: E402
 from gift_compile.frameworks.simple_fsdp import OutsideGroup, _why_not_carried, refuse_outside  # noqa: E402
 from gift_compile.torchtitan_ext.hooks import REFUSAL  # noqa: E402
 from gift_compile.torchtitan_ext.cpu.models import MOE_FLAVORS  # noqa: E402
-from gift_compile.torchtitan_ext.cpu.runs import RunResult, shared_runs  # noqa: E402
+from gift_compile.torchtitan_ext.cpu.runs import EXACT_FP32, RunResult, shared_runs  # noqa: E402
 from torchtitan_checks import assert_expert_residuals_checkpointed, assert_tracks_gift_off, logged_steps  # noqa: E402
 
 STEPS = 3
@@ -67,14 +67,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], RunResult]
     return shared_runs({
         "nvfp4": ("moe_debug_gift_graph", [*EP, *GIFT, "--gift.format=nvfp4", "--gift.error-feedback",
                                            "--checkpoint.enable", f"--checkpoint.interval={STEPS}"]),
-        "fp32": ("moe_debug_gift_graph", [*EP, *GIFT, "--gift.format=fp32"]),
+        "fp32": ("moe_debug_gift_graph", [*EP, *GIFT, *EXACT_FP32]),
         # the routed experts excluded (GiftConfig.exclude): unmarked, their traced reduce-scatters stay fp32
         "raw_experts": ("moe_debug_gift_graph", [*EP, *GIFT, "--gift.format=nvfp4",
                                                  "--gift.exclude=*embed*,*output*,*lm_head*,*routed_experts*"]),
         "off": ("moe_debug_nogift_graph", EP),
         "tp_nvfp4": ("moe_debug_gift_graph", [*EP_TP, *GIFT, "--gift.format=nvfp4", "--gift.min-numel=1024"]),
         "hsdp_nvfp4": ("moe_debug_gift_graph", [*EP_HSDP, *GIFT, "--gift.format=nvfp4"]),
-        "hsdp_fp32": ("moe_debug_gift_graph", [*EP_HSDP, *GIFT, "--gift.format=fp32"]),
+        "hsdp_fp32": ("moe_debug_gift_graph", [*EP_HSDP, *GIFT, *EXACT_FP32]),
         "hsdp_off": ("moe_debug_nogift_graph", EP_HSDP),
     }, lambda name: str(tmp_path_factory.mktemp(name)), nproc=4)
 

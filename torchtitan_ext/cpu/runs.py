@@ -22,10 +22,15 @@ from gift_compile.runtime.report import HEADER as REPORT_HEADER
 
 from ..telemetry import read_jsonl
 
-__all__ = ["RunResult", "config_command", "run_config", "seed_checkpoint", "shared_runs"]
+__all__ = ["EXACT_FP32", "RunResult", "config_command", "run_config", "seed_checkpoint", "shared_runs"]
 
 MODULE = "gift_compile.torchtitan_ext.cpu"  # the config registry (`--module`)
 TRAIN = "gift_compile.torchtitan_ext.train"  # the entry point (`-m`)
+# GIFT at fp32 with every class of gradient at fp32: the layers (`format`) and the opt-outs of the
+# whole-gradient defaults (the embedding and head go at bf16, tiny gradients at bf16 otherwise), so
+# a run with GIFT on reproduces GIFT off bit for bit
+EXACT_FP32 = ("--gift.format=fp32", "--gift.excluded-format=fp32", "--gift.unmapped-format=fp32",
+              "--gift.tiny-format=fp32")
 
 
 @dataclass
