@@ -36,7 +36,7 @@ from conftest import require
 
 require("torchtitan", "torchtitan extra not installed")
 
-from gift_compile.torchtitan_ext.cpu.runs import RunResult, shared_runs  # noqa: E402
+from gift_compile.torchtitan_ext.cpu.runs import EXACT_FP32, RunResult, shared_runs  # noqa: E402
 from gift_compile.torchtitan_ext.hooks import REFUSAL  # noqa: E402
 from test_torchtitan_ep import (GIFT, STEPS, TOLERANCE, _assert_experts_on_gift, _assert_experts_whitened,  # noqa: E402
                                 _elements)
@@ -62,7 +62,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], RunResult]
                                               "--gift.format=nvfp4"]),
         "pp_off": ("moe_debug_nogift_fsdp2", EP_PP),
         "hsdp_nvfp4": ("moe_debug_gift_fsdp2", [*EP_HSDP, *GIFT, "--gift.format=nvfp4", "--gift.replica-format=nvfp4"]),
-        "hsdp_fp32": ("moe_debug_gift_fsdp2", [*EP_HSDP, *GIFT, "--gift.format=fp32", "--gift.replica-format=fp32"]),
+        "hsdp_fp32": ("moe_debug_gift_fsdp2", [*EP_HSDP, *GIFT, *EXACT_FP32, "--gift.replica-format=fp32"]),
         "hsdp_off": ("moe_debug_nogift_fsdp2", EP_HSDP),
     }, lambda name: str(tmp_path_factory.mktemp(name)), nproc=4)
 

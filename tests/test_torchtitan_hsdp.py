@@ -24,7 +24,7 @@ from conftest import require
 require("torchtitan", "torchtitan extra not installed")
 
 from gift_compile.torchtitan_ext.hooks import REFUSAL, data_parallel_group  # noqa: E402
-from gift_compile.torchtitan_ext.cpu.runs import RunResult, shared_runs  # noqa: E402
+from gift_compile.torchtitan_ext.cpu.runs import EXACT_FP32, RunResult, shared_runs  # noqa: E402
 
 STEPS = 3
 HSDP = ["--parallelism.data-parallel-replicate-degree=2", "--parallelism.data-parallel-shard-degree=2",
@@ -39,7 +39,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], RunResult]
         "gift": ("llama3_debug_gift_fsdp2", [*HSDP, *GIFT]),
         "graph": ("llama3_debug_gift_graph", [*HSDP, *GIFT]),
         "graph_off": ("llama3_debug_nogift_graph", HSDP),
-        "gift_fp32": ("llama3_debug_gift_fsdp2", [*HSDP, "--gift.format=fp32", "--gift.no-fuse",
+        "gift_fp32": ("llama3_debug_gift_fsdp2", [*HSDP, *EXACT_FP32, "--gift.no-fuse",
                                                   "--gift.replica-format=fp32"]),
         "off": ("llama3_debug_nogift_fsdp2", HSDP),
     }, lambda name: str(tmp_path_factory.mktemp(name)), nproc=4)

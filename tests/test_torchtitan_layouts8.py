@@ -25,7 +25,7 @@ from conftest import require
 require("torchtitan", "torchtitan extra not installed")
 
 from gift_compile.torchtitan_ext.hooks import REFUSAL  # noqa: E402
-from gift_compile.torchtitan_ext.cpu.runs import RunResult, shared_runs  # noqa: E402
+from gift_compile.torchtitan_ext.cpu.runs import EXACT_FP32, RunResult, shared_runs  # noqa: E402
 from torchtitan_checks import assert_tracks_gift_off  # noqa: E402
 
 STEPS = 3
@@ -35,7 +35,7 @@ HSDP_TP = [*COMMON, "--parallelism.data-parallel-replicate-degree=2"]
 PP_TP = [*COMMON, "--parallelism.pipeline-parallel-degree=2"]
 GIFT = ["--gift.refresh-every=2", "--gift.no-fuse"]
 NVFP4 = [*GIFT, "--gift.format=nvfp4", "--gift.replica-format=nvfp4"]
-FP32 = [*GIFT, "--gift.format=fp32", "--gift.replica-format=fp32"]
+FP32 = [*GIFT, *EXACT_FP32, "--gift.replica-format=fp32"]
 TOLERANCE = 5e-3  # the 2-rank tests' per-step loss tolerance (tests/test_torchtitan_train.py)
 # One TP rank's fp32 gradient elements of a transformer block: wqkv, w1, w3 [192, 128] (colwise),
 # wo [128, 64] and w2 [128, 192] (rowwise), two norms of 128 (replicated over TP)

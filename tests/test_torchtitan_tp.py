@@ -26,7 +26,7 @@ from conftest import require
 require("torchtitan", "torchtitan extra not installed")
 
 from gift_compile.torchtitan_ext.hooks import REFUSAL  # noqa: E402
-from gift_compile.torchtitan_ext.cpu.runs import RunResult, shared_runs  # noqa: E402
+from gift_compile.torchtitan_ext.cpu.runs import EXACT_FP32, RunResult, shared_runs  # noqa: E402
 from torchtitan_checks import assert_tracks_gift_off, logged_steps  # noqa: E402
 
 STEPS = 3
@@ -40,7 +40,7 @@ TOLERANCE = 5e-3  # the 2-rank tests' per-step loss tolerance (tests/test_torcht
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], RunResult]:
     return shared_runs({
         "nvfp4": ("llama3_debug_gift_fsdp2", [*TP, *GIFT, "--gift.format=nvfp4"]),
-        "fp32": ("llama3_debug_gift_fsdp2", [*TP, *GIFT, "--gift.format=fp32"]),
+        "fp32": ("llama3_debug_gift_fsdp2", [*TP, *GIFT, *EXACT_FP32]),
         "off": ("llama3_debug_nogift_fsdp2", TP),
         "graph": ("llama3_debug_gift_graph", [*TP, *GIFT, "--gift.format=nvfp4"]),
     }, lambda name: str(tmp_path_factory.mktemp(name)), nproc=4)
