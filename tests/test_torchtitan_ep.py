@@ -64,8 +64,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], RunResult]
                                            "--gift.error-feedback", "--checkpoint.enable",
                                            f"--checkpoint.interval={STEPS}"]),
         "fp32": ("moe_debug_gift_fsdp2", [*EP, *GIFT, *EXACT_FP32]),
-        # the routed experts excluded (GiftConfig.exclude): sent raw in their efsdp bucket
-        "raw_experts": ("moe_debug_gift_fsdp2", [*EP, *GIFT, "--gift.format=nvfp4",
+        # the routed experts excluded (GiftConfig.exclude) and sent raw (`excluded_format=fp32`, the
+        # opt-out: the default would send them at bf16) in their efsdp bucket
+        "raw_experts": ("moe_debug_gift_fsdp2", [*EP, *GIFT, "--gift.format=nvfp4", "--gift.excluded-format=fp32",
                                                  "--gift.exclude=*embed*,*output*,*lm_head*,*routed_experts*"]),
         "off": ("moe_debug_nogift_fsdp2", EP),
         # K-FAC's low-rank map named: each local expert's map from the tokens routed to it
