@@ -634,7 +634,17 @@ def model_config(results: dict) -> TinyLlamaConfig:
 
 
 def median_step(rec: dict) -> float:
-    return statistics.median(rec["step_times"][int(rec.get("warmup", 0)):])
+    return statistics.median(timed_steps(rec))
+
+
+def timed_steps(rec: dict) -> list[float]:
+    """A record's step times after its warm-up."""
+    return rec["step_times"][int(rec.get("warmup", 0)):]
+
+
+def timed_count(rec: dict) -> int:
+    """How many timed steps a record's byte counters cover (`steps`, else its timed step times)."""
+    return int(rec.get("steps") or len(timed_steps(rec)))
 
 
 def emulated_arm(name: str, path: str) -> tuple[ArmSpec, dict[str, Any] | None, float]:
@@ -711,9 +721,8 @@ def refresh_link_bytes(rec: dict) -> float:
     a run without the counter (native and PowerSGD arms, older results)."""
     gift = rec.get("gift_bytes") or {}
     handed = float(gift.get("refresh_cross_wire", 0.0))
-    steps = int(rec.get("steps") or len(rec["step_times"]) - int(rec.get("warmup", 0)))
     n, g = rec["nodes"], rec["g"]
-    return g * handed * (n - 1) / n / steps
+    return g * handed * (n - 1) / n / timed_count(rec)
 
 
 def predict_emulated(rec: dict, unshaped: dict, sh: Shapes, x: dict[str, Any], overlapped: bool) -> dict[str, Any]:
@@ -741,9 +750,8 @@ def predict_emulated(rec: dict, unshaped: dict, sh: Shapes, x: dict[str, Any], o
                 else _phase(compute - fwd, t_ag_b, units, EMULATED_OVERLAP[rec["path"]]) + t_grad)
     counted = None
     if rec.get("link_bytes") and all(isinstance(b, dict) for b in rec["link_bytes"]):
-        steps = int(rec.get("steps") or len(rec["step_times"]) - int(rec.get("warmup", 0)))
-        counted = statistics.fmean(b["tx"] for b in rec["link_bytes"]) / steps
-    ci = median_ci(rec["step_times"][int(rec.get("warmup", 0)):])
+        counted = statistics.fmean(b["tx"] for b in rec["link_bytes"]) / timed_count(rec)
+    ci = median_ci(timed_steps(rec))
     return {"arm": rec["arm"], "path": rec["path"], "layout": f"{n}x{g}", "rate_mbit": rec["rate_mbit"],
             "unshaped_s": compute, "predicted_s": forward + backward + refresh / rate, "measured_s": median_step(rec),
             "measured_lo": ci["lo"], "measured_hi": ci["hi"],
