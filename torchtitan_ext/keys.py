@@ -23,7 +23,8 @@ from gift_compile.config import GiftConfigError
 
 from .section import GiftSection
 
-__all__ = ["CLI", "check_ranges", "cli_key", "cli_settings", "expand_argv_recipe", "toml_settings", "toml_to_args"]
+__all__ = ["CLI", "check_ranges", "cli_key", "cli_settings", "expand_argv_recipe", "split_recipe_flag", "toml_settings",
+           "toml_to_args"]
 
 logger = logging.getLogger("gift_compile")
 
@@ -329,6 +330,25 @@ def check_ranges(config: Any, settings: dict[str, tuple[Any, str]], defaults_sou
         raise ValueError(f"{source}: key '{key}' = {value!r}: {err}") from err
 
 
+def split_recipe_flag(args: Sequence[str]) -> tuple[str | None, list[str]]:
+    """``(NAME, the other arguments)`` of a command line holding ``--gift.recipe NAME`` (or
+    ``--gift.recipe=NAME``; the last one given counts), ``(None, args)`` without one. The one
+    reading of that flag for gift-train (`launcher.expand_recipe`) and the trainer's entry point
+    (`expand_argv_recipe`)."""
+    name, rest, i = None, [], 0
+    while i < len(args):
+        flag, eq, inline = args[i].partition("=")
+        if flag == "--gift.recipe":
+            if not eq and i + 1 >= len(args):
+                raise ValueError("--gift.recipe requires a value")
+            name = inline if eq else args[i + 1]
+            i += 1 if eq else 2
+            continue
+        rest.append(args[i])
+        i += 1
+    return name, rest
+
+
 def expand_argv_recipe(argv: Sequence[str]) -> list[str]:
     """`argv` of the trainer's entry point (`gift_compile.torchtitan_ext.train`, started without
     gift-train) with a ``--gift.recipe NAME`` expanded as gift-train expands a command line's
@@ -338,16 +358,13 @@ def expand_argv_recipe(argv: Sequence[str]) -> list[str]:
     its recipe as a flag, so its command lines come back unchanged."""
     from gift_compile.recipes import recipe_fields
 
-    name, typed = None, set()
-    for i, arg in enumerate(argv):
-        flag, eq, inline = arg.partition("=")
-        if flag == "--gift.recipe":
-            if not eq and i + 1 >= len(argv):
-                raise ValueError("--gift.recipe requires a value")
-            name = inline if eq else argv[i + 1]
-        elif flag.startswith("--gift."):
+    name, rest = split_recipe_flag(argv)
+    typed = set()
+    for arg in rest:
+        flag = arg.partition("=")[0]
+        if flag.startswith("--gift."):
             leaf = flag.removeprefix("--gift.").replace("-", "_")
-            typed.add(leaf.removeprefix("no_") if leaf.startswith("no_") and leaf != "no_" else leaf)
+            typed.add(leaf.removeprefix("no_"))
     if not name:
         return list(argv)
     try:

@@ -36,7 +36,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .keys import CLI, check_ranges, cli_key, cli_settings, toml_settings
+from .keys import CLI, check_ranges, cli_key, cli_settings, split_recipe_flag, toml_settings
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -153,17 +153,7 @@ def expand_recipe(table: dict[str, Any], overrides: list[str], toml_path: str) -
     gift = table.setdefault("gift", {})
     if not isinstance(gift, dict):
         raise ValueError(f"{toml_path}: [gift] must be a table")
-    name, rest, i = None, [], 0
-    while i < len(overrides):
-        flag, eq, inline = overrides[i].partition("=")
-        if flag == "--gift.recipe":
-            if not eq and i + 1 >= len(overrides):
-                raise ValueError("--gift.recipe requires a value")
-            name = inline if eq else overrides[i + 1]
-            i += 1 if eq else 2
-            continue
-        rest.append(overrides[i])
-        i += 1
+    name, rest = split_recipe_flag(overrides)
     in_toml = gift.pop("recipe", None)
     if in_toml is not None and not isinstance(in_toml, str):
         raise ValueError(f"{toml_path}: gift.recipe must be a string, got {in_toml!r}")
