@@ -12,7 +12,7 @@ with no map (``--gift.geometry none``) the experts go as Euclidean items
 (`gift_compile.frameworks.fsdp2.EuclideanReduceScatter`). The EP all-to-all on the token
 dispatcher is not touched (GIFT only replaces FSDP2's reduce-scatter comms).
 
-Six runs, same seed, init and data, with the default ``--gift.unrewritten error`` (nothing is
+Six runs from one seed checkpoint written on one rank (same init and data), with the default ``--gift.unrewritten error`` (nothing is
 refused): GIFT at nvfp4 with the configs' geometry (``auto``: second_moment under AdamW; a refresh
 after step 2, error feedback on, a checkpoint at the last step), the same with no map, the same
 with K-FAC's low-rank map, GIFT at nvfp4 with the experts excluded, GIFT at fp32 and GIFT off (EP
@@ -42,7 +42,7 @@ require("torchtitan", "torchtitan extra not installed")
 from gift_compile.torchtitan_ext.hooks import REFUSAL  # noqa: E402
 from gift_compile.torchtitan_ext.cpu.kill_resume import checkpoint_tensors  # noqa: E402
 from gift_compile.torchtitan_ext.cpu.models import MOE_FLAVORS  # noqa: E402
-from gift_compile.torchtitan_ext.cpu.runs import EXACT_FP32, RunResult, shared_runs  # noqa: E402
+from gift_compile.torchtitan_ext.cpu.runs import EXACT_FP32, RunResult, seed_checkpoint, shared_runs  # noqa: E402
 from torchtitan_checks import assert_expert_residuals_checkpointed, assert_tracks_gift_off, logged_steps  # noqa: E402
 
 STEPS = 3
@@ -55,7 +55,11 @@ EXPERTS = [f"layers.{i}.moe.routed_experts.inner_experts" for i in (1, 2)]
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], RunResult]:
-    return shared_runs({
+    # every run from one rank's seed checkpoint: EP's own CPU init gives each rank pairs of
+    # identical experts and router rows (`seed_checkpoint`), so two local experts would see the
+    # same tokens and be no test of "each expert its own map"
+    start = seed_checkpoint(tmp_path_factory.mktemp("seed"), "moe_debug_nogift_fsdp2")
+    table = {
         # the configs' geometry: `auto`, which AdamW resolves to second_moment (each local expert its own map)
         "nvfp4": ("moe_debug_gift_fsdp2", [*EP, *GIFT, "--gift.format=nvfp4", "--gift.error-feedback",
                                            "--checkpoint.enable", f"--checkpoint.interval={STEPS}"]),
@@ -72,7 +76,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], RunResult]
         # K-FAC's low-rank map named: each local expert's map from the tokens routed to it
         "whitened": ("moe_debug_gift_fsdp2", [*EP, *GIFT, "--gift.format=nvfp4", "--gift.geometry=lowrank",
                                               "--checkpoint.enable", f"--checkpoint.interval={STEPS}"]),
-    }, lambda name: str(tmp_path_factory.mktemp(name)), nproc=4)
+    }
+    return shared_runs({name: (config, [*start, *overrides]) for name, (config, overrides) in table.items()},
+                       lambda name: str(tmp_path_factory.mktemp(name)), nproc=4)
 
 
 def _assert_experts_on_gift(run: RunResult, fmt: str, route: str = r"reduce-scatters over mesh 'efsdp' \(2 ranks\)",

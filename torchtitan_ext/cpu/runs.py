@@ -126,11 +126,13 @@ def shared_runs(table: dict[str, tuple[str, Sequence[str]]], folder_for: Callabl
     return get
 
 
-def seed_checkpoint(folder: Path) -> list[str]:
-    """Write torchtitan's seed checkpoint of the debug Llama into `folder` (one rank) and return
+def seed_checkpoint(folder: Path, config: str = "llama3_debug_nogift_fsdp2") -> list[str]:
+    """Write torchtitan's seed checkpoint of `config`'s model into `folder` (one rank) and return
     the overrides that start a run from it. On CPU torchtitan's initial weights depend on the
-    parallel layout, so runs of different layouts are comparable only from a common checkpoint."""
-    run_config("llama3_debug_nogift_fsdp2", ["--checkpoint.enable", "--checkpoint.create-seed-checkpoint",
-                                             "--training.steps=1", "--validator.no-enable"],
-               dump_folder=str(folder), nproc=1).check()
+    parallel layout, so runs of different layouts are comparable only from a common checkpoint;
+    and a sharded init repeats itself across shards (CPU DTensors draw every shard from the same
+    generator state: under EP 2 the MoE's local experts, and its router's rows, come in identical
+    pairs, so the router ties and two experts see the same tokens), which one rank does not."""
+    run_config(config, ["--checkpoint.enable", "--checkpoint.create-seed-checkpoint", "--training.steps=1",
+                        "--validator.no-enable"], dump_folder=str(folder), nproc=1).check()
     return ["--checkpoint.enable", f"--checkpoint.initial-load-path={folder / 'checkpoint' / 'step-0'}"]
