@@ -25,8 +25,9 @@ import dataclasses
 import fnmatch
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, NoReturn
 
 # The format names belong to the codec, the layer below this one (docs/architecture.md).
@@ -41,6 +42,11 @@ SAME_FORMAT = "same"
 TINY_FORMATS = ("bf16", "fp32")
 # the opt-out value of `unmapped_format` / `excluded_format` / `tiny_format`: raw bytes at the gradient's own dtype
 FULL_PRECISION = "fp32"
+# The whole opt-out of the whole-gradient defaults: every gradient outside GIFT's layers travels
+# raw (`GiftConfig(**RAW_OUTSIDE_LAYERS, ...)`; with `format="fp32"` too, GIFT on reproduces GIFT
+# off bit for bit). One mapping, so the CLI's flags and the Python keywords name the same fields.
+RAW_OUTSIDE_LAYERS: Mapping[str, str] = MappingProxyType(
+    {"unmapped_format": FULL_PRECISION, "excluded_format": FULL_PRECISION, "tiny_format": FULL_PRECISION})
 
 
 def is_tiny(shape: tuple[int, ...] | list[int], min_numel: int) -> bool:

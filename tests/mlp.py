@@ -5,11 +5,13 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from gift_compile.config import RAW_OUTSIDE_LAYERS
+
 # The opt-out of compressing the gradients outside GIFT's layers (`GiftConfig.unmapped_format`,
 # `excluded_format`, `tiny_format`): they travel raw, exactly. Tests of the managed weights'
 # exchange (pairing, accounting, replicas) keep them exact so that any error they measure there
 # is a bug, not bf16's rounding; tests/test_whole_gradient.py tests the defaults.
-EXACT_OUTSIDE: dict[str, str] = {"unmapped_format": "fp32", "excluded_format": "fp32", "tiny_format": "fp32"}
+EXACT_OUTSIDE = RAW_OUTSIDE_LAYERS
 
 
 class MLP(nn.Module):

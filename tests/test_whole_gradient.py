@@ -25,14 +25,14 @@ from multirank import run_ranks
 
 from bench.lib.tiny_llama import TinyLlama, TinyLlamaConfig
 from gift_compile.codec.spec import FormatSpec, wire_bytes_for
-from gift_compile.config import GiftConfig
+from gift_compile.config import RAW_OUTSIDE_LAYERS, GiftConfig
 from gift_compile.exchange.plan import Collective
 from gift_compile.frameworks.euclidean import euclidean_plan
 from gift_compile.frameworks.routing import eligible_linears
 from gift_compile.runtime.state import GiftState
 
 VOCAB, DIM = 1024, 64
-OPT_OUT = {"unmapped_format": "fp32", "excluded_format": "fp32", "tiny_format": "fp32"}
+OPT_OUT = dict(RAW_OUTSIDE_LAYERS)  # a dict: it travels to the ranks pickled
 
 
 class _Lm(nn.Module):

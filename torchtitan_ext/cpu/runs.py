@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gift_compile.config import RAW_OUTSIDE_LAYERS
 from gift_compile.runtime.report import HEADER as REPORT_HEADER
 
 from ..telemetry import read_jsonl
@@ -29,8 +30,8 @@ TRAIN = "gift_compile.torchtitan_ext.train"  # the entry point (`-m`)
 # GIFT at fp32 with every class of gradient at fp32: the layers (`format`) and the opt-outs of the
 # whole-gradient defaults (the embedding and head go at bf16, tiny gradients at bf16 otherwise), so
 # a run with GIFT on reproduces GIFT off bit for bit
-EXACT_FP32 = ("--gift.format=fp32", "--gift.excluded-format=fp32", "--gift.unmapped-format=fp32",
-              "--gift.tiny-format=fp32")
+EXACT_FP32 = ("--gift.format=fp32",
+              *(f"--gift.{key.replace('_', '-')}={value}" for key, value in RAW_OUTSIDE_LAYERS.items()))
 
 
 @dataclass
