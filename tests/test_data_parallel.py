@@ -159,7 +159,6 @@ def _accumulation_body(rank: int, world: int, reduce_op: str, use_no_sync: bool,
     torch._inductor.config.fx_graph_cache = False
     model, ref = MLP(), MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.01)
     gift_compile.apply(model, GiftConfig(**CFG, reduce_op=reduce_op), optimizer=opt)
     st = gift_compile.state(model)
     fwd = torch.compile(model, fullgraph=True, dynamic=False) if compiled else model

@@ -392,7 +392,7 @@ def test_wrapping_after_apply_is_refused_and_the_valid_ddp_split_is_accepted():
                 (order, r[order])
         assert not isinstance(r["split"], str), r["split"]
     (calls0, fc0, head0), (calls1, fc1, head1) = results[0]["split"], results[1]["split"]
-    assert calls0 > 0 and torch.equal(fc0, fc1) and torch.equal(head0, head1)  # both synced, each once
+    assert calls0 > 0 and calls1 > 0 and torch.equal(fc0, fc1) and torch.equal(head0, head1)  # both synced, each once
 
 
 def _partly_sharded_body(rank: int, world: int) -> dict:

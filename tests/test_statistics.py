@@ -96,7 +96,7 @@ def test_window_average_subsampling_and_ema():
     s.observe(x1)
     assert float(s.count) == 128 and float(s.tokens) == 512  # strided: every 4th token
     s.consolidate(None)
-    sub1, sub2 = x1[::4], x2[::4]
+    sub1 = x1[::4]
     y1, d1 = sub1.t() @ sub1 @ omega / 128, (sub1 * sub1).sum(0) / 128
     assert torch.allclose(s.y, y1, rtol=1e-4, atol=1e-5) and torch.allclose(s.diag, d1, rtol=1e-5)
     assert float(s.count) == 0 and float(s.y_acc.abs().sum()) == 0

@@ -196,7 +196,7 @@ def _report(arms: dict[str, RunResult], fmt: str) -> None:
               f"{refresh['gift/err_transformed_mean']:11.4f}  {n_sel}/{n_all}")
         print(f"  {'mean (selected)':<{width}}  {euclidean:9.4f}  {transformed:11.4f}")
 
-    print(f"\nSummary (same seed, init and data order; bytes per step and rank of the whole gradient, counted where "
+    print("\nSummary (same seed, init and data order; bytes per step and rank of the whole gradient, counted where "
           "handed to the collectives)")
     # the whole gradient, every collective of the step (`telemetry.whole_gradient`): GIFT's and
     # the buckets without a managed weight (embedding, head) that travel as they were
