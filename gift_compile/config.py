@@ -60,6 +60,12 @@ def is_tiny(shape: tuple[int, ...] | list[int], min_numel: int) -> bool:
 # 16-bit types: it keeps fp32's exponent range, so a node sum that is finite in fp32 stays so.
 NATIVE_NODE_FORMAT = "native"
 INTRA_NODE_FORMATS = (NATIVE_NODE_FORMAT, "bf16")
+# `GiftConfig.shard_hop`: where HSDP's layers go on GIFT's codec. "gift": on the shard hop (the
+# reduce-scatter, at `format`) and again on the replica hop (at `replica_format`); "native": the
+# shard hop is FSDP2's own reduce-scatter at the gradient's dtype and only the replica hop, the
+# one that crosses nodes, carries the layers at `format` with their maps, error feedback and probes.
+GIFT_SHARD_HOP = "gift"
+SHARD_HOPS = (GIFT_SHARD_HOP, NATIVE_NODE_FORMAT)
 # The names of the geometry table (`gift_compile.geometry.table.GEOMETRIES`), in its order.
 # Spelled here because the config sits below the geometry layer and validates at construction
 # (a typo fails before any process group exists); the table checks at import that its classes
@@ -341,7 +347,20 @@ class GiftConfig:
         replica_format: wire format of the cross-replica hop of hybrid sharding (HSDP: the
             all-reduce of each reduced shard over the replica group, typically across nodes
             and on the slow network), or "same" to use `format`. The intra-node shard hop
-            (the reduce-scatter) always uses `format`; fp32/bf16 send the hop unquantized.
+            (the reduce-scatter) uses `format` under `shard_hop="gift"`; fp32/bf16 send the
+            hop unquantized.
+        shard_hop: HSDP's shard hop (the reduce-scatter over the shard group, inside a node):
+            "gift" (the default) sends the layers there on GIFT's codec at `format` (map, error
+            feedback, probe) and the reduced shards again at `replica_format` across the
+            replicas, two roundings; "native" leaves the shard hop to FSDP2's own
+            reduce-scatter at the gradient's dtype (its bytes counted) and sends each rank's
+            reduced row shard once, on the replica hop, with the layers' own plans at
+            `format`: their maps (which act on columns, so a row shard maps alike), error
+            feedback and gradient probes, as GIFT's DDP all-reduce runs them. Only the bytes that
+            cross nodes are coded, and the codec runs on 1/shards of each gradient instead of on
+            all of it. Needs `replica_format="same"` and one FSDP mesh per module (no
+            per-parameter meshes, such as expert parallelism's routed experts); the eager
+            FSDP2 path only (`gift_compile.frameworks.hsdp.install`).
         map_precision: the arithmetic of the low-rank maps' two matmuls (the projection
             `G U` and the rank-r expansion; `lowrank`, `gradient`, `momentum`): "exact" runs
             the fixed-order fp32 map (a matmul, then r multiply-adds Inductor fuses into the
@@ -429,6 +448,7 @@ class GiftConfig:
     statistics: StatisticsKind = StatisticsKind.SKETCH
     sketch_cols: int = 0
     replica_format: str = "same"
+    shard_hop: str = GIFT_SHARD_HOP
     map_precision: MapPrecision = MapPrecision.AUTO
     ranks_per_node: int | None = None
     intra_node_format: str = NATIVE_NODE_FORMAT
@@ -481,6 +501,11 @@ class GiftConfig:
                   "save next to nothing; fp32 is the opt-out)")
         if self.ranks_per_node is not None and (not _is_int(self.ranks_per_node) or self.ranks_per_node < 0):
             _fail("ranks_per_node", self.ranks_per_node, "None (from LOCAL_WORLD_SIZE), 0 (one level) or a positive integer")
+        if not isinstance(self.shard_hop, str) or self.shard_hop not in SHARD_HOPS:
+            _fail("shard_hop", self.shard_hop, ", ".join(SHARD_HOPS))
+        if self.shard_hop == NATIVE_NODE_FORMAT and self.replica_format != SAME_FORMAT:
+            _fail("replica_format", self.replica_format, f"{SAME_FORMAT!r} with shard_hop={self.shard_hop!r} (the replica "
+                  "hop then carries the layers at `format`, the format their selection measures and error feedback covers)")
         if not isinstance(self.intra_node_format, str) or self.intra_node_format not in INTRA_NODE_FORMATS:
             _fail("intra_node_format", self.intra_node_format, ", ".join(INTRA_NODE_FORMATS))
         if self.intra_node_format != NATIVE_NODE_FORMAT and self.ranks_per_node == 0:

@@ -146,6 +146,12 @@ def test_the_recipes_step_is_read_against_fp32_bf16_and_euclidean_at_each_shaped
                       for arm, t in (("fp32", 4.0), ("euclid-int2", 2.0), ("muon-int2-leaky-ef", 3.0))])
     assert emulated.verdicts(slow) == ["ddp 2x2 @ 100mbit: muon-int2-leaky-ef 3.00 s, 0.75x fp32's (misses the 0.6x "
                                        "target), +50% against euclid-int2 (outside 10%)"]
+    # HSDP with the shard hop left to FSDP2: the recipe judged against the Euclidean arm of the same hops
+    native = summarise([_record(arm, "100mbit", [9.0] + [t] * 3, loss)
+                        for arm, t in (("fp32", 4.0), ("euclid-int2-nativehop", 2.0), ("muon-int2-leaky-ef-nativehop", 2.1),
+                                       ("euclid-int2", 1.0))])
+    assert emulated.verdicts(native) == ["ddp 2x2 @ 100mbit: muon-int2-leaky-ef-nativehop 2.10 s, 0.53x fp32's (meets "
+                                         "the 0.6x target), +5% against euclid-int2-nativehop (within 10%)"]
 
 
 def test_a_killed_runs_namespace_is_removed_and_a_live_runs_kept_or_the_refusal_names_root() -> None:

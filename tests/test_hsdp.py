@@ -334,3 +334,84 @@ def test_hsdp_on_two_nodes_with_error_feedback_sizes_each_hop_by_its_own_layout(
             for name in ("up.weight", "down.weight"):
                 assert 0.05 < case["errs"][name] < 0.8, (replicas, name, case["errs"])
             assert case["errs"]["norm.weight"] < 0.01, (replicas, case["errs"])
+
+
+def _native_shard_hop_worker(rank: int, world: int) -> dict:
+    """2 replicas x 2 shards under `shard_hop="native"` and, for comparison, "gift" (both hops at
+    fp8), one backward each and a refresh; the same at fp32 (exact); and FSDP2 without the replica
+    hop under "native" (refused at the backward)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from gift_compile.frameworks import fsdp2, hsdp
+    from gift_compile.api import manage
+    from gift_compile.config import GiftConfig
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    replica_group = mesh.get_group("replicate")
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(100 + rank))
+    out: dict = {}
+    for hop_kind, fmt in (("native", "fp8_e4m3"), ("gift", "fp8_e4m3"), ("native", "fp32")):
+        reference, model = _sharded_pair(mesh["shard"])
+        config = GiftConfig(**EXACT_OUTSIDE, format=fmt, shard_hop=hop_kind, geometry="lowrank", select="auto",
+                            refresh_every=1, min_numel=1024, exclude=(), error_feedback=fmt != "fp32")
+        state = manage(model, config, dist.group.WORLD, mode="stats", split_rows=True)
+        fsdp2.install(model, state, compiled=False)
+        hsdp.install(model, state, replica_group, compiled=False)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(x).square().sum().backward()
+        reference(x).square().sum().backward()
+        errs = {n: _grad_error(model, reference, n, world) for n in ("up.weight", "down.weight", "norm.weight")}
+        totals, accounted = hsdp.hop_totals(state), hsdp.accounted_bytes(model)
+        state.check_health()
+        layers = {n: {"residual": None if l.residual is None else (tuple(l.residual[0].shape),
+                                                                   float(l.residual[0].abs().sum())),
+                      "probe": (tuple(l.probe.shape), float(l.probe.norm()))} for n, l in state.layers.items()}
+        state.refresh()
+        decided = all(l.decided for l in state.layers.values())
+        local = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
+        opt.step()
+        params = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+        others: list = [None] * 2
+        dist.all_gather_object(others, (local, params), group=replica_group)
+        identical = all(torch.equal(a[k], b[k]) for a, b in zip(others[0], others[1]) for k in a)
+        out[hop_kind, fmt] = {"errs": errs, "totals": totals, "accounted": accounted, "layers": layers,
+                              "decided": decided, "identical": identical}
+    _, alone = _sharded_pair(mesh["shard"])
+    state = manage(alone, GiftConfig(**EXACT_OUTSIDE, shard_hop="native", geometry="none", min_numel=1024, exclude=()),
+                   dist.group.WORLD, mode="stats", split_rows=True)
+    fsdp2.install(alone, state, compiled=False)
+    try:
+        alone(x).square().sum().backward()
+        out["refused"] = ""
+    except RuntimeError as e:
+        out["refused"] = str(e)
+    return out
+
+
+def test_native_shard_hop_codes_each_rows_shard_once_on_the_replica_hop():
+    """`shard_hop="native"`: the shard hop is FSDP2's own reduce-scatter (raw: its counted wire is
+    its baseline and the accounting's), the replica hop carries the layers' plans on each rank's
+    rows (residual and probe of the shard's rows, written; a refresh decides on them) and is the
+    only rounding, so the gradient's error is below the two-rounding "gift" hop's at the same
+    format; at fp32 it is exact; replicas stay identical; without the replica hop it refuses."""
+    for r in run_ranks(_native_shard_hop_worker, 4):
+        assert "no replica hop is installed" in r["refused"], r["refused"]
+        native, gift, exact = r["native", "fp8_e4m3"], r["gift", "fp8_e4m3"], r["native", "fp32"]
+        for run in (native, gift, exact):
+            assert run["identical"] and run["decided"], run
+            for hop in ("shard", "replica"):
+                assert run["totals"][hop]["wire"] == run["accounted"][hop] > 0, (hop, run["totals"], run["accounted"])
+                assert run["totals"][hop]["calls"] == 2  # one per FSDP parameter group
+            assert run["errs"]["norm.weight"] < 1e-6, run["errs"]
+        for run in (native, exact):  # the shard hop raw
+            assert run["totals"]["shard"]["wire"] == run["totals"]["shard"]["baseline"], run["totals"]
+        assert native["totals"]["replica"]["wire"] < 0.5 * native["totals"]["replica"]["baseline"], native["totals"]
+        for w, rows in (("up.weight", 64), ("down.weight", 32)):  # each rank's rows of [128, 64] and [64, 128]
+            assert exact["errs"][w] < 1e-6, exact["errs"]
+            assert 1e-3 < native["errs"][w] < gift["errs"][w] < 0.06, (w, native["errs"], gift["errs"])
+            residual_shape, moved = native["layers"][w]["residual"]
+            assert residual_shape[0] == rows and moved > 0, native["layers"][w]
+            probe_shape, norm = native["layers"][w]["probe"]
+            assert probe_shape[0] == rows and norm > 0, native["layers"][w]
+            assert gift["layers"][w]["residual"][0][0] == 2 * rows  # the shard hop's: the whole local gradient

@@ -165,7 +165,13 @@ class GiftSection:
 
     replica_format: str = _DEFAULTS.replica_format
     """HSDP's cross-replica hop (all-reduce of the reduced shard, across nodes): a wire format, or
-    same (= format). The shard hop (reduce-scatter, inside a node) uses format."""
+    same (= format). The shard hop (reduce-scatter, inside a node) uses format under shard_hop=gift."""
+
+    shard_hop: str = _DEFAULTS.shard_hop
+    """HSDP's shard hop (reduce-scatter inside a node): gift (the layers on GIFT's codec at format, then
+    the reduced shards again at replica_format) | native (FSDP2's own reduce-scatter at the gradient's
+    dtype; only the replica hop codes, each rank's rows with the layers' maps and error feedback; needs
+    replica_format=same; the stock FSDP2 trainer only)."""
 
     map_precision: str = _DEFAULTS.map_precision
     """The low-rank map's matmuls: auto (TF32 tensor-core kernels on CUDA, exact elsewhere) |

@@ -31,6 +31,7 @@ compute, and one 4x slower; `--rates auto` runs that calibration first and uses 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -68,6 +69,9 @@ TARGET_AT = 0.8  # the target loss: fp32's at this share of the run
 # the targets a measured step is read against (at each shaped rate): the recipe's median step at
 # most this share of fp32's, and within this share of the Euclidean arm at the same bits
 RECIPE, EUCLID = "muon-int2-leaky-ef", "euclid-int2"
+# each recipe arm with the Euclidean arm it is judged against (same bits, same hops): the default
+# exchange, and HSDP with the shard hop left to FSDP2 (`GiftConfig.shard_hop="native"`)
+RECIPE_PAIRS = ((RECIPE, EUCLID), (f"{RECIPE}-nativehop", f"{EUCLID}-nativehop"))
 TARGET_VS_FP32, TARGET_VS_EUCLID = 0.6, 0.10
 
 
@@ -240,10 +244,11 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
     arm that sent nothing and cost nothing would reach on this machine."""
     med = {(r["path"], r["layout"], r["rate"], r["arm"]): r["step"]["median"] for r in rows}
     lines = []
-    for path, layout, rate in dict.fromkeys((r["path"], r["layout"], r["rate"]) for r in rows):
-        if rate == "none" or (path, layout, rate, RECIPE) not in med or (path, layout, rate, "fp32") not in med:
+    for (path, layout, rate), (name, euclid) in itertools.product(
+            dict.fromkeys((r["path"], r["layout"], r["rate"]) for r in rows), RECIPE_PAIRS):
+        if rate == "none" or (path, layout, rate, name) not in med or (path, layout, rate, "fp32") not in med:
             continue
-        recipe, fp32 = med[(path, layout, rate, RECIPE)], med[(path, layout, rate, "fp32")]
+        recipe, fp32 = med[(path, layout, rate, name)], med[(path, layout, rate, "fp32")]
         vs = recipe / fp32
         parts = [f"{vs:.2f}x fp32's ({'meets' if vs <= TARGET_VS_FP32 else 'misses'} the {TARGET_VS_FP32:.1f}x target"
                  + (f"; fp32 unshaped: {med[(path, layout, 'none', 'fp32')] / fp32:.2f}x)"
@@ -251,11 +256,11 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
         if (path, layout, rate, "bf16") in med:
             b = recipe / med[(path, layout, rate, "bf16")]
             parts.append(f"{b:.2f}x bf16's ({'faster' if b < 1 else 'not faster'})")
-        if (path, layout, rate, EUCLID) in med:
-            e = recipe / med[(path, layout, rate, EUCLID)] - 1
-            parts.append(f"{e:+.0%} against {EUCLID} ({'within' if abs(e) <= TARGET_VS_EUCLID else 'outside'} "
+        if (path, layout, rate, euclid) in med:
+            e = recipe / med[(path, layout, rate, euclid)] - 1
+            parts.append(f"{e:+.0%} against {euclid} ({'within' if abs(e) <= TARGET_VS_EUCLID else 'outside'} "
                          f"{TARGET_VS_EUCLID:.0%})")
-        lines.append(f"{path} {layout} @ {rate}: {RECIPE} {recipe:.2f} s, " + ", ".join(parts))
+        lines.append(f"{path} {layout} @ {rate}: {name} {recipe:.2f} s, " + ", ".join(parts))
     return lines
 
 

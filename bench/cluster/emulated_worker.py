@@ -89,6 +89,11 @@ def _arms() -> dict[str, Arm]:
         out[name] = Arm(name, "gift", PATHS, fields=tuple(fields.items()))
         out[f"{name}-flat"] = Arm(f"{name}-flat", "gift", ("ddp", "fsdp2"),
                                   fields=tuple({**fields, "ranks_per_node": 0}.items()))
+    # HSDP with the shard hop left to FSDP2 (`GiftConfig.shard_hop="native"`): the codes made once,
+    # on the replica hop that crosses nodes, from each rank's reduced rows
+    for base in ("euclid-int2", "muon-int2-leaky-ef"):
+        fields = {**dict(out[base].fields), "shard_hop": "native"}
+        out[f"{base}-nativehop"] = Arm(f"{base}-nativehop", "gift", ("hsdp",), fields=tuple(fields.items()))
     # FSDP2 / HSDP with the parameters all-gathered (and computed) at bf16
     for base in ("fp32", "bf16", "muon-int2-leaky-ef"):
         a = out[base]

@@ -656,7 +656,9 @@ def emulated_arm(name: str, path: str) -> tuple[ArmSpec, dict[str, Any] | None, 
     pbytes = 2.0 if name.endswith("-bf16p") else 4.0
     base = name.removesuffix("-bf16p")
     flat = base.endswith("-flat")
-    base = base.removesuffix("-flat")
+    # `-nativehop` (HSDP, `shard_hop="native"`): the same codes cross nodes, made once from the
+    # shard FSDP2 reduced inside the node (its loopback bytes are in the measured compute)
+    base = base.removesuffix("-flat").removesuffix("-nativehop")
     layout = {"ddp": "ddp", "fsdp2": "fsdp", "hsdp": "hsdp"}[path]
     if base in ("fp32", "bf16"):
         ex = {"ddp": "ddp_ring", "fsdp": "ring", "hsdp": "hsdp_ring"}[layout] + base[-2:]

@@ -61,7 +61,8 @@ from gift_compile.frameworks.fsdp_internals import (
     DefaultReduceScatter, ReduceScatter, check_torch, custom_reduce_scatter, fsdp_modules, packed_params, same_group,
     set_group_reduce_scatter, shard_mesh_dims, shard_process_groups, sharded_params,
 )
-from gift_compile.config import GiftConfig
+from gift_compile.config import NATIVE_NODE_FORMAT, GiftConfig
+from gift_compile.exchange.bucket import C_BASELINE, C_CALLS, C_CROSS_BASELINE, C_NODE_WIRE, C_WIRE
 from gift_compile.frameworks.adapter import attach, attached
 from gift_compile.frameworks.euclidean import describe, describe_items, euclidean_plan, gathered_shape, outside_item
 from gift_compile.frameworks.grouped_experts import INPUTS, expert_layers, is_grouped_experts
@@ -70,7 +71,7 @@ from gift_compile.frameworks.routing import ManageMode, manage
 from gift_compile.geometry.table import IDENTITY_KIND
 from gift_compile.runtime.health import queue_backward_check
 from gift_compile.runtime.experts import ExpertLayers, GroupedWeight
-from gift_compile.runtime.layer import PROBE_ROWS
+from gift_compile.runtime.layer import PROBE_ROWS, LayerState
 from gift_compile.runtime.selection import relative_error, round_trip
 from gift_compile.runtime.state import GiftState
 from gift_compile.runtime.telemetry import CommTimer
@@ -132,6 +133,11 @@ class GiftReduceScatter(ReduceScatter):
         # the ranks and node layout of the collective the layers' gradients cross (HSDP: the
         # shard group's, `GiftState.exchange_over`), which the outside items are sized for too
         self._world, layout = state.exchange
+        # HSDP with `shard_hop="native"`: this reduce-scatter runs FSDP2's own at the gradient's
+        # dtype, and the replica hop all-reduces each rank's reduced row shard with the items'
+        # plans (`gift_compile.frameworks.hsdp`), so the outside items are planned for that
+        self.native = state.config.shard_hop == NATIVE_NODE_FORMAT
+        self._per_rank = 1 if self.native else self._world  # an outside plan's rows per rank's rows
         if names is not None:  # (`EuclideanReduceScatter` plans its own)
             world = self._world
             for p in packed_params(module, over):
@@ -140,9 +146,11 @@ class GiftReduceScatter(ReduceScatter):
                     continue
                 owner = names.get(id(p.module), "")
                 fqn = f"{owner}.{p.param_name}" if owner else p.param_name
-                self._outside[id(p.module), p.param_name] = outside_item(
-                    state, fqn, (world * p.rows, *p.local[1:]), world, state.counters.device,
-                    collective=Collective.REDUCE_SCATTER, layout=layout)
+                self._outside[id(p.module), p.param_name] = (
+                    outside_item(state, fqn, (p.rows, *p.local[1:]), world, state.counters.device,
+                                 collective=Collective.ALL_REDUCE, layout=FLAT) if self.native else
+                    outside_item(state, fqn, (world * p.rows, *p.local[1:]), world, state.counters.device,
+                                 collective=Collective.REDUCE_SCATTER, layout=layout))
 
     # whether its managed items are the state's layers (selection, maps, the layers' residuals)
     has_layers = True
@@ -168,8 +176,43 @@ class GiftReduceScatter(ReduceScatter):
                 continue
             plan, tensors = self._outside.get((id(p.module), p.param_name), (None, None))
             out.append(Segment(p.fqn, p.rows, p.cols) if plan is None
-                       else Segment(plan.name, plan.rows // self._world, plan.cols, plan, tensors))
+                       else Segment(plan.name, plan.rows // self._per_rank, plan.cols, plan, tensors))
         return out
+
+    def layer_rows(self) -> list[tuple[LayerState, int]]:
+        """Each managed weight's layer with the rows of it a rank's shard holds (FSDP2's dim-0
+        shard, padded): what HSDP's replica hop carries under `shard_hop="native"`."""
+        out = []
+        for p in packed_params(self.module, self.over):
+            layer = getattr(p.module, "_gift_layer", None) if p.param_name == "weight" else None
+            if layer is not None and p.dim0 and p.cols == layer.shape[1]:
+                out.append((layer, p.rows))
+        return out
+
+    def raw_bytes(self, world: int, dtype: torch.dtype) -> int:
+        """Bytes one call hands to the native reduce-scatter (`native`): every rank's rows of
+        every parameter at the gradient's dtype."""
+        return world * sum(s.rows * s.cols for s in self._segments()) * dtype.itemsize
+
+    def _native(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                op: Any, async_op: bool) -> dist.Work | None:
+        """FSDP2's own reduce-scatter (`shard_hop="native"`), its bytes counted as handed over:
+        raw, so the wire and the baseline are the buffer's, inside the node where the shard
+        group is (`C_NODE_WIRE`). Refused without HSDP's replica hop, which alone would code
+        the layers: plain FSDP2 would then send everything raw while GIFT reported it managed."""
+        if "hsdp" not in self.state.adapters:  # `gift_compile.frameworks.hsdp.NAME` (a module above this one)
+            raise RuntimeError("GIFT FSDP2: shard_hop='native' leaves the reduce-scatter to FSDP2 at full precision "
+                               "and codes the layers on HSDP's replica hop, but no replica hop is installed "
+                               "(gift_compile.frameworks.hsdp.install); use shard_hop='gift' for FSDP2 alone")
+        c, (_, layout) = self.state.counters, self.state.exchange
+        wire = input_tensor.numel() * input_tensor.element_size()
+        crossing = layout.two_level or layout.spans_nodes
+        c[C_WIRE] += wire
+        c[C_BASELINE] += wire
+        c[C_CALLS] += 1
+        c[C_NODE_WIRE] += 0 if crossing else wire
+        c[C_CROSS_BASELINE] += wire if crossing else 0
+        return DefaultReduceScatter()(output_tensor, input_tensor, group, op, async_op)
 
     def plan(self, world: int, dtype: torch.dtype, group_name: str | None = None) -> BucketPlan:
         """The bucket this module's reduce-scatter runs: one item per parameter (managed
@@ -199,6 +242,10 @@ class GiftReduceScatter(ReduceScatter):
             )
         config = self.state.config
         self.last_call = (world, input_tensor.dtype, group.group_name)
+        if self.native:
+            work = self._native(output_tensor, input_tensor, group, op, async_op)
+            queue_backward_check(self.state)
+            return work
         sync_buffer(input_tensor, segments, self.shared, op=Collective.REDUCE_SCATTER, group=group, average=False,
                     out=output_tensor, plan_check=per_call_check(config), compiled=self.compiled,
                     timing=self.timer.timing(input_tensor.device), ranks_per_node=config.ranks_per_node,

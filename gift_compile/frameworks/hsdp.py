@@ -57,6 +57,14 @@ the experts, also where their efsdp has one rank and this hop is their only coll
 
 Limits: with two or more shards error feedback covers the shard hop only (its residual is the
 full local gradient; the replica hop's input is already reduced).
+
+`GiftConfig.shard_hop="native"` moves the layers to the hop that crosses nodes: the shard hop is
+FSDP2's own reduce-scatter at the gradient's dtype (`GiftReduceScatter` passes it through and
+counts its bytes), and the replica hop all-reduces each rank's reduced row shard with the layers'
+own plans at `format`, as the one-shard case does with whole gradients: their maps (which act on
+columns), error feedback and probes sized for the shard's rows (`LayerState.carry_row_shard`).
+One rounding instead of two, and the codec runs on 1/shards of each gradient; the bytes on the
+fast in-node links are fp32's. Refused by `install_graph` and for per-parameter meshes.
 """
 
 from __future__ import annotations
@@ -68,6 +76,7 @@ import torch
 import torch.distributed as dist
 
 from gift_compile.codec import FormatSpec
+from gift_compile.config import NATIVE_NODE_FORMAT
 from gift_compile.exchange.collectives import (C_WIRE, C_BASELINE, C_CALLS, N_COUNTERS, ItemTensors, Shared,
                                       bucket_plan, bucket_wire_bytes, check_plan_agreement, per_call_check,
                                       run_bucket)
@@ -132,11 +141,14 @@ class ReplicaAllReduce:
     `average`."""
 
     def __init__(self, comm: GiftReduceScatter, hop: ReplicaHop, compiled: bool, *, sole: bool = False,
-                 average: bool = False) -> None:
+                 native: bool = False, average: bool = False) -> None:
         self.comm = comm
         self.hop = hop
         self.compiled = compiled
         self.sole = sole
+        # `shard_hop="native"`: the shard hop was FSDP2's own reduce-scatter, so this hop carries
+        # the layers' own plans on this rank's rows (`LayerState.carry_row_shard`)
+        self.native = native
         self.average = average
         self.last_plan: BucketPlan | None = None
 
@@ -154,6 +166,11 @@ class ReplicaAllReduce:
         `average`."""
         segments = self.comm._segments()
         fmt = self.state.config.replica_hop_format
+        if self.native:
+            rows = [seg if seg.plan is None or seg.plan.rows == seg.rows
+                    else seg._replace(plan=dataclasses.replace(seg.plan, rows=seg.rows)) for seg in segments]
+            return bucket_plan(rows, dtype, world=self.hop.world, group_name=self.hop.group_name,
+                               average=self.average, op=Collective.ALL_REDUCE)
         if self.sole and (self.comm.has_layers or not FormatSpec(fmt).family.lossless):
             if not self.comm.has_layers:  # no layers: the replica format, their error feedback
                 segments = [seg if seg.plan is None or seg.plan.spec.passthrough
@@ -201,7 +218,7 @@ class ReplicaAllReduce:
             own = seg.tensors.shard_transform if item.managed and seg.plan.block_maps else None
             if own is not None and item.groups == 1:
                 own = tuple(t[0] if t.dim() > 0 else t for t in own)
-            tensors.append(None if not item.managed else seg.tensors if self.sole
+            tensors.append(None if not item.managed else seg.tensors if self.sole or self.native
                            else ItemTensors(own if own is not None else seg.tensors.transform, None, None,
                                             seg.tensors.seed_offset))
         if per_call_check(self.state.config) is not None:  # debug mode: the ranks agreed at apply and refresh
@@ -241,11 +258,17 @@ def install(model: Parts, state: GiftState, replica_group: dist.ProcessGroup, *,
     """
     device = state.counters.device
     hop = ReplicaHop(replica_group, device)
+    native = state.config.shard_hop == NATIVE_NODE_FORMAT
     n = 0
     check_torch()
     for module in fsdp_modules(model):
         groups = shard_process_groups(module)
         several = len(groups) > 1
+        if native and several:
+            raise ValueError(
+                "gift_compile.frameworks.hsdp.install: shard_hop='native' puts the layers' plans on the replica hop of "
+                "each FSDP module's one parameter group; this model has modules sharded on several meshes (per-parameter "
+                "meshes: expert parallelism's routed experts). Use shard_hop='gift'")
         comms = [custom_reduce_scatter(module, pg if several else None) for pg in groups]
         if not all(isinstance(c, GiftReduceScatter) for c in comms):
             raise ValueError("gift_compile.frameworks.hsdp.install: call gift_compile.frameworks.fsdp2.install first "
@@ -267,7 +290,12 @@ def install(model: Parts, state: GiftState, replica_group: dist.ProcessGroup, *,
             elif factor is None:  # FSDP2's default mean would only count the shard group
                 set_group_divide_factor(module, pg, float(shards * hop.world))
             average = shards == 1 and factor is None
-            set_group_all_reduce_hook(module, pg, ReplicaAllReduce(comm, hop, compiled, sole=shards == 1, average=average))
+            carried = native and shards > 1  # the layers' plans ride this hop, on this rank's rows
+            if carried:
+                for layer, rows in comm.layer_rows():
+                    layer.carry_row_shard(rows, hop.world)
+            set_group_all_reduce_hook(module, pg, ReplicaAllReduce(comm, hop, compiled, sole=shards == 1, native=carried,
+                                                                   average=average))
             n += 1
     if n == 0:
         raise ValueError("gift_compile.frameworks.hsdp.install: the model has no FSDP module")
@@ -319,6 +347,10 @@ def install_graph(state: GiftState, replica_group: dist.ProcessGroup) -> Replica
     The hop has no error probe in a graph (the probe's extra fp32 all-reduce is a per-step
     host decision a traced step cannot take); `ReplicaHop.take_error` returns None there.
     """
+    if state.config.shard_hop == NATIVE_NODE_FORMAT:
+        raise ValueError("gift_compile.frameworks.hsdp.install_graph: shard_hop='native' (the shard hop left to the "
+                         "framework, the layers coded on the replica hop) runs on FSDP2's eager hooks only "
+                         "(gift_compile.frameworks.hsdp.install); a traced HSDP step takes shard_hop='gift'")
     hop = ReplicaHop(replica_group, state.counters.device)
     _attach(state, hop)
     replica = Shared(state.seed, hop.rank, hop.counters)
@@ -372,7 +404,8 @@ def accounted_bytes(model: Parts) -> dict[str, int]:
         pg = comm.over or shard_process_group(comm.module)
         # one shard: FSDP2 copies, nothing is handed to a collective; outside GIFT: FSDP2's own
         if pg.size() > 1 and isinstance(comm, GiftReduceScatter):
-            shard += bucket_wire_bytes(comm.plan(pg.size(), dtype, pg.group_name))
+            shard += (comm.raw_bytes(pg.size(), dtype) if comm.native
+                      else bucket_wire_bytes(comm.plan(pg.size(), dtype, pg.group_name)))
         replica += bucket_wire_bytes(hook.last_plan)
     return {"shard": shard, "replica": replica}
 

@@ -150,6 +150,21 @@ class LayerState:
         self.residual = (residual_store.allocate(plan.residual_format, residual_rows(self.shape[0], world, layout),
                                                  self.shape[1], self.probe.device) if plan.error_feedback else None)
 
+    def carry_row_shard(self, rows: int, world: int) -> None:
+        """Size the residuals (zero) and the gradient probe for an all-reduce over `world` ranks
+        that carries `rows` of the layer's rows, this rank's row shard: HSDP under
+        `shard_hop="native"`, whose replica hop all-reduces each rank's reduced shard with the
+        layer's plan and is the only one that rounds. The map acts on columns, so it is the layer's own unchanged; the
+        probe keeps the shard's first rows (each rank its own: the refresh all-reduces the
+        measurements, so every rank decides alike). Called before the first step."""
+        plan = self._full_plan
+        device = self.probe.device
+        self.residual = (residual_store.allocate(plan.residual_format, rows, self.shape[1], device)
+                         if plan.error_feedback else None)
+        self.second_hop_residual = (residual_store.allocate(plan.residual_format, -(-rows // world), self.shape[1],
+                                                            device) if plan.second_hop_error_feedback else None)
+        self.probe = torch.zeros(min(rows, PROBE_ROWS), self.shape[1], device=device)
+
     def _replan(self) -> None:
         """The plans of the active path: `plan` (the eager codec's: the identity when not
         selected, so a deselected layer costs no map) and `traced_plan`, which graphs carry
