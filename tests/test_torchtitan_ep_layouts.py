@@ -112,8 +112,14 @@ def test_ep_with_pp_runs_gift_per_stage_and_experts_cross_no_rank(runs: Callable
 def test_ep_with_hsdp_runs_both_hops_on_the_dense_groups_and_the_replica_hop_on_the_experts(
         runs: Callable[[str], RunResult]) -> None:
     gift, exact, off = runs("hsdp_nvfp4"), runs("hsdp_fp32"), runs("hsdp_off")
-    for run, fmt in ((gift, "nvfp4"), (exact, "fp32")):
-        _assert_experts_on_gift(run, fmt, r"is sharded over mesh 'efsdp' \(one rank\)", level="INFO")
+    _assert_experts_on_gift(gift, "nvfp4", r"is sharded over mesh 'efsdp' \(one rank\)", level="INFO")
+    # at fp32 (every format's opt-out) the replica hop carries the experts raw: they are outside
+    # GIFT's layers, where fp32 means raw bytes
+    assert REFUSAL not in exact.output
+    raw = {m.group(1) for line in exact.output.splitlines()
+           if (m := re.search(r"INFO .*GIFT: (\S+) \(GroupedExperts\) is sharded over mesh 'efsdp' \(one rank\).*"
+                              r"nothing quantized; raw: w1_EFD, w2_EDF, w3_EFD", line))}
+    assert raw == set(EXPERTS), exact.output[-3000:]
     quantized, raw = logged_steps(gift, STEPS), logged_steps(exact, STEPS)
     _, experts = _elements(gift)
     for r, f in zip(quantized, raw):

@@ -60,9 +60,11 @@ def test_fsdp2_hsdp_runs_both_hops_at_their_formats_and_tracks_fp32(runs: Callab
         assert r["gift/replica_wire_bytes_per_step"] == r["gift/replica_accounted_bytes_per_backward"], r
         assert r["gift/collectives_per_step"] == r["gift/replica_collectives_per_step"] == 6
         assert r["gift/total_compression"] > 1.3 and r["gift/replica_compression"] > 1.0, r
-    # the replica hop's error, probed against an fp32 all-reduce from step 2 on: nvfp4's level
+    # the replica hop's error, probed against an fp32 all-reduce from step 2 on: pooled over every coded
+    # item of the hop, the layers at nvfp4 and (whole gradient) the embedding, head and norms at bf16, so
+    # under nvfp4's own level; a raw hop gives 0
     errs = [r["gift/replica_err"] for r in steps if "gift/replica_err" in r]
-    assert len(errs) == STEPS - 1 and all(0.02 < e < 0.3 for e in errs), errs
+    assert len(errs) == STEPS - 1 and all(0.005 < e < 0.3 for e in errs), errs
     assert gift.last("gift/refresh_step") == 2
     g, o = gift.losses(), off.losses()
     assert g[1] == o[1]  # same init, data and forward: the layouts differ only in the gradient path

@@ -95,11 +95,12 @@ def test_hsdp_tp_reduces_each_tp_block_over_shards_then_replicas_at_nvfp4(runs: 
         assert r["gift/collectives_per_step"] == r["gift/replica_collectives_per_step"] == 6, r
         assert r["gift/total_compression"] > 1.5, r
         assert r["gift/replica_wire_bytes_per_step"] < 0.7 * fp32_replica, (r, fp32_replica)
-    # both hops' round-trip error at nvfp4: the shard hop's at the refresh, the replica hop's probed
+    # both hops' round-trip error at nvfp4: the shard hop's at the refresh, the replica hop's probed (pooled
+    # with the bf16 items of the whole gradient, so under nvfp4's own level; a raw hop gives 0)
     assert gift.last("gift/refresh_step") == 2
     assert 0.03 < gift.last("gift/err_euclidean_mean") < 0.3
     errs = [r["gift/replica_err"] for r in gift.records if "gift/replica_err" in r]
-    assert len(errs) == STEPS - 1 and all(0.02 < e < 0.3 for e in errs), errs
+    assert len(errs) == STEPS - 1 and all(0.005 < e < 0.3 for e in errs), errs
     _assert_tracks_gift_off(gift, off)
 
 

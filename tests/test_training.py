@@ -6,6 +6,7 @@ import torch.distributed as dist
 
 import gift_compile
 from gift_compile.codec import FormatSpec, choose_scales, decode, encode
+from gift_compile.config import RAW_OUTSIDE_LAYERS
 from gift_compile.torchtitan_ext.cpu import corpus, language_modeling
 from bench.lib.tiny_llama import TinyLlama, TinyLlamaConfig, loss
 from conftest import require, require_data_package
@@ -24,7 +25,10 @@ def _train(rank: int, world: int, use_gift: bool) -> dict:
     model = TinyLlama(TinyLlamaConfig.tiny(), seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     if use_gift:
-        cfg = gift_compile.GiftConfig(format="fp8_e4m3", geometry="lowrank", rank=16, refresh_every=10)
+        # the gradients outside GIFT's layers raw (the whole-gradient opt-out): this test measures
+        # the layers' fp8 against exact communication of everything else
+        cfg = gift_compile.GiftConfig(**RAW_OUTSIDE_LAYERS, format="fp8_e4m3", geometry="lowrank", rank=16,
+                                      refresh_every=10)
         gift_compile.apply(model, cfg, optimizer=opt)
         step_model = torch.compile(model, fullgraph=True, dynamic=False)
     else:

@@ -56,7 +56,7 @@ from bench.lib.stats import median_ci
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "bench" / "results" / "cluster" / "emulated.json"
 # the results the README's `cluster` block renders: one file per command (DDP, HSDP)
-README_RESULTS = (OUT, OUT.with_name("emulated_hsdp.json"))
+README_RESULTS = (OUT, OUT.with_name("emulated_hsdp.json"), OUT.with_name("emulated_hsdp_nativehop.json"))
 PREFIX = "giftemu-"
 SUBNET = "10.201.0"  # the nodes' addresses: SUBNET.1 .. SUBNET.N, /24, only inside our namespaces
 IFACE = "eth0"  # each node's link (inside its namespace)
