@@ -58,6 +58,19 @@ def _grad_error(model: nn.Module, reference: nn.Module, name: str, divisor: floa
     return float((got - ref).norm() / ref.norm())
 
 
+def _step_identical_on_replicas(model: nn.Module, opt: torch.optim.Optimizer, replica_group) -> bool:
+    """Step `opt` and whether both replicas held bit-identical gradient shards before the step and
+    parameter shards after it."""
+    import torch.distributed as dist
+
+    local = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
+    opt.step()
+    params = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+    others: list = [None] * 2
+    dist.all_gather_object(others, (local, params), group=replica_group)
+    return all(torch.equal(a[k], b[k]) for a, b in zip(others[0], others[1]) for k in a)
+
+
 def _hsdp_worker(rank: int, world: int) -> list[dict]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -94,12 +107,7 @@ def _hsdp_worker(rank: int, world: int) -> list[dict]:
         totals = hsdp.hop_totals(state)
         accounted = hsdp.accounted_bytes(model)
         state.check_health()
-        local = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
-        opt.step()
-        params = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
-        others: list = [None] * 2
-        dist.all_gather_object(others, (local, params), group=replica_group)
-        identical = all(torch.equal(a[k], b[k]) for a, b in zip(others[0], others[1]) for k in a)
+        identical = _step_identical_on_replicas(model, opt, replica_group)
         residual_moved = error_feedback and all(bool(l.residual[0].abs().sum() > 0) for l in state.layers.values())
         out.append({"case": (fmt, replica_fmt, geometry), "residual_moved": residual_moved, "errs": errs, "totals": totals, "accounted": accounted,
                     "identical": identical, "replica_world": hop.world, "probe": probe})
@@ -369,12 +377,7 @@ def _native_shard_hop_worker(rank: int, world: int) -> dict:
                       "probe": (tuple(l.probe.shape), float(l.probe.norm()))} for n, l in state.layers.items()}
         state.refresh()
         decided = all(l.decided for l in state.layers.values())
-        local = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
-        opt.step()
-        params = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
-        others: list = [None] * 2
-        dist.all_gather_object(others, (local, params), group=replica_group)
-        identical = all(torch.equal(a[k], b[k]) for a, b in zip(others[0], others[1]) for k in a)
+        identical = _step_identical_on_replicas(model, opt, replica_group)
         out[hop_kind, fmt] = {"errs": errs, "totals": totals, "accounted": accounted, "layers": layers,
                               "decided": decided, "identical": identical}
     _, alone = _sharded_pair(mesh["shard"])

@@ -39,7 +39,8 @@ from gift_compile.sync import process_group
 __all__ = [
     "C_BASELINE", "C_CALLS", "C_CROSS_BASELINE", "C_MISMATCH", "C_MISMATCH_RANKS", "C_NODE_WIRE", "C_NONFINITE", "C_NONFINITE_RANKS",
     "C_PLAIN_CALLS", "C_WIRE", "HEADER_BYTES", "N_COUNTERS", "RANK_BITS", "ItemTensors", "Segment", "Shared",
-    "all_reduce", "bucket_core", "bucket_hop_bytes", "bucket_plan", "bucket_wire_bytes", "check_plan_agreement", "finish", "flagged_ranks",
+    "all_reduce", "bucket_core", "bucket_hop_bytes", "bucket_plan", "bucket_wire_bytes", "check_plan_agreement", "count_raw",
+    "finish", "flagged_ranks",
     "gather_finish", "gather_launch", "group_info", "launch", "per_call_check", "raise_on_bad_headers", "reduce_scatter",
     "run_bucket", "sync_buffer", "wire_bytes_per_rank",
 ]
@@ -82,6 +83,18 @@ def _bucket_plan(segments: tuple[tuple[str, int, int, ItemPlan | None], ...], dt
     items = tuple(ItemPlan.passthrough(name, per_item * rows * cols, dtype) if plan is None
                   else plan.with_dtype(dtype) for name, rows, cols, plan in segments)
     return BucketPlan(items, world, group_name, average, op, layout)
+
+
+def count_raw(counters: torch.Tensor, layout: NodeLayout, wire: int, baseline: int) -> None:
+    """Bytes a framework's own full-precision collective was handed (`wire`; `baseline`: the
+    gradients' own bytes) into GIFT's counters, all across nodes where the group's `layout`
+    spans them, else inside one node: the raw collectives GIFT runs beside its codec (a plain
+    module's unmanaged parameters, HSDP's native shard hop) count as its coded ones do."""
+    crossing = layout.two_level or layout.spans_nodes
+    counters[C_WIRE] += wire
+    counters[C_BASELINE] += baseline
+    counters[C_NODE_WIRE] += 0 if crossing else wire
+    counters[C_CROSS_BASELINE] += baseline if crossing else 0
 
 
 def per_call_check(config: GiftConfig) -> PlanCheck | None:

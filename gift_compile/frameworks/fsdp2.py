@@ -52,17 +52,16 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
 from gift_compile.exchange.collectives import (
-    ItemTensors, Segment, Shared, bucket_plan, bucket_wire_bytes, per_call_check, sync_buffer,
+    C_CALLS, ItemTensors, Segment, Shared, bucket_plan, bucket_wire_bytes, count_raw, per_call_check, sync_buffer,
 )
 from gift_compile.exchange.node_stage import residual_rows
 from gift_compile.exchange.plan import BucketPlan, Collective, ItemPlan
 from gift_compile.exchange.topology import FLAT, node_layout
 from gift_compile.frameworks.fsdp_internals import (
-    DefaultReduceScatter, ReduceScatter, check_torch, custom_reduce_scatter, fsdp_modules, packed_params, same_group,
+    DefaultReduceScatter, PackedParam, ReduceScatter, check_torch, custom_reduce_scatter, fsdp_modules, packed_params, same_group,
     set_group_reduce_scatter, shard_mesh_dims, shard_process_groups, sharded_params,
 )
 from gift_compile.config import NATIVE_NODE_FORMAT, GiftConfig
-from gift_compile.exchange.bucket import C_BASELINE, C_CALLS, C_CROSS_BASELINE, C_NODE_WIRE, C_WIRE
 from gift_compile.frameworks.adapter import attach, attached
 from gift_compile.frameworks.euclidean import describe, describe_items, euclidean_plan, gathered_shape, outside_item
 from gift_compile.frameworks.grouped_experts import INPUTS, expert_layers, is_grouped_experts
@@ -111,6 +110,13 @@ def discarding() -> bool:
     return _discarding > 0
 
 
+def _layer_of(p: PackedParam) -> LayerState | None:
+    """The GIFT layer whose rows packed parameter `p` is: a managed weight sharded on dim 0 with
+    its layer's columns (else it goes as an item outside the layers)."""
+    layer = getattr(p.module, "_gift_layer", None) if p.param_name == "weight" else None
+    return layer if layer is not None and p.dim0 and p.cols == layer.shape[1] else None
+
+
 class GiftReduceScatter(ReduceScatter):
     """FSDP2 custom reduce-scatter of one FSDP module (see the module docstring)."""
 
@@ -141,8 +147,7 @@ class GiftReduceScatter(ReduceScatter):
         if names is not None:  # (`EuclideanReduceScatter` plans its own)
             world = self._world
             for p in packed_params(module, over):
-                layer = getattr(p.module, "_gift_layer", None) if p.param_name == "weight" else None
-                if layer is not None and p.dim0 and p.cols == layer.shape[1]:
+                if _layer_of(p) is not None:
                     continue
                 owner = names.get(id(p.module), "")
                 fqn = f"{owner}.{p.param_name}" if owner else p.param_name
@@ -168,9 +173,7 @@ class GiftReduceScatter(ReduceScatter):
         order) as a segment of its per-rank rows: managed weights with their layer's plan."""
         out = []
         for p in packed_params(self.module, self.over):
-            layer = getattr(p.module, "_gift_layer", None) if p.param_name == "weight" else None
-            if layer is not None and (not p.dim0 or p.cols != layer.shape[1]):
-                layer = None
+            layer = _layer_of(p)
             if layer is not None:
                 out.append(Segment(p.fqn, p.rows, p.cols, layer.plan, layer.tensors()))
                 continue
@@ -182,12 +185,7 @@ class GiftReduceScatter(ReduceScatter):
     def layer_rows(self) -> list[tuple[LayerState, int]]:
         """Each managed weight's layer with the rows of it a rank's shard holds (FSDP2's dim-0
         shard, padded): what HSDP's replica hop carries under `shard_hop="native"`."""
-        out = []
-        for p in packed_params(self.module, self.over):
-            layer = getattr(p.module, "_gift_layer", None) if p.param_name == "weight" else None
-            if layer is not None and p.dim0 and p.cols == layer.shape[1]:
-                out.append((layer, p.rows))
-        return out
+        return [(layer, p.rows) for p in packed_params(self.module, self.over) if (layer := _layer_of(p)) is not None]
 
     def raw_bytes(self, world: int, dtype: torch.dtype) -> int:
         """Bytes one call hands to the native reduce-scatter (`native`): every rank's rows of
@@ -204,14 +202,9 @@ class GiftReduceScatter(ReduceScatter):
             raise RuntimeError("GIFT FSDP2: shard_hop='native' leaves the reduce-scatter to FSDP2 at full precision "
                                "and codes the layers on HSDP's replica hop, but no replica hop is installed "
                                "(gift_compile.frameworks.hsdp.install); use shard_hop='gift' for FSDP2 alone")
-        c, (_, layout) = self.state.counters, self.state.exchange
         wire = input_tensor.numel() * input_tensor.element_size()
-        crossing = layout.two_level or layout.spans_nodes
-        c[C_WIRE] += wire
-        c[C_BASELINE] += wire
-        c[C_CALLS] += 1
-        c[C_NODE_WIRE] += 0 if crossing else wire
-        c[C_CROSS_BASELINE] += wire if crossing else 0
+        count_raw(self.state.counters, self.state.exchange[1], wire, wire)
+        self.state.counters[C_CALLS] += 1
         return DefaultReduceScatter()(output_tensor, input_tensor, group, op, async_op)
 
     def plan(self, world: int, dtype: torch.dtype, group_name: str | None = None) -> BucketPlan:

@@ -50,8 +50,8 @@ import torch.nn as nn
 
 from gift_compile.config import GiftConfig, ReduceOp
 from gift_compile.exchange import collectives
-from gift_compile.exchange.collectives import (C_BASELINE, C_CALLS, C_CROSS_BASELINE, C_NODE_WIRE, C_NONFINITE,
-                                               C_NONFINITE_RANKS, C_PLAIN_CALLS, C_WIRE, RANK_BITS, ItemTensors, Segment)
+from gift_compile.exchange.collectives import (C_CALLS, C_NONFINITE, C_NONFINITE_RANKS, C_PLAIN_CALLS, RANK_BITS,
+                                               ItemTensors, Segment)
 from gift_compile.exchange.mark import SyncMode
 from gift_compile.exchange.plan import Collective, ItemPlan
 from gift_compile.frameworks.adapter import attach
@@ -286,13 +286,8 @@ class PlainSync:
     def _count_raw(self) -> None:
         """The native all-reduce's bytes: the flat buffer handed (flags included) against the
         parameters' own bytes, all across nodes where the group spans them."""
-        c, layout = self.state.counters, self.state.layout
-        wire = self.flat.numel() * self.flat.element_size()
-        crossing = layout.two_level or layout.spans_nodes
-        c[C_WIRE] += wire
-        c[C_BASELINE] += self.baseline_bytes
-        c[C_NODE_WIRE] += 0 if crossing else wire
-        c[C_CROSS_BASELINE] += self.baseline_bytes if crossing else 0
+        collectives.count_raw(self.state.counters, self.state.layout, self.flat.numel() * self.flat.element_size(),
+                              self.baseline_bytes)
 
     def _count(self, bad: list[int], counted: bool = False) -> None:
         """The launch (as a plain call, not a managed one) and the ranks whose gradients were not

@@ -88,12 +88,11 @@ class LayerState:
         self.followers: list[LayerState] = []
         self.grad_factor: torch.Tensor | None = geometry.allocate_factor(d_in, device)
         plan = spec.plan
-        self.second_hop_residual = (residual_store.allocate(plan.residual_format, -(-out // world), d_in, device)
-                                    if plan.second_hop_error_feedback else None)
         self.probe = torch.zeros(min(out, PROBE_ROWS), d_in, device=device)
         self._full_plan = replace(plan, name=fqn, rows=out, cols=d_in, kind=geometry.kind,
                                   n_tensors=len(self.transform.tensors),
                                   format=layer_format(spec.layer_formats, fqn, plan.format))
+        self.second_hop_residual = self._zero_rows(-(-out // world), plan.second_hop_error_feedback)
         self.seed_offset = torch.tensor(self._full_plan.seed_offset, dtype=torch.int64, device=device)
         self.residual: tuple[torch.Tensor, ...] | None = None
         self.size_residual(world, layout)
@@ -146,24 +145,25 @@ class LayerState:
         constructor, `GiftState.exchange_over` calls it when an adapter's collective runs over
         another group than the state's (HSDP's shard group), whose own layout decides the rows
         its items send."""
-        plan = self._full_plan
-        self.residual = (residual_store.allocate(plan.residual_format, residual_rows(self.shape[0], world, layout),
-                                                 self.shape[1], self.probe.device) if plan.error_feedback else None)
+        self.residual = self._zero_rows(residual_rows(self.shape[0], world, layout), self._full_plan.error_feedback)
 
     def carry_row_shard(self, rows: int, world: int) -> None:
         """Size the residuals (zero) and the gradient probe for an all-reduce over `world` ranks
         that carries `rows` of the layer's rows, this rank's row shard: HSDP under
         `shard_hop="native"`, whose replica hop all-reduces each rank's reduced shard with the
-        layer's plan and is the only one that rounds. The map acts on columns, so it is the layer's own unchanged; the
-        probe keeps the shard's first rows (each rank its own: the refresh all-reduces the
+        layer's plan and is the only one that rounds. The map acts on columns, so it is the
+        layer's own, unchanged; the probe keeps the shard's first rows (each rank its own: the refresh all-reduces the
         measurements, so every rank decides alike). Called before the first step."""
         plan = self._full_plan
-        device = self.probe.device
-        self.residual = (residual_store.allocate(plan.residual_format, rows, self.shape[1], device)
-                         if plan.error_feedback else None)
-        self.second_hop_residual = (residual_store.allocate(plan.residual_format, -(-rows // world), self.shape[1],
-                                                            device) if plan.second_hop_error_feedback else None)
-        self.probe = torch.zeros(min(rows, PROBE_ROWS), self.shape[1], device=device)
+        self.residual = self._zero_rows(rows, plan.error_feedback)
+        self.second_hop_residual = self._zero_rows(-(-rows // world), plan.second_hop_error_feedback)
+        self.probe = torch.zeros(min(rows, PROBE_ROWS), self.shape[1], device=self.probe.device)
+
+    def _zero_rows(self, rows: int, kept: bool) -> tuple[torch.Tensor, ...] | None:
+        """A zero residual of `rows` of the layer's rows in its residual format, where `kept`
+        (the plan keeps that residual), else None."""
+        return (residual_store.allocate(self._full_plan.residual_format, rows, self.shape[1], self.probe.device)
+                if kept else None)
 
     def _replan(self) -> None:
         """The plans of the active path: `plan` (the eager codec's: the identity when not
